@@ -1,0 +1,36 @@
+//! The vocabulary of berth, shared by every other crate.
+//!
+//! This crate holds what the rest of the system agrees on and nothing that
+//! does I/O:
+//!
+//! * [`UserId`] and [`Slug`]: validated user ids and their file/DNS-safe form
+//!   (design §9);
+//! * the instance model ([`Instance`], [`Role`], [`InstanceStatus`], …);
+//! * [`SpawnError`] and the stable [`ErrorCode`]s the HTTP API exposes;
+//! * the [`Spawner`] trait, the seam between the API/proxy and a backend;
+//! * [`policy`]: crash backoff, the circuit breaker and idle reaping as pure
+//!   functions over plain data, so they are tested without processes.
+//!
+//! ```
+//! use berth_core::UserId;
+//!
+//! let alice = UserId::parse("alice").unwrap();
+//! assert_eq!(alice.slug().as_str(), "alice");
+//! assert!(UserId::parse("..").is_err());
+//! ```
+
+mod error;
+mod id;
+mod model;
+pub mod policy;
+mod spawner;
+mod time;
+
+pub use error::{ErrorCode, SpawnError};
+pub use id::{InvalidUserId, Slug, UserId};
+pub use model::{
+    BreakerInfo, Endpoint, Epoch, Instance, InstanceEvent, InstanceStatus, LaunchRequest,
+    ProbeReport, RestartResult, Role, UserStatus, MAX_PATCH_BYTES,
+};
+pub use spawner::Spawner;
+pub use time::{UnixMillis, unix_millis_now};

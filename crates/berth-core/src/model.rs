@@ -1,0 +1,212 @@
+use std::fmt;
+use std::str::FromStr;
+
+use serde::{Deserialize, Serialize};
+
+use crate::{UnixMillis, UserId};
+
+/// A lease's fencing token: +1 on every successful claim (design §3).
+pub type Epoch = i64;
+
+/// Patches larger than this are refused with `payload_too_large` (design §5).
+pub const MAX_PATCH_BYTES: usize = 256 * 1024;
+
+/// What an instance is for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Role {
+    /// The user's workspace.
+    Main,
+    /// A one-shot repair run after a crash (design §4.4).
+    Watchdog,
+}
+
+impl Role {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Role::Main => "main",
+            Role::Watchdog => "watchdog",
+        }
+    }
+}
+
+impl fmt::Display for Role {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for Role {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "main" => Ok(Role::Main),
+            "watchdog" => Ok(Role::Watchdog),
+            other => Err(format!("unknown role {other:?}")),
+        }
+    }
+}
+
+/// Where an instance is in its lifecycle (design §4.1).
+///
+/// `starting → running → (crashed → starting …) | stopped | failed`
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum InstanceStatus {
+    /// Spawned, not yet ready.
+    Starting,
+    /// Ready; the only status the proxy forwards to.
+    Running,
+    /// Exited without being asked to; a restart is scheduled.
+    Crashed,
+    /// Stopped on purpose (API, reaper, fence). Terminal.
+    Stopped,
+    /// The breaker opened, or spawning itself failed. Terminal.
+    Failed,
+}
+
+impl InstanceStatus {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            InstanceStatus::Starting => "starting",
+            InstanceStatus::Running => "running",
+            InstanceStatus::Crashed => "crashed",
+            InstanceStatus::Stopped => "stopped",
+            InstanceStatus::Failed => "failed",
+        }
+    }
+
+    /// Live instances hold a lease, a port and (between crashes) a process.
+    pub fn is_live(self) -> bool {
+        matches!(
+            self,
+            InstanceStatus::Starting | InstanceStatus::Running | InstanceStatus::Crashed
+        )
+    }
+
+    pub fn is_terminal(self) -> bool {
+        !self.is_live()
+    }
+}
+
+impl fmt::Display for InstanceStatus {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for InstanceStatus {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Ok(match s {
+            "starting" => InstanceStatus::Starting,
+            "running" => InstanceStatus::Running,
+            "crashed" => InstanceStatus::Crashed,
+            "stopped" => InstanceStatus::Stopped,
+            "failed" => InstanceStatus::Failed,
+            other => return Err(format!("unknown instance status {other:?}")),
+        })
+    }
+}
+
+/// One running copy of the configured program for one user (design §4.1).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Instance {
+    /// Unique per launch; a crash restart keeps it, a new launch replaces it.
+    pub id: String,
+    pub user: UserId,
+    pub role: Role,
+    pub status: InstanceStatus,
+    /// The node that runs it.
+    pub node: String,
+    /// The lease epoch it runs under (0 for watchdogs, which hold no lease).
+    pub epoch: Epoch,
+    pub port: Option<u16>,
+    pub pid: Option<u32>,
+    /// Start time of `pid` in clock ticks since boot (`/proc/<pid>/stat`
+    /// field 22), so a reused pid is never mistaken for the instance.
+    pub pid_start: Option<u64>,
+    /// Working directory, relative to the user's workspace.
+    pub folder: String,
+    pub started_at: UnixMillis,
+    pub ready: bool,
+    pub restarts: u32,
+    /// Tail of stderr, at most 500 characters.
+    pub last_error: Option<String>,
+    pub exit_code: Option<i32>,
+    pub last_active: UnixMillis,
+}
+
+/// A user's main and watchdog instances.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct UserStatus {
+    pub main: Option<Instance>,
+    pub watchdog: Option<Instance>,
+}
+
+/// Where the proxy sends a user's traffic.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Endpoint {
+    pub host: String,
+    pub port: u16,
+}
+
+impl fmt::Display for Endpoint {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}:{}", self.host, self.port)
+    }
+}
+
+/// An open crash breaker (design §4.3).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BreakerInfo {
+    /// How many times the breaker has opened for this user.
+    pub opens: u32,
+    pub opened_at: UnixMillis,
+    pub cooldown_until: UnixMillis,
+}
+
+/// What a client asks for when it launches a user's main instance.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LaunchRequest {
+    /// Working directory relative to the user's workspace; default: its root.
+    #[serde(default)]
+    pub folder: Option<String>,
+    /// Configuration content materialised for the program (≤ 256 KiB).
+    #[serde(default)]
+    pub patch: Option<String>,
+    /// Launch even while the crash breaker is open, and clear it.
+    #[serde(default)]
+    pub force: bool,
+}
+
+/// The answer of `restart_and_probe` (design §4.6).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ProbeReport {
+    pub ok: bool,
+    pub reason: String,
+}
+
+/// One user's outcome in `restart_all_mains`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RestartResult {
+    pub user: UserId,
+    pub ok: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
+/// A change to an instance, published to the proxy's route table and to
+/// progress streams.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct InstanceEvent {
+    pub user: UserId,
+    pub role: Role,
+    pub status: InstanceStatus,
+    pub ready: bool,
+    /// Set while the instance is running and reachable.
+    pub endpoint: Option<Endpoint>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub message: Option<String>,
+}

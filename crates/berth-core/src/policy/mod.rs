@@ -1,0 +1,11 @@
+//! Lifecycle decisions as pure functions over plain data.
+//!
+//! Nothing here reads a clock, spawns a process or touches the store: the
+//! caller passes `now` and the state in, and acts on the decision that comes
+//! out. That keeps every number of design §4.3 and §4.5 testable in a table.
+
+mod crash;
+mod reap;
+
+pub use crash::{CrashDecision, CrashPolicy, CrashState, LaunchKind};
+pub use reap::{ReapPolicy, select_for_reaping};

@@ -1,0 +1,33 @@
+//! The shim: the small parent process that keeps one instance alive while
+//! berth itself comes and goes (design §4.7, in the spirit of
+//! containerd-shim and podman's conmon).
+//!
+//! berth starts a shim by re-executing itself (`berth shim`), writes a
+//! [`ShimSpec`] as one JSON line to the shim's stdin and reads back one JSON
+//! [`SpawnReport`] line from its stdout. From then on the two talk over a
+//! unix socket ([`ShimSpec::socket_path`]) in newline-delimited JSON:
+//! [`ShimCommand`]s in, [`ShimEvent`]s out. The shim:
+//!
+//! * calls `setsid` so it outlives berth, and runs a single-threaded runtime
+//!   (a parent-death signal fires when the spawning *thread* exits);
+//! * spawns the program in its own process group with `PR_SET_PDEATHSIG =
+//!   SIGKILL`, so the instance dies with its shim and is never unfenced;
+//! * appends the program's stdout and stderr to [`ShimSpec::log_path`],
+//!   matches [`ShimSpec::ready_regex`] against each line and keeps the first
+//!   capture as the launch token, and keeps the last 500 characters of
+//!   stderr;
+//! * keeps [`ShimState`] in [`ShimSpec::state_path`] (written atomically),
+//!   which is how a restarted berth finds and re-attaches to it, and how the
+//!   exit status survives when no berth is listening;
+//! * enforces the fence deadline when [`ShimSpec::fence_ms`] is set: if berth
+//!   does not extend it in time the program's group is frozen (SIGSTOP);
+//! * when the program exits, kills what is left of its process group,
+//!   records the exit in the state file, tells connected clients, and exits.
+
+mod client;
+mod protocol;
+mod server;
+
+pub use client::{ShimControl, ShimError, ShimHandle};
+pub use protocol::{ExitInfo, ShimCommand, ShimEvent, ShimSpec, ShimState, SpawnReport};
+pub use server::run;

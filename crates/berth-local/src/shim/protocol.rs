@@ -1,0 +1,104 @@
+//! The shim's wire types. Everything is JSON, one value per line.
+
+use std::path::PathBuf;
+
+use berth_core::{Epoch, Role};
+use serde::{Deserialize, Serialize};
+
+/// Everything a shim needs to run one instance.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ShimSpec {
+    pub instance_id: String,
+    /// The raw user id (for reports only; paths use the slug).
+    pub user: String,
+    pub role: Role,
+    pub epoch: Epoch,
+    /// The program and its arguments; `argv[0]` is looked up in `PATH` of
+    /// [`ShimSpec::env`] when it has no `/`.
+    pub argv: Vec<String>,
+    /// The program's whole environment (nothing is inherited).
+    pub env: Vec<(String, String)>,
+    /// The program's working directory.
+    pub cwd: PathBuf,
+    /// stdout and stderr of the program, appended.
+    pub log_path: PathBuf,
+    /// Where the shim keeps its [`ShimState`].
+    pub state_path: PathBuf,
+    /// The control socket.
+    pub socket_path: PathBuf,
+    /// First capture group = launch token; a match means "ready".
+    pub ready_regex: Option<String>,
+    /// Fence deadline in ms from start, extended by [`ShimCommand::Extend`].
+    /// `None` switches fencing off (single node).
+    pub fence_ms: Option<u64>,
+}
+
+/// The shim's first and only stdout line.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "result", rename_all = "snake_case")]
+pub enum SpawnReport {
+    /// The program runs; the socket is listening and the state file exists.
+    Spawned { state: ShimState },
+    /// The program could not be started (missing, not executable, bad cwd).
+    /// The message names the program. The shim exits right after.
+    Failed { error: String },
+}
+
+/// How the program ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ExitInfo {
+    pub code: Option<i32>,
+    pub signal: Option<i32>,
+}
+
+/// What the shim records about itself, in its state file.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ShimState {
+    pub instance_id: String,
+    pub user: String,
+    pub role: Role,
+    pub epoch: Epoch,
+    pub socket_path: PathBuf,
+    pub shim_pid: u32,
+    /// The program's pid, also its process group id.
+    pub pid: u32,
+    /// Start time of `pid` in clock ticks since boot (`/proc/<pid>/stat`
+    /// field 22), to tell a reused pid apart.
+    pub pid_start: u64,
+    /// The launch token, once seen.
+    pub token: Option<String>,
+    /// Set once the program has exited.
+    pub exit: Option<ExitInfo>,
+    /// The last ≤ 500 characters of stderr.
+    pub stderr_tail: String,
+    pub frozen: bool,
+}
+
+/// berth → shim.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "cmd", rename_all = "snake_case")]
+pub enum ShimCommand {
+    /// SIGTERM to the group, SIGKILL after `grace_ms`.
+    Stop { grace_ms: u64 },
+    /// SIGKILL to the group now (the lease is lost).
+    Kill,
+    /// SIGSTOP to the group.
+    Freeze,
+    /// SIGCONT to the group.
+    Thaw,
+    /// Move the fence deadline to `ms` from now.
+    Extend { ms: u64 },
+}
+
+/// shim → berth. A client receives `Hello` first, on connecting.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "event", rename_all = "snake_case")]
+pub enum ShimEvent {
+    Hello { state: ShimState },
+    /// The ready regex matched; `token` is its first capture, if any.
+    Ready { token: Option<String> },
+    Frozen,
+    Thawed,
+    /// The program exited. The shim exits after sending this.
+    Exited { exit: ExitInfo, stderr_tail: String },
+}

@@ -1,0 +1,1 @@
+//! SQLite backend. (Implementation pending.)
