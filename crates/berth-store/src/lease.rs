@@ -5,9 +5,12 @@
 //! renews all of them in one statement per tick, and tracks the self-fence
 //! deadline on the node's monotonic clock.
 //!
-//! (Implementation pending: the signatures below are the agreed API.)
+//! The fence clock is deliberately conservative: it is one instant for the
+//! whole node, moved only by a renew tick that succeeded (to the moment that
+//! tick was *sent*), or by the first claim after the node held nothing.
 
-use std::sync::Arc;
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 use berth_core::{Epoch, UserId};
@@ -21,7 +24,9 @@ pub enum LeaseConfigError {
         "lease ttl_ms ({ttl_ms}) must be greater than 2 × renew_ms ({renew_ms}), so one slow renew cannot lose the lease"
     )]
     TtlTooShort { ttl_ms: u128, renew_ms: u128 },
-    #[error("lease fence_after_ms ({fence_after_ms}) must be less than ttl_ms ({ttl_ms}), so a holder fences itself before others may claim")]
+    #[error(
+        "lease fence_after_ms ({fence_after_ms}) must be less than ttl_ms ({ttl_ms}), so a holder fences itself before others may claim"
+    )]
     FenceAfterTooLong { fence_after_ms: u128, ttl_ms: u128 },
     #[error("lease renew_ms must be greater than 0")]
     ZeroRenew,
@@ -44,7 +49,29 @@ impl LeaseConfig {
         fence_after: Duration,
         takeover: TakeoverPolicy,
     ) -> Result<Self, LeaseConfigError> {
-        todo!("{ttl:?} {renew:?} {fence_after:?} {takeover:?}")
+        if renew.is_zero() {
+            return Err(LeaseConfigError::ZeroRenew);
+        }
+        // Compared in full precision: `ttl > 2 × renew` must not pass
+        // because of rounding to milliseconds.
+        if ttl.as_nanos() <= 2 * renew.as_nanos() {
+            return Err(LeaseConfigError::TtlTooShort {
+                ttl_ms: ttl.as_millis(),
+                renew_ms: renew.as_millis(),
+            });
+        }
+        if fence_after >= ttl {
+            return Err(LeaseConfigError::FenceAfterTooLong {
+                fence_after_ms: fence_after.as_millis(),
+                ttl_ms: ttl.as_millis(),
+            });
+        }
+        Ok(Self {
+            ttl,
+            renew,
+            fence_after,
+            takeover,
+        })
     }
     pub fn ttl(&self) -> Duration {
         self.ttl
@@ -88,55 +115,640 @@ pub fn still_holder(record: Option<&LeaseRecord>, node: &str, epoch: Epoch) -> b
 /// The leases one node holds. Cheap to share behind an `Arc`; holds no lock
 /// across an `.await`.
 pub struct LeaseKeeper {
-    _store: Arc<dyn Store>,
+    store: Arc<dyn Store>,
+    node_id: String,
+    config: LeaseConfig,
+    held: Mutex<HashMap<UserId, Epoch>>,
+    /// When the last renew that succeeded was sent (see module docs).
+    last_success_sent: Mutex<Instant>,
+}
+
+/// The guarded data is plain values that every critical section leaves
+/// consistent, so a panic elsewhere while holding the lock does not make
+/// it wrong; carrying on beats turning one panic into many.
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+impl std::fmt::Debug for LeaseKeeper {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LeaseKeeper")
+            .field("node_id", &self.node_id)
+            .field("config", &self.config)
+            .field("held", &lock(&self.held).len())
+            .finish_non_exhaustive()
+    }
 }
 
 impl LeaseKeeper {
-    pub fn new(_store: Arc<dyn Store>, _node_id: String, _config: LeaseConfig) -> Self {
-        todo!()
+    /// A keeper holding nothing. Its fence clock starts now.
+    pub fn new(store: Arc<dyn Store>, node_id: String, config: LeaseConfig) -> Self {
+        Self {
+            store,
+            node_id,
+            config,
+            held: Mutex::new(HashMap::new()),
+            last_success_sent: Mutex::new(Instant::now()),
+        }
     }
+
     pub fn node_id(&self) -> &str {
-        todo!()
+        &self.node_id
     }
+
     pub fn config(&self) -> &LeaseConfig {
-        todo!()
+        &self.config
     }
+
     /// Claims `user`'s lease; on success remembers the epoch.
-    pub async fn acquire(&self, _user: &UserId) -> Result<ClaimOutcome, StoreError> {
-        todo!()
+    pub async fn acquire(&self, user: &UserId) -> Result<ClaimOutcome, StoreError> {
+        let sent = Instant::now();
+        let outcome = self
+            .store
+            .claim_lease(user, &self.node_id, self.config.ttl, self.config.takeover)
+            .await?;
+        self.remember_claim(user, &outcome, sent);
+        Ok(outcome)
     }
+
     /// An operator's explicit takeover of an expired lease.
-    pub async fn take_over(&self, _user: &UserId) -> Result<ClaimOutcome, StoreError> {
-        todo!()
+    pub async fn take_over(&self, user: &UserId) -> Result<ClaimOutcome, StoreError> {
+        let sent = Instant::now();
+        let outcome = self
+            .store
+            .take_over_lease(user, &self.node_id, self.config.ttl)
+            .await?;
+        self.remember_claim(user, &outcome, sent);
+        Ok(outcome)
     }
+
+    fn remember_claim(&self, user: &UserId, outcome: &ClaimOutcome, sent: Instant) {
+        if let ClaimOutcome::Claimed { epoch } = *outcome {
+            let mut held = lock(&self.held);
+            // With nothing else held, this claim alone decides how fresh the
+            // node's leases are; without this a keeper that sat idle longer
+            // than `fence_after` would be "due" the moment it claimed.
+            if held.is_empty() {
+                let mut last = lock(&self.last_success_sent);
+                *last = (*last).max(sent);
+            }
+            held.insert(user.clone(), epoch);
+        }
+    }
+
     /// Remembers a lease found in the store at startup (re-attach).
-    pub fn adopt(&self, _user: UserId, _epoch: Epoch) {
-        todo!()
+    ///
+    /// This does not move the fence clock: renew adopted leases promptly.
+    pub fn adopt(&self, user: UserId, epoch: Epoch) {
+        lock(&self.held).insert(user, epoch);
     }
+
     /// Renews every held lease in one statement. Forgets and reports the
     /// lost ones. A successful tick moves the fence deadline, measured from
     /// when the renew was *sent*.
     pub async fn renew_all(&self) -> Result<RenewReport, StoreError> {
-        todo!()
+        let sent = Instant::now();
+        let snapshot = self.holdings();
+        let renewed = if snapshot.is_empty() {
+            Vec::new()
+        } else {
+            self.store
+                .renew_leases(&self.node_id, &snapshot, self.config.ttl)
+                .await?
+        };
+        let renewed: HashSet<UserId> = renewed.into_iter().collect();
+        let mut lost = Vec::new();
+        {
+            let mut held = lock(&self.held);
+            for (user, epoch) in snapshot {
+                if renewed.contains(&user) {
+                    continue;
+                }
+                // Only the lease the renew was about is lost: one re-claimed
+                // (new epoch) or released while the renew was in flight is
+                // not this tick's business.
+                if held.get(&user) == Some(&epoch) {
+                    held.remove(&user);
+                    lost.push((user, epoch));
+                }
+            }
+        }
+        {
+            let mut last = lock(&self.last_success_sent);
+            *last = (*last).max(sent);
+        }
+        Ok(RenewReport {
+            renewed: renewed.len(),
+            lost,
+        })
     }
+
     /// Releases `user`'s lease (keeping this node as the sticky hint) and
-    /// forgets it.
-    pub async fn release(&self, _user: &UserId) -> Result<bool, StoreError> {
-        todo!()
+    /// forgets it. Returns false when this node did not hold it (any more).
+    pub async fn release(&self, user: &UserId) -> Result<bool, StoreError> {
+        let Some(epoch) = self.epoch_of(user) else {
+            return Ok(false);
+        };
+        let released = self.store.release_lease(user, &self.node_id, epoch).await?;
+        // Whether released now or already gone, this node no longer holds
+        // the lease at that epoch.
+        let mut held = lock(&self.held);
+        if held.get(user) == Some(&epoch) {
+            held.remove(user);
+        }
+        Ok(released)
     }
+
     /// Forgets a lease without touching the store (after fencing).
-    pub fn forget(&self, _user: &UserId) {
-        todo!()
+    pub fn forget(&self, user: &UserId) {
+        lock(&self.held).remove(user);
     }
-    pub fn epoch_of(&self, _user: &UserId) -> Option<Epoch> {
-        todo!()
+
+    pub fn epoch_of(&self, user: &UserId) -> Option<Epoch> {
+        lock(&self.held).get(user).copied()
     }
+
     pub fn holdings(&self) -> Vec<(UserId, Epoch)> {
-        todo!()
+        lock(&self.held)
+            .iter()
+            .map(|(u, e)| (u.clone(), *e))
+            .collect()
     }
+
     /// True when no renew sent within the last `fence_after` has succeeded
-    /// (measured from `now`): the node must freeze its instances.
-    pub fn fence_due(&self, _now: Instant) -> bool {
-        todo!()
+    /// (measured from `now`): the node must freeze its instances. A keeper
+    /// that holds nothing has nothing to fence.
+    pub fn fence_due(&self, now: Instant) -> bool {
+        if lock(&self.held).is_empty() {
+            return false;
+        }
+        let last = *lock(&self.last_success_sent);
+        now.saturating_duration_since(last) >= self.config.fence_after
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Mutex as StdMutex;
+
+    use async_trait::async_trait;
+    use berth_core::policy::CrashState;
+    use berth_core::{Instance, Role, UnixMillis};
+    use tokio::sync::Notify;
+
+    use super::*;
+    use crate::{InstanceFilter, NodeRecord, SqliteStore};
+
+    const MS: Duration = Duration::from_millis(1);
+
+    fn user(id: &str) -> UserId {
+        UserId::parse(id).unwrap()
+    }
+
+    fn config(ttl_ms: u64, renew_ms: u64, fence_ms: u64) -> LeaseConfig {
+        LeaseConfig::new(
+            Duration::from_millis(ttl_ms),
+            Duration::from_millis(renew_ms),
+            Duration::from_millis(fence_ms),
+            TakeoverPolicy::Evidence,
+        )
+        .unwrap()
+    }
+
+    async fn sqlite() -> (SqliteStore, tempfile::TempDir) {
+        let dir = tempfile::tempdir().unwrap();
+        let url = format!("sqlite://{}", dir.path().join("berth.db").display());
+        (SqliteStore::open(&url).await.unwrap(), dir)
+    }
+
+    #[test]
+    fn config_defaults_are_valid() {
+        let d = LeaseConfig::default();
+        let checked = LeaseConfig::new(d.ttl(), d.renew(), d.fence_after(), d.takeover()).unwrap();
+        assert_eq!(checked, d);
+        assert_eq!(
+            (d.ttl(), d.renew(), d.fence_after()),
+            (
+                Duration::from_secs(30),
+                Duration::from_secs(10),
+                Duration::from_secs(20)
+            )
+        );
+    }
+
+    #[test]
+    fn config_ttl_must_exceed_twice_renew_and_error_names_both() {
+        let err = LeaseConfig::new(
+            Duration::from_secs(20),
+            Duration::from_secs(10),
+            Duration::from_secs(15),
+            TakeoverPolicy::Evidence,
+        )
+        .unwrap_err();
+        assert_eq!(
+            err,
+            LeaseConfigError::TtlTooShort {
+                ttl_ms: 20_000,
+                renew_ms: 10_000
+            }
+        );
+        let msg = err.to_string();
+        assert!(msg.contains("20000") && msg.contains("10000"), "{msg}");
+        // Just over the line is fine, and sub-millisecond excess counts.
+        assert!(
+            LeaseConfig::new(
+                Duration::from_millis(20_001),
+                Duration::from_secs(10),
+                Duration::from_secs(15),
+                TakeoverPolicy::Manual
+            )
+            .is_ok()
+        );
+        assert!(
+            LeaseConfig::new(
+                Duration::from_micros(20_000_001),
+                Duration::from_secs(10),
+                Duration::from_secs(15),
+                TakeoverPolicy::Manual
+            )
+            .is_ok()
+        );
+    }
+
+    #[test]
+    fn config_rejects_zero_renew_and_late_fence() {
+        assert_eq!(
+            LeaseConfig::new(
+                Duration::from_secs(30),
+                Duration::ZERO,
+                Duration::from_secs(20),
+                TakeoverPolicy::Evidence
+            ),
+            Err(LeaseConfigError::ZeroRenew)
+        );
+        let err = LeaseConfig::new(
+            Duration::from_secs(30),
+            Duration::from_secs(10),
+            Duration::from_secs(30),
+            TakeoverPolicy::Evidence,
+        )
+        .unwrap_err();
+        assert_eq!(
+            err,
+            LeaseConfigError::FenceAfterTooLong {
+                fence_after_ms: 30_000,
+                ttl_ms: 30_000
+            }
+        );
+        let msg = err.to_string();
+        assert!(msg.contains("30000"), "{msg}");
+    }
+
+    #[test]
+    fn still_holder_checks_node_and_epoch() {
+        let record = crate::LeaseRecord {
+            user: user("alice"),
+            holder: Some("node-a".into()),
+            epoch: 4,
+            lease_until: Some(0),
+            released: false,
+            expired: false,
+        };
+        assert!(still_holder(Some(&record), "node-a", 4));
+        assert!(!still_holder(Some(&record), "node-a", 3));
+        assert!(!still_holder(Some(&record), "node-b", 4));
+        assert!(!still_holder(None, "node-a", 4));
+    }
+
+    #[tokio::test]
+    async fn acquire_renew_release_round_trip() {
+        let (store, _dir) = sqlite().await;
+        let store: Arc<dyn Store> = Arc::new(store);
+        let a = LeaseKeeper::new(store.clone(), "node-a".into(), LeaseConfig::default());
+        let b = LeaseKeeper::new(store.clone(), "node-b".into(), LeaseConfig::default());
+        assert_eq!(a.node_id(), "node-a");
+        assert_eq!(a.config(), &LeaseConfig::default());
+        let alice = user("alice");
+
+        assert_eq!(
+            a.acquire(&alice).await.unwrap(),
+            ClaimOutcome::Claimed { epoch: 1 }
+        );
+        assert_eq!(a.epoch_of(&alice), Some(1));
+        assert_eq!(
+            b.acquire(&alice).await.unwrap(),
+            ClaimOutcome::Busy {
+                holder: "node-a".into(),
+                expired: false
+            }
+        );
+        assert_eq!(b.epoch_of(&alice), None);
+        assert_eq!(
+            b.take_over(&alice).await.unwrap(),
+            ClaimOutcome::Busy {
+                holder: "node-a".into(),
+                expired: false
+            }
+        );
+
+        // Re-acquiring its own lease moves the keeper to the new epoch.
+        assert_eq!(
+            a.acquire(&alice).await.unwrap(),
+            ClaimOutcome::Claimed { epoch: 2 }
+        );
+        assert_eq!(a.holdings(), vec![(alice.clone(), 2)]);
+
+        let report = a.renew_all().await.unwrap();
+        assert_eq!(
+            report,
+            RenewReport {
+                renewed: 1,
+                lost: vec![]
+            }
+        );
+
+        assert!(a.release(&alice).await.unwrap());
+        assert_eq!(a.epoch_of(&alice), None);
+        assert!(!a.release(&alice).await.unwrap(), "nothing left to release");
+        let lease = store.get_lease(&alice).await.unwrap().unwrap();
+        assert_eq!(lease.holder.as_deref(), Some("node-a"));
+        assert!(lease.released);
+
+        assert_eq!(
+            b.acquire(&alice).await.unwrap(),
+            ClaimOutcome::Claimed { epoch: 3 }
+        );
+        // A keeper that holds nothing renews nothing and never asks the store.
+        assert_eq!(a.renew_all().await.unwrap(), RenewReport::default());
+    }
+
+    #[tokio::test]
+    async fn renew_all_reports_and_forgets_lost_leases() {
+        let (store, _dir) = sqlite().await;
+        let store: Arc<dyn Store> = Arc::new(store);
+        let cfg = config(300, 100, 200);
+        let a = LeaseKeeper::new(store.clone(), "node-a".into(), cfg.clone());
+        let b = LeaseKeeper::new(store.clone(), "node-b".into(), cfg);
+        let [alice, bob, carol] = ["alice", "bob", "carol"].map(user);
+        for u in [&alice, &bob] {
+            assert!(matches!(
+                a.acquire(u).await.unwrap(),
+                ClaimOutcome::Claimed { .. }
+            ));
+        }
+        // carol is re-claimed behind the keeper's back (as after a crash
+        // restart that forgot it): the keeper's epoch 1 is lost too.
+        assert!(matches!(
+            a.acquire(&carol).await.unwrap(),
+            ClaimOutcome::Claimed { epoch: 1 }
+        ));
+        assert!(matches!(
+            store
+                .claim_lease(
+                    &carol,
+                    "node-a",
+                    Duration::from_secs(30),
+                    TakeoverPolicy::Evidence
+                )
+                .await
+                .unwrap(),
+            ClaimOutcome::Claimed { epoch: 2 }
+        ));
+
+        // bob's lease runs out and node-b takes it over.
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+        while !store.get_lease(&bob).await.unwrap().unwrap().expired {
+            assert!(tokio::time::Instant::now() < deadline);
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert_eq!(
+            b.take_over(&bob).await.unwrap(),
+            ClaimOutcome::Claimed { epoch: 2 }
+        );
+
+        let mut report = a.renew_all().await.unwrap();
+        report.lost.sort();
+        assert_eq!(report.renewed, 1);
+        assert_eq!(report.lost, vec![(bob.clone(), 1), (carol.clone(), 1)]);
+        assert_eq!(
+            a.holdings(),
+            vec![(alice.clone(), a.epoch_of(&alice).unwrap())]
+        );
+        assert_eq!(a.epoch_of(&bob), None);
+
+        // Forgotten leases are not reported twice.
+        assert_eq!(a.renew_all().await.unwrap().lost, vec![]);
+
+        a.adopt(bob.clone(), 2);
+        assert_eq!(a.epoch_of(&bob), Some(2));
+        a.forget(&bob);
+        assert_eq!(a.epoch_of(&bob), None);
+    }
+
+    #[tokio::test]
+    async fn fence_clock_moves_only_on_success_measured_from_send() {
+        let (sqlite, _dir) = sqlite().await;
+        let gated = Arc::new(Gated::new(Arc::new(sqlite.clone())));
+        let fence = Duration::from_millis(200);
+        let keeper = Arc::new(LeaseKeeper::new(
+            gated.clone(),
+            "node-a".into(),
+            config(300, 100, 200),
+        ));
+
+        // Holding nothing, never due.
+        assert!(!keeper.fence_due(Instant::now() + Duration::from_secs(3600)));
+
+        let before_acquire = Instant::now();
+        keeper.acquire(&user("alice")).await.unwrap();
+        let after_acquire = Instant::now();
+        // The claim itself counts as the first success.
+        assert!(!keeper.fence_due(before_acquire + fence - MS));
+        assert!(keeper.fence_due(after_acquire + fence));
+
+        // A renew held up in flight: the fence clock moves to when it was
+        // sent, not to when it came back.
+        tokio::time::sleep(5 * MS).await;
+        gated.close_gate();
+        let renew = tokio::spawn({
+            let keeper = keeper.clone();
+            async move { keeper.renew_all().await }
+        });
+        let arrived = gated.wait_arrival().await;
+        tokio::time::sleep(50 * MS).await;
+        gated.open_gate();
+        let report = renew.await.unwrap().unwrap();
+        assert_eq!(report.renewed, 1);
+        assert!(
+            keeper.fence_due(arrived + fence),
+            "clock moved past the send"
+        );
+        assert!(
+            !keeper.fence_due(after_acquire + fence),
+            "a successful renew moves the fence clock"
+        );
+
+        // A failed renew does not move it.
+        let stuck_at = Instant::now();
+        sqlite.close().await;
+        assert!(keeper.renew_all().await.is_err());
+        assert!(keeper.fence_due(stuck_at + fence));
+        assert_eq!(keeper.holdings().len(), 1, "an error is not a loss");
+    }
+
+    #[tokio::test]
+    async fn leases_acquired_during_a_renew_are_not_reported_lost() {
+        let (sqlite, _dir) = sqlite().await;
+        let gated = Arc::new(Gated::new(Arc::new(sqlite)));
+        let keeper = Arc::new(LeaseKeeper::new(
+            gated.clone(),
+            "node-a".into(),
+            LeaseConfig::default(),
+        ));
+        let [alice, bob] = ["alice", "bob"].map(user);
+        keeper.acquire(&alice).await.unwrap();
+
+        gated.close_gate();
+        let renew = tokio::spawn({
+            let keeper = keeper.clone();
+            async move { keeper.renew_all().await }
+        });
+        gated.wait_arrival().await;
+        // While the renew (of alice@1) is in flight, alice is re-claimed at
+        // epoch 2 and bob is claimed.
+        assert_eq!(
+            keeper.acquire(&alice).await.unwrap(),
+            ClaimOutcome::Claimed { epoch: 2 }
+        );
+        keeper.acquire(&bob).await.unwrap();
+        gated.open_gate();
+        let report = renew.await.unwrap().unwrap();
+
+        assert_eq!(
+            report,
+            RenewReport {
+                renewed: 0,
+                lost: vec![]
+            }
+        );
+        assert_eq!(keeper.epoch_of(&alice), Some(2));
+        assert_eq!(keeper.epoch_of(&bob), Some(1));
+        assert_eq!(keeper.renew_all().await.unwrap().renewed, 2);
+    }
+
+    /// A store whose `renew_leases` can be held at a gate, to act while a
+    /// renew is in flight. Everything else passes straight through.
+    struct Gated {
+        inner: Arc<dyn Store>,
+        gate_closed: StdMutex<bool>,
+        arrived: Notify,
+        arrived_at: StdMutex<Option<Instant>>,
+        proceed: Notify,
+    }
+
+    impl Gated {
+        fn new(inner: Arc<dyn Store>) -> Self {
+            Self {
+                inner,
+                gate_closed: StdMutex::new(false),
+                arrived: Notify::new(),
+                arrived_at: StdMutex::new(None),
+                proceed: Notify::new(),
+            }
+        }
+        fn close_gate(&self) {
+            *self.gate_closed.lock().unwrap() = true;
+        }
+        fn open_gate(&self) {
+            *self.gate_closed.lock().unwrap() = false;
+            self.proceed.notify_one();
+        }
+        async fn wait_arrival(&self) -> Instant {
+            self.arrived.notified().await;
+            self.arrived_at.lock().unwrap().unwrap()
+        }
+    }
+
+    #[async_trait]
+    impl Store for Gated {
+        async fn now(&self) -> Result<UnixMillis, StoreError> {
+            self.inner.now().await
+        }
+        async fn put_instance(&self, i: &Instance) -> Result<(), StoreError> {
+            self.inner.put_instance(i).await
+        }
+        async fn get_instance(&self, u: &UserId, r: Role) -> Result<Option<Instance>, StoreError> {
+            self.inner.get_instance(u, r).await
+        }
+        async fn list_instances(&self, f: &InstanceFilter) -> Result<Vec<Instance>, StoreError> {
+            self.inner.list_instances(f).await
+        }
+        async fn delete_instance(&self, u: &UserId, r: Role) -> Result<(), StoreError> {
+            self.inner.delete_instance(u, r).await
+        }
+        async fn record_activity(&self, a: &[(UserId, UnixMillis)]) -> Result<(), StoreError> {
+            self.inner.record_activity(a).await
+        }
+        async fn claim_lease(
+            &self,
+            u: &UserId,
+            n: &str,
+            ttl: Duration,
+            t: TakeoverPolicy,
+        ) -> Result<ClaimOutcome, StoreError> {
+            self.inner.claim_lease(u, n, ttl, t).await
+        }
+        async fn take_over_lease(
+            &self,
+            u: &UserId,
+            n: &str,
+            ttl: Duration,
+        ) -> Result<ClaimOutcome, StoreError> {
+            self.inner.take_over_lease(u, n, ttl).await
+        }
+        async fn renew_leases(
+            &self,
+            n: &str,
+            held: &[(UserId, Epoch)],
+            ttl: Duration,
+        ) -> Result<Vec<UserId>, StoreError> {
+            let closed = *self.gate_closed.lock().unwrap();
+            if closed {
+                *self.arrived_at.lock().unwrap() = Some(Instant::now());
+                self.arrived.notify_one();
+                self.proceed.notified().await;
+            }
+            self.inner.renew_leases(n, held, ttl).await
+        }
+        async fn release_lease(&self, u: &UserId, n: &str, e: Epoch) -> Result<bool, StoreError> {
+            self.inner.release_lease(u, n, e).await
+        }
+        async fn get_lease(&self, u: &UserId) -> Result<Option<LeaseRecord>, StoreError> {
+            self.inner.get_lease(u).await
+        }
+        async fn list_leases(&self, e: bool) -> Result<Vec<LeaseRecord>, StoreError> {
+            self.inner.list_leases(e).await
+        }
+        async fn leases_held_by(&self, n: &str) -> Result<Vec<LeaseRecord>, StoreError> {
+            self.inner.leases_held_by(n).await
+        }
+        async fn load_crash_state(&self, u: &UserId) -> Result<CrashState, StoreError> {
+            self.inner.load_crash_state(u).await
+        }
+        async fn save_crash_state(&self, u: &UserId, s: &CrashState) -> Result<(), StoreError> {
+            self.inner.save_crash_state(u, s).await
+        }
+        async fn put_token(&self, u: &UserId, h: &str) -> Result<(), StoreError> {
+            self.inner.put_token(u, h).await
+        }
+        async fn user_for_token(&self, h: &str) -> Result<Option<UserId>, StoreError> {
+            self.inner.user_for_token(h).await
+        }
+        async fn heartbeat(&self, n: &NodeRecord) -> Result<(), StoreError> {
+            self.inner.heartbeat(n).await
+        }
+        async fn list_nodes(&self) -> Result<Vec<NodeRecord>, StoreError> {
+            self.inner.list_nodes().await
+        }
     }
 }

@@ -14,10 +14,10 @@
 //! row came back, never read-then-write, and expiry is measured with the
 //! store's own clock.
 
-pub mod lease;
-mod sqlite;
 #[cfg(feature = "contract-tests")]
 pub mod contract;
+pub mod lease;
+mod sqlite;
 
 use std::time::Duration;
 
@@ -137,11 +137,8 @@ pub trait Store: Send + Sync + 'static {
 
     /// Inserts or replaces the record for `(instance.user, instance.role)`.
     async fn put_instance(&self, instance: &Instance) -> Result<(), StoreError>;
-    async fn get_instance(
-        &self,
-        user: &UserId,
-        role: Role,
-    ) -> Result<Option<Instance>, StoreError>;
+    async fn get_instance(&self, user: &UserId, role: Role)
+    -> Result<Option<Instance>, StoreError>;
     async fn list_instances(&self, filter: &InstanceFilter) -> Result<Vec<Instance>, StoreError>;
     async fn delete_instance(&self, user: &UserId, role: Role) -> Result<(), StoreError>;
     /// Raises `last_active` of the users' mains to the given times, in one
@@ -217,8 +214,7 @@ pub trait Store: Send + Sync + 'static {
 /// Opens the store a URL names (`sqlite://PATH`), creating and migrating it.
 pub async fn open(url: &str) -> Result<std::sync::Arc<dyn Store>, StoreError> {
     if url.starts_with("sqlite:") {
-        let _ = SqliteStore::open(url).await?;
-        todo!("SqliteStore implements Store")
+        Ok(std::sync::Arc::new(SqliteStore::open(url).await?))
     } else {
         Err(StoreError::UnsupportedUrl(url.to_owned()))
     }

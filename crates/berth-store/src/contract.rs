@@ -1,0 +1,989 @@
+//! The contract every [`Store`] backend must pass, independent of the
+//! database behind it.
+//!
+//! Each case is a `pub async fn` taking a fresh, empty store and panicking
+//! on a violation. [`store_contract_tests!`](crate::store_contract_tests)
+//! turns the whole list into `#[tokio::test]`s for one backend:
+//!
+//! ```text
+//! async fn fresh() -> (Arc<dyn Store>, tempfile::TempDir) { … }
+//! berth_store::store_contract_tests!(fresh().await);
+//! ```
+//!
+//! The expression is evaluated inside each (async) test, so it may `.await`.
+//! It yields either an `Arc<dyn Store>` or a pair `(Arc<dyn Store>, guard)`
+//! whose guard (a temporary directory, a test database handle) is kept alive
+//! until the case ends; see [`FreshStore`]. The calling crate needs `tokio`
+//! (with `macros` and `rt-multi-thread`) among its dev-dependencies.
+//!
+//! Lease expiry is waited for by polling the store until a deadline, never
+//! by asserting on how long something took.
+
+use std::any::Any;
+use std::sync::Arc;
+use std::time::Duration;
+
+use berth_core::policy::CrashState;
+use berth_core::{Epoch, Instance, InstanceStatus, Role, UnixMillis, UserId};
+
+use crate::{ClaimOutcome, InstanceFilter, NodeRecord, NodeStatus, Store, TakeoverPolicy};
+
+/// A lease that runs out while a test watches.
+const SHORT: Duration = Duration::from_millis(300);
+/// A lease that does not run out during a test.
+const LONG: Duration = Duration::from_secs(120);
+/// How long to wait for the store's clock to pass a point before failing.
+const PATIENCE: Duration = Duration::from_secs(20);
+const POLL: Duration = Duration::from_millis(25);
+
+/// What a `store_contract_tests!` expression may produce.
+pub trait FreshStore {
+    /// The store, and whatever must outlive it.
+    fn into_parts(self) -> (Arc<dyn Store>, Box<dyn Any + Send>);
+}
+
+impl FreshStore for Arc<dyn Store> {
+    fn into_parts(self) -> (Arc<dyn Store>, Box<dyn Any + Send>) {
+        (self, Box::new(()))
+    }
+}
+
+impl<G: Send + 'static> FreshStore for (Arc<dyn Store>, G) {
+    fn into_parts(self) -> (Arc<dyn Store>, Box<dyn Any + Send>) {
+        (self.0, Box::new(self.1))
+    }
+}
+
+/// Expands to one `#[tokio::test]` per contract case, each given a fresh
+/// store from `$fresh` (see the [module docs](crate::contract)).
+#[macro_export]
+macro_rules! store_contract_tests {
+    ($fresh:expr) => {
+        $crate::store_contract_tests!(@cases $fresh;
+            store_clock_is_plausible,
+            instance_round_trip_keeps_every_field,
+            instance_list_filters,
+            live_port_is_unique_per_node,
+            claim_on_fresh_user_gets_epoch_1,
+            second_node_is_busy_while_lease_is_live,
+            holder_reclaims_own_lease_with_next_epoch,
+            renew_with_stale_epoch_or_wrong_node_renews_nothing,
+            renew_of_expired_untaken_lease_succeeds,
+            renew_does_not_revive_released_lease,
+            renew_thousands_in_one_call,
+            release_keeps_holder_hint_and_frees_lease,
+            expired_lease_with_live_holder_is_busy_expired,
+            expired_lease_with_stale_holder_needs_evidence_policy,
+            expired_lease_of_unregistered_holder_is_claimable_with_evidence,
+            take_over_only_works_on_expired_leases,
+            list_leases_and_leases_held_by,
+            concurrent_claimers_have_one_winner,
+            crash_state_round_trip_and_clear_deletes,
+            tokens_round_trip,
+            nodes_heartbeat_upsert_and_list,
+            record_activity_never_lowers_last_active,
+        );
+    };
+    (@cases $fresh:expr; $($case:ident),+ $(,)?) => {
+        $(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $case() {
+                let (store, guard) = $crate::contract::FreshStore::into_parts($fresh);
+                $crate::contract::$case(store).await;
+                drop(guard);
+            }
+        )+
+    };
+}
+
+fn user(id: &str) -> UserId {
+    UserId::parse(id).unwrap()
+}
+
+fn instance(u: &str, role: Role, node: &str, port: Option<u16>) -> Instance {
+    Instance {
+        id: format!("{u}-{role}-1"),
+        user: user(u),
+        role,
+        status: InstanceStatus::Running,
+        node: node.to_owned(),
+        epoch: 0,
+        port,
+        pid: None,
+        pid_start: None,
+        folder: String::new(),
+        started_at: 1_700_000_000_000,
+        ready: false,
+        restarts: 0,
+        last_error: None,
+        exit_code: None,
+        last_active: 1_700_000_000_000,
+    }
+}
+
+fn node(id: &str) -> NodeRecord {
+    NodeRecord {
+        id: id.to_owned(),
+        advertise_url: format!("http://{id}.internal:8080"),
+        capacity: 10,
+        load: 0,
+        status: NodeStatus::Up,
+        heartbeat: 0,
+    }
+}
+
+async fn claim(store: &Arc<dyn Store>, u: &UserId, node: &str, ttl: Duration) -> ClaimOutcome {
+    store
+        .claim_lease(u, node, ttl, TakeoverPolicy::Evidence)
+        .await
+        .unwrap()
+}
+
+async fn claimed(store: &Arc<dyn Store>, u: &UserId, node: &str, ttl: Duration) -> Epoch {
+    match claim(store, u, node, ttl).await {
+        ClaimOutcome::Claimed { epoch } => epoch,
+        other => panic!("{node} could not claim {u}: {other:?}"),
+    }
+}
+
+/// Waits until the store's clock says `u`'s lease has expired.
+async fn wait_until_expired(store: &Arc<dyn Store>, u: &UserId) {
+    let deadline = tokio::time::Instant::now() + PATIENCE;
+    loop {
+        let lease = store.get_lease(u).await.unwrap().unwrap();
+        if lease.expired {
+            return;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "lease of {u} did not expire: {lease:?}"
+        );
+        tokio::time::sleep(POLL).await;
+    }
+}
+
+/// Waits until `node`'s last heartbeat is more than `age` old by the
+/// store's clock.
+async fn wait_until_heartbeat_older(store: &Arc<dyn Store>, node: &str, age: Duration) {
+    let age = i64::try_from(age.as_millis()).unwrap();
+    let deadline = tokio::time::Instant::now() + PATIENCE;
+    loop {
+        let beat = store
+            .list_nodes()
+            .await
+            .unwrap()
+            .into_iter()
+            .find(|n| n.id == node)
+            .unwrap()
+            .heartbeat;
+        if store.now().await.unwrap() - beat > age {
+            return;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "heartbeat of {node} did not age"
+        );
+        tokio::time::sleep(POLL).await;
+    }
+}
+
+/// The store's clock reads as Unix milliseconds and does not run backwards.
+pub async fn store_clock_is_plausible(store: Arc<dyn Store>) {
+    let a = store.now().await.unwrap();
+    let b = store.now().await.unwrap();
+    // 2020-01-01: catches seconds or microseconds passed off as millis.
+    assert!(a > 1_577_836_800_000 && a < 32_503_680_000_000, "{a}");
+    assert!(b >= a, "store clock ran backwards: {a} then {b}");
+}
+
+/// put/get/delete keep every field of an instance, `Some` and `None` alike,
+/// and a second put replaces the record.
+pub async fn instance_round_trip_keeps_every_field(store: Arc<dyn Store>) {
+    let alice = user("a.b@corp.example");
+    let full = Instance {
+        id: "inst-1".into(),
+        user: alice.clone(),
+        role: Role::Main,
+        status: InstanceStatus::Crashed,
+        node: "node-a".into(),
+        epoch: 7,
+        port: Some(u16::MAX),
+        pid: Some(u32::MAX),
+        pid_start: Some(i64::MAX as u64),
+        folder: "projects/ü nicode".into(),
+        started_at: 1_700_000_000_123,
+        ready: true,
+        restarts: 3,
+        last_error: Some("boom\nline 2 'quoted'".into()),
+        exit_code: Some(-9),
+        last_active: 1_700_000_999_999,
+    };
+    assert_eq!(store.get_instance(&alice, Role::Main).await.unwrap(), None);
+    store.put_instance(&full).await.unwrap();
+    assert_eq!(
+        store.get_instance(&alice, Role::Main).await.unwrap(),
+        Some(full.clone())
+    );
+    assert_eq!(
+        store.get_instance(&alice, Role::Watchdog).await.unwrap(),
+        None
+    );
+
+    let bare = Instance {
+        id: "inst-2".into(),
+        status: InstanceStatus::Stopped,
+        epoch: 8,
+        port: None,
+        pid: None,
+        pid_start: None,
+        folder: String::new(),
+        ready: false,
+        restarts: 0,
+        last_error: None,
+        exit_code: None,
+        ..full.clone()
+    };
+    store.put_instance(&bare).await.unwrap();
+    assert_eq!(
+        store.get_instance(&alice, Role::Main).await.unwrap(),
+        Some(bare.clone())
+    );
+
+    let watchdog = Instance {
+        role: Role::Watchdog,
+        epoch: 0,
+        ..full.clone()
+    };
+    store.put_instance(&watchdog).await.unwrap();
+    let all = store
+        .list_instances(&InstanceFilter::default())
+        .await
+        .unwrap();
+    assert_eq!(all.len(), 2, "{all:?}");
+
+    store.delete_instance(&alice, Role::Main).await.unwrap();
+    assert_eq!(store.get_instance(&alice, Role::Main).await.unwrap(), None);
+    assert_eq!(
+        store.get_instance(&alice, Role::Watchdog).await.unwrap(),
+        Some(watchdog)
+    );
+    // Deleting what is not there is not an error.
+    store.delete_instance(&alice, Role::Main).await.unwrap();
+}
+
+/// list_instances honours each filter and their combination.
+pub async fn instance_list_filters(store: Arc<dyn Store>) {
+    let mut a = instance("alice", Role::Main, "node-a", Some(4001));
+    a.status = InstanceStatus::Running;
+    let mut aw = instance("alice", Role::Watchdog, "node-a", Some(4002));
+    aw.status = InstanceStatus::Starting;
+    let mut b = instance("bob", Role::Main, "node-b", Some(4001));
+    b.status = InstanceStatus::Running;
+    let mut c = instance("carol", Role::Main, "node-a", None);
+    c.status = InstanceStatus::Stopped;
+    for i in [&a, &aw, &b, &c] {
+        store.put_instance(i).await.unwrap();
+    }
+    let ids = |v: Vec<Instance>| {
+        let mut ids: Vec<String> = v
+            .into_iter()
+            .map(|i| format!("{}/{}", i.user, i.role))
+            .collect();
+        ids.sort();
+        ids
+    };
+    let list = |f: InstanceFilter| {
+        let store = store.clone();
+        async move { ids(store.list_instances(&f).await.unwrap()) }
+    };
+    assert_eq!(
+        list(InstanceFilter::default()).await,
+        ["alice/main", "alice/watchdog", "bob/main", "carol/main"]
+    );
+    assert_eq!(
+        list(InstanceFilter {
+            status: Some(InstanceStatus::Running),
+            ..Default::default()
+        })
+        .await,
+        ["alice/main", "bob/main"]
+    );
+    assert_eq!(
+        list(InstanceFilter {
+            node: Some("node-a".into()),
+            ..Default::default()
+        })
+        .await,
+        ["alice/main", "alice/watchdog", "carol/main"]
+    );
+    assert_eq!(
+        list(InstanceFilter {
+            role: Some(Role::Watchdog),
+            ..Default::default()
+        })
+        .await,
+        ["alice/watchdog"]
+    );
+    assert_eq!(
+        list(InstanceFilter {
+            status: Some(InstanceStatus::Running),
+            node: Some("node-a".into()),
+            role: Some(Role::Main),
+        })
+        .await,
+        ["alice/main"]
+    );
+    assert!(
+        list(InstanceFilter {
+            node: Some("node-z".into()),
+            ..Default::default()
+        })
+        .await
+        .is_empty()
+    );
+}
+
+/// No (node, port) is recorded for two live instances; terminal ones and
+/// other nodes do not count.
+pub async fn live_port_is_unique_per_node(store: Arc<dyn Store>) {
+    let alice = instance("alice", Role::Main, "node-a", Some(4000));
+    store.put_instance(&alice).await.unwrap();
+    // Re-putting the same record with the same port is not a clash.
+    store.put_instance(&alice).await.unwrap();
+
+    for status in [
+        InstanceStatus::Starting,
+        InstanceStatus::Running,
+        InstanceStatus::Crashed,
+    ] {
+        let mut bob = instance("bob", Role::Main, "node-a", Some(4000));
+        bob.status = status;
+        let err = store.put_instance(&bob).await;
+        assert!(
+            err.is_err(),
+            "{status}: second live instance on node-a:4000"
+        );
+    }
+    let mut alice_wd = instance("alice", Role::Watchdog, "node-a", Some(4000));
+    alice_wd.status = InstanceStatus::Starting;
+    assert!(store.put_instance(&alice_wd).await.is_err());
+    // The failed puts left alice's record alone.
+    assert_eq!(
+        store.get_instance(&alice.user, Role::Main).await.unwrap(),
+        Some(alice.clone())
+    );
+
+    let bob_other_node = instance("bob", Role::Main, "node-b", Some(4000));
+    store.put_instance(&bob_other_node).await.unwrap();
+    let mut carol_stopped = instance("carol", Role::Main, "node-a", Some(4000));
+    carol_stopped.status = InstanceStatus::Stopped;
+    store.put_instance(&carol_stopped).await.unwrap();
+    let no_port = [
+        instance("dave", Role::Main, "node-a", None),
+        instance("erin", Role::Main, "node-a", None),
+    ];
+    for i in &no_port {
+        store.put_instance(i).await.unwrap();
+    }
+
+    let mut alice_stopped = alice.clone();
+    alice_stopped.status = InstanceStatus::Failed;
+    store.put_instance(&alice_stopped).await.unwrap();
+    let bob = instance("bob", Role::Main, "node-a", Some(4000));
+    store.put_instance(&bob).await.unwrap();
+}
+
+/// The first claim of a user's lease yields epoch 1.
+pub async fn claim_on_fresh_user_gets_epoch_1(store: Arc<dyn Store>) {
+    let alice = user("alice");
+    assert_eq!(store.get_lease(&alice).await.unwrap(), None);
+    assert_eq!(
+        claim(&store, &alice, "node-a", LONG).await,
+        ClaimOutcome::Claimed { epoch: 1 }
+    );
+    let lease = store.get_lease(&alice).await.unwrap().unwrap();
+    assert_eq!(lease.user, alice);
+    assert_eq!(lease.holder.as_deref(), Some("node-a"));
+    assert_eq!(lease.epoch, 1);
+    assert!(!lease.released && !lease.expired, "{lease:?}");
+    let now = store.now().await.unwrap();
+    assert!(lease.lease_until.unwrap() > now, "{lease:?} at {now}");
+}
+
+/// While node-a's lease is live, node-b is told who holds it, under either
+/// policy, and the lease is untouched.
+pub async fn second_node_is_busy_while_lease_is_live(store: Arc<dyn Store>) {
+    let alice = user("alice");
+    claimed(&store, &alice, "node-a", LONG).await;
+    let before = store.get_lease(&alice).await.unwrap();
+    for policy in [TakeoverPolicy::Evidence, TakeoverPolicy::Manual] {
+        assert_eq!(
+            store
+                .claim_lease(&alice, "node-b", LONG, policy)
+                .await
+                .unwrap(),
+            ClaimOutcome::Busy {
+                holder: "node-a".into(),
+                expired: false
+            }
+        );
+    }
+    assert_eq!(store.get_lease(&alice).await.unwrap(), before);
+}
+
+/// The holder re-claiming its own live lease bumps the epoch; it is never
+/// busy against itself.
+pub async fn holder_reclaims_own_lease_with_next_epoch(store: Arc<dyn Store>) {
+    let alice = user("alice");
+    assert_eq!(claimed(&store, &alice, "node-a", LONG).await, 1);
+    assert_eq!(claimed(&store, &alice, "node-a", LONG).await, 2);
+    assert_eq!(
+        store
+            .claim_lease(&alice, "node-a", LONG, TakeoverPolicy::Manual)
+            .await
+            .unwrap(),
+        ClaimOutcome::Claimed { epoch: 3 }
+    );
+}
+
+/// Renew is fenced on (holder, epoch): an old epoch or another node renews
+/// nothing, and an empty list is fine.
+pub async fn renew_with_stale_epoch_or_wrong_node_renews_nothing(store: Arc<dyn Store>) {
+    let alice = user("alice");
+    let old = claimed(&store, &alice, "node-a", LONG).await;
+    let new = claimed(&store, &alice, "node-a", LONG).await;
+    assert!(new > old);
+    assert!(
+        store
+            .renew_leases("node-a", &[(alice.clone(), old)], LONG)
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    assert!(
+        store
+            .renew_leases("node-b", &[(alice.clone(), new)], LONG)
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    assert_eq!(
+        store
+            .renew_leases("node-a", &[(alice.clone(), new)], LONG)
+            .await
+            .unwrap(),
+        vec![alice.clone()]
+    );
+    assert!(
+        store
+            .renew_leases("node-a", &[], LONG)
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    // A user with no lease row at all is simply not renewed.
+    assert!(
+        store
+            .renew_leases("node-a", &[(user("nobody"), 1)], LONG)
+            .await
+            .unwrap()
+            .is_empty()
+    );
+}
+
+/// A lease that ran out but was not taken keeps its epoch, so renewing it
+/// is safe and succeeds; the renew moves `lease_until` by the store clock.
+pub async fn renew_of_expired_untaken_lease_succeeds(store: Arc<dyn Store>) {
+    let alice = user("alice");
+    let epoch = claimed(&store, &alice, "node-a", SHORT).await;
+    wait_until_expired(&store, &alice).await;
+    assert_eq!(
+        store
+            .renew_leases("node-a", &[(alice.clone(), epoch)], LONG)
+            .await
+            .unwrap(),
+        vec![alice.clone()]
+    );
+    let lease = store.get_lease(&alice).await.unwrap().unwrap();
+    assert!(!lease.expired, "{lease:?}");
+    assert!(lease.lease_until.unwrap() > store.now().await.unwrap());
+}
+
+/// A released lease stays released: renew does not bring it back.
+pub async fn renew_does_not_revive_released_lease(store: Arc<dyn Store>) {
+    let alice = user("alice");
+    let epoch = claimed(&store, &alice, "node-a", LONG).await;
+    assert!(store.release_lease(&alice, "node-a", epoch).await.unwrap());
+    assert!(
+        store
+            .renew_leases("node-a", &[(alice.clone(), epoch)], LONG)
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    assert!(store.get_lease(&alice).await.unwrap().unwrap().released);
+}
+
+/// One renew call covers thousands of leases, and reports exactly the ones
+/// still held among them.
+pub async fn renew_thousands_in_one_call(store: Arc<dyn Store>) {
+    const N: usize = 2_000;
+    let mut held = Vec::with_capacity(N);
+    for i in 0..N {
+        let u = user(&format!("user-{i:05}"));
+        let epoch = claimed(&store, &u, "node-a", LONG).await;
+        held.push((u, epoch));
+    }
+    // Every 100th lease moves on to a new epoch: those are lost.
+    let mut expected: Vec<UserId> = Vec::new();
+    for (i, (u, _)) in held.iter().enumerate() {
+        if i % 100 == 0 {
+            claimed(&store, u, "node-a", LONG).await;
+        } else {
+            expected.push(u.clone());
+        }
+    }
+    let mut renewed = store.renew_leases("node-a", &held, LONG).await.unwrap();
+    renewed.sort();
+    assert_eq!(renewed.len(), N - N / 100);
+    assert_eq!(renewed, expected);
+}
+
+/// Release ends the lease now but keeps the holder as a hint; it is fenced
+/// on (holder, epoch); afterwards any node may claim.
+pub async fn release_keeps_holder_hint_and_frees_lease(store: Arc<dyn Store>) {
+    let alice = user("alice");
+    let epoch = claimed(&store, &alice, "node-a", LONG).await;
+    assert!(!store.release_lease(&alice, "node-b", epoch).await.unwrap());
+    assert!(
+        !store
+            .release_lease(&alice, "node-a", epoch + 1)
+            .await
+            .unwrap()
+    );
+    assert!(store.release_lease(&alice, "node-a", epoch).await.unwrap());
+    assert!(!store.release_lease(&alice, "node-a", epoch).await.unwrap());
+
+    let lease = store.get_lease(&alice).await.unwrap().unwrap();
+    assert_eq!(lease.holder.as_deref(), Some("node-a"));
+    assert_eq!(lease.epoch, epoch);
+    assert!(lease.released, "{lease:?}");
+    assert!(!lease.expired, "released is not expired: {lease:?}");
+    assert!(lease.lease_until.unwrap() < store.now().await.unwrap());
+    assert!(store.list_leases(true).await.unwrap().is_empty());
+    assert!(store.leases_held_by("node-a").await.unwrap().is_empty());
+
+    // Released means free, even under Manual and with node-a alive.
+    store.heartbeat(&node("node-a")).await.unwrap();
+    assert_eq!(
+        store
+            .claim_lease(&alice, "node-b", LONG, TakeoverPolicy::Manual)
+            .await
+            .unwrap(),
+        ClaimOutcome::Claimed { epoch: epoch + 1 }
+    );
+    let lease = store.get_lease(&alice).await.unwrap().unwrap();
+    assert_eq!(lease.holder.as_deref(), Some("node-b"));
+    assert!(!lease.released);
+}
+
+/// An expired lease whose holder still heartbeats is reported, not taken,
+/// under both policies.
+pub async fn expired_lease_with_live_holder_is_busy_expired(store: Arc<dyn Store>) {
+    let alice = user("alice");
+    store.heartbeat(&node("node-a")).await.unwrap();
+    let epoch = claimed(&store, &alice, "node-a", SHORT).await;
+    wait_until_expired(&store, &alice).await;
+    store.heartbeat(&node("node-a")).await.unwrap();
+    // The evidence window is the claimer's TTL: node-a beat well within it.
+    for policy in [TakeoverPolicy::Evidence, TakeoverPolicy::Manual] {
+        assert_eq!(
+            store
+                .claim_lease(&alice, "node-b", LONG, policy)
+                .await
+                .unwrap(),
+            ClaimOutcome::Busy {
+                holder: "node-a".into(),
+                expired: true
+            },
+            "{policy:?}"
+        );
+    }
+    let lease = store.get_lease(&alice).await.unwrap().unwrap();
+    assert_eq!(
+        (lease.holder.as_deref(), lease.epoch),
+        (Some("node-a"), epoch)
+    );
+    assert!(lease.expired);
+}
+
+/// An expired lease whose holder's heartbeat is older than one TTL may be
+/// claimed under Evidence, never under Manual.
+pub async fn expired_lease_with_stale_holder_needs_evidence_policy(store: Arc<dyn Store>) {
+    let alice = user("alice");
+    store.heartbeat(&node("node-a")).await.unwrap();
+    let epoch = claimed(&store, &alice, "node-a", SHORT).await;
+    wait_until_expired(&store, &alice).await;
+    wait_until_heartbeat_older(&store, "node-a", SHORT).await;
+    store.heartbeat(&node("node-b")).await.unwrap();
+
+    assert_eq!(
+        store
+            .claim_lease(&alice, "node-b", SHORT, TakeoverPolicy::Manual)
+            .await
+            .unwrap(),
+        ClaimOutcome::Busy {
+            holder: "node-a".into(),
+            expired: true
+        }
+    );
+    assert_eq!(
+        store
+            .claim_lease(&alice, "node-b", LONG, TakeoverPolicy::Evidence)
+            .await
+            .unwrap(),
+        // Judged against the claimer's TTL: a LONG claimer sees node-a's
+        // heartbeat as recent enough.
+        ClaimOutcome::Busy {
+            holder: "node-a".into(),
+            expired: true
+        }
+    );
+    assert_eq!(
+        store
+            .claim_lease(&alice, "node-b", SHORT, TakeoverPolicy::Evidence)
+            .await
+            .unwrap(),
+        ClaimOutcome::Claimed { epoch: epoch + 1 }
+    );
+    // The old holder is fenced: its epoch renews nothing.
+    assert!(
+        store
+            .renew_leases("node-a", &[(alice.clone(), epoch)], LONG)
+            .await
+            .unwrap()
+            .is_empty()
+    );
+}
+
+/// A holder that never registered a heartbeat counts as gone.
+pub async fn expired_lease_of_unregistered_holder_is_claimable_with_evidence(
+    store: Arc<dyn Store>,
+) {
+    let alice = user("alice");
+    let epoch = claimed(&store, &alice, "ghost", SHORT).await;
+    wait_until_expired(&store, &alice).await;
+    assert_eq!(
+        store
+            .claim_lease(&alice, "node-b", LONG, TakeoverPolicy::Manual)
+            .await
+            .unwrap(),
+        ClaimOutcome::Busy {
+            holder: "ghost".into(),
+            expired: true
+        }
+    );
+    assert_eq!(
+        store
+            .claim_lease(&alice, "node-b", LONG, TakeoverPolicy::Evidence)
+            .await
+            .unwrap(),
+        ClaimOutcome::Claimed { epoch: epoch + 1 }
+    );
+}
+
+/// An operator's takeover is refused on a live lease and succeeds on an
+/// expired one even while its holder still heartbeats.
+pub async fn take_over_only_works_on_expired_leases(store: Arc<dyn Store>) {
+    let alice = user("alice");
+    let bob = user("bob");
+    store.heartbeat(&node("node-a")).await.unwrap();
+    let a_epoch = claimed(&store, &alice, "node-a", LONG).await;
+    assert_eq!(
+        store.take_over_lease(&alice, "node-b", LONG).await.unwrap(),
+        ClaimOutcome::Busy {
+            holder: "node-a".into(),
+            expired: false
+        }
+    );
+    assert_eq!(
+        store.get_lease(&alice).await.unwrap().unwrap().epoch,
+        a_epoch
+    );
+
+    let b_epoch = claimed(&store, &bob, "node-a", SHORT).await;
+    wait_until_expired(&store, &bob).await;
+    store.heartbeat(&node("node-a")).await.unwrap();
+    assert_eq!(
+        store.take_over_lease(&bob, "node-b", LONG).await.unwrap(),
+        ClaimOutcome::Claimed { epoch: b_epoch + 1 }
+    );
+    let lease = store.get_lease(&bob).await.unwrap().unwrap();
+    assert_eq!(lease.holder.as_deref(), Some("node-b"));
+    assert!(!lease.expired);
+    assert!(
+        store
+            .renew_leases("node-a", &[(bob.clone(), b_epoch)], LONG)
+            .await
+            .unwrap()
+            .is_empty()
+    );
+
+    // A released lease may be taken over too.
+    let c = user("carol");
+    let c_epoch = claimed(&store, &c, "node-a", LONG).await;
+    assert!(store.release_lease(&c, "node-a", c_epoch).await.unwrap());
+    assert_eq!(
+        store.take_over_lease(&c, "node-b", LONG).await.unwrap(),
+        ClaimOutcome::Claimed { epoch: c_epoch + 1 }
+    );
+}
+
+/// `list_leases(true)` is exactly the expired, unreleased, held leases;
+/// `leases_held_by` exactly a node's live ones.
+pub async fn list_leases_and_leases_held_by(store: Arc<dyn Store>) {
+    let [live, released, expired, other] =
+        ["a-live", "b-released", "c-expired", "d-other"].map(user);
+    claimed(&store, &live, "node-1", LONG).await;
+    let e = claimed(&store, &released, "node-1", LONG).await;
+    assert!(store.release_lease(&released, "node-1", e).await.unwrap());
+    claimed(&store, &expired, "node-1", SHORT).await;
+    claimed(&store, &other, "node-2", LONG).await;
+    wait_until_expired(&store, &expired).await;
+
+    let users = |v: Vec<crate::LeaseRecord>| {
+        let mut u: Vec<UserId> = v.into_iter().map(|r| r.user).collect();
+        u.sort();
+        u
+    };
+    assert_eq!(
+        users(store.list_leases(false).await.unwrap()),
+        [
+            live.clone(),
+            released.clone(),
+            expired.clone(),
+            other.clone()
+        ]
+    );
+    let expired_list = store.list_leases(true).await.unwrap();
+    assert_eq!(expired_list.len(), 1, "{expired_list:?}");
+    assert_eq!(expired_list[0].user, expired);
+    assert_eq!(expired_list[0].holder.as_deref(), Some("node-1"));
+    assert!(expired_list[0].expired);
+
+    assert_eq!(
+        users(store.leases_held_by("node-1").await.unwrap()),
+        std::slice::from_ref(&live)
+    );
+    let held2 = store.leases_held_by("node-2").await.unwrap();
+    assert_eq!(held2.len(), 1);
+    assert_eq!(held2[0].user, other);
+    assert_eq!(held2[0].epoch, 1);
+    assert!(store.leases_held_by("node-3").await.unwrap().is_empty());
+}
+
+/// Eight nodes claiming one user at once: exactly one wins, the rest are
+/// told it is the winner that holds it.
+pub async fn concurrent_claimers_have_one_winner(store: Arc<dyn Store>) {
+    let alice = user("alice");
+    let barrier = Arc::new(tokio::sync::Barrier::new(8));
+    let tasks: Vec<_> = (0..8)
+        .map(|i| {
+            let store = store.clone();
+            let alice = alice.clone();
+            let barrier = barrier.clone();
+            tokio::spawn(async move {
+                let node = format!("node-{i}");
+                barrier.wait().await;
+                let outcome = store
+                    .claim_lease(&alice, &node, LONG, TakeoverPolicy::Evidence)
+                    .await
+                    .unwrap();
+                (node, outcome)
+            })
+        })
+        .collect();
+    let mut results = Vec::new();
+    for t in tasks {
+        results.push(t.await.unwrap());
+    }
+    let winners: Vec<&String> = results
+        .iter()
+        .filter(|(_, o)| matches!(o, ClaimOutcome::Claimed { .. }))
+        .map(|(n, _)| n)
+        .collect();
+    assert_eq!(winners.len(), 1, "{results:?}");
+    let winner = winners[0].clone();
+    for (node, outcome) in &results {
+        if *node == winner {
+            assert_eq!(*outcome, ClaimOutcome::Claimed { epoch: 1 });
+        } else {
+            assert_eq!(
+                *outcome,
+                ClaimOutcome::Busy {
+                    holder: winner.clone(),
+                    expired: false
+                }
+            );
+        }
+    }
+    let lease = store.get_lease(&alice).await.unwrap().unwrap();
+    assert_eq!((lease.holder, lease.epoch), (Some(winner), 1));
+}
+
+/// Crash state survives a round trip; saving a clear state deletes it.
+pub async fn crash_state_round_trip_and_clear_deletes(store: Arc<dyn Store>) {
+    let alice = user("alice");
+    let bob = user("bob");
+    assert_eq!(
+        store.load_crash_state(&alice).await.unwrap(),
+        CrashState::default()
+    );
+    let state = CrashState {
+        streak: 4,
+        restarts: vec![1_700_000_000_000, 1_700_000_001_000, 1_700_000_003_000],
+        opens: 2,
+        opened_at: Some(1_700_000_004_000),
+        cooldown_until: Some(1_700_001_204_000),
+    };
+    store.save_crash_state(&alice, &state).await.unwrap();
+    store.save_crash_state(&bob, &state).await.unwrap();
+    assert_eq!(store.load_crash_state(&alice).await.unwrap(), state);
+    let next = CrashState {
+        streak: 5,
+        ..state.clone()
+    };
+    store.save_crash_state(&alice, &next).await.unwrap();
+    assert_eq!(store.load_crash_state(&alice).await.unwrap(), next);
+    store
+        .save_crash_state(&alice, &CrashState::default())
+        .await
+        .unwrap();
+    assert_eq!(
+        store.load_crash_state(&alice).await.unwrap(),
+        CrashState::default()
+    );
+    assert_eq!(store.load_crash_state(&bob).await.unwrap(), state);
+}
+
+/// Token hashes map to their user; an unknown hash maps to nobody.
+pub async fn tokens_round_trip(store: Arc<dyn Store>) {
+    let alice = user("alice");
+    let bob = user("bob@corp.example");
+    store.put_token(&alice, "hash-a1").await.unwrap();
+    store.put_token(&alice, "hash-a2").await.unwrap();
+    store.put_token(&bob, "hash-b").await.unwrap();
+    // Putting the same hash again is idempotent.
+    store.put_token(&bob, "hash-b").await.unwrap();
+    assert_eq!(
+        store.user_for_token("hash-a1").await.unwrap(),
+        Some(alice.clone())
+    );
+    assert_eq!(store.user_for_token("hash-a2").await.unwrap(), Some(alice));
+    assert_eq!(store.user_for_token("hash-b").await.unwrap(), Some(bob));
+    assert_eq!(store.user_for_token("hash-unknown").await.unwrap(), None);
+    assert_eq!(store.user_for_token("").await.unwrap(), None);
+}
+
+/// heartbeat inserts, then updates, a node's row and stamps it with the
+/// store's clock; list_nodes returns every node.
+pub async fn nodes_heartbeat_upsert_and_list(store: Arc<dyn Store>) {
+    assert!(store.list_nodes().await.unwrap().is_empty());
+    let before = store.now().await.unwrap();
+    let mut n1 = node("node-1");
+    n1.capacity = 50;
+    n1.load = 3;
+    n1.heartbeat = 42; // ignored: the store stamps its own clock
+    store.heartbeat(&n1).await.unwrap();
+    let nodes = store.list_nodes().await.unwrap();
+    assert_eq!(nodes.len(), 1);
+    let first = nodes[0].clone();
+    assert_eq!(
+        (
+            first.id.as_str(),
+            first.advertise_url.as_str(),
+            first.capacity,
+            first.load,
+            first.status
+        ),
+        (
+            "node-1",
+            "http://node-1.internal:8080",
+            50,
+            3,
+            NodeStatus::Up
+        )
+    );
+    assert!(first.heartbeat >= before, "{first:?} vs {before}");
+    assert!(first.heartbeat <= store.now().await.unwrap());
+
+    n1.load = 7;
+    n1.status = NodeStatus::Draining;
+    n1.advertise_url = "http://10.0.0.1:9000".into();
+    store.heartbeat(&n1).await.unwrap();
+    let mut n2 = node("node-2");
+    n2.status = NodeStatus::Down;
+    store.heartbeat(&n2).await.unwrap();
+
+    let mut nodes = store.list_nodes().await.unwrap();
+    nodes.sort_by(|a, b| a.id.cmp(&b.id));
+    assert_eq!(nodes.len(), 2, "{nodes:?}");
+    assert_eq!(nodes[0].load, 7);
+    assert_eq!(nodes[0].status, NodeStatus::Draining);
+    assert_eq!(nodes[0].advertise_url, "http://10.0.0.1:9000");
+    assert!(nodes[0].heartbeat >= first.heartbeat);
+    assert_eq!(nodes[1].id, "node-2");
+    assert_eq!(nodes[1].status, NodeStatus::Down);
+}
+
+/// record_activity raises mains' last_active, never lowers it, leaves
+/// watchdogs alone, and takes the latest time when a user appears twice.
+pub async fn record_activity_never_lowers_last_active(store: Arc<dyn Store>) {
+    let mut a = instance("alice", Role::Main, "n", Some(1));
+    a.last_active = 1_000;
+    let mut aw = instance("alice", Role::Watchdog, "n", Some(2));
+    aw.last_active = 1_000;
+    let mut b = instance("bob", Role::Main, "n", Some(3));
+    b.last_active = 5_000;
+    for i in [&a, &aw, &b] {
+        store.put_instance(i).await.unwrap();
+    }
+    store.record_activity(&[]).await.unwrap();
+    store
+        .record_activity(&[
+            (user("alice"), 3_000),
+            (user("bob"), 2_000),
+            (user("alice"), 4_000),
+            (user("alice"), 2_500),
+            (user("nobody"), 9_000),
+        ])
+        .await
+        .unwrap();
+    let last_active = |u: &'static str, role: Role| {
+        let store = store.clone();
+        async move {
+            store
+                .get_instance(&user(u), role)
+                .await
+                .unwrap()
+                .unwrap()
+                .last_active
+        }
+    };
+    assert_eq!(last_active("alice", Role::Main).await, 4_000);
+    assert_eq!(last_active("alice", Role::Watchdog).await, 1_000);
+    assert_eq!(last_active("bob", Role::Main).await, 5_000);
+    assert_eq!(
+        store
+            .get_instance(&user("nobody"), Role::Main)
+            .await
+            .unwrap(),
+        None
+    );
+
+    store
+        .record_activity(&[(user("alice"), 3_999 as UnixMillis)])
+        .await
+        .unwrap();
+    assert_eq!(last_active("alice", Role::Main).await, 4_000);
+}
