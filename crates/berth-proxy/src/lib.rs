@@ -1,0 +1,1 @@
+//! berth's reverse proxy. (Implementation pending.)
