@@ -1,0 +1,211 @@
+//! The command line (design §8.5).
+
+use std::path::PathBuf;
+
+use clap::{Args, Parser, Subcommand};
+
+use crate::config::Overrides;
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "berth",
+    version,
+    about = "Runs exactly one instance of a program per user and proxies each user's traffic to it."
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Run a node: the API, the supervisor and the proxy.
+    Serve(ServeArgs),
+    /// The built-in sample program (an HTTP page with a WebSocket echo).
+    DemoApp(DemoAppArgs),
+    /// Show one user's instance, or all instances.
+    Status {
+        user: Option<String>,
+        #[command(flatten)]
+        client: ClientArgs,
+    },
+    /// Start a user's instance (waits until it is ready).
+    Start {
+        user: String,
+        /// Working directory, relative to the user's data root.
+        #[arg(long)]
+        folder: Option<String>,
+        /// File whose content is the instance's patch.
+        #[arg(long, value_name = "FILE")]
+        patch_file: Option<PathBuf>,
+        /// Start even if the crash breaker is open.
+        #[arg(long)]
+        force: bool,
+        /// Return as soon as the instance is launched.
+        #[arg(long)]
+        no_wait: bool,
+        #[command(flatten)]
+        client: ClientArgs,
+    },
+    /// Stop a user's instance.
+    Stop {
+        user: String,
+        #[command(flatten)]
+        client: ClientArgs,
+    },
+    /// Restart a user's instance.
+    Restart {
+        user: String,
+        #[command(flatten)]
+        client: ClientArgs,
+    },
+    /// Restart a user's instance and check that it stays up (exit 1 if not).
+    Probe {
+        user: String,
+        #[command(flatten)]
+        client: ClientArgs,
+    },
+    /// Show the last lines of a user's instance output.
+    Logs {
+        user: String,
+        /// Keep polling for new lines.
+        #[arg(short, long)]
+        follow: bool,
+        #[arg(long, default_value_t = 100)]
+        tail: usize,
+        #[command(flatten)]
+        client: ClientArgs,
+    },
+    /// List instances.
+    Ls {
+        /// Only instances in this status (e.g. running, starting, failed).
+        #[arg(long)]
+        status: Option<String>,
+        /// Only instances on this node.
+        #[arg(long)]
+        node: Option<String>,
+        #[command(flatten)]
+        client: ClientArgs,
+    },
+    /// List the cluster's nodes.
+    Nodes {
+        #[command(flatten)]
+        client: ClientArgs,
+    },
+    /// List leases.
+    Leases {
+        /// Only leases that ran out without being released.
+        #[arg(long)]
+        expired: bool,
+        #[command(flatten)]
+        client: ClientArgs,
+    },
+    /// Take over a user's expired lease onto the node behind --url.
+    Takeover {
+        user: String,
+        #[command(flatten)]
+        client: ClientArgs,
+    },
+    /// Restart every running instance (exit 1 if any failed).
+    RestartAll {
+        #[command(flatten)]
+        client: ClientArgs,
+    },
+    /// Mint a token for a user and print a URL that opens their instance.
+    Token {
+        user: String,
+        #[command(flatten)]
+        client: ClientArgs,
+    },
+    /// Configuration tools.
+    Config {
+        #[command(subcommand)]
+        command: ConfigCommand,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum ConfigCommand {
+    /// Parse and validate a config file (the environment is not consulted).
+    Check { file: PathBuf },
+}
+
+/// `berth serve`. The flags' environment variables are read by the config
+/// layer, so that the order is flags > environment > file > defaults.
+#[derive(Debug, Args)]
+pub struct ServeArgs {
+    /// TOML config file.
+    #[arg(long, value_name = "FILE", env = "BERTH_CONFIG")]
+    pub config: Option<PathBuf>,
+    /// Address to listen on [env: BERTH_LISTEN] [default: 127.0.0.1:8000].
+    #[arg(long, value_name = "ADDR")]
+    pub listen: Option<String>,
+    /// Directory for all state [env: BERTH_DATA_DIR] [default: ./berth-data].
+    #[arg(long, value_name = "DIR")]
+    pub data_dir: Option<PathBuf>,
+    /// sqlite://… or postgres://… [env: BERTH_STORE] [default: sqlite://<data-dir>/berth.db].
+    #[arg(long, value_name = "URL")]
+    pub store: Option<String>,
+    /// This node's id [env: BERTH_NODE_ID] [default: the host name].
+    #[arg(long, value_name = "ID")]
+    pub node_id: Option<String>,
+    /// How other nodes reach this one [env: BERTH_ADVERTISE_URL].
+    #[arg(long, value_name = "URL")]
+    pub advertise: Option<String>,
+}
+
+impl ServeArgs {
+    pub fn overrides(&self) -> Overrides {
+        Overrides {
+            listen: self.listen.clone(),
+            data_dir: self.data_dir.clone(),
+            store: self.store.clone(),
+            node_id: self.node_id.clone(),
+            advertise_url: self.advertise.clone(),
+        }
+    }
+}
+
+#[derive(Debug, Args)]
+pub struct DemoAppArgs {
+    /// Port to listen on, on 127.0.0.1.
+    #[arg(long)]
+    pub port: u16,
+    /// Exit after this many milliseconds (for crash tests).
+    #[arg(long, value_name = "MS")]
+    pub crash_after_ms: Option<u64>,
+    /// Exit code used by --crash-after-ms.
+    #[arg(long, default_value_t = 1)]
+    pub exit_code: u8,
+    /// Listen but never print the ready line, and answer 503.
+    #[arg(long)]
+    pub never_ready: bool,
+    /// Append "<BERTH_EPOCH> <counter>" to this file once a second.
+    #[arg(long, value_name = "FILE")]
+    pub journal: Option<PathBuf>,
+}
+
+/// Where the API is and how to authenticate to it.
+#[derive(Debug, Clone, Args)]
+pub struct ClientArgs {
+    /// berth's base URL.
+    #[arg(long, env = "BERTH_URL", default_value = "http://127.0.0.1:8000")]
+    pub url: String,
+    /// API token [default: the content of <data-dir>/admin.token].
+    #[arg(long, env = "BERTH_TOKEN", hide_env_values = true)]
+    pub token: Option<String>,
+    /// Where to find admin.token when no token is given.
+    #[arg(long, env = "BERTH_DATA_DIR", default_value = "./berth-data")]
+    pub data_dir: PathBuf,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    #[test]
+    fn the_command_line_is_well_formed() {
+        Cli::command().debug_assert();
+    }
+}

@@ -1,0 +1,323 @@
+//! `berth demo-app`: the built-in sample program that `berth serve` runs
+//! when no command is configured, and the test subject of the proxy tests.
+//!
+//! Every route matches on the path's *suffix*, so the app works under its
+//! base path (`/u/<user>/`) whether or not the proxy strips that prefix:
+//! `…/ws` echoes WebSocket messages, `…/sse?n=N` streams N events,
+//! `…/bytes?n=N` streams N zero bytes, `POST …/upload` counts the body, and
+//! any other GET is the HTML page.
+
+use std::convert::Infallible;
+use std::io::Write;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use axum::Router;
+use axum::body::{Body, Bytes};
+use axum::extract::FromRequestParts;
+use axum::extract::Request;
+use axum::extract::ws::{Message, WebSocket, WebSocketUpgrade};
+use axum::http::{Method, StatusCode, header};
+use axum::response::{Html, IntoResponse, Response};
+use futures_util::StreamExt;
+
+use crate::cli::DemoAppArgs;
+
+/// Biggest chunk of `…/bytes`.
+const CHUNK: usize = 64 * 1024;
+/// SSE streams are capped so that a typo cannot keep a connection for days.
+const MAX_SSE_EVENTS: u64 = 100_000;
+
+struct Page {
+    user: String,
+    role: String,
+    epoch: String,
+    base_path: String,
+    never_ready: bool,
+}
+
+pub fn run(args: DemoAppArgs) -> anyhow::Result<()> {
+    // One thread: the app serves one user, and must start fast.
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("cannot start the async runtime")?;
+    runtime.block_on(serve(args))
+}
+
+async fn serve(args: DemoAppArgs) -> anyhow::Result<()> {
+    let env = |name: &str, default: &str| std::env::var(name).unwrap_or_else(|_| default.into());
+    let mut base_path = env("BERTH_BASE_PATH", "/");
+    if !base_path.ends_with('/') {
+        base_path.push('/');
+    }
+    let page = Arc::new(Page {
+        user: env("BERTH_USER", "anonymous"),
+        role: env("BERTH_ROLE", "main"),
+        epoch: env("BERTH_EPOCH", "0"),
+        base_path,
+        never_ready: args.never_ready,
+    });
+
+    let listener = tokio::net::TcpListener::bind(("127.0.0.1", args.port))
+        .await
+        .with_context(|| format!("cannot listen on 127.0.0.1:{}", args.port))?;
+    let port = listener.local_addr()?.port();
+
+    if let Some(path) = &args.journal {
+        let mut file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(path)
+            .with_context(|| format!("cannot open journal {}", path.display()))?;
+        let epoch = page.epoch.clone();
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(Duration::from_secs(1));
+            for counter in 1u64.. {
+                tick.tick().await;
+                // One write per line, so that a reader never sees half of one.
+                let line = format!("{epoch} {counter}\n");
+                if file
+                    .write_all(line.as_bytes())
+                    .and_then(|()| file.flush())
+                    .is_err()
+                {
+                    eprintln!("berth-demo: cannot write the journal");
+                    std::process::exit(1);
+                }
+            }
+        });
+    }
+
+    if let Some(ms) = args.crash_after_ms {
+        let code = i32::from(args.exit_code);
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(ms)).await;
+            eprintln!("berth-demo: crashing on purpose with exit code {code}");
+            std::process::exit(code);
+        });
+    }
+
+    if !args.never_ready {
+        let token = random_token()?;
+        let mut stdout = std::io::stdout().lock();
+        // Readiness is judged on this exact line, so it must leave the pipe
+        // now rather than when a buffer fills.
+        writeln!(stdout, "berth-demo: http://127.0.0.1:{port}/?token={token}")
+            .and_then(|()| stdout.flush())
+            .context("cannot write the ready line")?;
+    }
+
+    let app = Router::new().fallback(move |req: Request| handle(page.clone(), req));
+    axum::serve(listener, app)
+        .await
+        .context("the demo app's server failed")
+}
+
+fn random_token() -> anyhow::Result<String> {
+    let mut bytes = [0u8; 16];
+    getrandom::fill(&mut bytes).map_err(|e| anyhow::anyhow!("no randomness: {e}"))?;
+    Ok(hex::encode(bytes))
+}
+
+async fn handle(page: Arc<Page>, req: Request) -> Response {
+    if page.never_ready {
+        return (StatusCode::SERVICE_UNAVAILABLE, "not ready\n").into_response();
+    }
+    let n = query_n(req.uri().query());
+    let last = last_segment(req.uri().path(), &page.base_path).to_owned();
+    match (req.method().clone(), last.as_str()) {
+        (Method::GET, "ws") => websocket(req).await,
+        (Method::GET, "sse") => sse(n.unwrap_or(10).min(MAX_SSE_EVENTS)),
+        (Method::GET, "bytes") => zeros(n.unwrap_or(0)),
+        (Method::POST, "upload") => upload(req).await,
+        (Method::GET | Method::HEAD, _) => Html(render_page(&page)).into_response(),
+        _ => StatusCode::METHOD_NOT_ALLOWED.into_response(),
+    }
+}
+
+/// The route name: the path's last segment below the base path (so that a
+/// user called `ws` still gets the page at `/u/ws/`).
+fn last_segment<'a>(path: &'a str, base_path: &str) -> &'a str {
+    if path == base_path.trim_end_matches('/') {
+        return "";
+    }
+    let relative = path
+        .strip_prefix(base_path)
+        .or_else(|| path.strip_prefix('/'))
+        .unwrap_or(path);
+    relative.rsplit('/').next().unwrap_or_default()
+}
+
+fn query_n(query: Option<&str>) -> Option<u64> {
+    query?
+        .split('&')
+        .find_map(|pair| pair.strip_prefix("n="))
+        .and_then(|v| v.parse().ok())
+}
+
+async fn websocket(req: Request) -> Response {
+    let (mut parts, _body) = req.into_parts();
+    match WebSocketUpgrade::from_request_parts(&mut parts, &()).await {
+        Ok(upgrade) => upgrade.on_upgrade(echo),
+        Err(rejection) => rejection.into_response(),
+    }
+}
+
+async fn echo(mut socket: WebSocket) {
+    while let Some(Ok(message)) = socket.recv().await {
+        let reply = match message {
+            Message::Text(_) | Message::Binary(_) => message,
+            Message::Close(_) => break,
+            // Pings are answered by the library.
+            Message::Ping(_) | Message::Pong(_) => continue,
+        };
+        if socket.send(reply).await.is_err() {
+            break;
+        }
+    }
+}
+
+fn sse(n: u64) -> Response {
+    let events = futures_util::stream::unfold(0u64, move |i| async move {
+        if i >= n {
+            return None;
+        }
+        if i > 0 {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let event = format!("id: {i}\ndata: event {i}\n\n");
+        Some((Ok::<_, Infallible>(Bytes::from(event)), i + 1))
+    });
+    Response::builder()
+        .header(header::CONTENT_TYPE, "text/event-stream")
+        .header(header::CACHE_CONTROL, "no-cache")
+        .body(Body::from_stream(events))
+        .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response())
+}
+
+fn zeros(n: u64) -> Response {
+    let chunk = Bytes::from(vec![0u8; CHUNK]);
+    let chunks = futures_util::stream::unfold(n, move |left| {
+        let chunk = chunk.clone();
+        async move {
+            if left == 0 {
+                return None;
+            }
+            let size = usize::try_from(left).map_or(CHUNK, |l| l.min(CHUNK));
+            Some((Ok::<_, Infallible>(chunk.slice(..size)), left - size as u64))
+        }
+    });
+    // A streamed body has no length, so hyper sends it chunked.
+    Response::builder()
+        .header(header::CONTENT_TYPE, "application/octet-stream")
+        .body(Body::from_stream(chunks))
+        .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response())
+}
+
+async fn upload(req: Request) -> Response {
+    let mut stream = req.into_body().into_data_stream();
+    let mut total: u64 = 0;
+    while let Some(chunk) = stream.next().await {
+        match chunk {
+            Ok(data) => total += data.len() as u64,
+            Err(e) => {
+                return (StatusCode::BAD_REQUEST, format!("upload failed: {e}\n")).into_response();
+            }
+        }
+    }
+    axum::Json(serde_json::json!({ "bytes": total })).into_response()
+}
+
+fn render_page(page: &Page) -> String {
+    let user = escape(&page.user);
+    let role = escape(&page.role);
+    let epoch = escape(&page.epoch);
+    let base = escape(&page.base_path);
+    format!(
+        r#"<!doctype html>
+<html>
+<head>
+<meta charset="utf-8">
+<title>berth demo — {user}</title>
+<style>
+body {{ font-family: system-ui, sans-serif; max-width: 40rem; margin: 2rem auto; }}
+#log {{ background: #f4f4f4; padding: .5rem; min-height: 6rem; white-space: pre-wrap; }}
+</style>
+</head>
+<body data-base="{base}">
+<h1>berth demo app</h1>
+<p>user <b id="user">{user}</b>, role <b>{role}</b>, epoch <b>{epoch}</b></p>
+<form id="f"><input id="msg" value="hello" autocomplete="off"> <button>send over WebSocket</button></form>
+<div id="log"></div>
+<script>
+const log = (s) => {{ document.getElementById('log').textContent += s + '\n'; }};
+const url = new URL(document.body.dataset.base + 'ws', location.href);
+url.protocol = location.protocol === 'https:' ? 'wss:' : 'ws:';
+const ws = new WebSocket(url);
+ws.onopen = () => log('connected to ' + url);
+ws.onmessage = (e) => log('echo: ' + e.data);
+ws.onclose = () => log('closed');
+document.getElementById('f').onsubmit = (e) => {{
+  e.preventDefault();
+  ws.send(document.getElementById('msg').value);
+}};
+</script>
+</body>
+</html>
+"#
+    )
+}
+
+fn escape(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for c in s.chars() {
+        match c {
+            '&' => out.push_str("&amp;"),
+            '<' => out.push_str("&lt;"),
+            '>' => out.push_str("&gt;"),
+            '"' => out.push_str("&quot;"),
+            '\'' => out.push_str("&#39;"),
+            c => out.push(c),
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn page_escapes_the_user() {
+        let page = Page {
+            user: "<b>&\"x'".into(),
+            role: "main".into(),
+            epoch: "3".into(),
+            base_path: "/u/x/".into(),
+            never_ready: false,
+        };
+        let html = render_page(&page);
+        assert!(html.contains("&lt;b&gt;&amp;&quot;x&#39;"));
+        assert!(!html.contains("<b>&"));
+    }
+
+    #[test]
+    fn routes_work_with_and_without_the_prefix() {
+        assert_eq!(last_segment("/u/ws/", "/u/ws/"), "");
+        assert_eq!(last_segment("/u/ws", "/u/ws/"), "");
+        assert_eq!(last_segment("/u/ws/ws", "/u/ws/"), "ws");
+        assert_eq!(last_segment("/ws", "/u/ws/"), "ws");
+        assert_eq!(last_segment("/", "/u/a/"), "");
+        assert_eq!(last_segment("/u/a/x/sse", "/u/a/"), "sse");
+        assert_eq!(last_segment("/ws", "/"), "ws");
+    }
+
+    #[test]
+    fn n_is_read_from_the_query() {
+        assert_eq!(query_n(Some("a=1&n=42")), Some(42));
+        assert_eq!(query_n(Some("n=x")), None);
+        assert_eq!(query_n(None), None);
+    }
+}

@@ -1,0 +1,194 @@
+//! `berth config check` on the shipped examples and on broken files.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn berth(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_berth"))
+        .args(args)
+        // `config check` reads only the file; make sure the test environment
+        // could not mask that.
+        .env_remove("BERTH_LISTEN")
+        .env_remove("BERTH_STORE")
+        .output()
+        .expect("cannot run berth")
+}
+
+fn check(path: &Path) -> Output {
+    berth(&["config", "check", path.to_str().expect("UTF-8 path")])
+}
+
+fn examples_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../examples")
+}
+
+/// Writes `text` to a temporary file and checks it; returns stderr.
+fn check_failing(text: &str) -> (String, PathBuf, tempfile::TempDir) {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("broken.toml");
+    std::fs::write(&path, text).unwrap();
+    let out = check(&path);
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(!out.status.success(), "accepted:\n{text}");
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.starts_with("berth: "), "{stderr}");
+    (stderr, path, dir)
+}
+
+#[test]
+fn every_example_is_accepted() {
+    let mut checked = 0;
+    for entry in std::fs::read_dir(examples_dir()).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().is_some_and(|e| e == "toml") {
+            let out = check(&path);
+            assert!(
+                out.status.success(),
+                "{} refused: {}",
+                path.display(),
+                String::from_utf8_lossy(&out.stderr)
+            );
+            checked += 1;
+        }
+    }
+    assert!(checked >= 4, "only {checked} examples found");
+}
+
+#[test]
+fn the_dsh_preset_is_exact() {
+    let text = std::fs::read_to_string(examples_dir().join("dsh.toml")).unwrap();
+    let value: toml::Table = toml::from_str(&text).unwrap();
+    let instance = value["instance"].as_table().unwrap();
+    let command: Vec<&str> = instance["command"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_str().unwrap())
+        .collect();
+    assert_eq!(
+        command,
+        [
+            "dsh",
+            "--profile",
+            "web",
+            "--patch",
+            "{patch}",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "{port}"
+        ]
+    );
+    let re = regex::Regex::new(instance["ready_token_regex"].as_str().unwrap()).unwrap();
+    let caps = re
+        .captures("dsh web: http://127.0.0.1:20417/?token=Ab-9_x")
+        .unwrap();
+    assert_eq!(&caps[1], "Ab-9_x");
+}
+
+#[test]
+fn the_jupyter_regex_finds_the_token_under_a_base_url() {
+    let text = std::fs::read_to_string(examples_dir().join("jupyter.toml")).unwrap();
+    let value: toml::Table = toml::from_str(&text).unwrap();
+    let pattern = value["instance"]["ready_token_regex"].as_str().unwrap();
+    let re = regex::Regex::new(pattern).unwrap();
+    for line in [
+        "[I 2025-01-01 10:00:00.000 ServerApp]     http://127.0.0.1:20001/u/alice/?token=0123abcd",
+        "[I 2025-01-01 10:00:00.000 ServerApp] http://127.0.0.1:20001/u/a.b%40corp/lab?token=0123abcd",
+        "        http://127.0.0.1:20001/u/alice/tree?foo=1&token=0123abcd",
+    ] {
+        let caps = re
+            .captures(line)
+            .unwrap_or_else(|| panic!("no match: {line}"));
+        assert_eq!(&caps[1], "0123abcd", "{line}");
+    }
+}
+
+#[test]
+fn unknown_key_names_file_and_line() {
+    let (stderr, path, _dir) = check_failing(
+        "listen = \"127.0.0.1:8000\"\n\n[instance]\nready_timeout_s = 5\n\n\nbogus_key = 1\n",
+    );
+    assert!(stderr.contains(path.to_str().unwrap()), "{stderr}");
+    assert!(stderr.contains("line 7"), "{stderr}");
+    assert!(stderr.contains("bogus_key"), "{stderr}");
+}
+
+#[test]
+fn unknown_table_names_file_and_line() {
+    let (stderr, path, _dir) = check_failing("listen = \"127.0.0.1:8000\"\n[bogus]\nx = 1\n");
+    assert!(stderr.contains(path.to_str().unwrap()), "{stderr}");
+    assert!(stderr.contains("line 2"), "{stderr}");
+    assert!(stderr.contains("bogus"), "{stderr}");
+}
+
+#[test]
+fn syntax_error_names_file_and_line() {
+    let (stderr, path, _dir) = check_failing("# comment\nlisten = \"127.0.0.1:8000\"\n[instance\n");
+    assert!(stderr.contains(path.to_str().unwrap()), "{stderr}");
+    assert!(stderr.contains("line 3"), "{stderr}");
+    assert_eq!(stderr.trim_end().lines().count(), 1, "{stderr}");
+}
+
+#[test]
+fn bad_values_name_the_key() {
+    let cases = [
+        (
+            "[instance]\nport_range = [29999, 20000]\n",
+            "instance.port_range",
+            "line 2",
+        ),
+        (
+            "\n[lease]\ntakeover = \"whenever\"\n",
+            "lease.takeover",
+            "line 3",
+        ),
+        ("listen = \"localhost\"\n", "listen", "line 1"),
+        (
+            "[instance]\nready_token_regex = 'token=(['\n",
+            "instance.ready_token_regex",
+            "line 2",
+        ),
+        (
+            "[lease]\nttl_ms = 15000\nrenew_ms = 10000\n",
+            "lease.ttl_ms",
+            "line 2",
+        ),
+        ("[proxy]\nauth = \"magic\"\n", "proxy.auth", "line 2"),
+        (
+            "[instance]\nport_range = [1, \"x\"]\n",
+            "instance.port_range",
+            "line 2",
+        ),
+    ];
+    for (text, key, line) in cases {
+        let (stderr, _path, _dir) = check_failing(text);
+        assert!(stderr.contains(key), "{key} not named: {stderr}");
+        assert!(stderr.contains(line), "{line} not named: {stderr}");
+    }
+}
+
+#[test]
+fn unsupported_isolation_is_refused_clearly() {
+    let (stderr, _path, _dir) = check_failing("[isolation]\nmode = \"user\"\n");
+    assert!(
+        stderr.contains("isolation mode \"user\" is not supported yet"),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn missing_file_is_named() {
+    let out = berth(&["config", "check", "/nonexistent/berth.toml"]);
+    assert_eq!(out.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("/nonexistent/berth.toml"), "{stderr}");
+}
+
+#[test]
+fn usage_errors_exit_2() {
+    let out = berth(&["config", "check"]);
+    assert_eq!(out.status.code(), Some(2));
+    let out = berth(&["no-such-command"]);
+    assert_eq!(out.status.code(), Some(2));
+}
