@@ -1,0 +1,627 @@
+//! The HTTP API under `/api/v1` (design §8.4, a contract).
+//!
+//! User routes are parsed from the raw path rather than by the router's
+//! extractor, so that every malformed user id — empty, `..`, a `%00`, an
+//! invalid percent-encoding — gets the same `400 invalid_user` instead of a
+//! bare 404.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::Bytes;
+use axum::extract::{DefaultBodyLimit, Query, State};
+use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, Uri, header};
+use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use berth_core::{
+    ErrorCode, Instance, InstanceEvent, InstanceStatus, LaunchRequest, SpawnError, Spawner, UserId,
+    unix_millis_now,
+};
+use berth_store::{InstanceFilter, Store};
+use futures_util::stream::{self, Stream};
+use serde::Deserialize;
+use serde_json::{Value, json};
+
+use super::auth::{Authenticator, Caller};
+use super::metrics::{ApiLabels, Metrics};
+
+/// Request bodies larger than this are refused before parsing. It sits
+/// above the patch limit so that an oversized patch gets the precise
+/// `payload_too_large` message from the spawner.
+const MAX_BODY_BYTES: usize = 1024 * 1024;
+
+/// What every handler shares.
+pub struct ApiState {
+    pub spawner: Arc<dyn Spawner>,
+    pub store: Arc<dyn Store>,
+    pub auth: Authenticator,
+    pub metrics: Arc<Metrics>,
+    /// How clients reach this node, e.g. `http://127.0.0.1:8000`.
+    pub public_url: String,
+    pub node_id: String,
+    pub ready_timeout: Duration,
+    pub lease_ttl: Duration,
+}
+
+type AppState = State<Arc<ApiState>>;
+
+/// The API router.
+pub fn router(state: Arc<ApiState>) -> Router {
+    Router::new()
+        .route("/healthz", get(|| async { "ok" }))
+        .route("/metrics", get(metrics))
+        .route("/api/v1/users/{*rest}", axum::routing::any(user_route))
+        .route("/api/v1/instances", get(list_instances))
+        .route("/api/v1/instances/restart-all", post(restart_all))
+        .route("/api/v1/nodes", get(list_nodes))
+        .route("/api/v1/leases", get(list_leases))
+        .route("/api/v1/leases/{*rest}", post(take_over))
+        .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .with_state(state)
+}
+
+/// An error answered as `{"error": code, "message": …, …}`.
+#[derive(Debug)]
+pub struct ApiError {
+    code: ErrorCode,
+    message: String,
+    extra: Vec<(&'static str, Value)>,
+    retry_after_ms: Option<u64>,
+}
+
+impl ApiError {
+    fn new(code: ErrorCode, message: impl Into<String>) -> Self {
+        Self {
+            code,
+            message: message.into(),
+            extra: Vec::new(),
+            retry_after_ms: None,
+        }
+    }
+
+    fn unauthorized() -> Self {
+        Self::new(
+            ErrorCode::Unauthorized,
+            "a valid token is required (Authorization: Bearer <token>, or the berth_token cookie)",
+        )
+    }
+
+    fn forbidden() -> Self {
+        Self::new(ErrorCode::Forbidden, "this token may not do that")
+    }
+}
+
+impl From<SpawnError> for ApiError {
+    fn from(e: SpawnError) -> Self {
+        let retry_after_ms = e.retry_after_ms(unix_millis_now());
+        let mut err = ApiError::new(e.code(), e.to_string());
+        err.retry_after_ms = retry_after_ms;
+        match &e {
+            SpawnError::CircuitOpen { opens, .. } => {
+                err.extra.push(("opens", json!(opens)));
+                err.extra.push(("retry_after_ms", json!(retry_after_ms)));
+            }
+            SpawnError::Starting { retry_after_ms, .. } => {
+                err.extra.push(("retry_after_ms", json!(retry_after_ms)));
+            }
+            SpawnError::LeaseBusy {
+                holder, expired, ..
+            } => {
+                err.extra.push(("holder", json!(holder)));
+                err.extra.push(("expired", json!(expired)));
+            }
+            _ => {}
+        }
+        err
+    }
+}
+
+impl From<berth_store::StoreError> for ApiError {
+    fn from(e: berth_store::StoreError) -> Self {
+        SpawnError::from(e).into()
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let mut body = serde_json::Map::new();
+        body.insert("error".into(), json!(self.code.as_str()));
+        body.insert("message".into(), json!(self.message));
+        for (k, v) in self.extra {
+            body.insert(k.into(), v);
+        }
+        let status = StatusCode::from_u16(self.code.http_status())
+            .unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+        let mut response = (status, axum::Json(Value::Object(body))).into_response();
+        if let Some(ms) = self.retry_after_ms {
+            let secs = ms.div_ceil(1000).max(1);
+            if let Ok(v) = HeaderValue::from_str(&secs.to_string()) {
+                response.headers_mut().insert(header::RETRY_AFTER, v);
+            }
+        }
+        if self.code == ErrorCode::Unauthorized {
+            response
+                .headers_mut()
+                .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+        }
+        response
+    }
+}
+
+type ApiResult<T = Response> = Result<T, ApiError>;
+
+impl ApiState {
+    async fn caller(&self, headers: &HeaderMap) -> ApiResult<Caller> {
+        self.auth
+            .identify(headers)
+            .await?
+            .ok_or_else(ApiError::unauthorized)
+    }
+
+    async fn require_admin(&self, headers: &HeaderMap) -> ApiResult<()> {
+        match self.caller(headers).await? {
+            Caller::Admin => Ok(()),
+            Caller::User(_) => Err(ApiError::forbidden()),
+        }
+    }
+
+    /// The URL a user opens: their base path, carrying the launch token.
+    fn open_url(&self, user: &UserId) -> String {
+        let segment = percent_encoding::utf8_percent_encode(user.as_str(), PATH_SEGMENT);
+        let base = format!("{}/u/{segment}/", self.public_url.trim_end_matches('/'));
+        match self.spawner.launch_token(user) {
+            Some(token) => format!("{base}?token={token}"),
+            None => base,
+        }
+    }
+
+    fn count_error(&self, code: ErrorCode) {
+        self.metrics
+            .api_errors
+            .get_or_create(&ApiLabels {
+                code: code.as_str().to_owned(),
+            })
+            .inc();
+    }
+}
+
+/// Characters escaped in a path segment (everything but unreserved).
+const PATH_SEGMENT: &percent_encoding::AsciiSet = &percent_encoding::NON_ALPHANUMERIC
+    .remove(b'-')
+    .remove(b'.')
+    .remove(b'_')
+    .remove(b'~');
+
+async fn metrics(State(state): AppState, headers: HeaderMap) -> ApiResult {
+    state.require_admin(&headers).await?;
+    let text = state
+        .metrics
+        .encode()
+        .map_err(|e| ApiError::new(ErrorCode::Internal, e.to_string()))?;
+    Ok((
+        [(
+            header::CONTENT_TYPE,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
+        text,
+    )
+        .into_response())
+}
+
+#[derive(Debug, Default, Deserialize)]
+struct UserQuery {
+    wait: Option<bool>,
+    tail: Option<usize>,
+}
+
+/// Dispatches `/api/v1/users/<user>/<action>`.
+async fn user_route(
+    State(state): AppState,
+    method: Method,
+    uri: Uri,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let result = match Query::<UserQuery>::try_from_uri(&uri) {
+        Ok(Query(query)) => dispatch_user_route(&state, method, &uri, &headers, query, body).await,
+        Err(e) => Err(ApiError::new(ErrorCode::InvalidRequest, e.body_text())),
+    };
+    match result {
+        Ok(response) => response,
+        Err(err) => {
+            state.count_error(err.code);
+            err.into_response()
+        }
+    }
+}
+
+async fn dispatch_user_route(
+    state: &Arc<ApiState>,
+    method: Method,
+    uri: &Uri,
+    headers: &HeaderMap,
+    query: UserQuery,
+    body: Bytes,
+) -> ApiResult {
+    let rest = uri
+        .path()
+        .strip_prefix("/api/v1/users/")
+        .unwrap_or_default();
+    let (raw_user, action) = rest.split_once('/').unwrap_or((rest, ""));
+    // Authenticate before validating input, so unauthenticated callers learn
+    // nothing about which ids exist or are valid.
+    let caller = state.caller(headers).await?;
+    let user = parse_user_segment(raw_user)?;
+    let self_service = matches!(
+        (&method, action),
+        (&Method::GET, "instance")
+            | (&Method::POST, "instance")
+            | (&Method::GET, "instance/progress")
+            | (&Method::POST, "tokens")
+    );
+    let allowed = match &caller {
+        Caller::Admin => true,
+        Caller::User(_) => self_service && caller.may_act_for(&user),
+    };
+    if !allowed {
+        return Err(ApiError::forbidden());
+    }
+    let spawner = &state.spawner;
+    match (method, action) {
+        (Method::GET, "instance") => {
+            let status = spawner.status(&user).await?;
+            let breaker = spawner.breaker_info(&user).await?;
+            Ok(axum::Json(json!({
+                "user": user,
+                "main": status.main,
+                "watchdog": status.watchdog,
+                "breaker": breaker,
+            }))
+            .into_response())
+        }
+        (Method::POST, "instance") => launch(state, &user, query.wait.unwrap_or(true), &body).await,
+        (Method::DELETE, "instance") => {
+            spawner.stop(&user).await?;
+            Ok(StatusCode::NO_CONTENT.into_response())
+        }
+        (Method::POST, "instance/restart") => {
+            let instance = spawner.restart_main(&user).await?;
+            let instance = wait_until_ready(state, &user, instance, true).await?;
+            Ok(instance_response(state, &user, StatusCode::OK, instance))
+        }
+        (Method::POST, "instance/probe") => {
+            Ok(axum::Json(spawner.restart_and_probe(&user).await).into_response())
+        }
+        (Method::GET, "instance/progress") => Ok(progress(state, user).await?.into_response()),
+        (Method::GET, "instance/logs") => {
+            let lines = spawner.logs(&user, query.tail.unwrap_or(100)).await?;
+            Ok(axum::Json(json!({ "user": user, "lines": lines })).into_response())
+        }
+        (Method::POST, "watchdog") => {
+            let instance = spawner.spawn_watchdog(&user).await?;
+            Ok((StatusCode::CREATED, axum::Json(instance)).into_response())
+        }
+        (Method::POST, "breaker/reset") => {
+            spawner.reset_breaker(&user).await?;
+            Ok(StatusCode::NO_CONTENT.into_response())
+        }
+        (Method::POST, "tokens") => {
+            let token = state
+                .auth
+                .mint_user_token(&user)
+                .await
+                .map_err(|e| ApiError::new(ErrorCode::StoreUnavailable, format!("{e:#}")))?;
+            let url = format!(
+                "{}/u/{}/?berth_token={token}",
+                state.public_url.trim_end_matches('/'),
+                percent_encoding::utf8_percent_encode(user.as_str(), PATH_SEGMENT)
+            );
+            Ok((
+                StatusCode::CREATED,
+                axum::Json(json!({ "user": user, "token": token, "url": url })),
+            )
+                .into_response())
+        }
+        (_, action) => Err(ApiError::new(
+            ErrorCode::NotFound,
+            format!("no such route: {action:?}"),
+        )),
+    }
+}
+
+/// Percent-decodes and validates the user segment of a path.
+fn parse_user_segment(raw: &str) -> ApiResult<UserId> {
+    let decoded = percent_encoding::percent_decode_str(raw)
+        .decode_utf8()
+        .map_err(|_| ApiError::new(ErrorCode::InvalidUser, "invalid user id: not UTF-8"))?;
+    if raw.contains('%') && !valid_percent_encoding(raw) {
+        return Err(ApiError::new(
+            ErrorCode::InvalidUser,
+            "invalid user id: malformed percent-encoding",
+        ));
+    }
+    UserId::parse(&decoded).map_err(|e| SpawnError::from(e).into())
+}
+
+fn valid_percent_encoding(raw: &str) -> bool {
+    let bytes = raw.as_bytes();
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'%' {
+            let ok = bytes.get(i + 1).is_some_and(u8::is_ascii_hexdigit)
+                && bytes.get(i + 2).is_some_and(u8::is_ascii_hexdigit);
+            if !ok {
+                return false;
+            }
+            i += 3;
+        } else {
+            i += 1;
+        }
+    }
+    true
+}
+
+async fn launch(state: &Arc<ApiState>, user: &UserId, wait: bool, body: &[u8]) -> ApiResult {
+    let request: LaunchRequest = if body.iter().all(u8::is_ascii_whitespace) {
+        LaunchRequest::default()
+    } else {
+        serde_json::from_slice(body).map_err(|e| {
+            ApiError::new(
+                ErrorCode::InvalidRequest,
+                format!("invalid launch body: {e}"),
+            )
+        })?
+    };
+    let (status, instance) = match state.spawner.launch(user, request).await {
+        Ok(instance) => (StatusCode::CREATED, instance),
+        Err(SpawnError::AlreadyRunning { .. }) => {
+            let current = state.spawner.status(user).await?.main.ok_or_else(|| {
+                ApiError::new(ErrorCode::Internal, "instance vanished during launch")
+            })?;
+            (StatusCode::OK, current)
+        }
+        Err(e) => return Err(e.into()),
+    };
+    let instance = wait_until_ready(state, user, instance, wait).await?;
+    Ok(instance_response(state, user, status, instance))
+}
+
+/// With `wait`, waits up to `ready_timeout` for the instance to be ready.
+/// A still-starting instance then gets `503 instance_starting`; one that
+/// failed gets its error.
+async fn wait_until_ready(
+    state: &Arc<ApiState>,
+    user: &UserId,
+    instance: Instance,
+    wait: bool,
+) -> ApiResult<Instance> {
+    if !wait || instance.ready {
+        return Ok(instance);
+    }
+    let current = state
+        .spawner
+        .wait_for_ready(user, state.ready_timeout)
+        .await?
+        .unwrap_or(instance);
+    match current.status {
+        InstanceStatus::Running if current.ready => Ok(current),
+        InstanceStatus::Failed => {
+            if let Some(open) = state.spawner.breaker_info(user).await? {
+                return Err(SpawnError::CircuitOpen {
+                    user: user.clone(),
+                    opens: open.opens,
+                    retry_at: open.cooldown_until,
+                }
+                .into());
+            }
+            Err(SpawnError::SpawnFailed(
+                current
+                    .last_error
+                    .unwrap_or_else(|| "the instance failed to start".to_owned()),
+            )
+            .into())
+        }
+        InstanceStatus::Stopped => Err(SpawnError::SpawnFailed(format!(
+            "the instance stopped before it was ready{}",
+            current
+                .last_error
+                .map(|e| format!(": {e}"))
+                .unwrap_or_default()
+        ))
+        .into()),
+        _ => Err(SpawnError::Starting {
+            user: user.clone(),
+            retry_after_ms: 2000,
+        }
+        .into()),
+    }
+}
+
+fn instance_response(
+    state: &ApiState,
+    user: &UserId,
+    status: StatusCode,
+    instance: Instance,
+) -> Response {
+    let url = state.open_url(user);
+    (
+        status,
+        axum::Json(json!({ "instance": instance, "url": url })),
+    )
+        .into_response()
+}
+
+/// `GET …/instance/progress`: Server-Sent Events from the current status
+/// until the instance is ready or has ended.
+async fn progress(
+    state: &Arc<ApiState>,
+    user: UserId,
+) -> ApiResult<Sse<impl Stream<Item = Result<Event, Infallible>> + use<>>> {
+    // Subscribe before reading the status so no change falls in between.
+    let events = state.spawner.subscribe();
+    let main = state.spawner.status(&user).await?.main;
+    let first = main.as_ref().map(|m| InstanceEvent {
+        user: user.clone(),
+        role: m.role,
+        status: m.status,
+        ready: m.ready,
+        endpoint: None,
+        message: m.last_error.clone(),
+    });
+    let done_already = first.as_ref().is_none_or(is_final);
+    let first_event = first.map_or_else(
+        || {
+            Event::default()
+                .event("status")
+                .data(r#"{"status":"none"}"#)
+        },
+        |e| to_sse(&e),
+    );
+    struct Follow {
+        events: tokio::sync::broadcast::Receiver<InstanceEvent>,
+        user: UserId,
+        done: bool,
+    }
+    let follow = stream::unfold(
+        Follow {
+            events,
+            user,
+            done: done_already,
+        },
+        |mut f| async move {
+            loop {
+                if f.done {
+                    return None;
+                }
+                match f.events.recv().await {
+                    Ok(e) if e.user == f.user && e.role == berth_core::Role::Main => {
+                        f.done = is_final(&e);
+                        return Some((Ok(to_sse(&e)), f));
+                    }
+                    Ok(_) | Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => {}
+                    Err(tokio::sync::broadcast::error::RecvError::Closed) => return None,
+                }
+            }
+        },
+    );
+    let stream = stream::once(async move { Ok(first_event) });
+    Ok(Sse::new(futures_util::StreamExt::chain(stream, follow)).keep_alive(KeepAlive::default()))
+}
+
+fn is_final(e: &InstanceEvent) -> bool {
+    (e.status == InstanceStatus::Running && e.ready) || e.status.is_terminal()
+}
+
+fn to_sse(e: &InstanceEvent) -> Event {
+    Event::default()
+        .event("status")
+        .data(serde_json::to_string(e).unwrap_or_default())
+}
+
+#[derive(Debug, Default, Deserialize)]
+struct InstancesQuery {
+    status: Option<String>,
+    node: Option<String>,
+}
+
+async fn list_instances(
+    State(state): AppState,
+    headers: HeaderMap,
+    Query(q): Query<InstancesQuery>,
+) -> ApiResult {
+    state.require_admin(&headers).await?;
+    let status = match q.status.as_deref() {
+        None | Some("") => None,
+        Some(s) => Some(
+            s.parse::<InstanceStatus>()
+                .map_err(|e| ApiError::new(ErrorCode::InvalidRequest, e))?,
+        ),
+    };
+    let filter = InstanceFilter {
+        status,
+        node: q.node.filter(|n| !n.is_empty()),
+        role: None,
+    };
+    let instances = state.store.list_instances(&filter).await?;
+    Ok(axum::Json(json!({ "instances": instances })).into_response())
+}
+
+async fn restart_all(State(state): AppState, headers: HeaderMap) -> ApiResult {
+    state.require_admin(&headers).await?;
+    let results = state.spawner.restart_all_mains().await;
+    Ok(axum::Json(json!({ "results": results })).into_response())
+}
+
+async fn list_nodes(State(state): AppState, headers: HeaderMap) -> ApiResult {
+    state.require_admin(&headers).await?;
+    let nodes = state.store.list_nodes().await?;
+    Ok(axum::Json(json!({ "nodes": nodes })).into_response())
+}
+
+#[derive(Debug, Default, Deserialize)]
+struct LeasesQuery {
+    expired: Option<bool>,
+}
+
+async fn list_leases(
+    State(state): AppState,
+    headers: HeaderMap,
+    Query(q): Query<LeasesQuery>,
+) -> ApiResult {
+    state.require_admin(&headers).await?;
+    let leases = state.store.list_leases(q.expired.unwrap_or(false)).await?;
+    Ok(axum::Json(json!({ "leases": leases })).into_response())
+}
+
+/// `POST /api/v1/leases/<user>/takeover`: an operator moves an expired lease
+/// to this node and starts the user here.
+async fn take_over(State(state): AppState, uri: Uri, headers: HeaderMap) -> ApiResult {
+    state.require_admin(&headers).await?;
+    let rest = uri
+        .path()
+        .strip_prefix("/api/v1/leases/")
+        .unwrap_or_default();
+    let Some(raw_user) = rest.strip_suffix("/takeover") else {
+        return Err(ApiError::new(ErrorCode::NotFound, "no such route"));
+    };
+    let user = parse_user_segment(raw_user)?;
+    match state
+        .store
+        .take_over_lease(&user, &state.node_id, state.lease_ttl)
+        .await?
+    {
+        berth_store::ClaimOutcome::Claimed { .. } => {
+            let instance = state
+                .spawner
+                .launch(&user, LaunchRequest::default())
+                .await?;
+            Ok(instance_response(&state, &user, StatusCode::OK, instance))
+        }
+        berth_store::ClaimOutcome::Busy { holder, expired } => Err(SpawnError::LeaseBusy {
+            user,
+            holder,
+            expired,
+        }
+        .into()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn user_segments_are_decoded_and_validated() {
+        assert_eq!(parse_user_segment("alice").unwrap().as_str(), "alice");
+        assert_eq!(parse_user_segment("a%40b.c").unwrap().as_str(), "a@b.c");
+        for bad in [
+            "", "%2E%2E", "..", "a%00b", "a%0Ab", "a%2Fb", "%zz", "a%4", "%FF",
+        ] {
+            let err = parse_user_segment(bad).unwrap_err();
+            assert_eq!(err.code, ErrorCode::InvalidUser, "{bad:?}");
+        }
+    }
+}

@@ -1,0 +1,195 @@
+//! Who is calling (design §8.2).
+//!
+//! Tokens are secrets the caller shows as `Authorization: Bearer …` or as
+//! the `berth_token` cookie. berth keeps only their SHA-256: the admin
+//! token's in memory, user tokens' in the store. Comparisons of the admin
+//! hash are constant-time; user tokens are looked up by hash, so the secret
+//! itself never meets a timing-dependent comparison.
+
+use std::io::Write;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use anyhow::Context;
+use axum::http::{HeaderMap, header};
+use berth_core::UserId;
+use berth_store::Store;
+use sha2::{Digest, Sha256};
+use subtle::ConstantTimeEq;
+
+/// The name of the admin token file inside the data dir.
+pub const ADMIN_TOKEN_FILE: &str = "admin.token";
+/// The cookie a browser carries its token in.
+pub const TOKEN_COOKIE: &str = "berth_token";
+
+/// An authenticated caller.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Caller {
+    Admin,
+    User(UserId),
+}
+
+impl Caller {
+    /// May this caller act on `user`'s own resources?
+    pub fn may_act_for(&self, user: &UserId) -> bool {
+        match self {
+            Caller::Admin => true,
+            Caller::User(own) => own == user,
+        }
+    }
+}
+
+/// Checks presented tokens.
+#[derive(Clone)]
+pub struct Authenticator {
+    admin_hash: [u8; 32],
+    store: Arc<dyn Store>,
+}
+
+impl Authenticator {
+    pub fn new(admin_token: &str, store: Arc<dyn Store>) -> Self {
+        Self {
+            admin_hash: sha256(admin_token),
+            store,
+        }
+    }
+
+    /// Identifies the caller from its headers; `None` if no valid token.
+    pub async fn identify(
+        &self,
+        headers: &HeaderMap,
+    ) -> Result<Option<Caller>, berth_store::StoreError> {
+        let Some(token) = presented_token(headers) else {
+            return Ok(None);
+        };
+        let hash = sha256(token);
+        if bool::from(hash.ct_eq(&self.admin_hash)) {
+            return Ok(Some(Caller::Admin));
+        }
+        Ok(self
+            .store
+            .user_for_token(&hex::encode(hash))
+            .await?
+            .map(Caller::User))
+    }
+
+    /// Mints a new token for `user` and stores its hash.
+    pub async fn mint_user_token(&self, user: &UserId) -> anyhow::Result<String> {
+        let token = random_token()?;
+        self.store
+            .put_token(user, &hex::encode(sha256(&token)))
+            .await?;
+        Ok(token)
+    }
+}
+
+/// The token in `Authorization: Bearer …`, else in the `berth_token` cookie.
+pub fn presented_token(headers: &HeaderMap) -> Option<&str> {
+    if let Some(bearer) = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+    {
+        return Some(bearer.trim());
+    }
+    headers
+        .get_all(header::COOKIE)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(';'))
+        .filter_map(|pair| pair.trim().split_once('='))
+        .find(|(name, _)| *name == TOKEN_COOKIE)
+        .map(|(_, value)| value)
+}
+
+fn sha256(token: &str) -> [u8; 32] {
+    Sha256::digest(token.as_bytes()).into()
+}
+
+/// 32 random bytes, hex-encoded: URL-, header- and cookie-safe.
+pub fn random_token() -> anyhow::Result<String> {
+    let mut bytes = [0u8; 32];
+    getrandom::fill(&mut bytes).map_err(|e| anyhow::anyhow!("no randomness for a token: {e}"))?;
+    Ok(hex::encode(bytes))
+}
+
+/// The admin token: the configured one, else `<data_dir>/admin.token`,
+/// created with mode 0600 on first start.
+pub fn load_or_create_admin_token(
+    configured: Option<&str>,
+    data_dir: &Path,
+) -> anyhow::Result<String> {
+    if let Some(token) = configured.filter(|t| !t.is_empty()) {
+        return Ok(token.to_owned());
+    }
+    let path = admin_token_path(data_dir);
+    match std::fs::read_to_string(&path) {
+        Ok(existing) if !existing.trim().is_empty() => return Ok(existing.trim().to_owned()),
+        Ok(_) => anyhow::bail!("admin token file {} is empty", path.display()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(e).with_context(|| format!("cannot read {}", path.display())),
+    }
+    let token = random_token()?;
+    let mut file = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(&path)
+        .with_context(|| format!("cannot create {}", path.display()))?;
+    writeln!(file, "{token}").with_context(|| format!("cannot write {}", path.display()))?;
+    Ok(token)
+}
+
+pub fn admin_token_path(data_dir: &Path) -> PathBuf {
+    data_dir.join(ADMIN_TOKEN_FILE)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use axum::http::HeaderValue;
+
+    #[test]
+    fn bearer_wins_over_cookie() {
+        let mut headers = HeaderMap::new();
+        headers.insert(
+            header::COOKIE,
+            HeaderValue::from_static("a=b; berth_token=fromcookie"),
+        );
+        assert_eq!(presented_token(&headers), Some("fromcookie"));
+        headers.insert(
+            header::AUTHORIZATION,
+            HeaderValue::from_static("Bearer frombearer"),
+        );
+        assert_eq!(presented_token(&headers), Some("frombearer"));
+    }
+
+    #[test]
+    fn no_token_is_none() {
+        let mut headers = HeaderMap::new();
+        assert_eq!(presented_token(&headers), None);
+        headers.insert(header::AUTHORIZATION, HeaderValue::from_static("Basic abc"));
+        headers.insert(header::COOKIE, HeaderValue::from_static("other=1"));
+        assert_eq!(presented_token(&headers), None);
+    }
+
+    #[test]
+    fn admin_token_file_is_created_once_with_mode_0600() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let first = load_or_create_admin_token(None, dir.path()).unwrap();
+        let again = load_or_create_admin_token(None, dir.path()).unwrap();
+        assert_eq!(first, again);
+        assert_eq!(first.len(), 64);
+        let mode = std::fs::metadata(admin_token_path(dir.path()))
+            .unwrap()
+            .permissions()
+            .mode();
+        assert_eq!(mode & 0o777, 0o600);
+        assert_eq!(
+            load_or_create_admin_token(Some("given"), dir.path()).unwrap(),
+            "given"
+        );
+    }
+}
