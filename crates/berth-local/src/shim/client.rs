@@ -1,8 +1,29 @@
 //! berth's side of the shim: spawning one, attaching to one, talking to it.
 
+use std::io;
 use std::path::Path;
+use std::process::Stdio;
+use std::sync::Arc;
+use std::time::Duration;
 
-use super::protocol::{ShimCommand, ShimEvent, ShimSpec, ShimState};
+use nix::sys::signal;
+use nix::unistd::Pid;
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader, Lines};
+use tokio::net::UnixStream;
+use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::sync::Mutex;
+
+use super::protocol::{ShimCommand, ShimEvent, ShimSpec, ShimState, SpawnReport};
+
+/// How long a new shim may take to start the program and report.
+const REPORT_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// How long a shim may take to greet a new connection.
+const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// How long a command may wait for the socket to take it. The shim always
+/// reads promptly, so hitting this means it is wedged.
+const SEND_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Why talking to a shim failed.
 #[derive(Debug, thiserror::Error)]
@@ -22,26 +43,111 @@ pub enum ShimError {
 
 /// A connection to one shim: receives its events.
 pub struct ShimHandle {
-    _private: (),
+    /// `None` when the shim had already finished by the time we connected:
+    /// there are no events to wait for, the state file has the exit.
+    events: Option<Lines<BufReader<OwnedReadHalf>>>,
+    control: ShimControl,
 }
 
 /// Sends commands to one shim. Cheap to clone; usable while another task
 /// owns the [`ShimHandle`].
 #[derive(Clone)]
 pub struct ShimControl {
-    _private: (),
+    writer: Arc<Mutex<Option<OwnedWriteHalf>>>,
 }
 
 impl ShimHandle {
     /// Starts `shim_exe shim_args…` (normally berth itself with `["shim"]`),
     /// hands it `spec`, and connects to its socket. Returns once the program
     /// is spawned (not ready).
+    ///
+    /// A program that exits at once may have taken its shim with it before
+    /// the connection is made. That is not an error: the returned handle's
+    /// [`ShimHandle::next_event`] then yields `None` straight away and
+    /// [`ShimHandle::read_state`] on `spec.state_path` holds the exit.
     pub async fn spawn(
-        _shim_exe: &Path,
-        _shim_args: &[String],
-        _spec: &ShimSpec,
+        shim_exe: &Path,
+        shim_args: &[String],
+        spec: &ShimSpec,
     ) -> Result<(ShimHandle, ShimState), ShimError> {
-        todo!()
+        let mut line = serde_json::to_vec(spec)
+            .map_err(|e| ShimError::Shim(format!("cannot encode spec: {e}")))?;
+        line.push(b'\n');
+        let mut child = tokio::process::Command::new(shim_exe)
+            .args(shim_args)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            // The shim's own diagnostics before it detaches; afterwards it
+            // writes to `<state_path>.shim.log`.
+            .stderr(Stdio::inherit())
+            // Not a process group of its own: the shim calls setsid, which
+            // a group leader cannot.
+            .kill_on_drop(false)
+            .spawn()
+            .map_err(|e| ShimError::Shim(format!("cannot start {shim_exe:?}: {e}")))?;
+        let (Some(mut stdin), Some(stdout)) = (child.stdin.take(), child.stdout.take()) else {
+            let _ = child.start_kill();
+            return Err(ShimError::Shim("shim started without pipes".to_owned()));
+        };
+        // A write error means the shim is already gone; its missing report
+        // below says so with more detail.
+        let _ = stdin.write_all(&line).await;
+        drop(stdin);
+
+        let mut report = String::new();
+        let mut stdout = BufReader::new(stdout);
+        let read = tokio::time::timeout(REPORT_TIMEOUT, stdout.read_line(&mut report)).await;
+        let report = match read {
+            Ok(Ok(n)) if n > 0 => report,
+            Ok(Ok(_)) | Ok(Err(_)) => {
+                let status = tokio::time::timeout(Duration::from_secs(5), child.wait()).await;
+                let how = match status {
+                    Ok(Ok(status)) => status.to_string(),
+                    _ => "still running".to_owned(),
+                };
+                let _ = child.start_kill();
+                return Err(ShimError::Shim(format!(
+                    "shim exited without a report ({how})"
+                )));
+            }
+            Err(_) => {
+                // Killing the shim takes the program with it (parent-death
+                // signal).
+                let _ = child.start_kill();
+                return Err(ShimError::Shim(format!(
+                    "no report from the shim within {}s",
+                    REPORT_TIMEOUT.as_secs()
+                )));
+            }
+        };
+        // The child is dropped from here on: tokio reaps it when it exits.
+        let state = match serde_json::from_str::<SpawnReport>(&report) {
+            Ok(SpawnReport::Spawned { state }) => state,
+            Ok(SpawnReport::Failed { error }) => return Err(ShimError::SpawnFailed(error)),
+            Err(e) => {
+                let _ = child.start_kill();
+                return Err(ShimError::Shim(format!(
+                    "bad report {:?}: {e}",
+                    report.trim_end()
+                )));
+            }
+        };
+        match connect(&state).await {
+            Ok(connected) => Ok(connected),
+            Err(ShimError::Gone(why)) => {
+                let recorded = Self::read_state(&spec.state_path)?;
+                if recorded.exit.is_some() && same_program(&recorded, &state) {
+                    let handle = ShimHandle {
+                        events: None,
+                        control: ShimControl::closed(),
+                    };
+                    Ok((handle, recorded))
+                } else {
+                    Err(ShimError::Gone(why))
+                }
+            }
+            Err(e) => Err(e),
+        }
     }
 
     /// Connects to the live shim whose state file is `state_path`.
@@ -49,29 +155,181 @@ impl ShimHandle {
     /// Fails with [`ShimError::Gone`] when the shim is not running (its
     /// state file may still hold the program's exit: see
     /// [`ShimHandle::read_state`]).
-    pub async fn attach(_state_path: &Path) -> Result<(ShimHandle, ShimState), ShimError> {
-        todo!()
+    pub async fn attach(state_path: &Path) -> Result<(ShimHandle, ShimState), ShimError> {
+        let state = match Self::read_state(state_path) {
+            Err(ShimError::Io(e)) if e.kind() == io::ErrorKind::NotFound => {
+                return Err(ShimError::Gone(format!("no state file {state_path:?}")));
+            }
+            other => other?,
+        };
+        if let Some(exit) = state.exit {
+            return Err(ShimError::Gone(format!(
+                "program of {} has exited ({exit:?})",
+                state.instance_id
+            )));
+        }
+        let shim_pid = Pid::from_raw(i32::try_from(state.shim_pid).unwrap_or(i32::MAX));
+        // EPERM still means the process exists.
+        if let Err(nix::errno::Errno::ESRCH) = signal::kill(shim_pid, None) {
+            return Err(ShimError::Gone(format!(
+                "shim {} of {} is not running",
+                state.shim_pid, state.instance_id
+            )));
+        }
+        connect(&state).await
     }
 
     /// Reads a state file without connecting.
-    pub fn read_state(_state_path: &Path) -> Result<ShimState, ShimError> {
-        todo!()
+    pub fn read_state(state_path: &Path) -> Result<ShimState, ShimError> {
+        let text = std::fs::read_to_string(state_path)?;
+        serde_json::from_str(&text)
+            .map_err(|e| ShimError::Shim(format!("bad state file {state_path:?}: {e}")))
     }
 
     /// The next event; `None` once the shim has gone away (its connection
     /// closed). After `None`, [`ShimHandle::read_state`] tells how the
     /// program ended, if the shim recorded it.
+    ///
+    /// Cancel safe: usable as a `tokio::select!` branch.
     pub async fn next_event(&mut self) -> Option<ShimEvent> {
-        todo!()
+        let events = self.events.as_mut()?;
+        loop {
+            match events.next_line().await {
+                Ok(Some(line)) => match serde_json::from_str(&line) {
+                    Ok(event) => return Some(event),
+                    // A newer shim may know events this berth does not.
+                    Err(e) => tracing::warn!(%e, line, "ignoring unknown shim event"),
+                },
+                Ok(None) => break,
+                Err(e) => {
+                    tracing::warn!(%e, "shim connection failed");
+                    break;
+                }
+            }
+        }
+        self.events = None;
+        None
     }
 
     pub fn control(&self) -> ShimControl {
-        todo!()
+        self.control.clone()
     }
 }
 
 impl ShimControl {
-    pub async fn send(&self, _command: ShimCommand) -> Result<(), ShimError> {
-        todo!()
+    fn closed() -> ShimControl {
+        ShimControl {
+            writer: Arc::new(Mutex::new(None)),
+        }
     }
+
+    pub async fn send(&self, command: ShimCommand) -> Result<(), ShimError> {
+        let mut line = serde_json::to_vec(&command)
+            .map_err(|e| ShimError::Shim(format!("cannot encode command: {e}")))?;
+        line.push(b'\n');
+        let mut writer = self.writer.lock().await;
+        let Some(stream) = writer.as_mut() else {
+            return Err(ShimError::Gone("the shim has exited".to_owned()));
+        };
+        let result = match tokio::time::timeout(SEND_TIMEOUT, stream.write_all(&line)).await {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(e)) if is_disconnect(&e) => {
+                Err(ShimError::Gone(format!("the shim closed its socket: {e}")))
+            }
+            Ok(Err(e)) => Err(ShimError::Io(e)),
+            Err(_) => Err(ShimError::Shim(format!(
+                "the shim took no command for {}s",
+                SEND_TIMEOUT.as_secs()
+            ))),
+        };
+        if result.is_err() {
+            // A partly written line would garble the next command.
+            *writer = None;
+        }
+        result
+    }
+}
+
+fn is_disconnect(e: &io::Error) -> bool {
+    matches!(
+        e.kind(),
+        io::ErrorKind::NotFound
+            | io::ErrorKind::ConnectionRefused
+            | io::ErrorKind::ConnectionReset
+            | io::ErrorKind::BrokenPipe
+            | io::ErrorKind::UnexpectedEof
+    )
+}
+
+/// Whether two states describe the same run of the same program.
+fn same_program(a: &ShimState, b: &ShimState) -> bool {
+    a.instance_id == b.instance_id && a.pid == b.pid && a.pid_start == b.pid_start
+}
+
+/// Connects to the shim `expected` describes and checks that its Hello is
+/// about the same program, so a stale state file or a reused pid is never
+/// mistaken for the instance.
+async fn connect(expected: &ShimState) -> Result<(ShimHandle, ShimState), ShimError> {
+    let socket = &expected.socket_path;
+    let stream = match UnixStream::connect(socket).await {
+        Ok(stream) => stream,
+        Err(e) if is_disconnect(&e) => {
+            return Err(ShimError::Gone(format!(
+                "nothing listens on {socket:?}: {e}"
+            )));
+        }
+        Err(e) => return Err(ShimError::Io(e)),
+    };
+    let (read, write) = stream.into_split();
+    let mut events = BufReader::new(read).lines();
+    let first = match tokio::time::timeout(HELLO_TIMEOUT, events.next_line()).await {
+        Ok(Ok(Some(line))) => line,
+        Ok(Ok(None)) => {
+            return Err(ShimError::Gone(format!(
+                "{socket:?} closed before greeting"
+            )));
+        }
+        Ok(Err(e)) if is_disconnect(&e) => {
+            return Err(ShimError::Gone(format!(
+                "{socket:?} closed before greeting: {e}"
+            )));
+        }
+        Ok(Err(e)) => return Err(ShimError::Io(e)),
+        Err(_) => {
+            return Err(ShimError::Shim(format!(
+                "no greeting on {socket:?} within {}s",
+                HELLO_TIMEOUT.as_secs()
+            )));
+        }
+    };
+    let state = match serde_json::from_str::<ShimEvent>(&first) {
+        Ok(ShimEvent::Hello { state }) => state,
+        Ok(other) => {
+            return Err(ShimError::Shim(format!(
+                "expected a greeting on {socket:?}, got {other:?}"
+            )));
+        }
+        Err(e) => {
+            return Err(ShimError::Shim(format!("bad greeting on {socket:?}: {e}")));
+        }
+    };
+    if !same_program(&state, expected) {
+        return Err(ShimError::Gone(format!(
+            "the shim on {socket:?} runs {} pid {} (started {}), not {} pid {} (started {}): \
+             stale state file or reused pid",
+            state.instance_id,
+            state.pid,
+            state.pid_start,
+            expected.instance_id,
+            expected.pid,
+            expected.pid_start
+        )));
+    }
+    let handle = ShimHandle {
+        events: Some(events),
+        control: ShimControl {
+            writer: Arc::new(Mutex::new(Some(write))),
+        },
+    };
+    Ok((handle, state))
 }

@@ -24,9 +24,23 @@
 //! * when the program exits, kills what is left of its process group,
 //!   records the exit in the state file, tells connected clients, and exits.
 
+/// A diagnostic line for the shim's own log (`<state_path>.shim.log` once
+/// it has detached), stamped so it can be lined up with berth's logs.
+macro_rules! diag {
+    ($($arg:tt)*) => {{
+        let ms = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis());
+        eprintln!("{ms} berth shim[{}]: {}", std::process::id(), format_args!($($arg)*));
+    }};
+}
+
 mod client;
+mod output;
+mod procfs;
 mod protocol;
 mod server;
+mod state_file;
 
 pub use client::{ShimControl, ShimError, ShimHandle};
 pub use protocol::{ExitInfo, ShimCommand, ShimEvent, ShimSpec, ShimState, SpawnReport};

@@ -94,11 +94,18 @@ pub enum ShimCommand {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "event", rename_all = "snake_case")]
 pub enum ShimEvent {
-    Hello { state: ShimState },
+    Hello {
+        state: ShimState,
+    },
     /// The ready regex matched; `token` is its first capture, if any.
-    Ready { token: Option<String> },
+    Ready {
+        token: Option<String>,
+    },
     Frozen,
     Thawed,
     /// The program exited. The shim exits after sending this.
-    Exited { exit: ExitInfo, stderr_tail: String },
+    Exited {
+        exit: ExitInfo,
+        stderr_tail: String,
+    },
 }

@@ -1,0 +1,491 @@
+//! The shim, driven through the real `berth shim` binary with real programs.
+
+use std::os::unix::fs::PermissionsExt;
+use std::path::Path;
+use std::time::Duration;
+
+use berth_core::Role;
+use berth_local::shim::{
+    ExitInfo, ShimCommand, ShimError, ShimEvent, ShimHandle, ShimSpec, ShimState,
+};
+use nix::sys::signal::{Signal, kill, killpg};
+use nix::unistd::Pid;
+
+/// Upper bound for anything polled; only ever reached when a test fails.
+const PATIENCE: Duration = Duration::from_secs(20);
+
+fn spec(dir: &Path, argv: &[&str]) -> ShimSpec {
+    ShimSpec {
+        instance_id: "inst-1".to_owned(),
+        user: "alice".to_owned(),
+        role: Role::Main,
+        epoch: 7,
+        argv: argv.iter().map(|s| s.to_string()).collect(),
+        env: vec![("PATH".to_owned(), std::env::var("PATH").unwrap())],
+        cwd: dir.to_path_buf(),
+        log_path: dir.join("logs/main.log"),
+        state_path: dir.join("run/main.state.json"),
+        socket_path: dir.join("run/main.sock"),
+        ready_regex: None,
+        fence_ms: None,
+    }
+}
+
+fn sh(script: &str) -> Vec<&str> {
+    vec!["sh", "-c", script]
+}
+
+async fn spawn(spec: &ShimSpec) -> Result<(ShimHandle, ShimState, Reaper), ShimError> {
+    let exe = Path::new(env!("CARGO_BIN_EXE_berth"));
+    let (handle, state) = ShimHandle::spawn(exe, &["shim".to_owned()], spec).await?;
+    let reaper = Reaper(vec![(state.pid, state.pid_start), (state.shim_pid, 0)]);
+    Ok((handle, state, reaper))
+}
+
+/// Kills what a failed test left behind (checking start times, so a reused
+/// pid is never hit). A start time of 0 means "any".
+struct Reaper(Vec<(u32, u64)>);
+
+impl Drop for Reaper {
+    fn drop(&mut self) {
+        for &(pid, start) in &self.0 {
+            if stat(pid).is_some_and(|(_, s)| start == 0 || s == start) {
+                let _ = killpg(Pid::from_raw(pid as i32), Signal::SIGKILL);
+                let _ = kill(Pid::from_raw(pid as i32), Signal::SIGKILL);
+            }
+        }
+    }
+}
+
+/// `(state, start time)` from `/proc/<pid>/stat`.
+fn stat(pid: u32) -> Option<(char, u64)> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let mut fields = text[text.rfind(')')? + 1..].split_whitespace();
+    let state = fields.next()?.chars().next()?;
+    Some((state, fields.nth(18)?.parse().ok()?))
+}
+
+/// Whether this very process (not a reused pid) still runs; a zombie does
+/// not count, since whoever reaps orphans here may be slow to.
+fn alive(pid: u32, start: u64) -> bool {
+    stat(pid).is_some_and(|(state, s)| s == start && !matches!(state, 'Z' | 'X'))
+}
+
+async fn poll_until(what: &str, mut done: impl FnMut() -> bool) {
+    let deadline = tokio::time::Instant::now() + PATIENCE;
+    while !done() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "gave up waiting: {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+async fn next(handle: &mut ShimHandle) -> Option<ShimEvent> {
+    tokio::time::timeout(PATIENCE, handle.next_event())
+        .await
+        .expect("no shim event in time")
+}
+
+/// Skips events until one `want`s it.
+async fn expect_event(handle: &mut ShimHandle, want: impl Fn(&ShimEvent) -> bool) -> ShimEvent {
+    loop {
+        match next(handle).await {
+            Some(event) if want(&event) => return event,
+            Some(_) => {}
+            None => panic!("shim went away while waiting for an event"),
+        }
+    }
+}
+
+/// How the program ended: from `Exited`, or from the state file when the
+/// shim was already gone.
+async fn exit_of(handle: &mut ShimHandle, state_path: &Path) -> (ExitInfo, String) {
+    while let Some(event) = next(handle).await {
+        if let ShimEvent::Exited { exit, stderr_tail } = event {
+            return (exit, stderr_tail);
+        }
+    }
+    let state = ShimHandle::read_state(state_path).unwrap();
+    (
+        state.exit.expect("shim gone without recording an exit"),
+        state.stderr_tail,
+    )
+}
+
+fn read_log(spec: &ShimSpec) -> Vec<u8> {
+    std::fs::read(&spec.log_path).unwrap_or_default()
+}
+
+fn log_contains(spec: &ShimSpec, needle: &str) -> bool {
+    String::from_utf8_lossy(&read_log(spec)).contains(needle)
+}
+
+async fn send(handle: &ShimHandle, command: ShimCommand) {
+    handle.control().send(command).await.unwrap();
+}
+
+#[tokio::test]
+async fn ready_token_is_captured_and_recorded() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut spec = spec(
+        dir.path(),
+        // Waits for the test's go-ahead, so the token comes after Hello.
+        &sh("echo starting
+             while [ ! -e go ]; do sleep 0.01; done
+             echo 'web: http://127.0.0.1:1/?token=abc123' >&2
+             exec sleep 1000"),
+    );
+    spec.ready_regex = Some(r"\?token=(\w+)".to_owned());
+    let (mut handle, state, _reaper) = spawn(&spec).await.unwrap();
+    assert_eq!(state.instance_id, "inst-1");
+    assert_eq!(state.epoch, 7);
+    assert_eq!(stat(state.pid).unwrap().1, state.pid_start);
+    assert_eq!(state.token, None);
+
+    std::fs::write(dir.path().join("go"), "").unwrap();
+    let event = expect_event(&mut handle, |e| matches!(e, ShimEvent::Ready { .. })).await;
+    assert_eq!(
+        event,
+        ShimEvent::Ready {
+            token: Some("abc123".to_owned())
+        }
+    );
+    let recorded = ShimHandle::read_state(&spec.state_path).unwrap();
+    assert_eq!(recorded.token.as_deref(), Some("abc123"));
+    assert_eq!(recorded.pid, state.pid);
+    let mode = std::fs::metadata(&spec.state_path)
+        .unwrap()
+        .permissions()
+        .mode();
+    assert_eq!(mode & 0o777, 0o600);
+
+    send(&handle, ShimCommand::Kill).await;
+    let (exit, _) = exit_of(&mut handle, &spec.state_path).await;
+    assert_eq!(
+        exit,
+        ExitInfo {
+            code: None,
+            signal: Some(9)
+        }
+    );
+    poll_until("socket removed", || !spec.socket_path.exists()).await;
+}
+
+#[tokio::test]
+async fn exit_code_stderr_tail_and_log_are_recorded() {
+    let dir = tempfile::tempdir().unwrap();
+    let script = r#"
+        echo to-stdout
+        printf 'not utf-8: \377\376\n' >&2
+        head -c 200000 /dev/zero | tr '\0' x
+        echo
+        i=0
+        while [ $i -lt 100 ]; do printf 'stderr line %03d\n' $i >&2; i=$((i+1)); done
+        exit 3
+    "#;
+    let spec = spec(dir.path(), &sh(script));
+    let (mut handle, _state, _reaper) = spawn(&spec).await.unwrap();
+    let (exit, tail) = exit_of(&mut handle, &spec.state_path).await;
+    assert_eq!(
+        exit,
+        ExitInfo {
+            code: Some(3),
+            signal: None
+        }
+    );
+    assert_eq!(tail.chars().count(), 500);
+    assert!(tail.ends_with("stderr line 099\n"), "{tail:?}");
+
+    let recorded = ShimHandle::read_state(&spec.state_path).unwrap();
+    assert_eq!(recorded.exit, Some(exit));
+    assert_eq!(recorded.stderr_tail, tail);
+    let log = read_log(&spec);
+    let text = String::from_utf8_lossy(&log);
+    assert!(text.contains("to-stdout\n"));
+    assert!(text.contains("stderr line 000\n"));
+    assert!(log.windows(3).any(|w| w == b"\xff\xfe\n"));
+    assert!(text.contains(&"x".repeat(200_000)));
+    poll_until("socket removed", || !spec.socket_path.exists()).await;
+}
+
+#[tokio::test]
+async fn spawn_failures_name_the_program() {
+    let dir = tempfile::tempdir().unwrap();
+    let missing = spawn(&spec(dir.path(), &["nope-xyz"])).await.err().unwrap();
+    assert!(
+        matches!(&missing, ShimError::SpawnFailed(m) if m.contains("\"nope-xyz\"") && m.contains("PATH")),
+        "{missing}"
+    );
+
+    let script = dir.path().join("not-executable");
+    std::fs::write(&script, "#!/bin/sh\n").unwrap();
+    let denied = spawn(&spec(dir.path(), &[script.to_str().unwrap()]))
+        .await
+        .err()
+        .unwrap();
+    let ShimError::SpawnFailed(message) = &denied else {
+        panic!("{denied}")
+    };
+    assert!(
+        message.contains(script.to_str().unwrap()) && message.contains("Permission denied"),
+        "{message}"
+    );
+
+    let mut bad_cwd = spec(dir.path(), &["sleep", "1"]);
+    bad_cwd.cwd = dir.path().join("no-such-dir");
+    let error = spawn(&bad_cwd).await.err().unwrap();
+    assert!(
+        matches!(&error, ShimError::SpawnFailed(m) if m.contains("\"sleep\"") && m.contains("no-such-dir")),
+        "{error}"
+    );
+
+    let mut long_socket = spec(dir.path(), &["sleep", "1"]);
+    long_socket.socket_path = dir.path().join("s".repeat(120));
+    let error = spawn(&long_socket).await.err().unwrap();
+    assert!(
+        matches!(&error, ShimError::SpawnFailed(m) if m.contains("too long")),
+        "{error}"
+    );
+}
+
+#[tokio::test]
+async fn stop_sends_term_then_kills_the_group_after_grace() {
+    let dir = tempfile::tempdir().unwrap();
+    // The program shrugs off TERM; its grandchild ignores TERM outright.
+    let script = r#"
+        trap 'echo got-term' TERM
+        sh -c 'trap "" TERM; exec sleep 1000' &
+        echo "grandchild $!"
+        while :; do sleep 0.05; done
+    "#;
+    let spec = spec(dir.path(), &sh(script));
+    let (mut handle, state, mut reaper) = spawn(&spec).await.unwrap();
+    poll_until("grandchild pid in the log", || {
+        log_contains(&spec, "grandchild ")
+    })
+    .await;
+    let text = String::from_utf8_lossy(&read_log(&spec)).into_owned();
+    let grandchild: u32 = text
+        .split("grandchild ")
+        .nth(1)
+        .unwrap()
+        .split_whitespace()
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
+    let grandchild_start = stat(grandchild).unwrap().1;
+    reaper.0.push((grandchild, grandchild_start));
+
+    // A long grace: TERM alone must not end it.
+    send(&handle, ShimCommand::Stop { grace_ms: 600_000 }).await;
+    poll_until("the trap to run", || log_contains(&spec, "got-term")).await;
+    assert!(alive(state.pid, state.pid_start));
+    // A shorter grace wins; then the group is killed.
+    send(&handle, ShimCommand::Stop { grace_ms: 100 }).await;
+    let (exit, _) = exit_of(&mut handle, &spec.state_path).await;
+    assert_eq!(
+        exit,
+        ExitInfo {
+            code: None,
+            signal: Some(9)
+        }
+    );
+    poll_until("grandchild gone", || !alive(grandchild, grandchild_start)).await;
+}
+
+#[tokio::test]
+async fn kill_ends_the_program_now() {
+    let dir = tempfile::tempdir().unwrap();
+    let spec = spec(dir.path(), &sh("trap '' TERM; sleep 1000"));
+    let (mut handle, state, _reaper) = spawn(&spec).await.unwrap();
+    send(&handle, ShimCommand::Kill).await;
+    let (exit, _) = exit_of(&mut handle, &spec.state_path).await;
+    assert_eq!(exit.signal, Some(9));
+    assert!(!alive(state.pid, state.pid_start));
+}
+
+#[tokio::test]
+async fn freeze_and_thaw() {
+    let dir = tempfile::tempdir().unwrap();
+    let spec = spec(dir.path(), &["sleep", "1000"]);
+    let (mut handle, state, _reaper) = spawn(&spec).await.unwrap();
+
+    send(&handle, ShimCommand::Freeze).await;
+    assert_eq!(next(&mut handle).await, Some(ShimEvent::Frozen));
+    poll_until("stopped", || stat(state.pid).is_some_and(|(s, _)| s == 'T')).await;
+    assert!(ShimHandle::read_state(&spec.state_path).unwrap().frozen);
+
+    send(&handle, ShimCommand::Thaw).await;
+    assert_eq!(next(&mut handle).await, Some(ShimEvent::Thawed));
+    poll_until("running again", || {
+        stat(state.pid).is_some_and(|(s, _)| s != 'T')
+    })
+    .await;
+    assert!(!ShimHandle::read_state(&spec.state_path).unwrap().frozen);
+
+    send(&handle, ShimCommand::Kill).await;
+    exit_of(&mut handle, &spec.state_path).await;
+}
+
+#[tokio::test]
+async fn fence_deadline_freezes_when_not_extended() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut spec = spec(dir.path(), &["sleep", "1000"]);
+    spec.fence_ms = Some(200);
+    let (mut handle, state, _reaper) = spawn(&spec).await.unwrap();
+    assert_eq!(next(&mut handle).await, Some(ShimEvent::Frozen));
+    poll_until("stopped", || stat(state.pid).is_some_and(|(s, _)| s == 'T')).await;
+    assert!(ShimHandle::read_state(&spec.state_path).unwrap().frozen);
+
+    // Extending does not thaw; only an explicit Thaw does.
+    send(&handle, ShimCommand::Extend { ms: 600_000 }).await;
+    send(&handle, ShimCommand::Thaw).await;
+    assert_eq!(next(&mut handle).await, Some(ShimEvent::Thawed));
+    poll_until("running again", || {
+        stat(state.pid).is_some_and(|(s, _)| s != 'T')
+    })
+    .await;
+
+    send(&handle, ShimCommand::Kill).await;
+    exit_of(&mut handle, &spec.state_path).await;
+}
+
+#[tokio::test]
+async fn fence_deadline_extended_keeps_running() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut spec = spec(dir.path(), &["sleep", "1000"]);
+    spec.fence_ms = Some(1500);
+    let (mut handle, state, _reaper) = spawn(&spec).await.unwrap();
+    let control = handle.control();
+    // Renew well past the initial deadline, as berth does on every renew.
+    let until = tokio::time::Instant::now() + Duration::from_millis(2500);
+    while tokio::time::Instant::now() < until {
+        control
+            .send(ShimCommand::Extend { ms: 1500 })
+            .await
+            .unwrap();
+        if let Ok(event) =
+            tokio::time::timeout(Duration::from_millis(50), handle.next_event()).await
+        {
+            panic!("unexpected event {event:?}");
+        }
+    }
+    assert_ne!(stat(state.pid).unwrap().0, 'T');
+    assert!(!ShimHandle::read_state(&spec.state_path).unwrap().frozen);
+
+    control.send(ShimCommand::Kill).await.unwrap();
+    exit_of(&mut handle, &spec.state_path).await;
+}
+
+#[tokio::test]
+async fn program_dies_with_its_shim_and_attach_says_gone() {
+    let dir = tempfile::tempdir().unwrap();
+    let spec = spec(dir.path(), &["sleep", "1000"]);
+    let (mut handle, state, _reaper) = spawn(&spec).await.unwrap();
+    kill(Pid::from_raw(state.shim_pid as i32), Signal::SIGKILL).unwrap();
+    poll_until("program killed by parent-death signal", || {
+        !alive(state.pid, state.pid_start)
+    })
+    .await;
+    assert_eq!(next(&mut handle).await, None);
+
+    let error = ShimHandle::attach(&spec.state_path).await.err().unwrap();
+    assert!(matches!(error, ShimError::Gone(_)), "{error}");
+}
+
+#[tokio::test]
+async fn second_client_attaches_and_shares_events() {
+    let dir = tempfile::tempdir().unwrap();
+    let spec = spec(dir.path(), &["sleep", "1000"]);
+    let (mut first, state, _reaper) = spawn(&spec).await.unwrap();
+
+    let (mut second, hello) = ShimHandle::attach(&spec.state_path).await.unwrap();
+    assert_eq!(
+        (hello.pid, hello.pid_start, hello.shim_pid),
+        (state.pid, state.pid_start, state.shim_pid)
+    );
+
+    send(&second, ShimCommand::Freeze).await;
+    assert_eq!(next(&mut first).await, Some(ShimEvent::Frozen));
+    assert_eq!(next(&mut second).await, Some(ShimEvent::Frozen));
+
+    // A state file that names another start time of this pid is stale.
+    let mut stale = hello.clone();
+    stale.pid_start += 1;
+    let stale_path = dir.path().join("stale.json");
+    std::fs::write(&stale_path, serde_json::to_vec(&stale).unwrap()).unwrap();
+    let error = ShimHandle::attach(&stale_path).await.err().unwrap();
+    assert!(matches!(error, ShimError::Gone(_)), "{error}");
+
+    send(&first, ShimCommand::Kill).await;
+    let (a, _) = exit_of(&mut first, &spec.state_path).await;
+    let (b, _) = exit_of(&mut second, &spec.state_path).await;
+    assert_eq!(a, b);
+    let error = ShimHandle::attach(&spec.state_path).await.err().unwrap();
+    assert!(matches!(error, ShimError::Gone(_)), "{error}");
+    // Once the connection has closed, commands fail as Gone.
+    assert_eq!(next(&mut second).await, None);
+    let control = second.control();
+    let deadline = tokio::time::Instant::now() + PATIENCE;
+    while !matches!(
+        control.send(ShimCommand::Kill).await,
+        Err(ShimError::Gone(_))
+    ) {
+        assert!(tokio::time::Instant::now() < deadline, "send kept working");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test]
+async fn shim_survives_sighup_and_clients_hanging_up() {
+    let dir = tempfile::tempdir().unwrap();
+    // Output keeps flowing so events and writes race the hang-ups.
+    let mut spec = spec(dir.path(), &sh("while :; do echo tick; sleep 0.01; done"));
+    spec.ready_regex = Some("(tick)".to_owned());
+    let (mut handle, state, _reaper) = spawn(&spec).await.unwrap();
+    // The first tick may come before or after Hello.
+    if state.token.is_none() {
+        expect_event(&mut handle, |e| matches!(e, ShimEvent::Ready { .. })).await;
+    }
+    drop(handle);
+    for _ in 0..5 {
+        let (handle, _) = ShimHandle::attach(&spec.state_path).await.unwrap();
+        send(&handle, ShimCommand::Freeze).await;
+        send(&handle, ShimCommand::Thaw).await;
+        drop(handle);
+    }
+    kill(Pid::from_raw(state.shim_pid as i32), Signal::SIGHUP).unwrap();
+
+    let (mut handle, hello) = ShimHandle::attach(&spec.state_path).await.unwrap();
+    assert_eq!(hello.token.as_deref(), Some("tick"));
+    assert!(alive(state.pid, state.pid_start));
+    send(&handle, ShimCommand::Kill).await;
+    let (exit, _) = exit_of(&mut handle, &spec.state_path).await;
+    assert_eq!(exit.signal, Some(9));
+}
+
+#[tokio::test]
+async fn program_gets_only_its_own_environment() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut spec = spec(
+        dir.path(),
+        &sh("echo \"var=$BERTH_TEST_VAR home=${HOME:-unset} pwd=$(pwd -P)\""),
+    );
+    spec.env
+        .push(("BERTH_TEST_VAR".to_owned(), "hello".to_owned()));
+    let (mut handle, _state, _reaper) = spawn(&spec).await.unwrap();
+    let (exit, _) = exit_of(&mut handle, &spec.state_path).await;
+    assert_eq!(exit.code, Some(0));
+    let cwd = dir.path().canonicalize().unwrap();
+    assert!(
+        log_contains(
+            &spec,
+            &format!("var=hello home=unset pwd={}", cwd.display())
+        ),
+        "{:?}",
+        String::from_utf8_lossy(&read_log(&spec))
+    );
+}
