@@ -34,6 +34,9 @@ pub enum Isolation {
 pub struct LocalConfig {
     /// This node's id (stored in instance records and leases).
     pub node_id: String,
+    /// How other nodes reach this one; sent with the heartbeat. Empty on a
+    /// single node.
+    pub advertise_url: String,
     /// Root of all state: `users/<slug>/…` (user data) and `run/<slug>/…`
     /// (shim sockets and state files, owned by berth).
     pub data_dir: PathBuf,

@@ -3,9 +3,22 @@
 //!
 //! [`LocalSpawner`] implements [`berth_core::Spawner`].
 
+mod background;
 mod config;
+mod inner;
+mod lifecycle;
+mod logs;
+mod metrics;
+mod paths;
+mod ports;
+mod process;
+mod readiness;
+mod reattach;
+mod reconcile;
 pub mod shim;
 mod spawner;
+mod supervisor;
+mod template;
 
 pub use config::{Isolation, LocalConfig, Readiness};
 pub use spawner::{LocalError, LocalSpawner};

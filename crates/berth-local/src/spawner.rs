@@ -1,10 +1,33 @@
-//! The local spawner. (Implementation pending: agreed API below.)
+//! The local spawner: the public face of the backend. It validates the
+//! config, wires the shared state, re-attaches to running shims, starts the
+//! background work, and implements [`Spawner`] on top of the lifecycle
+//! operations and the in-memory tables.
 
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::Duration;
 
-use berth_store::Store;
+use async_trait::async_trait;
+use berth_core::policy::{CrashState, LaunchKind};
+use berth_core::{
+    BreakerInfo, Endpoint, Instance, InstanceEvent, InstanceStatus, LaunchRequest, ProbeReport,
+    RestartResult, Role, SpawnError, Spawner, UserId, UserStatus,
+};
+use berth_store::lease::LeaseKeeper;
+use berth_store::{InstanceFilter, Store};
+use futures_util::StreamExt;
+use tokio::sync::broadcast;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
 
 use crate::LocalConfig;
+use crate::inner::{EVENT_CAPACITY, Inner, StopKind};
+use crate::lifecycle::{PatchSource, validate};
+use crate::logs::tail_lines;
+use crate::metrics::Metrics;
+use crate::paths::{check_socket_room, create_private_dir};
+use crate::ports::PortPool;
 
 /// Why the local spawner could not start.
 #[derive(Debug, thiserror::Error)]
@@ -23,7 +46,31 @@ pub enum LocalError {
 /// Runs users' instances as local processes. Implements
 /// [`berth_core::Spawner`].
 pub struct LocalSpawner {
-    _store: Arc<dyn Store>,
+    inner: Arc<Inner>,
+}
+
+fn check_config(config: &LocalConfig) -> Result<(), LocalError> {
+    let fail = |m: String| Err(LocalError::Config(m));
+    if config.node_id.is_empty() {
+        return fail("node_id must not be empty".into());
+    }
+    if config.command.is_empty() {
+        return fail("the instance command is empty".into());
+    }
+    if config.shim_command.is_empty() {
+        return fail("the shim command is empty".into());
+    }
+    if config.watchdog_command.as_ref().is_some_and(Vec::is_empty) {
+        return fail("the watchdog command is empty".into());
+    }
+    if config.port_range.is_empty() {
+        return fail(format!(
+            "port_range {}-{} is empty",
+            config.port_range.start(),
+            config.port_range.end()
+        ));
+    }
+    check_socket_room(&config.data_dir).map_err(LocalError::Config)
 }
 
 impl LocalSpawner {
@@ -31,14 +78,343 @@ impl LocalSpawner {
     /// berth on this data dir (checking each against the store), and starts
     /// the background tasks (lease renew, reaper, activity flush).
     pub async fn start(
-        _config: LocalConfig,
-        _store: Arc<dyn Store>,
+        config: LocalConfig,
+        store: Arc<dyn Store>,
     ) -> Result<Arc<LocalSpawner>, LocalError> {
-        todo!()
+        check_config(&config)?;
+        for dir in [config.data_dir.join("users"), config.data_dir.join("run")] {
+            create_private_dir(&dir).map_err(|source| LocalError::Io {
+                path: dir.clone(),
+                source,
+            })?;
+        }
+        let lease = LeaseKeeper::new(store.clone(), config.node_id.clone(), config.lease.clone());
+        let inner = Arc::new(Inner {
+            ports: PortPool::new(config.port_range.clone()),
+            metrics: Metrics::new(&config.node_id),
+            config,
+            store,
+            lease,
+            slots: RwLock::new(HashMap::new()),
+            routes: RwLock::new(HashMap::new()),
+            tokens: RwLock::new(HashMap::new()),
+            events: broadcast::channel(EVENT_CAPACITY).0,
+            tracker: TaskTracker::new(),
+            cancel: CancellationToken::new(),
+            frozen: Mutex::new(HashMap::new()),
+        });
+        if let Err(e) = inner.reattach().await {
+            // Supervisors started for instances adopted so far must not
+            // outlive a spawner that failed to start.
+            inner.cancel.cancel();
+            inner.tracker.close();
+            inner.tracker.wait().await;
+            return Err(e);
+        }
+        inner.start_background();
+        Ok(Arc::new(LocalSpawner { inner }))
     }
 
     /// Prometheus metrics of this spawner.
-    pub fn register_metrics(&self, _registry: &mut prometheus_client::registry::Registry) {
-        todo!()
+    pub fn register_metrics(&self, registry: &mut prometheus_client::registry::Registry) {
+        self.inner.metrics.register(registry);
+    }
+}
+
+impl Drop for LocalSpawner {
+    fn drop(&mut self) {
+        // Background tasks hold the shared state; without this they would
+        // keep running after the last handle is gone.
+        self.inner.cancel.cancel();
+    }
+}
+
+impl LocalSpawner {
+    /// The record of `role`: memory first (it is this node's truth), else
+    /// the store.
+    async fn record(&self, user: &UserId, role: Role) -> Result<Option<Instance>, SpawnError> {
+        if let Some(slot) = self.inner.existing_slot(user) {
+            if let Some(mut instance) = slot.record(role) {
+                instance.last_active = instance
+                    .last_active
+                    .max(slot.last_active.load(Ordering::Relaxed));
+                return Ok(Some(instance));
+            }
+        }
+        Ok(self.inner.store.get_instance(user, role).await?)
+    }
+}
+
+#[async_trait]
+impl Spawner for LocalSpawner {
+    async fn launch(&self, user: &UserId, request: LaunchRequest) -> Result<Instance, SpawnError> {
+        let folder = validate(request.folder.as_deref(), request.patch.as_deref())?;
+        let slot = self.inner.slot(user);
+        let _guard = slot.lifecycle.lock().await;
+        let kind = if request.force {
+            LaunchKind::Force
+        } else {
+            LaunchKind::Implicit
+        };
+        self.inner
+            .launch_locked(&slot, folder, PatchSource::Content(request.patch), kind)
+            .await
+    }
+
+    async fn restart_main(&self, user: &UserId) -> Result<Instance, SpawnError> {
+        let slot = self.inner.slot(user);
+        let _guard = slot.lifecycle.lock().await;
+        let (folder, patch) = {
+            let state = slot.lock();
+            match state.main.as_ref() {
+                Some(live) if live.instance.status.is_live() => {
+                    (live.instance.folder.clone(), live.patch.clone())
+                }
+                _ => {
+                    return Err(SpawnError::NotFound {
+                        user: user.clone(),
+                        what: "live main instance",
+                    });
+                }
+            }
+        };
+        self.inner
+            .stop_locked(&slot, StopKind::Requested("restart"))
+            .await;
+        self.inner
+            .launch_locked(
+                &slot,
+                folder,
+                PatchSource::Keep(patch),
+                LaunchKind::Implicit,
+            )
+            .await
+    }
+
+    async fn breaker_info(&self, user: &UserId) -> Result<Option<BreakerInfo>, SpawnError> {
+        let state = self.inner.store.load_crash_state(user).await?;
+        Ok(state.breaker_at(Inner::now()))
+    }
+
+    async fn reset_breaker(&self, user: &UserId) -> Result<(), SpawnError> {
+        Ok(self
+            .inner
+            .store
+            .save_crash_state(user, &CrashState::default())
+            .await?)
+    }
+
+    async fn restart_all_mains(&self) -> Vec<RestartResult> {
+        let users: Vec<UserId> = self
+            .inner
+            .all_slots()
+            .iter()
+            .filter(|s| {
+                s.record(Role::Main)
+                    .is_some_and(|i| i.status == InstanceStatus::Running)
+            })
+            .map(|s| s.user.clone())
+            .collect();
+        let limit = self.inner.config.restart_all_concurrency.max(1);
+        futures_util::stream::iter(users)
+            .map(|user| async move {
+                match self.restart_main(&user).await {
+                    Ok(_) => RestartResult {
+                        user,
+                        ok: true,
+                        error: None,
+                    },
+                    Err(e) => {
+                        tracing::warn!(%user, error = %e, "restart-all: restart failed");
+                        RestartResult {
+                            user,
+                            ok: false,
+                            error: Some(e.to_string()),
+                        }
+                    }
+                }
+            })
+            .buffer_unordered(limit)
+            .collect()
+            .await
+    }
+
+    async fn spawn_watchdog(&self, user: &UserId) -> Result<Instance, SpawnError> {
+        let slot = self.inner.slot(user);
+        self.inner.spawn_watchdog(&slot, None).await
+    }
+
+    async fn status(&self, user: &UserId) -> Result<UserStatus, SpawnError> {
+        Ok(UserStatus {
+            main: self.record(user, Role::Main).await?,
+            watchdog: self.record(user, Role::Watchdog).await?,
+        })
+    }
+
+    async fn list(&self) -> Result<Vec<Instance>, SpawnError> {
+        let filter = InstanceFilter {
+            node: Some(self.inner.node().to_owned()),
+            ..InstanceFilter::default()
+        };
+        let mut list = self.inner.store.list_instances(&filter).await?;
+        for instance in &mut list {
+            if let Some(slot) = self.inner.existing_slot(&instance.user) {
+                if let Some(current) = slot.record(instance.role) {
+                    *instance = current;
+                }
+            }
+        }
+        Ok(list)
+    }
+
+    fn endpoint_for(&self, user: &UserId) -> Option<Endpoint> {
+        let routes = self.inner.routes.read().unwrap_or_else(|e| e.into_inner());
+        routes.get(user).cloned()
+    }
+
+    fn launch_token(&self, user: &UserId) -> Option<String> {
+        let tokens = self.inner.tokens.read().unwrap_or_else(|e| e.into_inner());
+        tokens.get(user).cloned()
+    }
+
+    async fn stop(&self, user: &UserId) -> Result<(), SpawnError> {
+        let Some(slot) = self.inner.existing_slot(user) else {
+            return Ok(());
+        };
+        let _guard = slot.lifecycle.lock().await;
+        self.inner
+            .stop_locked(&slot, StopKind::Requested("stop"))
+            .await;
+        self.inner.reset_crash_counters(user).await
+    }
+
+    async fn teardown(&self) {
+        self.inner.cancel.cancel();
+        self.inner.tracker.close();
+        self.inner.tracker.wait().await;
+    }
+
+    async fn wait_for_ready(
+        &self,
+        user: &UserId,
+        timeout: Duration,
+    ) -> Result<Option<Instance>, SpawnError> {
+        let Some(slot) = self.inner.existing_slot(user) else {
+            return self.record(user, Role::Main).await;
+        };
+        let mut watch = slot.main_watch.subscribe();
+        let wait = async {
+            loop {
+                let current = watch.borrow_and_update().clone();
+                match current {
+                    None => return None,
+                    Some(i) if i.status == InstanceStatus::Running && i.ready => return Some(i),
+                    Some(i) if i.status.is_terminal() || i.status == InstanceStatus::Crashed => {
+                        return Some(i);
+                    }
+                    Some(_) => {}
+                }
+                if watch.changed().await.is_err() {
+                    return None;
+                }
+            }
+        };
+        match tokio::time::timeout(timeout, wait).await {
+            Ok(Some(instance)) => Ok(Some(instance)),
+            Ok(None) => self.record(user, Role::Main).await,
+            Err(_) => Err(SpawnError::Starting {
+                user: user.clone(),
+                retry_after_ms: 1000,
+            }),
+        }
+    }
+
+    async fn restart_and_probe(&self, user: &UserId) -> ProbeReport {
+        let config = &self.inner.config;
+        let fail = |reason: String| ProbeReport { ok: false, reason };
+        let live = self
+            .inner
+            .existing_slot(user)
+            .and_then(|s| s.live_record(Role::Main))
+            .is_some();
+        let started = if live {
+            self.restart_main(user).await
+        } else {
+            let request = LaunchRequest {
+                force: true,
+                ..LaunchRequest::default()
+            };
+            self.launch(user, request).await
+        };
+        let started = match started {
+            Ok(instance) => instance,
+            Err(e) => return fail(format!("could not start the instance: {e}")),
+        };
+        let ready = match self.wait_for_ready(user, config.probe_budget).await {
+            Ok(Some(i)) if i.status == InstanceStatus::Running && i.ready => i,
+            Ok(Some(i)) => {
+                return fail(format!(
+                    "the instance did not become ready: it is {}{}",
+                    i.status,
+                    i.last_error.map(|e| format!(" ({e})")).unwrap_or_default()
+                ));
+            }
+            Ok(None) => return fail("the instance disappeared while starting".into()),
+            Err(e) => {
+                return fail(format!(
+                    "the instance was not ready within {} s: {e}",
+                    config.probe_budget.as_secs_f64()
+                ));
+            }
+        };
+        tokio::time::sleep(config.probe_settle).await;
+        match self.record(user, Role::Main).await {
+            Ok(Some(now))
+                if now.id == started.id
+                    && now.status == InstanceStatus::Running
+                    && now.pid == ready.pid =>
+            {
+                ProbeReport {
+                    ok: true,
+                    reason: format!(
+                        "ready and still running after {} s (pid {})",
+                        config.probe_settle.as_secs_f64(),
+                        now.pid.unwrap_or(0)
+                    ),
+                }
+            }
+            Ok(Some(now)) => fail(format!(
+                "the instance did not stay up: it is {} (pid {:?}, was {:?}){}",
+                now.status,
+                now.pid,
+                ready.pid,
+                now.last_error.map(|e| format!(": {e}")).unwrap_or_default()
+            )),
+            Ok(None) => fail("the instance disappeared after becoming ready".into()),
+            Err(e) => fail(format!("could not read the instance status: {e}")),
+        }
+    }
+
+    fn touch(&self, user: &UserId) {
+        if let Some(slot) = self.inner.existing_slot(user) {
+            slot.touch(Inner::now());
+        }
+    }
+
+    async fn logs(&self, user: &UserId, tail: usize) -> Result<Vec<String>, SpawnError> {
+        let path =
+            crate::paths::UserPaths::new(&self.inner.config.data_dir, &user.slug()).log(Role::Main);
+        let read = tokio::task::spawn_blocking(move || match std::fs::File::open(&path) {
+            Ok(mut file) => tail_lines(&mut file, tail),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Vec::new()),
+            Err(e) => Err(e),
+        })
+        .await
+        .map_err(|e| SpawnError::Internal(format!("log reader failed: {e}")))?;
+        read.map_err(|e| SpawnError::Internal(format!("cannot read the log: {e}")))
+    }
+
+    fn subscribe(&self) -> broadcast::Receiver<InstanceEvent> {
+        self.inner.events.subscribe()
     }
 }

@@ -1,0 +1,451 @@
+//! The spawner's shared in-memory state and the few helpers every
+//! lifecycle path uses to change it: one place that updates a record,
+//! persists it, refreshes the route table and publishes the change.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+
+use berth_core::{
+    Endpoint, Epoch, Instance, InstanceEvent, InstanceStatus, Role, SpawnError, UserId,
+    unix_millis_now,
+};
+use berth_store::Store;
+use berth_store::lease::LeaseKeeper;
+use tokio::sync::{broadcast, watch};
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use crate::metrics::Metrics;
+use crate::paths::UserPaths;
+use crate::ports::PortPool;
+use crate::shim::{ShimControl, ShimSpec};
+use crate::template::{self, Vars};
+use crate::{LocalConfig, Readiness};
+
+/// Capacity of the instance-event broadcast; slow subscribers lag rather
+/// than hold up the spawner.
+pub(crate) const EVENT_CAPACITY: usize = 1024;
+/// `last_error` keeps at most this many characters (design §4.1).
+pub(crate) const MAX_ERROR_CHARS: usize = 500;
+
+/// Why an instance is being stopped; decides the shim command and what the
+/// record says afterwards.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum StopKind {
+    /// API stop, restart, reaper: TERM, then KILL after the grace period.
+    Requested(&'static str),
+    /// The lease is lost: KILL at once, and do not release the lease.
+    Fenced,
+}
+
+/// One instance this node supervises (or last supervised, once terminal).
+pub(crate) struct Live {
+    pub instance: Instance,
+    pub control: Option<ShimControl>,
+    pub shim_pid: Option<u32>,
+    /// The materialised patch, kept for crash restarts and `restart_main`.
+    pub patch: Option<PathBuf>,
+    /// Cancelled to ask the supervisor to stop the instance.
+    pub stop: CancellationToken,
+    pub stop_kind: Option<StopKind>,
+    /// The supervisor task; taken by whoever waits for the stop.
+    pub task: Option<JoinHandle<()>>,
+}
+
+impl Live {
+    pub fn new(instance: Instance, patch: Option<PathBuf>) -> Self {
+        Self {
+            instance,
+            control: None,
+            shim_pid: None,
+            patch,
+            stop: CancellationToken::new(),
+            stop_kind: None,
+            task: None,
+        }
+    }
+}
+
+#[derive(Default)]
+pub(crate) struct SlotState {
+    pub main: Option<Live>,
+    pub watchdog: Option<Live>,
+}
+
+impl SlotState {
+    pub fn get(&self, role: Role) -> Option<&Live> {
+        match role {
+            Role::Main => self.main.as_ref(),
+            Role::Watchdog => self.watchdog.as_ref(),
+        }
+    }
+    pub fn get_mut(&mut self, role: Role) -> &mut Option<Live> {
+        match role {
+            Role::Main => &mut self.main,
+            Role::Watchdog => &mut self.watchdog,
+        }
+    }
+}
+
+/// Everything about one user. Slots are created on first use and kept.
+pub(crate) struct UserSlot {
+    pub user: UserId,
+    pub paths: UserPaths,
+    /// Serialises lifecycle operations (launch, stop, restart) of this user.
+    /// Never taken on the proxy's hot path.
+    pub lifecycle: tokio::sync::Mutex<()>,
+    /// Keeps two watchdog spawns (explicit and after a crash) apart.
+    pub watchdog_lock: tokio::sync::Mutex<()>,
+    pub state: Mutex<SlotState>,
+    /// Last activity, written by `touch` without any lock.
+    pub last_active: AtomicI64,
+    /// The last activity time already written to the store.
+    pub flushed_active: AtomicI64,
+    /// The main's current record, for `wait_for_ready`.
+    pub main_watch: watch::Sender<Option<Instance>>,
+}
+
+impl UserSlot {
+    pub fn lock(&self) -> std::sync::MutexGuard<'_, SlotState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub fn record(&self, role: Role) -> Option<Instance> {
+        self.lock().get(role).map(|l| l.instance.clone())
+    }
+
+    pub fn live_record(&self, role: Role) -> Option<Instance> {
+        self.record(role).filter(|i| i.status.is_live())
+    }
+
+    pub fn touch(&self, at: i64) {
+        self.last_active.fetch_max(at, Ordering::Relaxed);
+    }
+}
+
+pub(crate) struct Inner {
+    pub config: LocalConfig,
+    pub store: Arc<dyn Store>,
+    pub lease: LeaseKeeper,
+    pub slots: RwLock<HashMap<UserId, Arc<UserSlot>>>,
+    /// The proxy's route table: only running, ready mains.
+    pub routes: RwLock<HashMap<UserId, Endpoint>>,
+    pub tokens: RwLock<HashMap<UserId, String>>,
+    pub ports: PortPool,
+    pub events: broadcast::Sender<InstanceEvent>,
+    pub tracker: TaskTracker,
+    pub cancel: CancellationToken,
+    pub metrics: Metrics,
+    /// Mains frozen by the self-fence deadline, with the epoch they held.
+    pub frozen: Mutex<HashMap<UserId, Epoch>>,
+}
+
+impl Inner {
+    pub fn node(&self) -> &str {
+        &self.config.node_id
+    }
+
+    pub fn slot(&self, user: &UserId) -> Arc<UserSlot> {
+        if let Some(slot) = self.existing_slot(user) {
+            return slot;
+        }
+        let mut slots = self.slots.write().unwrap_or_else(|e| e.into_inner());
+        slots
+            .entry(user.clone())
+            .or_insert_with(|| {
+                Arc::new(UserSlot {
+                    user: user.clone(),
+                    paths: UserPaths::new(&self.config.data_dir, &user.slug()),
+                    lifecycle: tokio::sync::Mutex::new(()),
+                    watchdog_lock: tokio::sync::Mutex::new(()),
+                    state: Mutex::new(SlotState::default()),
+                    last_active: AtomicI64::new(0),
+                    flushed_active: AtomicI64::new(0),
+                    main_watch: watch::channel(None).0,
+                })
+            })
+            .clone()
+    }
+
+    pub fn existing_slot(&self, user: &UserId) -> Option<Arc<UserSlot>> {
+        let slots = self.slots.read().unwrap_or_else(|e| e.into_inner());
+        slots.get(user).cloned()
+    }
+
+    pub fn all_slots(&self) -> Vec<Arc<UserSlot>> {
+        let slots = self.slots.read().unwrap_or_else(|e| e.into_inner());
+        slots.values().cloned().collect()
+    }
+
+    /// Puts `live` in the slot as the current instance of its role.
+    pub fn install(&self, slot: &UserSlot, live: Live) {
+        let role = live.instance.role;
+        let new = live.instance.status;
+        let old = {
+            let mut state = slot.lock();
+            let old = state.get(role).map(|l| l.instance.status);
+            *state.get_mut(role) = Some(live);
+            old
+        };
+        self.metrics.transition(role, old, Some(new));
+    }
+
+    /// Applies `change` to the current instance of `role` if it is still
+    /// instance `id`, then persists and publishes the result.
+    pub async fn modify(
+        &self,
+        slot: &UserSlot,
+        role: Role,
+        id: &str,
+        message: Option<String>,
+        change: impl FnOnce(&mut Live),
+    ) -> Option<Instance> {
+        let (old, instance) = {
+            let mut state = slot.lock();
+            let live = state
+                .get_mut(role)
+                .as_mut()
+                .filter(|l| l.instance.id == id)?;
+            let old = live.instance.status;
+            change(live);
+            (old, live.instance.clone())
+        };
+        self.metrics
+            .transition(role, Some(old), Some(instance.status));
+        self.publish(slot, &instance, message).await;
+        Some(instance)
+    }
+
+    /// Mirrors `instance` everywhere: first the store (a failure is logged:
+    /// memory stays the truth for this node), so that whoever is woken by
+    /// the change finds it recorded; then the route table, the ready watch
+    /// and the event stream.
+    pub async fn publish(&self, slot: &UserSlot, instance: &Instance, message: Option<String>) {
+        let stored = if instance.role == Role::Watchdog && instance.status.is_terminal() {
+            self.store
+                .delete_instance(&instance.user, Role::Watchdog)
+                .await
+        } else {
+            self.store.put_instance(instance).await
+        };
+        if let Err(e) = stored {
+            self.metrics.store_errors.inc();
+            tracing::warn!(user = %instance.user, role = %instance.role, error = %e,
+                "could not save the instance record");
+        }
+        let endpoint = self.refresh_route(instance);
+        if instance.role == Role::Main {
+            slot.main_watch.send_replace(Some(instance.clone()));
+        }
+        let _ = self.events.send(InstanceEvent {
+            user: instance.user.clone(),
+            role: instance.role,
+            status: instance.status,
+            ready: instance.ready,
+            endpoint,
+            message,
+        });
+    }
+
+    /// Updates the route table for a main and returns its endpoint, if it
+    /// is reachable.
+    pub fn refresh_route(&self, instance: &Instance) -> Option<Endpoint> {
+        if instance.role != Role::Main {
+            return None;
+        }
+        let endpoint = match (instance.status, instance.ready, instance.port) {
+            (InstanceStatus::Running, true, Some(port)) => Some(Endpoint {
+                host: "127.0.0.1".into(),
+                port,
+            }),
+            _ => None,
+        };
+        {
+            let mut routes = self.routes.write().unwrap_or_else(|e| e.into_inner());
+            match &endpoint {
+                Some(e) => routes.insert(instance.user.clone(), e.clone()),
+                None => routes.remove(&instance.user),
+            };
+        }
+        if instance.status.is_terminal() {
+            let mut tokens = self.tokens.write().unwrap_or_else(|e| e.into_inner());
+            tokens.remove(&instance.user);
+        }
+        endpoint
+    }
+
+    pub fn set_token(&self, user: &UserId, token: Option<String>) {
+        let mut tokens = self.tokens.write().unwrap_or_else(|e| e.into_inner());
+        match token {
+            Some(t) => tokens.insert(user.clone(), t),
+            None => tokens.remove(user),
+        };
+    }
+
+    /// The shim spec that runs `instance` (main or watchdog).
+    pub fn shim_spec(
+        &self,
+        slot: &UserSlot,
+        instance: &Instance,
+        var_port: u16,
+        patch: Option<&Path>,
+    ) -> Result<ShimSpec, SpawnError> {
+        let (command, extra): (&[String], Vec<(String, String)>) = match instance.role {
+            Role::Main => (&self.config.command, Vec::new()),
+            Role::Watchdog => (
+                self.config
+                    .watchdog_command
+                    .as_deref()
+                    .ok_or_else(|| SpawnError::NotFound {
+                        user: slot.user.clone(),
+                        what: "watchdog command",
+                    })?,
+                vec![("BERTH_HANDOFF".into(), path_string(&slot.paths.handoff()))],
+            ),
+        };
+        let cwd = workdir(&slot.paths, &instance.folder);
+        let home = slot.paths.home();
+        let base_path = LocalConfig::base_path(&slot.user);
+        let vars = Vars {
+            user: slot.user.as_str().to_owned(),
+            slug: slot.user.slug().as_str().to_owned(),
+            port: var_port,
+            home: path_string(&home),
+            folder: path_string(&cwd),
+            patch: patch.map(path_string).unwrap_or_default(),
+            base_path: base_path.clone(),
+        };
+        let berth_vars = [
+            ("BERTH_USER", slot.user.as_str().to_owned()),
+            ("BERTH_PORT", var_port.to_string()),
+            ("BERTH_BASE_PATH", base_path),
+            ("BERTH_ROLE", instance.role.as_str().to_owned()),
+            ("BERTH_EPOCH", instance.epoch.to_string()),
+            ("BERTH_INSTANCE_ID", instance.id.clone()),
+            ("HOME", path_string(&home)),
+            ("TMPDIR", path_string(&slot.paths.tmp())),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_owned(), v))
+        .chain(extra);
+        let env = template::build_env(
+            &self.config.env_allowlist,
+            template::own_env(),
+            &self.config.env,
+            berth_vars,
+        );
+        let ready_regex = match (&self.config.readiness, instance.role) {
+            (Readiness::TokenRegex(re), Role::Main) => Some(re.as_str().to_owned()),
+            _ => None,
+        };
+        let fence_ms = (self.config.fence && instance.role == Role::Main)
+            .then(|| millis(self.config.lease.fence_after()));
+        Ok(ShimSpec {
+            instance_id: instance.id.clone(),
+            user: slot.user.as_str().to_owned(),
+            role: instance.role,
+            epoch: instance.epoch,
+            argv: template::render_command(command, &vars),
+            env,
+            cwd,
+            log_path: slot.paths.log(instance.role),
+            state_path: slot.paths.state_file(instance.role),
+            socket_path: slot.paths.socket(instance.role),
+            ready_regex,
+            fence_ms,
+        })
+    }
+
+    /// The shim executable and its leading arguments.
+    pub fn shim_command(&self) -> (PathBuf, Vec<String>) {
+        let mut parts = self.config.shim_command.iter();
+        let exe = parts.next().map(PathBuf::from).unwrap_or_default();
+        (exe, parts.cloned().collect())
+    }
+
+    /// Number of live mains, for the node heartbeat.
+    pub fn live_mains(&self) -> u32 {
+        let count = self
+            .all_slots()
+            .iter()
+            .filter(|s| s.live_record(Role::Main).is_some())
+            .count();
+        u32::try_from(count).unwrap_or(u32::MAX)
+    }
+
+    pub fn now() -> i64 {
+        unix_millis_now()
+    }
+}
+
+pub(crate) fn workdir(paths: &UserPaths, folder: &str) -> PathBuf {
+    if folder.is_empty() {
+        paths.ws()
+    } else {
+        paths.ws().join(folder)
+    }
+}
+
+pub(crate) fn path_string(p: &Path) -> String {
+    p.to_string_lossy().into_owned()
+}
+
+pub(crate) fn millis(d: std::time::Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
+
+/// The last `MAX_ERROR_CHARS` characters of `text`.
+pub(crate) fn error_tail(text: &str) -> String {
+    let text = text.trim_end();
+    let count = text.chars().count();
+    text.chars()
+        .skip(count.saturating_sub(MAX_ERROR_CHARS))
+        .collect()
+}
+
+/// A fresh random instance id.
+pub(crate) fn new_instance_id() -> String {
+    let mut bytes = [0u8; 12];
+    if getrandom::fill(&mut bytes).is_err() {
+        // No OS randomness: time plus a counter is still unique per node.
+        static COUNTER: AtomicI64 = AtomicI64::new(0);
+        let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+        return format!("{:x}-{n:x}", unix_millis_now());
+    }
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// A random number in `[-1, 1]` for backoff jitter.
+pub(crate) fn random_unit() -> f64 {
+    match getrandom::u64() {
+        Ok(x) => (x as f64 / u64::MAX as f64) * 2.0 - 1.0,
+        Err(_) => 0.0,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn error_tails_keep_the_end() {
+        let long = format!("{}END", "x".repeat(1000));
+        let tail = error_tail(&long);
+        assert_eq!(tail.chars().count(), MAX_ERROR_CHARS);
+        assert!(tail.ends_with("END"));
+        assert_eq!(error_tail("short\n"), "short");
+        assert_eq!(error_tail(&"é".repeat(600)).chars().count(), 500);
+    }
+
+    #[test]
+    fn ids_are_unique_and_random_units_bounded() {
+        assert_ne!(new_instance_id(), new_instance_id());
+        for _ in 0..100 {
+            let u = random_unit();
+            assert!((-1.0..=1.0).contains(&u));
+        }
+    }
+}

@@ -1,0 +1,393 @@
+//! Lifecycle operations on one user: launch, stop, restart and the
+//! watchdog. Each runs under the user's lifecycle mutex; the processes are
+//! then watched by a supervisor task (see `supervisor`).
+
+use std::collections::BTreeSet;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use berth_core::policy::{CrashState, LaunchKind};
+use berth_core::{Instance, InstanceStatus, MAX_PATCH_BYTES, Role, SpawnError, UserId};
+use berth_store::{ClaimOutcome, InstanceFilter};
+
+use crate::inner::{Inner, Live, StopKind, UserSlot, error_tail, new_instance_id};
+use crate::paths::{create_private_dir, normalize_folder};
+use crate::shim::{ShimError, ShimHandle};
+use crate::supervisor::{self, Start};
+
+/// Where the patch of a launch comes from.
+pub(crate) enum PatchSource {
+    /// New content from the request (`None`: no patch).
+    Content(Option<String>),
+    /// The file materialised by an earlier launch (restart).
+    Keep(Option<PathBuf>),
+}
+
+/// Checks a request before anything is touched: a refused request leaves
+/// no trace on disk or in the store.
+pub(crate) fn validate(folder: Option<&str>, patch: Option<&str>) -> Result<String, SpawnError> {
+    if let Some(patch) = patch {
+        if patch.len() > MAX_PATCH_BYTES {
+            return Err(SpawnError::PayloadTooLarge {
+                size: patch.len(),
+                limit: MAX_PATCH_BYTES,
+            });
+        }
+    }
+    normalize_folder(folder).map_err(SpawnError::InvalidRequest)
+}
+
+fn spawn_error(e: ShimError) -> String {
+    match e {
+        ShimError::SpawnFailed(msg) => msg,
+        other => other.to_string(),
+    }
+}
+
+fn io_error(what: &str, path: &std::path::Path, e: std::io::Error) -> SpawnError {
+    SpawnError::Internal(format!("cannot {what} {}: {e}", path.display()))
+}
+
+impl Inner {
+    pub(crate) fn port_range_text(&self) -> String {
+        let r = self.ports.range();
+        format!("{}-{}", r.start(), r.end())
+    }
+
+    /// Ports the store records for live instances on this node.
+    async fn recorded_ports(&self) -> Result<BTreeSet<u16>, SpawnError> {
+        let filter = InstanceFilter {
+            node: Some(self.node().to_owned()),
+            ..InstanceFilter::default()
+        };
+        let records = self.store.list_instances(&filter).await?;
+        Ok(records
+            .iter()
+            .filter(|r| r.status.is_live())
+            .filter_map(|r| r.port)
+            .collect())
+    }
+
+    /// Launches the main of `slot`; the caller holds its lifecycle lock.
+    pub(crate) async fn launch_locked(
+        self: &Arc<Self>,
+        slot: &Arc<UserSlot>,
+        folder: String,
+        patch: PatchSource,
+        kind: LaunchKind,
+    ) -> Result<Instance, SpawnError> {
+        let user = &slot.user;
+        if slot.live_record(Role::Main).is_some() {
+            return Err(SpawnError::AlreadyRunning { user: user.clone() });
+        }
+        let now = Inner::now();
+        let crash = self.store.load_crash_state(user).await?;
+        let admitted = self
+            .config
+            .crash
+            .admit_launch(&crash, now, kind)
+            .map_err(|open| SpawnError::CircuitOpen {
+                user: user.clone(),
+                opens: open.opens,
+                retry_at: open.cooldown_until,
+            })?;
+        let used = self.recorded_ports().await?;
+        let port = self.ports.allocate(None, &used).ok_or_else(|| {
+            SpawnError::CapacityExhausted(format!("no free port in {}", self.port_range_text()))
+        })?;
+        let launched = self
+            .launch_on_port(slot, folder, patch, port, (crash, admitted))
+            .await;
+        if launched.is_err() {
+            self.ports.release(port);
+        }
+        launched
+    }
+
+    async fn launch_on_port(
+        self: &Arc<Self>,
+        slot: &Arc<UserSlot>,
+        folder: String,
+        patch: PatchSource,
+        port: u16,
+        (crash, admitted): (CrashState, CrashState),
+    ) -> Result<Instance, SpawnError> {
+        let user = &slot.user;
+        let epoch = match self.lease.acquire(user).await? {
+            ClaimOutcome::Claimed { epoch } => epoch,
+            ClaimOutcome::Busy { holder, expired } => {
+                return Err(SpawnError::LeaseBusy {
+                    user: user.clone(),
+                    holder,
+                    expired,
+                });
+            }
+        };
+        match self
+            .spawn_main(slot, folder, patch, port, epoch, crash, admitted)
+            .await
+        {
+            Ok(instance) => Ok(instance),
+            Err(e) => {
+                self.release_lease(user).await;
+                Err(e)
+            }
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    async fn spawn_main(
+        self: &Arc<Self>,
+        slot: &Arc<UserSlot>,
+        folder: String,
+        patch: PatchSource,
+        port: u16,
+        epoch: i64,
+        crash: CrashState,
+        admitted: CrashState,
+    ) -> Result<Instance, SpawnError> {
+        let paths = &slot.paths;
+        paths
+            .prepare()
+            .map_err(|e| io_error("create", &paths.root, e))?;
+        let cwd = crate::inner::workdir(paths, &folder);
+        create_private_dir(&cwd).map_err(|e| io_error("create", &cwd, e))?;
+        let patch = match patch {
+            PatchSource::Keep(path) => path,
+            PatchSource::Content(None) => None,
+            PatchSource::Content(Some(content)) => {
+                let file = paths.patch_file(&self.config.patch_ext);
+                tokio::fs::write(&file, content)
+                    .await
+                    .map_err(|e| io_error("write", &file, e))?;
+                Some(file)
+            }
+        };
+        if admitted != crash {
+            self.store.save_crash_state(&slot.user, &admitted).await?;
+        }
+        let now = Inner::now();
+        let mut instance = Instance {
+            id: new_instance_id(),
+            user: slot.user.clone(),
+            role: Role::Main,
+            status: InstanceStatus::Starting,
+            node: self.node().to_owned(),
+            epoch,
+            port: Some(port),
+            pid: None,
+            pid_start: None,
+            folder,
+            started_at: now,
+            ready: false,
+            restarts: 0,
+            last_error: None,
+            exit_code: None,
+            last_active: now,
+        };
+        let spec = self.shim_spec(slot, &instance, port, patch.as_deref())?;
+        self.store.put_instance(&instance).await?;
+        let (exe, args) = self.shim_command();
+        let log_offset = supervisor::log_size(&spec.log_path);
+        let spawned_at = std::time::Instant::now();
+        match ShimHandle::spawn(&exe, &args, &spec).await {
+            Ok((handle, state)) => {
+                instance.pid = Some(state.pid);
+                instance.pid_start = Some(state.pid_start);
+                slot.touch(now);
+                let mut live = Live::new(instance.clone(), patch);
+                live.control = Some(handle.control());
+                live.shim_pid = Some(state.shim_pid);
+                let stop = live.stop.clone();
+                self.install(slot, live);
+                self.set_token(&slot.user, None);
+                self.publish(slot, &instance, None).await;
+                supervisor::start_main(
+                    self,
+                    slot,
+                    &instance.id,
+                    stop,
+                    Start::Attached {
+                        handle,
+                        spawned_at: Some(spawned_at),
+                        token: state.token,
+                        log_offset: Some(log_offset),
+                    },
+                );
+                Ok(instance)
+            }
+            Err(e) => {
+                let message = spawn_error(e);
+                instance.status = InstanceStatus::Failed;
+                instance.last_error = Some(error_tail(&message));
+                self.install(slot, Live::new(instance.clone(), patch));
+                self.publish(slot, &instance, Some(message.clone())).await;
+                Err(SpawnError::SpawnFailed(message))
+            }
+        }
+    }
+
+    pub(crate) async fn release_lease(&self, user: &UserId) {
+        if let Err(e) = self.lease.release(user).await {
+            self.metrics.store_errors.inc();
+            tracing::warn!(%user, error = %e, "could not release the lease");
+        }
+    }
+
+    /// Stops the user's main (if live) and watchdog, and waits for both.
+    /// The caller holds the lifecycle lock, except for fencing.
+    pub(crate) async fn stop_locked(&self, slot: &UserSlot, kind: StopKind) {
+        for role in [Role::Main, Role::Watchdog] {
+            let task = {
+                let mut state = slot.lock();
+                match state.get_mut(role).as_mut() {
+                    Some(live) if live.instance.status.is_live() => {
+                        live.stop_kind.get_or_insert(kind);
+                        live.stop.cancel();
+                        live.task.take()
+                    }
+                    _ => None,
+                }
+            };
+            let Some(task) = task else { continue };
+            // The supervisor bounds its own wait (grace + margin, then a
+            // direct kill); this outer bound only guards against a bug.
+            let bound = self.config.stop_grace + Duration::from_secs(10);
+            if tokio::time::timeout(bound, task).await.is_err() {
+                tracing::error!(user = %slot.user, %role, "supervisor did not finish stopping the instance");
+            }
+        }
+    }
+
+    /// Clears the crash streak and the restarts in the window after an
+    /// explicit operation. The breaker itself (open count and a running
+    /// cooldown) is kept: only `force` and `reset_breaker` clear it.
+    pub(crate) async fn reset_crash_counters(&self, user: &UserId) -> Result<(), SpawnError> {
+        let state = self.store.load_crash_state(user).await?;
+        let reset = CrashState {
+            streak: 0,
+            restarts: Vec::new(),
+            ..state.clone()
+        };
+        if reset != state {
+            self.store.save_crash_state(user, &reset).await?;
+        }
+        Ok(())
+    }
+
+    /// Starts the watchdog of `slot`. `after_crash` carries the crashed
+    /// main's record for the handoff file.
+    pub(crate) async fn spawn_watchdog(
+        self: &Arc<Self>,
+        slot: &Arc<UserSlot>,
+        main: Option<Instance>,
+    ) -> Result<Instance, SpawnError> {
+        if self.config.watchdog_command.is_none() {
+            return Err(SpawnError::NotFound {
+                user: slot.user.clone(),
+                what: "watchdog command",
+            });
+        }
+        let _guard = slot.watchdog_lock.lock().await;
+        if slot.live_record(Role::Watchdog).is_some() {
+            return Err(SpawnError::AlreadyRunning {
+                user: slot.user.clone(),
+            });
+        }
+        let main = match main.or_else(|| slot.record(Role::Main)) {
+            Some(m) => Some(m),
+            None => self.store.get_instance(&slot.user, Role::Main).await?,
+        };
+        let paths = &slot.paths;
+        paths
+            .prepare()
+            .map_err(|e| io_error("create", &paths.root, e))?;
+        let handoff = serde_json::json!({
+            "user": slot.user.as_str(),
+            "instance_id": main.as_ref().map(|m| m.id.clone()),
+            "status": main.as_ref().map(|m| m.status.as_str()),
+            "exit_code": main.as_ref().and_then(|m| m.exit_code),
+            "last_error": main.as_ref().and_then(|m| m.last_error.clone()),
+            "at": Inner::now(),
+        });
+        let handoff_path = paths.handoff();
+        tokio::fs::write(&handoff_path, handoff.to_string())
+            .await
+            .map_err(|e| io_error("write", &handoff_path, e))?;
+        let folder = main.as_ref().map(|m| m.folder.clone()).unwrap_or_default();
+        let cwd = crate::inner::workdir(paths, &folder);
+        create_private_dir(&cwd).map_err(|e| io_error("create", &cwd, e))?;
+        let patch_file = paths.patch_file(&self.config.patch_ext);
+        let patch = patch_file.exists().then_some(patch_file);
+        let now = Inner::now();
+        let mut instance = Instance {
+            id: new_instance_id(),
+            user: slot.user.clone(),
+            role: Role::Watchdog,
+            status: InstanceStatus::Starting,
+            node: self.node().to_owned(),
+            epoch: 0,
+            port: None,
+            pid: None,
+            pid_start: None,
+            folder,
+            started_at: now,
+            ready: false,
+            restarts: 0,
+            last_error: None,
+            exit_code: None,
+            last_active: now,
+        };
+        let var_port = main.as_ref().and_then(|m| m.port).unwrap_or(0);
+        let spec = self.shim_spec(slot, &instance, var_port, patch.as_deref())?;
+        self.store.put_instance(&instance).await?;
+        let (exe, args) = self.shim_command();
+        match ShimHandle::spawn(&exe, &args, &spec).await {
+            Ok((handle, state)) => {
+                instance.status = InstanceStatus::Running;
+                instance.pid = Some(state.pid);
+                instance.pid_start = Some(state.pid_start);
+                let mut live = Live::new(instance.clone(), patch);
+                live.control = Some(handle.control());
+                live.shim_pid = Some(state.shim_pid);
+                let stop = live.stop.clone();
+                self.install(slot, live);
+                self.publish(slot, &instance, None).await;
+                supervisor::start_watchdog(self, slot, &instance.id, stop, handle);
+                Ok(instance)
+            }
+            Err(e) => {
+                let message = spawn_error(e);
+                if let Err(e) = self.store.delete_instance(&slot.user, Role::Watchdog).await {
+                    tracing::warn!(user = %slot.user, error = %e, "could not delete the watchdog record");
+                }
+                Err(SpawnError::SpawnFailed(message))
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn oversized_patches_and_bad_folders_are_refused_first() {
+        let big = "x".repeat(300 * 1024);
+        assert_eq!(
+            validate(None, Some(&big)),
+            Err(SpawnError::PayloadTooLarge {
+                size: 300 * 1024,
+                limit: MAX_PATCH_BYTES
+            })
+        );
+        assert!(matches!(
+            validate(Some("../x"), None),
+            Err(SpawnError::InvalidRequest(_))
+        ));
+        assert_eq!(validate(Some("a/b"), Some("k = 1")), Ok("a/b".into()));
+        let exact = "x".repeat(MAX_PATCH_BYTES);
+        assert!(validate(None, Some(&exact)).is_ok());
+    }
+}

@@ -1,0 +1,166 @@
+//! Instance ports: the choice among the configured range (pure) and the
+//! in-memory reservations that keep two live instances off one port.
+
+use std::collections::BTreeSet;
+use std::ops::RangeInclusive;
+use std::sync::Mutex;
+
+/// Picks a port from `range`: `preferred` first when it is in range and not
+/// taken, then the others starting after `cursor` (so a port just given up
+/// is not handed out again at once). `is_free` is asked only about ports
+/// that are neither reserved nor recorded as used.
+pub(crate) fn choose_port(
+    range: &RangeInclusive<u16>,
+    taken: &BTreeSet<u16>,
+    preferred: Option<u16>,
+    cursor: u16,
+    mut is_free: impl FnMut(u16) -> bool,
+) -> Option<u16> {
+    if let Some(port) = preferred {
+        if range.contains(&port) && !taken.contains(&port) && is_free(port) {
+            return Some(port);
+        }
+    }
+    let start = if range.contains(&cursor) {
+        cursor
+    } else {
+        *range.start()
+    };
+    let after = (u32::from(start) + 1)..=u32::from(*range.end());
+    let before = u32::from(*range.start())..=u32::from(start);
+    after
+        .chain(before)
+        .filter_map(|p| u16::try_from(p).ok())
+        .filter(|p| Some(*p) != preferred)
+        .find(|p| !taken.contains(p) && is_free(*p))
+}
+
+/// True when nothing listens on `127.0.0.1:port` (the bind succeeds).
+pub(crate) fn bind_free(port: u16) -> bool {
+    std::net::TcpListener::bind(("127.0.0.1", port)).is_ok()
+}
+
+/// The ports reserved by this node's live instances.
+#[derive(Debug)]
+pub(crate) struct PortPool {
+    range: RangeInclusive<u16>,
+    state: Mutex<PoolState>,
+}
+
+#[derive(Debug, Default)]
+struct PoolState {
+    reserved: BTreeSet<u16>,
+    cursor: u16,
+}
+
+impl PortPool {
+    pub fn new(range: RangeInclusive<u16>) -> Self {
+        let cursor = range.end().to_owned();
+        Self {
+            range,
+            state: Mutex::new(PoolState {
+                reserved: BTreeSet::new(),
+                cursor,
+            }),
+        }
+    }
+
+    pub fn range(&self) -> &RangeInclusive<u16> {
+        &self.range
+    }
+
+    /// Reserves a free port, avoiding `also_taken` (ports the store records
+    /// as used by live instances).
+    pub fn allocate(&self, preferred: Option<u16>, also_taken: &BTreeSet<u16>) -> Option<u16> {
+        let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        let taken: BTreeSet<u16> = state.reserved.union(also_taken).copied().collect();
+        let port = choose_port(&self.range, &taken, preferred, state.cursor, bind_free)?;
+        state.reserved.insert(port);
+        state.cursor = port;
+        Some(port)
+    }
+
+    /// Marks `port` as in use by an instance found running (re-attach).
+    pub fn reserve(&self, port: u16) {
+        let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        state.reserved.insert(port);
+    }
+
+    pub fn release(&self, port: u16) {
+        let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        state.reserved.remove(&port);
+    }
+
+    pub fn capacity(&self) -> u32 {
+        u32::from(*self.range.end()).saturating_sub(u32::from(*self.range.start())) + 1
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn set(ports: &[u16]) -> BTreeSet<u16> {
+        ports.iter().copied().collect()
+    }
+
+    #[test]
+    fn prefers_the_previous_port_when_it_is_free() {
+        let r = 100..=105;
+        assert_eq!(
+            choose_port(&r, &set(&[]), Some(103), 100, |_| true),
+            Some(103)
+        );
+        assert_eq!(
+            choose_port(&r, &set(&[103]), Some(103), 100, |_| true),
+            Some(101)
+        );
+        assert_eq!(
+            choose_port(&r, &set(&[]), Some(103), 100, |p| p != 103),
+            Some(101)
+        );
+        assert_eq!(
+            choose_port(&r, &set(&[]), Some(7), 100, |_| true),
+            Some(101)
+        );
+    }
+
+    #[test]
+    fn round_robins_from_the_cursor_and_wraps() {
+        let r = 100..=103;
+        assert_eq!(choose_port(&r, &set(&[]), None, 101, |_| true), Some(102));
+        assert_eq!(choose_port(&r, &set(&[]), None, 103, |_| true), Some(100));
+        assert_eq!(
+            choose_port(&r, &set(&[100]), None, 103, |_| true),
+            Some(101)
+        );
+        assert_eq!(choose_port(&r, &set(&[]), None, 9, |_| true), Some(101));
+    }
+
+    #[test]
+    fn none_when_every_port_is_taken_or_busy() {
+        let r = 100..=101;
+        assert_eq!(choose_port(&r, &set(&[100]), None, 100, |p| p != 101), None);
+        assert_eq!(
+            choose_port(&r, &set(&[100, 101]), None, 100, |_| true),
+            None
+        );
+        let single = 65535..=65535;
+        assert_eq!(
+            choose_port(&single, &set(&[]), None, 65535, |_| true),
+            Some(65535)
+        );
+    }
+
+    #[test]
+    fn the_pool_never_hands_out_a_port_twice() {
+        let pool = PortPool::new(40000..=40001);
+        let a = pool.allocate(None, &set(&[]));
+        let b = pool.allocate(None, &set(&[]));
+        assert!(a.is_some() && b.is_some() && a != b);
+        assert_eq!(pool.allocate(None, &set(&[])), None);
+        pool.release(a.unwrap());
+        assert_eq!(pool.allocate(None, &set(&[])), a);
+        assert_eq!(pool.capacity(), 2);
+    }
+}

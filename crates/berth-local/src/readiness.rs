@@ -1,0 +1,107 @@
+//! Probes that tell whether a starting instance is ready (design §4.2):
+//! an HTTP GET answering below 500, or a TCP connect. The token-regex
+//! signal comes from the shim instead.
+
+use std::time::Duration;
+
+use http_body_util::Empty;
+use hyper::body::Bytes;
+use hyper_util::rt::TokioIo;
+use tokio::net::TcpStream;
+
+use crate::Readiness;
+
+/// How long one probe may take before it counts as "not yet".
+pub(crate) const PROBE_TIMEOUT: Duration = Duration::from_millis(500);
+/// Pause between probes.
+pub(crate) const PROBE_INTERVAL: Duration = Duration::from_millis(50);
+
+/// One probe of `readiness` against `127.0.0.1:port`. `None` when the
+/// readiness kind is not probed (the shim reports it).
+pub(crate) async fn probe(readiness: &Readiness, port: u16) -> Option<bool> {
+    let attempt = async {
+        match readiness {
+            Readiness::TokenRegex(_) => None,
+            Readiness::Tcp => Some(TcpStream::connect(("127.0.0.1", port)).await.is_ok()),
+            Readiness::Http { path } => Some(http_ok(port, path).await),
+        }
+    };
+    match tokio::time::timeout(PROBE_TIMEOUT, attempt).await {
+        Ok(result) => result,
+        Err(_) => Some(false),
+    }
+}
+
+async fn http_ok(port: u16, path: &str) -> bool {
+    let Ok(stream) = TcpStream::connect(("127.0.0.1", port)).await else {
+        return false;
+    };
+    let Ok((mut sender, conn)) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await
+    else {
+        return false;
+    };
+    let path = if path.starts_with('/') {
+        path.to_owned()
+    } else {
+        format!("/{path}")
+    };
+    let Ok(request) = hyper::Request::get(path)
+        .header(hyper::header::HOST, format!("127.0.0.1:{port}"))
+        .body(Empty::<Bytes>::new())
+    else {
+        return false;
+    };
+    // The connection future must be driven while the request is in flight;
+    // it ends with the probe, so no task is spawned for it.
+    let mut conn = std::pin::pin!(conn);
+    let mut response = std::pin::pin!(sender.send_request(request));
+    tokio::select! {
+        biased;
+        response = &mut response => return response.is_ok_and(|r| r.status().as_u16() < 500),
+        _ = &mut conn => {}
+    }
+    // The connection may close right after delivering the answer; the
+    // response future resolves either way once the connection is done.
+    response.await.is_ok_and(|r| r.status().as_u16() < 500)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    async fn serve_once(status: &'static str) -> u16 {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        tokio::spawn(async move {
+            let (mut s, _) = listener.accept().await.unwrap();
+            let mut buf = [0u8; 1024];
+            let _ = s.read(&mut buf).await;
+            let reply = format!("HTTP/1.1 {status}\r\ncontent-length: 0\r\n\r\n");
+            s.write_all(reply.as_bytes()).await.unwrap();
+        });
+        port
+    }
+
+    #[tokio::test]
+    async fn http_readiness_wants_an_answer_below_500() {
+        let http = Readiness::Http { path: "/".into() };
+        let port = serve_once("404 Not Found").await;
+        assert_eq!(probe(&http, port).await, Some(true));
+        let port = serve_once("503 Service Unavailable").await;
+        assert_eq!(probe(&http, port).await, Some(false));
+    }
+
+    #[tokio::test]
+    async fn tcp_readiness_wants_a_listener() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        assert_eq!(probe(&Readiness::Tcp, port).await, Some(true));
+        drop(listener);
+        assert_eq!(probe(&Readiness::Tcp, port).await, Some(false));
+        assert_eq!(
+            probe(&Readiness::Http { path: "/".into() }, port).await,
+            Some(false)
+        );
+    }
+}

@@ -1,0 +1,253 @@
+//! Re-attachment at start (design §4.7): finds the shims a previous berth
+//! left running, checks each against the store and acts on the plan made
+//! by `reconcile`.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use berth_core::{Epoch, Instance, InstanceStatus, Role, UserId};
+use berth_store::{ClaimOutcome, InstanceFilter};
+
+use crate::inner::{Inner, Live, UserSlot};
+use crate::reconcile::{self, Action, Found};
+use crate::shim::{ShimCommand, ShimHandle};
+use crate::spawner::LocalError;
+use crate::supervisor::{self, FENCED_ERROR, Start};
+
+/// Shim state files under `<data_dir>/run/*/`, attached to when alive.
+async fn scan(run_dir: &Path) -> (Vec<Found>, Vec<Option<ShimHandle>>) {
+    let mut found = Vec::new();
+    let mut handles = Vec::new();
+    let Ok(entries) = std::fs::read_dir(run_dir) else {
+        return (found, handles);
+    };
+    let mut dirs: Vec<(String, PathBuf)> = entries
+        .filter_map(Result::ok)
+        .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
+        .filter_map(|e| Some((e.file_name().into_string().ok()?, e.path())))
+        .collect();
+    dirs.sort();
+    for (slug, dir) in dirs {
+        for role in [Role::Main, Role::Watchdog] {
+            let path = dir.join(format!("{}.json", role.as_str()));
+            if !path.exists() {
+                continue;
+            }
+            let (alive, state, handle) = match ShimHandle::attach(&path).await {
+                Ok((handle, state)) => (true, Some(state), Some(handle)),
+                Err(_) => (false, ShimHandle::read_state(&path).ok(), None),
+            };
+            found.push(Found {
+                dir_slug: slug.clone(),
+                role,
+                alive,
+                state,
+            });
+            handles.push(handle);
+        }
+    }
+    (found, handles)
+}
+
+impl Inner {
+    pub(crate) async fn reattach(self: &Arc<Self>) -> Result<(), LocalError> {
+        let filter = InstanceFilter {
+            node: Some(self.node().to_owned()),
+            ..InstanceFilter::default()
+        };
+        let records = self.store.list_instances(&filter).await?;
+        let held: HashMap<UserId, Epoch> = self
+            .store
+            .leases_held_by(self.node())
+            .await?
+            .into_iter()
+            .map(|l| (l.user, l.epoch))
+            .collect();
+        let run_dir = self.config.data_dir.join("run");
+        let (found, mut handles) = scan(&run_dir).await;
+        for action in reconcile::plan(&found, &records) {
+            match action {
+                Action::Adopt { found: i, record } => {
+                    let Some(handle) = handles.get_mut(i).and_then(Option::take) else {
+                        continue;
+                    };
+                    let state = found[i].state.clone();
+                    let token = state.as_ref().and_then(|s| s.token.clone());
+                    let shim_pid = state.as_ref().map(|s| s.shim_pid);
+                    tracing::info!(user = %record.user, role = %record.role, pid = ?record.pid,
+                        "re-attached to a running instance");
+                    self.adopt(record, handle, shim_pid, token, &held).await;
+                }
+                Action::KillOrphan { found: i, reason } => {
+                    let f = &found[i];
+                    tracing::warn!(dir = %f.dir_slug, role = %f.role, %reason,
+                        "stopping a shim with no matching instance record");
+                    if let Some(handle) = handles.get_mut(i).and_then(Option::take) {
+                        if let Err(e) = handle.control().send(ShimCommand::Kill).await {
+                            tracing::warn!(dir = %f.dir_slug, error = %e, "could not stop the orphan shim");
+                        }
+                    }
+                }
+                Action::CrashedWhileAway {
+                    record,
+                    exit,
+                    stderr_tail,
+                } => {
+                    tracing::warn!(user = %record.user, role = %record.role,
+                        "instance ended while berth was away");
+                    self.recover_crashed(record, exit, stderr_tail, &held).await;
+                }
+                Action::RemoveStale { found: i } => {
+                    let f = &found[i];
+                    let dir = run_dir.join(&f.dir_slug);
+                    let _ = std::fs::remove_file(dir.join(format!("{}.json", f.role.as_str())));
+                    let _ = std::fs::remove_file(dir.join(format!("{}.sock", f.role.as_str())));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Makes sure this node holds the main lease of `record`, adopting the
+    /// held one or claiming it again (a lease that ran out while berth was
+    /// away and nobody took). `None`: another node holds it.
+    async fn regain_lease(
+        &self,
+        record: &Instance,
+        held: &HashMap<UserId, Epoch>,
+    ) -> Option<Epoch> {
+        if held.get(&record.user) == Some(&record.epoch) {
+            self.lease.adopt(record.user.clone(), record.epoch);
+            return Some(record.epoch);
+        }
+        match self.lease.acquire(&record.user).await {
+            Ok(ClaimOutcome::Claimed { epoch }) => Some(epoch),
+            Ok(ClaimOutcome::Busy { holder, .. }) => {
+                tracing::warn!(user = %record.user, %holder, "the lease moved to another node while berth was away");
+                None
+            }
+            Err(e) => {
+                tracing::warn!(user = %record.user, error = %e, "could not re-claim the lease");
+                None
+            }
+        }
+    }
+
+    fn prepare_slot(&self, record: &Instance) -> (Arc<UserSlot>, Option<PathBuf>) {
+        let slot = self.slot(&record.user);
+        slot.touch(record.last_active);
+        slot.flushed_active
+            .fetch_max(record.last_active, Ordering::Relaxed);
+        let patch = slot.paths.patch_file(&self.config.patch_ext);
+        let patch = patch.exists().then_some(patch);
+        (slot, patch)
+    }
+
+    async fn adopt(
+        self: &Arc<Self>,
+        mut record: Instance,
+        handle: ShimHandle,
+        shim_pid: Option<u32>,
+        token: Option<String>,
+        held: &HashMap<UserId, Epoch>,
+    ) {
+        let (slot, patch) = self.prepare_slot(&record);
+        if record.role == Role::Main {
+            let Some(epoch) = self.regain_lease(&record, held).await else {
+                if let Err(e) = handle.control().send(ShimCommand::Kill).await {
+                    tracing::warn!(user = %record.user, error = %e, "could not fence the instance");
+                }
+                record.status = InstanceStatus::Stopped;
+                record.ready = false;
+                record.last_error = Some(FENCED_ERROR.into());
+                self.install(&slot, Live::new(record.clone(), patch));
+                self.publish(&slot, &record, Some(FENCED_ERROR.into()))
+                    .await;
+                return;
+            };
+            record.epoch = epoch;
+            if let Some(port) = record.port {
+                self.ports.reserve(port);
+            }
+        }
+        if token.is_some() {
+            // Before `start` returns, so the open URL can be built at once.
+            self.set_token(&record.user, token.clone());
+        }
+        let mut live = Live::new(record.clone(), patch);
+        live.control = Some(handle.control());
+        live.shim_pid = shim_pid;
+        let stop = live.stop.clone();
+        self.install(&slot, live);
+        self.publish(&slot, &record, Some("re-attached".into()))
+            .await;
+        match record.role {
+            Role::Main => supervisor::start_main(
+                self,
+                &slot,
+                &record.id,
+                stop,
+                Start::Attached {
+                    handle,
+                    spawned_at: None,
+                    token,
+                    log_offset: None,
+                },
+            ),
+            Role::Watchdog => supervisor::start_watchdog(self, &slot, &record.id, stop, handle),
+        }
+    }
+
+    async fn recover_crashed(
+        self: &Arc<Self>,
+        mut record: Instance,
+        exit: Option<crate::shim::ExitInfo>,
+        stderr_tail: String,
+        held: &HashMap<UserId, Epoch>,
+    ) {
+        if record.role == Role::Watchdog {
+            // Watchdogs are never restarted: forget the record.
+            if let Err(e) = self
+                .store
+                .delete_instance(&record.user, Role::Watchdog)
+                .await
+            {
+                tracing::warn!(user = %record.user, error = %e, "could not delete the watchdog record");
+            }
+            return;
+        }
+        let (slot, patch) = self.prepare_slot(&record);
+        let Some(epoch) = self.regain_lease(&record, held).await else {
+            record.status = InstanceStatus::Stopped;
+            record.ready = false;
+            record.last_error = Some(FENCED_ERROR.into());
+            self.install(&slot, Live::new(record.clone(), patch));
+            self.publish(&slot, &record, Some(FENCED_ERROR.into()))
+                .await;
+            return;
+        };
+        record.epoch = epoch;
+        if let Some(port) = record.port {
+            self.ports.reserve(port);
+        }
+        let already_counted = record.status == InstanceStatus::Crashed;
+        record.ready = false;
+        let live = Live::new(record.clone(), patch);
+        let stop = live.stop.clone();
+        self.install(&slot, live);
+        self.refresh_route(&record);
+        slot.main_watch.send_replace(Some(record.clone()));
+        let start = if already_counted {
+            Start::Respawn
+        } else {
+            Start::Crashed {
+                exit,
+                stderr_tail,
+                note: Some("ended while berth was away".into()),
+            }
+        };
+        supervisor::start_main(self, &slot, &record.id, stop, start);
+    }
+}
