@@ -189,7 +189,6 @@ impl Inner {
         let spec = self.shim_spec(slot, &instance, port, patch.as_deref())?;
         self.store.put_instance(&instance).await?;
         let (exe, args) = self.shim_command();
-        let log_offset = supervisor::log_size(&spec.log_path);
         let spawned_at = std::time::Instant::now();
         match ShimHandle::spawn(&exe, &args, &spec).await {
             Ok((handle, state)) => {
@@ -211,8 +210,8 @@ impl Inner {
                     Start::Attached {
                         handle,
                         spawned_at: Some(spawned_at),
+                        shim_ready: state.ready,
                         token: state.token,
-                        log_offset: Some(log_offset),
                     },
                 );
                 Ok(instance)

@@ -75,10 +75,12 @@ impl Inner {
                     };
                     let state = found[i].state.clone();
                     let token = state.as_ref().and_then(|s| s.token.clone());
+                    let shim_ready = state.as_ref().is_some_and(|s| s.ready);
                     let shim_pid = state.as_ref().map(|s| s.shim_pid);
                     tracing::info!(user = %record.user, role = %record.role, pid = ?record.pid,
                         "re-attached to a running instance");
-                    self.adopt(record, handle, shim_pid, token, &held).await;
+                    self.adopt(record, handle, shim_pid, token, shim_ready, &held)
+                        .await;
                 }
                 Action::KillOrphan { found: i, reason } => {
                     let f = &found[i];
@@ -151,6 +153,7 @@ impl Inner {
         handle: ShimHandle,
         shim_pid: Option<u32>,
         token: Option<String>,
+        shim_ready: bool,
         held: &HashMap<UserId, Epoch>,
     ) {
         let (slot, patch) = self.prepare_slot(&record);
@@ -193,7 +196,7 @@ impl Inner {
                     handle,
                     spawned_at: None,
                     token,
-                    log_offset: None,
+                    shim_ready,
                 },
             ),
             Role::Watchdog => supervisor::start_watchdog(self, &slot, &record.id, stop, handle),

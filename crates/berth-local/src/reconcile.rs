@@ -151,6 +151,7 @@ mod tests {
             shim_pid: 99,
             pid: r.pid.unwrap(),
             pid_start: r.pid_start.unwrap(),
+            ready: false,
             token: None,
             exit: None,
             stderr_tail: String::new(),

@@ -36,9 +36,8 @@ pub(crate) enum Start {
         handle: ShimHandle,
         spawned_at: Option<Instant>,
         token: Option<String>,
-        /// Size of the log before this program started, when known: where
-        /// to look for a ready line printed before berth connected.
-        log_offset: Option<u64>,
+        /// The shim saw the ready line before berth connected.
+        shim_ready: bool,
     },
     /// The program is gone and the crash is not yet counted.
     Crashed {
@@ -132,8 +131,8 @@ async fn run_main(ctx: Ctx, start: Start) {
                 handle,
                 spawned_at,
                 token,
-                log_offset,
-            } => match ctx.watch(handle, spawned_at, token, log_offset).await {
+                shim_ready,
+            } => match ctx.watch(handle, spawned_at, token, shim_ready).await {
                 End::Detached => return,
                 End::Stopped { exit } => {
                     ctx.finish_stopped(exit).await;
@@ -243,11 +242,6 @@ async fn forward_events(
             return;
         }
     }
-}
-
-/// Current size of a log file (0 when it does not exist yet).
-pub(crate) fn log_size(path: &std::path::Path) -> u64 {
-    std::fs::metadata(path).map_or(0, |m| m.len())
 }
 
 fn far_future() -> tokio::time::Instant {
@@ -375,7 +369,7 @@ impl Ctx {
         handle: ShimHandle,
         spawned_at: Option<Instant>,
         token: Option<String>,
-        log_offset: Option<u64>,
+        shim_ready: bool,
     ) -> End {
         let inner = &self.inner;
         let config = &inner.config;
@@ -388,18 +382,10 @@ impl Ctx {
         let mut ready = instance.ready;
         if token.is_some() {
             inner.set_token(&self.slot.user, token.clone());
-            if by_token && !ready {
-                ready = true;
-                self.mark_ready(None, spawned_at).await;
-            }
         }
-        if let (Readiness::TokenRegex(regex), false, None, Some(offset)) =
-            (&config.readiness, ready, &token, log_offset)
-        {
-            if let Some(found) = self.ready_line_in_log(regex, offset) {
-                ready = true;
-                self.mark_ready(found, spawned_at).await;
-            }
+        if by_token && shim_ready && !ready {
+            ready = true;
+            self.mark_ready(None, spawned_at).await;
         }
         let ready_deadline = {
             let elapsed = crate::inner::Inner::now().saturating_sub(instance.started_at);
@@ -478,12 +464,6 @@ impl Ctx {
                 }
             }
         }
-    }
-
-    fn ready_line_in_log(&self, regex: &regex::Regex, offset: u64) -> Option<Option<String>> {
-        let path = self.slot.paths.log(self.role);
-        let mut file = std::fs::File::open(path).ok()?;
-        crate::logs::find_ready_line(&mut file, offset, regex).ok()?
     }
 
     async fn mark_ready(&self, token: Option<String>, spawned_at: Option<Instant>) {
@@ -738,7 +718,6 @@ impl Ctx {
         };
         let mut next = instance.clone();
         next.port = Some(port);
-        let log_offset = log_size(&self.slot.paths.log(Role::Main));
         let spawned = match inner.shim_spec(&self.slot, &next, port, patch.as_deref()) {
             Ok(spec) => {
                 let (exe, args) = inner.shim_command();
@@ -776,8 +755,8 @@ impl Ctx {
                 Some(Start::Attached {
                     handle,
                     spawned_at: Some(Instant::now()),
+                    shim_ready: state.ready,
                     token: state.token,
-                    log_offset: Some(log_offset),
                 })
             }
             Err(message) => {

@@ -143,6 +143,12 @@ pub struct ProxyConfig {
     /// `"token"` or `"header"`.
     pub auth: String,
     pub trusted_proxies: Vec<String>,
+    /// A client must send its request head within this time (slowloris).
+    pub header_timeout_ms: u64,
+    /// Largest request head in bytes; larger gets `431`.
+    pub max_header_bytes: usize,
+    /// Concurrent WebSocket/upgraded connections; more get `503`.
+    pub max_upgrades: usize,
 }
 
 impl Default for Config {
@@ -243,6 +249,9 @@ impl Default for ProxyConfig {
             strip_prefix: false,
             auth: "token".to_owned(),
             trusted_proxies: Vec::new(),
+            header_timeout_ms: 10_000,
+            max_header_bytes: 64 * 1024,
+            max_upgrades: 10_000,
         }
     }
 }
@@ -1234,8 +1243,10 @@ mod tests {
 
     #[test]
     fn postgres_needs_a_cluster_secret() {
-        let mut c = Config::default();
-        c.store = Some("postgres://db/berth".into());
+        let c = Config {
+            store: Some("postgres://db/berth".into()),
+            ..Config::default()
+        };
         assert!(c.is_postgres());
         let msg = c.validate().unwrap_err().to_string();
         assert!(msg.contains("cluster_secret"), "{msg}");

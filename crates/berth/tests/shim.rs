@@ -173,6 +173,25 @@ async fn ready_token_is_captured_and_recorded() {
     poll_until("socket removed", || !spec.socket_path.exists()).await;
 }
 
+/// A ready line without a capture group, printed before berth connects,
+/// must still be known: the state file records `ready` for late clients.
+#[tokio::test]
+async fn a_ready_line_before_connect_is_recorded_without_a_token() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut spec = spec(dir.path(), &sh("echo listening now; exec sleep 1000"));
+    spec.ready_regex = Some("^listening".to_owned());
+    let (handle, state, _reaper) = spawn(&spec).await.unwrap();
+    poll_until("ready recorded", || {
+        ShimHandle::read_state(&spec.state_path).is_ok_and(|s| s.ready)
+    })
+    .await;
+    let (_late, hello) = ShimHandle::attach(&spec.state_path).await.unwrap();
+    assert!(hello.ready, "a client attaching later learns it is ready");
+    assert_eq!(hello.token, None);
+    assert!(!state.ready || state.token.is_none());
+    send(&handle, ShimCommand::Kill).await;
+}
+
 #[tokio::test]
 async fn exit_code_stderr_tail_and_log_are_recorded() {
     let dir = tempfile::tempdir().unwrap();

@@ -65,6 +65,9 @@ pub struct ShimState {
     /// Start time of `pid` in clock ticks since boot (`/proc/<pid>/stat`
     /// field 22), to tell a reused pid apart.
     pub pid_start: u64,
+    /// The ready regex has matched (with or without a capture).
+    #[serde(default)]
+    pub ready: bool,
     /// The launch token, once seen.
     pub token: Option<String>,
     /// Set once the program has exited.

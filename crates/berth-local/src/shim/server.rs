@@ -231,6 +231,7 @@ fn start(spec: &ShimSpec) -> Result<Started, String> {
         shim_pid: std::process::id(),
         pid,
         pid_start,
+        ready: false,
         token: None,
         exit: None,
         stderr_tail: String::new(),
@@ -471,6 +472,7 @@ impl Shim {
     }
 
     fn ready(&mut self, token: Option<String>) {
+        self.state.ready = true;
         self.state.token.clone_from(&token);
         self.save();
         self.emit(&ShimEvent::Ready { token });
