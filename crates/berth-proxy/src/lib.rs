@@ -1,1 +1,63 @@
-//! berth's reverse proxy. (Implementation pending.)
+//! berth's reverse proxy: one address in front of every user's instance.
+//!
+//! A request for `/u/<user>/…` (or `<slug>.<base_domain>`) passes through
+//! small layers, each usable and tested on its own:
+//!
+//! 1. [`route`] reads the target user from the request and looks up where
+//!    the user's instance listens, in an in-memory table fed by spawner
+//!    events;
+//! 2. [`auth`] lets through the user themself or the admin (token as
+//!    Bearer, cookie or one-shot query parameter; or a trusted SSO header);
+//! 3. [`wake`] starts a missing instance and waits for it (or shows a
+//!    browser the "starting" page);
+//! 4. [`forward`] streams the request to the instance and the answer back,
+//!    tunnelling WebSockets.
+//!
+//! [`server::serve`] accepts connections, applies connection-level limits,
+//! and hands every other request to a fallback service (berth's API).
+//!
+//! ```no_run
+//! use std::sync::Arc;
+//! use berth_proxy::{Proxy, ProxyConfig, ServerConfig, auth::Authenticator};
+//!
+//! # async fn run(
+//! #     spawner: Arc<dyn berth_core::Spawner>,
+//! #     tokens: Arc<dyn berth_proxy::auth::TokenStore>,
+//! #     api: NotFound,
+//! # ) -> std::io::Result<()> {
+//! // `api` is any `tower_service::Service<Request<Incoming>>`, e.g. an axum Router.
+//! let auth = Authenticator::new("admin-token", tokens);
+//! let proxy = Proxy::start(ProxyConfig::default(), spawner, auth);
+//! let listener = tokio::net::TcpListener::bind("127.0.0.1:8000").await?;
+//! berth_proxy::serve(listener, ServerConfig::default(), proxy.clone(), api, async {
+//!     let _ = tokio::signal::ctrl_c().await;
+//! })
+//! .await?;
+//! proxy.shutdown().await;
+//! # Ok(())
+//! # }
+//! # #[derive(Clone)]
+//! # struct NotFound;
+//! # impl tower_service::Service<hyper::Request<hyper::body::Incoming>> for NotFound {
+//! #     type Response = hyper::Response<http_body_util::Full<bytes::Bytes>>;
+//! #     type Error = std::convert::Infallible;
+//! #     type Future = std::future::Ready<Result<Self::Response, Self::Error>>;
+//! #     fn poll_ready(&mut self, _: &mut std::task::Context<'_>) -> std::task::Poll<Result<(), Self::Error>> {
+//! #         std::task::Poll::Ready(Ok(()))
+//! #     }
+//! #     fn call(&mut self, _: hyper::Request<hyper::body::Incoming>) -> Self::Future {
+//! #         std::future::ready(Ok(hyper::Response::default()))
+//! #     }
+//! # }
+//! ```
+
+pub mod auth;
+pub mod forward;
+mod proxy;
+pub mod respond;
+pub mod route;
+pub mod server;
+pub mod wake;
+
+pub use proxy::{Proxy, ProxyConfig, route_error};
+pub use server::{ServerConfig, serve};

@@ -1,18 +1,21 @@
-//! `berth serve`: the API, the supervisor and (later) the proxy in one
-//! process.
+//! `berth serve`: the API, the supervisor and the proxy in one process.
 //!
 //! Start-up order matters: the data dir and admin token first (a newcomer's
 //! first question is "what is my token?"), then the store (migrated), then
 //! the spawner (which re-attaches to instances a previous berth left
 //! running), and only then the listener, so no request sees a half-built
-//! node. On SIGINT/SIGTERM berth stops listening and tears the spawner down;
-//! instances keep running for the next start to adopt.
+//! node. One listener serves both: `berth_proxy`'s server sends user routes
+//! (`/u/<user>/…`, `<slug>.<base_domain>`) to the proxy and everything else
+//! to the API router. On SIGINT/SIGTERM berth stops listening, drains, and
+//! tears the spawner down; instances keep running for the next start to
+//! adopt.
 
 mod api;
 mod auth;
 mod metrics;
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use anyhow::Context;
 use berth_core::Spawner;
@@ -61,10 +64,16 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         .clone()
         .unwrap_or_else(|| format!("http://{addr}"));
 
+    let authenticator = auth::Authenticator::new(&admin_token, store.clone());
+    let proxy = berth_proxy::Proxy::start(
+        proxy_config(&config, ready_timeout)?,
+        spawner.clone() as Arc<dyn Spawner>,
+        authenticator.shared(),
+    );
     let state = Arc::new(api::ApiState {
         spawner: spawner.clone() as Arc<dyn Spawner>,
         store: store.clone(),
-        auth: auth::Authenticator::new(&admin_token, store.clone()),
+        auth: authenticator,
         metrics,
         public_url: public_url.clone(),
         node_id: node_id.clone(),
@@ -77,13 +86,40 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     // One plain line on stdout for people and scripts (e.g. with port 0).
     println!("berth: listening on {public_url}");
 
-    axum::serve(listener, app)
-        .with_graceful_shutdown(shutdown_signal())
+    let server = berth_proxy::ServerConfig {
+        header_read_timeout: Duration::from_millis(config.proxy.header_timeout_ms.max(1)),
+        max_header_bytes: config.proxy.max_header_bytes,
+        shutdown_grace: SHUTDOWN_GRACE,
+    };
+    berth_proxy::serve(listener, server, proxy.clone(), app, shutdown_signal())
         .await
         .context("the HTTP server failed")?;
     tracing::info!("shutting down; instances keep running");
+    proxy.shutdown().await;
     spawner.teardown().await;
     Ok(())
+}
+
+/// How long in-flight requests may finish after SIGTERM. Long streams
+/// (progress, SSE, downloads) are cut after it.
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
+
+fn proxy_config(
+    config: &Config,
+    ready_timeout: Duration,
+) -> anyhow::Result<berth_proxy::ProxyConfig> {
+    let p = &config.proxy;
+    Ok(berth_proxy::ProxyConfig {
+        base_domain: Some(p.base_domain.clone()).filter(|d| !d.is_empty()),
+        strip_prefix: p.strip_prefix,
+        auth_mode: p.auth.parse().map_err(anyhow::Error::msg)?,
+        trusted_proxies: berth_proxy::auth::TrustedProxies::parse(&p.trusted_proxies)?,
+        ready_timeout,
+        forward: berth_proxy::forward::ForwardConfig {
+            max_upgrades: p.max_upgrades,
+            ..Default::default()
+        },
+    })
 }
 
 /// Hides the password of a `postgres://user:pass@host/db` URL in messages.

@@ -4,7 +4,10 @@
 //! the `berth_token` cookie. berth keeps only their SHA-256: the admin
 //! token's in memory, user tokens' in the store. Comparisons of the admin
 //! hash are constant-time; user tokens are looked up by hash, so the secret
-//! itself never meets a timing-dependent comparison.
+//! itself never meets a timing-dependent comparison. The checking itself is
+//! `berth_proxy::auth`, shared with the proxy (same rules, same cache); this
+//! module adds what only the binary knows: the store and the admin token
+//! file.
 
 use std::io::Write;
 use std::os::unix::fs::OpenOptionsExt;
@@ -12,99 +15,71 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use anyhow::Context;
-use axum::http::{HeaderMap, header};
+use async_trait::async_trait;
+use axum::http::HeaderMap;
 use berth_core::UserId;
-use berth_store::Store;
-use sha2::{Digest, Sha256};
-use subtle::ConstantTimeEq;
+use berth_proxy::auth::{AuthError, TokenHash, TokenStore};
+use berth_store::{Store, StoreError};
+
+// One implementation for API and proxy: token extraction, the constant-time
+// admin compare and the cached user-token lookup live in berth_proxy.
+pub use berth_proxy::auth::Caller;
 
 /// The name of the admin token file inside the data dir.
 pub const ADMIN_TOKEN_FILE: &str = "admin.token";
-/// The cookie a browser carries its token in.
-pub const TOKEN_COOKIE: &str = "berth_token";
 
-/// An authenticated caller.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Caller {
-    Admin,
-    User(UserId),
-}
+/// User token hashes, looked up in the store (only on a cache miss).
+struct StoreTokens(Arc<dyn Store>);
 
-impl Caller {
-    /// May this caller act on `user`'s own resources?
-    pub fn may_act_for(&self, user: &UserId) -> bool {
-        match self {
-            Caller::Admin => true,
-            Caller::User(own) => own == user,
-        }
+#[async_trait]
+impl TokenStore for StoreTokens {
+    async fn user_for_token_hash(&self, hash_hex: &str) -> Result<Option<UserId>, AuthError> {
+        self.0
+            .user_for_token(hash_hex)
+            .await
+            .map_err(|e| AuthError::Store(e.to_string()))
     }
 }
 
-/// Checks presented tokens.
+/// Checks presented tokens and mints user tokens.
 #[derive(Clone)]
 pub struct Authenticator {
-    admin_hash: [u8; 32],
+    shared: berth_proxy::auth::Authenticator,
     store: Arc<dyn Store>,
 }
 
 impl Authenticator {
     pub fn new(admin_token: &str, store: Arc<dyn Store>) -> Self {
         Self {
-            admin_hash: sha256(admin_token),
+            shared: berth_proxy::auth::Authenticator::new(
+                admin_token,
+                Arc::new(StoreTokens(store.clone())),
+            ),
             store,
         }
     }
 
+    /// The shared checker (and its cache), for the proxy.
+    pub fn shared(&self) -> berth_proxy::auth::Authenticator {
+        self.shared.clone()
+    }
+
     /// Identifies the caller from its headers; `None` if no valid token.
-    pub async fn identify(
-        &self,
-        headers: &HeaderMap,
-    ) -> Result<Option<Caller>, berth_store::StoreError> {
-        let Some(token) = presented_token(headers) else {
-            return Ok(None);
-        };
-        let hash = sha256(token);
-        if bool::from(hash.ct_eq(&self.admin_hash)) {
-            return Ok(Some(Caller::Admin));
-        }
-        Ok(self
-            .store
-            .user_for_token(&hex::encode(hash))
-            .await?
-            .map(Caller::User))
+    pub async fn identify(&self, headers: &HeaderMap) -> Result<Option<Caller>, StoreError> {
+        self.shared
+            .identify_headers(headers)
+            .await
+            .map_err(|AuthError::Store(message)| StoreError::Unavailable(message))
     }
 
     /// Mints a new token for `user` and stores its hash.
     pub async fn mint_user_token(&self, user: &UserId) -> anyhow::Result<String> {
         let token = random_token()?;
         self.store
-            .put_token(user, &hex::encode(sha256(&token)))
+            .put_token(user, &TokenHash::of(&token).to_hex())
             .await?;
         Ok(token)
     }
-}
-
-/// The token in `Authorization: Bearer …`, else in the `berth_token` cookie.
-pub fn presented_token(headers: &HeaderMap) -> Option<&str> {
-    if let Some(bearer) = headers
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-    {
-        return Some(bearer.trim());
-    }
-    headers
-        .get_all(header::COOKIE)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(';'))
-        .filter_map(|pair| pair.trim().split_once('='))
-        .find(|(name, _)| *name == TOKEN_COOKIE)
-        .map(|(_, value)| value)
-}
-
-fn sha256(token: &str) -> [u8; 32] {
-    Sha256::digest(token.as_bytes()).into()
 }
 
 /// 32 random bytes, hex-encoded: URL-, header- and cookie-safe.
@@ -148,7 +123,8 @@ pub fn admin_token_path(data_dir: &Path) -> PathBuf {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use axum::http::HeaderValue;
+    use axum::http::{HeaderValue, header};
+    use berth_proxy::auth::presented_token;
 
     #[test]
     fn bearer_wins_over_cookie() {

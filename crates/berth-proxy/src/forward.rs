@@ -1,0 +1,706 @@
+//! Sends a request to an instance and streams the answer back (design §7.2).
+//!
+//! * Bodies are hyper [`Incoming`] streams passed through in both
+//!   directions, so memory stays flat however large they are, and a slow
+//!   reader slows the writer down (backpressure).
+//! * Hop-by-hop headers are removed both ways; `X-Forwarded-For` is
+//!   appended to and `-Proto`/`-Host` are set (kept as they are when the
+//!   peer is a trusted proxy).
+//! * Upstream connections are pooled per endpoint. A bodiless idempotent
+//!   request that fails because a pooled connection was stale is sent once
+//!   more on a fresh one; one refused at connect (the instance is not
+//!   listening yet) is tried again for about 1.5 s.
+//! * `Connection: upgrade` requests (WebSocket) become a raw byte tunnel
+//!   once both sides have switched protocols; at most `max_upgrades` exist
+//!   at a time.
+
+use std::future::Future;
+use std::io;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use berth_core::{Spawner, UserId};
+use bytes::Bytes;
+use http_body_util::{Either, Empty};
+use hyper::body::{Body as _, Incoming};
+use hyper::header::{self, HeaderMap, HeaderName, HeaderValue};
+use hyper::http::uri::{Authority, PathAndQuery, Scheme};
+use hyper::{Method, Request, Response, StatusCode, Uri, Version};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use crate::respond::{self, ProxyBody};
+
+/// The body sent upstream: the client's, or nothing (a retry).
+pub type UpstreamBody = Either<Incoming, Empty<Bytes>>;
+
+static X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
+static X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
+static X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
+static KEEP_ALIVE: HeaderName = HeaderName::from_static("keep-alive");
+static PROXY_CONNECTION: HeaderName = HeaderName::from_static("proxy-connection");
+
+/// Hop-by-hop headers (RFC 9110 §7.6.1), besides those `Connection` names.
+fn hop_by_hop() -> [&'static HeaderName; 9] {
+    [
+        &header::CONNECTION,
+        &KEEP_ALIVE,
+        &PROXY_CONNECTION,
+        &header::PROXY_AUTHENTICATE,
+        &header::PROXY_AUTHORIZATION,
+        &header::TE,
+        &header::TRAILER,
+        &header::TRANSFER_ENCODING,
+        &header::UPGRADE,
+    ]
+}
+
+/// How long a tunnel goes between activity reports. Idle reaping works in
+/// minutes, so one `touch` a second per tunnel loses nothing and keeps a
+/// busy WebSocket from calling into the spawner on every frame.
+const TUNNEL_TOUCH_EVERY: Duration = Duration::from_secs(1);
+
+/// Forwarding settings.
+#[derive(Debug, Clone)]
+pub struct ForwardConfig {
+    /// Concurrent upgraded connections (WebSockets); more get 503.
+    pub max_upgrades: usize,
+    pub connect_timeout: Duration,
+    /// How long an unused upstream connection stays in the pool.
+    pub pool_idle_timeout: Duration,
+    pub pool_max_idle_per_host: usize,
+}
+
+impl Default for ForwardConfig {
+    fn default() -> Self {
+        Self {
+            max_upgrades: 10_000,
+            connect_timeout: Duration::from_secs(5),
+            pool_idle_timeout: Duration::from_secs(60),
+            pool_max_idle_per_host: 64,
+        }
+    }
+}
+
+/// What the proxy knows about the client connection.
+#[derive(Debug, Clone)]
+pub struct ConnInfo {
+    pub peer: SocketAddr,
+    /// The peer's IP as a header value, rendered once per connection.
+    peer_ip: HeaderValue,
+    /// The peer is a trusted proxy: its `X-Forwarded-*` headers stand.
+    pub trusted: bool,
+}
+
+impl ConnInfo {
+    pub fn new(peer: SocketAddr, trusted: bool) -> Self {
+        let peer_ip = HeaderValue::from_str(&peer.ip().to_string())
+            .unwrap_or_else(|_| HeaderValue::from_static("unknown"));
+        Self {
+            peer,
+            peer_ip,
+            trusted,
+        }
+    }
+}
+
+/// Where one request goes.
+#[derive(Debug, Clone)]
+pub struct Upstream {
+    pub user: Arc<UserId>,
+    pub authority: Authority,
+    pub path_and_query: PathAndQuery,
+}
+
+/// Spawns the client pool's connection tasks where they can be cancelled
+/// and waited for at shutdown.
+#[derive(Clone)]
+struct TrackedExecutor {
+    tasks: TaskTracker,
+    cancel: CancellationToken,
+}
+
+impl<F> hyper::rt::Executor<F> for TrackedExecutor
+where
+    F: Future + Send + 'static,
+    F::Output: Send + 'static,
+{
+    fn execute(&self, fut: F) {
+        let cancel = self.cancel.clone();
+        self.tasks.spawn(async move {
+            tokio::select! {
+                _ = fut => {}
+                () = cancel.cancelled() => {}
+            }
+        });
+    }
+}
+
+/// The forward layer.
+pub struct Forwarder {
+    client: Client<HttpConnector, UpstreamBody>,
+    upgrades: Arc<Semaphore>,
+    spawner: Arc<dyn Spawner>,
+    tasks: TaskTracker,
+    cancel: CancellationToken,
+}
+
+impl std::fmt::Debug for Forwarder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Forwarder")
+            .field("free_upgrades", &self.upgrades.available_permits())
+            .finish_non_exhaustive()
+    }
+}
+
+/// Why one upstream attempt failed.
+enum Failure {
+    /// A pooled connection closed under the request: worth one more try on
+    /// a fresh connection.
+    Stale(hyper_util::client::legacy::Error),
+    /// Nothing listens (yet): an instance that was just declared ready, or
+    /// is being restarted. Worth a few tries with backoff.
+    Refused(hyper_util::client::legacy::Error),
+    Fatal(hyper_util::client::legacy::Error),
+}
+
+/// Connection-refused retries wait 25, 50, … 800 ms: about 1.5 s in all.
+/// Some programs announce readiness a moment before they listen (Jupyter
+/// Server logs its URL, then binds on the next loop turn).
+const FIRST_CONNECT_BACKOFF: Duration = Duration::from_millis(25);
+const LAST_CONNECT_BACKOFF: Duration = Duration::from_millis(800);
+
+impl Forwarder {
+    /// Background tasks (pool connections, tunnels) go to `tasks` and stop
+    /// when `cancel` fires.
+    pub fn new(
+        config: &ForwardConfig,
+        spawner: Arc<dyn Spawner>,
+        tasks: TaskTracker,
+        cancel: CancellationToken,
+    ) -> Self {
+        let mut connector = HttpConnector::new();
+        connector.set_nodelay(true);
+        connector.set_connect_timeout(Some(config.connect_timeout));
+        connector.set_keepalive(Some(Duration::from_secs(60)));
+        let executor = TrackedExecutor {
+            tasks: tasks.clone(),
+            cancel: cancel.clone(),
+        };
+        let client = Client::builder(executor)
+            .pool_timer(TokioTimer::new())
+            .pool_idle_timeout(config.pool_idle_timeout)
+            .pool_max_idle_per_host(config.pool_max_idle_per_host)
+            // berth passes the client's Host through: apps check it against
+            // Origin (WebSocket) and build absolute URLs from it.
+            .set_host(false)
+            .build(connector);
+        Self {
+            client,
+            upgrades: Arc::new(Semaphore::new(config.max_upgrades)),
+            spawner,
+            tasks,
+            cancel,
+        }
+    }
+
+    /// Free upgrade slots (for tests and metrics).
+    pub fn free_upgrades(&self) -> usize {
+        self.upgrades.available_permits()
+    }
+
+    /// Forwards `req` to `to` and returns the upstream's response, or a
+    /// 502/503 of our own.
+    pub async fn forward(
+        &self,
+        mut req: Request<Incoming>,
+        to: Upstream,
+        conn: &ConnInfo,
+        keep_forwarded_user: bool,
+    ) -> Response<ProxyBody> {
+        self.spawner.touch(&to.user);
+        let upgrade = wants_upgrade(req.headers());
+        let mut upgrade_slot = None;
+        let client_upgrade = if upgrade {
+            match self.upgrades.clone().try_acquire_owned() {
+                Ok(permit) => upgrade_slot = Some(permit),
+                Err(_) => {
+                    return respond::json_error(
+                        StatusCode::SERVICE_UNAVAILABLE,
+                        "too_many_upgrades",
+                        "too many upgraded connections (WebSockets) are open; try again later",
+                        &[],
+                    );
+                }
+            }
+            Some(hyper::upgrade::on(&mut req))
+        } else {
+            None
+        };
+
+        let (mut parts, body) = req.into_parts();
+        rewrite_request_headers(&mut parts.headers, conn, upgrade, keep_forwarded_user);
+        let uri = match Uri::from_parts({
+            let mut p = hyper::http::uri::Parts::default();
+            p.scheme = Some(Scheme::HTTP);
+            p.authority = Some(to.authority.clone());
+            p.path_and_query = Some(to.path_and_query.clone());
+            p
+        }) {
+            Ok(uri) => uri,
+            Err(_) => return bad_gateway("cannot build the upstream URI"),
+        };
+        parts.uri = uri;
+        parts.version = Version::HTTP_11;
+
+        // Only a request that can be rebuilt without its body may be retried.
+        let retry = (!upgrade && is_idempotent(&parts.method) && body.is_end_stream()).then(|| {
+            (
+                parts.method.clone(),
+                parts.uri.clone(),
+                parts.headers.clone(),
+            )
+        });
+
+        let mut result = self
+            .send(Request::from_parts(parts, Either::Left(body)))
+            .await;
+        if let Some((method, uri, headers)) = retry {
+            let mut stale_retried = false;
+            let mut backoff = FIRST_CONNECT_BACKOFF;
+            loop {
+                match &result {
+                    Err(Failure::Stale(e)) if !stale_retried => {
+                        tracing::debug!(user = %to.user, error = %e, "stale upstream connection; retrying once");
+                        stale_retried = true;
+                    }
+                    Err(Failure::Refused(_)) if backoff <= LAST_CONNECT_BACKOFF => {
+                        tokio::time::sleep(backoff).await;
+                        backoff *= 2;
+                    }
+                    _ => break,
+                }
+                let mut again = Request::new(Either::Right(Empty::new()));
+                *again.method_mut() = method.clone();
+                *again.uri_mut() = uri.clone();
+                *again.headers_mut() = headers.clone();
+                result = self.send(again).await;
+            }
+        }
+        let mut response = match result {
+            Ok(response) => response,
+            Err(Failure::Stale(e) | Failure::Refused(e) | Failure::Fatal(e)) => {
+                tracing::debug!(user = %to.user, upstream = %to.authority, error = %e, "upstream request failed");
+                return bad_gateway("the instance did not answer");
+            }
+        };
+
+        let switched = response.status() == StatusCode::SWITCHING_PROTOCOLS;
+        if let (true, Some(client_upgrade), Some(permit)) = (switched, client_upgrade, upgrade_slot)
+        {
+            let upstream_upgrade = hyper::upgrade::on(&mut response);
+            self.spawn_tunnel(client_upgrade, upstream_upgrade, permit, to.user.clone());
+        }
+        strip_hop_by_hop(response.headers_mut(), switched);
+        if switched {
+            response
+                .headers_mut()
+                .insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
+        }
+        response.map(Either::Left)
+    }
+
+    async fn send(&self, req: Request<UpstreamBody>) -> Result<Response<Incoming>, Failure> {
+        self.client.request(req).await.map_err(|e| {
+            if is_refused(&e) {
+                Failure::Refused(e)
+            } else if is_stale_connection(&e) {
+                Failure::Stale(e)
+            } else {
+                Failure::Fatal(e)
+            }
+        })
+    }
+
+    fn spawn_tunnel(
+        &self,
+        client: hyper::upgrade::OnUpgrade,
+        upstream: hyper::upgrade::OnUpgrade,
+        permit: OwnedSemaphorePermit,
+        user: Arc<UserId>,
+    ) {
+        let spawner = self.spawner.clone();
+        let cancel = self.cancel.clone();
+        self.tasks.spawn(async move {
+            let _permit = permit;
+            let tunnel = async {
+                let (client, upstream) = match tokio::try_join!(client, upstream) {
+                    Ok(both) => both,
+                    Err(e) => {
+                        tracing::debug!(%user, error = %e, "upgrade did not complete");
+                        return;
+                    }
+                };
+                let mut client = Touching::new(TokioIo::new(client), spawner.clone(), user.clone());
+                let mut upstream = Touching::new(TokioIo::new(upstream), spawner, user.clone());
+                match tokio::io::copy_bidirectional(&mut client, &mut upstream).await {
+                    Ok((up, down)) => tracing::debug!(%user, up, down, "tunnel closed"),
+                    Err(e) => tracing::debug!(%user, error = %e, "tunnel ended with an error"),
+                }
+            };
+            tokio::select! {
+                () = tunnel => {}
+                () = cancel.cancelled() => {}
+            }
+        });
+    }
+}
+
+fn bad_gateway(message: &str) -> Response<ProxyBody> {
+    respond::json_error(StatusCode::BAD_GATEWAY, "bad_gateway", message, &[])
+}
+
+fn is_idempotent(method: &Method) -> bool {
+    matches!(
+        *method,
+        Method::GET | Method::HEAD | Method::OPTIONS | Method::PUT | Method::DELETE
+    )
+}
+
+/// Did the connection attempt itself find nobody listening?
+fn is_refused(error: &hyper_util::client::legacy::Error) -> bool {
+    if !error.is_connect() {
+        return false;
+    }
+    let mut source = std::error::Error::source(error);
+    while let Some(e) = source {
+        if let Some(io) = e.downcast_ref::<io::Error>() {
+            if io.kind() == io::ErrorKind::ConnectionRefused {
+                return true;
+            }
+        }
+        source = e.source();
+    }
+    false
+}
+
+/// Did the request fail because a (pooled) connection was closed under it,
+/// before any response arrived? Connect errors are not stale: the instance
+/// is down, and trying again at once would not help.
+fn is_stale_connection(error: &hyper_util::client::legacy::Error) -> bool {
+    if error.is_connect() {
+        return false;
+    }
+    let mut source = std::error::Error::source(error);
+    while let Some(e) = source {
+        if let Some(h) = e.downcast_ref::<hyper::Error>() {
+            if h.is_incomplete_message() || h.is_canceled() {
+                return true;
+            }
+        }
+        if let Some(io) = e.downcast_ref::<io::Error>() {
+            if matches!(
+                io.kind(),
+                io::ErrorKind::ConnectionReset
+                    | io::ErrorKind::ConnectionAborted
+                    | io::ErrorKind::BrokenPipe
+                    | io::ErrorKind::UnexpectedEof
+            ) {
+                return true;
+            }
+        }
+        source = e.source();
+    }
+    false
+}
+
+/// `Connection: upgrade` together with an `Upgrade` header.
+pub fn wants_upgrade(headers: &HeaderMap) -> bool {
+    headers.contains_key(header::UPGRADE)
+        && headers
+            .get_all(header::CONNECTION)
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .flat_map(|v| v.split(','))
+            .any(|t| t.trim().eq_ignore_ascii_case("upgrade"))
+}
+
+/// Removes hop-by-hop headers: the fixed set and every header `Connection`
+/// names. With `keep_upgrade`, `Upgrade` survives (the caller sets
+/// `Connection: upgrade` again).
+pub fn strip_hop_by_hop(headers: &mut HeaderMap, keep_upgrade: bool) {
+    let upgrade = if keep_upgrade {
+        headers.get(header::UPGRADE).cloned()
+    } else {
+        None
+    };
+    // Browsers send one `Connection` value on nearly every request; only the
+    // rare request with several pays for a list.
+    let mut connection = headers.get_all(header::CONNECTION).iter();
+    let several = connection.next().is_some() && connection.next().is_some();
+    if several {
+        let values: Vec<HeaderValue> = headers
+            .get_all(header::CONNECTION)
+            .iter()
+            .cloned()
+            .collect();
+        for value in &values {
+            remove_named(headers, value);
+        }
+    } else if let Some(value) = headers.remove(header::CONNECTION) {
+        remove_named(headers, &value);
+    }
+    for name in hop_by_hop() {
+        headers.remove(name);
+    }
+    // Any other `Proxy-*`, and a bare `Proxy` (httpoxy: CGI-style programs
+    // would read it as HTTP_PROXY). Rare, so only a hit pays for the list.
+    let is_proxy_header = |name: &HeaderName| {
+        let name = name.as_str();
+        name == "proxy" || name.starts_with("proxy-")
+    };
+    if headers.keys().any(is_proxy_header) {
+        let names: Vec<HeaderName> = headers
+            .keys()
+            .filter(|n| is_proxy_header(n))
+            .cloned()
+            .collect();
+        for name in names {
+            headers.remove(name);
+        }
+    }
+    if let Some(upgrade) = upgrade {
+        headers.insert(header::UPGRADE, upgrade);
+    }
+}
+
+fn remove_named(headers: &mut HeaderMap, connection: &HeaderValue) {
+    let Ok(value) = connection.to_str() else {
+        return;
+    };
+    for token in value.split(',').map(str::trim).filter(|t| !t.is_empty()) {
+        // `close`, `keep-alive`, `upgrade` are options, not header names
+        // worth a lookup (keep-alive and upgrade are removed anyway).
+        if ["close", "keep-alive", "upgrade"]
+            .iter()
+            .any(|o| token.eq_ignore_ascii_case(o))
+        {
+            continue;
+        }
+        headers.remove(token);
+    }
+}
+
+/// The request headers as the instance sees them.
+pub fn rewrite_request_headers(
+    headers: &mut HeaderMap,
+    conn: &ConnInfo,
+    upgrade: bool,
+    keep_forwarded_user: bool,
+) {
+    strip_hop_by_hop(headers, upgrade);
+    if upgrade {
+        headers.insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
+    }
+    // berth already answered `Expect: 100-continue` by reading the body.
+    headers.remove(header::EXPECT);
+    if !keep_forwarded_user {
+        headers.remove(&crate::auth::FORWARDED_USER);
+    }
+    let forwarded_for = match headers.get(&X_FORWARDED_FOR) {
+        None => conn.peer_ip.clone(),
+        Some(existing) => {
+            let mut joined = Vec::with_capacity(existing.len() + 2 + conn.peer_ip.len());
+            joined.extend_from_slice(existing.as_bytes());
+            joined.extend_from_slice(b", ");
+            joined.extend_from_slice(conn.peer_ip.as_bytes());
+            HeaderValue::from_maybe_shared(Bytes::from(joined))
+                .unwrap_or_else(|_| conn.peer_ip.clone())
+        }
+    };
+    headers.insert(X_FORWARDED_FOR.clone(), forwarded_for);
+    if !(conn.trusted && headers.contains_key(&X_FORWARDED_PROTO)) {
+        headers.insert(X_FORWARDED_PROTO.clone(), HeaderValue::from_static("http"));
+    }
+    if !(conn.trusted && headers.contains_key(&X_FORWARDED_HOST)) {
+        match headers.get(header::HOST).cloned() {
+            Some(host) => {
+                headers.insert(X_FORWARDED_HOST.clone(), host);
+            }
+            None => {
+                headers.remove(&X_FORWARDED_HOST);
+            }
+        }
+    }
+}
+
+/// An upgraded stream that reports reads as user activity, at most once
+/// per [`TUNNEL_TOUCH_EVERY`].
+struct Touching<T> {
+    io: T,
+    spawner: Arc<dyn Spawner>,
+    user: Arc<UserId>,
+    last_touch: Option<Instant>,
+}
+
+impl<T> Touching<T> {
+    fn new(io: T, spawner: Arc<dyn Spawner>, user: Arc<UserId>) -> Self {
+        Self {
+            io,
+            spawner,
+            user,
+            last_touch: None,
+        }
+    }
+}
+
+impl<T: AsyncRead + Unpin> AsyncRead for Touching<T> {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        let before = buf.filled().len();
+        let result = Pin::new(&mut this.io).poll_read(cx, buf);
+        if matches!(result, Poll::Ready(Ok(()))) && buf.filled().len() > before {
+            let now = Instant::now();
+            if this
+                .last_touch
+                .is_none_or(|last| now.duration_since(last) >= TUNNEL_TOUCH_EVERY)
+            {
+                this.last_touch = Some(now);
+                this.spawner.touch(&this.user);
+            }
+        }
+        result
+    }
+}
+
+impl<T: AsyncWrite + Unpin> AsyncWrite for Touching<T> {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        data: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.get_mut().io).poll_write(cx, data)
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().io).poll_flush(cx)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().io).poll_shutdown(cx)
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.get_mut().io).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn conn(trusted: bool) -> ConnInfo {
+        ConnInfo::new("10.1.2.3:5555".parse().unwrap(), trusted)
+    }
+
+    fn headers(pairs: &[(&'static str, &'static str)]) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        for (k, v) in pairs {
+            h.append(*k, HeaderValue::from_static(v));
+        }
+        h
+    }
+
+    #[test]
+    fn hop_by_hop_headers_are_removed() {
+        let mut h = headers(&[
+            ("connection", "keep-alive, X-Secret"),
+            ("connection", "x-other"),
+            ("x-secret", "1"),
+            ("x-other", "1"),
+            ("keep-alive", "timeout=5"),
+            ("proxy-authorization", "Basic x"),
+            ("proxy", "http://evil:3128"),
+            ("proxy-whatever", "1"),
+            ("te", "trailers"),
+            ("trailer", "x"),
+            ("transfer-encoding", "chunked"),
+            ("upgrade", "websocket"),
+            ("host", "berth.test"),
+            ("accept", "*/*"),
+        ]);
+        rewrite_request_headers(&mut h, &conn(false), false, false);
+        let mut names: Vec<_> = h.keys().map(|k| k.as_str().to_owned()).collect();
+        names.sort();
+        assert_eq!(
+            names,
+            [
+                "accept",
+                "host",
+                "x-forwarded-for",
+                "x-forwarded-host",
+                "x-forwarded-proto"
+            ]
+        );
+    }
+
+    #[test]
+    fn upgrades_keep_upgrade() {
+        let mut h = headers(&[
+            ("connection", "Upgrade"),
+            ("upgrade", "websocket"),
+            ("host", "h"),
+        ]);
+        assert!(wants_upgrade(&h));
+        rewrite_request_headers(&mut h, &conn(false), true, false);
+        assert_eq!(h[header::UPGRADE], "websocket");
+        assert_eq!(h[header::CONNECTION], "upgrade");
+        assert!(!wants_upgrade(&headers(&[("upgrade", "websocket")])));
+        assert!(!wants_upgrade(&headers(&[("connection", "upgrade")])));
+    }
+
+    #[test]
+    fn forwarded_headers_are_set_or_kept_from_trusted_peers() {
+        let spoofed = [
+            ("host", "berth.test:8000"),
+            ("x-forwarded-for", "1.1.1.1"),
+            ("x-forwarded-proto", "https"),
+            ("x-forwarded-host", "evil"),
+            ("x-forwarded-user", "admin"),
+        ];
+        let mut h = headers(&spoofed);
+        rewrite_request_headers(&mut h, &conn(false), false, false);
+        assert_eq!(h["x-forwarded-for"], "1.1.1.1, 10.1.2.3");
+        assert_eq!(h["x-forwarded-proto"], "http");
+        assert_eq!(h["x-forwarded-host"], "berth.test:8000");
+        assert!(!h.contains_key("x-forwarded-user"));
+        let mut h = headers(&spoofed);
+        rewrite_request_headers(&mut h, &conn(true), false, true);
+        assert_eq!(h["x-forwarded-proto"], "https");
+        assert_eq!(h["x-forwarded-host"], "evil");
+        assert_eq!(h["x-forwarded-user"], "admin");
+        let mut h = headers(&[("host", "h")]);
+        rewrite_request_headers(&mut h, &conn(false), false, false);
+        assert_eq!(h["x-forwarded-for"], "10.1.2.3");
+    }
+}

@@ -1,0 +1,195 @@
+//! The layers put together: route target → auth → route lookup → wake →
+//! forward.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use berth_core::{ErrorCode, Spawner};
+use hyper::body::Incoming;
+use hyper::header::HeaderValue;
+use hyper::{Request, Response, StatusCode};
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use crate::auth::{AuthMode, Authenticator, Gate, TrustedProxies, strip_credentials};
+use crate::forward::{ConnInfo, ForwardConfig, Forwarder, Upstream};
+use crate::respond::{self, ProxyBody};
+use crate::route::{Class, RouteError, RouteTable, Router, Target};
+use crate::wake::{Wake, Waker};
+
+/// Characters escaped in a path segment (everything but unreserved).
+const PATH_SEGMENT: &percent_encoding::AsciiSet = &percent_encoding::NON_ALPHANUMERIC
+    .remove(b'-')
+    .remove(b'.')
+    .remove(b'_')
+    .remove(b'~');
+
+/// Proxy settings.
+#[derive(Debug, Clone, Default)]
+pub struct ProxyConfig {
+    /// Route `<slug>.<base_domain>` too; `None`: path routing only.
+    pub base_domain: Option<String>,
+    /// Remove `/u/<user>` from the path sent upstream.
+    pub strip_prefix: bool,
+    pub auth_mode: AuthMode,
+    pub trusted_proxies: TrustedProxies,
+    /// How long a woken request waits for its instance.
+    pub ready_timeout: Duration,
+    pub forward: ForwardConfig,
+}
+
+/// The reverse proxy: shared by every connection of the server.
+pub struct Proxy {
+    router: Router,
+    gate: Gate,
+    waker: Waker,
+    forwarder: Forwarder,
+    tasks: TaskTracker,
+    cancel: CancellationToken,
+}
+
+impl std::fmt::Debug for Proxy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Proxy")
+            .field("router", &self.router)
+            .field("forwarder", &self.forwarder)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Proxy {
+    /// Builds the proxy and starts keeping its route table in step with
+    /// `spawner`. Must run inside a Tokio runtime.
+    pub fn start(config: ProxyConfig, spawner: Arc<dyn Spawner>, auth: Authenticator) -> Arc<Self> {
+        let table = Arc::new(RouteTable::new());
+        let tasks = TaskTracker::new();
+        let cancel = CancellationToken::new();
+        tasks.spawn(table.clone().follow(spawner.clone(), cancel.child_token()));
+        Arc::new(Self {
+            router: Router::new(
+                table.clone(),
+                config.base_domain.as_deref(),
+                config.strip_prefix,
+            ),
+            gate: Gate::new(auth, config.auth_mode, config.trusted_proxies),
+            waker: Waker::new(spawner.clone(), table, config.ready_timeout),
+            forwarder: Forwarder::new(&config.forward, spawner, tasks.clone(), cancel.clone()),
+            tasks,
+            cancel,
+        })
+    }
+
+    pub fn routes(&self) -> &Arc<RouteTable> {
+        self.router.table()
+    }
+
+    /// Free WebSocket/upgrade slots.
+    pub fn free_upgrades(&self) -> usize {
+        self.forwarder.free_upgrades()
+    }
+
+    /// Per-connection facts, computed once per connection.
+    pub fn conn_info(&self, peer: SocketAddr) -> ConnInfo {
+        ConnInfo::new(peer, self.gate.trusted().contains(peer.ip()))
+    }
+
+    /// Is this request for a user's instance, for berth itself, or bad?
+    pub fn classify<B>(&self, req: &Request<B>) -> Class {
+        self.router.classify(req)
+    }
+
+    /// Answers a request for a user's instance.
+    pub async fn handle(&self, req: Request<Incoming>, conn: &ConnInfo) -> Response<ProxyBody> {
+        let (route, path_and_query, progress_url, navigation, credential) = {
+            let target = match self.router.target(req.headers(), req.uri()) {
+                Ok(Some(target)) => target,
+                Ok(None) => return respond::code_error(ErrorCode::NotFound, "not a user route"),
+                Err(e) => return route_error(&e, &req),
+            };
+            let route = match self.router.resolve(&target) {
+                Ok(route) => route,
+                Err(e) => return route_error(&e, &req),
+            };
+            let credential = match self
+                .gate
+                .check(req.headers(), req.uri(), conn, &route.user)
+                .await
+            {
+                Ok(credential) => credential,
+                Err(answer) => return answer,
+            };
+            let Some(path_and_query) = self.router.upstream_path(&target, req.uri(), None) else {
+                return respond::code_error(ErrorCode::InvalidRequest, "cannot rewrite the path");
+            };
+            let navigation = respond::is_navigation(req.headers());
+            // A host-routed page cannot reach the API's progress stream on its
+            // own host (every path there is the user's), so it polls instead.
+            let progress_url = match target {
+                Target::Path { .. } if navigation => Some(format!(
+                    "/api/v1/users/{}/instance/progress",
+                    percent_encoding::utf8_percent_encode(route.user.as_str(), PATH_SEGMENT)
+                )),
+                _ => None,
+            };
+            (route, path_and_query, progress_url, navigation, credential)
+        };
+        let mut req = req;
+        strip_credentials(req.headers_mut(), credential);
+        let authority = match self.waker.endpoint(&route.user, route.upstream) {
+            Some(authority) => authority,
+            None => match self
+                .waker
+                .wake(&route.user, navigation, progress_url.as_deref())
+                .await
+            {
+                Wake::Ready(authority) => authority,
+                Wake::Respond(answer) => return answer,
+            },
+        };
+        let upstream = Upstream {
+            user: route.user,
+            authority,
+            path_and_query,
+        };
+        let keep_user = self.gate.keeps_forwarded_user(conn);
+        self.forwarder.forward(req, upstream, conn, keep_user).await
+    }
+
+    /// Stops background work: the route follower, pooled upstream
+    /// connections and WebSocket tunnels. Waits until they have ended.
+    pub async fn shutdown(&self) {
+        self.cancel.cancel();
+        self.tasks.close();
+        self.tasks.wait().await;
+    }
+
+    /// Cancels tunnels and background tasks without waiting.
+    pub fn cancel(&self) {
+        self.cancel.cancel();
+    }
+}
+
+/// The answer to a request that cannot be routed.
+pub fn route_error<B>(error: &RouteError, req: &Request<B>) -> Response<ProxyBody> {
+    match error {
+        RouteError::MissingHost | RouteError::BadHost => {
+            respond::code_error(ErrorCode::InvalidRequest, &error.to_string())
+        }
+        RouteError::InvalidUser(_) => {
+            respond::code_error(ErrorCode::InvalidUser, &error.to_string())
+        }
+        RouteError::UnknownHost => respond::code_error(ErrorCode::NotFound, &error.to_string()),
+        RouteError::AddSlash => {
+            let uri = req.uri();
+            let location = match uri.query() {
+                Some(q) => format!("{}/?{q}", uri.path()),
+                None => format!("{}/", uri.path()),
+            };
+            match HeaderValue::try_from(location) {
+                Ok(location) => respond::redirect(StatusCode::PERMANENT_REDIRECT, location, None),
+                Err(_) => respond::code_error(ErrorCode::InvalidRequest, "bad path"),
+            }
+        }
+    }
+}

@@ -1,0 +1,188 @@
+//! The HTTP/1.1 server in front of everything: accepts connections, applies
+//! connection-level limits, and sends each request to the proxy or to the
+//! fallback service (berth's API).
+//!
+//! Limits: a header read timeout (a slowloris client is cut off), a request
+//! header size limit (hyper answers `431`), and the proxy's cap on
+//! concurrent upgrades. On shutdown the listener closes, idle connections
+//! close, in-flight requests get `shutdown_grace` to finish, and whatever
+//! is left is then cut.
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::io;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::Either;
+use hyper::body::{Body, Incoming};
+use hyper::server::conn::http1;
+use hyper::service::service_fn;
+use hyper::{Request, Response};
+use hyper_util::rt::{TokioIo, TokioTimer};
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use tower_service::Service;
+
+use crate::forward::ConnInfo;
+use crate::proxy::{Proxy, route_error};
+use crate::respond::ProxyBody;
+use crate::route::Class;
+
+/// Connection-level settings.
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    /// A client must send its complete request head within this time.
+    pub header_read_timeout: Duration,
+    /// Largest request head (request line and headers); larger gets 431.
+    pub max_header_bytes: usize,
+    /// How long in-flight requests may run on after shutdown begins.
+    pub shutdown_grace: Duration,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        Self {
+            header_read_timeout: Duration::from_secs(10),
+            max_header_bytes: 64 * 1024,
+            shutdown_grace: Duration::from_secs(10),
+        }
+    }
+}
+
+/// The response body of the server: the proxy's or the fallback's.
+pub type ServerBody<B> = Either<ProxyBody, B>;
+
+struct Shared<F> {
+    proxy: Arc<Proxy>,
+    fallback: F,
+}
+
+impl<F, B> Shared<F>
+where
+    F: Service<Request<Incoming>, Response = Response<B>, Error = Infallible> + Clone,
+{
+    async fn dispatch(&self, req: Request<Incoming>, conn: &ConnInfo) -> Response<ServerBody<B>> {
+        match self.proxy.classify(&req) {
+            Class::Proxy => self.proxy.handle(req, conn).await.map(Either::Left),
+            Class::Fallback => {
+                let mut service = self.fallback.clone();
+                if let Err(never) = std::future::poll_fn(|cx| service.poll_ready(cx)).await {
+                    match never {}
+                }
+                match service.call(req).await {
+                    Ok(response) => response.map(Either::Right),
+                    Err(never) => match never {},
+                }
+            }
+            Class::Reject(error) => route_error(&error, &req).map(Either::Left),
+        }
+    }
+}
+
+/// Serves `listener` until `shutdown` completes, then drains.
+///
+/// Requests for user routes go to `proxy`; everything else to `fallback`
+/// (for berth, the API router). Does not stop the proxy's own background
+/// tasks: call [`Proxy::shutdown`] afterwards.
+pub async fn serve<F, B>(
+    listener: TcpListener,
+    config: ServerConfig,
+    proxy: Arc<Proxy>,
+    fallback: F,
+    shutdown: impl Future<Output = ()>,
+) -> io::Result<()>
+where
+    F: Service<Request<Incoming>, Response = Response<B>, Error = Infallible>
+        + Clone
+        + Send
+        + Sync
+        + 'static,
+    F::Future: Send,
+    B: Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    let mut http = http1::Builder::new();
+    http.timer(TokioTimer::new())
+        .header_read_timeout(config.header_read_timeout)
+        .max_header_size(config.max_header_bytes)
+        .keep_alive(true);
+    let http = Arc::new(http);
+    let shared = Arc::new(Shared { proxy, fallback });
+    let connections = TaskTracker::new();
+    let draining = CancellationToken::new();
+    let cut = CancellationToken::new();
+
+    tokio::pin!(shutdown);
+    let mut accept_backoff = Duration::from_millis(5);
+    loop {
+        let (stream, peer) = tokio::select! {
+            () = &mut shutdown => break,
+            accepted = listener.accept() => match accepted {
+                Ok(accepted) => {
+                    accept_backoff = Duration::from_millis(5);
+                    accepted
+                }
+                Err(e) => {
+                    // Out of file descriptors and the like: keep serving the
+                    // connections we have and try again shortly.
+                    tracing::warn!(error = %e, "accept failed");
+                    tokio::time::sleep(accept_backoff).await;
+                    accept_backoff = (accept_backoff * 2).min(Duration::from_secs(1));
+                    continue;
+                }
+            },
+        };
+        let _ = stream.set_nodelay(true);
+        let conn = Arc::new(shared.proxy.conn_info(peer));
+        let shared = shared.clone();
+        let http = http.clone();
+        let draining = draining.clone();
+        let cut = cut.clone();
+        connections.spawn(async move {
+            let service = service_fn(move |req| {
+                let shared = shared.clone();
+                let conn = conn.clone();
+                async move { Ok::<_, Infallible>(shared.dispatch(req, &conn).await) }
+            });
+            let connection = http
+                .serve_connection(TokioIo::new(stream), service)
+                .with_upgrades();
+            tokio::pin!(connection);
+            let result = tokio::select! {
+                result = connection.as_mut() => result,
+                () = draining.cancelled() => {
+                    connection.as_mut().graceful_shutdown();
+                    tokio::select! {
+                        result = connection.as_mut() => result,
+                        () = cut.cancelled() => Ok(()),
+                    }
+                }
+            };
+            if let Err(e) = result {
+                // Timeouts, resets and malformed requests are the client's
+                // business; hyper has answered what could be answered.
+                tracing::debug!(%peer, error = %e, "connection ended with an error");
+            }
+        });
+    }
+
+    drop(listener);
+    tracing::debug!(open = connections.len(), "draining connections");
+    draining.cancel();
+    connections.close();
+    if tokio::time::timeout(config.shutdown_grace, connections.wait())
+        .await
+        .is_err()
+    {
+        tracing::info!(
+            open = connections.len(),
+            "shutdown grace period over; closing the remaining connections"
+        );
+        cut.cancel();
+        connections.wait().await;
+    }
+    Ok(())
+}
