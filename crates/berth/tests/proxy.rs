@@ -492,6 +492,11 @@ async fn jupyter_server_behind_berth() {
         .output()
         .is_ok_and(|o| o.status.success());
     if !installed {
+        // scripts/test installs it, so in CI a missing Jupyter is a failure.
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "`jupyter server` is not installed; scripts/test installs it"
+        );
         println!(
             "SKIPPED jupyter_server_behind_berth: `jupyter server` is not installed (pip install jupyter_server)"
         );
