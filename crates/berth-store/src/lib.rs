@@ -2,8 +2,8 @@
 //!
 //! * [`Store`]: the one trait every backend implements — instance records,
 //!   the fenced lease (design §3), crash/breaker state, tokens and nodes;
-//! * [`SqliteStore`]: the embedded single-node backend (PostgreSQL joins in
-//!   the cluster work);
+//! * [`SqliteStore`]: the embedded single-node backend;
+//! * [`PgStore`]: the PostgreSQL backend a cluster of nodes shares;
 //! * [`lease`]: the validated lease settings and [`lease::LeaseKeeper`], the
 //!   node-side holder of leases that renews them in bulk and knows when to
 //!   fence itself;
@@ -17,6 +17,7 @@
 #[cfg(feature = "contract-tests")]
 pub mod contract;
 pub mod lease;
+mod postgres;
 mod sqlite;
 
 use std::time::Duration;
@@ -26,6 +27,7 @@ use berth_core::policy::CrashState;
 use berth_core::{Epoch, Instance, InstanceStatus, Role, UnixMillis, UserId};
 use serde::{Deserialize, Serialize};
 
+pub use postgres::{PgStore, PgStoreOptions};
 pub use sqlite::SqliteStore;
 
 /// Why a store operation failed.
@@ -211,11 +213,14 @@ pub trait Store: Send + Sync + 'static {
     async fn list_nodes(&self) -> Result<Vec<NodeRecord>, StoreError>;
 }
 
-/// Opens the store a URL names (`sqlite://PATH`), creating and migrating it.
+/// Opens the store a URL names (`sqlite://PATH`, `postgres://…` or
+/// `postgresql://…`), creating (SQLite) and migrating it.
 pub async fn open(url: &str) -> Result<std::sync::Arc<dyn Store>, StoreError> {
     if url.starts_with("sqlite:") {
         Ok(std::sync::Arc::new(SqliteStore::open(url).await?))
+    } else if url.starts_with("postgres://") || url.starts_with("postgresql://") {
+        Ok(std::sync::Arc::new(PgStore::open(url).await?))
     } else {
-        Err(StoreError::UnsupportedUrl(url.to_owned()))
+        Err(StoreError::UnsupportedUrl(postgres::redact_url(url)))
     }
 }
