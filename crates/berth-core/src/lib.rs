@@ -8,8 +8,9 @@
 //! * the instance model ([`Instance`], [`Role`], [`InstanceStatus`], …);
 //! * [`SpawnError`] and the stable [`ErrorCode`]s the HTTP API exposes;
 //! * the [`Spawner`] trait, the seam between the API/proxy and a backend;
-//! * [`policy`]: crash backoff, the circuit breaker and idle reaping as pure
-//!   functions over plain data, so they are tested without processes.
+//! * [`policy`]: crash backoff, the circuit breaker, idle reaping, node
+//!   liveness and placement as pure functions over plain data, so they are
+//!   tested without processes or a cluster.
 //!
 //! ```
 //! use berth_core::UserId;

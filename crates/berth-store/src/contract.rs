@@ -26,7 +26,10 @@ use std::time::Duration;
 use berth_core::policy::CrashState;
 use berth_core::{Epoch, Instance, InstanceStatus, Role, UnixMillis, UserId};
 
-use crate::{ClaimOutcome, InstanceFilter, NodeRecord, NodeStatus, Store, TakeoverPolicy};
+use crate::{
+    ClaimOutcome, InstanceFilter, LaunchParams, NodeRecord, NodeStatus, Store, StoreError,
+    TakeoverPolicy,
+};
 
 /// A lease that runs out while a test watches.
 const SHORT: Duration = Duration::from_millis(300);
@@ -64,6 +67,10 @@ macro_rules! store_contract_tests {
             instance_round_trip_keeps_every_field,
             instance_list_filters,
             live_port_is_unique_per_node,
+            main_record_is_fenced_by_epoch,
+            watchdog_records_are_not_fenced,
+            delete_of_main_is_fenced,
+            launch_params_round_trip_and_size_limit,
             claim_on_fresh_user_gets_epoch_1,
             second_node_is_busy_while_lease_is_live,
             holder_reclaims_own_lease_with_next_epoch,
@@ -77,6 +84,7 @@ macro_rules! store_contract_tests {
             expired_lease_of_unregistered_holder_is_claimable_with_evidence,
             take_over_only_works_on_expired_leases,
             list_leases_and_leases_held_by,
+            list_leases_reports_holder_liveness,
             concurrent_claimers_have_one_winner,
             crash_state_round_trip_and_clear_deletes,
             tokens_round_trip,
@@ -389,8 +397,265 @@ pub async fn live_port_is_unique_per_node(store: Arc<dyn Store>) {
     let mut alice_stopped = alice.clone();
     alice_stopped.status = InstanceStatus::Failed;
     store.put_instance(&alice_stopped).await.unwrap();
-    let bob = instance("bob", Role::Main, "node-a", Some(4000));
+    // bob moves to node-a under a newer lease, onto the port alice freed.
+    let mut bob = instance("bob", Role::Main, "node-a", Some(4000));
+    bob.epoch = 1;
     store.put_instance(&bob).await.unwrap();
+}
+
+/// Asserts `result` is the refusal of a change under `epoch`, naming the
+/// record that stands in its way.
+fn assert_fenced(result: Result<(), StoreError>, u: &UserId, epoch: Epoch, current: (Epoch, &str)) {
+    match result {
+        Err(StoreError::Fenced {
+            user,
+            epoch: refused,
+            current_epoch,
+            current_node,
+        }) => assert_eq!(
+            (&user, refused, current_epoch, current_node.as_str()),
+            (u, epoch, current.0, current.1)
+        ),
+        other => panic!("expected Fenced at epoch {epoch} by {current:?}, got {other:?}"),
+    }
+}
+
+/// A main's record only moves forward: a write under an older epoch, or
+/// under the same epoch from another node, is refused with `Fenced` and
+/// changes nothing; the same node at the same epoch updates it, and a newer
+/// epoch from any node replaces it.
+pub async fn main_record_is_fenced_by_epoch(store: Arc<dyn Store>) {
+    let alice = user("alice");
+    let mut a2 = instance("alice", Role::Main, "node-a", Some(4000));
+    a2.epoch = 2;
+    store.put_instance(&a2).await.unwrap();
+
+    // node-b, paused while it held epoch 1, wakes up and writes.
+    let mut b1 = instance("alice", Role::Main, "node-b", Some(4100));
+    b1.epoch = 1;
+    b1.status = InstanceStatus::Crashed;
+    assert_fenced(store.put_instance(&b1).await, &alice, 1, (2, "node-a"));
+    // The same epoch from another node is not the holder either.
+    let b2 = Instance {
+        epoch: 2,
+        ..b1.clone()
+    };
+    assert_fenced(store.put_instance(&b2).await, &alice, 2, (2, "node-a"));
+    // node-a itself under an older epoch (a stale task of its own) too.
+    let a1 = Instance {
+        epoch: 1,
+        status: InstanceStatus::Stopped,
+        ..a2.clone()
+    };
+    assert_fenced(store.put_instance(&a1).await, &alice, 1, (2, "node-a"));
+    assert_eq!(
+        store.get_instance(&alice, Role::Main).await.unwrap(),
+        Some(a2.clone())
+    );
+
+    // The holder updates its own record under its epoch.
+    let a2_ready = Instance {
+        ready: true,
+        pid: Some(42),
+        ..a2.clone()
+    };
+    store.put_instance(&a2_ready).await.unwrap();
+    assert_eq!(
+        store.get_instance(&alice, Role::Main).await.unwrap(),
+        Some(a2_ready)
+    );
+
+    // node-b under a newer lease takes the record over; now node-a is the
+    // stale one, and the refusal names node-b.
+    let b3 = Instance {
+        epoch: 3,
+        ..b1.clone()
+    };
+    store.put_instance(&b3).await.unwrap();
+    assert_fenced(store.put_instance(&a2).await, &alice, 2, (3, "node-b"));
+    assert_eq!(
+        store.get_instance(&alice, Role::Main).await.unwrap(),
+        Some(b3.clone())
+    );
+
+    // The refusal reads as a busy lease to the spawner's callers.
+    let err = store.put_instance(&a2).await.unwrap_err();
+    assert!(err.to_string().contains("newer lease"), "{err}");
+    assert_eq!(
+        berth_core::SpawnError::from(err),
+        berth_core::SpawnError::LeaseBusy {
+            user: alice.clone(),
+            holder: "node-b".into(),
+            expired: false
+        }
+    );
+
+    // Other users are untouched by all of this.
+    let bob = instance("bob", Role::Main, "node-a", Some(4001));
+    store.put_instance(&bob).await.unwrap();
+    assert_eq!(
+        store.get_instance(&bob.user, Role::Main).await.unwrap(),
+        Some(bob)
+    );
+}
+
+/// Watchdogs hold no lease: their records are replaced whoever writes, and
+/// writing one never disturbs the main's fence.
+pub async fn watchdog_records_are_not_fenced(store: Arc<dyn Store>) {
+    let alice = user("alice");
+    let mut main = instance("alice", Role::Main, "node-a", Some(4000));
+    main.epoch = 5;
+    store.put_instance(&main).await.unwrap();
+
+    let wa = instance("alice", Role::Watchdog, "node-a", None);
+    store.put_instance(&wa).await.unwrap();
+    let wb = instance("alice", Role::Watchdog, "node-b", None);
+    store.put_instance(&wb).await.unwrap();
+    assert_eq!(
+        store.get_instance(&alice, Role::Watchdog).await.unwrap(),
+        Some(wb)
+    );
+    store.put_instance(&wa).await.unwrap();
+    assert_eq!(
+        store.get_instance(&alice, Role::Watchdog).await.unwrap(),
+        Some(wa)
+    );
+    store.delete_instance(&alice, Role::Watchdog).await.unwrap();
+    assert_eq!(
+        store.get_instance(&alice, Role::Watchdog).await.unwrap(),
+        None
+    );
+    assert_eq!(
+        store.get_instance(&alice, Role::Main).await.unwrap(),
+        Some(main)
+    );
+}
+
+/// `delete_instance_fenced` deletes a main's record only under the rule of
+/// `put_instance`: never one written under a newer epoch or by another node
+/// at the same epoch; an absent record is not an error; watchdogs are not
+/// its business.
+pub async fn delete_of_main_is_fenced(store: Arc<dyn Store>) {
+    let alice = user("alice");
+    let mut a2 = instance("alice", Role::Main, "node-a", Some(4000));
+    a2.epoch = 2;
+    store.put_instance(&a2).await.unwrap();
+    let watchdog = instance("alice", Role::Watchdog, "node-a", None);
+    store.put_instance(&watchdog).await.unwrap();
+
+    assert_fenced(
+        store.delete_instance_fenced(&alice, "node-b", 1).await,
+        &alice,
+        1,
+        (2, "node-a"),
+    );
+    assert_fenced(
+        store.delete_instance_fenced(&alice, "node-b", 2).await,
+        &alice,
+        2,
+        (2, "node-a"),
+    );
+    assert_fenced(
+        store.delete_instance_fenced(&alice, "node-a", 1).await,
+        &alice,
+        1,
+        (2, "node-a"),
+    );
+    assert_eq!(
+        store.get_instance(&alice, Role::Main).await.unwrap(),
+        Some(a2.clone())
+    );
+
+    store
+        .delete_instance_fenced(&alice, "node-a", 2)
+        .await
+        .unwrap();
+    assert_eq!(store.get_instance(&alice, Role::Main).await.unwrap(), None);
+    // Nothing there: nothing to refuse.
+    store
+        .delete_instance_fenced(&alice, "node-a", 2)
+        .await
+        .unwrap();
+    assert_eq!(
+        store.get_instance(&alice, Role::Watchdog).await.unwrap(),
+        Some(watchdog)
+    );
+
+    // A newer lease may clear a stale record another node left behind.
+    store.put_instance(&a2).await.unwrap();
+    store
+        .delete_instance_fenced(&alice, "node-b", 3)
+        .await
+        .unwrap();
+    assert_eq!(store.get_instance(&alice, Role::Main).await.unwrap(), None);
+}
+
+/// Launch parameters round-trip exactly, a launch replaces the previous
+/// ones, and a patch over the limit is refused without changing anything.
+pub async fn launch_params_round_trip_and_size_limit(store: Arc<dyn Store>) {
+    let alice = user("alice");
+    let bob = user("bob@corp.example");
+    assert_eq!(store.get_launch_params(&alice).await.unwrap(), None);
+
+    let patch = "[server]\nname = \"ü nicode\"\n'quoted' \\ back\n";
+    store
+        .put_launch_params(&alice, "projects/site", Some(patch))
+        .await
+        .unwrap();
+    store.put_launch_params(&bob, "", None).await.unwrap();
+    assert_eq!(
+        store.get_launch_params(&alice).await.unwrap(),
+        Some(LaunchParams {
+            folder: "projects/site".into(),
+            patch: Some(patch.into())
+        })
+    );
+    assert_eq!(
+        store.get_launch_params(&bob).await.unwrap(),
+        Some(LaunchParams {
+            folder: String::new(),
+            patch: None
+        })
+    );
+
+    // The limit counts bytes: exactly MAX_PATCH_BYTES of them is accepted.
+    let max = "é".repeat(berth_core::MAX_PATCH_BYTES / 2);
+    assert_eq!(max.len(), berth_core::MAX_PATCH_BYTES);
+    store
+        .put_launch_params(&alice, "a", Some(&max))
+        .await
+        .unwrap();
+    assert_eq!(
+        store.get_launch_params(&alice).await.unwrap(),
+        Some(LaunchParams {
+            folder: "a".into(),
+            patch: Some(max.clone())
+        })
+    );
+    let over = format!("{max}x");
+    assert!(matches!(
+        store.put_launch_params(&alice, "b", Some(&over)).await,
+        Err(StoreError::Query(_))
+    ));
+    assert_eq!(
+        store
+            .get_launch_params(&alice)
+            .await
+            .unwrap()
+            .unwrap()
+            .folder,
+        "a"
+    );
+
+    // A launch without a patch clears the old one.
+    store.put_launch_params(&alice, "c", None).await.unwrap();
+    assert_eq!(
+        store.get_launch_params(&alice).await.unwrap(),
+        Some(LaunchParams {
+            folder: "c".into(),
+            patch: None
+        })
+    );
 }
 
 /// The first claim of a user's lease yields epoch 1.
@@ -570,7 +835,7 @@ pub async fn release_keeps_holder_hint_and_frees_lease(store: Arc<dyn Store>) {
     assert!(lease.released, "{lease:?}");
     assert!(!lease.expired, "released is not expired: {lease:?}");
     assert!(lease.lease_until.unwrap() < store.now().await.unwrap());
-    assert!(store.list_leases(true).await.unwrap().is_empty());
+    assert!(store.list_leases(true, LONG).await.unwrap().is_empty());
     assert!(store.leases_held_by("node-a").await.unwrap().is_empty());
 
     // Released means free, even under Manual and with node-a alive.
@@ -757,7 +1022,7 @@ pub async fn list_leases_and_leases_held_by(store: Arc<dyn Store>) {
         u
     };
     assert_eq!(
-        users(store.list_leases(false).await.unwrap()),
+        users(store.list_leases(false, LONG).await.unwrap()),
         [
             live.clone(),
             released.clone(),
@@ -765,7 +1030,7 @@ pub async fn list_leases_and_leases_held_by(store: Arc<dyn Store>) {
             other.clone()
         ]
     );
-    let expired_list = store.list_leases(true).await.unwrap();
+    let expired_list = store.list_leases(true, LONG).await.unwrap();
     assert_eq!(expired_list.len(), 1, "{expired_list:?}");
     assert_eq!(expired_list[0].user, expired);
     assert_eq!(expired_list[0].holder.as_deref(), Some("node-1"));
@@ -780,6 +1045,83 @@ pub async fn list_leases_and_leases_held_by(store: Arc<dyn Store>) {
     assert_eq!(held2[0].user, other);
     assert_eq!(held2[0].epoch, 1);
     assert!(store.leases_held_by("node-3").await.unwrap().is_empty());
+}
+
+/// `list_leases` says whether each holder is alive by the TTL it is given,
+/// with the claim's own evidence test: an expired lease whose holder is not
+/// alive is exactly one an evidence claim with that TTL takes. The other
+/// lease queries are not given a TTL and leave it `None`.
+pub async fn list_leases_reports_holder_liveness(store: Arc<dyn Store>) {
+    let [alice, bob, carol] = ["alice", "bob", "carol"].map(user);
+    store.heartbeat(&node("node-a")).await.unwrap();
+    claimed(&store, &alice, "node-a", SHORT).await;
+    // ghost never registers a heartbeat.
+    claimed(&store, &bob, "ghost", SHORT).await;
+    claimed(&store, &carol, "node-a", LONG).await;
+    wait_until_expired(&store, &alice).await;
+    wait_until_expired(&store, &bob).await;
+    store.heartbeat(&node("node-a")).await.unwrap();
+
+    let alive = |v: Vec<crate::LeaseRecord>| {
+        let mut v: Vec<(String, Option<bool>)> = v
+            .into_iter()
+            .map(|r| (r.user.to_string(), r.holder_alive))
+            .collect();
+        v.sort();
+        v
+    };
+    assert_eq!(
+        alive(store.list_leases(true, LONG).await.unwrap()),
+        [("alice".into(), Some(true)), ("bob".into(), Some(false))]
+    );
+    assert_eq!(
+        alive(store.list_leases(false, LONG).await.unwrap()),
+        [
+            ("alice".into(), Some(true)),
+            ("bob".into(), Some(false)),
+            ("carol".into(), Some(true))
+        ]
+    );
+    assert_eq!(
+        store.get_lease(&alice).await.unwrap().unwrap().holder_alive,
+        None
+    );
+    assert!(
+        store
+            .leases_held_by("node-a")
+            .await
+            .unwrap()
+            .iter()
+            .all(|l| l.holder_alive.is_none())
+    );
+
+    // Judged by a short TTL, node-a's heartbeat grows too old: the report
+    // calls it dead, and an evidence claim by the same TTL agrees.
+    wait_until_heartbeat_older(&store, "node-a", SHORT).await;
+    assert_eq!(
+        alive(store.list_leases(true, SHORT).await.unwrap()),
+        [("alice".into(), Some(false)), ("bob".into(), Some(false))]
+    );
+    assert!(matches!(
+        claim(&store, &alice, "node-b", SHORT).await,
+        ClaimOutcome::Claimed { .. }
+    ));
+    // By the long TTL node-a is alive: reported so, and an evidence claim
+    // by that TTL is refused.
+    store.heartbeat(&node("node-a")).await.unwrap();
+    let dave = user("dave");
+    claimed(&store, &dave, "node-a", SHORT).await;
+    wait_until_expired(&store, &dave).await;
+    let report = store.list_leases(true, LONG).await.unwrap();
+    let dave_row = report.iter().find(|r| r.user == dave).unwrap();
+    assert_eq!(dave_row.holder_alive, Some(true));
+    assert_eq!(
+        claim(&store, &dave, "node-b", LONG).await,
+        ClaimOutcome::Busy {
+            holder: "node-a".into(),
+            expired: true
+        }
+    );
 }
 
 /// Eight nodes claiming one user at once: exactly one wins, the rest are

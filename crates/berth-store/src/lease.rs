@@ -297,7 +297,7 @@ mod tests {
     use tokio::sync::Notify;
 
     use super::*;
-    use crate::{InstanceFilter, NodeRecord, SqliteStore};
+    use crate::{InstanceFilter, LaunchParams, NodeRecord, SqliteStore};
 
     const MS: Duration = Duration::from_millis(1);
 
@@ -413,6 +413,7 @@ mod tests {
             lease_until: Some(0),
             released: false,
             expired: false,
+            holder_alive: None,
         };
         assert!(still_holder(Some(&record), "node-a", 4));
         assert!(!still_holder(Some(&record), "node-a", 3));
@@ -686,6 +687,14 @@ mod tests {
         async fn delete_instance(&self, u: &UserId, r: Role) -> Result<(), StoreError> {
             self.inner.delete_instance(u, r).await
         }
+        async fn delete_instance_fenced(
+            &self,
+            u: &UserId,
+            n: &str,
+            e: Epoch,
+        ) -> Result<(), StoreError> {
+            self.inner.delete_instance_fenced(u, n, e).await
+        }
         async fn record_activity(&self, a: &[(UserId, UnixMillis)]) -> Result<(), StoreError> {
             self.inner.record_activity(a).await
         }
@@ -726,11 +735,26 @@ mod tests {
         async fn get_lease(&self, u: &UserId) -> Result<Option<LeaseRecord>, StoreError> {
             self.inner.get_lease(u).await
         }
-        async fn list_leases(&self, e: bool) -> Result<Vec<LeaseRecord>, StoreError> {
-            self.inner.list_leases(e).await
+        async fn list_leases(
+            &self,
+            e: bool,
+            ttl: Duration,
+        ) -> Result<Vec<LeaseRecord>, StoreError> {
+            self.inner.list_leases(e, ttl).await
         }
         async fn leases_held_by(&self, n: &str) -> Result<Vec<LeaseRecord>, StoreError> {
             self.inner.leases_held_by(n).await
+        }
+        async fn put_launch_params(
+            &self,
+            u: &UserId,
+            f: &str,
+            p: Option<&str>,
+        ) -> Result<(), StoreError> {
+            self.inner.put_launch_params(u, f, p).await
+        }
+        async fn get_launch_params(&self, u: &UserId) -> Result<Option<LaunchParams>, StoreError> {
+            self.inner.get_launch_params(u).await
         }
         async fn load_crash_state(&self, u: &UserId) -> Result<CrashState, StoreError> {
             self.inner.load_crash_state(u).await

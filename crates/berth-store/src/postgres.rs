@@ -27,8 +27,8 @@ use sqlx::postgres::{PgConnectOptions, PgConnection, PgPool, PgPoolOptions, PgRo
 use sqlx::{Connection, Row};
 
 use crate::{
-    ClaimOutcome, InstanceFilter, LeaseRecord, NodeRecord, NodeStatus, Store, StoreError,
-    TakeoverPolicy,
+    ClaimOutcome, InstanceFilter, LaunchParams, LeaseRecord, NodeRecord, NodeStatus, Store,
+    StoreError, TakeoverPolicy, check_patch_size,
 };
 
 /// The store's clock in Unix milliseconds, as SQL text. `clock_timestamp()`
@@ -48,11 +48,18 @@ const MAX_TTL_MS: i64 = 10 * 365 * 24 * 3600 * 1000;
 
 /// The PostgreSQL schema, embedded so a deployed binary needs no files
 /// beside it.
-static MIGRATIONS: &[(i64, &str, &str)] = &[(
-    1,
-    "init",
-    include_str!("../migrations/postgres/0001_init.sql"),
-)];
+static MIGRATIONS: &[(i64, &str, &str)] = &[
+    (
+        1,
+        "init",
+        include_str!("../migrations/postgres/0001_init.sql"),
+    ),
+    (
+        2,
+        "launch_params",
+        include_str!("../migrations/postgres/0002_launch_params.sql"),
+    ),
+];
 
 /// Feeds [`MIGRATIONS`] to sqlx's [`Migrator`], which records applied
 /// versions and checksums in `_sqlx_migrations`.
@@ -232,6 +239,45 @@ impl PgStore {
         }
     }
 
+    /// Runs the (fenced) upsert; whether it wrote a row.
+    async fn upsert_instance(&self, i: &Instance) -> Result<bool, StoreError> {
+        sqlx::query(INSTANCE_UPSERT_SQL)
+            .bind(i.user.as_str())
+            .bind(i.role.as_str())
+            .bind(&i.id)
+            .bind(i.status.as_str())
+            .bind(&i.node)
+            .bind(i.epoch)
+            .bind(i.port.map(i64::from))
+            .bind(i.pid.map(i64::from))
+            .bind(i.pid_start.map(|v| widen(v, "pid_start")).transpose()?)
+            .bind(&i.folder)
+            .bind(i.started_at)
+            .bind(i.ready)
+            .bind(i64::from(i.restarts))
+            .bind(i.last_error.as_deref())
+            .bind(i.exit_code.map(i64::from))
+            .bind(i.last_active)
+            .execute(&self.pool)
+            .await
+            .map(|done| done.rows_affected() > 0)
+            .map_err(|e| match &e {
+                sqlx::Error::Database(db)
+                    if db.kind() == sqlx::error::ErrorKind::UniqueViolation =>
+                {
+                    StoreError::Query(format!(
+                        "port {} on node {:?} is already recorded for another live instance \
+                         (putting {} {}): {e}",
+                        i.port.map_or_else(|| "-".to_owned(), |p| p.to_string()),
+                        i.node,
+                        i.user,
+                        i.role
+                    ))
+                }
+                _ => self.err(e),
+            })
+    }
+
     async fn ensure_lease_row(&self, user: &UserId) -> Result<(), StoreError> {
         sqlx::query("INSERT INTO leases (user_id) VALUES ($1) ON CONFLICT (user_id) DO NOTHING")
             .bind(user.as_str())
@@ -390,6 +436,10 @@ macro_rules! instance_columns {
 
 /// Inserts or replaces a (user, role) record. An upsert on the primary key
 /// only: a clash on the live (node, port) index still fails.
+///
+/// A main's record is fenced: the update applies only over a record written
+/// under a lower epoch, or the same epoch by the same node. A refused update
+/// changes no row, which is how the caller tells.
 const INSTANCE_UPSERT_SQL: &str = concat!(
     "INSERT INTO instances (",
     instance_columns!(),
@@ -399,8 +449,14 @@ const INSTANCE_UPSERT_SQL: &str = concat!(
     "pid_start = excluded.pid_start, folder = excluded.folder, ",
     "started_at = excluded.started_at, ready = excluded.ready, restarts = excluded.restarts, ",
     "last_error = excluded.last_error, exit_code = excluded.exit_code, ",
-    "last_active = excluded.last_active"
+    "last_active = excluded.last_active ",
+    "WHERE excluded.role = 'watchdog' OR instances.epoch < excluded.epoch ",
+    "OR (instances.epoch = excluded.epoch AND instances.node = excluded.node)"
 );
+
+/// Deletes a main's record under the fencing rule of [`INSTANCE_UPSERT_SQL`].
+const INSTANCE_DELETE_FENCED_SQL: &str = "DELETE FROM instances \
+     WHERE user_id = $1 AND role = 'main' AND (epoch < $3 OR (epoch = $3 AND node = $2))";
 
 const INSTANCE_GET_SQL: &str = concat!(
     "SELECT ",
@@ -439,22 +495,33 @@ fn instance_from_row(row: &PgRow) -> Result<Instance, StoreError> {
     })
 }
 
-/// `expired` is computed in SQL so it uses the store's clock.
-macro_rules! lease_select {
+/// The lease columns up to `holder_alive`, which each query adds. `expired`
+/// is computed in SQL so it uses the store's clock.
+macro_rules! lease_columns {
     () => {
         concat!(
             "SELECT user_id, holder, epoch, lease_until, released, ",
             "COALESCE(holder IS NOT NULL AND NOT released AND lease_until < ",
             now_ms!(),
-            ", false) AS expired FROM leases"
+            ", false) AS expired, "
         )
     };
 }
 
-const LEASE_GET_SQL: &str = concat!(lease_select!(), " WHERE user_id = $1");
+const LEASE_GET_SQL: &str = concat!(
+    lease_columns!(),
+    "NULL::boolean AS holder_alive FROM leases WHERE user_id = $1"
+);
 
+/// `$2` is the TTL that judges the holder alive: the same test as the
+/// claim's evidence clause in [`CLAIM_SQL`], so "expired and holder not
+/// alive" is exactly what an evidence claim with that TTL may take.
 const LEASE_LIST_SQL: &str = concat!(
-    lease_select!(),
+    lease_columns!(),
+    "CASE WHEN holder IS NULL THEN NULL ELSE EXISTS (SELECT 1 FROM nodes ",
+    "WHERE nodes.id = leases.holder AND nodes.heartbeat >= ",
+    now_ms!(),
+    " - $2) END AS holder_alive FROM leases",
     " WHERE NOT $1 OR (holder IS NOT NULL AND NOT released AND lease_until < ",
     now_ms!(),
     ") ORDER BY user_id"
@@ -463,7 +530,8 @@ const LEASE_LIST_SQL: &str = concat!(
 /// Live leases only: an expired one is no longer this node's to run, even
 /// if nobody has taken it yet; the node must claim it again.
 const LEASE_HELD_SQL: &str = concat!(
-    lease_select!(),
+    lease_columns!(),
+    "NULL::boolean AS holder_alive FROM leases",
     " WHERE holder = $1 AND NOT released AND lease_until >= ",
     now_ms!(),
     " ORDER BY user_id"
@@ -477,6 +545,7 @@ fn lease_from_row(row: &PgRow) -> Result<LeaseRecord, StoreError> {
         lease_until: get(row, "lease_until")?,
         released: get(row, "released")?,
         expired: get(row, "expired")?,
+        holder_alive: get(row, "holder_alive")?,
     })
 }
 
@@ -586,41 +655,21 @@ impl Store for PgStore {
     }
 
     async fn put_instance(&self, i: &Instance) -> Result<(), StoreError> {
-        sqlx::query(INSTANCE_UPSERT_SQL)
-            .bind(i.user.as_str())
-            .bind(i.role.as_str())
-            .bind(&i.id)
-            .bind(i.status.as_str())
-            .bind(&i.node)
-            .bind(i.epoch)
-            .bind(i.port.map(i64::from))
-            .bind(i.pid.map(i64::from))
-            .bind(i.pid_start.map(|v| widen(v, "pid_start")).transpose()?)
-            .bind(&i.folder)
-            .bind(i.started_at)
-            .bind(i.ready)
-            .bind(i64::from(i.restarts))
-            .bind(i.last_error.as_deref())
-            .bind(i.exit_code.map(i64::from))
-            .bind(i.last_active)
-            .execute(&self.pool)
-            .await
-            .map_err(|e| match &e {
-                sqlx::Error::Database(db)
-                    if db.kind() == sqlx::error::ErrorKind::UniqueViolation =>
-                {
-                    StoreError::Query(format!(
-                        "port {} on node {:?} is already recorded for another live instance \
-                         (putting {} {}): {e}",
-                        i.port.map_or_else(|| "-".to_owned(), |p| p.to_string()),
-                        i.node,
-                        i.user,
-                        i.role
-                    ))
-                }
-                _ => self.err(e),
-            })?;
-        Ok(())
+        // The upsert decides; the read only names the record that refused
+        // it. If that record vanished in between (deleted), nothing stands
+        // in the way any more and the write is tried once more.
+        for _ in 0..2 {
+            if self.upsert_instance(i).await? {
+                return Ok(());
+            }
+            if let Some(current) = self.get_instance(&i.user, i.role).await? {
+                return Err(StoreError::fenced(&i.user, i.epoch, &current));
+            }
+        }
+        Err(StoreError::Query(format!(
+            "the {} record of {} refused the write twice yet is not there",
+            i.role, i.user
+        )))
     }
 
     async fn get_instance(
@@ -656,6 +705,31 @@ impl Store for PgStore {
             .await
             .map_err(|e| self.err(e))?;
         Ok(())
+    }
+
+    async fn delete_instance_fenced(
+        &self,
+        user: &UserId,
+        node: &str,
+        epoch: Epoch,
+    ) -> Result<(), StoreError> {
+        let deleted = sqlx::query(INSTANCE_DELETE_FENCED_SQL)
+            .bind(user.as_str())
+            .bind(node)
+            .bind(epoch)
+            .execute(&self.pool)
+            .await
+            .map_err(|e| self.err(e))?
+            .rows_affected();
+        if deleted > 0 {
+            return Ok(());
+        }
+        // Nothing deleted: either there is no record (fine) or it belongs
+        // to a newer lease, which the read names.
+        match self.get_instance(user, Role::Main).await? {
+            Some(current) => Err(StoreError::fenced(user, epoch, &current)),
+            None => Ok(()),
+        }
     }
 
     async fn record_activity(&self, activity: &[(UserId, UnixMillis)]) -> Result<(), StoreError> {
@@ -744,9 +818,14 @@ impl Store for PgStore {
         row.as_ref().map(lease_from_row).transpose()
     }
 
-    async fn list_leases(&self, expired_only: bool) -> Result<Vec<LeaseRecord>, StoreError> {
+    async fn list_leases(
+        &self,
+        expired_only: bool,
+        ttl: Duration,
+    ) -> Result<Vec<LeaseRecord>, StoreError> {
         let rows = sqlx::query(LEASE_LIST_SQL)
             .bind(expired_only)
+            .bind(ttl_ms(ttl))
             .fetch_all(&self.pool)
             .await
             .map_err(|e| self.err(e))?;
@@ -760,6 +839,43 @@ impl Store for PgStore {
             .await
             .map_err(|e| self.err(e))?;
         rows.iter().map(lease_from_row).collect()
+    }
+
+    async fn put_launch_params(
+        &self,
+        user: &UserId,
+        folder: &str,
+        patch: Option<&str>,
+    ) -> Result<(), StoreError> {
+        check_patch_size(user, patch)?;
+        sqlx::query(concat!(
+            "INSERT INTO launch_params (user_id, folder, patch, updated_at) VALUES ($1, $2, $3, ",
+            now_ms!(),
+            ") ON CONFLICT (user_id) DO UPDATE SET folder = excluded.folder, ",
+            "patch = excluded.patch, updated_at = excluded.updated_at"
+        ))
+        .bind(user.as_str())
+        .bind(folder)
+        .bind(patch)
+        .execute(&self.pool)
+        .await
+        .map_err(|e| self.err(e))?;
+        Ok(())
+    }
+
+    async fn get_launch_params(&self, user: &UserId) -> Result<Option<LaunchParams>, StoreError> {
+        let row = sqlx::query("SELECT folder, patch FROM launch_params WHERE user_id = $1")
+            .bind(user.as_str())
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(|e| self.err(e))?;
+        row.map(|row| {
+            Ok(LaunchParams {
+                folder: get(&row, "folder")?,
+                patch: get(&row, "patch")?,
+            })
+        })
+        .transpose()
     }
 
     async fn load_crash_state(&self, user: &UserId) -> Result<CrashState, StoreError> {
@@ -937,6 +1053,6 @@ mod tests {
                 .fetch_all(&store.pool)
                 .await
                 .unwrap();
-        assert_eq!(versions, [1]);
+        assert_eq!(versions, [1, 2]);
     }
 }

@@ -23,8 +23,8 @@ use sqlx::sqlite::{
 };
 
 use crate::{
-    ClaimOutcome, InstanceFilter, LeaseRecord, NodeRecord, NodeStatus, Store, StoreError,
-    TakeoverPolicy,
+    ClaimOutcome, InstanceFilter, LaunchParams, LeaseRecord, NodeRecord, NodeStatus, Store,
+    StoreError, TakeoverPolicy, check_patch_size,
 };
 
 /// The store's clock in Unix milliseconds, as SQL text (SQLite ≥ 3.42 for
@@ -50,11 +50,18 @@ const ACQUIRE_TIMEOUT: Duration = Duration::from_secs(10);
 const MAX_TTL_MS: i64 = 10 * 365 * 24 * 3600 * 1000;
 
 /// The SQLite schema, embedded so a deployed binary needs no files beside it.
-static MIGRATIONS: &[(i64, &str, &str)] = &[(
-    1,
-    "init",
-    include_str!("../migrations/sqlite/0001_init.sql"),
-)];
+static MIGRATIONS: &[(i64, &str, &str)] = &[
+    (
+        1,
+        "init",
+        include_str!("../migrations/sqlite/0001_init.sql"),
+    ),
+    (
+        2,
+        "launch_params",
+        include_str!("../migrations/sqlite/0002_launch_params.sql"),
+    ),
+];
 
 /// Feeds [`MIGRATIONS`] to sqlx's [`Migrator`], which records applied
 /// versions and checksums in `_sqlx_migrations`.
@@ -162,6 +169,45 @@ impl SqliteStore {
         }
     }
 
+    /// Runs the (fenced) upsert; whether it wrote a row.
+    async fn upsert_instance(&self, i: &Instance) -> Result<bool, StoreError> {
+        sqlx::query(INSTANCE_UPSERT_SQL)
+            .bind(i.user.as_str())
+            .bind(i.role.as_str())
+            .bind(&i.id)
+            .bind(i.status.as_str())
+            .bind(&i.node)
+            .bind(i.epoch)
+            .bind(i.port.map(i64::from))
+            .bind(i.pid.map(i64::from))
+            .bind(i.pid_start.map(|v| widen(v, "pid_start")).transpose()?)
+            .bind(&i.folder)
+            .bind(i.started_at)
+            .bind(i.ready)
+            .bind(i64::from(i.restarts))
+            .bind(i.last_error.as_deref())
+            .bind(i.exit_code.map(i64::from))
+            .bind(i.last_active)
+            .execute(&self.pool)
+            .await
+            .map(|done| done.rows_affected() > 0)
+            .map_err(|e| match &e {
+                sqlx::Error::Database(db)
+                    if db.kind() == sqlx::error::ErrorKind::UniqueViolation =>
+                {
+                    StoreError::Query(format!(
+                        "port {} on node {:?} is already recorded for another live instance \
+                         (putting {} {}): {e}",
+                        i.port.map_or_else(|| "-".to_owned(), |p| p.to_string()),
+                        i.node,
+                        i.user,
+                        i.role
+                    ))
+                }
+                _ => db_err(e),
+            })
+    }
+
     async fn ensure_lease_row(&self, user: &UserId) -> Result<(), StoreError> {
         sqlx::query("INSERT INTO leases (user_id) VALUES (?1) ON CONFLICT (user_id) DO NOTHING")
             .bind(user.as_str())
@@ -267,6 +313,10 @@ macro_rules! instance_columns {
 /// Inserts or replaces a (user, role) record. An upsert on the primary key
 /// only: a clash on the live (node, port) index still fails, where
 /// `INSERT OR REPLACE` would silently delete the other user's record.
+///
+/// A main's record is fenced: the update applies only over a record written
+/// under a lower epoch, or the same epoch by the same node. A refused update
+/// changes no row, which is how the caller tells.
 const INSTANCE_UPSERT_SQL: &str = concat!(
     "INSERT INTO instances (",
     instance_columns!(),
@@ -276,8 +326,14 @@ const INSTANCE_UPSERT_SQL: &str = concat!(
     "pid_start = excluded.pid_start, folder = excluded.folder, ",
     "started_at = excluded.started_at, ready = excluded.ready, restarts = excluded.restarts, ",
     "last_error = excluded.last_error, exit_code = excluded.exit_code, ",
-    "last_active = excluded.last_active"
+    "last_active = excluded.last_active ",
+    "WHERE excluded.role = 'watchdog' OR instances.epoch < excluded.epoch ",
+    "OR (instances.epoch = excluded.epoch AND instances.node = excluded.node)"
 );
+
+/// Deletes a main's record under the fencing rule of [`INSTANCE_UPSERT_SQL`].
+const INSTANCE_DELETE_FENCED_SQL: &str = "DELETE FROM instances \
+     WHERE user_id = ?1 AND role = 'main' AND (epoch < ?3 OR (epoch = ?3 AND node = ?2))";
 
 const INSTANCE_GET_SQL: &str = concat!(
     "SELECT ",
@@ -315,22 +371,33 @@ fn instance_from_row(row: &SqliteRow) -> Result<Instance, StoreError> {
     })
 }
 
-/// `expired` is computed in SQL so it uses the store's clock.
-macro_rules! lease_select {
+/// The lease columns up to `holder_alive`, which each query adds. `expired`
+/// is computed in SQL so it uses the store's clock.
+macro_rules! lease_columns {
     () => {
         concat!(
             "SELECT user_id, holder, epoch, lease_until, released, ",
             "(holder IS NOT NULL AND released = 0 AND lease_until < ",
             now_ms!(),
-            ") AS expired FROM leases"
+            ") AS expired, "
         )
     };
 }
 
-const LEASE_GET_SQL: &str = concat!(lease_select!(), " WHERE user_id = ?1");
+const LEASE_GET_SQL: &str = concat!(
+    lease_columns!(),
+    "NULL AS holder_alive FROM leases WHERE user_id = ?1"
+);
 
+/// `?2` is the TTL that judges the holder alive: the same test as the
+/// claim's evidence clause in [`CLAIM_SQL`], so "expired and holder not
+/// alive" is exactly what an evidence claim with that TTL may take.
 const LEASE_LIST_SQL: &str = concat!(
-    lease_select!(),
+    lease_columns!(),
+    "CASE WHEN holder IS NULL THEN NULL ELSE EXISTS (SELECT 1 FROM nodes ",
+    "WHERE nodes.id = leases.holder AND nodes.heartbeat >= ",
+    now_ms!(),
+    " - ?2) END AS holder_alive FROM leases",
     " WHERE ?1 = 0 OR (holder IS NOT NULL AND released = 0 AND lease_until < ",
     now_ms!(),
     ") ORDER BY user_id"
@@ -339,7 +406,8 @@ const LEASE_LIST_SQL: &str = concat!(
 /// Live leases only: an expired one is no longer this node's to run, even
 /// if nobody has taken it yet; the node must claim it again.
 const LEASE_HELD_SQL: &str = concat!(
-    lease_select!(),
+    lease_columns!(),
+    "NULL AS holder_alive FROM leases",
     " WHERE holder = ?1 AND released = 0 AND lease_until >= ",
     now_ms!(),
     " ORDER BY user_id"
@@ -353,6 +421,7 @@ fn lease_from_row(row: &SqliteRow) -> Result<LeaseRecord, StoreError> {
         lease_until: get(row, "lease_until")?,
         released: get(row, "released")?,
         expired: get(row, "expired")?,
+        holder_alive: get(row, "holder_alive")?,
     })
 }
 
@@ -455,41 +524,21 @@ impl Store for SqliteStore {
     }
 
     async fn put_instance(&self, i: &Instance) -> Result<(), StoreError> {
-        sqlx::query(INSTANCE_UPSERT_SQL)
-            .bind(i.user.as_str())
-            .bind(i.role.as_str())
-            .bind(&i.id)
-            .bind(i.status.as_str())
-            .bind(&i.node)
-            .bind(i.epoch)
-            .bind(i.port.map(i64::from))
-            .bind(i.pid.map(i64::from))
-            .bind(i.pid_start.map(|v| widen(v, "pid_start")).transpose()?)
-            .bind(&i.folder)
-            .bind(i.started_at)
-            .bind(i.ready)
-            .bind(i64::from(i.restarts))
-            .bind(i.last_error.as_deref())
-            .bind(i.exit_code.map(i64::from))
-            .bind(i.last_active)
-            .execute(&self.pool)
-            .await
-            .map_err(|e| match &e {
-                sqlx::Error::Database(db)
-                    if db.kind() == sqlx::error::ErrorKind::UniqueViolation =>
-                {
-                    StoreError::Query(format!(
-                        "port {} on node {:?} is already recorded for another live instance \
-                         (putting {} {}): {e}",
-                        i.port.map_or_else(|| "-".to_owned(), |p| p.to_string()),
-                        i.node,
-                        i.user,
-                        i.role
-                    ))
-                }
-                _ => db_err(e),
-            })?;
-        Ok(())
+        // The upsert decides; the read only names the record that refused
+        // it. If that record vanished in between (deleted), nothing stands
+        // in the way any more and the write is tried once more.
+        for _ in 0..2 {
+            if self.upsert_instance(i).await? {
+                return Ok(());
+            }
+            if let Some(current) = self.get_instance(&i.user, i.role).await? {
+                return Err(StoreError::fenced(&i.user, i.epoch, &current));
+            }
+        }
+        Err(StoreError::Query(format!(
+            "the {} record of {} refused the write twice yet is not there",
+            i.role, i.user
+        )))
     }
 
     async fn get_instance(
@@ -525,6 +574,31 @@ impl Store for SqliteStore {
             .await
             .map_err(db_err)?;
         Ok(())
+    }
+
+    async fn delete_instance_fenced(
+        &self,
+        user: &UserId,
+        node: &str,
+        epoch: Epoch,
+    ) -> Result<(), StoreError> {
+        let deleted = sqlx::query(INSTANCE_DELETE_FENCED_SQL)
+            .bind(user.as_str())
+            .bind(node)
+            .bind(epoch)
+            .execute(&self.pool)
+            .await
+            .map_err(db_err)?
+            .rows_affected();
+        if deleted > 0 {
+            return Ok(());
+        }
+        // Nothing deleted: either there is no record (fine) or it belongs
+        // to a newer lease, which the read names.
+        match self.get_instance(user, Role::Main).await? {
+            Some(current) => Err(StoreError::fenced(user, epoch, &current)),
+            None => Ok(()),
+        }
     }
 
     async fn record_activity(&self, activity: &[(UserId, UnixMillis)]) -> Result<(), StoreError> {
@@ -636,9 +710,14 @@ impl Store for SqliteStore {
         row.as_ref().map(lease_from_row).transpose()
     }
 
-    async fn list_leases(&self, expired_only: bool) -> Result<Vec<LeaseRecord>, StoreError> {
+    async fn list_leases(
+        &self,
+        expired_only: bool,
+        ttl: Duration,
+    ) -> Result<Vec<LeaseRecord>, StoreError> {
         let rows = sqlx::query(LEASE_LIST_SQL)
             .bind(expired_only)
+            .bind(ttl_ms(ttl))
             .fetch_all(&self.pool)
             .await
             .map_err(db_err)?;
@@ -652,6 +731,43 @@ impl Store for SqliteStore {
             .await
             .map_err(db_err)?;
         rows.iter().map(lease_from_row).collect()
+    }
+
+    async fn put_launch_params(
+        &self,
+        user: &UserId,
+        folder: &str,
+        patch: Option<&str>,
+    ) -> Result<(), StoreError> {
+        check_patch_size(user, patch)?;
+        sqlx::query(concat!(
+            "INSERT INTO launch_params (user_id, folder, patch, updated_at) VALUES (?1, ?2, ?3, ",
+            now_ms!(),
+            ") ON CONFLICT (user_id) DO UPDATE SET folder = excluded.folder, ",
+            "patch = excluded.patch, updated_at = excluded.updated_at"
+        ))
+        .bind(user.as_str())
+        .bind(folder)
+        .bind(patch)
+        .execute(&self.pool)
+        .await
+        .map_err(db_err)?;
+        Ok(())
+    }
+
+    async fn get_launch_params(&self, user: &UserId) -> Result<Option<LaunchParams>, StoreError> {
+        let row = sqlx::query("SELECT folder, patch FROM launch_params WHERE user_id = ?1")
+            .bind(user.as_str())
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(db_err)?;
+        row.map(|row| {
+            Ok(LaunchParams {
+                folder: get(&row, "folder")?,
+                patch: get(&row, "patch")?,
+            })
+        })
+        .transpose()
     }
 
     async fn load_crash_state(&self, user: &UserId) -> Result<CrashState, StoreError> {
@@ -889,7 +1005,13 @@ mod tests {
             .await
             .unwrap();
         assert_eq!(renewed.len(), 10_000);
-        assert!(store.list_leases(true).await.unwrap().is_empty());
+        assert!(
+            store
+                .list_leases(true, Duration::from_secs(30))
+                .await
+                .unwrap()
+                .is_empty()
+        );
         assert_eq!(store.leases_held_by("node-a").await.unwrap().len(), 10_000);
     }
 

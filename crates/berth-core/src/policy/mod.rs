@@ -2,10 +2,13 @@
 //!
 //! Nothing here reads a clock, spawns a process or touches the store: the
 //! caller passes `now` and the state in, and acts on the decision that comes
-//! out. That keeps every number of design §4.3 and §4.5 testable in a table.
+//! out. That keeps every number of design §4.3 and §4.5, and the placement
+//! rules of §8.3, testable in a table.
 
 mod crash;
+mod placement;
 mod reap;
 
 pub use crash::{CrashDecision, CrashPolicy, CrashState, LaunchKind};
+pub use placement::{NodeState, NodeView, duplicate_node, place};
 pub use reap::{ReapPolicy, select_for_reaping};

@@ -572,7 +572,11 @@ async fn list_leases(
     Query(q): Query<LeasesQuery>,
 ) -> ApiResult {
     state.require_admin(&headers).await?;
-    let leases = state.store.list_leases(q.expired.unwrap_or(false)).await?;
+    // Liveness is judged by the lease TTL, the window an evidence claim uses.
+    let leases = state
+        .store
+        .list_leases(q.expired.unwrap_or(false), state.lease_ttl)
+        .await?;
     Ok(axum::Json(json!({ "leases": leases })).into_response())
 }
 
