@@ -147,12 +147,27 @@ impl Inner {
         crash: CrashState,
         admitted: CrashState,
     ) -> Result<Instance, SpawnError> {
+        // Recorded only once the lease is ours (a refused launch must not
+        // replace the holder's), so any node can relaunch the user the same
+        // way after a failover; a restart (`Keep`) leaves them as they are.
+        if let PatchSource::Content(content) = &patch {
+            self.store
+                .put_launch_params(&slot.user, &folder, content.as_deref())
+                .await?;
+        }
         let paths = &slot.paths;
-        paths
-            .prepare()
-            .map_err(|e| io_error("create", &paths.root, e))?;
         let cwd = crate::inner::workdir(paths, &folder);
-        create_private_dir(&cwd).map_err(|e| io_error("create", &cwd, e))?;
+        // mkdir and chmod block, for long on a busy disk (a new user needs
+        // seven directories): on the runtime's few worker threads, a burst of
+        // launches would hold up every other request and event meanwhile.
+        let (dirs, dir) = (paths.clone(), cwd.clone());
+        tokio::task::spawn_blocking(move || {
+            dirs.prepare()
+                .map_err(|e| io_error("create", &dirs.root, e))?;
+            create_private_dir(&dir).map_err(|e| io_error("create", &dir, e))
+        })
+        .await
+        .map_err(|e| SpawnError::Internal(format!("preparing the directories failed: {e}")))??;
         let patch = match patch {
             PatchSource::Keep(path) => path,
             PatchSource::Content(None) => None,

@@ -160,6 +160,12 @@ pub(crate) async fn log_writer(
                     .get(1)
                     .map(|m| String::from_utf8_lossy(m.as_bytes()).into_owned());
                 if let Some((_, tx)) = ready.take() {
+                    // tokio hands writes to a background thread: without a
+                    // flush, berth could learn of readiness (and read the
+                    // log) before the ready line is in it.
+                    if log_ok && log.flush().await.is_err() {
+                        log_ok = false;
+                    }
                     let _ = tx.send(token);
                 }
             }

@@ -237,6 +237,8 @@ fn start(spec: &ShimSpec) -> Result<Started, String> {
         stderr_tail: String::new(),
         frozen: false,
     };
+    // In place before the report, so a berth that restarts right after it
+    // finds this shim.
     if let Err(e) = state_file::write(&spec.state_path, &state) {
         cleanup(Some(&mut child));
         return Err(format!(

@@ -10,6 +10,11 @@ use super::protocol::ShimState;
 
 /// Replaces `path` with `state` so that a reader sees either the old or the
 /// new state in full, never a torn write.
+///
+/// The data is not fsynced: the file only has to outlive berth, not the
+/// machine. After a power loss no shim or program survives either, and a
+/// reader treats an empty or unreadable file as "no shim", which is then
+/// the truth. Skipping the fsync keeps disk latency off the launch path.
 pub(crate) fn write(path: &Path, state: &ShimState) -> io::Result<()> {
     let dir = match path.parent() {
         Some(dir) if !dir.as_os_str().is_empty() => dir.to_path_buf(),
@@ -32,9 +37,6 @@ pub(crate) fn write(path: &Path, state: &ShimState) -> io::Result<()> {
             .mode(0o600)
             .open(&tmp)?;
         file.write_all(&json)?;
-        // The rename is only atomic for readers if the data is on disk
-        // before the new name is.
-        file.sync_all()?;
         fs::rename(&tmp, path)
     })();
     if result.is_err() {
