@@ -6,13 +6,17 @@
 //! * Hop-by-hop headers are removed both ways; `X-Forwarded-For` is
 //!   appended to and `-Proto`/`-Host` are set (kept as they are when the
 //!   peer is a trusted proxy).
-//! * Upstream connections are pooled per endpoint. A bodiless idempotent
-//!   request that fails because a pooled connection was stale is sent once
-//!   more on a fresh one; one refused at connect (the instance is not
+//! * Upstream connections are pooled per endpoint ([`crate::pool`]) and
+//!   driven by the client connection's own task: no task, channel or
+//!   wake-up of their own per request. A bodiless idempotent request that
+//!   fails because a pooled connection was stale is sent once more on a
+//!   fresh one (any request that a pooled connection closed under before
+//!   it was written, too); one refused at connect (the instance is not
 //!   listening yet) is tried again for about 1.5 s.
-//! * `Connection: upgrade` requests (WebSocket) become a raw byte tunnel
-//!   once both sides have switched protocols; at most `max_upgrades` exist
-//!   at a time.
+//! * `Connection: upgrade` requests (WebSocket) go through hyper's pooled
+//!   client (its connection tasks hand the upgraded stream over) and become
+//!   a raw byte tunnel once both sides have switched protocols; at most
+//!   `max_upgrades` exist at a time.
 
 use std::future::Future;
 use std::io;
@@ -37,6 +41,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
+use crate::pool::{Conn, ForwardedBody, Pool};
 use crate::respond::{self, ProxyBody};
 
 /// The body sent upstream: the client's, or nothing (a retry).
@@ -146,7 +151,10 @@ where
 
 /// The forward layer.
 pub struct Forwarder {
+    /// For upgrades (WebSockets) only.
     client: Client<HttpConnector, UpstreamBody>,
+    connector: HttpConnector,
+    pool: Arc<Pool>,
     upgrades: Arc<Semaphore>,
     spawner: Arc<dyn Spawner>,
     tasks: TaskTracker,
@@ -165,12 +173,14 @@ impl std::fmt::Debug for Forwarder {
 enum Failure {
     /// A pooled connection closed under the request: worth one more try on
     /// a fresh connection.
-    Stale(hyper_util::client::legacy::Error),
+    Stale(BoxError),
     /// Nothing listens (yet): an instance that was just declared ready, or
     /// is being restarted. Worth a few tries with backoff.
-    Refused(hyper_util::client::legacy::Error),
-    Fatal(hyper_util::client::legacy::Error),
+    Refused(BoxError),
+    Fatal(BoxError),
 }
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 /// Connection-refused retries wait 25, 50, … 800 ms: about 1.5 s in all.
 /// Some programs announce readiness a moment before they listen (Jupyter
@@ -202,9 +212,17 @@ impl Forwarder {
             // berth passes the client's Host through: apps check it against
             // Origin (WebSocket) and build absolute URLs from it.
             .set_host(false)
-            .build(connector);
+            .build(connector.clone());
+        let pool = Pool::start(
+            config.pool_max_idle_per_host,
+            config.pool_idle_timeout,
+            tasks.clone(),
+            cancel.clone(),
+        );
         Self {
             client,
+            connector,
+            pool,
             upgrades: Arc::new(Semaphore::new(config.max_upgrades)),
             spawner,
             tasks,
@@ -248,53 +266,67 @@ impl Forwarder {
 
         let (mut parts, body) = req.into_parts();
         rewrite_request_headers(&mut parts.headers, conn, upgrade, keep_forwarded_user);
-        let uri = match Uri::from_parts({
-            let mut p = hyper::http::uri::Parts::default();
-            p.scheme = Some(Scheme::HTTP);
-            p.authority = Some(to.authority.clone());
-            p.path_and_query = Some(to.path_and_query.clone());
-            p
-        }) {
-            Ok(uri) => uri,
-            Err(_) => return bad_gateway("cannot build the upstream URI"),
-        };
-        parts.uri = uri;
         parts.version = Version::HTTP_11;
 
-        // Only a request that can be rebuilt without its body may be retried.
-        let retry = (!upgrade && is_idempotent(&parts.method) && body.is_end_stream()).then(|| {
-            (
-                parts.method.clone(),
-                parts.uri.clone(),
-                parts.headers.clone(),
-            )
-        });
-
-        let mut result = self
-            .send(Request::from_parts(parts, Either::Left(body)))
-            .await;
-        if let Some((method, uri, headers)) = retry {
-            let mut stale_retried = false;
-            let mut backoff = FIRST_CONNECT_BACKOFF;
-            loop {
-                match &result {
-                    Err(Failure::Stale(e)) if !stale_retried => {
-                        tracing::debug!(user = %to.user, error = %e, "stale upstream connection; retrying once");
-                        stale_retried = true;
+        let result = if upgrade {
+            // Upgrades go through hyper's pooled client, whose connection
+            // tasks hand over the upgraded stream; they are never retried.
+            let uri = match Uri::from_parts({
+                let mut p = hyper::http::uri::Parts::default();
+                p.scheme = Some(Scheme::HTTP);
+                p.authority = Some(to.authority.clone());
+                p.path_and_query = Some(to.path_and_query.clone());
+                p
+            }) {
+                Ok(uri) => uri,
+                Err(_) => return bad_gateway("cannot build the upstream URI"),
+            };
+            parts.uri = uri;
+            Box::pin(self.send_upgrade(Request::from_parts(parts, Either::Left(body)))).await
+        } else {
+            // Origin-form: the request line carries the path only.
+            parts.uri = Uri::from(to.path_and_query.clone());
+            // Only a request that can be rebuilt without its body may be
+            // retried once it has been sent.
+            let retry = (is_idempotent(&parts.method) && body.is_end_stream()).then(|| {
+                (
+                    parts.method.clone(),
+                    parts.uri.clone(),
+                    parts.headers.clone(),
+                )
+            });
+            let mut result = self
+                .send(
+                    &to.authority,
+                    Request::from_parts(parts, Either::Left(body)),
+                    false,
+                )
+                .await;
+            if let Some((method, uri, headers)) = retry {
+                let mut stale_retried = false;
+                let mut backoff = FIRST_CONNECT_BACKOFF;
+                loop {
+                    match &result {
+                        Err(Failure::Stale(e)) if !stale_retried => {
+                            tracing::debug!(user = %to.user, error = %e, "stale upstream connection; retrying once");
+                            stale_retried = true;
+                        }
+                        Err(Failure::Refused(_)) if backoff <= LAST_CONNECT_BACKOFF => {
+                            tokio::time::sleep(backoff).await;
+                            backoff *= 2;
+                        }
+                        _ => break,
                     }
-                    Err(Failure::Refused(_)) if backoff <= LAST_CONNECT_BACKOFF => {
-                        tokio::time::sleep(backoff).await;
-                        backoff *= 2;
-                    }
-                    _ => break,
+                    let mut again = Request::new(Either::Right(Empty::new()));
+                    *again.method_mut() = method.clone();
+                    *again.uri_mut() = uri.clone();
+                    *again.headers_mut() = headers.clone();
+                    *again.version_mut() = Version::HTTP_11;
+                    result = self.send(&to.authority, again, true).await;
                 }
-                let mut again = Request::new(Either::Right(Empty::new()));
-                *again.method_mut() = method.clone();
-                *again.uri_mut() = uri.clone();
-                *again.headers_mut() = headers.clone();
-                result = self.send(again).await;
             }
-        }
+            result
+        };
         let mut response = match result {
             Ok(response) => response,
             Err(Failure::Stale(e) | Failure::Refused(e) | Failure::Fatal(e)) => {
@@ -318,16 +350,96 @@ impl Forwarder {
         response.map(Either::Left)
     }
 
-    async fn send(&self, req: Request<UpstreamBody>) -> Result<Response<Incoming>, Failure> {
-        self.client.request(req).await.map_err(|e| {
-            if is_refused(&e) {
-                Failure::Refused(e)
-            } else if is_stale_connection(&e) {
-                Failure::Stale(e)
-            } else {
-                Failure::Fatal(e)
+    /// One attempt on an upstream connection of the pool (unless `fresh`),
+    /// driven by this task until the response head arrives. A request that
+    /// a pooled connection closed under before sending it goes once more
+    /// on a fresh connection, whatever its method.
+    async fn send(
+        &self,
+        to: &Authority,
+        req: Request<UpstreamBody>,
+        fresh: bool,
+    ) -> Result<Response<ForwardedBody>, Failure> {
+        let mut req = req;
+        let mut fresh = fresh;
+        loop {
+            let pooled = if fresh { None } else { self.pool.checkout(to) };
+            let reused = pooled.is_some();
+            let mut conn = match pooled {
+                Some(conn) => conn,
+                // Boxed: connecting is rare, and its future is large.
+                None => Box::pin(self.connect(to)).await?,
+            };
+            let mut response = std::pin::pin!(conn.sender.try_send_request(req));
+            let result = std::future::poll_fn(|cx| {
+                conn.poll_io(cx);
+                response.as_mut().poll(cx)
+            })
+            .await;
+            match result {
+                Ok(response) => {
+                    let pool = self.pool.clone();
+                    let key = to.clone();
+                    return Ok(response.map(|body| ForwardedBody::pooled(body, conn, pool, key)));
+                }
+                Err(mut e) => match e.take_message() {
+                    Some(unsent) if reused => {
+                        tracing::debug!(error = %e.error(), "pooled upstream connection closed before sending; retrying");
+                        req = unsent;
+                        fresh = true;
+                    }
+                    _ => {
+                        let e = e.into_error();
+                        return Err(if is_stale_hyper(&e) {
+                            Failure::Stale(e.into())
+                        } else {
+                            Failure::Fatal(e.into())
+                        });
+                    }
+                },
             }
+        }
+    }
+
+    /// A new upstream connection, set up like hyper's pooled client's.
+    async fn connect(&self, to: &Authority) -> Result<Conn, Failure> {
+        let uri = Uri::from_parts({
+            let mut p = hyper::http::uri::Parts::default();
+            p.scheme = Some(Scheme::HTTP);
+            p.authority = Some(to.clone());
+            p.path_and_query = Some(PathAndQuery::from_static("/"));
+            p
         })
+        .map_err(|e| Failure::Fatal(e.into()))?;
+        let mut connector = self.connector.clone();
+        let io = match tower_service::Service::call(&mut connector, uri).await {
+            Ok(io) => io,
+            Err(e) => {
+                return Err(
+                    if error_chain_has(&e, |io| io.kind() == io::ErrorKind::ConnectionRefused) {
+                        Failure::Refused(e.into())
+                    } else {
+                        Failure::Fatal(e.into())
+                    },
+                );
+            }
+        };
+        let (sender, io) = hyper::client::conn::http1::handshake(io)
+            .await
+            .map_err(|e| Failure::Fatal(e.into()))?;
+        Ok(Conn::new(sender, io))
+    }
+
+    async fn send_upgrade(
+        &self,
+        req: Request<UpstreamBody>,
+    ) -> Result<Response<ForwardedBody>, Failure> {
+        match self.client.request(req).await {
+            Ok(response) => Ok(response.map(ForwardedBody::plain)),
+            Err(e) if is_refused(&e) => Err(Failure::Refused(e.into())),
+            Err(e) if is_stale_connection(&e) => Err(Failure::Stale(e.into())),
+            Err(e) => Err(Failure::Fatal(e.into())),
+        }
     }
 
     fn spawn_tunnel(
@@ -399,7 +511,16 @@ fn is_stale_connection(error: &hyper_util::client::legacy::Error) -> bool {
     if error.is_connect() {
         return false;
     }
-    let mut source = std::error::Error::source(error);
+    std::error::Error::source(error).is_some_and(is_stale_cause)
+}
+
+/// [`is_stale_connection`] for an error of a connection of our own pool.
+fn is_stale_hyper(error: &hyper::Error) -> bool {
+    is_stale_cause(error)
+}
+
+fn is_stale_cause(error: &(dyn std::error::Error + 'static)) -> bool {
+    let mut source = Some(error);
     while let Some(e) = source {
         if let Some(h) = e.downcast_ref::<hyper::Error>() {
             if h.is_incomplete_message() || h.is_canceled() {
@@ -422,6 +543,21 @@ fn is_stale_connection(error: &hyper_util::client::legacy::Error) -> bool {
     false
 }
 
+/// Does `error` or any of its causes satisfy `test`?
+fn error_chain_has(
+    error: &(dyn std::error::Error + 'static),
+    test: impl Fn(&io::Error) -> bool,
+) -> bool {
+    let mut source = Some(error);
+    while let Some(e) = source {
+        if e.downcast_ref::<io::Error>().is_some_and(&test) {
+            return true;
+        }
+        source = e.source();
+    }
+    false
+}
+
 /// `Connection: upgrade` together with an `Upgrade` header.
 pub fn wants_upgrade(headers: &HeaderMap) -> bool {
     headers.contains_key(header::UPGRADE)
@@ -437,6 +573,11 @@ pub fn wants_upgrade(headers: &HeaderMap) -> bool {
 /// names. With `keep_upgrade`, `Upgrade` survives (the caller sets
 /// `Connection: upgrade` again).
 pub fn strip_hop_by_hop(headers: &mut HeaderMap, keep_upgrade: bool) {
+    // Most messages carry none of these: one pass over the names is then
+    // all it costs, instead of a lookup per hop-by-hop name.
+    if !headers.keys().any(is_hop_by_hop_name) {
+        return;
+    }
     let upgrade = if keep_upgrade {
         headers.get(header::UPGRADE).cloned()
     } else {
@@ -457,6 +598,13 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap, keep_upgrade: bool) {
         }
     } else if let Some(value) = headers.remove(header::CONNECTION) {
         remove_named(headers, &value);
+        // Usually `Connection: keep-alive` was the only one.
+        if !headers.keys().any(is_hop_by_hop_name) {
+            if let Some(upgrade) = upgrade {
+                headers.insert(header::UPGRADE, upgrade);
+            }
+            return;
+        }
     }
     for name in hop_by_hop() {
         headers.remove(name);
@@ -479,6 +627,14 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap, keep_upgrade: bool) {
     }
     if let Some(upgrade) = upgrade {
         headers.insert(header::UPGRADE, upgrade);
+    }
+}
+
+/// A fixed hop-by-hop header, `Proxy`, or any `Proxy-*`.
+fn is_hop_by_hop_name(name: &HeaderName) -> bool {
+    hop_by_hop().into_iter().any(|h| h == name) || {
+        let name = name.as_str();
+        name == "proxy" || name.starts_with("proxy-")
     }
 }
 
@@ -507,6 +663,8 @@ pub fn rewrite_request_headers(
     keep_forwarded_user: bool,
 ) {
     strip_hop_by_hop(headers, upgrade);
+    // Room for the X-Forwarded-* headers: one growth at most.
+    headers.reserve(3);
     if upgrade {
         headers.insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
     }

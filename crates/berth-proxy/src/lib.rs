@@ -53,11 +53,13 @@
 
 pub mod auth;
 pub mod forward;
+mod pool;
 mod proxy;
 pub mod respond;
 pub mod route;
 pub mod server;
 pub mod wake;
 
+pub use pool::ForwardedBody;
 pub use proxy::{Proxy, ProxyConfig, route_error};
 pub use server::{ServerConfig, serve};

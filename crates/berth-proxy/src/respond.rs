@@ -4,13 +4,14 @@
 use berth_core::{ErrorCode, SpawnError, UserId, unix_millis_now};
 use bytes::Bytes;
 use http_body_util::{Either, Full};
-use hyper::body::Incoming;
-use hyper::header::{self, HeaderMap, HeaderValue};
+use hyper::header::{self, HeaderMap, HeaderName, HeaderValue};
 use hyper::{Response, StatusCode};
+
+use crate::pool::ForwardedBody;
 
 /// The body of every proxy response: the upstream's, streamed, or a small
 /// one of our own.
-pub type ProxyBody = Either<Incoming, Full<Bytes>>;
+pub type ProxyBody = Either<ForwardedBody, Full<Bytes>>;
 
 /// A response with a body of our own.
 pub fn full(
@@ -30,7 +31,9 @@ pub fn full(
 
 /// Did a browser navigate here (rather than a script or an API client)?
 pub fn is_navigation(headers: &HeaderMap) -> bool {
-    if let Some(mode) = headers.get("sec-fetch-mode") {
+    // A `HeaderName`, not a `&str`: a string key is parsed on every lookup.
+    static SEC_FETCH_MODE: HeaderName = HeaderName::from_static("sec-fetch-mode");
+    if let Some(mode) = headers.get(&SEC_FETCH_MODE) {
         return mode.as_bytes().eq_ignore_ascii_case(b"navigate");
     }
     headers
