@@ -3,8 +3,8 @@ use std::time::Duration;
 use async_trait::async_trait;
 
 use crate::{
-    BreakerInfo, Endpoint, Instance, LaunchRequest, ProbeReport, RestartResult, SpawnError,
-    UserId, UserStatus,
+    BreakerInfo, Endpoint, Instance, LaunchRequest, ProbeReport, RestartResult, SpawnError, UserId,
+    UserStatus,
 };
 
 /// The lifecycle seam between the API/proxy and a backend (design §5).
@@ -81,6 +81,16 @@ pub trait Spawner: Send + Sync + 'static {
     /// Makes the user's file service exist and be ready. Kubernetes only.
     async fn ensure_file_service(&self, _user: &UserId) -> Result<(), SpawnError> {
         Ok(())
+    }
+
+    /// Fences the user's main on this node if, and only if, it runs under
+    /// lease `epoch`: kills it at once, records it stopped, and forgets the
+    /// lease (design §3 "Fence the right node": the message names the old
+    /// holder's epoch, so it can never hit a newer instance). Returns
+    /// whether an instance was fenced. Backends without leases fence
+    /// nothing.
+    async fn fence(&self, _user: &UserId, _epoch: crate::Epoch) -> Result<bool, SpawnError> {
+        Ok(false)
     }
 
     /// Subscribes to instance changes (status, readiness, endpoint).

@@ -9,7 +9,7 @@ use std::time::Instant;
 
 use berth_core::policy::select_for_reaping;
 use berth_core::{InstanceStatus, Role, UserId};
-use berth_store::{NodeRecord, NodeStatus};
+use berth_store::NodeRecord;
 
 use crate::inner::{Inner, StopKind, millis};
 use crate::shim::{ShimCommand, ShimControl};
@@ -74,6 +74,15 @@ impl Inner {
     /// after a good renew, extend the shims' deadlines, heartbeat.
     pub(crate) async fn renew_tick(self: &Arc<Self>) {
         self.flush_activity().await;
+        // A renew proves the leases this node's only as of when it was
+        // *sent* (design §3): an answer that arrives after `fence_after`
+        // (a slow link, a paused process) may describe leases that have
+        // expired and been claimed by another node since. So the deadline
+        // it earns runs from here, not from when the answer came, and a
+        // late answer neither thaws nor extends anything. Taken before the
+        // keeper's own clock, so never later than it.
+        let sent = Instant::now();
+        let deadline = sent + self.config.lease.fence_after();
         let renewed = match self.lease.renew_all().await {
             Ok(report) => {
                 for (user, epoch) in &report.lost {
@@ -88,16 +97,27 @@ impl Inner {
                 false
             }
         };
-        if renewed {
-            self.thaw_unchanged().await;
+        if renewed && Instant::now() >= deadline {
+            tracing::warn!(
+                late_ms = millis(sent.elapsed()),
+                "the lease renew was answered after fence_after; not thawing or extending on it"
+            );
+        } else if renewed {
+            // Extend before thawing: a shim whose deadline passed must not
+            // find it still passed the moment its program runs again.
             if self.config.fence {
-                let ms = millis(self.config.lease.fence_after());
                 for (user, control) in self.main_controls() {
+                    let left = deadline.saturating_duration_since(Instant::now());
+                    if left.is_zero() {
+                        break;
+                    }
+                    let ms = millis(left);
                     if let Err(e) = control.send(ShimCommand::Extend { ms }).await {
                         tracing::debug!(%user, error = %e, "could not extend the shim's fence deadline");
                     }
                 }
             }
+            self.thaw_unchanged(deadline).await;
         }
         // Freezing guards against another node taking over; with fencing
         // off (one node, SQLite) nobody can, and a slow disk must not stop
@@ -105,18 +125,33 @@ impl Inner {
         if self.config.fence && self.lease.fence_due(Instant::now()) {
             self.freeze_all().await;
         }
-        let node = NodeRecord {
-            id: self.config.node_id.clone(),
-            advertise_url: self.config.advertise_url.clone(),
-            capacity: self.ports.capacity(),
-            load: self.live_mains(),
-            status: NodeStatus::Up,
-            heartbeat: 0,
-        };
-        if let Err(e) = self.store.heartbeat(&node).await {
-            self.metrics.store_errors.inc();
+        if let Err(e) = self.heartbeat().await {
             tracing::warn!(error = %e, "node heartbeat failed");
         }
+    }
+
+    /// This node's row as the heartbeat writes it: its own load, capacity,
+    /// status and advertised URL.
+    pub(crate) fn node_record(&self) -> NodeRecord {
+        NodeRecord {
+            id: self.config.node_id.clone(),
+            advertise_url: self.config.advertise_url.clone(),
+            capacity: self.capacity.load(Ordering::Relaxed),
+            load: self.live_mains(),
+            status: *self.node_status.lock().unwrap_or_else(|e| e.into_inner()),
+            heartbeat: 0,
+        }
+    }
+
+    /// Writes this node's row, stamped with the store's clock.
+    pub(crate) async fn heartbeat(&self) -> Result<(), berth_store::StoreError> {
+        let _one_at_a_time = self.heartbeat_lock.lock().await;
+        let node = self.node_record();
+        let result = self.store.heartbeat(&node).await;
+        if result.is_err() {
+            self.metrics.store_errors.inc();
+        }
+        result
     }
 
     /// Kills the main whose lease is lost; its supervisor records the
@@ -160,7 +195,9 @@ impl Inner {
         }
     }
 
-    async fn thaw_unchanged(&self) {
+    /// Thaws the frozen mains whose lease this node still holds under the
+    /// same epoch, until `deadline` (the end of what the last renew proved).
+    async fn thaw_unchanged(&self, deadline: Instant) {
         let frozen: Vec<(UserId, i64)> = {
             let frozen = self.frozen.lock().unwrap_or_else(|e| e.into_inner());
             frozen.iter().map(|(u, e)| (u.clone(), *e)).collect()
@@ -171,6 +208,9 @@ impl Inner {
         let controls: std::collections::HashMap<UserId, ShimControl> =
             self.main_controls().into_iter().collect();
         for (user, epoch) in frozen {
+            if Instant::now() >= deadline {
+                return;
+            }
             if self.lease.epoch_of(&user) != Some(epoch) {
                 continue;
             }

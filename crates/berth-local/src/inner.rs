@@ -4,15 +4,15 @@
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::atomic::{AtomicI64, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 
 use berth_core::{
     Endpoint, Epoch, Instance, InstanceEvent, InstanceStatus, Role, SpawnError, UserId,
     unix_millis_now,
 };
-use berth_store::Store;
 use berth_store::lease::LeaseKeeper;
+use berth_store::{NodeStatus, Store, StoreError};
 use tokio::sync::{broadcast, watch};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
@@ -139,8 +139,18 @@ pub(crate) struct Inner {
     pub tracker: TaskTracker,
     pub cancel: CancellationToken,
     pub metrics: Metrics,
-    /// Mains frozen by the self-fence deadline, with the epoch they held.
+    /// Mains whose program is frozen, with the epoch they held: frozen by
+    /// berth's self-fence deadline, or by the shim's own (reported by its
+    /// `Frozen` event or its Hello). A good renew thaws them.
     pub frozen: Mutex<HashMap<UserId, Epoch>>,
+    /// What the heartbeat says about this node: `up`, or `draining` when an
+    /// operator asked it to take nothing new.
+    pub node_status: Mutex<NodeStatus>,
+    /// How many mains this node offers to run (the heartbeat's capacity).
+    pub capacity: AtomicU32,
+    /// One heartbeat at a time, each reading the status when it writes: a
+    /// tick's row built before a drain must not land after the drain's.
+    pub heartbeat_lock: tokio::sync::Mutex<()>,
 }
 
 impl Inner {
@@ -232,9 +242,20 @@ impl Inner {
             self.store.put_instance(instance).await
         };
         if let Err(e) = stored {
-            self.metrics.store_errors.inc();
-            tracing::warn!(user = %instance.user, role = %instance.role, error = %e,
-                "could not save the instance record");
+            if let StoreError::Fenced { current_node, .. } = &e {
+                // The record belongs to a newer lease. Written by another
+                // node, that means this node's lease is lost, whatever the
+                // renew tick has seen so far: fence now. Written by this node,
+                // this was a stale write of its own, rightly dropped.
+                tracing::warn!(user = %instance.user, error = %e, "instance record refused");
+                if current_node != self.node() {
+                    self.fence_lost(&instance.user);
+                }
+            } else {
+                self.metrics.store_errors.inc();
+                tracing::warn!(user = %instance.user, role = %instance.role, error = %e,
+                    "could not save the instance record");
+            }
         }
         let endpoint = self.refresh_route(instance);
         if instance.role == Role::Main {

@@ -4,18 +4,18 @@
 //! operations and the in-memory tables.
 
 use std::collections::HashMap;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
 use async_trait::async_trait;
 use berth_core::policy::{CrashState, LaunchKind};
 use berth_core::{
-    BreakerInfo, Endpoint, Instance, InstanceEvent, InstanceStatus, LaunchRequest, ProbeReport,
-    RestartResult, Role, SpawnError, Spawner, UserId, UserStatus,
+    BreakerInfo, Endpoint, Epoch, Instance, InstanceEvent, InstanceStatus, LaunchRequest,
+    ProbeReport, RestartResult, Role, SpawnError, Spawner, UserId, UserStatus,
 };
 use berth_store::lease::LeaseKeeper;
-use berth_store::{InstanceFilter, Store};
+use berth_store::{InstanceFilter, NodeRecord, NodeStatus, Store};
 use futures_util::StreamExt;
 use tokio::sync::broadcast;
 use tokio_util::sync::CancellationToken;
@@ -89,8 +89,11 @@ impl LocalSpawner {
             })?;
         }
         let lease = LeaseKeeper::new(store.clone(), config.node_id.clone(), config.lease.clone());
+        let ports = PortPool::new(config.port_range.clone());
+        // The default capacity: one main per port (see `set_capacity`).
+        let ports_capacity = ports.capacity();
         let inner = Arc::new(Inner {
-            ports: PortPool::new(config.port_range.clone()),
+            ports,
             metrics: Metrics::new(&config.node_id),
             config,
             store,
@@ -102,6 +105,9 @@ impl LocalSpawner {
             tracker: TaskTracker::new(),
             cancel: CancellationToken::new(),
             frozen: Mutex::new(HashMap::new()),
+            node_status: Mutex::new(NodeStatus::Up),
+            capacity: AtomicU32::new(ports_capacity),
+            heartbeat_lock: tokio::sync::Mutex::new(()),
         });
         if let Err(e) = inner.reattach().await {
             // Supervisors started for instances adopted so far must not
@@ -118,6 +124,53 @@ impl LocalSpawner {
     /// Prometheus metrics of this spawner.
     pub fn register_metrics(&self, registry: &mut prometheus_client::registry::Registry) {
         self.inner.metrics.register(registry);
+    }
+
+    /// Sets the capacity the heartbeat reports (default: the size of the
+    /// port range). Call [`LocalSpawner::heartbeat`] to publish it at once.
+    pub fn set_capacity(&self, capacity: u32) {
+        self.inner.capacity.store(capacity, Ordering::Relaxed);
+    }
+
+    /// Sets this node's status (`up` or `draining`); the heartbeat carries
+    /// it, and placement sends no new instances to a draining node.
+    pub fn set_node_status(&self, status: NodeStatus) {
+        *self
+            .inner
+            .node_status
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = status;
+    }
+
+    /// This node's row as the next heartbeat will write it.
+    pub fn node_record(&self) -> NodeRecord {
+        self.inner.node_record()
+    }
+
+    /// Heartbeats now, outside the renew tick (at start, and right after a
+    /// status change so the cluster sees it without waiting a tick).
+    pub async fn heartbeat(&self) -> Result<(), berth_store::StoreError> {
+        self.inner.heartbeat().await
+    }
+
+    /// Waits until the main of `slot` is no longer live, up to `timeout`.
+    async fn wait_not_live(slot: &crate::inner::UserSlot, timeout: Duration) -> bool {
+        let mut watch = slot.main_watch.subscribe();
+        let wait = async {
+            loop {
+                let live = watch
+                    .borrow_and_update()
+                    .as_ref()
+                    .is_some_and(|i| i.status.is_live());
+                if !live {
+                    return;
+                }
+                if watch.changed().await.is_err() {
+                    return;
+                }
+            }
+        };
+        tokio::time::timeout(timeout, wait).await.is_ok()
     }
 }
 
@@ -416,5 +469,33 @@ impl Spawner for LocalSpawner {
 
     fn subscribe(&self) -> broadcast::Receiver<InstanceEvent> {
         self.inner.events.subscribe()
+    }
+
+    async fn fence(&self, user: &UserId, epoch: Epoch) -> Result<bool, SpawnError> {
+        let Some(slot) = self.inner.existing_slot(user) else {
+            return Ok(false);
+        };
+        // Same path as a renew that found the lease lost: the supervisor
+        // kills the group (SIGKILL works on a frozen one too), records
+        // "lease lost: fenced" and forgets the lease without releasing it.
+        let fenced = {
+            let mut state = slot.lock();
+            match state.main.as_mut() {
+                Some(live) if live.instance.status.is_live() && live.instance.epoch == epoch => {
+                    live.stop_kind = Some(StopKind::Fenced);
+                    live.stop.cancel();
+                    true
+                }
+                _ => false,
+            }
+        };
+        if fenced {
+            tracing::warn!(%user, epoch, "fenced on another node's request");
+            let budget = self.inner.config.stop_grace + Duration::from_secs(5);
+            if !Self::wait_not_live(&slot, budget).await {
+                tracing::warn!(%user, epoch, "the fenced instance has not ended yet");
+            }
+        }
+        Ok(fenced)
     }
 }

@@ -274,6 +274,24 @@ impl Ctx {
         self.slot.record(self.role).filter(|i| i.id == self.id)
     }
 
+    /// Keeps `inner.frozen` in step with the shim, whoever froze it (berth's
+    /// deadline or the shim's own), so the renew tick thaws every frozen
+    /// main whose lease is still held under the same epoch.
+    fn note_frozen(&self, frozen: bool) {
+        if self.role != Role::Main {
+            return;
+        }
+        let Some(epoch) = self.current().map(|i| i.epoch) else {
+            return;
+        };
+        let mut map = self.inner.frozen.lock().unwrap_or_else(|e| e.into_inner());
+        if frozen {
+            map.insert(self.slot.user.clone(), epoch);
+        } else if map.get(&self.slot.user) == Some(&epoch) {
+            map.remove(&self.slot.user);
+        }
+    }
+
     fn follow(
         &self,
         handle: ShimHandle,
@@ -377,6 +395,16 @@ impl Ctx {
         let Some(instance) = self.current() else {
             return End::Detached;
         };
+        if spawned_at.is_none() {
+            // Re-attached: the Hello was consumed by the identity check, so
+            // whether the shim froze itself while berth was away is read
+            // from its state file.
+            if let Ok(state) = ShimHandle::read_state(&self.slot.paths.state_file(self.role)) {
+                if state.instance_id == self.id && state.frozen {
+                    self.note_frozen(true);
+                }
+            }
+        }
         let port = instance.port.unwrap_or(0);
         let by_token = matches!(config.readiness, Readiness::TokenRegex(_));
         let mut ready = instance.ready;
@@ -425,6 +453,9 @@ impl Ctx {
                         if state.exit.is_some() {
                             return self.ended(state.exit, state.stderr_tail, timed_out);
                         }
+                        // A shim found frozen on (re-)attach froze itself
+                        // while berth was away: the next good renew thaws it.
+                        self.note_frozen(state.frozen);
                         if state.token.is_some() {
                             inner.set_token(&self.slot.user, state.token.clone());
                             if by_token && !ready {
@@ -436,7 +467,8 @@ impl Ctx {
                     Some(ShimEvent::Exited { exit, stderr_tail }) => {
                         return self.ended(Some(exit), stderr_tail, timed_out);
                     }
-                    Some(ShimEvent::Frozen | ShimEvent::Thawed) => {}
+                    Some(ShimEvent::Frozen) => self.note_frozen(true),
+                    Some(ShimEvent::Thawed) => self.note_frozen(false),
                     None => {
                         let (exit, tail) = self.exit_from_state();
                         return self.ended(exit, tail, timed_out);

@@ -37,6 +37,64 @@ pub const TOKEN_QUERY: &str = "berth_token";
 /// The header an SSO proxy names the user in (`auth = "header"`).
 pub static FORWARDED_USER: HeaderName = HeaderName::from_static("x-forwarded-user");
 
+/// The header a node proves itself with on node-to-node calls: the
+/// cluster secret (design §8.2).
+pub static CLUSTER_SECRET: HeaderName = HeaderName::from_static("x-berth-cluster-secret");
+/// The user a request forwarded by another node acts for. Believed only
+/// together with a valid [`CLUSTER_SECRET`].
+pub static CLUSTER_USER: HeaderName = HeaderName::from_static("x-berth-forwarded-user");
+
+/// The secret the nodes of a cluster share. Kept as its SHA-256 so a
+/// presented value is compared in constant time whatever its length.
+#[derive(Clone)]
+pub struct ClusterSecret {
+    hash: TokenHash,
+    header: HeaderValue,
+}
+
+impl std::fmt::Debug for ClusterSecret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ClusterSecret(…)")
+    }
+}
+
+/// A cluster secret that cannot be sent in an HTTP header.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("the cluster secret must be visible ASCII without spaces (it is sent as an HTTP header)")]
+pub struct InvalidClusterSecret;
+
+impl ClusterSecret {
+    pub fn new(secret: &str) -> Result<Self, InvalidClusterSecret> {
+        let secret = secret.trim();
+        if secret.is_empty() || !secret.bytes().all(|b| b.is_ascii_graphic()) {
+            return Err(InvalidClusterSecret);
+        }
+        let mut header = HeaderValue::from_str(secret).map_err(|_| InvalidClusterSecret)?;
+        header.set_sensitive(true);
+        Ok(Self {
+            hash: TokenHash::of(secret),
+            header,
+        })
+    }
+
+    /// Whether `presented` is the secret (constant time).
+    pub fn matches(&self, presented: &[u8]) -> bool {
+        TokenHash(Sha256::digest(presented).into()).ct_eq(&self.hash)
+    }
+
+    /// Whether `headers` carry the secret in [`CLUSTER_SECRET`].
+    pub fn verify(&self, headers: &HeaderMap) -> bool {
+        headers
+            .get(&CLUSTER_SECRET)
+            .is_some_and(|v| self.matches(v.as_bytes()))
+    }
+
+    /// The value to send in [`CLUSTER_SECRET`].
+    pub fn header_value(&self) -> &HeaderValue {
+        &self.header
+    }
+}
+
 /// An authenticated caller.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Caller {
@@ -429,6 +487,9 @@ pub enum Credential {
     Bearer,
     Cookie,
     ForwardedUser,
+    /// Another node of the cluster forwarded the request for the user it
+    /// names; such a request is never forwarded again.
+    Cluster,
 }
 
 /// Removes berth's own credentials before a request goes to an instance:
@@ -438,6 +499,11 @@ pub enum Credential {
 pub fn strip_credentials(headers: &mut HeaderMap, used: Credential) {
     if used == Credential::Bearer {
         headers.remove(header::AUTHORIZATION);
+    }
+    if used == Credential::Cluster {
+        // The cluster secret would let the program act as any node.
+        headers.remove(&CLUSTER_SECRET);
+        headers.remove(&CLUSTER_USER);
     }
     let carries_ours = headers.get_all(header::COOKIE).iter().any(|v| {
         v.as_bytes()
@@ -472,6 +538,7 @@ pub struct Gate {
     auth: Authenticator,
     mode: AuthMode,
     trusted: TrustedProxies,
+    cluster: Option<ClusterSecret>,
 }
 
 impl Gate {
@@ -480,7 +547,15 @@ impl Gate {
             auth,
             mode,
             trusted,
+            cluster: None,
         }
+    }
+
+    /// Also accepts requests forwarded by another node: a valid cluster
+    /// secret plus [`CLUSTER_USER`] naming the target user.
+    pub fn with_cluster(mut self, secret: ClusterSecret) -> Self {
+        self.cluster = Some(secret);
+        self
     }
 
     pub fn trusted(&self) -> &TrustedProxies {
@@ -507,6 +582,21 @@ impl Gate {
         user: &UserId,
     ) -> Result<Credential, Response<ProxyBody>> {
         let navigation = respond::is_navigation(headers);
+        if let Some(secret) = &self.cluster {
+            if let Some(presented) = headers.get(&CLUSTER_SECRET) {
+                // Whoever sends the header claims to be a node: it alone
+                // decides, so a wrong secret is a 401 even next to a token.
+                if !secret.matches(presented.as_bytes()) {
+                    return Err(respond::unauthorized(navigation));
+                }
+                return match headers.get(&CLUSTER_USER) {
+                    Some(name) if name.as_bytes() == user.as_str().as_bytes() => {
+                        Ok(Credential::Cluster)
+                    }
+                    _ => Err(respond::forbidden(navigation)),
+                };
+            }
+        }
         if let Some(q) = uri.query().and_then(query_token) {
             return Err(self
                 .exchange_query_token(q, uri, conn, headers, user, navigation)
@@ -795,5 +885,32 @@ mod tests {
         assert!(trusted.contains("127.0.0.1".parse().unwrap()));
         assert!(trusted.contains("fd12::1".parse().unwrap()));
         assert!(!trusted.contains("127.0.0.2".parse().unwrap()));
+    }
+
+    #[test]
+    fn cluster_secrets_match_exactly_and_never_reach_the_program() {
+        assert!(ClusterSecret::new("").is_err());
+        assert!(ClusterSecret::new("has space").is_err());
+        assert!(ClusterSecret::new("tab\tin").is_err());
+        let secret = ClusterSecret::new("s3cret").unwrap();
+        assert!(secret.matches(b"s3cret"));
+        for wrong in [
+            &b""[..],
+            b"s3cre",
+            b"s3cret ",
+            b"S3CRET",
+            b"s3cret-and-more",
+        ] {
+            assert!(!secret.matches(wrong), "{wrong:?}");
+        }
+        assert!(!format!("{secret:?}").contains("s3cret"));
+        let mut headers = HeaderMap::new();
+        assert!(!secret.verify(&headers));
+        headers.insert(CLUSTER_SECRET.clone(), secret.header_value().clone());
+        headers.insert(CLUSTER_USER.clone(), HeaderValue::from_static("alice"));
+        assert!(secret.verify(&headers));
+        strip_credentials(&mut headers, Credential::Cluster);
+        assert!(headers.get(&CLUSTER_SECRET).is_none());
+        assert!(headers.get(&CLUSTER_USER).is_none());
     }
 }

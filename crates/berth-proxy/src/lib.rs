@@ -61,5 +61,6 @@ pub mod server;
 pub mod wake;
 
 pub use pool::ForwardedBody;
-pub use proxy::{Proxy, ProxyConfig, route_error};
+pub use proxy::{Proxy, ProxyCluster, ProxyConfig, route_error};
 pub use server::{ServerConfig, serve};
+pub use wake::{ClusterHook, Locate};

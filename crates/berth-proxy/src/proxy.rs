@@ -12,11 +12,14 @@ use hyper::{Request, Response, StatusCode};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use crate::auth::{AuthMode, Authenticator, Gate, TrustedProxies, strip_credentials};
+use crate::auth::{
+    AuthMode, Authenticator, CLUSTER_SECRET, CLUSTER_USER, ClusterSecret, Credential, Gate,
+    TrustedProxies, strip_credentials,
+};
 use crate::forward::{ConnInfo, ForwardConfig, Forwarder, Upstream};
 use crate::respond::{self, ProxyBody};
 use crate::route::{Class, RouteError, RouteTable, Router, Target};
-use crate::wake::{Wake, Waker};
+use crate::wake::{ClusterHook, Locate, Wake, Waker};
 
 /// Characters escaped in a path segment (everything but unreserved).
 const PATH_SEGMENT: &percent_encoding::AsciiSet = &percent_encoding::NON_ALPHANUMERIC
@@ -39,12 +42,27 @@ pub struct ProxyConfig {
     pub forward: ForwardConfig,
 }
 
+/// Cluster mode: where to find users this node does not run, and the
+/// secret that authenticates forwarded requests both ways.
+#[derive(Clone)]
+pub struct ProxyCluster {
+    pub hook: Arc<dyn ClusterHook>,
+    pub secret: ClusterSecret,
+}
+
+impl std::fmt::Debug for ProxyCluster {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ProxyCluster").finish_non_exhaustive()
+    }
+}
+
 /// The reverse proxy: shared by every connection of the server.
 pub struct Proxy {
     router: Router,
     gate: Gate,
     waker: Waker,
     forwarder: Forwarder,
+    cluster: Option<ProxyCluster>,
     tasks: TaskTracker,
     cancel: CancellationToken,
 }
@@ -62,6 +80,19 @@ impl Proxy {
     /// Builds the proxy and starts keeping its route table in step with
     /// `spawner`. Must run inside a Tokio runtime.
     pub fn start(config: ProxyConfig, spawner: Arc<dyn Spawner>, auth: Authenticator) -> Arc<Self> {
+        Self::start_clustered(config, spawner, auth, None)
+    }
+
+    /// [`Proxy::start`] for a cluster node: a request for a user without a
+    /// local instance asks `cluster` where to go, and requests other nodes
+    /// forward here are accepted with the cluster secret. `None`: single
+    /// node, exactly [`Proxy::start`].
+    pub fn start_clustered(
+        config: ProxyConfig,
+        spawner: Arc<dyn Spawner>,
+        auth: Authenticator,
+        cluster: Option<ProxyCluster>,
+    ) -> Arc<Self> {
         let table = Arc::new(RouteTable::new());
         let tasks = TaskTracker::new();
         let cancel = CancellationToken::new();
@@ -72,9 +103,14 @@ impl Proxy {
                 config.base_domain.as_deref(),
                 config.strip_prefix,
             ),
-            gate: Gate::new(auth, config.auth_mode, config.trusted_proxies),
+            gate: match &cluster {
+                Some(c) => Gate::new(auth, config.auth_mode, config.trusted_proxies)
+                    .with_cluster(c.secret.clone()),
+                None => Gate::new(auth, config.auth_mode, config.trusted_proxies),
+            },
             waker: Waker::new(spawner.clone(), table, config.ready_timeout),
             forwarder: Forwarder::new(&config.forward, spawner, tasks.clone(), cancel.clone()),
+            cluster,
             tasks,
             cancel,
         })
@@ -138,14 +174,37 @@ impl Proxy {
         strip_credentials(req.headers_mut(), credential);
         let authority = match self.waker.endpoint(&route.user, route.upstream) {
             Some(authority) => authority,
-            None => match self
-                .waker
-                .wake(&route.user, navigation, progress_url.as_deref())
-                .await
-            {
-                Wake::Ready(authority) => authority,
-                Wake::Respond(answer) => return answer,
-            },
+            None => {
+                // A request another node forwarded here is never forwarded
+                // again, whatever this node believes: no loops between
+                // nodes with different views.
+                let cluster = self
+                    .cluster
+                    .as_ref()
+                    .filter(|_| credential != Credential::Cluster);
+                if let Some(cluster) = cluster {
+                    match cluster.hook.locate(&route.user).await {
+                        Ok(Locate::Local) => {}
+                        Ok(Locate::Remote { endpoint, node }) => {
+                            return self
+                                .forward_remote(req, route.user, endpoint, &node, conn, cluster)
+                                .await;
+                        }
+                        Err(e) => {
+                            tracing::info!(user = %route.user, error = %e, "cannot locate the instance in the cluster");
+                            return respond::spawn_error(&e);
+                        }
+                    }
+                }
+                match self
+                    .waker
+                    .wake(&route.user, navigation, progress_url.as_deref())
+                    .await
+                {
+                    Wake::Ready(authority) => authority,
+                    Wake::Respond(answer) => return answer,
+                }
+            }
         };
         let upstream = Upstream {
             user: route.user,
@@ -154,6 +213,42 @@ impl Proxy {
         };
         let keep_user = self.gate.keeps_forwarded_user(conn);
         self.forwarder.forward(req, upstream, conn, keep_user).await
+    }
+
+    /// Forwards `req` to the node that runs `user`'s instance: same path
+    /// (that node routes and strips it itself), authenticated with the
+    /// cluster secret and naming the user. berth's own credentials were
+    /// already removed.
+    async fn forward_remote(
+        &self,
+        mut req: Request<Incoming>,
+        user: Arc<berth_core::UserId>,
+        endpoint: hyper::http::uri::Authority,
+        node: &str,
+        conn: &ConnInfo,
+        cluster: &ProxyCluster,
+    ) -> Response<ProxyBody> {
+        let Ok(user_header) = HeaderValue::from_bytes(user.as_str().as_bytes()) else {
+            return respond::code_error(ErrorCode::InvalidUser, "the user id cannot be forwarded");
+        };
+        let path_and_query = req
+            .uri()
+            .path_and_query()
+            .cloned()
+            .unwrap_or_else(|| hyper::http::uri::PathAndQuery::from_static("/"));
+        let headers = req.headers_mut();
+        headers.insert(
+            CLUSTER_SECRET.clone(),
+            cluster.secret.header_value().clone(),
+        );
+        headers.insert(CLUSTER_USER.clone(), user_header);
+        tracing::debug!(%user, %node, %endpoint, "forwarding to the owner node");
+        let upstream = Upstream {
+            user,
+            authority: endpoint,
+            path_and_query,
+        };
+        self.forwarder.forward(req, upstream, conn, false).await
     }
 
     /// Stops background work: the route follower, pooled upstream

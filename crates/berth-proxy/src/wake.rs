@@ -17,6 +17,30 @@ use hyper::http::uri::Authority;
 use crate::respond::{self, ProxyBody};
 use crate::route::RouteTable;
 
+/// Where a user's instance should be served from, in a cluster (design
+/// §7.3). Asked only when this node has no running instance for the user,
+/// so a local hit never pays for it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Locate {
+    /// Wake the instance here.
+    Local,
+    /// Another node runs it (or has just started it): forward there.
+    Remote {
+        /// The owner node's `host:port`.
+        endpoint: Authority,
+        node: String,
+    },
+}
+
+/// The cluster's routing decision, implemented by the binary over the
+/// store (leases, nodes, placement). `None` in single-node mode.
+#[async_trait::async_trait]
+pub trait ClusterHook: Send + Sync + 'static {
+    /// Where `user`'s instance is or should be; may launch it on another
+    /// node first. Errors are answered like a local launch's.
+    async fn locate(&self, user: &UserId) -> Result<Locate, SpawnError>;
+}
+
 /// What waking produced.
 #[derive(Debug)]
 pub enum Wake {

@@ -58,6 +58,7 @@ pub struct Config {
     pub lease: LeaseSection,
     pub isolation: IsolationConfig,
     pub proxy: ProxyConfig,
+    pub cluster: ClusterSection,
     /// Accepted so that a Kubernetes config is refused with a clear message
     /// rather than as an unknown key; the backend does not exist yet.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -125,6 +126,16 @@ pub struct LeaseSection {
     pub takeover: berth_store::TakeoverPolicy,
 }
 
+/// `[cluster]`: this node's part in a cluster (PostgreSQL store).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ClusterSection {
+    /// How many mains this node offers to run; placement sends new
+    /// instances to the node with the most room. Default: the size of
+    /// `instance.port_range` (one port per instance).
+    pub capacity: Option<u32>,
+}
+
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct IsolationConfig {
@@ -169,6 +180,7 @@ impl Default for Config {
             lease: LeaseSection::default(),
             isolation: IsolationConfig::default(),
             proxy: ProxyConfig::default(),
+            cluster: ClusterSection::default(),
             kubernetes: None,
             provenance: Provenance::default(),
         }
@@ -518,6 +530,15 @@ impl Config {
             Ok(_) => Err(ConfigError::Hostname("it is empty".to_owned())),
             Err(_) => Err(ConfigError::Hostname("it is not UTF-8".to_owned())),
         }
+    }
+
+    /// The capacity this node reports: `[cluster] capacity`, else one main
+    /// per port of the range.
+    pub fn capacity(&self) -> u32 {
+        self.cluster.capacity.unwrap_or_else(|| {
+            let [low, high] = self.instance.port_range;
+            u32::from(high.saturating_sub(low)) + 1
+        })
     }
 
     /// The parsed listen address.

@@ -26,7 +26,9 @@ use serde::Deserialize;
 use serde_json::{Value, json};
 
 use super::auth::{Authenticator, Caller};
+use super::cluster::{Cluster, Decision, NodeControl};
 use super::metrics::{ApiLabels, Metrics};
+use super::peer::PeerAnswer;
 
 /// Request bodies larger than this are refused before parsing. It sits
 /// above the patch limit so that an oversized patch gets the precise
@@ -44,6 +46,13 @@ pub struct ApiState {
     pub node_id: String,
     pub ready_timeout: Duration,
     pub lease_ttl: Duration,
+    /// Cluster mode (PostgreSQL store): routing, remote launches, fencing.
+    pub cluster: Option<Arc<Cluster>>,
+    /// Authenticates node-to-node calls (`/internal/v1/…`); `None` on a
+    /// single node, where those routes do not exist.
+    pub cluster_secret: Option<berth_proxy::auth::ClusterSecret>,
+    /// This node's status (drain/undrain).
+    pub node_control: Arc<dyn NodeControl>,
 }
 
 type AppState = State<Arc<ApiState>>;
@@ -59,6 +68,11 @@ pub fn router(state: Arc<ApiState>) -> Router {
         .route("/api/v1/nodes", get(list_nodes))
         .route("/api/v1/leases", get(list_leases))
         .route("/api/v1/leases/{*rest}", post(take_over))
+        .route("/api/v1/node/drain", post(drain))
+        .route("/api/v1/node/undrain", post(undrain))
+        // Node-to-node calls: only the cluster secret opens them, never an
+        // admin or user token.
+        .route("/internal/v1/users/{*rest}", post(internal_route))
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(state)
 }
@@ -189,7 +203,7 @@ impl ApiState {
 }
 
 /// Characters escaped in a path segment (everything but unreserved).
-const PATH_SEGMENT: &percent_encoding::AsciiSet = &percent_encoding::NON_ALPHANUMERIC
+pub(crate) const PATH_SEGMENT: &percent_encoding::AsciiSet = &percent_encoding::NON_ALPHANUMERIC
     .remove(b'-')
     .remove(b'.')
     .remove(b'_')
@@ -364,29 +378,114 @@ fn valid_percent_encoding(raw: &str) -> bool {
     true
 }
 
+fn parse_launch_body(body: &[u8]) -> ApiResult<LaunchRequest> {
+    if body.iter().all(u8::is_ascii_whitespace) {
+        return Ok(LaunchRequest::default());
+    }
+    serde_json::from_slice(body).map_err(|e| {
+        ApiError::new(
+            ErrorCode::InvalidRequest,
+            format!("invalid launch body: {e}"),
+        )
+    })
+}
+
+/// `POST …/instance`: on a single node a local launch; in a cluster, where
+/// the lease and placement say (design §7.3).
 async fn launch(state: &Arc<ApiState>, user: &UserId, wait: bool, body: &[u8]) -> ApiResult {
-    let request: LaunchRequest = if body.iter().all(u8::is_ascii_whitespace) {
-        LaunchRequest::default()
-    } else {
-        serde_json::from_slice(body).map_err(|e| {
-            ApiError::new(
-                ErrorCode::InvalidRequest,
-                format!("invalid launch body: {e}"),
-            )
-        })?
-    };
+    let request = parse_launch_body(body)?;
+    match &state.cluster {
+        None => Ok(local_launch(state, user, request, wait).await?),
+        Some(cluster) => cluster_launch(state, cluster, user, request, wait).await,
+    }
+}
+
+/// Launches on this node: 201 new, 200 existing, waiting for ready with
+/// `wait`.
+async fn local_launch(
+    state: &Arc<ApiState>,
+    user: &UserId,
+    request: LaunchRequest,
+    wait: bool,
+) -> Result<Response, SpawnError> {
     let (status, instance) = match state.spawner.launch(user, request).await {
         Ok(instance) => (StatusCode::CREATED, instance),
         Err(SpawnError::AlreadyRunning { .. }) => {
-            let current = state.spawner.status(user).await?.main.ok_or_else(|| {
-                ApiError::new(ErrorCode::Internal, "instance vanished during launch")
-            })?;
+            let current =
+                state.spawner.status(user).await?.main.ok_or_else(|| {
+                    SpawnError::Internal("instance vanished during launch".into())
+                })?;
             (StatusCode::OK, current)
         }
-        Err(e) => return Err(e.into()),
+        Err(e) => return Err(e),
     };
     let instance = wait_until_ready(state, user, instance, wait).await?;
     Ok(instance_response(state, user, status, instance))
+}
+
+/// A launch through the cluster: the live lease's holder answers it (its
+/// answer is passed through: same status, same body); without a live lease
+/// placement chooses. A claim lost to a node that was faster is followed
+/// to that node, a bounded number of times.
+async fn cluster_launch(
+    state: &Arc<ApiState>,
+    cluster: &Cluster,
+    user: &UserId,
+    request: LaunchRequest,
+    wait: bool,
+) -> ApiResult {
+    let me = cluster.node_id();
+    let mut decision = cluster.decide(user).await?;
+    for _ in 0..3 {
+        let node = match decision {
+            Decision::Local => match local_launch(state, user, request.clone(), wait).await {
+                Err(SpawnError::LeaseBusy {
+                    holder,
+                    expired: false,
+                    ..
+                }) if !holder.is_empty() && holder != me => {
+                    decision = Decision::Owner(holder);
+                    continue;
+                }
+                other => return Ok(other?),
+            },
+            Decision::Owner(node) | Decision::Place(node) => node,
+            Decision::NoCapacity => return Err(super::cluster::capacity_exhausted().into()),
+        };
+        let answer = cluster.launch_on(&node, user, &request, wait).await?;
+        match answer.error(user) {
+            Some(SpawnError::LeaseBusy {
+                holder,
+                expired: false,
+                ..
+            }) if !holder.is_empty() && holder != node => {
+                decision = if holder == me {
+                    Decision::Local
+                } else {
+                    Decision::Owner(holder)
+                };
+            }
+            _ => return Ok(peer_response(answer)),
+        }
+    }
+    Err(SpawnError::Starting {
+        user: user.clone(),
+        retry_after_ms: 1000,
+    }
+    .into())
+}
+
+/// Another node's answer, passed on as it came.
+fn peer_response(answer: PeerAnswer) -> Response {
+    let status = StatusCode::from_u16(answer.status).unwrap_or(StatusCode::BAD_GATEWAY);
+    let mut response = (status, axum::Json(answer.body)).into_response();
+    if let Some(v) = answer
+        .retry_after
+        .and_then(|v| HeaderValue::from_str(&v).ok())
+    {
+        response.headers_mut().insert(header::RETRY_AFTER, v);
+    }
+    response
 }
 
 /// With `wait`, waits up to `ready_timeout` for the instance to be ready.
@@ -397,7 +496,7 @@ async fn wait_until_ready(
     user: &UserId,
     instance: Instance,
     wait: bool,
-) -> ApiResult<Instance> {
+) -> Result<Instance, SpawnError> {
     if !wait || instance.ready {
         return Ok(instance);
     }
@@ -414,15 +513,11 @@ async fn wait_until_ready(
                     user: user.clone(),
                     opens: open.opens,
                     retry_at: open.cooldown_until,
-                }
-                .into());
+                });
             }
-            Err(SpawnError::SpawnFailed(
-                current
-                    .last_error
-                    .unwrap_or_else(|| "the instance failed to start".to_owned()),
-            )
-            .into())
+            Err(SpawnError::SpawnFailed(current.last_error.unwrap_or_else(
+                || "the instance failed to start".to_owned(),
+            )))
         }
         InstanceStatus::Stopped => Err(SpawnError::SpawnFailed(format!(
             "the instance stopped before it was ready{}",
@@ -430,13 +525,11 @@ async fn wait_until_ready(
                 .last_error
                 .map(|e| format!(": {e}"))
                 .unwrap_or_default()
-        ))
-        .into()),
+        ))),
         _ => Err(SpawnError::Starting {
             user: user.clone(),
             retry_after_ms: 2000,
-        }
-        .into()),
+        }),
     }
 }
 
@@ -472,6 +565,12 @@ async fn progress(
         message: m.last_error.clone(),
     });
     let done_already = first.as_ref().is_none_or(is_final);
+    // An instance on another node publishes its events there, not here:
+    // follow its record in the shared store instead.
+    let poll = main
+        .as_ref()
+        .filter(|m| state.cluster.is_some() && m.node != state.node_id)
+        .map(|m| (state.spawner.clone(), (m.status, m.ready)));
     let first_event = first.map_or_else(
         || {
             Event::default()
@@ -484,17 +583,41 @@ async fn progress(
         events: tokio::sync::broadcast::Receiver<InstanceEvent>,
         user: UserId,
         done: bool,
+        /// Polled instead of `events`: the spawner (whose `status` reads
+        /// the store for another node's instance) and the last state sent.
+        poll: Option<(Arc<dyn Spawner>, (InstanceStatus, bool))>,
     }
     let follow = stream::unfold(
         Follow {
             events,
             user,
             done: done_already,
+            poll,
         },
         |mut f| async move {
             loop {
                 if f.done {
                     return None;
+                }
+                if let Some((spawner, last)) = f.poll.as_mut() {
+                    tokio::time::sleep(REMOTE_PROGRESS_POLL).await;
+                    let Ok(Some(m)) = spawner.status(&f.user).await.map(|s| s.main) else {
+                        continue;
+                    };
+                    if (m.status, m.ready) == *last {
+                        continue;
+                    }
+                    *last = (m.status, m.ready);
+                    let e = InstanceEvent {
+                        user: f.user.clone(),
+                        role: m.role,
+                        status: m.status,
+                        ready: m.ready,
+                        endpoint: None,
+                        message: m.last_error,
+                    };
+                    f.done = is_final(&e);
+                    return Some((Ok(to_sse(&e)), f));
                 }
                 match f.events.recv().await {
                     Ok(e) if e.user == f.user && e.role == berth_core::Role::Main => {
@@ -510,6 +633,10 @@ async fn progress(
     let stream = stream::once(async move { Ok(first_event) });
     Ok(Sse::new(futures_util::StreamExt::chain(stream, follow)).keep_alive(KeepAlive::default()))
 }
+
+/// How often the progress of an instance on another node is read from the
+/// store.
+const REMOTE_PROGRESS_POLL: Duration = Duration::from_millis(500);
 
 fn is_final(e: &InstanceEvent) -> bool {
     (e.status == InstanceStatus::Running && e.ready) || e.status.is_terminal()
@@ -592,16 +719,30 @@ async fn take_over(State(state): AppState, uri: Uri, headers: HeaderMap) -> ApiR
         return Err(ApiError::new(ErrorCode::NotFound, "no such route"));
     };
     let user = parse_user_segment(raw_user)?;
+    // Read before the claim: the fence must name the old holder and the
+    // old epoch, never whoever holds the row afterwards.
+    let before = state.store.get_lease(&user).await?;
     match state
         .store
         .take_over_lease(&user, &state.node_id, state.lease_ttl)
         .await?
     {
         berth_store::ClaimOutcome::Claimed { .. } => {
-            let instance = state
-                .spawner
-                .launch(&user, LaunchRequest::default())
-                .await?;
+            if let (Some(cluster), Some(old)) = (&state.cluster, &before) {
+                if let Some(holder) = old.holder.as_deref() {
+                    cluster.fence_remote(holder, &user, old.epoch).await;
+                }
+            }
+            let request = launch_request_from_store(state.store.as_ref(), &user).await?;
+            let instance = match state.spawner.launch(&user, request).await {
+                Ok(instance) => instance,
+                Err(SpawnError::AlreadyRunning { .. }) => {
+                    state.spawner.status(&user).await?.main.ok_or_else(|| {
+                        ApiError::new(ErrorCode::Internal, "instance vanished during launch")
+                    })?
+                }
+                Err(e) => return Err(e.into()),
+            };
             Ok(instance_response(&state, &user, StatusCode::OK, instance))
         }
         berth_store::ClaimOutcome::Busy { holder, expired } => Err(SpawnError::LeaseBusy {
@@ -610,6 +751,121 @@ async fn take_over(State(state): AppState, uri: Uri, headers: HeaderMap) -> ApiR
             expired,
         }
         .into()),
+    }
+}
+
+/// The request that relaunches `user` as they were last launched (folder
+/// and patch kept in the store), e.g. on another node after a failover.
+pub(crate) async fn launch_request_from_store(
+    store: &dyn Store,
+    user: &UserId,
+) -> Result<LaunchRequest, SpawnError> {
+    Ok(match store.get_launch_params(user).await? {
+        Some(p) => LaunchRequest {
+            folder: Some(p.folder).filter(|f| !f.is_empty()),
+            patch: p.patch,
+            force: false,
+        },
+        None => LaunchRequest::default(),
+    })
+}
+
+/// `POST /api/v1/node/drain`: this node takes no new instances (it keeps
+/// what it runs). Heartbeats at once so placement elsewhere sees it.
+async fn drain(State(state): AppState, headers: HeaderMap) -> ApiResult {
+    set_draining(&state, &headers, true).await
+}
+
+/// `POST /api/v1/node/undrain`: this node takes new instances again.
+async fn undrain(State(state): AppState, headers: HeaderMap) -> ApiResult {
+    set_draining(&state, &headers, false).await
+}
+
+async fn set_draining(state: &ApiState, headers: &HeaderMap, draining: bool) -> ApiResult {
+    state.require_admin(headers).await?;
+    state.node_control.set_draining(draining);
+    state.node_control.heartbeat_now().await?;
+    if let Some(cluster) = &state.cluster {
+        cluster.invalidate_nodes();
+    }
+    let status = if draining { "draining" } else { "up" };
+    tracing::info!(node = %state.node_id, status, "node status changed");
+    Ok(axum::Json(json!({ "node": state.node_id, "status": status })).into_response())
+}
+
+#[derive(Debug, Deserialize)]
+struct FenceBody {
+    epoch: berth_core::Epoch,
+}
+
+/// `/internal/v1/users/<user>/{launch,fence}`: calls from other nodes,
+/// authenticated by the cluster secret alone.
+async fn internal_route(
+    State(state): AppState,
+    uri: Uri,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let result = internal_dispatch(&state, &uri, &headers, &body).await;
+    match result {
+        Ok(response) => response,
+        Err(err) => {
+            state.count_error(err.code);
+            err.into_response()
+        }
+    }
+}
+
+async fn internal_dispatch(
+    state: &Arc<ApiState>,
+    uri: &Uri,
+    headers: &HeaderMap,
+    body: &[u8],
+) -> ApiResult {
+    let Some(secret) = &state.cluster_secret else {
+        return Err(ApiError::new(
+            ErrorCode::NotFound,
+            "node-to-node routes exist only in cluster mode",
+        ));
+    };
+    if !secret.verify(headers) {
+        return Err(ApiError::new(
+            ErrorCode::Unauthorized,
+            "node-to-node calls need the cluster secret in X-Berth-Cluster-Secret",
+        ));
+    }
+    let rest = uri
+        .path()
+        .strip_prefix("/internal/v1/users/")
+        .unwrap_or_default();
+    let (raw_user, action) = rest.rsplit_once('/').unwrap_or((rest, ""));
+    let user = parse_user_segment(raw_user)?;
+    match action {
+        "launch" => {
+            let query = Query::<UserQuery>::try_from_uri(uri)
+                .map_err(|e| ApiError::new(ErrorCode::InvalidRequest, e.body_text()))?;
+            let request = parse_launch_body(body)?;
+            // Local only: the caller already decided this node should run
+            // it, and a call that forwarded again could loop.
+            Ok(local_launch(state, &user, request, query.0.wait.unwrap_or(true)).await?)
+        }
+        "fence" => {
+            let FenceBody { epoch } = serde_json::from_slice(body).map_err(|e| {
+                ApiError::new(
+                    ErrorCode::InvalidRequest,
+                    format!("invalid fence body: {e}"),
+                )
+            })?;
+            let fenced = state.spawner.fence(&user, epoch).await?;
+            Ok(
+                axum::Json(json!({ "user": user, "epoch": epoch, "fenced": fenced }))
+                    .into_response(),
+            )
+        }
+        other => Err(ApiError::new(
+            ErrorCode::NotFound,
+            format!("no such route: {other:?}"),
+        )),
     }
 }
 

@@ -332,6 +332,73 @@ impl Node {
     }
 }
 
+/// Lease timings short enough for tests to see expiry and failover in
+/// seconds (TTL > 2 × renew, fence_after < TTL).
+pub const CLUSTER_LEASE: &str = "ttl_ms = 3000\nrenew_ms = 1000\nfence_after_ms = 2000\n";
+
+/// A config body for one node of a cluster on `pg_url`: its own data dir
+/// under `dir`, a port range of its own (nodes on one host must not race
+/// for ports), short lease timings plus `lease_extra` (e.g. `takeover =
+/// "manual"`), and `extra` TOML (top-level keys or whole tables, but not
+/// `[lease]`).
+pub fn cluster_config(
+    dir: &Path,
+    pg_url: &str,
+    node_id: &str,
+    secret: &str,
+    lease_extra: &str,
+    extra: &str,
+) -> String {
+    use std::sync::atomic::{AtomicU16, Ordering};
+    // Blocks of 150 ports per node, distinct within this test process.
+    static NEXT_BLOCK: AtomicU16 = AtomicU16::new(0);
+    let block = NEXT_BLOCK.fetch_add(1, Ordering::Relaxed) % 200;
+    let first = 30_000 + block * 150;
+    let last = first + 149;
+    format!(
+        "store = \"{pg_url}\"\nnode_id = \"{node_id}\"\ncluster_secret = \"{secret}\"\n{}\n\
+         [instance]\nport_range = [{first}, {last}]\n\n[lease]\n{CLUSTER_LEASE}{lease_extra}\n",
+        config_with(&dir.join("data"), extra)
+    )
+}
+
+impl Node {
+    /// Starts a cluster node (PostgreSQL store) in `dir`; see
+    /// [`cluster_config`].
+    pub fn start_cluster(
+        dir: &Path,
+        pg_url: &str,
+        node_id: &str,
+        secret: &str,
+        extra: &str,
+    ) -> Node {
+        Self::start_cluster_with_lease(dir, pg_url, node_id, secret, "", extra)
+    }
+
+    /// [`Node::start_cluster`] with extra `[lease]` keys.
+    pub fn start_cluster_with_lease(
+        dir: &Path,
+        pg_url: &str,
+        node_id: &str,
+        secret: &str,
+        lease_extra: &str,
+        extra: &str,
+    ) -> Node {
+        std::fs::create_dir_all(dir).unwrap();
+        let config = dir.join("berth.toml");
+        std::fs::write(
+            &config,
+            cluster_config(dir, pg_url, node_id, secret, lease_extra, extra),
+        )
+        .unwrap();
+        Self::start_with_args(
+            dir,
+            &["serve", "--config", config.to_str().unwrap()],
+            &dir.join("data"),
+        )
+    }
+}
+
 /// Resident memory of a process in KiB (`VmRSS` in /proc/<pid>/status).
 pub fn rss_kib(pid: u32) -> Option<u64> {
     std::fs::read_to_string(format!("/proc/{pid}/status"))
@@ -339,4 +406,74 @@ pub fn rss_kib(pid: u32) -> Option<u64> {
         .lines()
         .find_map(|l| l.strip_prefix("VmRSS:"))
         .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+}
+
+/// [`cluster_config`] with its `[lease]` timings replaced by `lease` (whole
+/// `key = value` lines, e.g. a longer TTL) and `instance` lines added to
+/// its `[instance]` table (e.g. a `command`). The port block still comes
+/// from [`cluster_config`], so nodes made either way never share ports.
+pub fn cluster_config_custom(
+    dir: &Path,
+    pg_url: &str,
+    node_id: &str,
+    secret: &str,
+    lease: &str,
+    instance: &str,
+    extra: &str,
+) -> String {
+    let base = cluster_config(dir, pg_url, node_id, secret, "", extra);
+    assert_eq!(
+        base.matches(CLUSTER_LEASE).count(),
+        1,
+        "cluster_config changed shape: {base}"
+    );
+    assert_eq!(
+        base.matches("[instance]\n").count(),
+        1,
+        "`extra` must not hold an [instance] table: {extra}"
+    );
+    base.replacen(CLUSTER_LEASE, lease, 1).replacen(
+        "[instance]\n",
+        &format!("[instance]\n{instance}"),
+        1,
+    )
+}
+
+impl Node {
+    /// A cluster node configured by [`cluster_config_custom`].
+    pub fn start_cluster_custom(
+        dir: &Path,
+        pg_url: &str,
+        node_id: &str,
+        secret: &str,
+        lease: &str,
+        instance: &str,
+        extra: &str,
+    ) -> Node {
+        std::fs::create_dir_all(dir).unwrap();
+        let config = dir.join("berth.toml");
+        std::fs::write(
+            &config,
+            cluster_config_custom(dir, pg_url, node_id, secret, lease, instance, extra),
+        )
+        .unwrap();
+        Self::start_with_args(
+            dir,
+            &["serve", "--config", config.to_str().unwrap()],
+            &dir.join("data"),
+        )
+    }
+
+    /// True while `berth serve` itself runs (an exited one is a zombie until
+    /// reaped, which [`alive`] does not count).
+    pub fn is_running(&self) -> bool {
+        self.pid().is_some_and(|pid| alive(u64::from(pid)))
+    }
+}
+
+/// The scheduler state letter of a process (`R`, `S`, `T` stopped, …), if
+/// it exists.
+pub fn proc_state(pid: u32) -> Option<char> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    stat.rsplit_once(')')?.1.trim_start().chars().next()
 }

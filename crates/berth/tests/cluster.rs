@@ -1,0 +1,504 @@
+//! Cluster mode end to end: several real `berth serve` nodes sharing one
+//! PostgreSQL database (design §3, §7.3, §8.1–§8.4).
+//!
+//! One throwaway PostgreSQL cluster serves the whole test binary
+//! (`berth-testkit`, or `BERTH_TEST_PG_URL`); every test gets a fresh
+//! database. Lease timings are short (TTL 3 s, renew 1 s, fence after
+//! 2 s) so expiry is seen in seconds. Everything polls until a deadline;
+//! nothing asserts on timing. Each `Node`'s drop kills its instances.
+
+mod support;
+
+use std::path::Path;
+use std::time::Duration;
+
+use berth_testkit::PgCluster;
+use serde_json::{Value, json};
+use support::{BERTH, Node, cluster_config, eventually, instance_pids};
+
+const SECRET: &str = "cluster-secret-for-tests";
+
+/// A fresh database on the shared test server (started on first use; that
+/// blocks for a few seconds, so off the async threads).
+async fn fresh_db() -> String {
+    tokio::task::spawn_blocking(|| PgCluster::shared().map(|_| ()).map_err(|e| e.to_string()))
+        .await
+        .unwrap()
+        .unwrap_or_else(|e| panic!("no PostgreSQL for the cluster tests: {e}"));
+    PgCluster::shared().unwrap().fresh_database().await
+}
+
+/// Starts `ids.len()` nodes on `db`, each in its own directory under `root`.
+async fn start_nodes(root: &Path, db: &str, ids: &[&str], lease_extra: &str) -> Vec<Node> {
+    let mut nodes = Vec::new();
+    for id in ids {
+        let dir = root.join(id);
+        let db = db.to_owned();
+        let id = (*id).to_owned();
+        let lease_extra = lease_extra.to_owned();
+        let node = tokio::task::spawn_blocking(move || {
+            Node::start_cluster_with_lease(&dir, &db, &id, SECRET, &lease_extra, "")
+        })
+        .await
+        .unwrap();
+        nodes.push(node);
+    }
+    nodes
+}
+
+/// Pids of `user`'s main across the nodes' data dirs.
+fn pids_everywhere(nodes: &[Node], user: &str) -> Vec<(usize, u32)> {
+    nodes
+        .iter()
+        .enumerate()
+        .flat_map(|(i, n)| {
+            instance_pids(&n.data_dir, user, "main")
+                .into_iter()
+                .map(move |p| (i, p))
+        })
+        .collect()
+}
+
+/// The state letter of a process (`R`, `S`, `T` stopped, …), if it exists.
+fn proc_state(pid: u32) -> Option<char> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    stat.rsplit_once(')')?.1.trim_start().chars().next()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn any_node_answers_for_a_user_running_on_another_node() {
+    let db = fresh_db().await;
+    let root = tempfile::tempdir().unwrap();
+    let nodes = start_nodes(root.path(), &db, &["node-a", "node-b", "node-c"], "").await;
+    let (status, body) = nodes[0].post("/users/alice/instance", json!({})).await;
+    assert!(status == 201 || status == 200, "{status} {body}");
+    let owner = body["instance"]["node"].as_str().unwrap().to_owned();
+    let epoch = body["instance"]["epoch"].as_i64().unwrap();
+    let token = nodes[0].user_token("alice").await;
+    let before = pids_everywhere(&nodes, "alice");
+    assert_eq!(before.len(), 1, "one instance cluster-wide: {before:?}");
+
+    for node in &nodes {
+        let response = node
+            .http
+            .get(format!("{}/u/alice/", node.url))
+            .bearer_auth(&token)
+            .send()
+            .await
+            .unwrap();
+        let status = response.status().as_u16();
+        let page = response.text().await.unwrap();
+        assert_eq!(status, 200, "via {}: {page}", node.url);
+        assert!(page.contains(r#"<b id="user">alice</b>"#), "{page}");
+        assert!(page.contains(&format!("epoch <b>{epoch}</b>")), "{page}");
+        // berth's credentials and the cluster secret never reach the app.
+        assert!(!page.contains(SECRET));
+    }
+    // Served by the same process throughout: nothing was started elsewhere.
+    assert_eq!(pids_everywhere(&nodes, "alice"), before, "owner {owner}");
+
+    // The API of any node launches through the owner: 200, same instance.
+    for node in &nodes {
+        let (status, body) = node.post("/users/alice/instance", json!({})).await;
+        assert_eq!(status, 200, "{body}");
+        assert_eq!(body["instance"]["node"], owner.as_str(), "{body}");
+    }
+    assert_eq!(pids_everywhere(&nodes, "alice"), before);
+
+    // Nodes advertise their real, bound address and report their load.
+    let (_, listed) = nodes[1].get("/nodes").await;
+    let rows = listed["nodes"].as_array().unwrap();
+    assert_eq!(rows.len(), 3, "{listed}");
+    for node in &nodes {
+        assert!(
+            rows.iter().any(|r| r["advertise_url"] == node.url.as_str()),
+            "{} missing from {listed}",
+            node.url
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_launches_on_three_nodes_leave_one_instance_per_user() {
+    const USERS: usize = 50;
+    const LAUNCHES_PER_USER: usize = 20;
+    let db = fresh_db().await;
+    let root = tempfile::tempdir().unwrap();
+    let nodes = start_nodes(root.path(), &db, &["node-a", "node-b", "node-c"], "").await;
+    let client = reqwest::Client::builder()
+        .pool_max_idle_per_host(64)
+        .build()
+        .unwrap();
+    let mut launches = Vec::new();
+    for round in 0..LAUNCHES_PER_USER {
+        for u in 0..USERS {
+            let node = &nodes[(u + round) % nodes.len()];
+            let request = client
+                .post(node.api(&format!("/users/user{u}/instance")))
+                .bearer_auth(&node.token)
+                .json(&json!({}));
+            launches.push(async move {
+                match request.send().await {
+                    Ok(r) => {
+                        let status = r.status().as_u16();
+                        (status, r.json::<Value>().await.unwrap_or(Value::Null))
+                    }
+                    Err(e) => (0, json!({ "transport": e.to_string() })),
+                }
+            });
+        }
+    }
+    let answers = futures_util::future::join_all(launches).await;
+    let mut by_status = std::collections::BTreeMap::<u16, usize>::new();
+    for (status, body) in &answers {
+        *by_status.entry(*status).or_default() += 1;
+        // Success, or an answer to retry later; never a second instance and
+        // never a refused claim leaking out as an error of our own making.
+        assert!(
+            matches!(status, 200 | 201 | 503),
+            "unexpected answer {status}: {body}"
+        );
+    }
+    eprintln!("launch answers by status: {by_status:?}");
+    // A launch that only got "come back later" (the machine is slow) is
+    // retried once, a few at a time, so every user ends up running.
+    for u in 0..USERS {
+        let user = format!("user{u}");
+        eventually(Duration::from_secs(120), &format!("{user} running"), || {
+            let node = &nodes[u % nodes.len()];
+            let user = user.clone();
+            async move {
+                let main = node.main_of(&user).await;
+                if main["status"] == "running" && main["ready"] == true {
+                    return Some(());
+                }
+                if main.is_null() || main["status"] == "stopped" || main["status"] == "failed" {
+                    let _ = node
+                        .post(&format!("/users/{user}/instance?wait=false"), json!({}))
+                        .await;
+                }
+                None
+            }
+        })
+        .await;
+    }
+    // Exactly one live instance per user, cluster-wide: by processes and by
+    // the store, and the two agree on the node.
+    let (status, listed) = nodes[0].get("/instances").await;
+    assert_eq!(status, 200);
+    let records = listed["instances"].as_array().unwrap();
+    let ids = ["node-a", "node-b", "node-c"];
+    for u in 0..USERS {
+        let user = format!("user{u}");
+        let pids = pids_everywhere(&nodes, &user);
+        assert_eq!(pids.len(), 1, "{user}: {pids:?}");
+        let live: Vec<&Value> = records
+            .iter()
+            .filter(|r| r["user"] == user.as_str() && r["role"] == "main")
+            .filter(|r| {
+                matches!(
+                    r["status"].as_str(),
+                    Some("starting" | "running" | "crashed")
+                )
+            })
+            .collect();
+        assert_eq!(live.len(), 1, "{user}: {live:?}");
+        assert_eq!(live[0]["node"], ids[pids[0].0], "{user}");
+        assert_eq!(
+            live[0]["pid"].as_u64(),
+            Some(u64::from(pids[0].1)),
+            "{user}"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn node_to_node_calls_need_the_cluster_secret() {
+    let db = fresh_db().await;
+    let root = tempfile::tempdir().unwrap();
+    let nodes = start_nodes(root.path(), &db, &["node-a"], "").await;
+    let node = &nodes[0];
+    let http = &node.http;
+    for action in ["launch", "fence"] {
+        let url = format!("{}/internal/v1/users/alice/{action}", node.url);
+        let body = json!({ "epoch": 1 });
+        let attempts = [
+            http.post(&url).json(&body),
+            http.post(&url)
+                .header("x-berth-cluster-secret", "wrong")
+                .json(&body),
+            // An admin token alone does not open node-to-node routes.
+            http.post(&url).bearer_auth(&node.token).json(&body),
+        ];
+        for attempt in attempts {
+            let r = attempt.send().await.unwrap();
+            assert_eq!(r.status().as_u16(), 401, "{action}");
+            let body: Value = r.json().await.unwrap();
+            assert_eq!(body["error"], "unauthorized", "{body}");
+        }
+    }
+    // The right secret opens them.
+    let r = http
+        .post(format!("{}/internal/v1/users/alice/fence", node.url))
+        .header("x-berth-cluster-secret", SECRET)
+        .json(&json!({ "epoch": 42 }))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+    assert_eq!(r.json::<Value>().await.unwrap()["fenced"], false);
+    // A forwarded proxy request with a wrong secret is refused too, even
+    // next to a valid user token.
+    let token = node.user_token("alice").await;
+    let r = http
+        .get(format!("{}/u/alice/", node.url))
+        .bearer_auth(&token)
+        .header("x-berth-cluster-secret", "wrong")
+        .header("x-berth-forwarded-user", "alice")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 401);
+    assert!(instance_pids(&node.data_dir, "alice", "main").is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_id_that_is_already_live_is_refused() {
+    let db = fresh_db().await;
+    let root = tempfile::tempdir().unwrap();
+    let nodes = start_nodes(root.path(), &db, &["node-a"], "").await;
+    let dir = root.path().join("impostor");
+    std::fs::create_dir_all(&dir).unwrap();
+    let config = dir.join("berth.toml");
+    std::fs::write(&config, cluster_config(&dir, &db, "node-a", SECRET, "", "")).unwrap();
+    let output = tokio::task::spawn_blocking(move || {
+        std::process::Command::new(BERTH)
+            .args(["serve", "--config", config.to_str().unwrap()])
+            .output()
+            .unwrap()
+    })
+    .await
+    .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success(), "{stderr}");
+    for part in ["\"node-a\"", "already in use", "heartbeat", &nodes[0].url] {
+        assert!(stderr.contains(part), "{part:?} missing from: {stderr}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreachable_store_is_a_clear_startup_error() {
+    let root = tempfile::tempdir().unwrap();
+    let dir = root.path().to_owned();
+    let config = dir.join("berth.toml");
+    std::fs::write(
+        &config,
+        cluster_config(
+            &dir,
+            "postgres://berth@127.0.0.1:1/x",
+            "node-a",
+            SECRET,
+            "",
+            "",
+        ),
+    )
+    .unwrap();
+    let output = tokio::task::spawn_blocking(move || {
+        std::process::Command::new(BERTH)
+            .args(["serve", "--config", config.to_str().unwrap()])
+            .output()
+            .unwrap()
+    })
+    .await
+    .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success(), "{stderr}");
+    assert!(stderr.contains("cannot open the store"), "{stderr}");
+    assert!(stderr.contains("127.0.0.1:1"), "{stderr}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_draining_node_gets_no_new_instances() {
+    let db = fresh_db().await;
+    let root = tempfile::tempdir().unwrap();
+    let nodes = start_nodes(root.path(), &db, &["node-a", "node-b"], "").await;
+    let (status, body) = nodes[1].post("/node/drain", json!({})).await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["status"], "draining");
+    let (_, listed) = nodes[0].get("/nodes").await;
+    assert!(
+        listed["nodes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|n| n["id"] == "node-b" && n["status"] == "draining"),
+        "{listed}"
+    );
+    // Other nodes re-read the nodes table at most a second later.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    for (i, user) in ["d1", "d2", "d3", "d4"].iter().enumerate() {
+        let (status, body) = nodes[i % 2]
+            .post(&format!("/users/{user}/instance"), json!({}))
+            .await;
+        assert_eq!(status, 201, "{body}");
+        assert_eq!(body["instance"]["node"], "node-a", "{user}: {body}");
+    }
+    assert!(instance_pids(&nodes[1].data_dir, "d1", "main").is_empty());
+    // The proxy places the same way: a woken user lands on node-a too.
+    let token = nodes[1].user_token("d5").await;
+    let r = nodes[1]
+        .http
+        .get(format!("{}/u/d5/", nodes[1].url))
+        .bearer_auth(&token)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+    assert_eq!(nodes[0].main_of("d5").await["node"], "node-a");
+
+    let (status, body) = nodes[1].post("/node/undrain", json!({})).await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["status"], "up");
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    // node-b is now the emptier node: new users go there.
+    let (status, body) = nodes[0].post("/users/u6/instance", json!({})).await;
+    assert_eq!(status, 201, "{body}");
+    assert_eq!(body["instance"]["node"], "node-b", "{body}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn manual_takeover_moves_a_user_whose_holder_was_killed() {
+    let db = fresh_db().await;
+    let root = tempfile::tempdir().unwrap();
+    let mut nodes = start_nodes(
+        root.path(),
+        &db,
+        &["node-a", "node-b"],
+        "takeover = \"manual\"\n",
+    )
+    .await;
+    let (status, body) = nodes[0]
+        .post("/users/alice/instance", json!({ "folder": "proj" }))
+        .await;
+    assert_eq!(status, 201, "{body}");
+    assert_eq!(body["instance"]["node"], "node-a", "{body}");
+    let old_pid = instance_pids(&nodes[0].data_dir, "alice", "main");
+    assert_eq!(old_pid.len(), 1);
+    let old_pid = old_pid[0];
+
+    nodes[0].kill9();
+    // The lease runs out and node-a's heartbeat goes stale: node-b reports
+    // it, with the holder not alive, but under "manual" does nothing.
+    let b = &nodes[1];
+    eventually(
+        Duration::from_secs(30),
+        "alice's lease reported expired",
+        || async {
+            let (_, leases) = b.get("/leases?expired=true").await;
+            leases["leases"]
+                .as_array()?
+                .iter()
+                .any(|l| l["user"] == "alice" && l["holder_alive"] == false)
+                .then_some(())
+        },
+    )
+    .await;
+    eventually(
+        Duration::from_secs(10),
+        "the expired-lease gauge",
+        || async {
+            let text = b
+                .http
+                .get(format!("{}/metrics", b.url))
+                .bearer_auth(&b.token)
+                .send()
+                .await
+                .ok()?
+                .text()
+                .await
+                .ok()?;
+            text.lines()
+                .any(|l| l.trim() == "berth_expired_leases 1")
+                .then_some(())
+        },
+    )
+    .await;
+    // The shim froze the orphaned instance when berth stopped extending
+    // its deadline.
+    eventually(
+        Duration::from_secs(10),
+        "the old instance frozen",
+        || async { matches!(proc_state(old_pid), Some('T') | None).then_some(()) },
+    )
+    .await;
+    assert!(
+        instance_pids(&b.data_dir, "alice", "main").is_empty(),
+        "manual: no automatic relaunch"
+    );
+
+    let out = b.cli(&["takeover", "alice"]);
+    assert!(
+        out.status.success(),
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let main = b.running_main("alice", Some(u64::from(old_pid))).await;
+    assert_eq!(main["node"], "node-b", "{main}");
+    assert_eq!(
+        main["folder"], "proj",
+        "launched with its parameters: {main}"
+    );
+    let new_pids = instance_pids(&b.data_dir, "alice", "main");
+    assert_eq!(new_pids.len(), 1);
+    // The old one never runs again: frozen, or gone.
+    assert!(matches!(proc_state(old_pid), Some('T') | None));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_evidence_a_dead_holders_users_are_relaunched_elsewhere() {
+    let db = fresh_db().await;
+    let root = tempfile::tempdir().unwrap();
+    let mut nodes = start_nodes(root.path(), &db, &["node-a", "node-b"], "").await;
+    let (status, body) = nodes[0]
+        .post(
+            "/users/alice/instance",
+            json!({ "folder": "work", "patch": "k: v\n" }),
+        )
+        .await;
+    assert_eq!(status, 201, "{body}");
+    assert_eq!(body["instance"]["node"], "node-a", "{body}");
+    let old_epoch = body["instance"]["epoch"].as_i64().unwrap();
+    let old_pid = instance_pids(&nodes[0].data_dir, "alice", "main")[0];
+
+    nodes[0].kill9();
+    let b = &nodes[1];
+    let main = eventually(
+        Duration::from_secs(60),
+        "alice relaunched on node-b",
+        || async {
+            let main = b.main_of("alice").await;
+            (main["node"] == "node-b" && main["status"] == "running" && main["ready"] == true)
+                .then_some(main)
+        },
+    )
+    .await;
+    assert!(main["epoch"].as_i64().unwrap() > old_epoch, "{main}");
+    assert_eq!(main["folder"], "work", "{main}");
+    let patch = std::fs::read_to_string(b.data_dir.join("users/alice/patches/main.yaml")).unwrap();
+    assert_eq!(patch, "k: v\n");
+    // The old instance was frozen by its shim before anyone could claim.
+    assert!(matches!(proc_state(old_pid), Some('T') | None));
+    assert_eq!(instance_pids(&b.data_dir, "alice", "main").len(), 1);
+    let text = b
+        .http
+        .get(format!("{}/metrics", b.url))
+        .bearer_auth(&b.token)
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(text.contains("berth_failovers_total 1"), "{text}");
+}
