@@ -43,7 +43,10 @@ impl UserId {
         if raw.starts_with('.') {
             return Err(InvalidUserId::LeadingDot);
         }
-        if let Some(c) = raw.chars().find(|&c| c.is_control() || c == '/' || c == '\\') {
+        if let Some(c) = raw
+            .chars()
+            .find(|&c| c.is_control() || c == '/' || c == '\\')
+        {
             return Err(InvalidUserId::ForbiddenChar(c));
         }
         Ok(Self(raw.to_owned()))

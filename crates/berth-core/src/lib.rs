@@ -31,7 +31,7 @@ pub use error::{ErrorCode, SpawnError};
 pub use id::{InvalidUserId, Slug, UserId};
 pub use model::{
     BreakerInfo, Endpoint, Epoch, Instance, InstanceEvent, InstanceStatus, LaunchRequest,
-    ProbeReport, RestartResult, Role, UserStatus, MAX_PATCH_BYTES,
+    MAX_PATCH_BYTES, ProbeReport, RestartResult, Role, UserStatus,
 };
 pub use spawner::Spawner;
 pub use time::{UnixMillis, unix_millis_now};

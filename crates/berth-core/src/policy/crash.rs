@@ -74,7 +74,10 @@ pub enum CrashDecision {
     /// Restart after this delay (jitter not yet applied).
     Restart { delay: Duration },
     /// Too many restarts in the window: mark the instance `failed`.
-    OpenBreaker { opens: u32, cooldown_until: UnixMillis },
+    OpenBreaker {
+        opens: u32,
+        cooldown_until: UnixMillis,
+    },
 }
 
 /// Who asked for a launch, which decides how the breaker treats it.
@@ -209,7 +212,11 @@ mod tests {
         let mut state = CrashState::default();
         for i in 0..5 {
             let d = policy.on_crash(&mut state, i * MIN, Duration::from_secs(1));
-            assert!(matches!(d, CrashDecision::Restart { .. }), "crash {}", i + 1);
+            assert!(
+                matches!(d, CrashDecision::Restart { .. }),
+                "crash {}",
+                i + 1
+            );
         }
         let sixth = policy.on_crash(&mut state, 5 * MIN, Duration::from_secs(1));
         assert_eq!(
@@ -294,6 +301,9 @@ mod tests {
             .unwrap();
         assert_eq!(after.opens, 2, "the next open keeps doubling");
         assert_eq!(after.breaker_at(20 * MIN), None);
-        assert!(after.restarts.is_empty() && after.streak == 0, "clean budget");
+        assert!(
+            after.restarts.is_empty() && after.streak == 0,
+            "clean budget"
+        );
     }
 }

@@ -61,7 +61,11 @@ mod tests {
     fn stops_only_mains_idle_past_the_ttl() {
         let policy = ReapPolicy::default();
         let now = 120 * MIN;
-        let seen = [("fresh", now - MIN), ("edge", now - 60 * MIN), ("old", now - 61 * MIN)];
+        let seen = [
+            ("fresh", now - MIN),
+            ("edge", now - 60 * MIN),
+            ("old", now - 61 * MIN),
+        ];
         assert_eq!(select_for_reaping(&policy, now, &seen), ["old"]);
     }
 
