@@ -123,6 +123,10 @@ pub struct Upstream {
     pub user: Arc<UserId>,
     pub authority: Authority,
     pub path_and_query: PathAndQuery,
+    /// Retry a refused connection with backoff. Right for a local instance
+    /// (it may be a moment from listening); wrong for another node, whose
+    /// refusal means it is down: waiting there only delays the failover.
+    pub retry_refused: bool,
 }
 
 /// Spawns the client pool's connection tasks where they can be cancelled
@@ -311,7 +315,9 @@ impl Forwarder {
                             tracing::debug!(user = %to.user, error = %e, "stale upstream connection; retrying once");
                             stale_retried = true;
                         }
-                        Err(Failure::Refused(_)) if backoff <= LAST_CONNECT_BACKOFF => {
+                        Err(Failure::Refused(_))
+                            if to.retry_refused && backoff <= LAST_CONNECT_BACKOFF =>
+                        {
                             tokio::time::sleep(backoff).await;
                             backoff *= 2;
                         }

@@ -210,6 +210,7 @@ impl Proxy {
             user: route.user,
             authority,
             path_and_query,
+            retry_refused: true,
         };
         let keep_user = self.gate.keeps_forwarded_user(conn);
         self.forwarder.forward(req, upstream, conn, keep_user).await
@@ -247,6 +248,7 @@ impl Proxy {
             user,
             authority: endpoint,
             path_and_query,
+            retry_refused: false,
         };
         self.forwarder.forward(req, upstream, conn, false).await
     }
