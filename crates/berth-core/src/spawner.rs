@@ -25,6 +25,25 @@ pub trait Spawner: Send + Sync + 'static {
     /// [`Spawner::wait_for_ready`] to wait for readiness.
     async fn launch(&self, user: &UserId, request: LaunchRequest) -> Result<Instance, SpawnError>;
 
+    /// An operator's takeover: claims `user`'s expired lease whatever the
+    /// takeover policy and launches under the new epoch, as one step under
+    /// the user's lifecycle lock, so the backend's lease holder knows (and
+    /// renews) that epoch from the start.
+    ///
+    /// Fails with [`SpawnError::LeaseBusy`] when the lease is not expired.
+    /// Backends without leases answer [`SpawnError::NotFound`].
+    async fn take_over(
+        &self,
+        user: &UserId,
+        request: LaunchRequest,
+    ) -> Result<Instance, SpawnError> {
+        let _ = request;
+        Err(SpawnError::NotFound {
+            user: user.clone(),
+            what: "lease takeover",
+        })
+    }
+
     /// Restarts the live main instance and resets its crash budget.
     async fn restart_main(&self, user: &UserId) -> Result<Instance, SpawnError>;
 

@@ -26,12 +26,37 @@ impl Inner {
     async fn renew_loop(self: Arc<Self>) {
         let mut tick = tokio::time::interval(self.config.lease.renew());
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        // The fence deadline the timer below last acted on, so a passed
+        // deadline freezes once instead of spinning until the next renew.
+        let mut frozen_for: Option<Instant> = None;
         loop {
             tokio::select! {
                 _ = self.cancel.cancelled() => return,
                 _ = tick.tick() => {}
             }
-            self.renew_tick().await;
+            // The tick runs next to the fence timer, not before it: a renew
+            // or heartbeat stuck on a black-holed connection must not keep
+            // this node from freezing its instances on time.
+            let renew = self.renew_tick();
+            tokio::pin!(renew);
+            loop {
+                let fence_at = self
+                    .config
+                    .fence
+                    .then(|| self.lease.fence_deadline())
+                    .flatten()
+                    .filter(|d| frozen_for != Some(*d));
+                tokio::select! {
+                    _ = self.cancel.cancelled() => return,
+                    () = &mut renew => break,
+                    () = sleep_until_opt(fence_at) => {
+                        frozen_for = fence_at;
+                        if self.lease.fence_due(Instant::now()) {
+                            self.freeze_all().await;
+                        }
+                    }
+                }
+            }
         }
     }
 
@@ -73,7 +98,6 @@ impl Inner {
     /// ones, freeze everything when the self-fence deadline passed, thaw
     /// after a good renew, extend the shims' deadlines, heartbeat.
     pub(crate) async fn renew_tick(self: &Arc<Self>) {
-        self.flush_activity().await;
         // A renew proves the leases this node's only as of when it was
         // *sent* (design §3): an answer that arrives after `fence_after`
         // (a slow link, a paused process) may describe leases that have
@@ -82,7 +106,14 @@ impl Inner {
         // late answer neither thaws nor extends anything. Taken before the
         // keeper's own clock, so never later than it.
         let sent = Instant::now();
-        let deadline = sent + self.config.lease.fence_after();
+        let fence_after = self.config.lease.fence_after();
+        let deadline = saturating_add(sent, fence_after);
+        // No timeout here, on purpose: the fence timer in `renew_loop`
+        // freezes on time while this waits. Giving up and renewing again
+        // would be worse: every renew sent still lands in the database, so
+        // a node on a slow link would keep extending a lease it can never
+        // prove, and its frozen users would never fail over. Renews stay
+        // one at a time, so such a node's lease runs out.
         let renewed = match self.lease.renew_all().await {
             Ok(report) => {
                 for (user, epoch) in &report.lost {
@@ -125,8 +156,21 @@ impl Inner {
         if self.config.fence && self.lease.fence_due(Instant::now()) {
             self.freeze_all().await;
         }
-        if let Err(e) = self.heartbeat().await {
-            tracing::warn!(error = %e, "node heartbeat failed");
+        let renew_every = self.config.lease.renew();
+        match tokio::time::timeout(renew_every, self.heartbeat()).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => tracing::warn!(error = %e, "node heartbeat failed"),
+            Err(_) => tracing::warn!(timeout_ms = millis(renew_every), "node heartbeat timed out"),
+        }
+        // Last, and bounded: activity is bookkeeping, the lease is safety.
+        if tokio::time::timeout(renew_every, self.flush_activity())
+            .await
+            .is_err()
+        {
+            tracing::warn!(
+                timeout_ms = millis(renew_every),
+                "recording activity timed out"
+            );
         }
     }
 
@@ -330,5 +374,23 @@ impl Inner {
             }
             Err(e) => tracing::warn!(%user, error = %e, "could not run the on_breaker_open hook"),
         }
+    }
+}
+
+/// `instant + d`, or as far as `Instant` reaches (`LeaseConfig`'s bounds
+/// keep config durations far below that; this only keeps a bad value from
+/// panicking the renew task). Falling back to `instant` itself errs on the
+/// side of fencing early.
+pub(crate) fn saturating_add(instant: Instant, d: std::time::Duration) -> Instant {
+    instant
+        .checked_add(d)
+        .or_else(|| instant.checked_add(std::time::Duration::from_secs(100 * 365 * 24 * 3600)))
+        .unwrap_or(instant)
+}
+
+async fn sleep_until_opt(deadline: Option<Instant>) {
+    match deadline {
+        Some(deadline) => tokio::time::sleep_until(deadline.into()).await,
+        None => std::future::pending().await,
     }
 }

@@ -362,8 +362,18 @@ impl Inner {
             (Readiness::TokenRegex(re), Role::Main) => Some(re.as_str().to_owned()),
             _ => None,
         };
-        let fence_ms = (self.config.fence && instance.role == Role::Main)
-            .then(|| millis(self.config.lease.fence_after()));
+        // The program may run only as long as the lease is proven: until the
+        // last successful renew's send time + fence_after, not a fresh
+        // fence_after from now (a restart after failed renews would
+        // otherwise outlive the lease).
+        let fence_ms = (self.config.fence && instance.role == Role::Main).then(|| {
+            match self.lease.fence_deadline() {
+                Some(deadline) => {
+                    millis(deadline.saturating_duration_since(std::time::Instant::now()))
+                }
+                None => millis(self.config.lease.fence_after()),
+            }
+        });
         Ok(ShimSpec {
             instance_id: instance.id.clone(),
             user: slot.user.as_str().to_owned(),

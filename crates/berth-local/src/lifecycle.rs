@@ -24,6 +24,17 @@ pub(crate) enum PatchSource {
     Keep(Option<PathBuf>),
 }
 
+/// How a launch claims the user's lease.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Claim {
+    /// The normal claim: free, released, or expired under the takeover
+    /// policy.
+    Acquire,
+    /// An operator's explicit takeover of an expired lease, whatever the
+    /// policy.
+    TakeOver,
+}
+
 /// Checks a request before anything is touched: a refused request leaves
 /// no trace on disk or in the store.
 pub(crate) fn validate(folder: Option<&str>, patch: Option<&str>) -> Result<String, SpawnError> {
@@ -76,6 +87,7 @@ impl Inner {
         folder: String,
         patch: PatchSource,
         kind: LaunchKind,
+        claim: Claim,
     ) -> Result<Instance, SpawnError> {
         let user = &slot.user;
         if slot.live_record(Role::Main).is_some() {
@@ -97,7 +109,7 @@ impl Inner {
             SpawnError::CapacityExhausted(format!("no free port in {}", self.port_range_text()))
         })?;
         let launched = self
-            .launch_on_port(slot, folder, patch, port, (crash, admitted))
+            .launch_on_port(slot, folder, patch, port, (crash, admitted), claim)
             .await;
         if launched.is_err() {
             self.ports.release(port);
@@ -112,9 +124,16 @@ impl Inner {
         patch: PatchSource,
         port: u16,
         (crash, admitted): (CrashState, CrashState),
+        claim: Claim,
     ) -> Result<Instance, SpawnError> {
         let user = &slot.user;
-        let epoch = match self.lease.acquire(user).await? {
+        // Through the keeper either way, so it renews (and the fence clock
+        // covers) exactly the epoch the instance runs under.
+        let outcome = match claim {
+            Claim::Acquire => self.lease.acquire(user).await?,
+            Claim::TakeOver => self.lease.take_over(user).await?,
+        };
+        let epoch = match outcome {
             ClaimOutcome::Claimed { epoch } => epoch,
             ClaimOutcome::Busy { holder, expired } => {
                 return Err(SpawnError::LeaseBusy {

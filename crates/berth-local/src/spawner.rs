@@ -23,7 +23,7 @@ use tokio_util::task::TaskTracker;
 
 use crate::LocalConfig;
 use crate::inner::{EVENT_CAPACITY, Inner, StopKind};
-use crate::lifecycle::{PatchSource, validate};
+use crate::lifecycle::{Claim, PatchSource, validate};
 use crate::logs::tail_lines;
 use crate::metrics::Metrics;
 use crate::paths::{check_socket_room, create_private_dir};
@@ -210,7 +210,37 @@ impl Spawner for LocalSpawner {
             LaunchKind::Implicit
         };
         self.inner
-            .launch_locked(&slot, folder, PatchSource::Content(request.patch), kind)
+            .launch_locked(
+                &slot,
+                folder,
+                PatchSource::Content(request.patch),
+                kind,
+                Claim::Acquire,
+            )
+            .await
+    }
+
+    async fn take_over(
+        &self,
+        user: &UserId,
+        request: LaunchRequest,
+    ) -> Result<Instance, SpawnError> {
+        let folder = validate(request.folder.as_deref(), request.patch.as_deref())?;
+        let slot = self.inner.slot(user);
+        let _guard = slot.lifecycle.lock().await;
+        let kind = if request.force {
+            LaunchKind::Force
+        } else {
+            LaunchKind::Implicit
+        };
+        self.inner
+            .launch_locked(
+                &slot,
+                folder,
+                PatchSource::Content(request.patch),
+                kind,
+                Claim::TakeOver,
+            )
             .await
     }
 
@@ -240,6 +270,7 @@ impl Spawner for LocalSpawner {
                 folder,
                 PatchSource::Keep(patch),
                 LaunchKind::Implicit,
+                Claim::Acquire,
             )
             .await
     }

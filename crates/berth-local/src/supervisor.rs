@@ -62,6 +62,9 @@ enum End {
     },
 }
 
+/// How often a restart postponed for an unproven lease looks again.
+const LEASE_UNPROVEN_RECHECK: Duration = Duration::from_millis(200);
+
 enum Pause {
     Elapsed,
     Stopped,
@@ -186,7 +189,7 @@ async fn run_watchdog(ctx: Ctx, handle: ShimHandle) {
             biased;
             _ = inner.cancel.cancelled() => return,
             _ = ctx.stop.cancelled(), if kill_at.is_none() => {
-                kill_at = Some(tokio::time::Instant::now() + inner.config.stop_grace + STOP_MARGIN);
+                kill_at = Some(from_now(inner.config.stop_grace.saturating_add(STOP_MARGIN)));
                 ctx.send_stop().await;
             }
             _ = tokio::time::sleep_until(deadline), if kill_at.is_some() => {
@@ -246,6 +249,14 @@ async fn forward_events(
 
 fn far_future() -> tokio::time::Instant {
     tokio::time::Instant::now() + Duration::from_secs(86_400 * 365)
+}
+
+/// `now + d`, capped at [`far_future`]: a configured duration near
+/// `u64::MAX` ms must not panic the supervisor with an `Instant` overflow.
+fn from_now(d: Duration) -> tokio::time::Instant {
+    tokio::time::Instant::now()
+        .checked_add(d)
+        .map_or_else(far_future, |at| at.min(far_future()))
 }
 
 fn describe_exit(exit: Option<ExitInfo>, stderr_tail: &str, note: Option<&str>) -> String {
@@ -432,7 +443,7 @@ impl Ctx {
                 biased;
                 _ = inner.cancel.cancelled() => return End::Detached,
                 _ = self.stop.cancelled(), if kill_at.is_none() => {
-                    kill_at = Some(tokio::time::Instant::now() + config.stop_grace + STOP_MARGIN);
+                    kill_at = Some(from_now(config.stop_grace.saturating_add(STOP_MARGIN)));
                     self.send_stop().await;
                 }
                 _ = tokio::time::sleep_until(kill_deadline), if kill_at.is_some() => {
@@ -696,25 +707,53 @@ impl Ctx {
 
     /// Starts the program again under the same lease epoch and instance id,
     /// on the same port when it is still free.
+    ///
+    /// With fencing on, a restart waits while the lease is unproven (no renew
+    /// sent within `fence_after` has succeeded): another node may hold it by
+    /// now, and a program started then would run next to that node's. It
+    /// goes ahead after the next good renew, ends as fenced when the renew
+    /// finds the lease lost, and ends as stopped when asked to stop.
+    /// Waiting, rather than giving up, keeps a short store outage from
+    /// stopping every crashed user's instance for good.
     async fn respawn(&self) -> Option<Start> {
         let inner = &self.inner;
         let user = &self.slot.user;
-        if self.stop.is_cancelled() {
-            self.finish_stopped(None).await;
-            return None;
-        }
-        let instance = self.current()?;
-        if inner.lease.epoch_of(user) != Some(instance.epoch) {
-            self.finish(
-                InstanceStatus::Stopped,
-                None,
-                Some(FENCED_ERROR.into()),
-                false,
-                Some(FENCED_ERROR.into()),
-            )
-            .await;
-            return None;
-        }
+        let mut postponed = false;
+        let instance = loop {
+            if self.stop.is_cancelled() {
+                self.finish_stopped(None).await;
+                return None;
+            }
+            let instance = self.current()?;
+            if inner.lease.epoch_of(user) != Some(instance.epoch) {
+                self.finish(
+                    InstanceStatus::Stopped,
+                    None,
+                    Some(FENCED_ERROR.into()),
+                    false,
+                    Some(FENCED_ERROR.into()),
+                )
+                .await;
+                return None;
+            }
+            if !(inner.config.fence && inner.lease.fence_due(Instant::now())) {
+                break instance;
+            }
+            if !postponed {
+                postponed = true;
+                tracing::warn!(%user, epoch = instance.epoch,
+                    "lease unproven (no successful renew within fence_after); postponing the restart");
+            }
+            match self
+                .pause(LEASE_UNPROVEN_RECHECK.min(inner.config.lease.renew()))
+                .await
+            {
+                Pause::Elapsed => {}
+                Pause::Detached => return None,
+                // Checked at the top of the loop.
+                Pause::Stopped => {}
+            }
+        };
         let port = match instance.port.filter(|p| bind_free(*p)) {
             Some(port) => port,
             None => match inner.ports.allocate(None, &Default::default()) {

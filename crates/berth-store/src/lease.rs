@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use berth_core::{Epoch, UserId};
 
-use crate::{ClaimOutcome, LeaseRecord, Store, StoreError, TakeoverPolicy};
+use crate::{ClaimOutcome, Store, StoreError, TakeoverPolicy};
 
 /// Why lease settings were refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -30,7 +30,16 @@ pub enum LeaseConfigError {
     FenceAfterTooLong { fence_after_ms: u128, ttl_ms: u128 },
     #[error("lease renew_ms must be greater than 0")]
     ZeroRenew,
+    #[error(
+        "lease ttl_ms ({ttl_ms}) must be at most {max_ms} (one day): longer leases leave a dead node's users unserved for that long"
+    )]
+    TtlTooLong { ttl_ms: u128, max_ms: u128 },
 }
+
+/// The longest lease TTL accepted. Bounding the TTL bounds renew and
+/// fence_after too (both are below it), so adding any of them to an
+/// `Instant` cannot overflow.
+pub const MAX_TTL: Duration = Duration::from_secs(24 * 3600);
 
 /// Validated lease timing. Defaults: TTL 30 s, renew 10 s, fence after 20 s,
 /// takeover with evidence.
@@ -51,6 +60,12 @@ impl LeaseConfig {
     ) -> Result<Self, LeaseConfigError> {
         if renew.is_zero() {
             return Err(LeaseConfigError::ZeroRenew);
+        }
+        if ttl > MAX_TTL {
+            return Err(LeaseConfigError::TtlTooLong {
+                ttl_ms: ttl.as_millis(),
+                max_ms: MAX_TTL.as_millis(),
+            });
         }
         // Compared in full precision: `ttl > 2 × renew` must not pass
         // because of rounding to milliseconds.
@@ -107,11 +122,6 @@ pub struct RenewReport {
     pub lost: Vec<(UserId, Epoch)>,
 }
 
-/// True if `record` says `node` holds the lease at `epoch`.
-pub fn still_holder(record: Option<&LeaseRecord>, node: &str, epoch: Epoch) -> bool {
-    record.is_some_and(|r| r.holder.as_deref() == Some(node) && r.epoch == epoch)
-}
-
 /// The leases one node holds. Cheap to share behind an `Arc`; holds no lock
 /// across an `.await`.
 pub struct LeaseKeeper {
@@ -150,14 +160,6 @@ impl LeaseKeeper {
             held: Mutex::new(HashMap::new()),
             last_success_sent: Mutex::new(Instant::now()),
         }
-    }
-
-    pub fn node_id(&self) -> &str {
-        &self.node_id
-    }
-
-    pub fn config(&self) -> &LeaseConfig {
-        &self.config
     }
 
     /// Claims `user`'s lease; on success remembers the epoch.
@@ -275,6 +277,17 @@ impl LeaseKeeper {
             .collect()
     }
 
+    /// When the node must freeze its instances unless another renew
+    /// succeeds first: the last successful renew's (or first claim's) *send*
+    /// time + `fence_after`. A program started now may run only until then,
+    /// so this, not "now + `fence_after`", is the deadline a new shim gets.
+    ///
+    /// `None` only when that instant is beyond what `Instant` can hold
+    /// (which `LeaseConfig`'s bounds rule out), i.e. no deadline in reach.
+    pub fn fence_deadline(&self) -> Option<Instant> {
+        lock(&self.last_success_sent).checked_add(self.config.fence_after)
+    }
+
     /// True when no renew sent within the last `fence_after` has succeeded
     /// (measured from `now`): the node must freeze its instances. A keeper
     /// that holds nothing has nothing to fence.
@@ -282,8 +295,8 @@ impl LeaseKeeper {
         if lock(&self.held).is_empty() {
             return false;
         }
-        let last = *lock(&self.last_success_sent);
-        now.saturating_duration_since(last) >= self.config.fence_after
+        self.fence_deadline()
+            .is_some_and(|deadline| now >= deadline)
     }
 }
 
@@ -297,7 +310,7 @@ mod tests {
     use tokio::sync::Notify;
 
     use super::*;
-    use crate::{InstanceFilter, LaunchParams, NodeRecord, SqliteStore};
+    use crate::{InstanceFilter, LaunchParams, LeaseRecord, NodeRecord, SqliteStore};
 
     const MS: Duration = Duration::from_millis(1);
 
@@ -405,20 +418,48 @@ mod tests {
     }
 
     #[test]
-    fn still_holder_checks_node_and_epoch() {
-        let record = crate::LeaseRecord {
-            user: user("alice"),
-            holder: Some("node-a".into()),
-            epoch: 4,
-            lease_until: Some(0),
-            released: false,
-            expired: false,
-            holder_alive: None,
-        };
-        assert!(still_holder(Some(&record), "node-a", 4));
-        assert!(!still_holder(Some(&record), "node-a", 3));
-        assert!(!still_holder(Some(&record), "node-b", 4));
-        assert!(!still_holder(None, "node-a", 4));
+    fn config_rejects_huge_durations() {
+        let huge = Duration::from_millis(u64::MAX);
+        assert_eq!(
+            LeaseConfig::new(
+                huge,
+                Duration::from_secs(10),
+                Duration::from_secs(20),
+                TakeoverPolicy::Evidence
+            ),
+            Err(LeaseConfigError::TtlTooLong {
+                ttl_ms: u128::from(u64::MAX),
+                max_ms: MAX_TTL.as_millis()
+            })
+        );
+        // A huge renew or fence_after cannot slip past with a valid ttl.
+        assert!(matches!(
+            LeaseConfig::new(
+                Duration::from_secs(30),
+                huge,
+                Duration::from_secs(20),
+                TakeoverPolicy::Evidence
+            ),
+            Err(LeaseConfigError::TtlTooShort { .. })
+        ));
+        assert!(matches!(
+            LeaseConfig::new(
+                Duration::from_secs(30),
+                Duration::from_secs(10),
+                huge,
+                TakeoverPolicy::Evidence
+            ),
+            Err(LeaseConfigError::FenceAfterTooLong { .. })
+        ));
+        assert!(
+            LeaseConfig::new(
+                MAX_TTL,
+                Duration::from_secs(10),
+                Duration::from_secs(20),
+                TakeoverPolicy::Evidence
+            )
+            .is_ok()
+        );
     }
 
     #[tokio::test]
@@ -427,8 +468,6 @@ mod tests {
         let store: Arc<dyn Store> = Arc::new(store);
         let a = LeaseKeeper::new(store.clone(), "node-a".into(), LeaseConfig::default());
         let b = LeaseKeeper::new(store.clone(), "node-b".into(), LeaseConfig::default());
-        assert_eq!(a.node_id(), "node-a");
-        assert_eq!(a.config(), &LeaseConfig::default());
         let alice = user("alice");
 
         assert_eq!(
@@ -589,11 +628,15 @@ mod tests {
             "a successful renew moves the fence clock"
         );
 
+        let deadline = keeper.fence_deadline().unwrap();
+        assert!(deadline > after_acquire + fence && deadline <= arrived + fence);
+
         // A failed renew does not move it.
         let stuck_at = Instant::now();
         sqlite.close().await;
         assert!(keeper.renew_all().await.is_err());
         assert!(keeper.fence_due(stuck_at + fence));
+        assert_eq!(keeper.fence_deadline(), Some(deadline));
         assert_eq!(keeper.holdings().len(), 1, "an error is not a loss");
     }
 

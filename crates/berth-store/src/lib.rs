@@ -29,7 +29,7 @@ use berth_core::policy::{CrashState, NodeState, NodeView};
 use berth_core::{Epoch, Instance, InstanceStatus, Role, UnixMillis, UserId};
 use serde::{Deserialize, Serialize};
 
-pub use postgres::{PgStore, PgStoreOptions};
+pub use postgres::{PgStore, PgStoreOptions, redact_url};
 pub use sqlite::SqliteStore;
 
 /// Why a store operation failed.

@@ -89,6 +89,12 @@ impl MigrationSource<'static> for EmbeddedMigrations {
     }
 }
 
+/// Upper bound the server enforces on one statement of the pool. Lease
+/// statements touch a handful of indexed rows and take milliseconds; 5 s is
+/// far above that and below the default renew interval (10 s), so one slow
+/// statement fails before the next renew tick is due.
+const STATEMENT_TIMEOUT: Duration = Duration::from_secs(5);
+
 /// Connection settings of a [`PgStore`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PgStoreOptions {
@@ -181,7 +187,17 @@ impl PgStore {
             // and is what lets the pool drop connections a server restart
             // killed, instead of failing the next operation with them.
             .test_before_acquire(true)
-            .connect_lazy_with(connect);
+            // Server-side bound on every statement of the pool (not the
+            // migration connection above: migrating may take longer). A
+            // lease statement stuck behind a lock or an overloaded server
+            // then fails well inside fence_after instead of holding the
+            // renew tick; a connection that is black-holed altogether is
+            // bounded by the callers' own timeouts. (sqlx 0.8 has no
+            // client-side TCP keepalive setting for PostgreSQL.)
+            .connect_lazy_with(connect.options([(
+                "statement_timeout",
+                format!("{}ms", STATEMENT_TIMEOUT.as_millis()),
+            )]));
         Ok(Self {
             pool,
             target,
@@ -357,7 +373,7 @@ fn describe(options: &PgConnectOptions) -> String {
 
 /// The URL with any password (in the user-info part or a `password=` query
 /// parameter) replaced by `***`, for messages about URLs that did not parse.
-pub(crate) fn redact_url(url: &str) -> String {
+pub fn redact_url(url: &str) -> String {
     let (scheme, rest) = match url.find("://") {
         Some(i) => (&url[..i + 3], &url[i + 3..]),
         None => ("", url),

@@ -919,30 +919,26 @@ impl Config {
 
     /// The lease invariants, checked here too so that the messages name the
     /// keys (and the file line).
+    /// The rules live in `LeaseConfig::new`; this only names the key (and
+    /// its line) that each refusal is about.
     fn check_lease_numbers(&self) -> Result<(), ConfigError> {
+        use berth_store::lease::LeaseConfigError as E;
         let l = &self.lease;
-        if l.renew_ms == 0 {
-            return Err(self.invalid("lease.renew_ms", "must be greater than 0"));
-        }
-        if l.ttl_ms <= l.renew_ms.saturating_mul(2) {
-            return Err(self.invalid(
-                "lease.ttl_ms",
-                format!(
-                    "{} must be greater than 2 × lease.renew_ms ({}), so one slow renew cannot lose the lease",
-                    l.ttl_ms, l.renew_ms
-                ),
-            ));
-        }
-        if l.fence_after_ms >= l.ttl_ms {
-            return Err(self.invalid(
-                "lease.fence_after_ms",
-                format!(
-                    "{} must be less than lease.ttl_ms ({}), so a holder fences itself before others may claim",
-                    l.fence_after_ms, l.ttl_ms
-                ),
-            ));
-        }
-        Ok(())
+        LeaseConfig::new(
+            Duration::from_millis(l.ttl_ms),
+            Duration::from_millis(l.renew_ms),
+            Duration::from_millis(l.fence_after_ms),
+            l.takeover,
+        )
+        .map(drop)
+        .map_err(|e| {
+            let key = match e {
+                E::ZeroRenew => "lease.renew_ms",
+                E::TtlTooShort { .. } | E::TtlTooLong { .. } => "lease.ttl_ms",
+                E::FenceAfterTooLong { .. } => "lease.fence_after_ms",
+            };
+            self.invalid(key, e.to_string())
+        })
     }
 
     fn validate_proxy(&self) -> Result<(), ConfigError> {
@@ -1260,6 +1256,27 @@ mod tests {
         let c = parse("[lease]\nrenew_ms = 0\n").unwrap();
         assert!(c.check_lease_numbers().is_err());
         assert!(Config::default().check_lease_numbers().is_ok());
+    }
+
+    #[test]
+    fn a_huge_lease_ttl_is_refused_naming_the_key() {
+        // Beyond TOML's i64: refused while parsing, naming key and line.
+        let msg = parse("[lease]\nttl_ms = 18446744073709551615\n")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            msg.contains("lease.ttl_ms") && msg.contains("line 2"),
+            "{msg}"
+        );
+        // The largest TOML integer parses, and LeaseConfig's bound refuses it
+        // (instead of an Instant overflow panicking the renew task later).
+        let c = parse("[lease]\nttl_ms = 9223372036854775807\n").unwrap();
+        let msg = c.check_lease_numbers().unwrap_err().to_string();
+        assert!(
+            msg.contains("lease.ttl_ms") && msg.contains("line 2") && msg.contains("at most"),
+            "{msg}"
+        );
+        assert!(c.lease_config().is_err());
     }
 
     #[test]

@@ -508,3 +508,63 @@ async fn program_gets_only_its_own_environment() {
         String::from_utf8_lossy(&read_log(&spec))
     );
 }
+
+/// A shim that reports `Spawned` but never listens on its socket: `spawn`
+/// fails, and must not leave that shim (and so its program) running
+/// unowned while the caller releases the lease and port.
+#[tokio::test]
+async fn spawn_kills_the_shim_when_connecting_after_spawned_fails() {
+    use berth_local::shim::SpawnReport;
+    let dir = tempfile::tempdir().unwrap();
+    let spec = spec(dir.path(), &["true"]);
+    std::fs::create_dir_all(dir.path().join("run")).unwrap();
+    let state = ShimState {
+        instance_id: spec.instance_id.clone(),
+        user: spec.user.clone(),
+        role: Role::Main,
+        epoch: spec.epoch,
+        socket_path: dir.path().join("run/nobody-listens.sock"),
+        shim_pid: 1,
+        pid: 1,
+        pid_start: 0,
+        ready: false,
+        token: None,
+        exit: None,
+        stderr_tail: String::new(),
+        frozen: false,
+    };
+    let report = serde_json::to_string(&SpawnReport::Spawned {
+        state: state.clone(),
+    })
+    .unwrap();
+    std::fs::write(&spec.state_path, serde_json::to_vec(&state).unwrap()).unwrap();
+    let pid_file = dir.path().join("fake-shim.pid");
+    let fake = dir.path().join("fake-shim");
+    std::fs::write(
+        &fake,
+        format!(
+            "#!/bin/sh\nread spec\necho $$ > '{}'\necho '{}'\nexec sleep 1000\n",
+            pid_file.display(),
+            report
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(&fake, std::fs::Permissions::from_mode(0o755)).unwrap();
+
+    let err = match ShimHandle::spawn(&fake, &[], &spec).await {
+        Ok(_) => panic!("spawn succeeded without a shim listening"),
+        Err(e) => e,
+    };
+    assert!(matches!(err, ShimError::Gone(_)), "{err:?}");
+    let pid: u32 = std::fs::read_to_string(&pid_file)
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    let start = stat(pid).map(|(_, s)| s).unwrap_or(0);
+    let _reaper = Reaper(vec![(pid, start)]);
+    assert!(
+        !alive(pid, start) || stat(pid).is_none(),
+        "the shim {pid} still runs after spawn failed"
+    );
+}

@@ -120,7 +120,8 @@ impl ShimHandle {
                 )));
             }
         };
-        // The child is dropped from here on: tokio reaps it when it exits.
+        // Past this point the child is dropped on success (tokio reaps it
+        // when it exits) and killed on every failure.
         let state = match serde_json::from_str::<SpawnReport>(&report) {
             Ok(SpawnReport::Spawned { state }) => state,
             Ok(SpawnReport::Failed { error }) => return Err(ShimError::SpawnFailed(error)),
@@ -132,22 +133,28 @@ impl ShimHandle {
                 )));
             }
         };
-        match connect(&state).await {
-            Ok(connected) => Ok(connected),
-            Err(ShimError::Gone(why)) => {
-                let recorded = Self::read_state(&spec.state_path)?;
-                if recorded.exit.is_some() && same_program(&recorded, &state) {
+        let error = match connect(&state).await {
+            Ok(connected) => return Ok(connected),
+            Err(ShimError::Gone(why)) => match Self::read_state(&spec.state_path) {
+                Ok(recorded) if recorded.exit.is_some() && same_program(&recorded, &state) => {
+                    // The program already exited: nothing runs unowned.
                     let handle = ShimHandle {
                         events: None,
                         control: ShimControl::closed(),
                     };
-                    Ok((handle, recorded))
-                } else {
-                    Err(ShimError::Gone(why))
+                    return Ok((handle, recorded));
                 }
-            }
-            Err(e) => Err(e),
-        }
+                Ok(_) => ShimError::Gone(why),
+                Err(e) => e,
+            },
+            Err(e) => e,
+        };
+        // The program runs but we hold no connection to its shim. Returning
+        // the error alone would leave it running unowned while the caller
+        // releases its lease and port (two instances). Killing the shim
+        // takes the program with it (parent-death signal).
+        kill_and_reap(&mut child).await;
+        Err(error)
     }
 
     /// Connects to the live shim whose state file is `state_path`.
@@ -262,6 +269,20 @@ fn is_disconnect(e: &io::Error) -> bool {
 }
 
 /// Whether two states describe the same run of the same program.
+/// SIGKILLs a shim we spawned and waits (bounded) for it to be gone, so its
+/// program has received the parent-death signal by the time we return.
+async fn kill_and_reap(child: &mut tokio::process::Child) {
+    if let Err(e) = child.start_kill() {
+        tracing::warn!(%e, "cannot kill the shim");
+    }
+    if tokio::time::timeout(Duration::from_secs(5), child.wait())
+        .await
+        .is_err()
+    {
+        tracing::warn!("the killed shim has not exited within 5s");
+    }
+}
+
 fn same_program(a: &ShimState, b: &ShimState) -> bool {
     a.instance_id == b.instance_id && a.pid == b.pid && a.pid_start == b.pid_start
 }

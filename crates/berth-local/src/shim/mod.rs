@@ -37,7 +37,7 @@ macro_rules! diag {
 
 mod client;
 mod output;
-mod procfs;
+pub(crate) mod procfs;
 mod protocol;
 mod server;
 mod state_file;
