@@ -1,5 +1,6 @@
 use std::fmt;
 
+use percent_encoding::{AsciiSet, NON_ALPHANUMERIC, utf8_percent_encode};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
@@ -8,6 +9,13 @@ pub const MAX_USER_ID_BYTES: usize = 128;
 /// Longest slug that is used unchanged, and the longest readable prefix of a
 /// hashed slug.
 const MAX_PLAIN_SLUG: usize = 32;
+/// Characters escaped in a path segment: everything but RFC 3986
+/// "unreserved", so `@`, `?`, `#`, space and non-ASCII survive a URL.
+const PATH_SEGMENT: &AsciiSet = &NON_ALPHANUMERIC
+    .remove(b'-')
+    .remove(b'.')
+    .remove(b'_')
+    .remove(b'~');
 
 /// Why a string is not a valid [`UserId`].
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -60,6 +68,20 @@ impl UserId {
     pub fn slug(&self) -> Slug {
         Slug::of(&self.0)
     }
+
+    /// The id percent-encoded as one URL path segment (everything but
+    /// unreserved characters escaped). Every URL berth hands out and the
+    /// base path its program sees use this one form, so they always agree
+    /// with what the proxy receives and forwards.
+    pub fn path_segment(&self) -> String {
+        utf8_percent_encode(&self.0, PATH_SEGMENT).to_string()
+    }
+
+    /// The base path the proxy serves this user under: `/u/<segment>/`,
+    /// with the segment encoded by [`UserId::path_segment`].
+    pub fn base_path(&self) -> String {
+        format!("/u/{}/", utf8_percent_encode(&self.0, PATH_SEGMENT))
+    }
 }
 
 impl TryFrom<String> for UserId {
@@ -99,7 +121,7 @@ pub struct Slug(String);
 
 impl Slug {
     fn of(id: &str) -> Self {
-        if is_plain_label(id) {
+        if Self::is_plain(id) {
             return Self(id.to_owned());
         }
         let mut prefix = String::with_capacity(MAX_PLAIN_SLUG);
@@ -127,18 +149,21 @@ impl Slug {
     pub fn as_str(&self) -> &str {
         &self.0
     }
-}
 
-fn is_plain_label(s: &str) -> bool {
-    let bytes = s.as_bytes();
-    !bytes.is_empty()
-        && bytes.len() <= MAX_PLAIN_SLUG
-        && bytes
-            .iter()
-            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || *b == b'-')
-        && bytes[0] != b'-'
-        && bytes[bytes.len() - 1] != b'-'
-        && !s.contains("--")
+    /// Whether `s` is a plain slug: a DNS label
+    /// (`[a-z0-9]([-a-z0-9]*[a-z0-9])?`) of at most 32 characters without
+    /// `--`. Such an id is its own slug; a hashed slug never passes.
+    pub fn is_plain(s: &str) -> bool {
+        let bytes = s.as_bytes();
+        !bytes.is_empty()
+            && bytes.len() <= MAX_PLAIN_SLUG
+            && bytes
+                .iter()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || *b == b'-')
+            && bytes[0] != b'-'
+            && bytes[bytes.len() - 1] != b'-'
+            && !s.contains("--")
+    }
 }
 
 impl fmt::Display for Slug {
@@ -210,6 +235,35 @@ mod tests {
         assert!(slug.as_str().starts_with("x---"), "{slug}");
         let slug = UserId::parse(&"b".repeat(33)).unwrap().slug();
         assert!(slug.as_str().starts_with(&format!("{}---", "b".repeat(32))));
+    }
+
+    #[test]
+    fn path_segments_escape_all_but_unreserved() {
+        let cases = [
+            ("alice", "alice"),
+            ("a.b_c~d-e", "a.b_c~d-e"),
+            ("a@b.c", "a%40b.c"),
+            ("a b", "a%20b"),
+            ("a?b#c%d", "a%3Fb%23c%25d"),
+            ("日", "%E6%97%A5"),
+        ];
+        for (raw, want) in cases {
+            let id = UserId::parse(raw).unwrap();
+            assert_eq!(id.path_segment(), want, "{raw:?}");
+            assert_eq!(id.base_path(), format!("/u/{want}/"), "{raw:?}");
+        }
+    }
+
+    #[test]
+    fn plain_is_exactly_the_own_slug_rule() {
+        for s in ["alice", "a-1", "0day"] {
+            assert!(Slug::is_plain(s), "{s:?}");
+        }
+        for s in ["", "-a", "a-", "a--b", "Alice", "a.b", &"a".repeat(33)] {
+            assert!(!Slug::is_plain(s), "{s:?}");
+        }
+        let hashed = UserId::parse("A@b").unwrap().slug();
+        assert!(!Slug::is_plain(hashed.as_str()));
     }
 
     proptest! {

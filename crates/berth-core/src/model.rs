@@ -151,6 +151,18 @@ pub struct Endpoint {
     pub port: u16,
 }
 
+impl Endpoint {
+    /// `host:port` as a URI authority: an IPv6 literal gets its brackets
+    /// (unless it already has them), which `host:port` text would lack.
+    pub fn authority(&self) -> String {
+        if self.host.contains(':') && !self.host.starts_with('[') {
+            format!("[{}]:{}", self.host, self.port)
+        } else {
+            format!("{}:{}", self.host, self.port)
+        }
+    }
+}
+
 impl fmt::Display for Endpoint {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{}:{}", self.host, self.port)

@@ -80,8 +80,10 @@ pub struct LocalConfig {
 }
 
 impl LocalConfig {
-    /// The base path the proxy serves `user` under: `/u/<user>/`.
+    /// The base path the proxy serves `user` under: `/u/<user>/`, with the
+    /// id percent-encoded exactly as in every URL berth hands out (and as
+    /// the proxy forwards it with `strip_prefix = false`).
     pub fn base_path(user: &berth_core::UserId) -> String {
-        format!("/u/{}/", user.as_str())
+        user.base_path()
     }
 }

@@ -278,11 +278,6 @@ impl Authenticator {
         }
     }
 
-    /// True if `token` is the admin token (constant time).
-    pub fn is_admin(&self, token: &str) -> bool {
-        TokenHash::of(token).ct_eq(&self.admin_hash)
-    }
-
     /// Identifies the holder of `token`; `None` if it is not valid.
     pub async fn identify(&self, token: &str) -> Result<Option<Caller>, AuthError> {
         let hash = TokenHash::of(token);

@@ -11,8 +11,9 @@
 //!   wake-up of their own per request. A bodiless idempotent request that
 //!   fails because a pooled connection was stale is sent once more on a
 //!   fresh one (any request that a pooled connection closed under before
-//!   it was written, too); one refused at connect (the instance is not
-//!   listening yet) is tried again for about 1.5 s.
+//!   it was written, too). The connection is set up before the request is
+//!   built, so a refused connect (the instance is not listening yet) is
+//!   tried again for about 1.5 s whatever the method or body.
 //! * `Connection: upgrade` requests (WebSocket) go through hyper's pooled
 //!   client (its connection tasks hand the upgraded stream over) and become
 //!   a raw byte tunnel once both sides have switched protocols; at most
@@ -186,6 +187,24 @@ enum Failure {
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
+/// Why one exchange on a connection failed.
+enum Attempt {
+    /// The connection closed before the request was written; here it is
+    /// back, body and all. Boxed: this is rare, and keeps every attempt's
+    /// result small.
+    Unsent(Box<Request<UpstreamBody>>, hyper::Error),
+    Failed(Failure),
+}
+
+/// A send error after (part of) the request was written.
+fn classify(e: hyper::Error) -> Failure {
+    if is_stale_hyper(&e) {
+        Failure::Stale(e.into())
+    } else {
+        Failure::Fatal(e.into())
+    }
+}
+
 /// Connection-refused retries wait 25, 50, … 800 ms: about 1.5 s in all.
 /// Some programs announce readiness a moment before they listen (Jupyter
 /// Server logs its URL, then binds on the next loop turn).
@@ -290,48 +309,7 @@ impl Forwarder {
         } else {
             // Origin-form: the request line carries the path only.
             parts.uri = Uri::from(to.path_and_query.clone());
-            // Only a request that can be rebuilt without its body may be
-            // retried once it has been sent.
-            let retry = (is_idempotent(&parts.method) && body.is_end_stream()).then(|| {
-                (
-                    parts.method.clone(),
-                    parts.uri.clone(),
-                    parts.headers.clone(),
-                )
-            });
-            let mut result = self
-                .send(
-                    &to.authority,
-                    Request::from_parts(parts, Either::Left(body)),
-                    false,
-                )
-                .await;
-            if let Some((method, uri, headers)) = retry {
-                let mut stale_retried = false;
-                let mut backoff = FIRST_CONNECT_BACKOFF;
-                loop {
-                    match &result {
-                        Err(Failure::Stale(e)) if !stale_retried => {
-                            tracing::debug!(user = %to.user, error = %e, "stale upstream connection; retrying once");
-                            stale_retried = true;
-                        }
-                        Err(Failure::Refused(_))
-                            if to.retry_refused && backoff <= LAST_CONNECT_BACKOFF =>
-                        {
-                            tokio::time::sleep(backoff).await;
-                            backoff *= 2;
-                        }
-                        _ => break,
-                    }
-                    let mut again = Request::new(Either::Right(Empty::new()));
-                    *again.method_mut() = method.clone();
-                    *again.uri_mut() = uri.clone();
-                    *again.headers_mut() = headers.clone();
-                    *again.version_mut() = Version::HTTP_11;
-                    result = self.send(&to.authority, again, true).await;
-                }
-            }
-            result
+            self.send(&to, parts, body).await
         };
         let mut response = match result {
             Ok(response) => response,
@@ -356,53 +334,105 @@ impl Forwarder {
         response.map(Either::Left)
     }
 
-    /// One attempt on an upstream connection of the pool (unless `fresh`),
-    /// driven by this task until the response head arrives. A request that
-    /// a pooled connection closed under before sending it goes once more
-    /// on a fresh connection, whatever its method.
+    /// Sends a plain (not upgrading) request on a pooled or new upstream
+    /// connection, driven by this task until the response head arrives.
+    ///
+    /// The connection is in hand before the request is built, so a refused
+    /// connect (nothing listens yet) has consumed nothing and is retried
+    /// with backoff whatever the method or body. Once a request was written
+    /// it can only be sent again if it can be rebuilt without its body, so
+    /// only a bodiless idempotent request on a pooled connection (which may
+    /// have gone stale while idle) keeps a copy of its head for one more
+    /// try; everything else moves straight into the request.
     async fn send(
         &self,
-        to: &Authority,
-        req: Request<UpstreamBody>,
-        fresh: bool,
+        to: &Upstream,
+        parts: hyper::http::request::Parts,
+        body: Incoming,
     ) -> Result<Response<ForwardedBody>, Failure> {
-        let mut req = req;
-        let mut fresh = fresh;
+        let (mut conn, mut reused) = match self.pool.checkout(&to.authority) {
+            Some(conn) => (conn, true),
+            // Boxed: connecting is rare, and its future is large.
+            None => (Box::pin(self.connect_patiently(to)).await?, false),
+        };
+        let mut again =
+            (reused && is_idempotent(&parts.method) && body.is_end_stream()).then(|| {
+                (
+                    parts.method.clone(),
+                    parts.uri.clone(),
+                    parts.headers.clone(),
+                )
+            });
+        let mut req = Request::from_parts(parts, Either::Left(body));
         loop {
-            let pooled = if fresh { None } else { self.pool.checkout(to) };
-            let reused = pooled.is_some();
-            let mut conn = match pooled {
-                Some(conn) => conn,
-                // Boxed: connecting is rare, and its future is large.
-                None => Box::pin(self.connect(to)).await?,
-            };
-            let mut response = std::pin::pin!(conn.sender.try_send_request(req));
-            let result = std::future::poll_fn(|cx| {
-                conn.poll_io(cx);
-                response.as_mut().poll(cx)
-            })
-            .await;
-            match result {
-                Ok(response) => {
-                    let pool = self.pool.clone();
-                    let key = to.clone();
-                    return Ok(response.map(|body| ForwardedBody::pooled(body, conn, pool, key)));
+            match self.attempt(&to.authority, conn, req).await {
+                Ok(response) => return Ok(response),
+                // The pooled connection closed before the request was
+                // written: hyper hands it back, so any method goes again.
+                Err(Attempt::Unsent(unsent, e)) if reused => {
+                    tracing::debug!(error = %e, "pooled upstream connection closed before sending; retrying");
+                    req = *unsent;
                 }
-                Err(mut e) => match e.take_message() {
-                    Some(unsent) if reused => {
-                        tracing::debug!(error = %e.error(), "pooled upstream connection closed before sending; retrying");
-                        req = unsent;
-                        fresh = true;
-                    }
-                    _ => {
-                        let e = e.into_error();
-                        return Err(if is_stale_hyper(&e) {
-                            Failure::Stale(e.into())
-                        } else {
-                            Failure::Fatal(e.into())
-                        });
-                    }
-                },
+                Err(Attempt::Unsent(_, e)) => return Err(classify(e)),
+                Err(Attempt::Failed(Failure::Stale(e))) => {
+                    let Some((method, uri, headers)) = again.take() else {
+                        return Err(Failure::Stale(e));
+                    };
+                    tracing::debug!(user = %to.user, error = %e, "stale upstream connection; retrying once");
+                    let mut rebuilt = Request::new(Either::Right(Empty::new()));
+                    *rebuilt.method_mut() = method;
+                    *rebuilt.uri_mut() = uri;
+                    *rebuilt.headers_mut() = headers;
+                    *rebuilt.version_mut() = Version::HTTP_11;
+                    req = rebuilt;
+                }
+                Err(Attempt::Failed(failure)) => return Err(failure),
+            }
+            conn = Box::pin(self.connect_patiently(to)).await?;
+            reused = false;
+        }
+    }
+
+    /// One exchange on `conn`, up to the response head. On success the
+    /// connection travels inside the response body and returns to the pool
+    /// when that is finished.
+    async fn attempt(
+        &self,
+        to: &Authority,
+        mut conn: Conn,
+        req: Request<UpstreamBody>,
+    ) -> Result<Response<ForwardedBody>, Attempt> {
+        let mut response = std::pin::pin!(conn.sender.try_send_request(req));
+        let result = std::future::poll_fn(|cx| {
+            conn.poll_io(cx);
+            response.as_mut().poll(cx)
+        })
+        .await;
+        match result {
+            Ok(response) => {
+                let pool = self.pool.clone();
+                let key = to.clone();
+                Ok(response.map(|body| ForwardedBody::pooled(body, conn, pool, key)))
+            }
+            Err(mut e) => match e.take_message() {
+                Some(unsent) => Err(Attempt::Unsent(Box::new(unsent), e.into_error())),
+                None => Err(Attempt::Failed(classify(e.into_error()))),
+            },
+        }
+    }
+
+    /// A new connection; a refused one is tried again with backoff (about
+    /// 1.5 s in all) when `retry_refused` says the upstream is a local
+    /// instance that may be a moment from listening.
+    async fn connect_patiently(&self, to: &Upstream) -> Result<Conn, Failure> {
+        let mut backoff = FIRST_CONNECT_BACKOFF;
+        loop {
+            match self.connect(&to.authority).await {
+                Err(Failure::Refused(_)) if to.retry_refused && backoff <= LAST_CONNECT_BACKOFF => {
+                    tokio::time::sleep(backoff).await;
+                    backoff *= 2;
+                }
+                other => return other,
             }
         }
     }

@@ -192,20 +192,41 @@ impl Pool {
         });
     }
 
+    /// Closes expired and closed idle connections. Polling and closing
+    /// happen outside the lock, so checkouts and releases on the request
+    /// path never wait behind them; a checkout meanwhile finds no idle
+    /// connection and opens a new one, as after any idle period.
     fn sweep(&self) {
-        let mut closed = 0usize;
-        {
+        let mut taken = {
             let mut map = self.idle.lock().unwrap_or_else(|e| e.into_inner());
-            map.retain(|_, list| {
-                list.retain_mut(|idle| {
-                    let keep =
-                        idle.since.elapsed() < self.idle_timeout && idle.conn.poll_reusable();
-                    closed += usize::from(!keep);
-                    keep
-                });
-                !list.is_empty()
+            std::mem::take(&mut *map)
+        };
+        let mut closed = 0usize;
+        taken.retain(|_, list| {
+            list.retain_mut(|idle| {
+                let keep = idle.since.elapsed() < self.idle_timeout && idle.conn.poll_reusable();
+                closed += usize::from(!keep);
+                keep
             });
+            !list.is_empty()
+        });
+        // Survivors are older than anything released meanwhile, so they go
+        // first (checkout pops the newest); a list over its limit loses its
+        // oldest, closed after the lock is released.
+        let mut surplus = Vec::new();
+        if !self.cancel.is_cancelled() {
+            let mut map = self.idle.lock().unwrap_or_else(|e| e.into_inner());
+            for (key, mut survivors) in taken.drain() {
+                let list = map.entry(key).or_default();
+                survivors.append(list);
+                let over = survivors.len().saturating_sub(self.max_idle_per_host);
+                surplus.extend(survivors.drain(..over));
+                *list = survivors;
+            }
         }
+        closed += surplus.len();
+        drop(surplus);
+        drop(taken);
         if closed > 0 {
             tracing::trace!(closed, "closed idle upstream connections");
         }
@@ -421,5 +442,40 @@ mod tests {
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
         assert_eq!(pool.idle_count(), 0, "shutdown closes idle connections");
+    }
+
+    #[tokio::test]
+    async fn the_sweep_closes_dead_connections_and_keeps_live_ones() {
+        let cancel = CancellationToken::new();
+        let pool = pool(&cancel);
+        // An upstream that answers once and closes the connection a moment
+        // later, after the pool has taken it back as idle.
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let once: Authority = listener.local_addr().unwrap().to_string().parse().unwrap();
+        tokio::spawn(async move {
+            let (mut s, _) = listener.accept().await.unwrap();
+            let mut buf = vec![0u8; 4096];
+            let _ = s.read(&mut buf).await;
+            let ok = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok";
+            s.write_all(ok).await.unwrap();
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        });
+        let open = upstream(usize::MAX).await;
+        let dying = connect(&once).await;
+        exchange(&pool, &once, dying).await;
+        for _ in 0..2 {
+            let live = connect(&open).await;
+            exchange(&pool, &open, live).await;
+        }
+        assert_eq!(pool.idle_count(), 3);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        pool.sweep();
+        assert_eq!(pool.idle_count(), 2, "only the closed connection went");
+        assert!(pool.checkout(&once).is_none());
+        let live = pool
+            .checkout(&open)
+            .expect("survivors are back in the pool");
+        assert_eq!(exchange(&pool, &open, live).await, "ok");
+        cancel.cancel();
     }
 }

@@ -21,13 +21,6 @@ use crate::respond::{self, ProxyBody};
 use crate::route::{Class, RouteError, RouteTable, Router, Target};
 use crate::wake::{ClusterHook, Locate, Wake, Waker};
 
-/// Characters escaped in a path segment (everything but unreserved).
-const PATH_SEGMENT: &percent_encoding::AsciiSet = &percent_encoding::NON_ALPHANUMERIC
-    .remove(b'-')
-    .remove(b'.')
-    .remove(b'_')
-    .remove(b'~');
-
 /// Proxy settings.
 #[derive(Debug, Clone, Default)]
 pub struct ProxyConfig {
@@ -164,7 +157,7 @@ impl Proxy {
             let progress_url = match target {
                 Target::Path { .. } if navigation => Some(format!(
                     "/api/v1/users/{}/instance/progress",
-                    percent_encoding::utf8_percent_encode(route.user.as_str(), PATH_SEGMENT)
+                    route.user.path_segment()
                 )),
                 _ => None,
             };
@@ -259,11 +252,6 @@ impl Proxy {
         self.cancel.cancel();
         self.tasks.close();
         self.tasks.wait().await;
-    }
-
-    /// Cancels tunnels and background tasks without waiting.
-    pub fn cancel(&self) {
-        self.cancel.cancel();
     }
 }
 

@@ -14,7 +14,7 @@ use std::borrow::Cow;
 use std::collections::HashMap;
 use std::sync::{Arc, RwLock};
 
-use berth_core::{Endpoint, InstanceEvent, InstanceStatus, Role, Spawner, UserId};
+use berth_core::{Endpoint, InstanceEvent, InstanceStatus, Role, Slug, Spawner, UserId};
 use bytes::Bytes;
 use hyper::header::{HOST, HeaderMap};
 use hyper::http::uri::{Authority, PathAndQuery};
@@ -145,13 +145,7 @@ impl RouteTable {
 
 /// `host:port` as a URI authority, bracketing IPv6 literals.
 fn authority_of(endpoint: &Endpoint) -> Option<Authority> {
-    let host = &endpoint.host;
-    let text = if host.contains(':') && !host.starts_with('[') {
-        format!("[{host}]:{}", endpoint.port)
-    } else {
-        format!("{host}:{}", endpoint.port)
-    };
-    Authority::from_maybe_shared(Bytes::from(text)).ok()
+    Authority::from_maybe_shared(Bytes::from(endpoint.authority())).ok()
 }
 
 /// Where a request is going.
@@ -259,7 +253,7 @@ impl Router {
             Target::Host { label } => match self.table.user_for_slug(label) {
                 Some(user) => return Ok(self.route_of(user)),
                 // A plain DNS label is its own user's slug (design §9).
-                None if is_plain_label(label) => label.as_ref(),
+                None if Slug::is_plain(label) => label.as_ref(),
                 None => return Err(RouteError::UnknownHost),
             },
         };
@@ -391,8 +385,9 @@ fn host_label<'a>(host: &'a str, base: &str) -> Option<Cow<'a, str>> {
 }
 
 /// Percent-decodes a user segment strictly: `%` must start a two-digit hex
-/// escape, and the result must be UTF-8.
-fn decode_segment(raw: &str) -> Result<Cow<'_, str>, RouteError> {
+/// escape, and the result must be UTF-8. The proxy and the API both use
+/// it, so a segment one accepts the other does too.
+pub fn decode_segment(raw: &str) -> Result<Cow<'_, str>, RouteError> {
     if raw.is_empty() {
         return Err(RouteError::InvalidUser("empty user"));
     }
@@ -415,18 +410,6 @@ fn decode_segment(raw: &str) -> Result<Cow<'_, str>, RouteError> {
     percent_encoding::percent_decode_str(raw)
         .decode_utf8()
         .map_err(|_| RouteError::InvalidUser("not UTF-8"))
-}
-
-/// A plain DNS label: its own slug (see `berth_core::Slug`).
-fn is_plain_label(s: &str) -> bool {
-    let b = s.as_bytes();
-    !b.is_empty()
-        && b.len() <= 32
-        && b.iter()
-            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == b'-')
-        && b[0] != b'-'
-        && b[b.len() - 1] != b'-'
-        && !s.contains("--")
 }
 
 #[cfg(test)]

@@ -82,12 +82,7 @@ impl Waker {
     pub fn endpoint(&self, user: &UserId, from_table: Option<Authority>) -> Option<Authority> {
         from_table.or_else(|| {
             let endpoint = self.spawner.endpoint_for(user)?;
-            let text = if endpoint.host.contains(':') {
-                format!("[{}]:{}", endpoint.host, endpoint.port)
-            } else {
-                format!("{}:{}", endpoint.host, endpoint.port)
-            };
-            Authority::try_from(text).ok()
+            Authority::try_from(endpoint.authority()).ok()
         })
     }
 

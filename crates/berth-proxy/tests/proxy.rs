@@ -623,6 +623,48 @@ async fn an_instance_that_listens_a_moment_late_is_still_reached() {
     server.await.unwrap();
 }
 
+/// A refused connect consumed nothing, so even a POST with a body waits
+/// for an instance that listens late, and its body arrives whole.
+#[tokio::test]
+async fn a_post_with_a_body_reaches_an_instance_that_listens_late() {
+    let h = Harness::start(|_, _| {}).await;
+    let probe = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let late = probe.local_addr().unwrap();
+    drop(probe);
+    h.spawner.run_at("alice", late);
+    let server = tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let listener = TcpListener::bind(late).await.unwrap();
+        let (mut s, _) = listener.accept().await.unwrap();
+        let mut got = Vec::new();
+        let mut buf = [0u8; 4096];
+        while !got.ends_with(b"payload=42") {
+            let n = s.read(&mut buf).await.unwrap();
+            assert!(n > 0, "the upstream saw the whole request");
+            got.extend_from_slice(&buf[..n]);
+        }
+        let text = String::from_utf8_lossy(&got).into_owned();
+        s.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 4\r\n\r\nposted")
+            .await
+            .unwrap();
+        text
+    });
+    let (k, v) = bearer(ALICE);
+    let started = std::time::Instant::now();
+    let r = h
+        .raw(&format!(
+            "POST /u/alice/form HTTP/1.1\r\nHost: berth.test\r\nConnection: close\r\n{k}: {v}\r\ncontent-length: 10\r\n\r\npayload=42"
+        ))
+        .await;
+    assert_eq!((r.status, r.body.as_str()), (200, "post"), "{r:?}");
+    assert!(started.elapsed() >= Duration::from_millis(150));
+    let seen = server.await.unwrap();
+    assert!(
+        seen.starts_with("POST /u/alice/form HTTP/1.1\r\n"),
+        "{seen}"
+    );
+}
+
 // --- server limits ----------------------------------------------------------
 
 #[tokio::test]

@@ -20,6 +20,7 @@ use axum::extract::Request;
 use axum::extract::ws::{Message, WebSocket, WebSocketUpgrade};
 use axum::http::{Method, StatusCode, header};
 use axum::response::{Html, IntoResponse, Response};
+use berth_proxy::respond::html_escape;
 use futures_util::StreamExt;
 
 use crate::cli::DemoAppArgs;
@@ -231,10 +232,10 @@ async fn upload(req: Request) -> Response {
 }
 
 fn render_page(page: &Page) -> String {
-    let user = escape(&page.user);
-    let role = escape(&page.role);
-    let epoch = escape(&page.epoch);
-    let base = escape(&page.base_path);
+    let user = html_escape(&page.user);
+    let role = html_escape(&page.role);
+    let epoch = html_escape(&page.epoch);
+    let base = html_escape(&page.base_path);
     format!(
         r#"<!doctype html>
 <html>
@@ -268,21 +269,6 @@ document.getElementById('f').onsubmit = (e) => {{
 </html>
 "#
     )
-}
-
-fn escape(s: &str) -> String {
-    let mut out = String::with_capacity(s.len());
-    for c in s.chars() {
-        match c {
-            '&' => out.push_str("&amp;"),
-            '<' => out.push_str("&lt;"),
-            '>' => out.push_str("&gt;"),
-            '"' => out.push_str("&quot;"),
-            '\'' => out.push_str("&#39;"),
-            c => out.push(c),
-        }
-    }
-    out
 }
 
 #[cfg(test)]

@@ -42,9 +42,12 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         auth::load_or_create_admin_token(config.admin_token.as_deref(), &config.data_dir)?;
 
     let store_url = config.store_url();
-    let store = berth_store::open(&store_url)
-        .await
-        .with_context(|| format!("cannot open the store {}", redact_url(&store_url)))?;
+    let store = berth_store::open(&store_url).await.with_context(|| {
+        format!(
+            "cannot open the store {}",
+            berth_store::redact_url(&store_url)
+        )
+    })?;
 
     let node_id = config.node_id()?;
     let lease_config = config.lease_config()?;
@@ -229,20 +232,6 @@ fn proxy_config(
     })
 }
 
-/// Hides the password of a `postgres://user:pass@host/db` URL in messages.
-fn redact_url(url: &str) -> String {
-    match (url.find("://"), url.rfind('@')) {
-        (Some(scheme_end), Some(at)) if at > scheme_end => {
-            let userinfo = &url[scheme_end + 3..at];
-            match userinfo.split_once(':') {
-                Some((user, _)) => format!("{}{user}:***{}", &url[..scheme_end + 3], &url[at..]),
-                None => url.to_owned(),
-            }
-        }
-        _ => url.to_owned(),
-    }
-}
-
 async fn shutdown_signal() {
     use tokio::signal::unix::{SignalKind, signal};
     let mut term = match signal(SignalKind::terminate()) {
@@ -256,26 +245,5 @@ async fn shutdown_signal() {
     tokio::select! {
         _ = tokio::signal::ctrl_c() => {}
         _ = term.recv() => {}
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn passwords_are_redacted() {
-        assert_eq!(
-            redact_url("postgres://berth:s3cret@db:5432/berth"),
-            "postgres://berth:***@db:5432/berth"
-        );
-        assert_eq!(
-            redact_url("sqlite://./berth-data/berth.db"),
-            "sqlite://./berth-data/berth.db"
-        );
-        assert_eq!(
-            redact_url("postgres://berth@db/berth"),
-            "postgres://berth@db/berth"
-        );
     }
 }

@@ -531,3 +531,43 @@ stop_grace_s = 10"#;
     let status: serde_json::Value = r.json().await.unwrap();
     assert!(status.get("started").is_some(), "{status}");
 }
+
+/// An e-mail-like id: every URL berth hands out, the path the proxy
+/// forwards (`strip_prefix = false`) and the program's `BERTH_BASE_PATH`
+/// all use the same percent-encoded form, so an app routing on its base
+/// path finds its own pages.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_email_like_user_reaches_the_app_under_its_encoded_base_path() {
+    let dir = tempfile::tempdir().unwrap();
+    let node = Node::start(dir.path(), &config(10, "", ""));
+    let (status, body) = node
+        .post("/users/a%40b.c/tokens", serde_json::json!({}))
+        .await;
+    assert_eq!(status, 201, "{body}");
+    let token = body["token"].as_str().unwrap().to_owned();
+    assert_eq!(
+        body["url"].as_str().unwrap(),
+        format!("{}/u/a%40b.c/?berth_token={token}", node.url)
+    );
+
+    let r = get(&node, "/u/a%40b.c/", &token).await;
+    assert_eq!(r.status(), 200);
+    let page = r.text().await.unwrap();
+    assert!(page.contains(r#"data-base="/u/a%40b.c/""#), "{page}");
+    assert!(page.contains("a@b.c"), "{page}");
+
+    let r = get(&node, "/u/a%40b.c/bytes?n=5", &token).await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.bytes().await.unwrap().len(), 5);
+
+    let pids = support::instance_pids(&node.data_dir, "a@b.c", "main");
+    assert_eq!(pids.len(), 1, "{pids:?}");
+    let environ = std::fs::read(format!("/proc/{}/environ", pids[0])).unwrap();
+    assert!(
+        environ
+            .split(|b| *b == 0)
+            .any(|v| v == b"BERTH_BASE_PATH=/u/a%40b.c/"),
+        "BERTH_BASE_PATH is the encoded base path"
+    );
+    node.kill_instances();
+}

@@ -184,8 +184,11 @@ impl ApiState {
 
     /// The URL a user opens: their base path, carrying the launch token.
     fn open_url(&self, user: &UserId) -> String {
-        let segment = percent_encoding::utf8_percent_encode(user.as_str(), PATH_SEGMENT);
-        let base = format!("{}/u/{segment}/", self.public_url.trim_end_matches('/'));
+        let base = format!(
+            "{}{}",
+            self.public_url.trim_end_matches('/'),
+            user.base_path()
+        );
         match self.spawner.launch_token(user) {
             Some(token) => format!("{base}?token={token}"),
             None => base,
@@ -201,13 +204,6 @@ impl ApiState {
             .inc();
     }
 }
-
-/// Characters escaped in a path segment (everything but unreserved).
-pub(crate) const PATH_SEGMENT: &percent_encoding::AsciiSet = &percent_encoding::NON_ALPHANUMERIC
-    .remove(b'-')
-    .remove(b'.')
-    .remove(b'_')
-    .remove(b'~');
 
 async fn metrics(State(state): AppState, headers: HeaderMap) -> ApiResult {
     state.require_admin(&headers).await?;
@@ -329,9 +325,9 @@ async fn dispatch_user_route(
                 .await
                 .map_err(|e| ApiError::new(ErrorCode::StoreUnavailable, format!("{e:#}")))?;
             let url = format!(
-                "{}/u/{}/?berth_token={token}",
+                "{}{}?berth_token={token}",
                 state.public_url.trim_end_matches('/'),
-                percent_encoding::utf8_percent_encode(user.as_str(), PATH_SEGMENT)
+                user.base_path()
             );
             Ok((
                 StatusCode::CREATED,
@@ -346,36 +342,16 @@ async fn dispatch_user_route(
     }
 }
 
-/// Percent-decodes and validates the user segment of a path.
+/// Percent-decodes (with the proxy's strict rules, so both accept the same
+/// segments) and validates the user segment of a path.
 fn parse_user_segment(raw: &str) -> ApiResult<UserId> {
-    let decoded = percent_encoding::percent_decode_str(raw)
-        .decode_utf8()
-        .map_err(|_| ApiError::new(ErrorCode::InvalidUser, "invalid user id: not UTF-8"))?;
-    if raw.contains('%') && !valid_percent_encoding(raw) {
-        return Err(ApiError::new(
-            ErrorCode::InvalidUser,
-            "invalid user id: malformed percent-encoding",
-        ));
-    }
-    UserId::parse(&decoded).map_err(|e| SpawnError::from(e).into())
-}
-
-fn valid_percent_encoding(raw: &str) -> bool {
-    let bytes = raw.as_bytes();
-    let mut i = 0;
-    while i < bytes.len() {
-        if bytes[i] == b'%' {
-            let ok = bytes.get(i + 1).is_some_and(u8::is_ascii_hexdigit)
-                && bytes.get(i + 2).is_some_and(u8::is_ascii_hexdigit);
-            if !ok {
-                return false;
-            }
-            i += 3;
-        } else {
-            i += 1;
+    let decoded = berth_proxy::route::decode_segment(raw).map_err(|e| match e {
+        berth_proxy::route::RouteError::InvalidUser(why) => {
+            ApiError::new(ErrorCode::InvalidUser, format!("invalid user id: {why}"))
         }
-    }
-    true
+        other => ApiError::new(ErrorCode::InvalidUser, format!("invalid user id: {other}")),
+    })?;
+    UserId::parse(&decoded).map_err(|e| SpawnError::from(e).into())
 }
 
 fn parse_launch_body(body: &[u8]) -> ApiResult<LaunchRequest> {
@@ -450,7 +426,7 @@ async fn cluster_launch(
                 other => return Ok(other?),
             },
             Decision::Owner(node) | Decision::Place(node) => node,
-            Decision::NoCapacity => return Err(super::cluster::capacity_exhausted().into()),
+            Decision::NoCapacity => return Err(super::cluster::no_capacity().into()),
         };
         let answer = cluster.launch_on(&node, user, &request, wait).await?;
         match answer.error(user) {
@@ -722,36 +698,34 @@ async fn take_over(State(state): AppState, uri: Uri, headers: HeaderMap) -> ApiR
     // Read before the claim: the fence must name the old holder and the
     // old epoch, never whoever holds the row afterwards.
     let before = state.store.get_lease(&user).await?;
-    match state
-        .store
-        .take_over_lease(&user, &state.node_id, state.lease_ttl)
-        .await?
-    {
-        berth_store::ClaimOutcome::Claimed { .. } => {
-            if let (Some(cluster), Some(old)) = (&state.cluster, &before) {
-                if let Some(holder) = old.holder.as_deref() {
-                    cluster.fence_remote(holder, &user, old.epoch).await;
-                }
-            }
-            let request = launch_request_from_store(state.store.as_ref(), &user).await?;
-            let instance = match state.spawner.launch(&user, request).await {
-                Ok(instance) => instance,
-                Err(SpawnError::AlreadyRunning { .. }) => {
-                    state.spawner.status(&user).await?.main.ok_or_else(|| {
-                        ApiError::new(ErrorCode::Internal, "instance vanished during launch")
-                    })?
-                }
-                Err(e) => return Err(e.into()),
-            };
-            Ok(instance_response(&state, &user, StatusCode::OK, instance))
+    let request = launch_request_from_store(state.store.as_ref(), &user).await?;
+    // The spawner claims and launches as one step under the user's
+    // lifecycle lock, through its lease keeper: claiming here directly
+    // would leave the keeper unaware of the new epoch (never renewed,
+    // never released, and a launch that re-claims it). A lease that is not
+    // expired comes back as `lease_busy`.
+    let instance = match state.spawner.take_over(&user, request).await {
+        Ok(instance) => instance,
+        // Nothing was claimed: a main already runs here, so the old holder
+        // is not fenced on its account.
+        Err(SpawnError::AlreadyRunning { .. }) => {
+            let main = state.spawner.status(&user).await?.main;
+            let instance = main.ok_or_else(|| {
+                ApiError::new(ErrorCode::Internal, "instance vanished during launch")
+            })?;
+            return Ok(instance_response(&state, &user, StatusCode::OK, instance));
         }
-        berth_store::ClaimOutcome::Busy { holder, expired } => Err(SpawnError::LeaseBusy {
-            user,
-            holder,
-            expired,
+        Err(e) => return Err(e.into()),
+    };
+    // The lease has moved past the old epoch: tell the old holder to stop
+    // whatever still runs under exactly that epoch (best effort; its next
+    // renew would find the lease lost anyway).
+    if let (Some(cluster), Some(old)) = (&state.cluster, &before) {
+        if let Some(holder) = old.holder.as_deref() {
+            cluster.fence_remote(holder, &user, old.epoch).await;
         }
-        .into()),
     }
+    Ok(instance_response(&state, &user, StatusCode::OK, instance))
 }
 
 /// The request that relaunches `user` as they were last launched (folder

@@ -123,32 +123,6 @@ pub fn admin_token_path(data_dir: &Path) -> PathBuf {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use axum::http::{HeaderValue, header};
-    use berth_proxy::auth::presented_token;
-
-    #[test]
-    fn bearer_wins_over_cookie() {
-        let mut headers = HeaderMap::new();
-        headers.insert(
-            header::COOKIE,
-            HeaderValue::from_static("a=b; berth_token=fromcookie"),
-        );
-        assert_eq!(presented_token(&headers), Some("fromcookie"));
-        headers.insert(
-            header::AUTHORIZATION,
-            HeaderValue::from_static("Bearer frombearer"),
-        );
-        assert_eq!(presented_token(&headers), Some("frombearer"));
-    }
-
-    #[test]
-    fn no_token_is_none() {
-        let mut headers = HeaderMap::new();
-        assert_eq!(presented_token(&headers), None);
-        headers.insert(header::AUTHORIZATION, HeaderValue::from_static("Basic abc"));
-        headers.insert(header::COOKIE, HeaderValue::from_static("other=1"));
-        assert_eq!(presented_token(&headers), None);
-    }
 
     #[test]
     fn admin_token_file_is_created_once_with_mode_0600() {

@@ -194,12 +194,11 @@ pub fn authority_of_url(url: &str) -> Option<Authority> {
     let parsed = reqwest::Url::parse(url).ok()?;
     let host = parsed.host_str()?;
     let port = parsed.port_or_known_default()?;
-    let text = if host.contains(':') && !host.starts_with('[') {
-        format!("[{host}]:{port}")
-    } else {
-        format!("{host}:{port}")
+    let endpoint = berth_core::Endpoint {
+        host: host.to_owned(),
+        port,
     };
-    Authority::try_from(text).ok()
+    Authority::try_from(endpoint.authority()).ok()
 }
 
 // --- the node's own status --------------------------------------------------
@@ -538,6 +537,13 @@ impl Cluster {
                 main,
             });
         }
+        // A lease no longer expired (taken over, renewed, released) will
+        // not be reported again under that epoch: forget it, so the set
+        // stays as small as the current expired set.
+        self.reported
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .retain(|(user, epoch)| expired.iter().any(|e| e.user == *user && e.epoch == *epoch));
         if expired.is_empty() {
             return Ok(());
         }
@@ -614,15 +620,11 @@ impl Cluster {
     }
 }
 
-fn no_capacity() -> SpawnError {
+/// The error a [`Decision::NoCapacity`] is answered with.
+pub(crate) fn no_capacity() -> SpawnError {
     SpawnError::CapacityExhausted(
         "no live, up node of the cluster has room for a new instance".to_owned(),
     )
-}
-
-/// The error a [`Decision::NoCapacity`] is answered with.
-pub fn capacity_exhausted() -> SpawnError {
-    no_capacity()
 }
 
 #[async_trait]

@@ -72,7 +72,7 @@ impl PeerClient {
         format!(
             "{}/internal/v1/users/{}/{action}",
             base.trim_end_matches('/'),
-            percent_encoding::utf8_percent_encode(user.as_str(), super::api::PATH_SEGMENT)
+            user.path_segment()
         )
     }
 
