@@ -45,6 +45,9 @@ pub(crate) fn bind_free(port: u16) -> bool {
 pub(crate) struct PortPool {
     range: RangeInclusive<u16>,
     state: Mutex<PoolState>,
+    /// Whether the OS would let a program listen on a port: [`bind_free`]
+    /// in production; tests of the reservation logic pass their own.
+    is_free: fn(u16) -> bool,
 }
 
 #[derive(Debug, Default)]
@@ -55,9 +58,14 @@ struct PoolState {
 
 impl PortPool {
     pub fn new(range: RangeInclusive<u16>) -> Self {
+        Self::with_probe(range, bind_free)
+    }
+
+    fn with_probe(range: RangeInclusive<u16>, is_free: fn(u16) -> bool) -> Self {
         let cursor = range.end().to_owned();
         Self {
             range,
+            is_free,
             state: Mutex::new(PoolState {
                 reserved: BTreeSet::new(),
                 cursor,
@@ -74,7 +82,7 @@ impl PortPool {
     pub fn allocate(&self, preferred: Option<u16>, also_taken: &BTreeSet<u16>) -> Option<u16> {
         let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
         let taken: BTreeSet<u16> = state.reserved.union(also_taken).copied().collect();
-        let port = choose_port(&self.range, &taken, preferred, state.cursor, bind_free)?;
+        let port = choose_port(&self.range, &taken, preferred, state.cursor, self.is_free)?;
         state.reserved.insert(port);
         state.cursor = port;
         Some(port)
@@ -153,8 +161,17 @@ mod tests {
     }
 
     #[test]
+    fn a_port_with_a_listener_is_not_free() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        assert!(!bind_free(port));
+    }
+
+    #[test]
     fn the_pool_never_hands_out_a_port_twice() {
-        let pool = PortPool::new(40000..=40001);
+        // Real ports here could be taken by any other process's outgoing
+        // connection; the reservation logic is what is under test.
+        let pool = PortPool::with_probe(40000..=40001, |_| true);
         let a = pool.allocate(None, &set(&[]));
         let b = pool.allocate(None, &set(&[]));
         assert!(a.is_some() && b.is_some() && a != b);
