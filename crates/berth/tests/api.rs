@@ -332,7 +332,7 @@ async fn a_missing_program_fails_naming_it() {
 #[tokio::test(flavor = "multi_thread")]
 async fn an_exhausted_port_range_is_capacity_exhausted() {
     let dir = tempfile::tempdir().unwrap();
-    let node = Node::start(dir.path(), "[instance]\nport_range = [21190, 21191]\n");
+    let node = Node::start(dir.path(), "[instance]\nport_range = [21400, 21401]\n");
     for user in ["p1", "p2"] {
         assert_eq!(launch(&node, user).await.0, 201);
     }
@@ -343,7 +343,7 @@ async fn an_exhausted_port_range_is_capacity_exhausted() {
         "{body}"
     );
     assert!(
-        body["message"].as_str().unwrap().contains("21190"),
+        body["message"].as_str().unwrap().contains("21400"),
         "{body}"
     );
     assert!(
