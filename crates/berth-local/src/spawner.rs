@@ -198,32 +198,14 @@ impl LocalSpawner {
     }
 }
 
-#[async_trait]
-impl Spawner for LocalSpawner {
-    async fn launch(&self, user: &UserId, request: LaunchRequest) -> Result<Instance, SpawnError> {
-        let folder = validate(request.folder.as_deref(), request.patch.as_deref())?;
-        let slot = self.inner.slot(user);
-        let _guard = slot.lifecycle.lock().await;
-        let kind = if request.force {
-            LaunchKind::Force
-        } else {
-            LaunchKind::Implicit
-        };
-        self.inner
-            .launch_locked(
-                &slot,
-                folder,
-                PatchSource::Content(request.patch),
-                kind,
-                Claim::Acquire,
-            )
-            .await
-    }
-
-    async fn take_over(
+impl LocalSpawner {
+    /// A launch under the user's lifecycle lock, claiming the lease the way
+    /// `claim` says: an ordinary claim, or an operator's takeover.
+    async fn launch_claiming(
         &self,
         user: &UserId,
         request: LaunchRequest,
+        claim: Claim,
     ) -> Result<Instance, SpawnError> {
         let folder = validate(request.folder.as_deref(), request.patch.as_deref())?;
         let slot = self.inner.slot(user);
@@ -239,9 +221,24 @@ impl Spawner for LocalSpawner {
                 folder,
                 PatchSource::Content(request.patch),
                 kind,
-                Claim::TakeOver,
+                claim,
             )
             .await
+    }
+}
+
+#[async_trait]
+impl Spawner for LocalSpawner {
+    async fn launch(&self, user: &UserId, request: LaunchRequest) -> Result<Instance, SpawnError> {
+        self.launch_claiming(user, request, Claim::Acquire).await
+    }
+
+    async fn take_over(
+        &self,
+        user: &UserId,
+        request: LaunchRequest,
+    ) -> Result<Instance, SpawnError> {
+        self.launch_claiming(user, request, Claim::TakeOver).await
     }
 
     async fn restart_main(&self, user: &UserId) -> Result<Instance, SpawnError> {
