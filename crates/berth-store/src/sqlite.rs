@@ -208,6 +208,34 @@ impl SqliteStore {
             })
     }
 
+    /// One conditional claim statement (`sql` binds user, node, ttl and,
+    /// for an ordinary claim, whether evidence allows a takeover), judged by
+    /// whether a row came back.
+    async fn conditional_claim(
+        &self,
+        sql: &'static str,
+        user: &UserId,
+        node: &str,
+        ttl: Duration,
+        evidence: Option<i64>,
+    ) -> Result<ClaimOutcome, StoreError> {
+        self.ensure_lease_row(user).await?;
+        let mut query = sqlx::query(sql)
+            .bind(user.as_str())
+            .bind(node)
+            .bind(ttl_ms(ttl));
+        if let Some(evidence) = evidence {
+            query = query.bind(evidence);
+        }
+        let row = query.fetch_optional(&self.pool).await.map_err(db_err)?;
+        match row {
+            Some(row) => Ok(ClaimOutcome::Claimed {
+                epoch: get(&row, "epoch")?,
+            }),
+            None => self.busy_report(user).await,
+        }
+    }
+
     async fn ensure_lease_row(&self, user: &UserId) -> Result<(), StoreError> {
         sqlx::query("INSERT INTO leases (user_id) VALUES (?1) ON CONFLICT (user_id) DO NOTHING")
             .bind(user.as_str())
@@ -623,21 +651,9 @@ impl Store for SqliteStore {
         ttl: Duration,
         takeover: TakeoverPolicy,
     ) -> Result<ClaimOutcome, StoreError> {
-        self.ensure_lease_row(user).await?;
-        let row = sqlx::query(CLAIM_SQL)
-            .bind(user.as_str())
-            .bind(node)
-            .bind(ttl_ms(ttl))
-            .bind(i64::from(takeover == TakeoverPolicy::Evidence))
-            .fetch_optional(&self.pool)
+        let evidence = i64::from(takeover == TakeoverPolicy::Evidence);
+        self.conditional_claim(CLAIM_SQL, user, node, ttl, Some(evidence))
             .await
-            .map_err(db_err)?;
-        match row {
-            Some(row) => Ok(ClaimOutcome::Claimed {
-                epoch: get(&row, "epoch")?,
-            }),
-            None => self.busy_report(user).await,
-        }
     }
 
     async fn take_over_lease(
@@ -646,20 +662,8 @@ impl Store for SqliteStore {
         node: &str,
         ttl: Duration,
     ) -> Result<ClaimOutcome, StoreError> {
-        self.ensure_lease_row(user).await?;
-        let row = sqlx::query(TAKE_OVER_SQL)
-            .bind(user.as_str())
-            .bind(node)
-            .bind(ttl_ms(ttl))
-            .fetch_optional(&self.pool)
+        self.conditional_claim(TAKE_OVER_SQL, user, node, ttl, None)
             .await
-            .map_err(db_err)?;
-        match row {
-            Some(row) => Ok(ClaimOutcome::Claimed {
-                epoch: get(&row, "epoch")?,
-            }),
-            None => self.busy_report(user).await,
-        }
     }
 
     async fn renew_leases(
