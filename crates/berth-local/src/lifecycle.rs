@@ -12,7 +12,7 @@ use berth_core::{Instance, InstanceStatus, MAX_PATCH_BYTES, Role, SpawnError, Us
 use berth_store::{ClaimOutcome, InstanceFilter};
 
 use crate::inner::{Inner, Live, StopKind, UserSlot, error_tail, new_instance_id};
-use crate::paths::{create_private_dir, normalize_folder};
+use crate::paths::{UserPaths, create_private_dir, normalize_folder};
 use crate::shim::{ShimError, ShimHandle};
 use crate::supervisor::{self, Start};
 
@@ -175,18 +175,7 @@ impl Inner {
                 .await?;
         }
         let paths = &slot.paths;
-        let cwd = crate::inner::workdir(paths, &folder);
-        // mkdir and chmod block, for long on a busy disk (a new user needs
-        // seven directories): on the runtime's few worker threads, a burst of
-        // launches would hold up every other request and event meanwhile.
-        let (dirs, dir) = (paths.clone(), cwd.clone());
-        tokio::task::spawn_blocking(move || {
-            dirs.prepare()
-                .map_err(|e| io_error("create", &dirs.root, e))?;
-            create_private_dir(&dir).map_err(|e| io_error("create", &dir, e))
-        })
-        .await
-        .map_err(|e| SpawnError::Internal(format!("preparing the directories failed: {e}")))??;
+        prepare_dirs(paths, &folder).await?;
         let patch = match patch {
             PatchSource::Keep(path) => path,
             PatchSource::Content(None) => None,
@@ -202,24 +191,7 @@ impl Inner {
             self.store.save_crash_state(&slot.user, &admitted).await?;
         }
         let now = Inner::now();
-        let mut instance = Instance {
-            id: new_instance_id(),
-            user: slot.user.clone(),
-            role: Role::Main,
-            status: InstanceStatus::Starting,
-            node: self.node().to_owned(),
-            epoch,
-            port: Some(port),
-            pid: None,
-            pid_start: None,
-            folder,
-            started_at: now,
-            ready: false,
-            restarts: 0,
-            last_error: None,
-            exit_code: None,
-            last_active: now,
-        };
+        let mut instance = self.starting_instance(slot, Role::Main, epoch, Some(port), folder, now);
         let spec = self.shim_spec(slot, &instance, port, patch.as_deref())?;
         self.store.put_instance(&instance).await?;
         let (exe, args) = self.shim_command();
@@ -333,9 +305,8 @@ impl Inner {
             None => self.store.get_instance(&slot.user, Role::Main).await?,
         };
         let paths = &slot.paths;
-        paths
-            .prepare()
-            .map_err(|e| io_error("create", &paths.root, e))?;
+        let folder = main.as_ref().map(|m| m.folder.clone()).unwrap_or_default();
+        prepare_dirs(paths, &folder).await?;
         let handoff = serde_json::json!({
             "user": slot.user.as_str(),
             "instance_id": main.as_ref().map(|m| m.id.clone()),
@@ -348,30 +319,14 @@ impl Inner {
         tokio::fs::write(&handoff_path, handoff.to_string())
             .await
             .map_err(|e| io_error("write", &handoff_path, e))?;
-        let folder = main.as_ref().map(|m| m.folder.clone()).unwrap_or_default();
-        let cwd = crate::inner::workdir(paths, &folder);
-        create_private_dir(&cwd).map_err(|e| io_error("create", &cwd, e))?;
         let patch_file = paths.patch_file(&self.config.patch_ext);
-        let patch = patch_file.exists().then_some(patch_file);
+        let patch = tokio::fs::try_exists(&patch_file)
+            .await
+            .unwrap_or(false)
+            .then_some(patch_file);
         let now = Inner::now();
-        let mut instance = Instance {
-            id: new_instance_id(),
-            user: slot.user.clone(),
-            role: Role::Watchdog,
-            status: InstanceStatus::Starting,
-            node: self.node().to_owned(),
-            epoch: 0,
-            port: None,
-            pid: None,
-            pid_start: None,
-            folder,
-            started_at: now,
-            ready: false,
-            restarts: 0,
-            last_error: None,
-            exit_code: None,
-            last_active: now,
-        };
+        // Watchdogs hold no lease (epoch 0) and listen on no port of their own.
+        let mut instance = self.starting_instance(slot, Role::Watchdog, 0, None, folder, now);
         let var_port = main.as_ref().and_then(|m| m.port).unwrap_or(0);
         let spec = self.shim_spec(slot, &instance, var_port, patch.as_deref())?;
         self.store.put_instance(&instance).await?;
@@ -399,6 +354,54 @@ impl Inner {
             }
         }
     }
+}
+
+impl Inner {
+    /// The record of an instance about to be spawned on this node.
+    fn starting_instance(
+        &self,
+        slot: &UserSlot,
+        role: Role,
+        epoch: i64,
+        port: Option<u16>,
+        folder: String,
+        now: i64,
+    ) -> Instance {
+        Instance {
+            id: new_instance_id(),
+            user: slot.user.clone(),
+            role,
+            status: InstanceStatus::Starting,
+            node: self.node().to_owned(),
+            epoch,
+            port,
+            pid: None,
+            pid_start: None,
+            folder,
+            started_at: now,
+            ready: false,
+            restarts: 0,
+            last_error: None,
+            exit_code: None,
+            last_active: now,
+        }
+    }
+}
+
+/// Creates the user's data root and working folder. mkdir and chmod block,
+/// for long on a busy disk (a new user needs seven directories): on the
+/// runtime's few worker threads, a burst of launches would hold up every
+/// other request and event meanwhile, so this runs on the blocking pool.
+async fn prepare_dirs(paths: &UserPaths, folder: &str) -> Result<(), SpawnError> {
+    let dirs = paths.clone();
+    let cwd = crate::inner::workdir(paths, folder);
+    tokio::task::spawn_blocking(move || {
+        dirs.prepare()
+            .map_err(|e| io_error("create", &dirs.root, e))?;
+        create_private_dir(&cwd).map_err(|e| io_error("create", &cwd, e))
+    })
+    .await
+    .map_err(|e| SpawnError::Internal(format!("preparing the directories failed: {e}")))?
 }
 
 #[cfg(test)]
