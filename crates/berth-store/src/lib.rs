@@ -16,6 +16,7 @@
 //! read-then-write, and expiry and liveness are measured with the store's
 //! own clock.
 
+mod common;
 #[cfg(feature = "contract-tests")]
 pub mod contract;
 pub mod lease;

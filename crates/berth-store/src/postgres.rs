@@ -12,9 +12,6 @@
 //! naming the server with its password redacted; everything else is a
 //! [`StoreError::Query`].
 
-use std::borrow::Cow;
-use std::future::Future;
-use std::pin::Pin;
 use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -22,10 +19,11 @@ use std::time::Duration;
 use async_trait::async_trait;
 use berth_core::policy::CrashState;
 use berth_core::{Epoch, Instance, InstanceStatus, Role, UnixMillis, UserId};
-use sqlx::migrate::{Migration, MigrationSource, MigrationType, Migrator};
+use sqlx::migrate::Migrator;
 use sqlx::postgres::{PgConnectOptions, PgConnection, PgPool, PgPoolOptions, PgRow};
 use sqlx::{Connection, Row};
 
+use crate::common::{EmbeddedMigrations, narrow, narrow_opt, parse_user, ttl_ms, widen};
 use crate::{
     ClaimOutcome, InstanceFilter, LaunchParams, LeaseRecord, NodeRecord, NodeStatus, Store,
     StoreError, TakeoverPolicy, check_patch_size,
@@ -42,10 +40,6 @@ macro_rules! now_ms {
     };
 }
 
-/// Cap on a TTL handed to SQL, so `now + ttl` stays far from BIGINT
-/// overflow. Ten years.
-const MAX_TTL_MS: i64 = 10 * 365 * 24 * 3600 * 1000;
-
 /// The PostgreSQL schema, embedded so a deployed binary needs no files
 /// beside it.
 static MIGRATIONS: &[(i64, &str, &str)] = &[
@@ -60,34 +54,6 @@ static MIGRATIONS: &[(i64, &str, &str)] = &[
         include_str!("../migrations/postgres/0002_launch_params.sql"),
     ),
 ];
-
-/// Feeds [`MIGRATIONS`] to sqlx's [`Migrator`], which records applied
-/// versions and checksums in `_sqlx_migrations`.
-#[derive(Debug)]
-struct EmbeddedMigrations;
-
-impl MigrationSource<'static> for EmbeddedMigrations {
-    fn resolve(
-        self,
-    ) -> Pin<
-        Box<dyn Future<Output = Result<Vec<Migration>, sqlx::error::BoxDynError>> + Send + 'static>,
-    > {
-        Box::pin(async {
-            Ok(MIGRATIONS
-                .iter()
-                .map(|&(version, description, sql)| {
-                    Migration::new(
-                        version,
-                        Cow::Borrowed(description),
-                        MigrationType::Simple,
-                        Cow::Borrowed(sql),
-                        false,
-                    )
-                })
-                .collect())
-        })
-    }
-}
 
 /// Upper bound the server enforces on one statement of the pool. Lease
 /// statements touch a handful of indexed rows and take milliseconds; 5 s is
@@ -171,7 +137,7 @@ impl PgStore {
                 ));
             }
         };
-        let migrator = Migrator::new(EmbeddedMigrations)
+        let migrator = Migrator::new(EmbeddedMigrations(MIGRATIONS))
             .await
             .map_err(|e| unavailable("cannot load migrations for", &e))?;
         let migrated = migrator.run_direct(&mut conn).await;
@@ -409,38 +375,12 @@ pub fn redact_url(url: &str) -> String {
     format!("{scheme}{authority}{tail}")
 }
 
-fn ttl_ms(ttl: Duration) -> i64 {
-    i64::try_from(ttl.as_millis()).map_or(MAX_TTL_MS, |ms| ms.min(MAX_TTL_MS))
-}
-
 fn get<'r, T>(row: &'r PgRow, column: &str) -> Result<T, StoreError>
 where
     T: sqlx::Decode<'r, sqlx::Postgres> + sqlx::Type<sqlx::Postgres>,
 {
     row.try_get(column)
         .map_err(|e| StoreError::Corrupt(format!("column {column}: {e}")))
-}
-
-fn parse_user(raw: String) -> Result<UserId, StoreError> {
-    UserId::parse(&raw).map_err(|e| StoreError::Corrupt(format!("user id {raw:?}: {e}")))
-}
-
-fn narrow<T: TryFrom<i64>>(value: i64, column: &str) -> Result<T, StoreError> {
-    T::try_from(value)
-        .map_err(|_| StoreError::Corrupt(format!("column {column}: {value} is out of range")))
-}
-
-fn narrow_opt<T: TryFrom<i64>>(value: Option<i64>, column: &str) -> Result<Option<T>, StoreError> {
-    value.map(|v| narrow(v, column)).transpose()
-}
-
-fn widen<T: TryInto<i64> + Copy + std::fmt::Display>(
-    value: T,
-    what: &str,
-) -> Result<i64, StoreError> {
-    value
-        .try_into()
-        .map_err(|_| StoreError::Query(format!("{what} {value} does not fit the store")))
 }
 
 macro_rules! instance_columns {

@@ -5,10 +5,7 @@
 //! own clock (see [`now_ms!`]), and success is judged by whether a row came
 //! back.
 
-use std::borrow::Cow;
-use std::future::Future;
 use std::path::Path;
-use std::pin::Pin;
 use std::str::FromStr;
 use std::time::Duration;
 
@@ -16,12 +13,13 @@ use async_trait::async_trait;
 use berth_core::policy::CrashState;
 use berth_core::{Epoch, Instance, InstanceStatus, Role, UnixMillis, UserId};
 use sqlx::Row;
-use sqlx::migrate::{Migration, MigrationSource, MigrationType, Migrator};
+use sqlx::migrate::Migrator;
 use sqlx::sqlite::{
     SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteRow,
     SqliteSynchronous,
 };
 
+use crate::common::{EmbeddedMigrations, narrow, narrow_opt, parse_user, ttl_ms, widen};
 use crate::{
     ClaimOutcome, InstanceFilter, LaunchParams, LeaseRecord, NodeRecord, NodeStatus, Store,
     StoreError, TakeoverPolicy, check_patch_size,
@@ -45,10 +43,6 @@ const BUSY_TIMEOUT: Duration = Duration::from_secs(5);
 /// API, the proxy's lookups) proceed alongside the renew tick.
 const MAX_CONNECTIONS: u32 = 4;
 const ACQUIRE_TIMEOUT: Duration = Duration::from_secs(10);
-/// Cap on a TTL handed to SQL, so `now + ttl` cannot overflow SQLite's
-/// integers (which would silently turn into a float). Ten years.
-const MAX_TTL_MS: i64 = 10 * 365 * 24 * 3600 * 1000;
-
 /// The SQLite schema, embedded so a deployed binary needs no files beside it.
 static MIGRATIONS: &[(i64, &str, &str)] = &[
     (
@@ -62,34 +56,6 @@ static MIGRATIONS: &[(i64, &str, &str)] = &[
         include_str!("../migrations/sqlite/0002_launch_params.sql"),
     ),
 ];
-
-/// Feeds [`MIGRATIONS`] to sqlx's [`Migrator`], which records applied
-/// versions and checksums in `_sqlx_migrations`.
-#[derive(Debug)]
-struct EmbeddedMigrations;
-
-impl MigrationSource<'static> for EmbeddedMigrations {
-    fn resolve(
-        self,
-    ) -> Pin<
-        Box<dyn Future<Output = Result<Vec<Migration>, sqlx::error::BoxDynError>> + Send + 'static>,
-    > {
-        Box::pin(async {
-            Ok(MIGRATIONS
-                .iter()
-                .map(|&(version, description, sql)| {
-                    Migration::new(
-                        version,
-                        Cow::Borrowed(description),
-                        MigrationType::Simple,
-                        Cow::Borrowed(sql),
-                        false,
-                    )
-                })
-                .collect())
-        })
-    }
-}
 
 /// The embedded single-node store.
 #[derive(Debug, Clone)]
@@ -138,7 +104,7 @@ impl SqliteStore {
             .await
             .map_err(|e| unavailable("cannot open", &e))?;
         check_clock(&pool).await?;
-        let migrator = Migrator::new(EmbeddedMigrations)
+        let migrator = Migrator::new(EmbeddedMigrations(MIGRATIONS))
             .await
             .map_err(|e| unavailable("cannot load migrations for", &e))?;
         migrator
@@ -297,38 +263,12 @@ fn db_err(e: sqlx::Error) -> StoreError {
     }
 }
 
-fn ttl_ms(ttl: Duration) -> i64 {
-    i64::try_from(ttl.as_millis()).map_or(MAX_TTL_MS, |ms| ms.min(MAX_TTL_MS))
-}
-
 fn get<'r, T>(row: &'r SqliteRow, column: &str) -> Result<T, StoreError>
 where
     T: sqlx::Decode<'r, sqlx::Sqlite> + sqlx::Type<sqlx::Sqlite>,
 {
     row.try_get(column)
         .map_err(|e| StoreError::Corrupt(format!("column {column}: {e}")))
-}
-
-fn parse_user(raw: String) -> Result<UserId, StoreError> {
-    UserId::parse(&raw).map_err(|e| StoreError::Corrupt(format!("user id {raw:?}: {e}")))
-}
-
-fn narrow<T: TryFrom<i64>>(value: i64, column: &str) -> Result<T, StoreError> {
-    T::try_from(value)
-        .map_err(|_| StoreError::Corrupt(format!("column {column}: {value} is out of range")))
-}
-
-fn narrow_opt<T: TryFrom<i64>>(value: Option<i64>, column: &str) -> Result<Option<T>, StoreError> {
-    value.map(|v| narrow(v, column)).transpose()
-}
-
-fn widen<T: TryInto<i64> + Copy + std::fmt::Display>(
-    value: T,
-    what: &str,
-) -> Result<i64, StoreError> {
-    value
-        .try_into()
-        .map_err(|_| StoreError::Query(format!("{what} {value} does not fit the store")))
 }
 
 macro_rules! instance_columns {
