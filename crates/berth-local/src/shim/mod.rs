@@ -31,7 +31,10 @@ macro_rules! diag {
         let ms = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_millis());
-        eprintln!("{ms} berth shim[{}]: {}", std::process::id(), format_args!($($arg)*));
+        // One write: stderr is unbuffered, and a line written piecewise
+        // costs a syscall per piece.
+        let line = format!("{ms} berth shim[{}]: {}\n", std::process::id(), format_args!($($arg)*));
+        let _ = std::io::Write::write_all(&mut std::io::stderr().lock(), line.as_bytes());
     }};
 }
 

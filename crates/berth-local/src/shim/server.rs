@@ -154,7 +154,7 @@ struct Started {
     child: Child,
     state: ShimState,
     listener: UnixListener,
-    log: tokio::fs::File,
+    log: fs::File,
     ready_regex: Option<Regex>,
 }
 
@@ -311,16 +311,15 @@ fn describe(e: &io::Error) -> String {
     }
 }
 
-fn open_log(path: &Path) -> io::Result<tokio::fs::File> {
+fn open_log(path: &Path) -> io::Result<fs::File> {
     if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
         state_file::create_private_dir(dir)?;
     }
-    let file = fs::OpenOptions::new()
+    fs::OpenOptions::new()
         .append(true)
         .create(true)
         .mode(0o600)
-        .open(path)?;
-    Ok(tokio::fs::File::from_std(file))
+        .open(path)
 }
 
 fn bind(path: &Path) -> Result<UnixListener, String> {
