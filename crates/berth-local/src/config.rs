@@ -68,8 +68,8 @@ pub struct LocalConfig {
     /// Enforce the fence deadline in shims (cluster mode). Off on SQLite.
     pub fence: bool,
     pub isolation: Isolation,
-    /// The executable and leading arguments that run a shim; normally
-    /// `current_exe()` and `["shim"]`.
+    /// The executable and leading arguments that run the shim zygote (which
+    /// forks every shim); normally `current_exe()` and `["shim"]`.
     pub shim_command: Vec<String>,
     /// Wait after ready in `restart_and_probe` (2.5 s).
     pub probe_settle: Duration,

@@ -21,6 +21,7 @@ use tokio_util::task::TaskTracker;
 use crate::metrics::Metrics;
 use crate::paths::UserPaths;
 use crate::ports::PortPool;
+use crate::shim::ShimLauncher;
 use crate::shim::{ShimControl, ShimSpec};
 use crate::template::{self, Vars};
 use crate::{LocalConfig, Readiness};
@@ -151,6 +152,8 @@ pub(crate) struct Inner {
     /// One heartbeat at a time, each reading the status when it writes: a
     /// tick's row built before a drain must not land after the drain's.
     pub heartbeat_lock: tokio::sync::Mutex<()>,
+    /// Starts every shim (through one zygote process).
+    pub shims: ShimLauncher,
 }
 
 impl Inner {
@@ -388,13 +391,6 @@ impl Inner {
             ready_regex,
             fence_ms,
         })
-    }
-
-    /// The shim executable and its leading arguments.
-    pub fn shim_command(&self) -> (PathBuf, Vec<String>) {
-        let mut parts = self.config.shim_command.iter();
-        let exe = parts.next().map(PathBuf::from).unwrap_or_default();
-        (exe, parts.cloned().collect())
     }
 
     /// Number of live mains, for the node heartbeat.

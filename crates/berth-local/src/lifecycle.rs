@@ -13,7 +13,7 @@ use berth_store::{ClaimOutcome, InstanceFilter};
 
 use crate::inner::{Inner, Live, StopKind, UserSlot, error_tail, new_instance_id};
 use crate::paths::{UserPaths, create_private_dir, normalize_folder};
-use crate::shim::{ShimError, ShimHandle};
+use crate::shim::ShimError;
 use crate::supervisor::{self, Start};
 
 /// Where the patch of a launch comes from.
@@ -194,9 +194,8 @@ impl Inner {
         let mut instance = self.starting_instance(slot, Role::Main, epoch, Some(port), folder, now);
         let spec = self.shim_spec(slot, &instance, port, patch.as_deref())?;
         self.store.put_instance(&instance).await?;
-        let (exe, args) = self.shim_command();
         let spawned_at = std::time::Instant::now();
-        match ShimHandle::spawn(&exe, &args, &spec).await {
+        match self.shims.spawn(&spec).await {
             Ok((handle, state)) => {
                 instance.pid = Some(state.pid);
                 instance.pid_start = Some(state.pid_start);
@@ -330,8 +329,7 @@ impl Inner {
         let var_port = main.as_ref().and_then(|m| m.port).unwrap_or(0);
         let spec = self.shim_spec(slot, &instance, var_port, patch.as_deref())?;
         self.store.put_instance(&instance).await?;
-        let (exe, args) = self.shim_command();
-        match ShimHandle::spawn(&exe, &args, &spec).await {
+        match self.shims.spawn(&spec).await {
             Ok((handle, state)) => {
                 instance.status = InstanceStatus::Running;
                 instance.pid = Some(state.pid);

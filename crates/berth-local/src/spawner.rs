@@ -28,6 +28,7 @@ use crate::logs::tail_lines;
 use crate::metrics::Metrics;
 use crate::paths::{check_socket_room, create_private_dir};
 use crate::ports::PortPool;
+use crate::shim::ShimLauncher;
 
 /// Why the local spawner could not start.
 #[derive(Debug, thiserror::Error)]
@@ -90,6 +91,11 @@ impl LocalSpawner {
         }
         let lease = LeaseKeeper::new(store.clone(), config.node_id.clone(), config.lease.clone());
         let ports = PortPool::new(config.port_range.clone());
+        let shims = {
+            let mut parts = config.shim_command.iter().cloned();
+            let exe = parts.next().unwrap_or_default();
+            ShimLauncher::new(exe, parts.collect())
+        };
         // The default capacity: one main per port (see `set_capacity`).
         let ports_capacity = ports.capacity();
         let inner = Arc::new(Inner {
@@ -108,6 +114,7 @@ impl LocalSpawner {
             node_status: Mutex::new(NodeStatus::Up),
             capacity: AtomicU32::new(ports_capacity),
             heartbeat_lock: tokio::sync::Mutex::new(()),
+            shims,
         });
         if let Err(e) = inner.reattach().await {
             // Supervisors started for instances adopted so far must not
@@ -373,6 +380,7 @@ impl Spawner for LocalSpawner {
         self.inner.cancel.cancel();
         self.inner.tracker.close();
         self.inner.tracker.wait().await;
+        self.inner.shims.shutdown().await;
     }
 
     async fn wait_for_ready(

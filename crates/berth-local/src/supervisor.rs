@@ -790,15 +790,10 @@ impl Ctx {
         let mut next = instance.clone();
         next.port = Some(port);
         let spawned = match inner.shim_spec(&self.slot, &next, port, patch.as_deref()) {
-            Ok(spec) => {
-                let (exe, args) = inner.shim_command();
-                ShimHandle::spawn(&exe, &args, &spec)
-                    .await
-                    .map_err(|e| match e {
-                        crate::shim::ShimError::SpawnFailed(m) => m,
-                        other => other.to_string(),
-                    })
-            }
+            Ok(spec) => inner.shims.spawn(&spec).await.map_err(|e| match e {
+                crate::shim::ShimError::SpawnFailed(m) => m,
+                other => other.to_string(),
+            }),
             Err(e) => Err(e.to_string()),
         };
         match spawned {

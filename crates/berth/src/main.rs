@@ -1,5 +1,6 @@
 //! The `berth` binary: `berth serve`, the built-in `demo-app`, the client
-//! commands, and the hidden `berth shim` that supervises one instance.
+//! commands, and the hidden `berth shim`, the zygote that forks the shim
+//! supervising each instance.
 
 mod cli;
 mod client;
@@ -16,8 +17,8 @@ use crate::cli::{Cli, Command, ConfigCommand, ServeArgs};
 use crate::config::Config;
 
 fn main() -> ExitCode {
-    // The shim is dispatched before any argument parsing or runtime setup:
-    // it must start fast and run single-threaded (see berth_local::shim).
+    // The zygote is dispatched before any argument parsing or runtime setup:
+    // it must stay single-threaded, since it forks (see berth_local::shim).
     if std::env::args_os().nth(1).is_some_and(|a| a == "shim") {
         let code = berth_local::shim::run();
         return ExitCode::from(u8::try_from(code).unwrap_or(1));

@@ -1,4 +1,5 @@
-//! The shim, driven through the real `berth shim` binary with real programs.
+//! The shim, driven through the real `berth shim` binary (the zygote that
+//! forks each shim) with real programs.
 
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
@@ -6,7 +7,7 @@ use std::time::Duration;
 
 use berth_core::Role;
 use berth_local::shim::{
-    ExitInfo, ShimCommand, ShimError, ShimEvent, ShimHandle, ShimSpec, ShimState,
+    ExitInfo, ShimCommand, ShimError, ShimEvent, ShimHandle, ShimLauncher, ShimSpec, ShimState,
 };
 use nix::sys::signal::{Signal, kill, killpg};
 use nix::unistd::Pid;
@@ -35,9 +36,14 @@ fn sh(script: &str) -> Vec<&str> {
     vec!["sh", "-c", script]
 }
 
+fn launcher() -> ShimLauncher {
+    ShimLauncher::new(env!("CARGO_BIN_EXE_berth"), vec!["shim".to_owned()])
+}
+
+/// Spawns through a launcher of its own, whose zygote is gone when this
+/// returns: the shim must not need it.
 async fn spawn(spec: &ShimSpec) -> Result<(ShimHandle, ShimState, Reaper), ShimError> {
-    let exe = Path::new(env!("CARGO_BIN_EXE_berth"));
-    let (handle, state) = ShimHandle::spawn(exe, &["shim".to_owned()], spec).await?;
+    let (handle, state) = launcher().spawn(spec).await?;
     let reaper = Reaper(vec![(state.pid, state.pid_start), (state.shim_pid, 0)]);
     Ok((handle, state, reaper))
 }
@@ -539,19 +545,34 @@ async fn spawn_kills_the_shim_when_connecting_after_spawned_fails() {
     .unwrap();
     std::fs::write(&spec.state_path, serde_json::to_vec(&state).unwrap()).unwrap();
     let pid_file = dir.path().join("fake-shim.pid");
-    let fake = dir.path().join("fake-shim");
+    // A test double of the zygote (python3): forks a "shim" that writes
+    // the report above to the pipe it was given, then only sleeps.
+    let fake = dir.path().join("fake-zygote");
     std::fs::write(
         &fake,
         format!(
-            "#!/bin/sh\nread spec\necho $$ > '{}'\necho '{}'\nexec sleep 1000\n",
-            pid_file.display(),
-            report
+            r#"#!/usr/bin/env python3
+import os, signal, socket
+signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+requests = socket.socket(fileno=0)
+_, fds, _, _ = socket.recv_fds(requests, 1 << 17, 1)
+pid = os.fork()
+if pid == 0:
+    os.write(fds[0], {report:?}.encode() + b"\n")
+    os.execvp("sleep", ["sleep", "1000"])
+os.close(fds[0])
+with open({pid_file:?}, "w") as f:
+    f.write(str(pid))
+requests.send(b"pid %d" % pid)
+requests.recv(1)
+"#,
+            pid_file = pid_file.display().to_string(),
         ),
     )
     .unwrap();
     std::fs::set_permissions(&fake, std::fs::Permissions::from_mode(0o755)).unwrap();
 
-    let err = match ShimHandle::spawn(&fake, &[], &spec).await {
+    let err = match ShimLauncher::new(&fake, vec![]).spawn(&spec).await {
         Ok(_) => panic!("spawn succeeded without a shim listening"),
         Err(e) => e,
     };
@@ -567,4 +588,78 @@ async fn spawn_kills_the_shim_when_connecting_after_spawned_fails() {
         !alive(pid, start) || stat(pid).is_none(),
         "the shim {pid} still runs after spawn failed"
     );
+}
+
+#[tokio::test]
+async fn a_dead_zygote_is_replaced_and_its_shims_live_on() {
+    let dir = tempfile::tempdir().unwrap();
+    let launcher = launcher();
+    let first = spec(&dir.path().join("one"), &["sleep", "1000"]);
+    std::fs::create_dir_all(&first.cwd).unwrap();
+    let (_handle, state) = launcher.spawn(&first).await.unwrap();
+    let _reaper = Reaper(vec![(state.pid, state.pid_start), (state.shim_pid, 0)]);
+    let zygote = launcher.zygote_pid().await.expect("a zygote runs");
+    kill(Pid::from_raw(zygote as i32), Signal::SIGKILL).unwrap();
+    poll_until("the zygote is gone", || {
+        stat(zygote).is_none_or(|(state, _)| state == 'Z')
+    })
+    .await;
+
+    let second = spec(&dir.path().join("two"), &["sleep", "1000"]);
+    std::fs::create_dir_all(&second.cwd).unwrap();
+    let (_handle2, state2) = launcher.spawn(&second).await.unwrap();
+    let _reaper2 = Reaper(vec![(state2.pid, state2.pid_start), (state2.shim_pid, 0)]);
+    let replacement = launcher.zygote_pid().await.expect("a new zygote runs");
+    assert_ne!(replacement, zygote);
+    assert!(
+        alive(state.pid, state.pid_start),
+        "the first program died with the zygote"
+    );
+    launcher.shutdown().await;
+    assert!(
+        alive(state2.pid, state2.pid_start),
+        "a shim died with the zygote's shutdown"
+    );
+}
+
+#[tokio::test]
+async fn the_program_inherits_no_ignored_signals_from_the_zygote() {
+    let dir = tempfile::tempdir().unwrap();
+    let spec = spec(dir.path(), &["sleep", "1000"]);
+    let (_handle, state, _reaper) = spawn(&spec).await.unwrap();
+    let status = std::fs::read_to_string(format!("/proc/{}/status", state.pid)).unwrap();
+    let ignored = status
+        .lines()
+        .find_map(|l| l.strip_prefix("SigIgn:"))
+        .map(|mask| u64::from_str_radix(mask.trim(), 16).unwrap())
+        .unwrap();
+    let bit = |sig: Signal| 1u64 << (sig as i32 - 1);
+    assert_eq!(
+        ignored & bit(Signal::SIGCHLD),
+        0,
+        "SIGCHLD ignored: {ignored:x}"
+    );
+    assert_eq!(
+        ignored & bit(Signal::SIGINT),
+        0,
+        "SIGINT ignored: {ignored:x}"
+    );
+}
+
+#[tokio::test]
+async fn an_oversized_spec_is_refused_and_starts_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut spec = spec(dir.path(), &["sleep", "1000"]);
+    spec.env.push(("HUGE".to_owned(), "x".repeat(200 * 1024)));
+    let launcher = launcher();
+    let err = match launcher.spawn(&spec).await {
+        Ok(_) => panic!("an oversized spec was taken"),
+        Err(e) => e.to_string(),
+    };
+    assert!(err.contains("over the limit of 131072"), "{err}");
+    assert!(
+        launcher.zygote_pid().await.is_none(),
+        "a zygote was started for nothing"
+    );
+    assert!(!spec.state_path.exists());
 }

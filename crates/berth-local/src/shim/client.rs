@@ -2,7 +2,6 @@
 
 use std::io;
 use std::path::Path;
-use std::process::Stdio;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -57,76 +56,49 @@ pub struct ShimControl {
 }
 
 impl ShimHandle {
-    /// Starts `shim_exe shim_args…` (normally berth itself with `["shim"]`),
-    /// hands it `spec`, and connects to its socket. Returns once the program
-    /// is spawned (not ready).
+    /// Completes the start of a shim that berth's [`super::ShimLauncher`]
+    /// had forked as `shim_pid`, with `report` the pipe it writes its
+    /// [`SpawnReport`] to: reads the report and connects to the shim's
+    /// socket. Returns once the program is spawned (not ready).
     ///
     /// A program that exits at once may have taken its shim with it before
     /// the connection is made. That is not an error: the returned handle's
     /// [`ShimHandle::next_event`] then yields `None` straight away and
     /// [`ShimHandle::read_state`] on `spec.state_path` holds the exit.
-    pub async fn spawn(
-        shim_exe: &Path,
-        shim_args: &[String],
+    ///
+    /// On every error the shim is gone when this returns (killed if need
+    /// be, which takes its program with it), so nothing runs unowned.
+    pub(super) async fn finish_spawn(
+        report: impl tokio::io::AsyncRead + Unpin,
+        shim_pid: u32,
         spec: &ShimSpec,
     ) -> Result<(ShimHandle, ShimState), ShimError> {
-        let mut line = serde_json::to_vec(spec)
-            .map_err(|e| ShimError::Shim(format!("cannot encode spec: {e}")))?;
-        line.push(b'\n');
-        let mut child = tokio::process::Command::new(shim_exe)
-            .args(shim_args)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            // The shim's own diagnostics before it detaches; afterwards it
-            // writes to `<state_path>.shim.log`.
-            .stderr(Stdio::inherit())
-            // Not a process group of its own: the shim calls setsid, which
-            // a group leader cannot.
-            .kill_on_drop(false)
-            .spawn()
-            .map_err(|e| ShimError::Shim(format!("cannot start {shim_exe:?}: {e}")))?;
-        let (Some(mut stdin), Some(stdout)) = (child.stdin.take(), child.stdout.take()) else {
-            let _ = child.start_kill();
-            return Err(ShimError::Shim("shim started without pipes".to_owned()));
-        };
-        // A write error means the shim is already gone; its missing report
-        // below says so with more detail.
-        let _ = stdin.write_all(&line).await;
-        drop(stdin);
-
-        let mut report = String::new();
-        let mut stdout = BufReader::new(stdout);
-        let read = tokio::time::timeout(REPORT_TIMEOUT, stdout.read_line(&mut report)).await;
+        let mut line = String::new();
+        let mut report = BufReader::new(report);
+        let read = tokio::time::timeout(REPORT_TIMEOUT, report.read_line(&mut line)).await;
         let report = match read {
-            Ok(Ok(n)) if n > 0 => report,
+            Ok(Ok(n)) if n > 0 => line,
             Ok(Ok(_)) | Ok(Err(_)) => {
-                let status = tokio::time::timeout(Duration::from_secs(5), child.wait()).await;
-                let how = match status {
-                    Ok(Ok(status)) => status.to_string(),
-                    _ => "still running".to_owned(),
-                };
-                let _ = child.start_kill();
-                return Err(ShimError::Shim(format!(
-                    "shim exited without a report ({how})"
-                )));
+                kill_and_wait(shim_pid).await;
+                return Err(ShimError::Shim("shim exited without a report".to_owned()));
             }
             Err(_) => {
                 // Killing the shim takes the program with it (parent-death
                 // signal).
-                let _ = child.start_kill();
+                kill_and_wait(shim_pid).await;
                 return Err(ShimError::Shim(format!(
                     "no report from the shim within {}s",
                     REPORT_TIMEOUT.as_secs()
                 )));
             }
         };
-        // Past this point the child is dropped on success (tokio reaps it
-        // when it exits) and killed on every failure.
+        // Past this point the shim is left alone on success and killed on
+        // every failure.
         let state = match serde_json::from_str::<SpawnReport>(&report) {
             Ok(SpawnReport::Spawned { state }) => state,
             Ok(SpawnReport::Failed { error }) => return Err(ShimError::SpawnFailed(error)),
             Err(e) => {
-                let _ = child.start_kill();
+                kill_and_wait(shim_pid).await;
                 return Err(ShimError::Shim(format!(
                     "bad report {:?}: {e}",
                     report.trim_end()
@@ -153,7 +125,7 @@ impl ShimHandle {
         // the error alone would leave it running unowned while the caller
         // releases its lease and port (two instances). Killing the shim
         // takes the program with it (parent-death signal).
-        kill_and_reap(&mut child).await;
+        kill_and_wait(shim_pid).await;
         Err(error)
     }
 
@@ -268,21 +240,34 @@ fn is_disconnect(e: &io::Error) -> bool {
     )
 }
 
-/// Whether two states describe the same run of the same program.
-/// SIGKILLs a shim we spawned and waits (bounded) for it to be gone, so its
-/// program has received the parent-death signal by the time we return.
-async fn kill_and_reap(child: &mut tokio::process::Child) {
-    if let Err(e) = child.start_kill() {
-        tracing::warn!(%e, "cannot kill the shim");
+/// SIGKILLs a shim we started and waits (bounded) for it to be gone, so
+/// its program has received the parent-death signal by the time we return.
+/// The zygote, its parent, reaps it.
+async fn kill_and_wait(shim_pid: u32) {
+    let Ok(raw) = i32::try_from(shim_pid) else {
+        return;
+    };
+    let pid = Pid::from_raw(raw);
+    if let Err(e) = signal::kill(pid, signal::Signal::SIGKILL) {
+        if e != nix::errno::Errno::ESRCH {
+            tracing::warn!(%e, shim_pid, "cannot kill the shim");
+        }
+        return;
     }
-    if tokio::time::timeout(Duration::from_secs(5), child.wait())
+    let gone = async {
+        while signal::kill(pid, None).is_ok() {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    };
+    if tokio::time::timeout(Duration::from_secs(5), gone)
         .await
         .is_err()
     {
-        tracing::warn!("the killed shim has not exited within 5s");
+        tracing::warn!(shim_pid, "the killed shim has not exited within 5s");
     }
 }
 
+/// Whether two states describe the same run of the same program.
 fn same_program(a: &ShimState, b: &ShimState) -> bool {
     a.instance_id == b.instance_id && a.pid == b.pid && a.pid_start == b.pid_start
 }

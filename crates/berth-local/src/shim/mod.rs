@@ -2,11 +2,12 @@
 //! berth itself comes and goes (design §4.7, in the spirit of
 //! containerd-shim and podman's conmon).
 //!
-//! berth starts a shim by re-executing itself (`berth shim`), writes a
-//! [`ShimSpec`] as one JSON line to the shim's stdin and reads back one JSON
-//! [`SpawnReport`] line from its stdout. From then on the two talk over a
-//! unix socket ([`ShimSpec::socket_path`]) in newline-delimited JSON:
-//! [`ShimCommand`]s in, [`ShimEvent`]s out. The shim:
+//! berth re-executes itself once as the zygote (`berth shim`, see
+//! [`ShimLauncher`]), which forks one shim per instance: berth hands it a
+//! [`ShimSpec`] and a pipe, and reads back one JSON [`SpawnReport`] line
+//! from that pipe. From then on berth and the shim talk over a unix socket
+//! ([`ShimSpec::socket_path`]) in newline-delimited JSON: [`ShimCommand`]s
+//! in, [`ShimEvent`]s out. The shim:
 //!
 //! * calls `setsid` so it outlives berth, and runs a single-threaded runtime
 //!   (a parent-death signal fires when the spawning *thread* exits);
@@ -39,12 +40,15 @@ macro_rules! diag {
 }
 
 mod client;
+mod launcher;
 mod output;
 pub(crate) mod procfs;
 mod protocol;
 mod server;
 mod state_file;
+mod zygote;
 
 pub use client::{ShimControl, ShimError, ShimHandle};
+pub use launcher::ShimLauncher;
 pub use protocol::{ExitInfo, ShimCommand, ShimEvent, ShimSpec, ShimState, SpawnReport};
-pub use server::run;
+pub use zygote::run;

@@ -1,7 +1,7 @@
-//! The shim process itself (`berth shim`).
+//! One shim: the process the zygote forks for each instance.
 
 use std::fs;
-use std::io::{self, BufRead, Write};
+use std::io::{self, Write};
 use std::os::fd::AsRawFd;
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
@@ -38,9 +38,10 @@ const FAREWELL_TIMEOUT: Duration = Duration::from_secs(2);
 /// Events a slow client may fall behind by before it is disconnected.
 const EVENT_BACKLOG: usize = 256;
 
-/// Runs a shim: reads its [`super::ShimSpec`] from stdin and never returns
-/// until the program has exited. The caller exits with the returned code.
-pub fn run() -> i32 {
+/// Runs one shim in a process the zygote has just forked, whose stdout is
+/// the pipe berth reads the [`SpawnReport`] from. Never returns until the
+/// program has exited; the caller exits with the returned code.
+pub(super) fn run(spec: ShimSpec) -> i32 {
     // A new session: berth's death, its terminal and signals sent to its
     // process group must not reach the shim. Fails only if the shim already
     // leads a process group, in which case it is on its own anyway.
@@ -48,13 +49,6 @@ pub fn run() -> i32 {
     ignore_signal(Signal::SIGPIPE);
     ignore_signal(Signal::SIGHUP);
 
-    let spec = match read_spec() {
-        Ok(spec) => spec,
-        Err(error) => {
-            report(&SpawnReport::Failed { error });
-            return 2;
-        }
-    };
     // Single-threaded on purpose: the program's parent-death signal fires
     // when the thread that spawned it exits, so that thread must be the one
     // that lives as long as the shim.
@@ -82,15 +76,6 @@ fn ignore_signal(sig: Signal) {
     if let Err(e) = unsafe { signal::signal(sig, SigHandler::SigIgn) } {
         diag!("cannot ignore {sig}: {e}");
     }
-}
-
-fn read_spec() -> Result<ShimSpec, String> {
-    let mut line = String::new();
-    io::stdin()
-        .lock()
-        .read_line(&mut line)
-        .map_err(|e| format!("shim: cannot read its spec: {e}"))?;
-    serde_json::from_str(&line).map_err(|e| format!("shim: invalid spec: {e}"))
 }
 
 /// Sends the one report line to the spawner.

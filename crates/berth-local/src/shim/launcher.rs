@@ -1,0 +1,230 @@
+//! berth's side of the zygote: starts it, asks it for shims, and replaces
+//! it if it dies.
+
+use std::io::{self, IoSlice};
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::path::PathBuf;
+use std::process::Stdio;
+use std::time::Duration;
+
+use nix::fcntl::{FcntlArg, OFlag, fcntl};
+use nix::sys::socket::{
+    AddressFamily, ControlMessage, MsgFlags, SockFlag, SockType, recv, sendmsg, socketpair,
+};
+use tokio::io::Interest;
+use tokio::io::unix::AsyncFd;
+use tokio::sync::Mutex;
+
+use super::ShimError;
+use super::client::ShimHandle;
+use super::protocol::{ShimSpec, ShimState};
+use super::zygote::MAX_REQUEST_BYTES;
+
+/// How long the zygote may take to answer a fork request. It answers
+/// right after `fork`, so hitting this means it is wedged.
+const ANSWER_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Starts shims. Owns one zygote process (`exe args…`, normally
+/// `berth shim`), started on first use and restarted if it dies; each
+/// [`ShimLauncher::spawn`] has it fork one shim.
+///
+/// ```no_run
+/// # async fn demo(spec: berth_local::shim::ShimSpec) -> Result<(), berth_local::shim::ShimError> {
+/// use berth_local::shim::ShimLauncher;
+///
+/// let launcher = ShimLauncher::new("/usr/local/bin/berth", vec!["shim".to_owned()]);
+/// let (mut handle, state) = launcher.spawn(&spec).await?;
+/// println!("program pid {} under shim {}", state.pid, state.shim_pid);
+/// while let Some(event) = handle.next_event().await {
+///     println!("{event:?}");
+/// }
+/// # Ok(()) }
+/// ```
+pub struct ShimLauncher {
+    exe: PathBuf,
+    args: Vec<String>,
+    /// One request at a time: the zygote answers in order, and a request
+    /// cut short (its future dropped) takes the zygote with it, so an
+    /// answer is never read by the wrong request.
+    zygote: Mutex<Option<Zygote>>,
+}
+
+struct Zygote {
+    socket: AsyncFd<OwnedFd>,
+    /// Killed when dropped; shims it forked live on (own session).
+    process: tokio::process::Child,
+}
+
+impl ShimLauncher {
+    pub fn new(exe: impl Into<PathBuf>, args: Vec<String>) -> ShimLauncher {
+        ShimLauncher {
+            exe: exe.into(),
+            args,
+            zygote: Mutex::new(None),
+        }
+    }
+
+    /// Starts a shim for `spec` and connects to it. Returns once the program
+    /// is spawned (not ready); see [`ShimHandle`] for what follows.
+    ///
+    /// On error nothing is left running.
+    pub async fn spawn(&self, spec: &ShimSpec) -> Result<(ShimHandle, ShimState), ShimError> {
+        let request = serde_json::to_vec(spec)
+            .map_err(|e| ShimError::Shim(format!("cannot encode spec: {e}")))?;
+        if request.len() > MAX_REQUEST_BYTES {
+            return Err(ShimError::Shim(format!(
+                "the spec is {} bytes, over the limit of {MAX_REQUEST_BYTES} (command and environment too large)",
+                request.len()
+            )));
+        }
+        let (report, report_write) = nix::unistd::pipe2(OFlag::O_CLOEXEC)
+            .map_err(|e| ShimError::Shim(format!("cannot make a pipe: {e}")))?;
+        let report = tokio::net::unix::pipe::Receiver::from_owned_fd(report)?;
+        let shim_pid = self.fork(&request, report_write).await?;
+        ShimHandle::finish_spawn(report, shim_pid, spec).await
+    }
+
+    /// The zygote's pid, if one runs (for diagnostics and tests).
+    pub async fn zygote_pid(&self) -> Option<u32> {
+        self.zygote
+            .lock()
+            .await
+            .as_ref()
+            .and_then(|z| z.process.id())
+    }
+
+    /// Stops the zygote. Shims it started keep running.
+    pub async fn shutdown(&self) {
+        self.zygote.lock().await.take();
+    }
+
+    /// Has the zygote fork a shim writing its report to `report`; returns
+    /// the shim's pid. A dead zygote is replaced once.
+    async fn fork(&self, request: &[u8], report: OwnedFd) -> Result<u32, ShimError> {
+        let mut slot = self.zygote.lock().await;
+        let mut retried = false;
+        loop {
+            let zygote = match slot.take() {
+                Some(zygote) => zygote,
+                None => Zygote::start(&self.exe, &self.args)?,
+            };
+            match zygote.ask(request, &report).await {
+                Ok(answer) => {
+                    *slot = Some(zygote);
+                    return parse_answer(&answer);
+                }
+                Err(e) if !retried => {
+                    tracing::warn!(error = %e, "the shim zygote is gone; starting a new one");
+                    retried = true;
+                }
+                Err(e) => {
+                    return Err(ShimError::Shim(format!(
+                        "the shim zygote ({:?}) failed: {e}",
+                        self.exe
+                    )));
+                }
+            }
+        }
+    }
+}
+
+impl Zygote {
+    fn start(exe: &PathBuf, args: &[String]) -> Result<Zygote, ShimError> {
+        let cannot = |what: &str, e: &dyn std::fmt::Display| {
+            ShimError::Shim(format!("cannot start the shim zygote {exe:?}: {what}: {e}"))
+        };
+        let (ours, theirs) = socketpair(
+            AddressFamily::Unix,
+            SockType::SeqPacket,
+            None,
+            SockFlag::SOCK_CLOEXEC,
+        )
+        .map_err(|e| cannot("socketpair", &e))?;
+        // Only our end: the zygote reads its end blocking.
+        fcntl(ours.as_raw_fd(), FcntlArg::F_SETFL(OFlag::O_NONBLOCK))
+            .map_err(|e| cannot("fcntl", &e))?;
+        let process = tokio::process::Command::new(exe)
+            .args(args)
+            .stdin(Stdio::from(theirs))
+            .stdout(Stdio::null())
+            // Its diagnostics, and each shim's until it has detached.
+            .stderr(Stdio::inherit())
+            .kill_on_drop(true)
+            .spawn()
+            .map_err(|e| cannot("spawn", &e))?;
+        // SAFETY: the `OwnedFd` is moved into the `AsyncFd`, so the
+        // descriptor stays open, and is the same, until the `AsyncFd` drops
+        // it; nothing else holds this end of the pair.
+        let socket = unsafe { AsyncFd::register(ours) }.map_err(|e| cannot("register", &e))?;
+        Ok(Zygote { socket, process })
+    }
+
+    /// Sends one request and reads its answer.
+    async fn ask(&self, request: &[u8], report: &OwnedFd) -> io::Result<String> {
+        let fds = [report.as_raw_fd()];
+        self.socket
+            .async_io(Interest::WRITABLE, |fd| {
+                sendmsg::<()>(
+                    fd.as_raw_fd(),
+                    &[IoSlice::new(request)],
+                    &[ControlMessage::ScmRights(&fds)],
+                    MsgFlags::MSG_NOSIGNAL,
+                    None,
+                )
+                .map_err(io::Error::from)
+            })
+            .await?;
+        let mut answer = [0u8; 512];
+        let read = self.socket.async_io(Interest::READABLE, |fd| {
+            recv(fd.as_raw_fd(), &mut answer, MsgFlags::empty()).map_err(io::Error::from)
+        });
+        let n = tokio::time::timeout(ANSWER_TIMEOUT, read)
+            .await
+            .map_err(|_| {
+                io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    format!("no answer within {}s", ANSWER_TIMEOUT.as_secs()),
+                )
+            })??;
+        if n == 0 {
+            return Err(io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                "the zygote exited",
+            ));
+        }
+        Ok(String::from_utf8_lossy(&answer[..n]).into_owned())
+    }
+}
+
+/// `pid <n>` or `error <why>`.
+fn parse_answer(answer: &str) -> Result<u32, ShimError> {
+    if let Some(pid) = answer.strip_prefix("pid ") {
+        return pid
+            .parse()
+            .map_err(|_| ShimError::Shim(format!("the shim zygote answered {answer:?}")));
+    }
+    Err(ShimError::Shim(match answer.strip_prefix("error ") {
+        Some(why) => format!("the shim zygote cannot start a shim: {why}"),
+        None => format!("the shim zygote answered {answer:?}"),
+    }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn answers_parse() {
+        assert_eq!(parse_answer("pid 42").unwrap(), 42);
+        let err = parse_answer("error invalid spec: eof")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("cannot start a shim: invalid spec: eof"),
+            "{err}"
+        );
+        let err = parse_answer("pid x").unwrap_err().to_string();
+        assert!(err.contains("answered \"pid x\""), "{err}");
+        assert!(parse_answer("").is_err());
+    }
+}

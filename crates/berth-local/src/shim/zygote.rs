@@ -1,0 +1,170 @@
+//! The zygote (`berth shim`): one long-lived, single-threaded process per
+//! berth that forks a shim for every instance.
+//!
+//! Executing berth costs every process start here a few milliseconds of
+//! loader, relocation and CPU-feature probing; a fork of a small process
+//! that has already paid it costs a tenth of that. So berth re-executes
+//! itself once, as the zygote, and the zygote forks (without exec) one shim
+//! per instance.
+//!
+//! Protocol, over the `SOCK_SEQPACKET` socket that is the zygote's stdin:
+//! berth sends one message per shim, the [`ShimSpec`] as JSON with the
+//! write end of a pipe attached (`SCM_RIGHTS`); the zygote forks, and the
+//! child becomes the shim with that pipe as its stdout, on which it writes
+//! its [`super::SpawnReport`]. The zygote answers each request with one
+//! message, `pid <shim pid>` or `error <why>`, and exits when berth closes
+//! the socket. Forked shims are never the zygote's to wait for: it ignores
+//! `SIGCHLD`, so the kernel reaps them, and they outlive it (they are in
+//! their own session).
+
+use std::io::{IoSlice, IoSliceMut};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+
+use nix::errno::Errno;
+use nix::sys::signal::{self, SigHandler, Signal};
+use nix::sys::socket::{ControlMessageOwned, MsgFlags, recvmsg, sendmsg};
+use nix::unistd::ForkResult;
+
+use super::ShimSpec;
+
+/// Largest request (a spec's JSON) the zygote takes.
+pub(crate) const MAX_REQUEST_BYTES: usize = 128 * 1024;
+
+/// The request socket: the zygote's stdin.
+const REQUESTS: RawFd = 0;
+
+/// Serves fork requests on stdin until berth closes it. Returns the exit
+/// code.
+pub fn run() -> i32 {
+    set_signal(Signal::SIGPIPE, SigHandler::SigIgn);
+    // The kernel reaps the forked shims: the zygote never waits for one.
+    set_signal(Signal::SIGCHLD, SigHandler::SigIgn);
+    let mut buf = vec![0u8; MAX_REQUEST_BYTES];
+    loop {
+        let request = match receive(&mut buf) {
+            Ok(Some(request)) => request,
+            // berth closed the socket: it is stopping.
+            Ok(None) => return 0,
+            Err(e) => {
+                diag!("zygote: cannot read requests: {e}");
+                return 1;
+            }
+        };
+        let answer = match request {
+            Ok((spec, report)) => fork_shim(spec, report),
+            Err(why) => format!("error {why}"),
+        };
+        if let Err(e) = sendmsg::<()>(
+            REQUESTS,
+            &[IoSlice::new(answer.as_bytes())],
+            &[],
+            MsgFlags::empty(),
+            None,
+        ) {
+            diag!("zygote: cannot answer: {e}");
+            return 1;
+        }
+    }
+}
+
+/// One request: `Ok(None)` at end of stream, `Ok(Err(why))` for a request
+/// that cannot be served (answered, then the next one is read).
+#[allow(clippy::type_complexity)]
+fn receive(buf: &mut [u8]) -> nix::Result<Option<Result<(ShimSpec, OwnedFd), String>>> {
+    let mut cmsg = nix::cmsg_space!([RawFd; 2]);
+    let (bytes, flags, mut fds) = loop {
+        let mut iov = [IoSliceMut::new(buf)];
+        match recvmsg::<()>(
+            REQUESTS,
+            &mut iov,
+            Some(&mut cmsg),
+            MsgFlags::MSG_CMSG_CLOEXEC,
+        ) {
+            Ok(msg) => {
+                let mut fds = Vec::new();
+                for c in msg.cmsgs()? {
+                    if let ControlMessageOwned::ScmRights(received) = c {
+                        for fd in received {
+                            // SAFETY: SCM_RIGHTS installed `fd` in this
+                            // process just now; nothing else owns it.
+                            fds.push(unsafe { OwnedFd::from_raw_fd(fd) });
+                        }
+                    }
+                }
+                break (msg.bytes, msg.flags, fds);
+            }
+            Err(Errno::EINTR) => continue,
+            Err(e) => return Err(e),
+        }
+    };
+    if bytes == 0 && fds.is_empty() {
+        return Ok(None);
+    }
+    if flags.intersects(MsgFlags::MSG_TRUNC | MsgFlags::MSG_CTRUNC) {
+        return Ok(Some(Err(format!("request over {MAX_REQUEST_BYTES} bytes"))));
+    }
+    if fds.len() != 1 {
+        return Ok(Some(Err(format!(
+            "request carries {} descriptors, not 1",
+            fds.len()
+        ))));
+    }
+    let report = fds.remove(0);
+    match serde_json::from_slice(&buf[..bytes]) {
+        Ok(spec) => Ok(Some(Ok((spec, report)))),
+        Err(e) => Ok(Some(Err(format!("invalid spec: {e}")))),
+    }
+}
+
+/// Forks the shim for `spec`; returns the answer for berth.
+fn fork_shim(spec: ShimSpec, report: OwnedFd) -> String {
+    // SAFETY: the zygote is single-threaded (it never starts a thread or a
+    // runtime), so the child is a complete copy of a consistent process and
+    // may run any code, not only async-signal-safe functions.
+    match unsafe { nix::unistd::fork() } {
+        Ok(ForkResult::Child) => {
+            let code = become_shim(spec, report);
+            std::process::exit(code)
+        }
+        Ok(ForkResult::Parent { child }) => format!("pid {child}"),
+        Err(e) => format!("error cannot fork a shim: {e}"),
+    }
+}
+
+/// In the forked child: give up the zygote's descriptors and dispositions,
+/// then run the shim with `report` as stdout.
+fn become_shim(spec: ShimSpec, report: OwnedFd) -> i32 {
+    // The request socket must not stay open in every shim (berth would
+    // never see the zygote's end close), and the program must not inherit
+    // the zygote's SIGCHLD disposition (an ignored SIGCHLD survives exec).
+    if let Err(e) = redirect_null(REQUESTS) {
+        diag!("shim: cannot detach from the zygote: {e}");
+        return 2;
+    }
+    set_signal(Signal::SIGCHLD, SigHandler::SigDfl);
+    if let Err(e) = nix::unistd::dup2(report.as_raw_fd(), 1) {
+        diag!("shim: cannot take its report pipe: {e}");
+        return 2;
+    }
+    drop(report);
+    super::server::run(spec)
+}
+
+fn redirect_null(fd: RawFd) -> nix::Result<()> {
+    let null = nix::fcntl::open(
+        "/dev/null",
+        nix::fcntl::OFlag::O_RDWR | nix::fcntl::OFlag::O_CLOEXEC,
+        nix::sys::stat::Mode::empty(),
+    )?;
+    // SAFETY: `open` just returned this descriptor; it is owned here alone.
+    let null = unsafe { OwnedFd::from_raw_fd(null) };
+    nix::unistd::dup2(null.as_raw_fd(), fd).map(drop)
+}
+
+fn set_signal(sig: Signal, handler: SigHandler) {
+    // SAFETY: SIG_IGN and SIG_DFL install no handler, so no code of ours
+    // ever runs in signal context; the process is single-threaded.
+    if let Err(e) = unsafe { signal::signal(sig, handler) } {
+        diag!("zygote: cannot set the disposition of {sig}: {e}");
+    }
+}
