@@ -39,9 +39,10 @@ const FAREWELL_TIMEOUT: Duration = Duration::from_secs(2);
 const EVENT_BACKLOG: usize = 256;
 
 /// Runs one shim in a process the zygote has just forked, whose stdout is
-/// the pipe berth reads the [`SpawnReport`] from. Never returns until the
-/// program has exited; the caller exits with the returned code.
-pub(super) fn run(spec: ShimSpec) -> i32 {
+/// the pipe berth reads the [`SpawnReport`] from. `ready_regex` is
+/// `spec.ready_regex` already compiled, if the zygote had it. Never returns
+/// until the program has exited; the caller exits with the returned code.
+pub(super) fn run(spec: ShimSpec, ready_regex: Option<Regex>) -> i32 {
     // A new session: berth's death, its terminal and signals sent to its
     // process group must not reach the shim. Fails only if the shim already
     // leads a process group, in which case it is on its own anyway.
@@ -67,7 +68,7 @@ pub(super) fn run(spec: ShimSpec) -> i32 {
             return 2;
         }
     };
-    runtime.block_on(shim_main(spec))
+    runtime.block_on(shim_main(spec, ready_regex))
 }
 
 fn ignore_signal(sig: Signal) {
@@ -113,8 +114,8 @@ fn program_name(spec: &ShimSpec) -> &str {
     spec.argv.first().map_or("", String::as_str)
 }
 
-async fn shim_main(spec: ShimSpec) -> i32 {
-    let started = match start(&spec) {
+async fn shim_main(spec: ShimSpec, ready_regex: Option<Regex>) -> i32 {
+    let started = match start(&spec, ready_regex) {
         Ok(started) => started,
         Err(error) => {
             report(&SpawnReport::Failed { error });
@@ -145,14 +146,16 @@ struct Started {
 
 /// Everything up to a running program, a listening socket and a state
 /// file. On error nothing is left running.
-fn start(spec: &ShimSpec) -> Result<Started, String> {
+fn start(spec: &ShimSpec, compiled: Option<Regex>) -> Result<Started, String> {
     let name = program_name(spec);
-    let ready_regex = spec
-        .ready_regex
-        .as_deref()
-        .map(Regex::new)
-        .transpose()
-        .map_err(|e| format!("invalid ready regex for program {name:?}: {e}"))?;
+    let ready_regex = match (compiled, spec.ready_regex.as_deref()) {
+        (_, None) => None,
+        (Some(compiled), Some(_)) => Some(compiled),
+        (None, Some(pattern)) => Some(
+            Regex::new(pattern)
+                .map_err(|e| format!("invalid ready regex for program {name:?}: {e}"))?,
+        ),
+    };
     let program = resolve_program(spec)?;
     match fs::metadata(&spec.cwd) {
         Ok(meta) if meta.is_dir() => {}

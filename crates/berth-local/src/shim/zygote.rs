@@ -17,6 +17,7 @@
 //! `SIGCHLD`, so the kernel reaps them, and they outlive it (they are in
 //! their own session).
 
+use std::collections::HashMap;
 use std::io::{IoSlice, IoSliceMut};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 
@@ -24,6 +25,7 @@ use nix::errno::Errno;
 use nix::sys::signal::{self, SigHandler, Signal};
 use nix::sys::socket::{ControlMessageOwned, MsgFlags, recvmsg, sendmsg};
 use nix::unistd::ForkResult;
+use regex::bytes::Regex;
 
 use super::ShimSpec;
 
@@ -33,6 +35,11 @@ pub(crate) const MAX_REQUEST_BYTES: usize = 128 * 1024;
 /// The request socket: the zygote's stdin.
 const REQUESTS: RawFd = 0;
 
+/// Ready patterns kept compiled. Every instance of a berth usually shares
+/// one (the configured command's), so each shim inherits it compiled
+/// instead of compiling it again (a few hundred microseconds).
+const MAX_CACHED_PATTERNS: usize = 16;
+
 /// Serves fork requests on stdin until berth closes it. Returns the exit
 /// code.
 pub fn run() -> i32 {
@@ -40,6 +47,7 @@ pub fn run() -> i32 {
     // The kernel reaps the forked shims: the zygote never waits for one.
     set_signal(Signal::SIGCHLD, SigHandler::SigIgn);
     let mut buf = vec![0u8; MAX_REQUEST_BYTES];
+    let mut patterns = HashMap::new();
     loop {
         let request = match receive(&mut buf) {
             Ok(Some(request)) => request,
@@ -51,7 +59,10 @@ pub fn run() -> i32 {
             }
         };
         let answer = match request {
-            Ok((spec, report)) => fork_shim(spec, report),
+            Ok((spec, report)) => {
+                let ready_regex = compiled(&mut patterns, spec.ready_regex.as_deref());
+                fork_shim(spec, ready_regex, report)
+            }
             Err(why) => format!("error {why}"),
         };
         if let Err(e) = sendmsg::<()>(
@@ -116,14 +127,29 @@ fn receive(buf: &mut [u8]) -> nix::Result<Option<Result<(ShimSpec, OwnedFd), Str
     }
 }
 
+/// `pattern` compiled, from the cache or newly (and then cached while there
+/// is room). `None` for no pattern or an invalid one: the shim compiles it
+/// itself and reports the error.
+fn compiled(cache: &mut HashMap<String, Regex>, pattern: Option<&str>) -> Option<Regex> {
+    let pattern = pattern?;
+    if let Some(regex) = cache.get(pattern) {
+        return Some(regex.clone());
+    }
+    let regex = Regex::new(pattern).ok()?;
+    if cache.len() < MAX_CACHED_PATTERNS {
+        cache.insert(pattern.to_owned(), regex.clone());
+    }
+    Some(regex)
+}
+
 /// Forks the shim for `spec`; returns the answer for berth.
-fn fork_shim(spec: ShimSpec, report: OwnedFd) -> String {
+fn fork_shim(spec: ShimSpec, ready_regex: Option<Regex>, report: OwnedFd) -> String {
     // SAFETY: the zygote is single-threaded (it never starts a thread or a
     // runtime), so the child is a complete copy of a consistent process and
     // may run any code, not only async-signal-safe functions.
     match unsafe { nix::unistd::fork() } {
         Ok(ForkResult::Child) => {
-            let code = become_shim(spec, report);
+            let code = become_shim(spec, ready_regex, report);
             std::process::exit(code)
         }
         Ok(ForkResult::Parent { child }) => format!("pid {child}"),
@@ -133,7 +159,7 @@ fn fork_shim(spec: ShimSpec, report: OwnedFd) -> String {
 
 /// In the forked child: give up the zygote's descriptors and dispositions,
 /// then run the shim with `report` as stdout.
-fn become_shim(spec: ShimSpec, report: OwnedFd) -> i32 {
+fn become_shim(spec: ShimSpec, ready_regex: Option<Regex>, report: OwnedFd) -> i32 {
     // The request socket must not stay open in every shim (berth would
     // never see the zygote's end close), and the program must not inherit
     // the zygote's SIGCHLD disposition (an ignored SIGCHLD survives exec).
@@ -147,7 +173,7 @@ fn become_shim(spec: ShimSpec, report: OwnedFd) -> i32 {
         return 2;
     }
     drop(report);
-    super::server::run(spec)
+    super::server::run(spec, ready_regex)
 }
 
 fn redirect_null(fd: RawFd) -> nix::Result<()> {
@@ -166,5 +192,35 @@ fn set_signal(sig: Signal, handler: SigHandler) {
     // ever runs in signal context; the process is single-threaded.
     if let Err(e) = unsafe { signal::signal(sig, handler) } {
         diag!("zygote: cannot set the disposition of {sig}: {e}");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn patterns_are_compiled_once_and_the_cache_is_bounded() {
+        let mut cache = HashMap::new();
+        assert!(compiled(&mut cache, None).is_none());
+        assert!(
+            compiled(&mut cache, Some("(")).is_none(),
+            "invalid compiles"
+        );
+        assert!(cache.is_empty(), "an invalid pattern was cached");
+        let first = compiled(&mut cache, Some(r"token=(\w+)")).unwrap();
+        assert!(first.is_match(b"token=abc"));
+        assert_eq!(cache.len(), 1);
+        compiled(&mut cache, Some(r"token=(\w+)")).unwrap();
+        assert_eq!(cache.len(), 1);
+        for i in 0..MAX_CACHED_PATTERNS * 2 {
+            let pattern = format!("p{i}");
+            assert!(
+                compiled(&mut cache, Some(&pattern))
+                    .unwrap()
+                    .is_match(pattern.as_bytes())
+            );
+        }
+        assert_eq!(cache.len(), MAX_CACHED_PATTERNS);
     }
 }
