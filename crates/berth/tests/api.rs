@@ -126,8 +126,14 @@ async fn a_crash_loop_opens_the_breaker() {
     assert_eq!(body["opens"], 1);
     assert!(body["retry_after_ms"].as_u64().unwrap() > 0);
 
-    // The breaker is in the store: a new berth still refuses.
+    // The breaker is in the store: a new berth still refuses. (A graceful
+    // stop takes berth's shim zygote with it.)
+    let zygote = support::zygote_of(node.pid().unwrap()).expect("berth runs a shim zygote");
     node.terminate();
+    assert!(
+        !alive(u64::from(zygote)),
+        "the zygote outlived a graceful stop"
+    );
     let node = Node::start(dir.path(), &config);
     let (status, body) = launch(&node, "loop").await;
     assert_eq!(
@@ -176,10 +182,16 @@ async fn instances_survive_a_berth_crash_and_are_adopted() {
             body["instance"]["port"].as_u64().unwrap(),
         ));
     }
+    let zygote = support::zygote_of(node.pid().unwrap()).expect("berth runs a shim zygote");
     node.kill9();
     for (_, pid, _) in &before {
         assert!(alive(*pid), "instances outlive berth");
     }
+    // berth's end of its socket closed with it: the zygote is no orphan.
+    support::eventually(Duration::from_secs(20), "the zygote exits", || async {
+        (!alive(u64::from(zygote))).then_some(())
+    })
+    .await;
     let node = Node::start(dir.path(), &ports(4));
     for (user, pid, port) in &before {
         let main = node.running_main(user, None).await;

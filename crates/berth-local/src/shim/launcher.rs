@@ -24,6 +24,9 @@ use super::zygote::MAX_REQUEST_BYTES;
 /// right after `fork`, so hitting this means it is wedged.
 const ANSWER_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// How long the zygote gets to exit after its socket closes.
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(2);
+
 /// Starts shims. Owns one zygote process (`exe args…`, normally
 /// `berth shim`), started on first use and restarted if it dies; each
 /// [`ShimLauncher::spawn`] has it fork one shim.
@@ -93,9 +96,27 @@ impl ShimLauncher {
             .and_then(|z| z.process.id())
     }
 
-    /// Stops the zygote. Shims it started keep running.
+    /// Stops the zygote and waits for it to be gone. Shims it started keep
+    /// running.
     pub async fn shutdown(&self) {
-        self.zygote.lock().await.take();
+        let Some(Zygote {
+            socket,
+            mut process,
+        }) = self.zygote.lock().await.take()
+        else {
+            return;
+        };
+        // End of its request stream: it exits on its own.
+        drop(socket);
+        if tokio::time::timeout(SHUTDOWN_GRACE, process.wait())
+            .await
+            .is_err()
+        {
+            tracing::warn!("the shim zygote did not exit; killing it");
+            if let Err(e) = process.kill().await {
+                tracing::warn!(error = %e, "cannot kill the shim zygote");
+            }
+        }
     }
 
     /// Has the zygote fork a shim writing its report to `report`; returns

@@ -244,6 +244,25 @@ pub fn kill_instances_under(data_dir: &Path) {
     }
 }
 
+/// The shim zygote (`berth shim`) that the `berth serve` with pid `berth`
+/// started, if it runs.
+pub fn zygote_of(berth: u32) -> Option<u32> {
+    std::fs::read_dir("/proc").ok()?.find_map(|entry| {
+        let pid: u32 = entry.ok()?.file_name().to_str()?.parse().ok()?;
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+        let ppid: u32 = stat
+            .rsplit_once(')')?
+            .1
+            .split_whitespace()
+            .nth(1)?
+            .parse()
+            .ok()?;
+        let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+        let is_shim = cmdline.split(|&b| b == 0).nth(1) == Some(b"shim".as_slice());
+        (ppid == berth && is_shim && alive(u64::from(pid))).then_some(pid)
+    })
+}
+
 /// True while a process with this pid exists and is not a zombie.
 pub fn alive(pid: u64) -> bool {
     match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
