@@ -418,10 +418,14 @@ impl Config {
 
     /// Parses `text`; `path` names it in errors.
     pub fn from_toml(text: &str, path: &Path) -> Result<Config, ConfigError> {
-        let keys = scan_keys(text);
+        let keys = key_lines(text);
         let mut config: Config = toml::from_str(text).map_err(|e| {
             let line = e.span().map(|span| line_of(text, span.start));
-            let key = line.and_then(|line| key_at_line(&keys, line));
+            let key = line.and_then(|line| match keys.is_empty() {
+                // A syntax error: no document to take keys from.
+                true => key_on_broken_line(text, line),
+                false => key_at_line(&keys, line),
+            });
             // Syntax errors span lines ("invalid string\nexpected `\"`");
             // one line reads better after the location prefix.
             let reason = e.message().trim().replace('\n', "; ");
@@ -1004,53 +1008,72 @@ fn line_of(text: &str, offset: usize) -> usize {
         + 1
 }
 
-/// The dotted keys (and table headers) of a TOML document with their
-/// 1-based lines, in order. A light scan, not a parser: it only needs to
-/// name keys in messages, and falls back to "no key" on anything unusual
-/// (quoted keys, inline tables).
-fn scan_keys(text: &str) -> Vec<(usize, String)> {
+/// Every key of a TOML document, dotted from the root (table headers
+/// included), with the 1-based line it is written on, in line order. Empty
+/// for a document that does not parse: its syntax error carries its own
+/// line.
+fn key_lines(text: &str) -> Vec<(usize, String)> {
+    let Ok(document) = toml_edit::ImDocument::parse(text) else {
+        return Vec::new();
+    };
     let mut found = Vec::new();
-    let mut table = String::new();
-    for (index, raw) in text.lines().enumerate() {
-        let line = raw.trim_start();
-        if let Some(rest) = line.strip_prefix('[') {
-            let rest = rest.strip_prefix('[').unwrap_or(rest);
-            if let Some(end) = rest.find(']') {
-                let name = normalize_key(&rest[..end]);
-                if !name.is_empty() && is_bare_key(&name) {
-                    table = name;
-                    found.push((index + 1, table.clone()));
-                }
-            }
-            continue;
-        }
-        let Some((key, _)) = line.split_once('=') else {
-            continue;
-        };
-        let key = normalize_key(key);
-        if key.is_empty() || !is_bare_key(&key) {
-            continue;
-        }
-        let full = if table.is_empty() {
-            key
-        } else {
-            format!("{table}.{key}")
-        };
-        found.push((index + 1, full));
-    }
+    collect_keys(text, document.as_table(), "", &mut found);
+    // Stable: a key and the keys inside it on one line keep that order.
+    found.sort_by_key(|(line, _)| *line);
     found
 }
 
-fn normalize_key(key: &str) -> String {
-    key.split('.')
-        .map(|part| part.trim().trim_matches('"'))
-        .collect::<Vec<_>>()
-        .join(".")
+fn collect_keys(
+    text: &str,
+    table: &dyn toml_edit::TableLike,
+    prefix: &str,
+    found: &mut Vec<(usize, String)>,
+) {
+    for (name, item) in table.iter() {
+        let path = if prefix.is_empty() {
+            name.to_owned()
+        } else {
+            format!("{prefix}.{name}")
+        };
+        // A `[header]` has the span; a `key = …` its key does; an implicit
+        // parent (`a` of `[a.b]`) has neither and is not listed.
+        let span = match item {
+            toml_edit::Item::Table(t) => t.span(),
+            _ => None,
+        }
+        .or_else(|| table.key(name).and_then(toml_edit::Key::span));
+        if let Some(span) = span {
+            found.push((line_of(text, span.start), path.clone()));
+        }
+        match item {
+            toml_edit::Item::Table(t) => collect_keys(text, t, &path, found),
+            toml_edit::Item::Value(toml_edit::Value::InlineTable(t)) => {
+                collect_keys(text, t, &path, found);
+            }
+            toml_edit::Item::ArrayOfTables(tables) => {
+                for t in tables.iter() {
+                    collect_keys(text, t, &path, found);
+                }
+            }
+            _ => {}
+        }
+    }
 }
 
-fn is_bare_key(key: &str) -> bool {
-    key.chars()
-        .all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.'))
+/// For a document that does not parse (a syntax error, an integer beyond
+/// TOML's range): the key written on `line`, found by parsing the document
+/// again with that line's value replaced by `0`. `None` when the line is
+/// not a `key = value` line or the document has other errors.
+fn key_on_broken_line(text: &str, line: usize) -> Option<String> {
+    let mut lines: Vec<&str> = text.lines().collect();
+    let (key, _) = lines.get(line.checked_sub(1)?)?.split_once('=')?;
+    let repaired = format!("{key}= 0");
+    lines[line - 1] = &repaired;
+    key_lines(&lines.join("\n"))
+        .into_iter()
+        .rev()
+        .find(|(l, _)| *l == line)
+        .map(|(_, key)| key)
 }
 
 /// The key whose definition covers `line`: the closest key or table header
@@ -1259,6 +1282,53 @@ mod tests {
     }
 
     #[test]
+    fn key_lines_follow_toml_not_line_shapes() {
+        let text = "reap.idle_ttl_s = 5\n\
+                    [instance]\n\
+                    env = { A = \"1\", \"B.C\" = \"2\" }\n\
+                    \"port_range\" = [1,\n  2]\n\
+                    [lease] # the lease\n\
+                    ttl_ms = 1\n";
+        let found = key_lines(text);
+        let lines: Vec<(usize, &str)> = found
+            .iter()
+            .map(|(line, key)| (*line, key.as_str()))
+            .collect();
+        assert_eq!(
+            lines,
+            [
+                (1, "reap"),
+                (1, "reap.idle_ttl_s"),
+                (2, "instance"),
+                (3, "instance.env"),
+                (3, "instance.env.A"),
+                (3, "instance.env.B.C"),
+                (4, "instance.port_range"),
+                (6, "lease"),
+                (7, "lease.ttl_ms"),
+            ]
+        );
+        // A continuation line belongs to the key above it.
+        assert_eq!(
+            key_at_line(&key_lines(text), 5).as_deref(),
+            Some("instance.port_range")
+        );
+        assert!(key_lines("[broken\n").is_empty());
+    }
+
+    #[test]
+    fn a_broken_line_still_names_its_key() {
+        let text = "[lease]\nttl_ms = 1\nrenew_ms = \"unterminated\n";
+        assert_eq!(
+            key_on_broken_line(text, 3).as_deref(),
+            Some("lease.renew_ms")
+        );
+        assert_eq!(key_on_broken_line(text, 1), None, "not a key line");
+        assert_eq!(key_on_broken_line(text, 9), None, "past the end");
+        assert_eq!(key_on_broken_line(text, 0), None);
+    }
+
+    #[test]
     fn a_huge_lease_ttl_is_refused_naming_the_key() {
         // Beyond TOML's i64: refused while parsing, naming key and line.
         let msg = parse("[lease]\nttl_ms = 18446744073709551615\n")
@@ -1304,7 +1374,7 @@ mod tests {
     #[test]
     fn multi_line_arrays_belong_to_their_key() {
         let text = "[instance]\ncommand = [\n  \"a\",\n  \"b\",\n]\nready_tcp = true\n";
-        let keys = scan_keys(text);
+        let keys = key_lines(text);
         assert_eq!(key_at_line(&keys, 4).as_deref(), Some("instance.command"));
         assert_eq!(key_at_line(&keys, 6).as_deref(), Some("instance.ready_tcp"));
     }
