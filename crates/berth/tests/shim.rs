@@ -515,6 +515,92 @@ async fn program_gets_only_its_own_environment() {
     );
 }
 
+/// A test double of the zygote (python3): takes one request, forks a
+/// "shim" that writes `report` to the pipe it was given (with
+/// `"shim_pid":424242` replaced by its own pid) and then only sleeps, and
+/// answers with that pid only if `answers`; otherwise it exits, as a zygote
+/// dying with the request in flight would.
+struct FakeZygote {
+    exe: std::path::PathBuf,
+    pid_file: std::path::PathBuf,
+    starts_file: std::path::PathBuf,
+}
+
+impl FakeZygote {
+    fn new(dir: &Path, report: &str, answers: bool) -> FakeZygote {
+        let fake = FakeZygote {
+            exe: dir.join("fake-zygote"),
+            pid_file: dir.join("fake-shim.pid"),
+            starts_file: dir.join("fake-zygote.starts"),
+        };
+        std::fs::write(
+            &fake.exe,
+            format!(
+                r#"#!/usr/bin/env python3
+import os, signal, socket
+signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+with open({starts:?}, "a") as f:
+    f.write("started\n")
+requests = socket.socket(fileno=0)
+_, fds, _, _ = socket.recv_fds(requests, 1 << 17, 1)
+pid = os.fork()
+if pid == 0:
+    os.dup2(os.open("/dev/null", os.O_RDONLY), 0)
+    line = {report:?}.replace('"shim_pid":424242', '"shim_pid":%d' % os.getpid())
+    os.write(fds[0], line.encode() + b"\n")
+    os.execvp("sleep", ["sleep", "1000"])
+os.close(fds[0])
+with open({pid_file:?}, "w") as f:
+    f.write(str(pid))
+if {answers}:
+    requests.send(b"pid %d" % pid)
+    requests.recv(1)
+"#,
+                starts = fake.starts_file.display().to_string(),
+                pid_file = fake.pid_file.display().to_string(),
+                answers = if answers { "True" } else { "False" },
+            ),
+        )
+        .unwrap();
+        std::fs::set_permissions(&fake.exe, std::fs::Permissions::from_mode(0o755)).unwrap();
+        fake
+    }
+
+    /// The pid of the "shim" it forked.
+    fn shim_pid(&self) -> u32 {
+        std::fs::read_to_string(&self.pid_file)
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap()
+    }
+
+    fn starts(&self) -> usize {
+        std::fs::read_to_string(&self.starts_file)
+            .map(|s| s.lines().count())
+            .unwrap_or(0)
+    }
+}
+
+/// The state a fake shim reports: `socket` is where nobody listens.
+fn fake_state(spec: &ShimSpec, socket: &Path, shim_pid: u32) -> ShimState {
+    ShimState {
+        instance_id: spec.instance_id.clone(),
+        user: spec.user.clone(),
+        role: Role::Main,
+        epoch: spec.epoch,
+        socket_path: socket.to_path_buf(),
+        shim_pid,
+        pid: 1,
+        pid_start: 0,
+        ready: false,
+        token: None,
+        exit: None,
+        stderr_tail: String::new(),
+        frozen: false,
+    }
+}
+
 /// A shim that reports `Spawned` but never listens on its socket: `spawn`
 /// fails, and must not leave that shim (and so its program) running
 /// unowned while the caller releases the lease and port.
@@ -524,64 +610,21 @@ async fn spawn_kills_the_shim_when_connecting_after_spawned_fails() {
     let dir = tempfile::tempdir().unwrap();
     let spec = spec(dir.path(), &["true"]);
     std::fs::create_dir_all(dir.path().join("run")).unwrap();
-    let state = ShimState {
-        instance_id: spec.instance_id.clone(),
-        user: spec.user.clone(),
-        role: Role::Main,
-        epoch: spec.epoch,
-        socket_path: dir.path().join("run/nobody-listens.sock"),
-        shim_pid: 1,
-        pid: 1,
-        pid_start: 0,
-        ready: false,
-        token: None,
-        exit: None,
-        stderr_tail: String::new(),
-        frozen: false,
-    };
+    // pid 1 as the shim's: berth must kill by the pid the zygote answered.
+    let state = fake_state(&spec, &dir.path().join("run/nobody-listens.sock"), 1);
     let report = serde_json::to_string(&SpawnReport::Spawned {
         state: state.clone(),
     })
     .unwrap();
     std::fs::write(&spec.state_path, serde_json::to_vec(&state).unwrap()).unwrap();
-    let pid_file = dir.path().join("fake-shim.pid");
-    // A test double of the zygote (python3): forks a "shim" that writes
-    // the report above to the pipe it was given, then only sleeps.
-    let fake = dir.path().join("fake-zygote");
-    std::fs::write(
-        &fake,
-        format!(
-            r#"#!/usr/bin/env python3
-import os, signal, socket
-signal.signal(signal.SIGCHLD, signal.SIG_IGN)
-requests = socket.socket(fileno=0)
-_, fds, _, _ = socket.recv_fds(requests, 1 << 17, 1)
-pid = os.fork()
-if pid == 0:
-    os.write(fds[0], {report:?}.encode() + b"\n")
-    os.execvp("sleep", ["sleep", "1000"])
-os.close(fds[0])
-with open({pid_file:?}, "w") as f:
-    f.write(str(pid))
-requests.send(b"pid %d" % pid)
-requests.recv(1)
-"#,
-            pid_file = pid_file.display().to_string(),
-        ),
-    )
-    .unwrap();
-    std::fs::set_permissions(&fake, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let fake = FakeZygote::new(dir.path(), &report, true);
 
-    let err = match ShimLauncher::new(&fake, vec![]).spawn(&spec).await {
+    let err = match ShimLauncher::new(&fake.exe, vec![]).spawn(&spec).await {
         Ok(_) => panic!("spawn succeeded without a shim listening"),
         Err(e) => e,
     };
     assert!(matches!(err, ShimError::Gone(_)), "{err:?}");
-    let pid: u32 = std::fs::read_to_string(&pid_file)
-        .unwrap()
-        .trim()
-        .parse()
-        .unwrap();
+    let pid = fake.shim_pid();
     let start = stat(pid).map(|(_, s)| s).unwrap_or(0);
     let _reaper = Reaper(vec![(pid, start)]);
     assert!(
@@ -662,4 +705,31 @@ async fn an_oversized_spec_is_refused_and_starts_nothing() {
         "a zygote was started for nothing"
     );
     assert!(!spec.state_path.exists());
+}
+
+/// The zygote forks, then dies before answering: the request is not sent
+/// again (a second shim for one instance could result); the report names
+/// the shim, which is then handled like any other. Here it never listens,
+/// so it is killed.
+#[tokio::test]
+async fn a_zygote_dying_with_a_request_in_flight_is_not_asked_again() {
+    use berth_local::shim::SpawnReport;
+    let dir = tempfile::tempdir().unwrap();
+    let spec = spec(dir.path(), &["true"]);
+    std::fs::create_dir_all(dir.path().join("run")).unwrap();
+    let state = fake_state(&spec, &dir.path().join("run/nobody-listens.sock"), 424242);
+    std::fs::write(&spec.state_path, serde_json::to_vec(&state).unwrap()).unwrap();
+    let report = serde_json::to_string(&SpawnReport::Spawned { state }).unwrap();
+    let fake = FakeZygote::new(dir.path(), &report, false);
+
+    let err = match ShimLauncher::new(&fake.exe, vec![]).spawn(&spec).await {
+        Ok(_) => panic!("spawn succeeded without a shim listening"),
+        Err(e) => e,
+    };
+    assert!(matches!(err, ShimError::Gone(_)), "{err:?}");
+    assert_eq!(fake.starts(), 1, "the request went to a second zygote");
+    let pid = fake.shim_pid();
+    let start = stat(pid).map(|(_, s)| s).unwrap_or(0);
+    let _reaper = Reaper(vec![(pid, start)]);
+    poll_until("the unanswered shim is killed", || !alive(pid, start)).await;
 }

@@ -57,9 +57,10 @@ pub struct ShimControl {
 
 impl ShimHandle {
     /// Completes the start of a shim that berth's [`super::ShimLauncher`]
-    /// had forked as `shim_pid`, with `report` the pipe it writes its
-    /// [`SpawnReport`] to: reads the report and connects to the shim's
-    /// socket. Returns once the program is spawned (not ready).
+    /// had forked as `shim_pid` (`None`: unknown, and maybe not forked at
+    /// all), with `report` the pipe it writes its [`SpawnReport`] to: reads
+    /// the report and connects to the shim's socket. Returns once the
+    /// program is spawned (not ready).
     ///
     /// A program that exits at once may have taken its shim with it before
     /// the connection is made. That is not an error: the returned handle's
@@ -70,7 +71,7 @@ impl ShimHandle {
     /// be, which takes its program with it), so nothing runs unowned.
     pub(super) async fn finish_spawn(
         report: impl tokio::io::AsyncRead + Unpin,
-        shim_pid: u32,
+        shim_pid: Option<u32>,
         spec: &ShimSpec,
     ) -> Result<(ShimHandle, ShimState), ShimError> {
         let mut line = String::new();
@@ -124,8 +125,10 @@ impl ShimHandle {
         // The program runs but we hold no connection to its shim. Returning
         // the error alone would leave it running unowned while the caller
         // releases its lease and port (two instances). Killing the shim
-        // takes the program with it (parent-death signal).
-        kill_and_wait(shim_pid).await;
+        // takes the program with it (parent-death signal). The report,
+        // which only our shim can have written, names it if the zygote
+        // could not.
+        kill_and_wait(shim_pid.or(Some(state.shim_pid))).await;
         Err(error)
     }
 
@@ -243,10 +246,18 @@ fn is_disconnect(e: &io::Error) -> bool {
 /// SIGKILLs a shim we started and waits (bounded) for it to be gone, so
 /// its program has received the parent-death signal by the time we return.
 /// The zygote, its parent, reaps it.
-async fn kill_and_wait(shim_pid: u32) {
-    let Ok(raw) = i32::try_from(shim_pid) else {
+async fn kill_and_wait(shim_pid: Option<u32>) {
+    // Never 0 (or negative): kill(2) would signal a whole process group.
+    let Some(raw) = shim_pid
+        .and_then(|pid| i32::try_from(pid).ok())
+        .filter(|&pid| pid > 0)
+    else {
+        if shim_pid.is_some() {
+            tracing::warn!(?shim_pid, "not a shim pid; nothing killed");
+        }
         return;
     };
+    let shim_pid = raw;
     let pid = Pid::from_raw(raw);
     if let Err(e) = signal::kill(pid, signal::Signal::SIGKILL) {
         if e != nix::errno::Errno::ESRCH {

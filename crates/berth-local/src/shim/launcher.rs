@@ -120,8 +120,11 @@ impl ShimLauncher {
     }
 
     /// Has the zygote fork a shim writing its report to `report`; returns
-    /// the shim's pid. A dead zygote is replaced once.
-    async fn fork(&self, request: &[u8], report: OwnedFd) -> Result<u32, ShimError> {
+    /// the shim's pid, or `None` when the zygote died with the request in
+    /// flight (it may or may not have forked; the report pipe tells). A
+    /// zygote found dead when sending is replaced once: it cannot have
+    /// forked for a request it never took.
+    async fn fork(&self, request: &[u8], report: OwnedFd) -> Result<Option<u32>, ShimError> {
         let mut slot = self.zygote.lock().await;
         let mut retried = false;
         loop {
@@ -129,22 +132,29 @@ impl ShimLauncher {
                 Some(zygote) => zygote,
                 None => Zygote::start(&self.exe, &self.args)?,
             };
-            match zygote.ask(request, &report).await {
-                Ok(answer) => {
-                    *slot = Some(zygote);
-                    return parse_answer(&answer);
-                }
-                Err(e) if !retried => {
-                    tracing::warn!(error = %e, "the shim zygote is gone; starting a new one");
-                    retried = true;
-                }
-                Err(e) => {
+            if let Err(e) = zygote.send(request, &report).await {
+                if retried {
                     return Err(ShimError::Shim(format!(
                         "the shim zygote ({:?}) failed: {e}",
                         self.exe
                     )));
                 }
+                tracing::warn!(error = %e, "the shim zygote is gone; starting a new one");
+                retried = true;
+                continue;
             }
+            return match zygote.answer().await {
+                Ok(answer) => {
+                    *slot = Some(zygote);
+                    parse_answer(&answer).map(Some)
+                }
+                // Never sent again: a second shim for the same instance
+                // could be the result. The report settles it.
+                Err(e) => {
+                    tracing::warn!(error = %e, "the shim zygote failed with a request in flight");
+                    Ok(None)
+                }
+            };
         }
     }
 }
@@ -180,8 +190,8 @@ impl Zygote {
         Ok(Zygote { socket, process })
     }
 
-    /// Sends one request and reads its answer.
-    async fn ask(&self, request: &[u8], report: &OwnedFd) -> io::Result<String> {
+    /// Sends one request, with `report` attached.
+    async fn send(&self, request: &[u8], report: &OwnedFd) -> io::Result<()> {
         let fds = [report.as_raw_fd()];
         self.socket
             .async_io(Interest::WRITABLE, |fd| {
@@ -194,7 +204,12 @@ impl Zygote {
                 )
                 .map_err(io::Error::from)
             })
-            .await?;
+            .await
+            .map(drop)
+    }
+
+    /// Reads the answer to the request just sent.
+    async fn answer(&self) -> io::Result<String> {
         let mut answer = [0u8; 512];
         let read = self.socket.async_io(Interest::READABLE, |fd| {
             recv(fd.as_raw_fd(), &mut answer, MsgFlags::empty()).map_err(io::Error::from)
