@@ -215,22 +215,43 @@ impl LocalSpawner {
         claim: Claim,
     ) -> Result<Instance, SpawnError> {
         let folder = validate(request.folder.as_deref(), request.patch.as_deref())?;
-        let slot = self.inner.slot(user);
-        let _guard = slot.lifecycle.lock().await;
-        let kind = if request.force {
-            LaunchKind::Force
-        } else {
-            LaunchKind::Implicit
-        };
+        let inner = Arc::clone(&self.inner);
+        let user = user.clone();
+        self.run_detached(async move {
+            let slot = inner.slot(&user);
+            let _guard = slot.lifecycle.lock().await;
+            let kind = if request.force {
+                LaunchKind::Force
+            } else {
+                LaunchKind::Implicit
+            };
+            inner
+                .launch_locked(
+                    &slot,
+                    folder,
+                    PatchSource::Content(request.patch),
+                    kind,
+                    claim,
+                )
+                .await
+        })
+        .await
+    }
+
+    /// Runs `work` on a task of the spawner's own and waits for it. A caller
+    /// that stops waiting (an API client that hangs up mid-launch) does not
+    /// cut a launch short: half done, it would leave a claimed lease, a
+    /// reserved port and a started shim that nothing tracks.
+    async fn run_detached<T, F>(&self, work: F) -> Result<T, SpawnError>
+    where
+        F: Future<Output = Result<T, SpawnError>> + Send + 'static,
+        T: Send + 'static,
+    {
         self.inner
-            .launch_locked(
-                &slot,
-                folder,
-                PatchSource::Content(request.patch),
-                kind,
-                claim,
-            )
+            .tracker
+            .spawn(work)
             .await
+            .unwrap_or_else(|e| Err(SpawnError::Internal(format!("the task failed: {e}"))))
     }
 }
 
@@ -249,34 +270,39 @@ impl Spawner for LocalSpawner {
     }
 
     async fn restart_main(&self, user: &UserId) -> Result<Instance, SpawnError> {
-        let slot = self.inner.slot(user);
-        let _guard = slot.lifecycle.lock().await;
-        let (folder, patch) = {
-            let state = slot.lock();
-            match state.main.as_ref() {
-                Some(live) if live.instance.status.is_live() => {
-                    (live.instance.folder.clone(), live.patch.clone())
+        let inner = Arc::clone(&self.inner);
+        let user = user.clone();
+        self.run_detached(async move {
+            let slot = inner.slot(&user);
+            let _guard = slot.lifecycle.lock().await;
+            let (folder, patch) = {
+                let state = slot.lock();
+                match state.main.as_ref() {
+                    Some(live) if live.instance.status.is_live() => {
+                        (live.instance.folder.clone(), live.patch.clone())
+                    }
+                    _ => {
+                        return Err(SpawnError::NotFound {
+                            user: user.clone(),
+                            what: "live main instance",
+                        });
+                    }
                 }
-                _ => {
-                    return Err(SpawnError::NotFound {
-                        user: user.clone(),
-                        what: "live main instance",
-                    });
-                }
-            }
-        };
-        self.inner
-            .stop_locked(&slot, StopKind::Requested("restart"))
-            .await;
-        self.inner
-            .launch_locked(
-                &slot,
-                folder,
-                PatchSource::Keep(patch),
-                LaunchKind::Implicit,
-                Claim::Acquire,
-            )
-            .await
+            };
+            inner
+                .stop_locked(&slot, StopKind::Requested("restart"))
+                .await;
+            inner
+                .launch_locked(
+                    &slot,
+                    folder,
+                    PatchSource::Keep(patch),
+                    LaunchKind::Implicit,
+                    Claim::Acquire,
+                )
+                .await
+        })
+        .await
     }
 
     async fn breaker_info(&self, user: &UserId) -> Result<Option<BreakerInfo>, SpawnError> {
@@ -328,8 +354,10 @@ impl Spawner for LocalSpawner {
     }
 
     async fn spawn_watchdog(&self, user: &UserId) -> Result<Instance, SpawnError> {
-        let slot = self.inner.slot(user);
-        self.inner.spawn_watchdog(&slot, None).await
+        let inner = Arc::clone(&self.inner);
+        let slot = inner.slot(user);
+        self.run_detached(async move { inner.spawn_watchdog(&slot, None).await })
+            .await
     }
 
     async fn status(&self, user: &UserId) -> Result<UserStatus, SpawnError> {

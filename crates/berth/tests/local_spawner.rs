@@ -383,6 +383,33 @@ async fn fifty_concurrent_launches_start_one_process() {
     spawner.teardown().await;
 }
 
+/// A caller that stops waiting (an API client hanging up mid-launch)
+/// does not cut the launch short: it completes, and its one program is
+/// tracked, not left running unowned.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_launch_abandoned_by_its_caller_completes_and_is_tracked() {
+    let env = Env::new().await;
+    let script = r#"echo $$ >> "$HOME/pids"; echo ready; exec sleep 1000"#;
+    let spawner = env
+        .start(env.config(21030, sh(script), token_regex("^ready$")))
+        .await;
+    let dave = user("dave");
+    // Polled once, then dropped: the launch is under way, its caller gone.
+    let abandoned = tokio::time::timeout(
+        Duration::ZERO,
+        spawner.launch(&dave, LaunchRequest::default()),
+    )
+    .await;
+    assert!(abandoned.is_err(), "the launch finished within one poll");
+    let running = wait_status(&spawner, &dave, InstanceStatus::Running).await;
+    let pid = running.pid.expect("a running main has a pid");
+    let pids = std::fs::read_to_string(env.data().join("users/dave/home/pids")).unwrap();
+    assert_eq!(pids.lines().collect::<Vec<_>>(), [pid.to_string()]);
+    spawner.stop(&dave).await.unwrap();
+    assert!(!alive(pid), "the program outlived its stop");
+    spawner.teardown().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_killed_program_is_restarted_with_a_new_pid() {
     let env = Env::new().await;
