@@ -666,10 +666,31 @@ async fn a_dead_zygote_is_replaced_and_its_shims_live_on() {
 }
 
 #[tokio::test]
-async fn the_program_inherits_no_ignored_signals_from_the_zygote() {
+async fn the_program_inherits_no_ignored_signals_or_stray_descriptors() {
+    use std::os::fd::AsRawFd;
+    // What a berth started from a careless parent would carry: an ignored
+    // SIGQUIT and a descriptor without close-on-exec.
+    // SAFETY: SIG_IGN installs no handler; nothing of this test binary
+    // relies on SIGQUIT.
+    unsafe { nix::sys::signal::signal(Signal::SIGQUIT, nix::sys::signal::SigHandler::SigIgn) }
+        .unwrap();
+    let stray = std::fs::File::open("/dev/zero").unwrap();
+    nix::fcntl::fcntl(
+        stray.as_raw_fd(),
+        nix::fcntl::FcntlArg::F_SETFD(nix::fcntl::FdFlag::empty()),
+    )
+    .unwrap();
     let dir = tempfile::tempdir().unwrap();
     let spec = spec(dir.path(), &["sleep", "1000"]);
     let (_handle, state, _reaper) = spawn(&spec).await.unwrap();
+    let descriptors: Vec<_> = std::fs::read_dir(format!("/proc/{}/fd", state.pid))
+        .unwrap()
+        .filter_map(|e| std::fs::read_link(e.unwrap().path()).ok())
+        .collect();
+    assert!(
+        !descriptors.iter().any(|d| d == Path::new("/dev/zero")),
+        "a stray descriptor reached the program: {descriptors:?}"
+    );
     let status = std::fs::read_to_string(format!("/proc/{}/status", state.pid)).unwrap();
     let ignored = status
         .lines()
@@ -686,6 +707,11 @@ async fn the_program_inherits_no_ignored_signals_from_the_zygote() {
         ignored & bit(Signal::SIGINT),
         0,
         "SIGINT ignored: {ignored:x}"
+    );
+    assert_eq!(
+        ignored & bit(Signal::SIGQUIT),
+        0,
+        "SIGQUIT ignored: {ignored:x}"
     );
 }
 
@@ -732,4 +758,61 @@ async fn a_zygote_dying_with_a_request_in_flight_is_not_asked_again() {
     let start = stat(pid).map(|(_, s)| s).unwrap_or(0);
     let _reaper = Reaper(vec![(pid, start)]);
     poll_until("the unanswered shim is killed", || !alive(pid, start)).await;
+}
+
+/// Speaking the zygote's protocol directly, with a report pipe whose read
+/// end is already closed (berth gave up on the shim, or died mid-launch):
+/// the shim cannot deliver its report, so it stops the program it started
+/// and records the exit.
+#[tokio::test]
+async fn a_shim_whose_report_nobody_reads_stops_its_program() {
+    use nix::sys::socket::{
+        AddressFamily, ControlMessage, MsgFlags, SockFlag, SockType, recv, sendmsg, socketpair,
+    };
+    use std::os::fd::AsRawFd;
+    let dir = tempfile::tempdir().unwrap();
+    let spec = spec(dir.path(), &["sleep", "1000"]);
+    let (ours, theirs) = socketpair(
+        AddressFamily::Unix,
+        SockType::SeqPacket,
+        None,
+        SockFlag::SOCK_CLOEXEC,
+    )
+    .unwrap();
+    let mut zygote = std::process::Command::new(env!("CARGO_BIN_EXE_berth"))
+        .arg("shim")
+        .stdin(std::process::Stdio::from(theirs))
+        .spawn()
+        .unwrap();
+    let (report_read, report_write) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).unwrap();
+    drop(report_read);
+    let request = serde_json::to_vec(&spec).unwrap();
+    sendmsg::<()>(
+        ours.as_raw_fd(),
+        &[std::io::IoSlice::new(&request)],
+        &[ControlMessage::ScmRights(&[report_write.as_raw_fd()])],
+        MsgFlags::empty(),
+        None,
+    )
+    .unwrap();
+    drop(report_write);
+    let mut answer = [0u8; 64];
+    let n = recv(ours.as_raw_fd(), &mut answer, MsgFlags::empty()).unwrap();
+    let answer = String::from_utf8_lossy(&answer[..n]).into_owned();
+    let shim_pid: u32 = answer.strip_prefix("pid ").unwrap().parse().unwrap();
+    let _reaper = Reaper(vec![(shim_pid, 0)]);
+
+    poll_until("the shim records the program's exit", || {
+        ShimHandle::read_state(&spec.state_path).is_ok_and(|s| s.exit.is_some())
+    })
+    .await;
+    let state = ShimHandle::read_state(&spec.state_path).unwrap();
+    let _reaper2 = Reaper(vec![(state.pid, state.pid_start)]);
+    assert_eq!(state.exit.unwrap().signal, Some(9), "killed, not exited");
+    poll_until("the program is gone", || !alive(state.pid, state.pid_start)).await;
+    drop(ours);
+    assert!(
+        zygote.wait().unwrap().success(),
+        "the zygote exits cleanly at end of stream"
+    );
 }

@@ -79,9 +79,14 @@ impl ShimHandle {
         let read = tokio::time::timeout(REPORT_TIMEOUT, report.read_line(&mut line)).await;
         let report = match read {
             Ok(Ok(n)) if n > 0 => line,
+            // The pipe's write end closed unwritten: the shim is gone (and
+            // its program, if any, with it) or was never forked. Nothing to
+            // kill, and its pid may already be someone else's.
             Ok(Ok(_)) | Ok(Err(_)) => {
-                kill_and_wait(shim_pid).await;
-                return Err(ShimError::Shim("shim exited without a report".to_owned()));
+                return Err(ShimError::Shim(match shim_pid {
+                    Some(_) => "the shim exited without a report".to_owned(),
+                    None => "the shim zygote died while starting the shim".to_owned(),
+                }));
             }
             Err(_) => {
                 // Killing the shim takes the program with it (parent-death

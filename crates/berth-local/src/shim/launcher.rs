@@ -133,9 +133,16 @@ impl ShimLauncher {
                 None => Zygote::start(&self.exe, &self.args)?,
             };
             if let Err(e) = zygote.send(request, &report).await {
+                if !is_gone(&e) {
+                    // The zygote is fine; this request could not be sent.
+                    *slot = Some(zygote);
+                    return Err(ShimError::Shim(format!(
+                        "cannot send the spec to the shim zygote: {e}"
+                    )));
+                }
                 if retried {
                     return Err(ShimError::Shim(format!(
-                        "the shim zygote ({:?}) failed: {e}",
+                        "the shim zygote ({:?}) exits as soon as it starts: {e}",
                         self.exe
                     )));
                 }
@@ -230,6 +237,14 @@ impl Zygote {
         }
         Ok(String::from_utf8_lossy(&answer[..n]).into_owned())
     }
+}
+
+/// Whether a send failed because the zygote is no longer there.
+fn is_gone(e: &io::Error) -> bool {
+    matches!(
+        e.kind(),
+        io::ErrorKind::BrokenPipe | io::ErrorKind::ConnectionReset | io::ErrorKind::NotConnected
+    )
 }
 
 /// `pid <n>` or `error <why>`.

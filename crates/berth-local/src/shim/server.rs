@@ -59,7 +59,7 @@ pub(super) fn run(spec: ShimSpec, ready_regex: Option<Regex>) -> i32 {
     {
         Ok(runtime) => runtime,
         Err(e) => {
-            report(&SpawnReport::Failed {
+            let _ = report(&SpawnReport::Failed {
                 error: format!(
                     "shim for program {:?}: cannot start runtime: {e}",
                     program_name(&spec)
@@ -79,15 +79,17 @@ fn ignore_signal(sig: Signal) {
     }
 }
 
-/// Sends the one report line to the spawner.
-fn report(report: &SpawnReport) {
+/// Sends the one report line to the spawner; false if it could not be
+/// delivered (berth closed its end: it gave up on this shim, or is gone).
+fn report(report: &SpawnReport) -> bool {
     let line = match serde_json::to_string(report) {
         Ok(line) => line,
         Err(e) => format!(r#"{{"result":"failed","error":"shim: cannot encode report: {e}"}}"#),
     };
     let mut stdout = io::stdout().lock();
-    // The spawner may already be gone; nothing else can be done about it.
-    let _ = writeln!(stdout, "{line}").and_then(|()| stdout.flush());
+    writeln!(stdout, "{line}")
+        .and_then(|()| stdout.flush())
+        .is_ok()
 }
 
 /// Points stdin at /dev/null and stdout/stderr at `<state_path>.shim.log`,
@@ -118,14 +120,25 @@ async fn shim_main(spec: ShimSpec, ready_regex: Option<Regex>) -> i32 {
     let started = match start(&spec, ready_regex) {
         Ok(started) => started,
         Err(error) => {
-            report(&SpawnReport::Failed { error });
+            let _ = report(&SpawnReport::Failed { error });
             return 1;
         }
     };
-    report(&SpawnReport::Spawned {
+    let delivered = report(&SpawnReport::Spawned {
         state: started.state.clone(),
     });
     detach_stdio(&spec.state_path);
+    if !delivered {
+        // Nobody will track this program (berth timed out on the report or
+        // went away mid-launch), so it must not run. Supervising on records
+        // its exit in the state file like any other.
+        diag!(
+            "berth did not take the report; stopping {} pid {}",
+            spec.instance_id,
+            started.state.pid
+        );
+        let _ = signal::killpg(pid_of(started.state.pid), Signal::SIGKILL);
+    }
     diag!(
         "supervising {} pid {} ({:?})",
         spec.instance_id,

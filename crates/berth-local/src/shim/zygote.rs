@@ -43,6 +43,16 @@ const MAX_CACHED_PATTERNS: usize = 16;
 /// Serves fork requests on stdin until berth closes it. Returns the exit
 /// code.
 pub fn run() -> i32 {
+    // Start every shim from a clean slate, whatever berth was started with:
+    // no ignored signals (SIG_IGN survives exec into the program) and no
+    // stray descriptors (one inherited without close-on-exec would reach
+    // every program).
+    for sig in Signal::iterator() {
+        if !matches!(sig, Signal::SIGKILL | Signal::SIGSTOP) {
+            set_signal(sig, SigHandler::SigDfl);
+        }
+    }
+    close_stray_descriptors();
     set_signal(Signal::SIGPIPE, SigHandler::SigIgn);
     // The kernel reaps the forked shims: the zygote never waits for one.
     set_signal(Signal::SIGCHLD, SigHandler::SigIgn);
@@ -185,6 +195,26 @@ fn redirect_null(fd: RawFd) -> nix::Result<()> {
     // SAFETY: `open` just returned this descriptor; it is owned here alone.
     let null = unsafe { OwnedFd::from_raw_fd(null) };
     nix::unistd::dup2(null.as_raw_fd(), fd).map(drop)
+}
+
+/// Marks every descriptor above stderr close-on-exec. At this point the
+/// zygote holds none of its own there.
+fn close_stray_descriptors() {
+    let Ok(entries) = std::fs::read_dir("/proc/self/fd") else {
+        return;
+    };
+    let fds: Vec<RawFd> = entries
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
+        .filter(|&fd| fd > 2)
+        .collect();
+    for fd in fds {
+        // The directory's own descriptor is among them, closed by now:
+        // EBADF is expected and harmless.
+        let _ = nix::fcntl::fcntl(
+            fd,
+            nix::fcntl::FcntlArg::F_SETFD(nix::fcntl::FdFlag::FD_CLOEXEC),
+        );
+    }
 }
 
 fn set_signal(sig: Signal, handler: SigHandler) {
