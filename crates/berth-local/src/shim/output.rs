@@ -1,12 +1,11 @@
 //! The program's output: copied to the log file piece by piece, scanned for
 //! the ready line, and the end of stderr kept for `last_error`.
 
-use std::io::Write;
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 
 use regex::bytes::Regex;
-use tokio::io::{AsyncRead, AsyncReadExt};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
 use tokio::sync::{mpsc, oneshot};
 
 /// A line longer than this is passed on in pieces of this size, so one
@@ -132,7 +131,7 @@ fn last_chars(s: &str, n: usize) -> &str {
 /// once every pump has finished.
 pub(crate) async fn log_writer(
     mut pieces: mpsc::Receiver<Piece>,
-    mut log: std::fs::File,
+    mut log: tokio::fs::File,
     log_path: &Path,
     ready_regex: Option<Regex>,
     ready: oneshot::Sender<Option<String>>,
@@ -142,10 +141,10 @@ pub(crate) async fn log_writer(
     let mut log_ok = true;
     while let Some(piece) = pieces.recv().await {
         if log_ok {
-            // A plain blocking append: one small write per line costs
-            // microseconds, while tokio's file type would hand each write
-            // to a blocking-pool thread (one more thread in every shim).
-            if let Err(e) = log.write_all(&piece.bytes) {
+            // Through tokio's blocking pool, not on the shim's one thread:
+            // a log on a hung disk must not stall the fence timer or the
+            // control socket.
+            if let Err(e) = log.write_all(&piece.bytes).await {
                 // Losing the log must not take the instance down with it.
                 diag!("writing {}: {e}; log disabled", log_path.display());
                 log_ok = false;
@@ -164,11 +163,20 @@ pub(crate) async fn log_writer(
                     .get(1)
                     .map(|m| String::from_utf8_lossy(m.as_bytes()).into_owned());
                 if let Some((_, tx)) = ready.take() {
-                    // The write above has returned, so the ready line is in
-                    // the log before berth can learn of readiness.
+                    // tokio hands writes to a background thread: without a
+                    // flush, berth could learn of readiness (and read the
+                    // log) before the ready line is in it.
+                    if log_ok && log.flush().await.is_err() {
+                        log_ok = false;
+                    }
                     let _ = tx.send(token);
                 }
             }
+        }
+    }
+    if log_ok {
+        if let Err(e) = log.flush().await {
+            diag!("flushing {}: {e}", log_path.display());
         }
     }
 }

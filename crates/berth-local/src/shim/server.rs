@@ -153,7 +153,7 @@ struct Started {
     child: Child,
     state: ShimState,
     listener: UnixListener,
-    log: fs::File,
+    log: tokio::fs::File,
     ready_regex: Option<Regex>,
 }
 
@@ -312,15 +312,16 @@ fn describe(e: &io::Error) -> String {
     }
 }
 
-fn open_log(path: &Path) -> io::Result<fs::File> {
+fn open_log(path: &Path) -> io::Result<tokio::fs::File> {
     if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
         state_file::create_private_dir(dir)?;
     }
-    fs::OpenOptions::new()
+    let file = fs::OpenOptions::new()
         .append(true)
         .create(true)
         .mode(0o600)
-        .open(path)
+        .open(path)?;
+    Ok(tokio::fs::File::from_std(file))
 }
 
 fn bind(path: &Path) -> Result<UnixListener, String> {
