@@ -683,14 +683,16 @@ async fn the_program_inherits_no_ignored_signals_or_stray_descriptors() {
     let dir = tempfile::tempdir().unwrap();
     let spec = spec(dir.path(), &["sleep", "1000"]);
     let (_handle, state, _reaper) = spawn(&spec).await.unwrap();
-    let descriptors: Vec<_> = std::fs::read_dir(format!("/proc/{}/fd", state.pid))
-        .unwrap()
-        .filter_map(|e| std::fs::read_link(e.unwrap().path()).ok())
-        .collect();
-    assert!(
-        !descriptors.iter().any(|d| d == Path::new("/dev/zero")),
-        "a stray descriptor reached the program: {descriptors:?}"
-    );
+    for (who, pid) in [("program", state.pid), ("shim", state.shim_pid)] {
+        let descriptors: Vec<_> = std::fs::read_dir(format!("/proc/{pid}/fd"))
+            .unwrap()
+            .filter_map(|e| std::fs::read_link(e.unwrap().path()).ok())
+            .collect();
+        assert!(
+            !descriptors.iter().any(|d| d == Path::new("/dev/zero")),
+            "a stray descriptor reached the {who}: {descriptors:?}"
+        );
+    }
     let status = std::fs::read_to_string(format!("/proc/{}/status", state.pid)).unwrap();
     let ignored = status
         .lines()

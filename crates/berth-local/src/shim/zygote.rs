@@ -35,6 +35,15 @@ pub(crate) const MAX_REQUEST_BYTES: usize = 128 * 1024;
 /// The request socket: the zygote's stdin.
 const REQUESTS: RawFd = 0;
 
+/// Signals the zygote ignores. `SIGCHLD` among them makes the kernel reap
+/// the forked shims: the zygote never waits for one.
+const ZYGOTE_IGNORES: [Signal; 4] = [
+    Signal::SIGPIPE,
+    Signal::SIGCHLD,
+    Signal::SIGHUP,
+    Signal::SIGINT,
+];
+
 /// Ready patterns kept compiled. Every instance of a berth usually shares
 /// one (the configured command's), so each shim inherits it compiled
 /// instead of compiling it again (a few hundred microseconds).
@@ -45,17 +54,20 @@ const MAX_CACHED_PATTERNS: usize = 16;
 pub fn run() -> i32 {
     // Start every shim from a clean slate, whatever berth was started with:
     // no ignored signals (SIG_IGN survives exec into the program) and no
-    // stray descriptors (one inherited without close-on-exec would reach
-    // every program).
+    // stray descriptors (one inherited from berth's parent would be held by
+    // every shim, and reach every program).
     for sig in Signal::iterator() {
         if !matches!(sig, Signal::SIGKILL | Signal::SIGSTOP) {
             set_signal(sig, SigHandler::SigDfl);
         }
     }
     close_stray_descriptors();
-    set_signal(Signal::SIGPIPE, SigHandler::SigIgn);
-    // The kernel reaps the forked shims: the zygote never waits for one.
-    set_signal(Signal::SIGCHLD, SigHandler::SigIgn);
+    // Then the zygote's own: it ends when berth closes its socket, not on
+    // a signal to berth's process group or terminal. A shim puts these
+    // back to their defaults (see `become_shim`).
+    for sig in ZYGOTE_IGNORES {
+        set_signal(sig, SigHandler::SigIgn);
+    }
     let mut buf = vec![0u8; MAX_REQUEST_BYTES];
     let mut patterns = HashMap::new();
     loop {
@@ -172,12 +184,14 @@ fn fork_shim(spec: ShimSpec, ready_regex: Option<Regex>, report: OwnedFd) -> Str
 fn become_shim(spec: ShimSpec, ready_regex: Option<Regex>, report: OwnedFd) -> i32 {
     // The request socket must not stay open in every shim (berth would
     // never see the zygote's end close), and the program must not inherit
-    // the zygote's SIGCHLD disposition (an ignored SIGCHLD survives exec).
+    // the zygote's ignored signals (SIG_IGN survives exec).
     if let Err(e) = redirect_null(REQUESTS) {
         diag!("shim: cannot detach from the zygote: {e}");
         return 2;
     }
-    set_signal(Signal::SIGCHLD, SigHandler::SigDfl);
+    for sig in ZYGOTE_IGNORES {
+        set_signal(sig, SigHandler::SigDfl);
+    }
     if let Err(e) = nix::unistd::dup2(report.as_raw_fd(), 1) {
         diag!("shim: cannot take its report pipe: {e}");
         return 2;
@@ -197,8 +211,9 @@ fn redirect_null(fd: RawFd) -> nix::Result<()> {
     nix::unistd::dup2(null.as_raw_fd(), fd).map(drop)
 }
 
-/// Marks every descriptor above stderr close-on-exec. At this point the
-/// zygote holds none of its own there.
+/// Closes every descriptor above stderr. At this point the zygote has
+/// opened none of its own, so each one is a stray inherited from berth's
+/// parent.
 fn close_stray_descriptors() {
     let Ok(entries) = std::fs::read_dir("/proc/self/fd") else {
         return;
@@ -210,10 +225,7 @@ fn close_stray_descriptors() {
     for fd in fds {
         // The directory's own descriptor is among them, closed by now:
         // EBADF is expected and harmless.
-        let _ = nix::fcntl::fcntl(
-            fd,
-            nix::fcntl::FcntlArg::F_SETFD(nix::fcntl::FdFlag::FD_CLOEXEC),
-        );
+        let _ = nix::unistd::close(fd);
     }
 }
 
