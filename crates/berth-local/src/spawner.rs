@@ -220,6 +220,10 @@ impl LocalSpawner {
         self.run_detached(async move {
             let slot = inner.slot(&user);
             let _guard = slot.lifecycle.lock().await;
+            // Waited for the lock while berth began to stop: start nothing.
+            if inner.cancel.is_cancelled() {
+                return Err(shutting_down());
+            }
             let kind = if request.force {
                 LaunchKind::Force
             } else {
@@ -247,6 +251,9 @@ impl LocalSpawner {
         F: Future<Output = Result<T, SpawnError>> + Send + 'static,
         T: Send + 'static,
     {
+        if self.inner.cancel.is_cancelled() {
+            return Err(shutting_down());
+        }
         self.inner
             .tracker
             .spawn(work)
@@ -275,6 +282,9 @@ impl Spawner for LocalSpawner {
         self.run_detached(async move {
             let slot = inner.slot(&user);
             let _guard = slot.lifecycle.lock().await;
+            if inner.cancel.is_cancelled() {
+                return Err(shutting_down());
+            }
             let (folder, patch) = {
                 let state = slot.lock();
                 match state.main.as_ref() {
@@ -562,4 +572,10 @@ impl Spawner for LocalSpawner {
         }
         Ok(fenced)
     }
+}
+
+/// The answer to a launch, restart or watchdog start asked for after
+/// teardown began.
+fn shutting_down() -> SpawnError {
+    SpawnError::Internal("berth is shutting down; nothing new is started".to_owned())
 }

@@ -1035,13 +1035,16 @@ fn collect_keys(
         } else {
             format!("{prefix}.{name}")
         };
-        // A `[header]` has the span; a `key = …` its key does; an implicit
-        // parent (`a` of `[a.b]`) has neither and is not listed.
+        // A `[header]` has the span; a `key = …` its key does. The implicit
+        // parent of a header (`a` of `[a.b]`) is written nowhere of its own
+        // and is not listed (toml_edit gives it the header's key span).
         let span = match item {
-            toml_edit::Item::Table(t) => t.span(),
-            _ => None,
-        }
-        .or_else(|| table.key(name).and_then(toml_edit::Key::span));
+            toml_edit::Item::Table(t) if t.is_implicit() && !t.is_dotted() => None,
+            toml_edit::Item::Table(t) => t
+                .span()
+                .or_else(|| table.key(name).and_then(toml_edit::Key::span)),
+            _ => table.key(name).and_then(toml_edit::Key::span),
+        };
         if let Some(span) = span {
             found.push((line_of(text, span.start), path.clone()));
         }
@@ -1314,6 +1317,12 @@ mod tests {
             Some("instance.port_range")
         );
         assert!(key_lines("[broken\n").is_empty());
+        let found = key_lines("[a.b]\nx = 1\n");
+        assert_eq!(
+            found,
+            [(1, "a.b".to_owned()), (2, "a.b.x".to_owned())],
+            "an implicit parent table is listed"
+        );
     }
 
     #[test]

@@ -411,6 +411,27 @@ async fn a_launch_abandoned_by_its_caller_completes_and_is_tracked() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nothing_is_launched_after_teardown() {
+    let env = Env::new().await;
+    let script = r#"echo $$ >> "$HOME/pids"; echo ready; exec sleep 1000"#;
+    let spawner = env
+        .start(env.config(21040, sh(script), token_regex("^ready$")))
+        .await;
+    spawner.teardown().await;
+    let erin = user("erin");
+    let err = spawner
+        .launch(&erin, LaunchRequest::default())
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("shutting down"), "{err}");
+    assert!(!env.data().join("users/erin/home/pids").exists());
+    assert!(
+        main_of(&spawner, &erin).await.is_none(),
+        "a record was written"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_killed_program_is_restarted_with_a_new_pid() {
     let env = Env::new().await;
     let spawner = env

@@ -5,6 +5,7 @@ use std::io::{self, IoSlice};
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::path::PathBuf;
 use std::process::Stdio;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use nix::fcntl::{FcntlArg, OFlag, fcntl};
@@ -50,6 +51,8 @@ pub struct ShimLauncher {
     /// cut short (its future dropped) takes the zygote with it, so an
     /// answer is never read by the wrong request.
     zygote: Mutex<Option<Zygote>>,
+    /// Set by [`ShimLauncher::shutdown`]: no zygote is started after it.
+    closed: AtomicBool,
 }
 
 struct Zygote {
@@ -64,6 +67,7 @@ impl ShimLauncher {
             exe: exe.into(),
             args,
             zygote: Mutex::new(None),
+            closed: AtomicBool::new(false),
         }
     }
 
@@ -99,13 +103,16 @@ impl ShimLauncher {
     /// Stops the zygote and waits for it to be gone. Shims it started keep
     /// running.
     pub async fn shutdown(&self) {
+        let mut slot = self.zygote.lock().await;
+        self.closed.store(true, Ordering::Relaxed);
         let Some(Zygote {
             socket,
             mut process,
-        }) = self.zygote.lock().await.take()
+        }) = slot.take()
         else {
             return;
         };
+        drop(slot);
         // End of its request stream: it exits on its own.
         drop(socket);
         if tokio::time::timeout(SHUTDOWN_GRACE, process.wait())
@@ -126,6 +133,13 @@ impl ShimLauncher {
     /// forked for a request it never took.
     async fn fork(&self, request: &[u8], report: OwnedFd) -> Result<Option<u32>, ShimError> {
         let mut slot = self.zygote.lock().await;
+        // Read under the lock `shutdown` sets it under: no zygote is
+        // started after the last one was stopped.
+        if self.closed.load(Ordering::Relaxed) {
+            return Err(ShimError::Shim(
+                "berth is shutting down; no shim is started".to_owned(),
+            ));
+        }
         let mut retried = false;
         loop {
             let zygote = match slot.take() {
