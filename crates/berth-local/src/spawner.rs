@@ -22,7 +22,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::LocalConfig;
-use crate::inner::{EVENT_CAPACITY, Inner, StopKind};
+use crate::inner::{EVENT_CAPACITY, Inner, StopKind, UserSlot};
 use crate::lifecycle::{Claim, PatchSource, validate};
 use crate::logs::tail_lines;
 use crate::metrics::Metrics;
@@ -215,15 +215,7 @@ impl LocalSpawner {
         claim: Claim,
     ) -> Result<Instance, SpawnError> {
         let folder = validate(request.folder.as_deref(), request.patch.as_deref())?;
-        let inner = Arc::clone(&self.inner);
-        let user = user.clone();
-        self.run_detached(async move {
-            let slot = inner.slot(&user);
-            let _guard = slot.lifecycle.lock().await;
-            // Waited for the lock while berth began to stop: start nothing.
-            if inner.cancel.is_cancelled() {
-                return Err(shutting_down());
-            }
+        self.run_locked(user, move |inner, slot| async move {
             let kind = if request.force {
                 LaunchKind::Force
             } else {
@@ -238,6 +230,28 @@ impl LocalSpawner {
                     claim,
                 )
                 .await
+        })
+        .await
+    }
+
+    /// Runs `work` detached (see [`LocalSpawner::run_detached`]) under
+    /// `user`'s lifecycle lock, unless berth began to stop meanwhile.
+    async fn run_locked<T, W, Fut>(&self, user: &UserId, work: W) -> Result<T, SpawnError>
+    where
+        W: FnOnce(Arc<Inner>, Arc<UserSlot>) -> Fut + Send + 'static,
+        Fut: Future<Output = Result<T, SpawnError>> + Send,
+        T: Send + 'static,
+    {
+        let inner = Arc::clone(&self.inner);
+        let user = user.clone();
+        self.run_detached(async move {
+            let slot = inner.slot(&user);
+            let _guard = slot.lifecycle.lock().await;
+            // Waited for the lock while berth began to stop: start nothing.
+            if inner.cancel.is_cancelled() {
+                return Err(shutting_down());
+            }
+            work(Arc::clone(&inner), Arc::clone(&slot)).await
         })
         .await
     }
@@ -277,14 +291,7 @@ impl Spawner for LocalSpawner {
     }
 
     async fn restart_main(&self, user: &UserId) -> Result<Instance, SpawnError> {
-        let inner = Arc::clone(&self.inner);
-        let user = user.clone();
-        self.run_detached(async move {
-            let slot = inner.slot(&user);
-            let _guard = slot.lifecycle.lock().await;
-            if inner.cancel.is_cancelled() {
-                return Err(shutting_down());
-            }
+        self.run_locked(user, |inner, slot| async move {
             let (folder, patch) = {
                 let state = slot.lock();
                 match state.main.as_ref() {
@@ -293,7 +300,7 @@ impl Spawner for LocalSpawner {
                     }
                     _ => {
                         return Err(SpawnError::NotFound {
-                            user: user.clone(),
+                            user: slot.user.clone(),
                             what: "live main instance",
                         });
                     }

@@ -135,6 +135,14 @@ impl Drop for Env {
     }
 }
 
+/// A spawner whose program appends its pid to `$HOME/pids`, prints
+/// `ready` and sleeps.
+async fn pid_logging_spawner(env: &Env, ports: u16) -> Arc<LocalSpawner> {
+    let script = r#"echo $$ >> "$HOME/pids"; echo ready; exec sleep 1000"#;
+    env.start(env.config(ports, sh(script), token_regex("^ready$")))
+        .await
+}
+
 /// Polls `check` every 25 ms until it returns `Some`, or panics.
 async fn eventually<T, F, Fut>(what: &str, mut check: F) -> T
 where
@@ -359,10 +367,7 @@ async fn folder_patch_and_environment_reach_the_program() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fifty_concurrent_launches_start_one_process() {
     let env = Env::new().await;
-    let script = r#"echo $$ >> "$HOME/pids"; echo ready; exec sleep 1000"#;
-    let spawner = env
-        .start(env.config(21020, sh(script), token_regex("^ready$")))
-        .await;
+    let spawner = pid_logging_spawner(&env, 21020).await;
     let carol = user("carol");
     let launches = (0..50).map(|_| {
         let spawner = spawner.clone();
@@ -389,10 +394,7 @@ async fn fifty_concurrent_launches_start_one_process() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_launch_abandoned_by_its_caller_completes_and_is_tracked() {
     let env = Env::new().await;
-    let script = r#"echo $$ >> "$HOME/pids"; echo ready; exec sleep 1000"#;
-    let spawner = env
-        .start(env.config(21030, sh(script), token_regex("^ready$")))
-        .await;
+    let spawner = pid_logging_spawner(&env, 21030).await;
     let dave = user("dave");
     // Polled once, then dropped: the launch is under way, its caller gone.
     let abandoned = tokio::time::timeout(
@@ -413,10 +415,7 @@ async fn a_launch_abandoned_by_its_caller_completes_and_is_tracked() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nothing_is_launched_after_teardown() {
     let env = Env::new().await;
-    let script = r#"echo $$ >> "$HOME/pids"; echo ready; exec sleep 1000"#;
-    let spawner = env
-        .start(env.config(21040, sh(script), token_regex("^ready$")))
-        .await;
+    let spawner = pid_logging_spawner(&env, 21040).await;
     spawner.teardown().await;
     let erin = user("erin");
     let err = spawner

@@ -601,28 +601,35 @@ fn fake_state(spec: &ShimSpec, socket: &Path, shim_pid: u32) -> ShimState {
     }
 }
 
+/// Spawns through a [`FakeZygote`] whose "shim" reports `Spawned` with a
+/// socket nobody listens on and `shim_pid` as its pid, and returns the
+/// error `spawn` must give. The directory holds the fake's files.
+async fn spawn_unlistened(
+    answers: bool,
+    shim_pid: u32,
+) -> (FakeZygote, ShimError, tempfile::TempDir) {
+    use berth_local::shim::SpawnReport;
+    let dir = tempfile::tempdir().unwrap();
+    let spec = spec(dir.path(), &["true"]);
+    std::fs::create_dir_all(dir.path().join("run")).unwrap();
+    let state = fake_state(&spec, &dir.path().join("run/nobody-listens.sock"), shim_pid);
+    std::fs::write(&spec.state_path, serde_json::to_vec(&state).unwrap()).unwrap();
+    let report = serde_json::to_string(&SpawnReport::Spawned { state }).unwrap();
+    let fake = FakeZygote::new(dir.path(), &report, answers);
+    let err = match ShimLauncher::new(&fake.exe, vec![]).spawn(&spec).await {
+        Ok(_) => panic!("spawn succeeded without a shim listening"),
+        Err(e) => e,
+    };
+    (fake, err, dir)
+}
+
 /// A shim that reports `Spawned` but never listens on its socket: `spawn`
 /// fails, and must not leave that shim (and so its program) running
 /// unowned while the caller releases the lease and port.
 #[tokio::test]
 async fn spawn_kills_the_shim_when_connecting_after_spawned_fails() {
-    use berth_local::shim::SpawnReport;
-    let dir = tempfile::tempdir().unwrap();
-    let spec = spec(dir.path(), &["true"]);
-    std::fs::create_dir_all(dir.path().join("run")).unwrap();
     // pid 1 as the shim's: berth must kill by the pid the zygote answered.
-    let state = fake_state(&spec, &dir.path().join("run/nobody-listens.sock"), 1);
-    let report = serde_json::to_string(&SpawnReport::Spawned {
-        state: state.clone(),
-    })
-    .unwrap();
-    std::fs::write(&spec.state_path, serde_json::to_vec(&state).unwrap()).unwrap();
-    let fake = FakeZygote::new(dir.path(), &report, true);
-
-    let err = match ShimLauncher::new(&fake.exe, vec![]).spawn(&spec).await {
-        Ok(_) => panic!("spawn succeeded without a shim listening"),
-        Err(e) => e,
-    };
+    let (fake, err, _dir) = spawn_unlistened(true, 1).await;
     assert!(matches!(err, ShimError::Gone(_)), "{err:?}");
     let pid = fake.shim_pid();
     let start = stat(pid).map(|(_, s)| s).unwrap_or(0);
@@ -741,19 +748,7 @@ async fn an_oversized_spec_is_refused_and_starts_nothing() {
 /// so it is killed.
 #[tokio::test]
 async fn a_zygote_dying_with_a_request_in_flight_is_not_asked_again() {
-    use berth_local::shim::SpawnReport;
-    let dir = tempfile::tempdir().unwrap();
-    let spec = spec(dir.path(), &["true"]);
-    std::fs::create_dir_all(dir.path().join("run")).unwrap();
-    let state = fake_state(&spec, &dir.path().join("run/nobody-listens.sock"), 424242);
-    std::fs::write(&spec.state_path, serde_json::to_vec(&state).unwrap()).unwrap();
-    let report = serde_json::to_string(&SpawnReport::Spawned { state }).unwrap();
-    let fake = FakeZygote::new(dir.path(), &report, false);
-
-    let err = match ShimLauncher::new(&fake.exe, vec![]).spawn(&spec).await {
-        Ok(_) => panic!("spawn succeeded without a shim listening"),
-        Err(e) => e,
-    };
+    let (fake, err, _dir) = spawn_unlistened(false, 424242).await;
     assert!(matches!(err, ShimError::Gone(_)), "{err:?}");
     assert_eq!(fake.starts(), 1, "the request went to a second zygote");
     let pid = fake.shim_pid();
