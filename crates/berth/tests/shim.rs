@@ -518,8 +518,9 @@ async fn program_gets_only_its_own_environment() {
 /// A test double of the zygote (python3): takes one request, forks a
 /// "shim" that writes `report` to the pipe it was given (with
 /// `"shim_pid":424242` replaced by its own pid) and then only sleeps, and
-/// answers with that pid only if `answers`; otherwise it exits, as a zygote
-/// dying with the request in flight would.
+/// answers (only if `answers`; otherwise it exits, as a zygote dying with
+/// the request in flight would) with the shim's pidfd and a pid:
+/// `answered_pid`, or the shim's own.
 struct FakeZygote {
     exe: std::path::PathBuf,
     pid_file: std::path::PathBuf,
@@ -527,7 +528,7 @@ struct FakeZygote {
 }
 
 impl FakeZygote {
-    fn new(dir: &Path, report: &str, answers: bool) -> FakeZygote {
+    fn new(dir: &Path, report: &str, answers: bool, answered_pid: Option<u32>) -> FakeZygote {
         let fake = FakeZygote {
             exe: dir.join("fake-zygote"),
             pid_file: dir.join("fake-shim.pid"),
@@ -553,12 +554,13 @@ os.close(fds[0])
 with open({pid_file:?}, "w") as f:
     f.write(str(pid))
 if {answers}:
-    requests.send(b"pid %d" % pid)
+    socket.send_fds(requests, [b"pid %d" % ({answered_pid} or pid)], [os.pidfd_open(pid)])
     requests.recv(1)
 "#,
                 starts = fake.starts_file.display().to_string(),
                 pid_file = fake.pid_file.display().to_string(),
                 answers = if answers { "True" } else { "False" },
+                answered_pid = answered_pid.map_or("None".to_owned(), |p| p.to_string()),
             ),
         )
         .unwrap();
@@ -606,6 +608,7 @@ fn fake_state(spec: &ShimSpec, socket: &Path, shim_pid: u32) -> ShimState {
 /// error `spawn` must give. The directory holds the fake's files.
 async fn spawn_unlistened(
     answers: bool,
+    answered_pid: Option<u32>,
     shim_pid: u32,
 ) -> (FakeZygote, ShimError, tempfile::TempDir) {
     use berth_local::shim::SpawnReport;
@@ -615,7 +618,7 @@ async fn spawn_unlistened(
     let state = fake_state(&spec, &dir.path().join("run/nobody-listens.sock"), shim_pid);
     std::fs::write(&spec.state_path, serde_json::to_vec(&state).unwrap()).unwrap();
     let report = serde_json::to_string(&SpawnReport::Spawned { state }).unwrap();
-    let fake = FakeZygote::new(dir.path(), &report, answers);
+    let fake = FakeZygote::new(dir.path(), &report, answers, answered_pid);
     let err = match ShimLauncher::new(&fake.exe, vec![]).spawn(&spec).await {
         Ok(_) => panic!("spawn succeeded without a shim listening"),
         Err(e) => e,
@@ -628,8 +631,14 @@ async fn spawn_unlistened(
 /// unowned while the caller releases the lease and port.
 #[tokio::test]
 async fn spawn_kills_the_shim_when_connecting_after_spawned_fails() {
-    // pid 1 as the shim's: berth must kill by the pid the zygote answered.
-    let (fake, err, _dir) = spawn_unlistened(true, 1).await;
+    // The zygote answers with a decoy's pid and the shim's pidfd (and the
+    // report says pid 1): berth must kill through the pidfd, which cannot
+    // name another process, and hit neither pid.
+    let mut decoy = std::process::Command::new("sleep")
+        .arg("1000")
+        .spawn()
+        .unwrap();
+    let (fake, err, _dir) = spawn_unlistened(true, Some(decoy.id()), 1).await;
     assert!(matches!(err, ShimError::Gone(_)), "{err:?}");
     let pid = fake.shim_pid();
     let start = stat(pid).map(|(_, s)| s).unwrap_or(0);
@@ -638,6 +647,12 @@ async fn spawn_kills_the_shim_when_connecting_after_spawned_fails() {
         !alive(pid, start) || stat(pid).is_none(),
         "the shim {pid} still runs after spawn failed"
     );
+    assert!(
+        decoy.try_wait().unwrap().is_none(),
+        "berth killed the answered pid, not the shim's pidfd"
+    );
+    decoy.kill().unwrap();
+    decoy.wait().unwrap();
 }
 
 #[tokio::test]
@@ -748,7 +763,7 @@ async fn an_oversized_spec_is_refused_and_starts_nothing() {
 /// so it is killed.
 #[tokio::test]
 async fn a_zygote_dying_with_a_request_in_flight_is_not_asked_again() {
-    let (fake, err, _dir) = spawn_unlistened(false, 424242).await;
+    let (fake, err, _dir) = spawn_unlistened(false, None, 424242).await;
     assert!(matches!(err, ShimError::Gone(_)), "{err:?}");
     assert_eq!(fake.starts(), 1, "the request went to a second zygote");
     let pid = fake.shim_pid();

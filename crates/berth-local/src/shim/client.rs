@@ -12,6 +12,7 @@ use tokio::net::UnixStream;
 use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::sync::Mutex;
 
+use super::pidfd::PidFd;
 use super::protocol::{ShimCommand, ShimEvent, ShimSpec, ShimState, SpawnReport};
 
 /// How long a new shim may take to start the program and report.
@@ -57,8 +58,8 @@ pub struct ShimControl {
 
 impl ShimHandle {
     /// Completes the start of a shim that berth's [`super::ShimLauncher`]
-    /// had forked as `shim_pid` (`None`: unknown, and maybe not forked at
-    /// all), with `report` the pipe it writes its [`SpawnReport`] to: reads
+    /// had forked (`None`: unknown, and maybe not forked at all), with
+    /// `report` the pipe it writes its [`SpawnReport`] to: reads
     /// the report and connects to the shim's socket. Returns once the
     /// program is spawned (not ready).
     ///
@@ -71,7 +72,7 @@ impl ShimHandle {
     /// be, which takes its program with it), so nothing runs unowned.
     pub(super) async fn finish_spawn(
         report: impl tokio::io::AsyncRead + Unpin,
-        shim_pid: Option<u32>,
+        shim: Option<ForkedShim>,
         spec: &ShimSpec,
     ) -> Result<(ShimHandle, ShimState), ShimError> {
         let mut line = String::new();
@@ -83,7 +84,7 @@ impl ShimHandle {
             // its program, if any, with it) or was never forked. Nothing to
             // kill, and its pid may already be someone else's.
             Ok(Ok(_)) | Ok(Err(_)) => {
-                return Err(ShimError::Shim(match shim_pid {
+                return Err(ShimError::Shim(match shim {
                     Some(_) => "the shim exited without a report".to_owned(),
                     None => "the shim zygote died while starting the shim".to_owned(),
                 }));
@@ -91,7 +92,7 @@ impl ShimHandle {
             Err(_) => {
                 // Killing the shim takes the program with it (parent-death
                 // signal).
-                kill_and_wait(shim_pid).await;
+                kill_and_wait(shim.map(Doomed::from)).await;
                 return Err(ShimError::Shim(format!(
                     "no report from the shim within {}s",
                     REPORT_TIMEOUT.as_secs()
@@ -104,7 +105,7 @@ impl ShimHandle {
             Ok(SpawnReport::Spawned { state }) => state,
             Ok(SpawnReport::Failed { error }) => return Err(ShimError::SpawnFailed(error)),
             Err(e) => {
-                kill_and_wait(shim_pid).await;
+                kill_and_wait(shim.map(Doomed::from)).await;
                 return Err(ShimError::Shim(format!(
                     "bad report {:?}: {e}",
                     report.trim_end()
@@ -133,7 +134,7 @@ impl ShimHandle {
         // takes the program with it (parent-death signal). The report,
         // which only our shim can have written, names it if the zygote
         // could not.
-        kill_and_wait(shim_pid.or(Some(state.shim_pid))).await;
+        kill_and_wait(Some(shim.map_or(Doomed::Pid(state.shim_pid), Doomed::from))).await;
         Err(error)
     }
 
@@ -248,30 +249,81 @@ fn is_disconnect(e: &io::Error) -> bool {
     )
 }
 
+/// A shim the zygote forked for berth: its pid, and a pidfd where the
+/// kernel has them.
+pub(super) struct ForkedShim {
+    pub pid: u32,
+    pub pidfd: Option<PidFd>,
+}
+
+/// A shim to kill: through its pidfd where there is one (it can never hit
+/// another process), else by pid.
+enum Doomed {
+    PidFd(PidFd),
+    Pid(u32),
+}
+
+impl From<ForkedShim> for Doomed {
+    fn from(shim: ForkedShim) -> Doomed {
+        match shim.pidfd {
+            Some(pidfd) => Doomed::PidFd(pidfd),
+            None => Doomed::Pid(shim.pid),
+        }
+    }
+}
+
+impl Doomed {
+    /// Sends SIGKILL; false if there is nothing to wait for (gone already,
+    /// or the signal could not be sent).
+    fn kill(&self) -> bool {
+        match self {
+            Doomed::PidFd(pidfd) => match pidfd.signal(signal::Signal::SIGKILL) {
+                Ok(sent) => sent,
+                Err(e) => {
+                    tracing::warn!(%e, "cannot kill the shim");
+                    false
+                }
+            },
+            Doomed::Pid(pid) => {
+                // Never 0 (or negative): kill(2) would signal a whole group.
+                let Some(pid) = i32::try_from(*pid).ok().filter(|&p| p > 0) else {
+                    tracing::warn!(pid, "not a shim pid; nothing killed");
+                    return false;
+                };
+                match signal::kill(Pid::from_raw(pid), signal::Signal::SIGKILL) {
+                    Ok(()) => true,
+                    Err(nix::errno::Errno::ESRCH) => false,
+                    Err(e) => {
+                        tracing::warn!(%e, pid, "cannot kill the shim");
+                        false
+                    }
+                }
+            }
+        }
+    }
+
+    fn exited(&self) -> bool {
+        match self {
+            Doomed::PidFd(pidfd) => pidfd.exited(),
+            Doomed::Pid(pid) => i32::try_from(*pid)
+                .map_or(true, |pid| signal::kill(Pid::from_raw(pid), None).is_err()),
+        }
+    }
+}
+
 /// SIGKILLs a shim we started and waits (bounded) for it to be gone, so
 /// its program has received the parent-death signal by the time we return.
 /// The zygote, its parent, reaps it.
-async fn kill_and_wait(shim_pid: Option<u32>) {
-    // Never 0 (or negative): kill(2) would signal a whole process group.
-    let Some(raw) = shim_pid
-        .and_then(|pid| i32::try_from(pid).ok())
-        .filter(|&pid| pid > 0)
-    else {
-        if shim_pid.is_some() {
-            tracing::warn!(?shim_pid, "not a shim pid; nothing killed");
-        }
+async fn kill_and_wait(shim: Option<Doomed>) {
+    let Some(shim) = shim else {
+        tracing::warn!("the shim's pid is unknown; nothing killed");
         return;
     };
-    let shim_pid = raw;
-    let pid = Pid::from_raw(raw);
-    if let Err(e) = signal::kill(pid, signal::Signal::SIGKILL) {
-        if e != nix::errno::Errno::ESRCH {
-            tracing::warn!(%e, shim_pid, "cannot kill the shim");
-        }
+    if !shim.kill() {
         return;
     }
     let gone = async {
-        while signal::kill(pid, None).is_ok() {
+        while !shim.exited() {
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
     };
@@ -279,7 +331,7 @@ async fn kill_and_wait(shim_pid: Option<u32>) {
         .await
         .is_err()
     {
-        tracing::warn!(shim_pid, "the killed shim has not exited within 5s");
+        tracing::warn!("the killed shim has not exited within 5s");
     }
 }
 

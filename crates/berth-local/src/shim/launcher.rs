@@ -1,8 +1,8 @@
 //! berth's side of the zygote: starts it, asks it for shims, and replaces
 //! it if it dies.
 
-use std::io::{self, IoSlice};
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::io::{self, IoSlice, IoSliceMut};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::path::PathBuf;
 use std::process::Stdio;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -10,14 +10,16 @@ use std::time::Duration;
 
 use nix::fcntl::{FcntlArg, OFlag, fcntl};
 use nix::sys::socket::{
-    AddressFamily, ControlMessage, MsgFlags, SockFlag, SockType, recv, sendmsg, socketpair,
+    AddressFamily, ControlMessage, ControlMessageOwned, MsgFlags, SockFlag, SockType, recvmsg,
+    sendmsg, socketpair,
 };
 use tokio::io::Interest;
 use tokio::io::unix::AsyncFd;
 use tokio::sync::Mutex;
 
 use super::ShimError;
-use super::client::ShimHandle;
+use super::client::{ForkedShim, ShimHandle};
+use super::pidfd::PidFd;
 use super::protocol::{ShimSpec, ShimState};
 use super::zygote::MAX_REQUEST_BYTES;
 
@@ -87,8 +89,8 @@ impl ShimLauncher {
         let (report, report_write) = nix::unistd::pipe2(OFlag::O_CLOEXEC)
             .map_err(|e| ShimError::Shim(format!("cannot make a pipe: {e}")))?;
         let report = tokio::net::unix::pipe::Receiver::from_owned_fd(report)?;
-        let shim_pid = self.fork(&request, report_write).await?;
-        ShimHandle::finish_spawn(report, shim_pid, spec).await
+        let shim = self.fork(&request, report_write).await?;
+        ShimHandle::finish_spawn(report, shim, spec).await
     }
 
     /// The zygote's pid, if one runs (for diagnostics and tests).
@@ -127,11 +129,11 @@ impl ShimLauncher {
     }
 
     /// Has the zygote fork a shim writing its report to `report`; returns
-    /// the shim's pid, or `None` when the zygote died with the request in
+    /// the shim, or `None` when the zygote died with the request in
     /// flight (it may or may not have forked; the report pipe tells). A
     /// zygote found dead when sending is replaced once: it cannot have
     /// forked for a request it never took.
-    async fn fork(&self, request: &[u8], report: OwnedFd) -> Result<Option<u32>, ShimError> {
+    async fn fork(&self, request: &[u8], report: OwnedFd) -> Result<Option<ForkedShim>, ShimError> {
         let mut slot = self.zygote.lock().await;
         // Read under the lock `shutdown` sets it under: no zygote is
         // started after the last one was stopped.
@@ -165,9 +167,14 @@ impl ShimLauncher {
                 continue;
             }
             return match zygote.answer().await {
-                Ok(answer) => {
+                Ok((answer, pidfd)) => {
                     *slot = Some(zygote);
-                    parse_answer(&answer).map(Some)
+                    parse_answer(&answer).map(|pid| {
+                        Some(ForkedShim {
+                            pid,
+                            pidfd: pidfd.map(PidFd::from_owned),
+                        })
+                    })
                 }
                 // Never sent again: a second shim for the same instance
                 // could be the result. The report settles it.
@@ -229,13 +236,33 @@ impl Zygote {
             .map(drop)
     }
 
-    /// Reads the answer to the request just sent.
-    async fn answer(&self) -> io::Result<String> {
+    /// Reads the answer to the request just sent, with the shim's pidfd if
+    /// the zygote sent one.
+    async fn answer(&self) -> io::Result<(String, Option<OwnedFd>)> {
         let mut answer = [0u8; 512];
         let read = self.socket.async_io(Interest::READABLE, |fd| {
-            recv(fd.as_raw_fd(), &mut answer, MsgFlags::empty()).map_err(io::Error::from)
+            let mut iov = [IoSliceMut::new(&mut answer)];
+            let mut cmsg = nix::cmsg_space!([RawFd; 1]);
+            let msg = recvmsg::<()>(
+                fd.as_raw_fd(),
+                &mut iov,
+                Some(&mut cmsg),
+                MsgFlags::MSG_CMSG_CLOEXEC,
+            )?;
+            let mut pidfd = None;
+            for c in msg.cmsgs()? {
+                if let ControlMessageOwned::ScmRights(fds) = c {
+                    for fd in fds {
+                        // SAFETY: SCM_RIGHTS installed `fd` in this process
+                        // just now; nothing else owns it.
+                        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+                        pidfd.get_or_insert(fd);
+                    }
+                }
+            }
+            Ok((msg.bytes, pidfd))
         });
-        let n = tokio::time::timeout(ANSWER_TIMEOUT, read)
+        let (n, pidfd) = tokio::time::timeout(ANSWER_TIMEOUT, read)
             .await
             .map_err(|_| {
                 io::Error::new(
@@ -249,7 +276,7 @@ impl Zygote {
                 "the zygote exited",
             ));
         }
-        Ok(String::from_utf8_lossy(&answer[..n]).into_owned())
+        Ok((String::from_utf8_lossy(&answer[..n]).into_owned(), pidfd))
     }
 }
 

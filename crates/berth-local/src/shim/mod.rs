@@ -42,6 +42,7 @@ macro_rules! diag {
 mod client;
 mod launcher;
 mod output;
+mod pidfd;
 pub(crate) mod procfs;
 mod protocol;
 mod server;

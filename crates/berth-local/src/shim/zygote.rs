@@ -23,11 +23,12 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 
 use nix::errno::Errno;
 use nix::sys::signal::{self, SigHandler, Signal};
-use nix::sys::socket::{ControlMessageOwned, MsgFlags, recvmsg, sendmsg};
+use nix::sys::socket::{ControlMessage, ControlMessageOwned, MsgFlags, recvmsg, sendmsg};
 use nix::unistd::ForkResult;
 use regex::bytes::Regex;
 
 use super::ShimSpec;
+use super::pidfd::PidFd;
 
 /// Largest request (a spec's JSON) the zygote takes.
 pub(crate) const MAX_REQUEST_BYTES: usize = 128 * 1024;
@@ -80,17 +81,22 @@ pub fn run() -> i32 {
                 return 1;
             }
         };
-        let answer = match request {
+        let (answer, pidfd) = match request {
             Ok((spec, report)) => {
                 let ready_regex = compiled(&mut patterns, spec.ready_regex.as_deref());
                 fork_shim(spec, ready_regex, report)
             }
-            Err(why) => format!("error {why}"),
+            Err(why) => (format!("error {why}"), None),
         };
+        let pidfd = pidfd.as_ref().map(|p| [p.as_owned().as_raw_fd()]);
+        let rights: Vec<ControlMessage> = pidfd
+            .iter()
+            .map(|fd| ControlMessage::ScmRights(fd))
+            .collect();
         if let Err(e) = sendmsg::<()>(
             REQUESTS,
             &[IoSlice::new(answer.as_bytes())],
-            &[],
+            &rights,
             MsgFlags::empty(),
             None,
         ) {
@@ -164,8 +170,13 @@ fn compiled(cache: &mut HashMap<String, Regex>, pattern: Option<&str>) -> Option
     Some(regex)
 }
 
-/// Forks the shim for `spec`; returns the answer for berth.
-fn fork_shim(spec: ShimSpec, ready_regex: Option<Regex>, report: OwnedFd) -> String {
+/// Forks the shim for `spec`; returns the answer for berth, with a pidfd
+/// of the shim to send along where the kernel has them.
+fn fork_shim(
+    spec: ShimSpec,
+    ready_regex: Option<Regex>,
+    report: OwnedFd,
+) -> (String, Option<PidFd>) {
     // SAFETY: the zygote is single-threaded (it never starts a thread or a
     // runtime), so the child is a complete copy of a consistent process and
     // may run any code, not only async-signal-safe functions.
@@ -174,8 +185,14 @@ fn fork_shim(spec: ShimSpec, ready_regex: Option<Regex>, report: OwnedFd) -> Str
             let code = become_shim(spec, ready_regex, report);
             std::process::exit(code)
         }
-        Ok(ForkResult::Parent { child }) => format!("pid {child}"),
-        Err(e) => format!("error cannot fork a shim: {e}"),
+        // Opened right after the fork: the shim is alive, or exited an
+        // instant ago (reaped at once: `pidfd_open` then fails); its pid
+        // cannot have been handed to another process that soon.
+        Ok(ForkResult::Parent { child }) => (
+            format!("pid {child}"),
+            u32::try_from(child.as_raw()).ok().and_then(PidFd::open),
+        ),
+        Err(e) => (format!("error cannot fork a shim: {e}"), None),
     }
 }
 
