@@ -2,7 +2,7 @@
 //! it if it dies.
 
 use std::io::{self, IoSlice, IoSliceMut};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::path::PathBuf;
 use std::process::Stdio;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -10,8 +10,7 @@ use std::time::Duration;
 
 use nix::fcntl::{FcntlArg, OFlag, fcntl};
 use nix::sys::socket::{
-    AddressFamily, ControlMessage, ControlMessageOwned, MsgFlags, SockFlag, SockType, recvmsg,
-    sendmsg, socketpair,
+    AddressFamily, ControlMessage, MsgFlags, SockFlag, SockType, recvmsg, sendmsg, socketpair,
 };
 use tokio::io::Interest;
 use tokio::io::unix::AsyncFd;
@@ -21,7 +20,7 @@ use super::ShimError;
 use super::client::{ForkedShim, ShimHandle};
 use super::pidfd::PidFd;
 use super::protocol::{ShimSpec, ShimState};
-use super::zygote::MAX_REQUEST_BYTES;
+use super::zygote::{MAX_REQUEST_BYTES, received_fds};
 
 /// How long the zygote may take to answer a fork request. It answers
 /// right after `fork`, so hitting this means it is wedged.
@@ -249,17 +248,7 @@ impl Zygote {
                 Some(&mut cmsg),
                 MsgFlags::MSG_CMSG_CLOEXEC,
             )?;
-            let mut pidfd = None;
-            for c in msg.cmsgs()? {
-                if let ControlMessageOwned::ScmRights(fds) = c {
-                    for fd in fds {
-                        // SAFETY: SCM_RIGHTS installed `fd` in this process
-                        // just now; nothing else owns it.
-                        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
-                        pidfd.get_or_insert(fd);
-                    }
-                }
-            }
+            let pidfd = received_fds(msg.cmsgs()?).into_iter().next();
             Ok((msg.bytes, pidfd))
         });
         let (n, pidfd) = tokio::time::timeout(ANSWER_TIMEOUT, read)

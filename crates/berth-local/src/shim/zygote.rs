@@ -23,7 +23,9 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 
 use nix::errno::Errno;
 use nix::sys::signal::{self, SigHandler, Signal};
-use nix::sys::socket::{ControlMessage, ControlMessageOwned, MsgFlags, recvmsg, sendmsg};
+use nix::sys::socket::{
+    CmsgIterator, ControlMessage, ControlMessageOwned, MsgFlags, recvmsg, sendmsg,
+};
 use nix::unistd::ForkResult;
 use regex::bytes::Regex;
 
@@ -120,16 +122,7 @@ fn receive(buf: &mut [u8]) -> nix::Result<Option<Result<(ShimSpec, OwnedFd), Str
             MsgFlags::MSG_CMSG_CLOEXEC,
         ) {
             Ok(msg) => {
-                let mut fds = Vec::new();
-                for c in msg.cmsgs()? {
-                    if let ControlMessageOwned::ScmRights(received) = c {
-                        for fd in received {
-                            // SAFETY: SCM_RIGHTS installed `fd` in this
-                            // process just now; nothing else owns it.
-                            fds.push(unsafe { OwnedFd::from_raw_fd(fd) });
-                        }
-                    }
-                }
+                let fds = received_fds(msg.cmsgs()?);
                 break (msg.bytes, msg.flags, fds);
             }
             Err(Errno::EINTR) => continue,
@@ -168,6 +161,21 @@ fn compiled(cache: &mut HashMap<String, Regex>, pattern: Option<&str>) -> Option
         cache.insert(pattern.to_owned(), regex.clone());
     }
     Some(regex)
+}
+
+/// The descriptors a received message carried (`SCM_RIGHTS`), owned.
+pub(super) fn received_fds(cmsgs: CmsgIterator<'_>) -> Vec<OwnedFd> {
+    let mut fds = Vec::new();
+    for c in cmsgs {
+        if let ControlMessageOwned::ScmRights(received) = c {
+            for fd in received {
+                // SAFETY: SCM_RIGHTS installed `fd` in this process just
+                // now; nothing else owns it.
+                fds.push(unsafe { OwnedFd::from_raw_fd(fd) });
+            }
+        }
+    }
+    fds
 }
 
 /// Forks the shim for `spec`; returns the answer for berth, with a pidfd
