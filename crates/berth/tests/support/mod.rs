@@ -53,13 +53,19 @@ pub struct Node {
 impl Node {
     /// Starts berth in `dir` with `extra` TOML appended to the base config.
     pub fn start(dir: &Path, extra: &str) -> Node {
-        let data_dir = dir.join("data");
-        let config = dir.join("berth.toml");
-        std::fs::write(&config, config_with(&data_dir, extra)).unwrap();
+        Self::start_with_config(dir, &config_with(&dir.join("data"), extra))
+    }
+
+    /// Writes `config` to `dir/berth.toml` and runs `berth serve` on it; its
+    /// data dir must be `dir/data`.
+    fn start_with_config(dir: &Path, config: &str) -> Node {
+        std::fs::create_dir_all(dir).unwrap();
+        let path = dir.join("berth.toml");
+        std::fs::write(&path, config).unwrap();
         Self::start_with_args(
             dir,
-            &["serve", "--config", config.to_str().unwrap()],
-            &data_dir,
+            &["serve", "--config", path.to_str().unwrap()],
+            &dir.join("data"),
         )
     }
 
@@ -403,17 +409,9 @@ impl Node {
         lease_extra: &str,
         extra: &str,
     ) -> Node {
-        std::fs::create_dir_all(dir).unwrap();
-        let config = dir.join("berth.toml");
-        std::fs::write(
-            &config,
-            cluster_config(dir, pg_url, node_id, secret, lease_extra, extra),
-        )
-        .unwrap();
-        Self::start_with_args(
+        Self::start_with_config(
             dir,
-            &["serve", "--config", config.to_str().unwrap()],
-            &dir.join("data"),
+            &cluster_config(dir, pg_url, node_id, secret, lease_extra, extra),
         )
     }
 }
@@ -469,17 +467,9 @@ impl Node {
         instance: &str,
         extra: &str,
     ) -> Node {
-        std::fs::create_dir_all(dir).unwrap();
-        let config = dir.join("berth.toml");
-        std::fs::write(
-            &config,
-            cluster_config_custom(dir, pg_url, node_id, secret, lease, instance, extra),
-        )
-        .unwrap();
-        Self::start_with_args(
+        Self::start_with_config(
             dir,
-            &["serve", "--config", config.to_str().unwrap()],
-            &dir.join("data"),
+            &cluster_config_custom(dir, pg_url, node_id, secret, lease, instance, extra),
         )
     }
 
