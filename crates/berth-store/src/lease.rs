@@ -305,12 +305,11 @@ mod tests {
     use std::sync::Mutex as StdMutex;
 
     use async_trait::async_trait;
-    use berth_core::policy::CrashState;
-    use berth_core::{Instance, Role, UnixMillis};
     use tokio::sync::Notify;
 
     use super::*;
-    use crate::{InstanceFilter, LaunchParams, LeaseRecord, NodeRecord, SqliteStore};
+    use crate::SqliteStore;
+    use crate::testing::{InterceptRenew, RenewHook};
 
     const MS: Duration = Duration::from_millis(1);
 
@@ -588,7 +587,7 @@ mod tests {
     #[tokio::test]
     async fn fence_clock_moves_only_on_success_measured_from_send() {
         let (sqlite, _dir) = sqlite().await;
-        let gated = Arc::new(Gated::new(Arc::new(sqlite.clone())));
+        let gated = Arc::new(Gated::around(Arc::new(sqlite.clone())));
         let fence = Duration::from_millis(200);
         let keeper = Arc::new(LeaseKeeper::new(
             gated.clone(),
@@ -609,14 +608,14 @@ mod tests {
         // A renew held up in flight: the fence clock moves to when it was
         // sent, not to when it came back.
         tokio::time::sleep(5 * MS).await;
-        gated.close_gate();
+        gated.hook.close_gate();
         let renew = tokio::spawn({
             let keeper = keeper.clone();
             async move { keeper.renew_all().await }
         });
-        let arrived = gated.wait_arrival().await;
+        let arrived = gated.hook.wait_arrival().await;
         tokio::time::sleep(50 * MS).await;
-        gated.open_gate();
+        gated.hook.open_gate();
         let report = renew.await.unwrap().unwrap();
         assert_eq!(report.renewed, 1);
         assert!(
@@ -643,7 +642,7 @@ mod tests {
     #[tokio::test]
     async fn leases_acquired_during_a_renew_are_not_reported_lost() {
         let (sqlite, _dir) = sqlite().await;
-        let gated = Arc::new(Gated::new(Arc::new(sqlite)));
+        let gated = Arc::new(Gated::around(Arc::new(sqlite)));
         let keeper = Arc::new(LeaseKeeper::new(
             gated.clone(),
             "node-a".into(),
@@ -652,12 +651,12 @@ mod tests {
         let [alice, bob] = ["alice", "bob"].map(user);
         keeper.acquire(&alice).await.unwrap();
 
-        gated.close_gate();
+        gated.hook.close_gate();
         let renew = tokio::spawn({
             let keeper = keeper.clone();
             async move { keeper.renew_all().await }
         });
-        gated.wait_arrival().await;
+        gated.hook.wait_arrival().await;
         // While the renew (of alice@1) is in flight, alice is re-claimed at
         // epoch 2 and bob is claimed.
         assert_eq!(
@@ -665,7 +664,7 @@ mod tests {
             ClaimOutcome::Claimed { epoch: 2 }
         );
         keeper.acquire(&bob).await.unwrap();
-        gated.open_gate();
+        gated.hook.open_gate();
         let report = renew.await.unwrap().unwrap();
 
         assert_eq!(
@@ -680,10 +679,9 @@ mod tests {
         assert_eq!(keeper.renew_all().await.unwrap().renewed, 2);
     }
 
-    /// A store whose `renew_leases` can be held at a gate, to act while a
-    /// renew is in flight. Everything else passes straight through.
+    /// A gate `renew_leases` can be held at, to act while a renew is in
+    /// flight; [`Gated::around`] puts it in front of a store.
     struct Gated {
-        inner: Arc<dyn Store>,
         gate_closed: StdMutex<bool>,
         arrived: Notify,
         arrived_at: StdMutex<Option<Instant>>,
@@ -691,13 +689,15 @@ mod tests {
     }
 
     impl Gated {
-        fn new(inner: Arc<dyn Store>) -> Self {
-            Self {
+        fn around(inner: Arc<dyn Store>) -> InterceptRenew<Gated> {
+            InterceptRenew {
                 inner,
-                gate_closed: StdMutex::new(false),
-                arrived: Notify::new(),
-                arrived_at: StdMutex::new(None),
-                proceed: Notify::new(),
+                hook: Gated {
+                    gate_closed: StdMutex::new(false),
+                    arrived: Notify::new(),
+                    arrived_at: StdMutex::new(None),
+                    proceed: Notify::new(),
+                },
             }
         }
         fn close_gate(&self) {
@@ -714,108 +714,15 @@ mod tests {
     }
 
     #[async_trait]
-    impl Store for Gated {
-        async fn now(&self) -> Result<UnixMillis, StoreError> {
-            self.inner.now().await
-        }
-        async fn put_instance(&self, i: &Instance) -> Result<(), StoreError> {
-            self.inner.put_instance(i).await
-        }
-        async fn get_instance(&self, u: &UserId, r: Role) -> Result<Option<Instance>, StoreError> {
-            self.inner.get_instance(u, r).await
-        }
-        async fn list_instances(&self, f: &InstanceFilter) -> Result<Vec<Instance>, StoreError> {
-            self.inner.list_instances(f).await
-        }
-        async fn delete_instance(&self, u: &UserId, r: Role) -> Result<(), StoreError> {
-            self.inner.delete_instance(u, r).await
-        }
-        async fn delete_instance_fenced(
-            &self,
-            u: &UserId,
-            n: &str,
-            e: Epoch,
-        ) -> Result<(), StoreError> {
-            self.inner.delete_instance_fenced(u, n, e).await
-        }
-        async fn record_activity(&self, a: &[(UserId, UnixMillis)]) -> Result<(), StoreError> {
-            self.inner.record_activity(a).await
-        }
-        async fn claim_lease(
-            &self,
-            u: &UserId,
-            n: &str,
-            ttl: Duration,
-            t: TakeoverPolicy,
-        ) -> Result<ClaimOutcome, StoreError> {
-            self.inner.claim_lease(u, n, ttl, t).await
-        }
-        async fn take_over_lease(
-            &self,
-            u: &UserId,
-            n: &str,
-            ttl: Duration,
-        ) -> Result<ClaimOutcome, StoreError> {
-            self.inner.take_over_lease(u, n, ttl).await
-        }
-        async fn renew_leases(
-            &self,
-            n: &str,
-            held: &[(UserId, Epoch)],
-            ttl: Duration,
-        ) -> Result<Vec<UserId>, StoreError> {
+    impl RenewHook for Gated {
+        async fn before_renew(&self) -> Result<(), StoreError> {
             let closed = *self.gate_closed.lock().unwrap();
             if closed {
                 *self.arrived_at.lock().unwrap() = Some(Instant::now());
                 self.arrived.notify_one();
                 self.proceed.notified().await;
             }
-            self.inner.renew_leases(n, held, ttl).await
-        }
-        async fn release_lease(&self, u: &UserId, n: &str, e: Epoch) -> Result<bool, StoreError> {
-            self.inner.release_lease(u, n, e).await
-        }
-        async fn get_lease(&self, u: &UserId) -> Result<Option<LeaseRecord>, StoreError> {
-            self.inner.get_lease(u).await
-        }
-        async fn list_leases(
-            &self,
-            e: bool,
-            ttl: Duration,
-        ) -> Result<Vec<LeaseRecord>, StoreError> {
-            self.inner.list_leases(e, ttl).await
-        }
-        async fn leases_held_by(&self, n: &str) -> Result<Vec<LeaseRecord>, StoreError> {
-            self.inner.leases_held_by(n).await
-        }
-        async fn put_launch_params(
-            &self,
-            u: &UserId,
-            f: &str,
-            p: Option<&str>,
-        ) -> Result<(), StoreError> {
-            self.inner.put_launch_params(u, f, p).await
-        }
-        async fn get_launch_params(&self, u: &UserId) -> Result<Option<LaunchParams>, StoreError> {
-            self.inner.get_launch_params(u).await
-        }
-        async fn load_crash_state(&self, u: &UserId) -> Result<CrashState, StoreError> {
-            self.inner.load_crash_state(u).await
-        }
-        async fn save_crash_state(&self, u: &UserId, s: &CrashState) -> Result<(), StoreError> {
-            self.inner.save_crash_state(u, s).await
-        }
-        async fn put_token(&self, u: &UserId, h: &str) -> Result<(), StoreError> {
-            self.inner.put_token(u, h).await
-        }
-        async fn user_for_token(&self, h: &str) -> Result<Option<UserId>, StoreError> {
-            self.inner.user_for_token(h).await
-        }
-        async fn heartbeat(&self, n: &NodeRecord) -> Result<(), StoreError> {
-            self.inner.heartbeat(n).await
-        }
-        async fn list_nodes(&self) -> Result<Vec<NodeRecord>, StoreError> {
-            self.inner.list_nodes().await
+            Ok(())
         }
     }
 }

@@ -9,7 +9,9 @@
 //!   node-side holder of leases that renews them in bulk and knows when to
 //!   fence itself;
 //! * `contract` (feature `contract-tests`): one test suite every backend
-//!   must pass.
+//!   must pass;
+//! * `testing` (feature `contract-tests`): test doubles that wrap a real
+//!   store to inject faults, e.g. failing or held lease renews.
 //!
 //! Lease decisions, and writes of a main's record, are single conditional
 //! statements judged by whether a row was written or came back, never
@@ -22,6 +24,8 @@ pub mod contract;
 pub mod lease;
 mod postgres;
 mod sqlite;
+#[cfg(feature = "contract-tests")]
+pub mod testing;
 
 use std::time::Duration;
 

@@ -9,13 +9,15 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use berth_core::policy::{CrashPolicy, ReapPolicy};
 use berth_core::{InstanceStatus, LaunchRequest, SpawnError, Spawner, UserId};
 use berth_local::{Isolation, LocalConfig, LocalSpawner, Readiness};
-use berth_store::Store;
 use berth_store::lease::LeaseConfig;
+use berth_store::testing::{InterceptRenew, RenewHook};
+use berth_store::{Store, StoreError};
 
 const BERTH: &str = env!("CARGO_BIN_EXE_berth");
 const DEMO_READY: &str = r"berth-demo: http://127\.0\.0\.1:\d+/\?token=([A-Za-z0-9_-]+)";
@@ -997,128 +999,18 @@ async fn a_lost_lease_fences_the_instance() {
     spawner.teardown().await;
 }
 
-/// A store whose lease renews can be made to fail (a store outage as the
-/// renew tick sees it); everything else passes through to `inner`.
-struct FlakyRenew {
-    inner: Arc<dyn Store>,
-    failing: std::sync::atomic::AtomicBool,
-}
+/// A lease-renew hook that can be made to fail: a store outage as the
+/// renew tick sees it, with every other call passing through.
+#[derive(Default)]
+struct FailingRenews(std::sync::atomic::AtomicBool);
 
-mod flaky_renew {
-    use std::sync::atomic::Ordering;
-    use std::time::Duration;
-
-    use async_trait::async_trait;
-    use berth_core::policy::CrashState;
-    use berth_core::{Epoch, Instance, Role, UnixMillis, UserId};
-    use berth_store::{
-        ClaimOutcome, InstanceFilter, LaunchParams, LeaseRecord, NodeRecord, Store, StoreError,
-        TakeoverPolicy,
-    };
-
-    use super::FlakyRenew;
-
-    #[async_trait]
-    impl Store for FlakyRenew {
-        async fn now(&self) -> Result<UnixMillis, StoreError> {
-            self.inner.now().await
+#[async_trait::async_trait]
+impl RenewHook for FailingRenews {
+    async fn before_renew(&self) -> Result<(), StoreError> {
+        if self.0.load(Ordering::SeqCst) {
+            return Err(StoreError::Unavailable("test: renews fail".into()));
         }
-        async fn put_instance(&self, i: &Instance) -> Result<(), StoreError> {
-            self.inner.put_instance(i).await
-        }
-        async fn get_instance(&self, u: &UserId, r: Role) -> Result<Option<Instance>, StoreError> {
-            self.inner.get_instance(u, r).await
-        }
-        async fn list_instances(&self, f: &InstanceFilter) -> Result<Vec<Instance>, StoreError> {
-            self.inner.list_instances(f).await
-        }
-        async fn delete_instance(&self, u: &UserId, r: Role) -> Result<(), StoreError> {
-            self.inner.delete_instance(u, r).await
-        }
-        async fn delete_instance_fenced(
-            &self,
-            u: &UserId,
-            n: &str,
-            e: Epoch,
-        ) -> Result<(), StoreError> {
-            self.inner.delete_instance_fenced(u, n, e).await
-        }
-        async fn record_activity(&self, a: &[(UserId, UnixMillis)]) -> Result<(), StoreError> {
-            self.inner.record_activity(a).await
-        }
-        async fn claim_lease(
-            &self,
-            u: &UserId,
-            n: &str,
-            ttl: Duration,
-            t: TakeoverPolicy,
-        ) -> Result<ClaimOutcome, StoreError> {
-            self.inner.claim_lease(u, n, ttl, t).await
-        }
-        async fn take_over_lease(
-            &self,
-            u: &UserId,
-            n: &str,
-            ttl: Duration,
-        ) -> Result<ClaimOutcome, StoreError> {
-            self.inner.take_over_lease(u, n, ttl).await
-        }
-        async fn renew_leases(
-            &self,
-            n: &str,
-            held: &[(UserId, Epoch)],
-            ttl: Duration,
-        ) -> Result<Vec<UserId>, StoreError> {
-            if self.failing.load(Ordering::SeqCst) {
-                return Err(StoreError::Unavailable("test: renews fail".into()));
-            }
-            self.inner.renew_leases(n, held, ttl).await
-        }
-        async fn release_lease(&self, u: &UserId, n: &str, e: Epoch) -> Result<bool, StoreError> {
-            self.inner.release_lease(u, n, e).await
-        }
-        async fn get_lease(&self, u: &UserId) -> Result<Option<LeaseRecord>, StoreError> {
-            self.inner.get_lease(u).await
-        }
-        async fn list_leases(
-            &self,
-            e: bool,
-            ttl: Duration,
-        ) -> Result<Vec<LeaseRecord>, StoreError> {
-            self.inner.list_leases(e, ttl).await
-        }
-        async fn leases_held_by(&self, n: &str) -> Result<Vec<LeaseRecord>, StoreError> {
-            self.inner.leases_held_by(n).await
-        }
-        async fn put_launch_params(
-            &self,
-            u: &UserId,
-            f: &str,
-            p: Option<&str>,
-        ) -> Result<(), StoreError> {
-            self.inner.put_launch_params(u, f, p).await
-        }
-        async fn get_launch_params(&self, u: &UserId) -> Result<Option<LaunchParams>, StoreError> {
-            self.inner.get_launch_params(u).await
-        }
-        async fn load_crash_state(&self, u: &UserId) -> Result<CrashState, StoreError> {
-            self.inner.load_crash_state(u).await
-        }
-        async fn save_crash_state(&self, u: &UserId, s: &CrashState) -> Result<(), StoreError> {
-            self.inner.save_crash_state(u, s).await
-        }
-        async fn put_token(&self, u: &UserId, h: &str) -> Result<(), StoreError> {
-            self.inner.put_token(u, h).await
-        }
-        async fn user_for_token(&self, h: &str) -> Result<Option<UserId>, StoreError> {
-            self.inner.user_for_token(h).await
-        }
-        async fn heartbeat(&self, n: &NodeRecord) -> Result<(), StoreError> {
-            self.inner.heartbeat(n).await
-        }
-        async fn list_nodes(&self) -> Result<Vec<NodeRecord>, StoreError> {
-            self.inner.list_nodes().await
-        }
+        Ok(())
     }
 }
 
@@ -1127,7 +1019,6 @@ mod flaky_renew {
 /// another node may hold it by then.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_crash_is_not_restarted_while_the_lease_is_unproven() {
-    use std::sync::atomic::Ordering;
     let env = Env::new().await;
     let mut config = env.config(
         21150,
@@ -1142,9 +1033,9 @@ async fn a_crash_is_not_restarted_while_the_lease_is_unproven() {
         berth_store::TakeoverPolicy::Evidence,
     )
     .unwrap();
-    let flaky = Arc::new(FlakyRenew {
+    let flaky = Arc::new(InterceptRenew {
         inner: env.store.clone(),
-        failing: std::sync::atomic::AtomicBool::new(false),
+        hook: FailingRenews::default(),
     });
     let spawner = LocalSpawner::start(config, flaky.clone()).await.unwrap();
     let rita = user("rita");
@@ -1155,7 +1046,7 @@ async fn a_crash_is_not_restarted_while_the_lease_is_unproven() {
     let running = wait_status(&spawner, &rita, InstanceStatus::Running).await;
     let first_pid = running.pid.unwrap();
 
-    flaky.failing.store(true, Ordering::SeqCst);
+    flaky.hook.0.store(true, Ordering::SeqCst);
     // Past fence_after without a good renew: the lease is unproven.
     tokio::time::sleep(Duration::from_millis(900)).await;
     nix::sys::signal::kill(
@@ -1177,7 +1068,7 @@ async fn a_crash_is_not_restarted_while_the_lease_is_unproven() {
     );
 
     // A good renew proves the lease again: the restart goes ahead.
-    flaky.failing.store(false, Ordering::SeqCst);
+    flaky.hook.0.store(false, Ordering::SeqCst);
     let again = wait_status(&spawner, &rita, InstanceStatus::Running).await;
     assert_ne!(again.pid, Some(first_pid));
     spawner.stop(&rita).await.unwrap();

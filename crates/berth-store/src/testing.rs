@@ -1,0 +1,125 @@
+//! Store test doubles for fault injection, for berth's own tests (feature
+//! `contract-tests`): a real store with one call intercepted.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use berth_core::policy::CrashState;
+use berth_core::{Epoch, Instance, Role, UnixMillis, UserId};
+
+use crate::{
+    ClaimOutcome, InstanceFilter, LaunchParams, LeaseRecord, NodeRecord, Store, StoreError,
+    TakeoverPolicy,
+};
+
+/// What runs before every `renew_leases` of an [`InterceptRenew`]: it may
+/// wait (to act while a renew is in flight) or fail the renew.
+#[async_trait]
+pub trait RenewHook: Send + Sync + 'static {
+    async fn before_renew(&self) -> Result<(), StoreError>;
+}
+
+/// A test double of a store: every call goes to `inner`, except that
+/// `renew_leases` first runs `hook`.
+pub struct InterceptRenew<H> {
+    pub inner: Arc<dyn Store>,
+    pub hook: H,
+}
+
+#[async_trait]
+impl<H: RenewHook> Store for InterceptRenew<H> {
+    async fn now(&self) -> Result<UnixMillis, StoreError> {
+        self.inner.now().await
+    }
+    async fn put_instance(&self, i: &Instance) -> Result<(), StoreError> {
+        self.inner.put_instance(i).await
+    }
+    async fn get_instance(&self, u: &UserId, r: Role) -> Result<Option<Instance>, StoreError> {
+        self.inner.get_instance(u, r).await
+    }
+    async fn list_instances(&self, f: &InstanceFilter) -> Result<Vec<Instance>, StoreError> {
+        self.inner.list_instances(f).await
+    }
+    async fn delete_instance(&self, u: &UserId, r: Role) -> Result<(), StoreError> {
+        self.inner.delete_instance(u, r).await
+    }
+    async fn delete_instance_fenced(
+        &self,
+        u: &UserId,
+        n: &str,
+        e: Epoch,
+    ) -> Result<(), StoreError> {
+        self.inner.delete_instance_fenced(u, n, e).await
+    }
+    async fn record_activity(&self, a: &[(UserId, UnixMillis)]) -> Result<(), StoreError> {
+        self.inner.record_activity(a).await
+    }
+    async fn claim_lease(
+        &self,
+        u: &UserId,
+        n: &str,
+        ttl: Duration,
+        t: TakeoverPolicy,
+    ) -> Result<ClaimOutcome, StoreError> {
+        self.inner.claim_lease(u, n, ttl, t).await
+    }
+    async fn take_over_lease(
+        &self,
+        u: &UserId,
+        n: &str,
+        ttl: Duration,
+    ) -> Result<ClaimOutcome, StoreError> {
+        self.inner.take_over_lease(u, n, ttl).await
+    }
+    async fn renew_leases(
+        &self,
+        n: &str,
+        held: &[(UserId, Epoch)],
+        ttl: Duration,
+    ) -> Result<Vec<UserId>, StoreError> {
+        self.hook.before_renew().await?;
+        self.inner.renew_leases(n, held, ttl).await
+    }
+    async fn release_lease(&self, u: &UserId, n: &str, e: Epoch) -> Result<bool, StoreError> {
+        self.inner.release_lease(u, n, e).await
+    }
+    async fn get_lease(&self, u: &UserId) -> Result<Option<LeaseRecord>, StoreError> {
+        self.inner.get_lease(u).await
+    }
+    async fn list_leases(&self, e: bool, ttl: Duration) -> Result<Vec<LeaseRecord>, StoreError> {
+        self.inner.list_leases(e, ttl).await
+    }
+    async fn leases_held_by(&self, n: &str) -> Result<Vec<LeaseRecord>, StoreError> {
+        self.inner.leases_held_by(n).await
+    }
+    async fn put_launch_params(
+        &self,
+        u: &UserId,
+        f: &str,
+        p: Option<&str>,
+    ) -> Result<(), StoreError> {
+        self.inner.put_launch_params(u, f, p).await
+    }
+    async fn get_launch_params(&self, u: &UserId) -> Result<Option<LaunchParams>, StoreError> {
+        self.inner.get_launch_params(u).await
+    }
+    async fn load_crash_state(&self, u: &UserId) -> Result<CrashState, StoreError> {
+        self.inner.load_crash_state(u).await
+    }
+    async fn save_crash_state(&self, u: &UserId, s: &CrashState) -> Result<(), StoreError> {
+        self.inner.save_crash_state(u, s).await
+    }
+    async fn put_token(&self, u: &UserId, h: &str) -> Result<(), StoreError> {
+        self.inner.put_token(u, h).await
+    }
+    async fn user_for_token(&self, h: &str) -> Result<Option<UserId>, StoreError> {
+        self.inner.user_for_token(h).await
+    }
+    async fn heartbeat(&self, n: &NodeRecord) -> Result<(), StoreError> {
+        self.inner.heartbeat(n).await
+    }
+    async fn list_nodes(&self) -> Result<Vec<NodeRecord>, StoreError> {
+        self.inner.list_nodes().await
+    }
+}
