@@ -1,17 +1,21 @@
 //! What the SQLite and PostgreSQL backends share outside their SQL: the
-//! embedded-migration source, the TTL bound, and the conversions between
-//! stored integers and the model's types. The SQL text itself stays with
-//! each backend (placeholder styles and clocks differ).
+//! embedded-migration source, the TTL bound, the conversions between stored
+//! integers and the model's types, and the mapping of result rows onto
+//! records. The SQL text itself stays with each backend (placeholder styles
+//! and clocks differ).
 
 use std::borrow::Cow;
 use std::future::Future;
 use std::pin::Pin;
 use std::time::Duration;
 
-use berth_core::UserId;
+use berth_core::{Instance, UserId};
 use sqlx::migrate::{Migration, MigrationSource, MigrationType};
+use sqlx::postgres::{PgRow, Postgres};
+use sqlx::sqlite::{Sqlite, SqliteRow};
+use sqlx::{Decode, Row, Type};
 
-use crate::StoreError;
+use crate::{LeaseRecord, NodeRecord, NodeStatus, StoreError};
 
 /// Cap on a TTL handed to SQL, so `now + ttl` can overflow neither SQLite's
 /// integers (which would silently turn into a float) nor a BIGINT. Ten
@@ -75,4 +79,123 @@ pub(crate) fn widen<T: TryInto<i64> + Copy + std::fmt::Display>(
     value
         .try_into()
         .map_err(|_| StoreError::Query(format!("{what} {value} does not fit the store")))
+}
+
+/// One column of a result row, decoded as `T`: what the row mappers below
+/// need of either backend's rows.
+pub(crate) trait Column<T> {
+    fn column(&self, name: &str) -> Result<T, StoreError>;
+}
+
+macro_rules! impl_column {
+    ($row:ty, $db:ty) => {
+        impl<T> Column<T> for $row
+        where
+            T: for<'r> Decode<'r, $db> + Type<$db>,
+        {
+            fn column(&self, name: &str) -> Result<T, StoreError> {
+                self.try_get(name)
+                    .map_err(|e| StoreError::Corrupt(format!("column {name}: {e}")))
+            }
+        }
+    };
+}
+
+impl_column!(SqliteRow, Sqlite);
+impl_column!(PgRow, Postgres);
+
+/// A row with every column type berth's records are made of.
+pub(crate) trait RecordRow:
+    Column<String>
+    + Column<Option<String>>
+    + Column<i64>
+    + Column<Option<i64>>
+    + Column<bool>
+    + Column<Option<bool>>
+{
+}
+
+impl<R> RecordRow for R where
+    R: Column<String>
+        + Column<Option<String>>
+        + Column<i64>
+        + Column<Option<i64>>
+        + Column<bool>
+        + Column<Option<bool>>
+{
+}
+
+/// Column `name` of `row`, decoded as `T`.
+pub(crate) fn get<R: Column<T>, T>(row: &R, name: &str) -> Result<T, StoreError> {
+    row.column(name)
+}
+
+/// An instance record from a row of the backend's `instance_columns!`.
+pub(crate) fn instance_from_row<R: RecordRow>(row: &R) -> Result<Instance, StoreError> {
+    let role: String = get(row, "role")?;
+    let status: String = get(row, "status")?;
+    Ok(Instance {
+        id: get(row, "id")?,
+        user: parse_user(get(row, "user_id")?)?,
+        role: role.parse().map_err(StoreError::Corrupt)?,
+        status: status.parse().map_err(StoreError::Corrupt)?,
+        node: get(row, "node")?,
+        epoch: get(row, "epoch")?,
+        port: narrow_opt(get(row, "port")?, "port")?,
+        pid: narrow_opt(get(row, "pid")?, "pid")?,
+        pid_start: narrow_opt(get(row, "pid_start")?, "pid_start")?,
+        folder: get(row, "folder")?,
+        started_at: get(row, "started_at")?,
+        ready: get(row, "ready")?,
+        restarts: narrow(get(row, "restarts")?, "restarts")?,
+        last_error: get(row, "last_error")?,
+        exit_code: narrow_opt(get(row, "exit_code")?, "exit_code")?,
+        last_active: get(row, "last_active")?,
+    })
+}
+
+/// A lease record from a row of the backend's `lease_columns!` plus
+/// `holder_alive`.
+pub(crate) fn lease_from_row<R: RecordRow>(row: &R) -> Result<LeaseRecord, StoreError> {
+    Ok(LeaseRecord {
+        user: parse_user(get(row, "user_id")?)?,
+        holder: get(row, "holder")?,
+        epoch: get(row, "epoch")?,
+        lease_until: get(row, "lease_until")?,
+        released: get(row, "released")?,
+        expired: get(row, "expired")?,
+        holder_alive: get(row, "holder_alive")?,
+    })
+}
+
+/// How a node's status is stored.
+pub(crate) fn node_status_str(status: NodeStatus) -> &'static str {
+    match status {
+        NodeStatus::Up => "up",
+        NodeStatus::Draining => "draining",
+        NodeStatus::Down => "down",
+    }
+}
+
+/// A node record from a row of the `nodes` table.
+pub(crate) fn node_from_row<R: RecordRow>(row: &R) -> Result<NodeRecord, StoreError> {
+    let status: String = get(row, "status")?;
+    let status = match status.as_str() {
+        "up" => NodeStatus::Up,
+        "draining" => NodeStatus::Draining,
+        "down" => NodeStatus::Down,
+        other => {
+            return Err(StoreError::Corrupt(format!(
+                "unknown node status {other:?}"
+            )));
+        }
+    };
+    Ok(NodeRecord {
+        id: get(row, "id")?,
+        advertise_url: get(row, "advertise_url")?,
+        capacity: narrow(get(row, "capacity")?, "capacity")?,
+        load: narrow(get(row, "load")?, "load")?,
+        status,
+        heartbeat: get(row, "heartbeat")?,
+    })
 }

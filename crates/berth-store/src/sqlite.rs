@@ -12,17 +12,18 @@ use std::time::Duration;
 use async_trait::async_trait;
 use berth_core::policy::CrashState;
 use berth_core::{Epoch, Instance, InstanceStatus, Role, UnixMillis, UserId};
-use sqlx::Row;
 use sqlx::migrate::Migrator;
 use sqlx::sqlite::{
-    SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteRow,
-    SqliteSynchronous,
+    SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteSynchronous,
 };
 
-use crate::common::{EmbeddedMigrations, narrow, narrow_opt, parse_user, ttl_ms, widen};
+use crate::common::{
+    EmbeddedMigrations, get, instance_from_row, lease_from_row, node_from_row, node_status_str,
+    parse_user, ttl_ms, widen,
+};
 use crate::{
-    ClaimOutcome, InstanceFilter, LaunchParams, LeaseRecord, NodeRecord, NodeStatus, Store,
-    StoreError, TakeoverPolicy, check_patch_size,
+    ClaimOutcome, InstanceFilter, LaunchParams, LeaseRecord, NodeRecord, Store, StoreError,
+    TakeoverPolicy, check_patch_size,
 };
 
 /// The store's clock in Unix milliseconds, as SQL text (SQLite ≥ 3.42 for
@@ -263,14 +264,6 @@ fn db_err(e: sqlx::Error) -> StoreError {
     }
 }
 
-fn get<'r, T>(row: &'r SqliteRow, column: &str) -> Result<T, StoreError>
-where
-    T: sqlx::Decode<'r, sqlx::Sqlite> + sqlx::Type<sqlx::Sqlite>,
-{
-    row.try_get(column)
-        .map_err(|e| StoreError::Corrupt(format!("column {column}: {e}")))
-}
-
 macro_rules! instance_columns {
     () => {
         "user_id, role, id, status, node, epoch, port, pid, pid_start, folder, started_at, \
@@ -316,29 +309,6 @@ const INSTANCE_LIST_SQL: &str = concat!(
     "AND (?3 IS NULL OR role = ?3) ORDER BY user_id, role"
 );
 
-fn instance_from_row(row: &SqliteRow) -> Result<Instance, StoreError> {
-    let role: String = get(row, "role")?;
-    let status: String = get(row, "status")?;
-    Ok(Instance {
-        id: get(row, "id")?,
-        user: parse_user(get(row, "user_id")?)?,
-        role: role.parse().map_err(StoreError::Corrupt)?,
-        status: status.parse().map_err(StoreError::Corrupt)?,
-        node: get(row, "node")?,
-        epoch: get(row, "epoch")?,
-        port: narrow_opt(get(row, "port")?, "port")?,
-        pid: narrow_opt(get(row, "pid")?, "pid")?,
-        pid_start: narrow_opt(get(row, "pid_start")?, "pid_start")?,
-        folder: get(row, "folder")?,
-        started_at: get(row, "started_at")?,
-        ready: get(row, "ready")?,
-        restarts: narrow(get(row, "restarts")?, "restarts")?,
-        last_error: get(row, "last_error")?,
-        exit_code: narrow_opt(get(row, "exit_code")?, "exit_code")?,
-        last_active: get(row, "last_active")?,
-    })
-}
-
 /// The lease columns up to `holder_alive`, which each query adds. `expired`
 /// is computed in SQL so it uses the store's clock.
 macro_rules! lease_columns {
@@ -380,48 +350,6 @@ const LEASE_HELD_SQL: &str = concat!(
     now_ms!(),
     " ORDER BY user_id"
 );
-
-fn lease_from_row(row: &SqliteRow) -> Result<LeaseRecord, StoreError> {
-    Ok(LeaseRecord {
-        user: parse_user(get(row, "user_id")?)?,
-        holder: get(row, "holder")?,
-        epoch: get(row, "epoch")?,
-        lease_until: get(row, "lease_until")?,
-        released: get(row, "released")?,
-        expired: get(row, "expired")?,
-        holder_alive: get(row, "holder_alive")?,
-    })
-}
-
-fn node_status_str(status: NodeStatus) -> &'static str {
-    match status {
-        NodeStatus::Up => "up",
-        NodeStatus::Draining => "draining",
-        NodeStatus::Down => "down",
-    }
-}
-
-fn node_from_row(row: &SqliteRow) -> Result<NodeRecord, StoreError> {
-    let status: String = get(row, "status")?;
-    let status = match status.as_str() {
-        "up" => NodeStatus::Up,
-        "draining" => NodeStatus::Draining,
-        "down" => NodeStatus::Down,
-        other => {
-            return Err(StoreError::Corrupt(format!(
-                "unknown node status {other:?}"
-            )));
-        }
-    };
-    Ok(NodeRecord {
-        id: get(row, "id")?,
-        advertise_url: get(row, "advertise_url")?,
-        capacity: narrow(get(row, "capacity")?, "capacity")?,
-        load: narrow(get(row, "load")?, "load")?,
-        status,
-        heartbeat: get(row, "heartbeat")?,
-    })
-}
 
 /// The claim's conditional update. `?4` is 1 when expired leases may be
 /// taken from a holder whose heartbeat is older than one TTL (or which never
