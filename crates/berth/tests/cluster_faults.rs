@@ -927,30 +927,39 @@ async fn a_late_renew_answer_does_not_thaw_an_instance_whose_lease_moved() {
     assert_ne!(new_holder, IDS[0]);
     assert!(stopped(proc_state(old_pid)), "{:?}", proc_state(old_pid));
     let frozen_at = switches(old_pid).expect("the old instance exists");
+    let lines_frozen = dirs.lines_of("alice", old_epoch);
 
     // Until node-a learns that it lost the lease and kills its instance,
     // that instance must not run for a moment: it stays stopped, and it is
-    // never scheduled (its context switches stand still).
-    eventually(LONG, "the old instance killed", || async {
+    // never scheduled (its context switches stand still). Its kill wakes it
+    // once more to exit (it shows `R` for that moment), so leaving the
+    // stopped state ends the watch; the journal below proves it wrote
+    // nothing on the way out (a thawed demo-app writes at once: its missed
+    // ticks fire together).
+    eventually(LONG, "the old instance no longer stopped", || async {
         let before = proc_state(old_pid);
         let count = switches(old_pid);
         let after = proc_state(old_pid);
-        match (before, after) {
-            (None | Some('Z'), _) | (_, None | Some('Z')) => Some(()),
-            (Some('T'), Some('T')) => {
-                assert_eq!(
-                    count,
-                    Some(frozen_at),
-                    "the old instance ran (thawed) while {new_holder} holds epoch {new_epoch}"
-                );
-                None
-            }
-            (state, _) => panic!(
-                "the old instance is {state:?}, not frozen, while {new_holder} holds epoch {new_epoch}"
-            ),
+        if (before, after) != (Some('T'), Some('T')) {
+            return Some(());
         }
+        assert_eq!(
+            count,
+            Some(frozen_at),
+            "the old instance ran (thawed) while {new_holder} holds epoch {new_epoch}"
+        );
+        None
     })
     .await;
+    eventually(LONG, "the old instance reaped", || async {
+        (!alive(u64::from(old_pid))).then_some(())
+    })
+    .await;
+    assert_eq!(
+        dirs.lines_of("alice", old_epoch),
+        lines_frozen,
+        "the old instance wrote after it was frozen, while {new_holder} holds epoch {new_epoch}"
+    );
     relay.delay_rows(Duration::ZERO);
     let new = index_of(&new_holder);
     let main = nodes[new]
