@@ -24,6 +24,7 @@ mod error;
 mod id;
 mod model;
 pub mod policy;
+pub mod runtime;
 mod spawner;
 mod time;
 

@@ -8,6 +8,7 @@
 mod crash;
 mod placement;
 mod reap;
+pub mod supervision;
 
 pub use crash::{CrashDecision, CrashPolicy, CrashState, LaunchKind};
 pub use placement::{NodeState, NodeView, duplicate_node, place};

@@ -1,0 +1,284 @@
+//! The runtime seam (design §5): how a program is run, and nothing else.
+//!
+//! A [`Runtime`] starts an [`InstanceSpec`] and hands back a [`Started`]
+//! handle: an opaque [`RuntimeRef`] the controller records, where the
+//! instance will listen, and a bounded stream of [`RuntimeEvent`]s
+//! (readiness, freeze, exit). It stops, kills and (when it declares the
+//! [`Capabilities`]) freezes, thaws and extends a fence deadline by that
+//! reference; it discovers what it already runs so a restarted berth can
+//! adopt it; and it reads and follows logs.
+//!
+//! Everything that does not depend on *where* a program runs — the lease,
+//! fencing, the crash policy and breaker, reaping, placement, forwarding —
+//! belongs to the controller, which is written once for every runtime. The
+//! shape follows the Container Runtime Interface's RuntimeService (start,
+//! stop with a grace period, status, list) and containerd's per-instance
+//! shim (events, exit status kept for the supervisor).
+//!
+//! Optional capabilities are declared, never faked: a runtime without
+//! freeze answers [`RuntimeError::Unsupported`], and the controller, which
+//! reads [`Runtime::capabilities`] first, does not ask.
+
+use std::fmt;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use serde::{Deserialize, Serialize};
+use tokio::sync::mpsc;
+
+use crate::{Endpoint, Epoch, Role, Slug, UserId};
+
+/// Events a runtime may buffer for one instance before it blocks; the
+/// controller drains them promptly, so this only bounds a stall.
+pub const EVENT_BUFFER: usize = 64;
+
+/// A runtime's own name for one instance: a shim's pids and start time, a
+/// pod's UID. The controller stores it with the instance record and hands
+/// it back; only the runtime that made it reads it. Two refs are the same
+/// instance only when they are equal, so a reused pid never passes for the
+/// instance it replaced.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct RuntimeRef(String);
+
+impl RuntimeRef {
+    pub fn new(text: impl Into<String>) -> Self {
+        Self(text.into())
+    }
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Display for RuntimeRef {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// What a runtime can do beyond the required surface.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct Capabilities {
+    /// [`Runtime::freeze`] and [`Runtime::thaw`]: the program keeps its
+    /// memory and sockets but is not scheduled.
+    pub freeze: bool,
+    /// [`Runtime::extend_fence`]: the runtime freezes the instance on its
+    /// own when its deadline passes, even while berth is down (design §4.7).
+    pub fence_deadline: bool,
+}
+
+/// The patch of an instance (design §5): content for a new launch, or
+/// whatever the runtime materialised last time, for a restart.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Patch {
+    /// Use what the previous start of this user's role materialised.
+    Unchanged,
+    /// Materialise this content (≤ [`crate::MAX_PATCH_BYTES`]), or remove
+    /// the previous patch when `None`.
+    Set(Option<String>),
+}
+
+/// Everything a runtime needs to start one instance. Plain data: the
+/// runtime adds what depends on where the program runs (the command line,
+/// paths, ports, isolation).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct InstanceSpec {
+    /// Unique per launch; a crash restart keeps it.
+    pub instance_id: String,
+    pub user: UserId,
+    /// The user's recorded slug: the only form of the id that may name a
+    /// file, a DNS label or a Kubernetes object.
+    pub slug: Slug,
+    pub role: Role,
+    /// The lease epoch it runs under (0 for watchdogs).
+    pub epoch: Epoch,
+    /// Working directory relative to the user's workspace (validated).
+    pub folder: String,
+    pub patch: Patch,
+    /// The port the previous start of this instance listened on; a runtime
+    /// that allocates ports reuses it when it is still free, so a crash
+    /// restart keeps the user's endpoint.
+    pub port_hint: Option<u16>,
+    /// How long the instance may run before its fence deadline, when the
+    /// runtime enforces one ([`Capabilities::fence_deadline`]); `None`
+    /// switches it off (one node: nobody else can take the lease).
+    pub fence: Option<Duration>,
+    /// Extra environment for the program (e.g. the watchdog's handoff).
+    pub env: Vec<(String, String)>,
+}
+
+/// A started (or adopted) instance.
+#[derive(Debug)]
+pub struct Started {
+    pub runtime_ref: RuntimeRef,
+    /// The program's process id, where there is one (design §4.1 shows it
+    /// to operators); identity is `runtime_ref`, never this.
+    pub pid: Option<u32>,
+    /// Where the instance listens, once ready; `None` for watchdogs.
+    pub endpoint: Option<Endpoint>,
+    /// Everything that happens to the instance from here on. The stream
+    /// ends after [`RuntimeEvent::Exited`], or early when the runtime loses
+    /// track of the instance (then ask [`Runtime::discover`]).
+    pub events: mpsc::Receiver<RuntimeEvent>,
+}
+
+/// How a program ended.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ExitStatus {
+    pub code: Option<i32>,
+    pub signal: Option<i32>,
+    /// The last ≤ 500 characters of its stderr.
+    pub stderr_tail: String,
+    /// The runtime knows it was killed for exceeding its memory limit.
+    pub out_of_memory: Option<OutOfMemory>,
+    /// After the exit, another process held the instance's port: a start
+    /// that lost a race for its port, not a fault of the program.
+    pub port_in_use: bool,
+}
+
+/// An out-of-memory kill and the limit it hit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OutOfMemory {
+    pub limit_mb: u64,
+}
+
+/// What a runtime reports about an instance.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RuntimeEvent {
+    /// The instance passed the runtime's readiness check (a launch-token
+    /// line, an HTTP or TCP probe, a pod's Ready condition); `token` is
+    /// the captured launch token, if any.
+    Ready {
+        token: Option<String>,
+    },
+    /// The instance is frozen (by berth, or by the runtime's own fence
+    /// deadline).
+    Frozen,
+    Thawed,
+    /// The program ended. Nothing follows.
+    Exited(ExitStatus),
+}
+
+/// One instance a runtime found running (or recently ended) when berth
+/// started: the input of adoption.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Discovered {
+    /// The user id the runtime recorded when it started the instance, or
+    /// `None` when its records are unreadable (an orphan to remove).
+    pub user: Option<UserId>,
+    /// The slug the instance was filed under.
+    pub slug: String,
+    pub role: Role,
+    pub instance_id: String,
+    pub epoch: Epoch,
+    pub runtime_ref: RuntimeRef,
+    /// Whether the instance still runs (a live shim, an existing pod).
+    pub alive: bool,
+    pub frozen: bool,
+    pub ready: bool,
+    pub token: Option<String>,
+    /// Set once it has ended.
+    pub exit: Option<ExitStatus>,
+}
+
+/// Why a runtime operation failed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RuntimeError {
+    /// The program could not be started; the message names it and why.
+    #[error("{0}")]
+    SpawnFailed(String),
+    /// Nothing left to run it on (no free port, no room).
+    #[error("{0}")]
+    CapacityExhausted(String),
+    /// The runtime does not offer this capability.
+    #[error("the {runtime} runtime cannot {what}")]
+    Unsupported {
+        runtime: &'static str,
+        what: &'static str,
+    },
+    /// The instance is gone (or was never this runtime's).
+    #[error("instance {0} is gone")]
+    Gone(RuntimeRef),
+    #[error("{0}")]
+    Failed(String),
+}
+
+/// How a program is run (design §5). See the module docs.
+#[async_trait]
+pub trait Runtime: Send + Sync + 'static {
+    /// A short name for logs and errors (`local`, `kubernetes`).
+    fn name(&self) -> &'static str;
+
+    fn capabilities(&self) -> Capabilities;
+
+    /// Starts `spec`. Returns once the program runs (not once it is
+    /// ready: readiness arrives as [`RuntimeEvent::Ready`]). On error
+    /// nothing is left running.
+    async fn start(&self, spec: InstanceSpec) -> Result<Started, RuntimeError>;
+
+    /// Asks the instance to end: SIGTERM or its equivalent, then a kill
+    /// after `grace`. Returns once asked; the exit arrives as an event.
+    async fn stop(&self, instance: &RuntimeRef, grace: Duration) -> Result<(), RuntimeError>;
+
+    /// Ends the instance at once, frozen or not, without letting it act
+    /// on a signal first.
+    async fn kill(&self, instance: &RuntimeRef) -> Result<(), RuntimeError>;
+
+    /// Stops the instance from being scheduled, keeping its memory.
+    async fn freeze(&self, instance: &RuntimeRef) -> Result<(), RuntimeError> {
+        let _ = instance;
+        Err(self.unsupported("freeze"))
+    }
+
+    async fn thaw(&self, instance: &RuntimeRef) -> Result<(), RuntimeError> {
+        let _ = instance;
+        Err(self.unsupported("thaw"))
+    }
+
+    /// Moves the instance's own fence deadline to `left` from now.
+    async fn extend_fence(
+        &self,
+        instance: &RuntimeRef,
+        left: Duration,
+    ) -> Result<(), RuntimeError> {
+        let _ = (instance, left);
+        Err(self.unsupported("enforce a fence deadline"))
+    }
+
+    /// Everything this runtime runs (or last ran) for this node, for
+    /// adoption after a restart of berth.
+    async fn discover(&self) -> Result<Vec<Discovered>, RuntimeError>;
+
+    /// Follows an instance [`Runtime::discover`] found, as if it had just
+    /// been started.
+    async fn adopt(&self, found: &Discovered) -> Result<Started, RuntimeError>;
+
+    /// Ends and forgets an instance berth does not own (an orphan), or
+    /// removes what an ended one left behind.
+    async fn remove(&self, found: &Discovered) -> Result<(), RuntimeError>;
+
+    /// The last `tail` lines of output of `slug`'s `role` (they outlive the
+    /// instance).
+    async fn logs(&self, slug: &Slug, role: Role, tail: usize)
+    -> Result<Vec<String>, RuntimeError>;
+
+    /// The last `tail` lines, then every new line until the receiver is
+    /// dropped.
+    async fn follow_logs(
+        &self,
+        slug: &Slug,
+        role: Role,
+        tail: usize,
+    ) -> Result<mpsc::Receiver<String>, RuntimeError>;
+
+    /// Releases the runtime's own resources; instances keep running.
+    async fn shutdown(&self) {}
+
+    /// The error for a capability this runtime lacks.
+    fn unsupported(&self, what: &'static str) -> RuntimeError {
+        RuntimeError::Unsupported {
+            runtime: self.name(),
+            what,
+        }
+    }
+}
