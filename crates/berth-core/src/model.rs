@@ -126,6 +126,11 @@ pub struct Instance {
     /// Start time of `pid` in clock ticks since boot (`/proc/<pid>/stat`
     /// field 22), so a reused pid is never mistaken for the instance.
     pub pid_start: Option<u64>,
+    /// The runtime's own name for the current run (see
+    /// [`crate::runtime::RuntimeRef`]): what adoption compares, so a reused
+    /// pid is never mistaken for the instance. `None` until it runs.
+    #[serde(default)]
+    pub runtime_ref: Option<crate::runtime::RuntimeRef>,
     /// Working directory, relative to the user's workspace.
     pub folder: String,
     pub started_at: UnixMillis,

@@ -97,7 +97,8 @@ pub struct InstanceSpec {
     pub patch: Patch,
     /// The port the previous start of this instance listened on; a runtime
     /// that allocates ports reuses it when it is still free, so a crash
-    /// restart keeps the user's endpoint.
+    /// restart keeps the user's endpoint. `None` asks for a fresh port (the
+    /// previous one is held by some other process), giving the old one up.
     pub port_hint: Option<u16>,
     /// How long the instance may run before its fence deadline, when the
     /// runtime enforces one ([`Capabilities::fence_deadline`]); `None`
@@ -243,6 +244,21 @@ pub trait Runtime: Send + Sync + 'static {
     ) -> Result<(), RuntimeError> {
         let _ = (instance, left);
         Err(self.unsupported("enforce a fence deadline"))
+    }
+
+    /// How many mains this runtime can run at once, if it has a limit of
+    /// its own (the local runtime: one per port of its range). The
+    /// controller's node capacity defaults to it.
+    fn capacity(&self) -> Option<u32> {
+        None
+    }
+
+    /// Gives up what the runtime kept for instance `instance_id` between
+    /// its runs (the local runtime: its port, so a crash restart can keep
+    /// the user's endpoint), once the controller is done with it. Called
+    /// after its last run has exited; releasing an unknown id does nothing.
+    async fn release(&self, instance_id: &str) {
+        let _ = instance_id;
     }
 
     /// Everything this runtime runs (or last ran) for this node, for

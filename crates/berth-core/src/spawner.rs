@@ -97,9 +97,19 @@ pub trait Spawner: Send + Sync + 'static {
     /// The last `tail` lines of the main instance's output.
     async fn logs(&self, user: &UserId, tail: usize) -> Result<Vec<String>, SpawnError>;
 
-    /// Makes the user's file service exist and be ready. Kubernetes only.
-    async fn ensure_file_service(&self, _user: &UserId) -> Result<(), SpawnError> {
-        Ok(())
+    /// The last `tail` lines of the main instance's output, then every new
+    /// line until the receiver is dropped (`logs -f`). A backend that
+    /// cannot follow its logs says so rather than pretending.
+    async fn follow_logs(
+        &self,
+        user: &UserId,
+        tail: usize,
+    ) -> Result<tokio::sync::mpsc::Receiver<String>, SpawnError> {
+        let _ = tail;
+        Err(SpawnError::NotFound {
+            user: user.clone(),
+            what: "log stream",
+        })
     }
 
     /// Fences the user's main on this node if, and only if, it runs under

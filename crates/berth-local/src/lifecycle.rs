@@ -375,6 +375,7 @@ impl Inner {
             port,
             pid: None,
             pid_start: None,
+            runtime_ref: None,
             folder,
             started_at: now,
             ready: false,

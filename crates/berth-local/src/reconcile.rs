@@ -131,6 +131,7 @@ mod tests {
             port: Some(20000),
             pid: Some(100),
             pid_start: Some(555),
+            runtime_ref: None,
             folder: String::new(),
             started_at: 0,
             ready: true,

@@ -9,6 +9,7 @@ use std::future::Future;
 use std::pin::Pin;
 use std::time::Duration;
 
+use berth_core::runtime::RuntimeRef;
 use berth_core::{Instance, UserId};
 use sqlx::migrate::{Migration, MigrationSource, MigrationType};
 use sqlx::postgres::{PgRow, Postgres};
@@ -151,6 +152,7 @@ pub(crate) fn instance_from_row<R: RecordRow>(row: &R) -> Result<Instance, Store
         last_error: get(row, "last_error")?,
         exit_code: narrow_opt(get(row, "exit_code")?, "exit_code")?,
         last_active: get(row, "last_active")?,
+        runtime_ref: Option::<String>::map(get(row, "runtime_ref")?, RuntimeRef::new),
     })
 }
 

@@ -56,6 +56,11 @@ static MIGRATIONS: &[(i64, &str, &str)] = &[
         "launch_params",
         include_str!("../migrations/postgres/0002_launch_params.sql"),
     ),
+    (
+        6,
+        "runtime_ref",
+        include_str!("../migrations/postgres/0006_runtime_ref.sql"),
+    ),
 ];
 
 /// Upper bound the server enforces on one statement of the pool. Lease
@@ -243,6 +248,7 @@ impl PgStore {
             .bind(i.last_error.as_deref())
             .bind(i.exit_code.map(i64::from))
             .bind(i.last_active)
+            .bind(i.runtime_ref.as_ref().map(|r| r.as_str()))
             .execute(&self.pool)
             .await
             .map(|done| done.rows_affected() > 0)
@@ -381,7 +387,7 @@ pub fn redact_url(url: &str) -> String {
 macro_rules! instance_columns {
     () => {
         "user_id, role, id, status, node, epoch, port, pid, pid_start, folder, started_at, \
-         ready, restarts, last_error, exit_code, last_active"
+         ready, restarts, last_error, exit_code, last_active, runtime_ref"
     };
 }
 
@@ -394,13 +400,13 @@ macro_rules! instance_columns {
 const INSTANCE_UPSERT_SQL: &str = concat!(
     "INSERT INTO instances (",
     instance_columns!(),
-    ") VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16) ",
+    ") VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17) ",
     "ON CONFLICT (user_id, role) DO UPDATE SET id = excluded.id, status = excluded.status, ",
     "node = excluded.node, epoch = excluded.epoch, port = excluded.port, pid = excluded.pid, ",
     "pid_start = excluded.pid_start, folder = excluded.folder, ",
     "started_at = excluded.started_at, ready = excluded.ready, restarts = excluded.restarts, ",
     "last_error = excluded.last_error, exit_code = excluded.exit_code, ",
-    "last_active = excluded.last_active ",
+    "last_active = excluded.last_active, runtime_ref = excluded.runtime_ref ",
     "WHERE excluded.role = 'watchdog' OR instances.epoch < excluded.epoch ",
     "OR (instances.epoch = excluded.epoch AND instances.node = excluded.node)"
 );
@@ -941,6 +947,6 @@ mod tests {
                 .fetch_all(&store.pool)
                 .await
                 .unwrap();
-        assert_eq!(versions, [1, 2]);
+        assert_eq!(versions, [1, 2, 6]);
     }
 }

@@ -22,6 +22,12 @@ pub const MAX_ERROR_CHARS: usize = 500;
 /// What the record says when a lost lease ended the instance.
 pub const FENCED_ERROR: &str = "lease lost: fenced";
 
+/// Restarts on a fresh port, uncharged, that one run may take in a row
+/// before an exit with its port held counts as a crash after all: a
+/// program that always fails that way (or a runtime that misjudges it)
+/// must still meet the breaker.
+pub const MAX_PORT_RETRIES: u32 = 3;
+
 /// The supervision settings, from the config.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SupervisionConfig {
@@ -240,6 +246,8 @@ pub struct Supervision {
     watchdog_ran: bool,
     /// A restart is postponed for an unproven lease (logged once).
     postponed: bool,
+    /// Uncharged fresh-port restarts since the last ready.
+    port_retries: u32,
     crash: Option<Crash>,
 }
 
@@ -255,6 +263,7 @@ impl Supervision {
             frozen: false,
             watchdog_ran: false,
             postponed: false,
+            port_retries: 0,
             crash: None,
         }
     }
@@ -346,6 +355,7 @@ impl Supervision {
             return Vec::new();
         }
         self.ready = true;
+        self.port_retries = 0;
         vec![Action::Disarm(Timer::Ready), Action::MarkReady]
     }
 
@@ -412,7 +422,8 @@ impl Supervision {
         // The program lost its port to another process before it was
         // ready: not the program's fault, so no crash is counted and the
         // restart takes another port at once.
-        if exit.port_in_use && !self.ready {
+        if exit.port_in_use && !self.ready && self.port_retries < MAX_PORT_RETRIES {
+            self.port_retries += 1;
             self.phase = Phase::Respawning;
             actions.push(Action::Respawn(PortChoice::Fresh));
             return actions;
@@ -1190,6 +1201,45 @@ mod tests {
             }),
         );
         assert!(out.iter().any(|a| matches!(a, Action::DecideCrash { .. })));
+    }
+
+    #[test]
+    fn port_retries_are_bounded_then_count_as_a_crash() {
+        let port_taken = || {
+            Event::Exited(ExitStatus {
+                port_in_use: true,
+                ..exit(1, "Address already in use")
+            })
+        };
+        let started = |at| Event::Started {
+            started_at: at,
+            ready: false,
+        };
+        let mut s = Supervision::new();
+        s.step(&config(), 0, started(0));
+        for n in 1..=MAX_PORT_RETRIES {
+            let at = i64::from(n) * S;
+            let out = s.step(&config(), at, port_taken());
+            assert!(
+                out.contains(&Action::Respawn(PortChoice::Fresh)),
+                "{n}: {out:?}"
+            );
+            s.step(&config(), at, started(at));
+        }
+        let out = s.step(&config(), 9 * S, port_taken());
+        assert!(
+            out.iter().any(|a| matches!(a, Action::DecideCrash { .. })),
+            "{out:?}"
+        );
+        // Readiness starts the count again.
+        let mut s = Supervision::new();
+        s.step(&config(), 0, started(0));
+        for n in 1..=MAX_PORT_RETRIES {
+            s.step(&config(), i64::from(n) * S, port_taken());
+            s.step(&config(), i64::from(n) * S, started(i64::from(n) * S));
+        }
+        s.step(&config(), 5 * S, Event::Ready);
+        assert_eq!(s.port_retries, 0);
     }
 
     #[test]

@@ -148,6 +148,7 @@ impl SpawnerState {
             port: endpoint.as_ref().map(|e| e.port),
             pid: None,
             pid_start: None,
+            runtime_ref: None,
             folder: String::new(),
             started_at: unix_millis_now(),
             ready,
