@@ -390,6 +390,7 @@ impl Inner {
             socket_path: slot.paths.socket(instance.role),
             ready_regex,
             fence_ms,
+            port: (instance.role == Role::Main).then_some(var_port),
         })
     }
 

@@ -157,6 +157,7 @@ mod tests {
             exit: None,
             stderr_tail: String::new(),
             frozen: false,
+            port: None,
         }
     }
 

@@ -29,6 +29,7 @@ fn spec(dir: &Path, argv: &[&str]) -> ShimSpec {
         socket_path: dir.join("run/main.sock"),
         ready_regex: None,
         fence_ms: None,
+        port: None,
     }
 }
 
@@ -355,6 +356,45 @@ async fn freeze_and_thaw() {
     exit_of(&mut handle, &spec.state_path).await;
 }
 
+/// The fencing hole of design §4.5: a frozen program asked to stop is
+/// killed while frozen, never thawed so that it could act on SIGTERM (its
+/// lease may be another node's by then). Its TERM handler writes a file:
+/// that file never appears.
+#[tokio::test]
+async fn a_stop_of_a_frozen_program_kills_it_without_a_thaw() {
+    let dir = tempfile::tempdir().unwrap();
+    let wrote = dir.path().join("term-handler-ran");
+    let script = format!(
+        r#"trap 'echo flushed > "{}"; exit 0' TERM; echo up; while :; do sleep 0.05; done"#,
+        wrote.display()
+    );
+    let mut spec = spec(dir.path(), &sh(&script));
+    spec.ready_regex = Some("^up$".to_owned());
+    let (mut handle, state, _reaper) = spawn(&spec).await.unwrap();
+    expect_event(&mut handle, |e| matches!(e, ShimEvent::Ready { .. })).await;
+
+    send(&handle, ShimCommand::Freeze).await;
+    expect_event(&mut handle, |e| *e == ShimEvent::Frozen).await;
+    poll_until("stopped", || stat(state.pid).is_some_and(|(s, _)| s == 'T')).await;
+    send(&handle, ShimCommand::Stop { grace_ms: 600_000 }).await;
+    let (exit, _) = exit_of(&mut handle, &spec.state_path).await;
+    assert_eq!(exit.signal, Some(9), "{exit:?}");
+    assert!(
+        !wrote.exists(),
+        "the TERM handler ran: the program was thawed"
+    );
+    assert!(!alive(state.pid, state.pid_start));
+
+    // The same program, not frozen, does get to run its handler: the
+    // check above can fail.
+    let (mut handle, _state, _reaper) = spawn(&spec).await.unwrap();
+    expect_event(&mut handle, |e| matches!(e, ShimEvent::Ready { .. })).await;
+    send(&handle, ShimCommand::Stop { grace_ms: 600_000 }).await;
+    let (exit, _) = exit_of(&mut handle, &spec.state_path).await;
+    assert_eq!(exit.code, Some(0), "{exit:?}");
+    assert!(wrote.exists());
+}
+
 #[tokio::test]
 async fn fence_deadline_freezes_when_not_extended() {
     let dir = tempfile::tempdir().unwrap();
@@ -600,6 +640,7 @@ fn fake_state(spec: &ShimSpec, socket: &Path, shim_pid: u32) -> ShimState {
         exit: None,
         stderr_tail: String::new(),
         frozen: false,
+        port: None,
     }
 }
 

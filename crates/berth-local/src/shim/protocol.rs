@@ -31,6 +31,10 @@ pub struct ShimSpec {
     /// Fence deadline in ms from start, extended by [`ShimCommand::Extend`].
     /// `None` switches fencing off (single node).
     pub fence_ms: Option<u64>,
+    /// The port the program was given, recorded in the state file so a
+    /// restarted berth knows which port an adopted instance holds.
+    #[serde(default)]
+    pub port: Option<u16>,
 }
 
 /// The shim's first and only stdout line.
@@ -75,13 +79,18 @@ pub struct ShimState {
     /// The last ≤ 500 characters of stderr.
     pub stderr_tail: String,
     pub frozen: bool,
+    /// [`ShimSpec::port`].
+    #[serde(default)]
+    pub port: Option<u16>,
 }
 
 /// berth → shim.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "cmd", rename_all = "snake_case")]
 pub enum ShimCommand {
-    /// SIGTERM to the group, SIGKILL after `grace_ms`.
+    /// SIGTERM to the group, SIGKILL after `grace_ms`. A frozen group is
+    /// killed at once instead: it is never thawed to be stopped (design
+    /// §4.5), since it may be frozen because its lease is in doubt.
     Stop { grace_ms: u64 },
     /// SIGKILL to the group now (the lease is lost).
     Kill,

@@ -237,6 +237,7 @@ fn start(spec: &ShimSpec, compiled: Option<Regex>) -> Result<Started, String> {
         exit: None,
         stderr_tail: String::new(),
         frozen: false,
+        port: spec.port,
     };
     // In place before the report, so a berth that restarts right after it
     // finds this shim.
@@ -488,12 +489,16 @@ impl Shim {
         kill_at: &mut Option<Instant>,
     ) {
         match command {
+            ShimCommand::Stop { .. } if self.state.frozen => {
+                // Never thawed to be stopped: frozen by a fence deadline,
+                // its lease may be another node's by now, and a program
+                // that flushes on SIGTERM would write as a stale holder.
+                // SIGKILL ends a stopped group without running it.
+                diag!("stop of a frozen program: killing it without a thaw");
+                self.signal_group(Signal::SIGKILL);
+            }
             ShimCommand::Stop { grace_ms } => {
                 self.signal_group(Signal::SIGTERM);
-                // A stopped process cannot act on SIGTERM.
-                if self.state.frozen {
-                    self.thaw();
-                }
                 let at = deadline_after(grace_ms);
                 *kill_at = Some(kill_at.map_or(at, |k| k.min(at)));
             }
