@@ -7,7 +7,11 @@
 //!   (design §9);
 //! * the instance model ([`Instance`], [`Role`], [`InstanceStatus`], …);
 //! * [`SpawnError`] and the stable [`ErrorCode`]s the HTTP API exposes;
-//! * the [`Spawner`] trait, the seam between the API/proxy and a backend;
+//! * the [`Spawner`] trait, the node-local surface the API and the proxy
+//!   use (the controller implements it);
+//! * [`runtime`]: the [`runtime::Runtime`] trait, how a program is run (local
+//!   shims, Kubernetes pods), and, with feature `runtime-contract`, the
+//!   `runtime_contract` suite every runtime passes;
 //! * [`policy`]: crash backoff, the circuit breaker, idle reaping, node
 //!   liveness and placement as pure functions over plain data, so they are
 //!   tested without processes or a cluster.
@@ -21,14 +25,18 @@
 //! ```
 
 mod error;
+mod folder;
 mod id;
 mod model;
 pub mod policy;
 pub mod runtime;
+#[cfg(feature = "runtime-contract")]
+pub mod runtime_contract;
 mod spawner;
 mod time;
 
 pub use error::{ErrorCode, SpawnError};
+pub use folder::normalize_folder;
 pub use id::{InvalidUserId, Slug, UserId};
 pub use model::{
     BreakerInfo, Endpoint, Epoch, Instance, InstanceEvent, InstanceStatus, LaunchRequest,

@@ -104,8 +104,12 @@ pub struct InstanceSpec {
     /// runtime enforces one ([`Capabilities::fence_deadline`]); `None`
     /// switches it off (one node: nobody else can take the lease).
     pub fence: Option<Duration>,
-    /// Extra environment for the program (e.g. the watchdog's handoff).
+    /// Extra environment for the program.
     pub env: Vec<(String, String)>,
+    /// For a watchdog: what it is to repair (the crashed main's record, as
+    /// JSON), which the runtime materialises and names in `BERTH_HANDOFF`
+    /// (design §4.4).
+    pub handoff: Option<String>,
 }
 
 /// A started (or adopted) instance.

@@ -1,6 +1,7 @@
 //! berth's local backend: each user's instance is a child process on this
 //! host, supervised through a [`shim`] so it outlives berth restarts.
 //!
+//! [`LocalRuntime`] implements [`berth_core::runtime::Runtime`];
 //! [`LocalSpawner`] implements [`berth_core::Spawner`].
 
 mod background;
@@ -15,10 +16,12 @@ mod process;
 mod readiness;
 mod reattach;
 mod reconcile;
+mod runtime;
 pub mod shim;
 mod spawner;
 mod supervisor;
 mod template;
 
 pub use config::{Isolation, LocalConfig, Readiness};
+pub use runtime::{LocalRuntime, LocalRuntimeConfig};
 pub use spawner::{LocalError, LocalSpawner};

@@ -5,7 +5,7 @@
 
 use std::fs::DirBuilder;
 use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
-use std::path::{Component, Path, PathBuf};
+use std::path::{Path, PathBuf};
 
 use berth_core::{Role, Slug};
 
@@ -56,6 +56,15 @@ impl UserPaths {
             self.patches().join("main")
         } else {
             self.patches().join(format!("main.{ext}"))
+        }
+    }
+    /// The working directory of an instance started in `folder` (already
+    /// normalised: see [`normalize_folder`]).
+    pub fn workdir(&self, folder: &str) -> PathBuf {
+        if folder.is_empty() {
+            self.ws()
+        } else {
+            self.ws().join(folder)
         }
     }
     pub fn handoff(&self) -> PathBuf {
@@ -113,53 +122,12 @@ pub(crate) fn check_socket_room(data_dir: &Path) -> Result<(), String> {
     Ok(())
 }
 
-/// Validates a requested folder (relative to the workspace) and returns its
-/// normalised form: `""` for the workspace root, else `a/b` without `.`
-/// components. Absolute paths and `..` are refused so that an instance can
-/// never start outside its user's workspace.
-pub(crate) fn normalize_folder(folder: Option<&str>) -> Result<String, String> {
-    let Some(raw) = folder else {
-        return Ok(String::new());
-    };
-    if raw.contains('\0') {
-        return Err("folder contains a NUL byte".into());
-    }
-    let path = Path::new(raw);
-    let mut parts = Vec::new();
-    for component in path.components() {
-        match component {
-            Component::Normal(part) => match part.to_str() {
-                Some(s) => parts.push(s),
-                None => return Err("folder is not valid UTF-8".into()),
-            },
-            Component::CurDir => {}
-            Component::RootDir | Component::Prefix(_) => {
-                return Err(format!("folder {raw:?} must be relative to the workspace"));
-            }
-            Component::ParentDir => {
-                return Err(format!("folder {raw:?} must not contain '..'"));
-            }
-        }
-    }
-    Ok(parts.join("/"))
-}
+pub(crate) use berth_core::normalize_folder;
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use berth_core::UserId;
-
-    #[test]
-    fn folders_stay_inside_the_workspace() {
-        assert_eq!(normalize_folder(None).unwrap(), "");
-        assert_eq!(normalize_folder(Some("")).unwrap(), "");
-        assert_eq!(normalize_folder(Some(".")).unwrap(), "");
-        assert_eq!(normalize_folder(Some("a/./b/")).unwrap(), "a/b");
-        assert_eq!(normalize_folder(Some("proj x")).unwrap(), "proj x");
-        for bad in ["/etc", "..", "a/../../b", "a/..", "a\0b"] {
-            assert!(normalize_folder(Some(bad)).is_err(), "{bad:?}");
-        }
-    }
 
     #[test]
     fn paths_use_the_slug_never_the_raw_id() {

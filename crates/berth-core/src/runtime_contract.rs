@@ -1,0 +1,486 @@
+//! The contract every [`Runtime`] must pass (feature `runtime-contract`),
+//! whatever runs the programs: local shims, or Kubernetes pods behind an
+//! API server (a double of one in tests).
+//!
+//! Each case is a `pub async fn` taking a [`Harness`] and panicking on a
+//! violation. [`runtime_contract_tests!`](crate::runtime_contract_tests)
+//! turns the whole list into `#[tokio::test]`s for one runtime:
+//!
+//! ```text
+//! async fn harness() -> MyHarness { … }
+//! berth_core::runtime_contract_tests!(harness().await);
+//! ```
+//!
+//! A harness makes runtimes whose configured program behaves like a
+//! [`Program`], all sharing one backing state (a data dir, an API server),
+//! so that a second runtime sees what the first one left, as a restarted
+//! berth does. Every wait polls until a generous deadline; nothing asserts
+//! on timing.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use tokio::sync::mpsc;
+
+use crate::runtime::{
+    Discovered, ExitStatus, InstanceSpec, Patch, Runtime, RuntimeError, RuntimeEvent, RuntimeRef,
+    Started,
+};
+use crate::{Role, UserId};
+
+/// Upper bound for anything awaited; reached only when a case fails.
+pub const PATIENCE: Duration = Duration::from_secs(30);
+
+/// The launch token [`Program::Serve`] announces when ready.
+pub const TOKEN: &str = "contract-token-0123456789";
+
+/// What the configured program does. The harness maps each to a real
+/// program (or a simulated pod) of its runtime.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Program {
+    /// Writes `hello` to its output, becomes ready with launch token
+    /// [`TOKEN`], then writes `tick` every 100 ms until SIGTERM (or its
+    /// equivalent), on which it exits with code 0.
+    Serve,
+    /// Like [`Program::Serve`], but ignores SIGTERM: only a kill ends it.
+    IgnoresTerm,
+    /// Writes `stderr` to its stderr and exits at once with `code`.
+    Exits { code: i32, stderr: String },
+    /// A program that does not exist, named `name`.
+    Missing { name: String },
+}
+
+/// What a runtime under test comes with.
+#[async_trait]
+pub trait Harness: Send + Sync {
+    /// A new runtime running `program`, over this harness's shared state.
+    async fn runtime(&self, program: &Program) -> Arc<dyn Runtime>;
+    /// Whether the run `started` describes is still there, checked from
+    /// outside the runtime (the process table, the API server).
+    async fn running(&self, runtime_ref: &RuntimeRef, pid: Option<u32>) -> bool;
+}
+
+/// Expands to one `#[tokio::test]` per contract case, each given a fresh
+/// harness from `$harness` (an expression evaluated inside each async
+/// test, so it may `.await`).
+#[macro_export]
+macro_rules! runtime_contract_tests {
+    ($harness:expr) => {
+        $crate::runtime_contract_tests!(@cases $harness;
+            a_started_program_becomes_ready_and_stops_gracefully,
+            kill_ends_a_program_that_ignores_term,
+            stop_kills_after_the_grace_period,
+            an_exit_is_reported_with_its_code_and_stderr,
+            a_missing_program_fails_to_start_and_is_named,
+            a_restarted_runtime_discovers_and_adopts_a_running_instance,
+            remove_ends_an_orphan,
+            logs_are_read_and_followed,
+            freeze_and_thaw_when_declared,
+            a_frozen_instance_is_killed_without_running_again,
+            the_fence_deadline_freezes_when_declared,
+        );
+    };
+    (@cases $harness:expr; $($case:ident),* $(,)?) => {
+        $(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $case() {
+                let harness = $harness;
+                $crate::runtime_contract::$case(&harness).await;
+            }
+        )*
+    };
+}
+
+fn user(id: &str) -> UserId {
+    UserId::parse(id).unwrap()
+}
+
+/// A main's spec for `user`.
+pub fn spec(user: &UserId, instance_id: &str) -> InstanceSpec {
+    InstanceSpec {
+        instance_id: instance_id.to_owned(),
+        user: user.clone(),
+        slug: user.slug(),
+        role: Role::Main,
+        epoch: 1,
+        folder: String::new(),
+        patch: Patch::Set(None),
+        port_hint: None,
+        fence: None,
+        env: Vec::new(),
+        handoff: None,
+    }
+}
+
+async fn next_event(events: &mut mpsc::Receiver<RuntimeEvent>) -> Option<RuntimeEvent> {
+    tokio::time::timeout(PATIENCE, events.recv())
+        .await
+        .expect("no runtime event in time")
+}
+
+/// Skips events until one `want`s it; panics if the stream ends first.
+pub async fn expect_event(
+    events: &mut mpsc::Receiver<RuntimeEvent>,
+    what: &str,
+    want: impl Fn(&RuntimeEvent) -> bool,
+) -> RuntimeEvent {
+    loop {
+        match next_event(events).await {
+            Some(event) if want(&event) => return event,
+            Some(_) => {}
+            None => panic!("the event stream ended while waiting for {what}"),
+        }
+    }
+}
+
+/// Waits for the exit, failing on any event in `forbidden` on the way.
+pub async fn exit_of(
+    events: &mut mpsc::Receiver<RuntimeEvent>,
+    forbidden: impl Fn(&RuntimeEvent) -> bool,
+) -> ExitStatus {
+    loop {
+        match next_event(events).await {
+            Some(RuntimeEvent::Exited(exit)) => return exit,
+            Some(event) if forbidden(&event) => panic!("unexpected {event:?} before the exit"),
+            Some(_) => {}
+            None => panic!("the event stream ended without an exit"),
+        }
+    }
+}
+
+async fn ready(started: &mut Started) -> Option<String> {
+    match expect_event(&mut started.events, "readiness", |e| {
+        matches!(e, RuntimeEvent::Ready { .. })
+    })
+    .await
+    {
+        RuntimeEvent::Ready { token } => token,
+        _ => unreachable!(),
+    }
+}
+
+async fn gone(h: &dyn Harness, started: &Started) {
+    let deadline = tokio::time::Instant::now() + PATIENCE;
+    while h.running(&started.runtime_ref, started.pid).await {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{} still runs",
+            started.runtime_ref
+        );
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+}
+
+/// start → ready with the token → graceful stop → exited with code 0, and
+/// the run is gone.
+pub async fn a_started_program_becomes_ready_and_stops_gracefully(h: &dyn Harness) {
+    let runtime = h.runtime(&Program::Serve).await;
+    let alice = user("alice");
+    let mut started = runtime.start(spec(&alice, "i-1")).await.unwrap();
+    assert!(h.running(&started.runtime_ref, started.pid).await);
+    assert_eq!(ready(&mut started).await.as_deref(), Some(TOKEN));
+    runtime
+        .stop(&started.runtime_ref, Duration::from_secs(20))
+        .await
+        .unwrap();
+    let exit = exit_of(&mut started.events, |_| false).await;
+    assert_eq!(exit.code, Some(0), "{exit:?}");
+    assert!(!exit.port_in_use);
+    assert!(
+        next_event(&mut started.events).await.is_none(),
+        "nothing follows the exit"
+    );
+    gone(h, &started).await;
+    // A run that ended is no longer the runtime's to act on.
+    assert!(matches!(
+        runtime.kill(&started.runtime_ref).await,
+        Err(RuntimeError::Gone(_)) | Ok(())
+    ));
+    runtime.shutdown().await;
+}
+
+pub async fn kill_ends_a_program_that_ignores_term(h: &dyn Harness) {
+    let runtime = h.runtime(&Program::IgnoresTerm).await;
+    let mut started = runtime.start(spec(&user("bob"), "i-1")).await.unwrap();
+    ready(&mut started).await;
+    runtime.kill(&started.runtime_ref).await.unwrap();
+    let exit = exit_of(&mut started.events, |_| false).await;
+    assert!(
+        exit.signal == Some(9) || exit.code == Some(137),
+        "not killed: {exit:?}"
+    );
+    gone(h, &started).await;
+    runtime.shutdown().await;
+}
+
+pub async fn stop_kills_after_the_grace_period(h: &dyn Harness) {
+    let runtime = h.runtime(&Program::IgnoresTerm).await;
+    let mut started = runtime.start(spec(&user("carol"), "i-1")).await.unwrap();
+    ready(&mut started).await;
+    runtime
+        .stop(&started.runtime_ref, Duration::from_millis(300))
+        .await
+        .unwrap();
+    let exit = exit_of(&mut started.events, |_| false).await;
+    assert!(
+        exit.signal == Some(9) || exit.code == Some(137),
+        "not killed: {exit:?}"
+    );
+    gone(h, &started).await;
+    runtime.shutdown().await;
+}
+
+pub async fn an_exit_is_reported_with_its_code_and_stderr(h: &dyn Harness) {
+    let program = Program::Exits {
+        code: 3,
+        stderr: "boom: the disk is on fire".into(),
+    };
+    let runtime = h.runtime(&program).await;
+    let mut started = runtime.start(spec(&user("dave"), "i-1")).await.unwrap();
+    let exit = exit_of(&mut started.events, |e| {
+        matches!(e, RuntimeEvent::Ready { .. })
+    })
+    .await;
+    assert_eq!(exit.code, Some(3), "{exit:?}");
+    assert!(exit.stderr_tail.contains("the disk is on fire"), "{exit:?}");
+    assert!(!exit.port_in_use, "{exit:?}");
+    runtime.shutdown().await;
+}
+
+pub async fn a_missing_program_fails_to_start_and_is_named(h: &dyn Harness) {
+    let name = "no-such-program-xyz".to_owned();
+    let runtime = h.runtime(&Program::Missing { name: name.clone() }).await;
+    match runtime.start(spec(&user("erin"), "i-1")).await {
+        Err(RuntimeError::SpawnFailed(message)) => {
+            assert!(message.contains(&name), "{message}");
+        }
+        Err(other) => panic!("expected SpawnFailed, got {other:?}"),
+        Ok(started) => panic!("a missing program started: {started:?}"),
+    }
+    runtime.shutdown().await;
+}
+
+/// The discovered entry for `instance_id`, if any.
+async fn discovered(runtime: &dyn Runtime, instance_id: &str) -> Option<Discovered> {
+    runtime
+        .discover()
+        .await
+        .unwrap()
+        .into_iter()
+        .find(|d| d.instance_id == instance_id)
+}
+
+pub async fn a_restarted_runtime_discovers_and_adopts_a_running_instance(h: &dyn Harness) {
+    let first = h.runtime(&Program::Serve).await;
+    let frank = user("frank");
+    let mut spec = spec(&frank, "i-adopt");
+    spec.epoch = 7;
+    let mut started = first.start(spec).await.unwrap();
+    ready(&mut started).await;
+    let (runtime_ref, pid) = (started.runtime_ref.clone(), started.pid);
+    drop(started);
+    first.shutdown().await;
+    drop(first);
+    assert!(h.running(&runtime_ref, pid).await, "shutdown ended the run");
+
+    let second = h.runtime(&Program::Serve).await;
+    let found = discovered(second.as_ref(), "i-adopt")
+        .await
+        .expect("the running instance is discovered");
+    assert_eq!(found.user.as_ref(), Some(&frank));
+    assert_eq!(found.slug, frank.slug().as_str());
+    assert_eq!(
+        (found.role, found.epoch, &found.runtime_ref),
+        (Role::Main, 7, &runtime_ref)
+    );
+    assert!(found.alive && found.ready && !found.frozen, "{found:?}");
+    assert_eq!(found.token.as_deref(), Some(TOKEN));
+    assert_eq!(found.exit, None);
+
+    let mut adopted = second.adopt(&found).await.unwrap();
+    assert_eq!(adopted.runtime_ref, runtime_ref);
+    assert_eq!(adopted.pid, pid);
+    second
+        .stop(&adopted.runtime_ref, Duration::from_secs(20))
+        .await
+        .unwrap();
+    let exit = exit_of(&mut adopted.events, |_| false).await;
+    assert_eq!(exit.code, Some(0), "{exit:?}");
+    gone(h, &adopted).await;
+    // What is left of it is found ended, with its exit.
+    let third = h.runtime(&Program::Serve).await;
+    if let Some(found) = discovered(third.as_ref(), "i-adopt").await {
+        assert!(!found.alive, "{found:?}");
+        assert_eq!(found.exit.as_ref().map(|e| e.code), Some(Some(0)));
+    }
+    second.shutdown().await;
+    third.shutdown().await;
+}
+
+pub async fn remove_ends_an_orphan(h: &dyn Harness) {
+    let first = h.runtime(&Program::Serve).await;
+    let mut started = first.start(spec(&user("gina"), "i-orphan")).await.unwrap();
+    ready(&mut started).await;
+    drop(started.events);
+    first.shutdown().await;
+
+    let second = h.runtime(&Program::Serve).await;
+    let found = discovered(second.as_ref(), "i-orphan").await.unwrap();
+    second.remove(&found).await.unwrap();
+    let deadline = tokio::time::Instant::now() + PATIENCE;
+    while h.running(&found.runtime_ref, started.pid).await {
+        assert!(tokio::time::Instant::now() < deadline, "the orphan runs on");
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    let third = h.runtime(&Program::Serve).await;
+    assert!(
+        discovered(third.as_ref(), "i-orphan")
+            .await
+            .is_none_or(|f| !f.alive),
+        "a removed orphan is discovered alive"
+    );
+    second.shutdown().await;
+    third.shutdown().await;
+}
+
+pub async fn logs_are_read_and_followed(h: &dyn Harness) {
+    let runtime = h.runtime(&Program::Serve).await;
+    let hank = user("hank");
+    let mut started = runtime.start(spec(&hank, "i-1")).await.unwrap();
+    ready(&mut started).await;
+    let slug = hank.slug();
+    let deadline = tokio::time::Instant::now() + PATIENCE;
+    loop {
+        let lines = runtime.logs(&slug, Role::Main, 1000).await.unwrap();
+        if lines.iter().any(|l| l == "hello") && lines.iter().any(|l| l == "tick") {
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "{lines:?}");
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    let two = runtime.logs(&slug, Role::Main, 2).await.unwrap();
+    assert_eq!(two.len(), 2, "{two:?}");
+
+    let mut follow = runtime.follow_logs(&slug, Role::Main, 1).await.unwrap();
+    let first = tokio::time::timeout(PATIENCE, follow.recv())
+        .await
+        .unwrap()
+        .expect("the tail");
+    assert!(!first.is_empty());
+    // New output keeps coming while it runs.
+    for _ in 0..3 {
+        let line = tokio::time::timeout(PATIENCE, follow.recv())
+            .await
+            .expect("a new line in time")
+            .expect("a line");
+        assert_eq!(line, "tick");
+    }
+    drop(follow);
+    // Logs outlive the instance.
+    runtime.kill(&started.runtime_ref).await.unwrap();
+    exit_of(&mut started.events, |_| false).await;
+    let after = runtime.logs(&slug, Role::Main, 1000).await.unwrap();
+    assert!(after.iter().any(|l| l == "hello"), "{after:?}");
+    let nobody = runtime.logs(&user("nobody").slug(), Role::Main, 10).await;
+    assert_eq!(nobody.unwrap(), Vec::<String>::new());
+    runtime.shutdown().await;
+}
+
+pub async fn freeze_and_thaw_when_declared(h: &dyn Harness) {
+    let runtime = h.runtime(&Program::Serve).await;
+    let mut started = runtime.start(spec(&user("ivan"), "i-1")).await.unwrap();
+    ready(&mut started).await;
+    let r = started.runtime_ref.clone();
+    if !runtime.capabilities().freeze {
+        assert!(matches!(
+            runtime.freeze(&r).await,
+            Err(RuntimeError::Unsupported { .. })
+        ));
+        assert!(matches!(
+            runtime.thaw(&r).await,
+            Err(RuntimeError::Unsupported { .. })
+        ));
+    } else {
+        runtime.freeze(&r).await.unwrap();
+        expect_event(&mut started.events, "frozen", |e| {
+            *e == RuntimeEvent::Frozen
+        })
+        .await;
+        runtime.thaw(&r).await.unwrap();
+        expect_event(&mut started.events, "thawed", |e| {
+            *e == RuntimeEvent::Thawed
+        })
+        .await;
+    }
+    runtime.stop(&r, Duration::from_secs(20)).await.unwrap();
+    let exit = exit_of(&mut started.events, |_| false).await;
+    assert_eq!(exit.code, Some(0), "a thawed program stops gracefully");
+    runtime.shutdown().await;
+}
+
+/// The fencing hole (design §4.5): a frozen instance asked to stop, or
+/// killed, ends without running again; no `Thawed` comes before its exit.
+pub async fn a_frozen_instance_is_killed_without_running_again(h: &dyn Harness) {
+    let runtime = h.runtime(&Program::Serve).await;
+    if !runtime.capabilities().freeze {
+        runtime.shutdown().await;
+        return;
+    }
+    for (n, stop) in [(1, true), (2, false)] {
+        let mut started = runtime
+            .start(spec(&user("judy"), &format!("i-{n}")))
+            .await
+            .unwrap();
+        ready(&mut started).await;
+        let r = started.runtime_ref.clone();
+        runtime.freeze(&r).await.unwrap();
+        expect_event(&mut started.events, "frozen", |e| {
+            *e == RuntimeEvent::Frozen
+        })
+        .await;
+        if stop {
+            runtime.stop(&r, Duration::from_secs(20)).await.unwrap();
+        } else {
+            runtime.kill(&r).await.unwrap();
+        }
+        let exit = exit_of(&mut started.events, |e| *e == RuntimeEvent::Thawed).await;
+        assert_ne!(exit.code, Some(0), "it ran its TERM handler: {exit:?}");
+        gone(h, &started).await;
+    }
+    runtime.shutdown().await;
+}
+
+pub async fn the_fence_deadline_freezes_when_declared(h: &dyn Harness) {
+    let runtime = h.runtime(&Program::Serve).await;
+    let mut spec = spec(&user("kate"), "i-1");
+    spec.fence = Some(Duration::from_millis(400));
+    let mut started = runtime.start(spec).await.unwrap();
+    let r = started.runtime_ref.clone();
+    if !runtime.capabilities().fence_deadline {
+        assert!(matches!(
+            runtime.extend_fence(&r, Duration::from_secs(1)).await,
+            Err(RuntimeError::Unsupported { .. })
+        ));
+    } else {
+        // Nobody extends it: the runtime freezes the instance by itself.
+        expect_event(&mut started.events, "frozen by the deadline", |e| {
+            *e == RuntimeEvent::Frozen
+        })
+        .await;
+        // Extending does not thaw (only the controller knows whether the
+        // lease is still held); an explicit thaw does.
+        runtime
+            .extend_fence(&r, Duration::from_secs(600))
+            .await
+            .unwrap();
+        runtime.thaw(&r).await.unwrap();
+        expect_event(&mut started.events, "thawed", |e| {
+            *e == RuntimeEvent::Thawed
+        })
+        .await;
+    }
+    runtime.kill(&r).await.unwrap();
+    exit_of(&mut started.events, |_| false).await;
+    runtime.shutdown().await;
+}

@@ -1,0 +1,565 @@
+//! [`LocalRuntime`]: the local runtime (design §5, §6). It runs each
+//! instance as a program on this host under its own shim, and implements
+//! [`berth_core::runtime::Runtime`]: start a spec, stop, kill, freeze,
+//! thaw and extend a fence deadline by reference, discover the shims a
+//! previous berth left, and read and follow logs.
+//!
+//! It owns what depends on running programs *here*: the command line and
+//! environment ([`crate::template`]), the user's directories
+//! ([`crate::paths`]), ports ([`crate::ports`]), readiness probes
+//! ([`crate::readiness`], plus the shim's ready regex) and the shims
+//! themselves ([`crate::shim`]). It knows nothing of the store, leases or
+//! crash policy: the controller decides, this runs.
+//!
+//! Ports are reserved per *instance id*, from its first start until the
+//! controller [`releases`](Runtime::release) it, so a crash restart (same
+//! id) can keep the user's endpoint and no other instance is handed the
+//! port meanwhile.
+
+mod discover;
+mod follow;
+mod run;
+mod spec;
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::ops::RangeInclusive;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use berth_core::runtime::{
+    Capabilities, Discovered, EVENT_BUFFER, InstanceSpec, Runtime, RuntimeError, RuntimeRef,
+    Started,
+};
+use berth_core::{Endpoint, Role, Slug};
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use crate::paths::{UserPaths, check_socket_room, create_private_dir};
+use crate::ports::{PortPool, bind_free};
+use crate::shim::{ShimCommand, ShimError, ShimHandle, ShimLauncher};
+use crate::{Isolation, LocalError, Readiness};
+
+use self::discover::FoundShim;
+use self::run::{Follow, Run, Runs};
+
+/// Everything the local runtime needs: how to run the program, where, on
+/// which ports. The controller's settings (crash policy, lease, reaping)
+/// are not here.
+#[derive(Debug, Clone)]
+pub struct LocalRuntimeConfig {
+    /// Root of all state: `users/<slug>/…` (user data) and `run/<slug>/…`
+    /// (shim sockets and state files, owned by berth).
+    pub data_dir: PathBuf,
+    /// The program, with placeholders `{user}` `{slug}` `{port}` `{home}`
+    /// `{folder}` `{patch}` `{base_path}`.
+    pub command: Vec<String>,
+    /// Extra environment for the program.
+    pub env: BTreeMap<String, String>,
+    /// Names of berth's own environment variables passed through
+    /// (e.g. `PATH`, `LANG`).
+    pub env_allowlist: Vec<String>,
+    pub readiness: Readiness,
+    /// Ports handed to instances; each checked free before use.
+    pub port_range: RangeInclusive<u16>,
+    /// Extension of the materialised patch file `patches/main.<ext>`.
+    pub patch_ext: String,
+    /// The watchdog program (design §4.4), same placeholders.
+    pub watchdog_command: Option<Vec<String>>,
+    pub isolation: Isolation,
+    /// The executable and leading arguments that run the shim zygote (which
+    /// forks every shim); normally `current_exe()` and `["shim"]`.
+    pub shim_command: Vec<String>,
+}
+
+impl LocalRuntimeConfig {
+    fn check(&self) -> Result<(), LocalError> {
+        let fail = |m: String| Err(LocalError::Config(m));
+        if self.command.is_empty() {
+            return fail("the instance command is empty".into());
+        }
+        if self.shim_command.is_empty() {
+            return fail("the shim command is empty".into());
+        }
+        if self.watchdog_command.as_ref().is_some_and(Vec::is_empty) {
+            return fail("the watchdog command is empty".into());
+        }
+        if self.port_range.is_empty() {
+            return fail(format!(
+                "port_range {}-{} is empty",
+                self.port_range.start(),
+                self.port_range.end()
+            ));
+        }
+        check_socket_room(&self.data_dir).map_err(LocalError::Config)
+    }
+}
+
+/// A port kept for one instance id across its runs.
+#[derive(Debug, Clone)]
+struct Reservation {
+    /// The user's slug (the name of its directories).
+    slug: String,
+    port: u16,
+}
+
+/// Runs users' instances as local programs under shims. See the module
+/// docs.
+pub struct LocalRuntime {
+    config: LocalRuntimeConfig,
+    shims: ShimLauncher,
+    ports: PortPool,
+    /// Instance id → its port (mains only).
+    reservations: Mutex<HashMap<String, Reservation>>,
+    /// The runs this runtime follows, by reference.
+    runs: Runs,
+    /// What the last [`Runtime::discover`] found and has not been adopted
+    /// or removed yet.
+    found: Mutex<HashMap<RuntimeRef, FoundShim>>,
+    tracker: TaskTracker,
+    cancel: CancellationToken,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// A run's reference: its program's pid and start time, which together
+/// never name another process.
+fn ref_of(pid: u32, pid_start: u64) -> RuntimeRef {
+    RuntimeRef::new(format!("pid {pid} start {pid_start}"))
+}
+
+fn spawn_failed(e: ShimError) -> RuntimeError {
+    match e {
+        ShimError::SpawnFailed(message) => RuntimeError::SpawnFailed(message),
+        other => RuntimeError::SpawnFailed(other.to_string()),
+    }
+}
+
+impl LocalRuntime {
+    /// Checks the settings and prepares the data dir. Starts nothing: the
+    /// shim zygote is started on the first launch.
+    pub fn new(config: LocalRuntimeConfig) -> Result<Arc<LocalRuntime>, LocalError> {
+        config.check()?;
+        for dir in [config.data_dir.join("users"), config.data_dir.join("run")] {
+            create_private_dir(&dir).map_err(|source| LocalError::Io {
+                path: dir.clone(),
+                source,
+            })?;
+        }
+        let shims = {
+            let mut parts = config.shim_command.iter().cloned();
+            let exe = parts.next().unwrap_or_default();
+            ShimLauncher::new(exe, parts.collect())
+        };
+        Ok(Arc::new(LocalRuntime {
+            ports: PortPool::new(config.port_range.clone()),
+            config,
+            shims,
+            reservations: Mutex::new(HashMap::new()),
+            runs: Runs::default(),
+            found: Mutex::new(HashMap::new()),
+            tracker: TaskTracker::new(),
+            cancel: CancellationToken::new(),
+        }))
+    }
+
+    fn paths(&self, slug: &Slug) -> UserPaths {
+        UserPaths::new(&self.config.data_dir, slug)
+    }
+
+    fn no_free_port(&self) -> RuntimeError {
+        let r = self.ports.range();
+        RuntimeError::CapacityExhausted(format!("no free port in {}-{}", r.start(), r.end()))
+    }
+
+    /// The port `spec` (a main) runs on, and whether it was reserved just
+    /// now (to be given back if the start fails). A crash restart keeps its
+    /// instance's port when its hint names it and it is still free.
+    fn reserve_port(&self, spec: &InstanceSpec) -> Result<(u16, bool), RuntimeError> {
+        let mut reservations = lock(&self.reservations);
+        // One main per user on this node: a reservation left by another
+        // instance of the same user is stale (that instance was replaced).
+        let stale: Vec<String> = reservations
+            .iter()
+            .filter(|(id, r)| r.slug == spec.slug.as_str() && **id != spec.instance_id)
+            .map(|(id, _)| id.clone())
+            .collect();
+        for id in stale {
+            if let Some(r) = reservations.remove(&id) {
+                self.ports.release(r.port);
+            }
+        }
+        let none = BTreeSet::new();
+        match reservations.get(&spec.instance_id).map(|r| r.port) {
+            Some(own) if spec.port_hint == Some(own) && bind_free(own) => Ok((own, false)),
+            Some(own) => {
+                // Its port is held by some other process now, or a fresh
+                // one was asked for.
+                let hint = spec.port_hint.filter(|p| *p != own);
+                let port = self
+                    .ports
+                    .allocate(hint, &none)
+                    .ok_or_else(|| self.no_free_port())?;
+                self.ports.release(own);
+                reservations.insert(
+                    spec.instance_id.clone(),
+                    Reservation {
+                        slug: spec.slug.as_str().to_owned(),
+                        port,
+                    },
+                );
+                Ok((port, false))
+            }
+            None => {
+                let port = self
+                    .ports
+                    .allocate(spec.port_hint, &none)
+                    .ok_or_else(|| self.no_free_port())?;
+                reservations.insert(
+                    spec.instance_id.clone(),
+                    Reservation {
+                        slug: spec.slug.as_str().to_owned(),
+                        port,
+                    },
+                );
+                Ok((port, true))
+            }
+        }
+    }
+
+    fn unreserve(&self, instance_id: &str) {
+        if let Some(r) = lock(&self.reservations).remove(instance_id) {
+            self.ports.release(r.port);
+        }
+    }
+
+    /// Reserves `port` for an instance found running (or ended) at start.
+    fn reserve_found(&self, instance_id: &str, slug: &str, port: u16) {
+        let mut reservations = lock(&self.reservations);
+        if reservations.contains_key(instance_id) {
+            return;
+        }
+        self.ports.reserve(port);
+        reservations.insert(
+            instance_id.to_owned(),
+            Reservation {
+                slug: slug.to_owned(),
+                port,
+            },
+        );
+    }
+
+    /// The port of `slug`'s main, if one is reserved: a watchdog's `{port}`.
+    fn main_port_of(&self, slug: &Slug) -> Option<u16> {
+        lock(&self.reservations)
+            .values()
+            .find(|r| r.slug == slug.as_str())
+            .map(|r| r.port)
+    }
+
+    /// How a main is probed for readiness here, if it is probed at all
+    /// (the token regex is matched by the shim instead).
+    fn probe_for(&self, role: Role) -> Option<Readiness> {
+        match (&self.config.readiness, role) {
+            (Readiness::TokenRegex(_), _) | (_, Role::Watchdog) => None,
+            (readiness, Role::Main) => Some(readiness.clone()),
+        }
+    }
+
+    /// Follows a run: registers it and starts the task that turns its
+    /// shim's events (and readiness probes) into [`RuntimeEvent`]s.
+    ///
+    /// [`RuntimeEvent`]: berth_core::runtime::RuntimeEvent
+    fn follow(
+        &self,
+        follow: Follow,
+        run: Run,
+    ) -> mpsc::Receiver<berth_core::runtime::RuntimeEvent> {
+        self.runs.insert(follow.runtime_ref.clone(), run);
+        let (tx, rx) = mpsc::channel(EVENT_BUFFER);
+        let runs = self.runs.clone();
+        let cancel = self.cancel.child_token();
+        self.tracker
+            .spawn(async move { run::pump(follow, tx, runs, cancel).await });
+        rx
+    }
+
+    async fn start_reserved(
+        &self,
+        spec: &InstanceSpec,
+        port: Option<u16>,
+    ) -> Result<Started, RuntimeError> {
+        let paths = self.paths(&spec.slug);
+        let var_port = port.or_else(|| self.main_port_of(&spec.slug)).unwrap_or(0);
+        let patch = spec::prepare(&paths, &self.config.patch_ext, spec).await?;
+        let shim_spec = spec::shim_spec(&self.config, spec, &paths, var_port, port, patch)?;
+        let (handle, state) = self.shims.spawn(&shim_spec).await.map_err(spawn_failed)?;
+        let runtime_ref = ref_of(state.pid, state.pid_start);
+        let by_regex = shim_spec.ready_regex.is_some();
+        let run = Run {
+            control: handle.control(),
+            pid: state.pid,
+            pid_start: state.pid_start,
+            shim_pid: state.shim_pid,
+        };
+        let follow = Follow {
+            handle,
+            state_path: shim_spec.state_path,
+            instance_id: spec.instance_id.clone(),
+            runtime_ref: runtime_ref.clone(),
+            port,
+            probe: self.probe_for(spec.role),
+            by_regex,
+            ready: by_regex && state.ready,
+            token: state.token,
+            frozen: false,
+        };
+        let events = self.follow(follow, run);
+        Ok(Started {
+            runtime_ref,
+            pid: Some(state.pid),
+            endpoint: port.map(local_endpoint),
+            events,
+        })
+    }
+
+    /// The run `instance` names, if this runtime follows it.
+    fn run_of(&self, instance: &RuntimeRef) -> Result<Run, RuntimeError> {
+        self.runs
+            .get(instance)
+            .ok_or_else(|| RuntimeError::Gone(instance.clone()))
+    }
+
+    /// Sends `command` to the run's shim.
+    async fn command(
+        &self,
+        instance: &RuntimeRef,
+        command: ShimCommand,
+    ) -> Result<(), RuntimeError> {
+        let run = self.run_of(instance)?;
+        run.control.send(command).await.map_err(|e| {
+            RuntimeError::Failed(format!("the shim of {instance} does not answer: {e}"))
+        })
+    }
+}
+
+fn local_endpoint(port: u16) -> Endpoint {
+    Endpoint {
+        host: "127.0.0.1".into(),
+        port,
+    }
+}
+
+fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
+
+#[async_trait]
+impl Runtime for LocalRuntime {
+    fn name(&self) -> &'static str {
+        "local"
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            freeze: true,
+            fence_deadline: true,
+        }
+    }
+
+    fn capacity(&self) -> Option<u32> {
+        Some(self.ports.capacity())
+    }
+
+    async fn start(&self, spec: InstanceSpec) -> Result<Started, RuntimeError> {
+        if self.cancel.is_cancelled() {
+            return Err(RuntimeError::Failed(
+                "the local runtime is shutting down; nothing new is started".into(),
+            ));
+        }
+        if berth_core::normalize_folder(Some(&spec.folder)).as_deref() != Ok(spec.folder.as_str()) {
+            return Err(RuntimeError::SpawnFailed(format!(
+                "folder {:?} is not a normalised path inside the workspace",
+                spec.folder
+            )));
+        }
+        let port = match spec.role {
+            Role::Main => Some(self.reserve_port(&spec)?),
+            Role::Watchdog => None,
+        };
+        let started = self.start_reserved(&spec, port.map(|(p, _)| p)).await;
+        if started.is_err() && port.is_some_and(|(_, new)| new) {
+            self.unreserve(&spec.instance_id);
+        }
+        started
+    }
+
+    async fn stop(&self, instance: &RuntimeRef, grace: Duration) -> Result<(), RuntimeError> {
+        let grace_ms = millis(grace);
+        match self.command(instance, ShimCommand::Stop { grace_ms }).await {
+            Err(RuntimeError::Failed(why)) => {
+                tracing::warn!(%instance, %why, "stopping through the shim failed; killing directly");
+                self.run_of(instance)?.kill_directly();
+                Ok(())
+            }
+            other => other,
+        }
+    }
+
+    async fn kill(&self, instance: &RuntimeRef) -> Result<(), RuntimeError> {
+        match self.command(instance, ShimCommand::Kill).await {
+            Err(RuntimeError::Failed(why)) => {
+                tracing::warn!(%instance, %why, "killing through the shim failed; killing directly");
+                self.run_of(instance)?.kill_directly();
+                Ok(())
+            }
+            other => other,
+        }
+    }
+
+    async fn freeze(&self, instance: &RuntimeRef) -> Result<(), RuntimeError> {
+        self.command(instance, ShimCommand::Freeze).await
+    }
+
+    async fn thaw(&self, instance: &RuntimeRef) -> Result<(), RuntimeError> {
+        self.command(instance, ShimCommand::Thaw).await
+    }
+
+    async fn extend_fence(
+        &self,
+        instance: &RuntimeRef,
+        left: Duration,
+    ) -> Result<(), RuntimeError> {
+        let ms = millis(left);
+        self.command(instance, ShimCommand::Extend { ms }).await
+    }
+
+    async fn release(&self, instance_id: &str) {
+        self.unreserve(instance_id);
+    }
+
+    async fn discover(&self) -> Result<Vec<Discovered>, RuntimeError> {
+        let shims = discover::scan(&self.config.data_dir.join("run")).await;
+        let mut found = lock(&self.found);
+        let mut out = Vec::with_capacity(shims.len());
+        for shim in shims {
+            let discovered = shim.describe();
+            if let Some(state) = &shim.state {
+                if let Some(port) = state.port.filter(|_| state.role == Role::Main) {
+                    self.reserve_found(&state.instance_id, &shim.dir_slug, port);
+                }
+            }
+            found.insert(discovered.runtime_ref.clone(), shim);
+            out.push(discovered);
+        }
+        Ok(out)
+    }
+
+    async fn adopt(&self, found: &Discovered) -> Result<Started, RuntimeError> {
+        let shim = lock(&self.found).remove(&found.runtime_ref);
+        let Some(FoundShim {
+            state: Some(state),
+            handle,
+            state_path,
+            ..
+        }) = shim
+        else {
+            return Err(RuntimeError::Gone(found.runtime_ref.clone()));
+        };
+        let handle = match handle {
+            Some(handle) => handle,
+            None => match ShimHandle::attach(&state_path).await {
+                Ok((handle, _)) => handle,
+                Err(_) => return Err(RuntimeError::Gone(found.runtime_ref.clone())),
+            },
+        };
+        let by_regex =
+            state.role == Role::Main && matches!(self.config.readiness, Readiness::TokenRegex(_));
+        let port = state.port.filter(|_| state.role == Role::Main);
+        let run = Run {
+            control: handle.control(),
+            pid: state.pid,
+            pid_start: state.pid_start,
+            shim_pid: state.shim_pid,
+        };
+        let follow = Follow {
+            handle,
+            state_path,
+            instance_id: state.instance_id.clone(),
+            runtime_ref: found.runtime_ref.clone(),
+            port,
+            probe: self.probe_for(state.role),
+            by_regex,
+            ready: by_regex && state.ready,
+            token: state.token.clone(),
+            frozen: state.frozen,
+        };
+        let events = self.follow(follow, run);
+        Ok(Started {
+            runtime_ref: found.runtime_ref.clone(),
+            pid: Some(state.pid),
+            endpoint: port.map(local_endpoint),
+            events,
+        })
+    }
+
+    async fn remove(&self, found: &Discovered) -> Result<(), RuntimeError> {
+        let shim = lock(&self.found).remove(&found.runtime_ref);
+        let Some(shim) = shim else {
+            return Err(RuntimeError::Gone(found.runtime_ref.clone()));
+        };
+        if let Some(state) = &shim.state {
+            if lock(&self.reservations)
+                .get(&state.instance_id)
+                .is_some_and(|r| r.slug == shim.dir_slug)
+            {
+                self.unreserve(&state.instance_id);
+            }
+        }
+        shim.remove().await;
+        Ok(())
+    }
+
+    async fn logs(
+        &self,
+        slug: &Slug,
+        role: Role,
+        tail: usize,
+    ) -> Result<Vec<String>, RuntimeError> {
+        let path = self.paths(slug).log(role);
+        follow::tail(path, tail).await
+    }
+
+    async fn follow_logs(
+        &self,
+        slug: &Slug,
+        role: Role,
+        tail: usize,
+    ) -> Result<mpsc::Receiver<String>, RuntimeError> {
+        let path = self.paths(slug).log(role);
+        let (tx, rx) = mpsc::channel(follow::LINE_BUFFER);
+        let cancel = self.cancel.child_token();
+        self.tracker
+            .spawn(async move { follow::follow(path, tail, tx, cancel).await });
+        Ok(rx)
+    }
+
+    async fn shutdown(&self) {
+        self.cancel.cancel();
+        self.tracker.close();
+        self.tracker.wait().await;
+        self.shims.shutdown().await;
+    }
+}
+
+impl Drop for LocalRuntime {
+    fn drop(&mut self) {
+        // The event pumps hold no reference to the runtime, but they would
+        // keep following shims nobody listens to.
+        self.cancel.cancel();
+    }
+}
