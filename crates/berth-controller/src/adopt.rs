@@ -1,0 +1,452 @@
+//! Adoption at start (design §4.7): what to do with each instance the
+//! runtime still runs (or last ran) and each live record the store holds
+//! for this node. [`plan`] is pure; [`Shared::adopt_all`] acts on it.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use berth_core::policy::supervision::FENCED_ERROR;
+use berth_core::runtime::{Discovered, ExitStatus};
+use berth_core::{Epoch, Instance, InstanceStatus, Role, Slug, UserId};
+use berth_store::InstanceFilter;
+
+use crate::driver::{self, Begin, Run};
+use crate::users::{Entry, Slot};
+use crate::{ControllerError, Shared};
+
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) enum Step {
+    /// The runtime runs the instance the store knows: supervise it again.
+    Adopt { found: usize, record: Instance },
+    /// Something the runtime runs (or left) that no live record matches:
+    /// an orphan to end, or leftovers to clean up.
+    Remove { found: usize, reason: String },
+    /// The store says the instance is live here but its program is gone:
+    /// handle it like a crash that happened while berth was away.
+    CrashedWhileAway {
+        record: Instance,
+        exit: Option<ExitStatus>,
+    },
+}
+
+/// Why `found` is not the instance `record` describes, if it is not.
+fn mismatch(found: &Discovered, record: &Instance) -> Option<String> {
+    let pairs = [
+        ("instance id", found.instance_id != record.id),
+        ("epoch", found.epoch != record.epoch),
+        (
+            "runtime reference",
+            record.runtime_ref.as_ref() != Some(&found.runtime_ref),
+        ),
+    ];
+    let differing: Vec<&str> = pairs.iter().filter(|(_, d)| *d).map(|(n, _)| *n).collect();
+    (!differing.is_empty())
+        .then(|| format!("differs from the store record in {}", differing.join(", ")))
+}
+
+/// Plans adoption. `records` are this node's instance records; `slug_of`
+/// names the directory (or object) a user's instances are filed under.
+pub(crate) fn plan(
+    found: &[Discovered],
+    records: &[Instance],
+    slug_of: impl Fn(&UserId) -> Slug,
+) -> Vec<Step> {
+    let mut steps = Vec::new();
+    let live: Vec<&Instance> = records.iter().filter(|r| r.status.is_live()).collect();
+    let mut matched = vec![false; live.len()];
+    for (i, f) in found.iter().enumerate() {
+        let Some(user) = &f.user else {
+            steps.push(Step::Remove {
+                found: i,
+                reason: "its records are unreadable".into(),
+            });
+            continue;
+        };
+        let verdict = if slug_of(user).as_str() != f.slug {
+            Err("its user does not belong where it is filed".to_owned())
+        } else {
+            match live
+                .iter()
+                .position(|r| r.user == *user && r.role == f.role)
+            {
+                None => Err("no live store record on this node".to_owned()),
+                Some(idx) if matched[idx] => Err("another instance matched its record".to_owned()),
+                Some(idx) => mismatch(f, live[idx]).map_or(Ok(idx), Err),
+            }
+        };
+        match (verdict, f.alive) {
+            (Ok(idx), true) => {
+                matched[idx] = true;
+                steps.push(Step::Adopt {
+                    found: i,
+                    record: live[idx].clone(),
+                });
+            }
+            (Ok(idx), false) => {
+                matched[idx] = true;
+                steps.push(Step::CrashedWhileAway {
+                    record: live[idx].clone(),
+                    exit: f.exit.clone(),
+                });
+            }
+            (Err(reason), _) => steps.push(Step::Remove { found: i, reason }),
+        }
+    }
+    for (idx, record) in live.iter().enumerate() {
+        if !matched[idx] {
+            steps.push(Step::CrashedWhileAway {
+                record: (*record).clone(),
+                exit: None,
+            });
+        }
+    }
+    steps
+}
+
+/// The exit of an instance that ended while berth was away without saying
+/// how.
+fn unknown_exit() -> ExitStatus {
+    ExitStatus {
+        code: None,
+        signal: None,
+        stderr_tail: "ended while berth was away".into(),
+        out_of_memory: None,
+        port_in_use: false,
+    }
+}
+
+impl Shared {
+    pub(crate) async fn adopt_all(self: &Arc<Self>) -> Result<(), ControllerError> {
+        let filter = InstanceFilter {
+            node: Some(self.node_id().to_owned()),
+            ..InstanceFilter::default()
+        };
+        let records = self.store.list_instances(&filter).await?;
+        let held: HashMap<UserId, Epoch> = self
+            .store
+            .leases_held_by(self.node_id())
+            .await?
+            .into_iter()
+            .map(|l| (l.user, l.epoch))
+            .collect();
+        let found = self
+            .runtime
+            .discover()
+            .await
+            .map_err(|e| ControllerError::Discover {
+                runtime: self.runtime.name(),
+                message: e.to_string(),
+            })?;
+        for step in plan(&found, &records, UserId::slug) {
+            match step {
+                Step::Adopt { found: i, record } => {
+                    tracing::info!(user = %record.user, role = %record.role, pid = ?record.pid,
+                        "adopting a running instance");
+                    self.adopt(record, &found[i], &held).await;
+                }
+                Step::Remove { found: i, reason } => {
+                    let f = &found[i];
+                    if f.alive {
+                        tracing::warn!(slug = %f.slug, role = %f.role, %reason,
+                            "ending an instance with no matching record");
+                    }
+                    if let Err(e) = self.runtime.remove(f).await {
+                        tracing::warn!(slug = %f.slug, error = %e, "could not remove the instance");
+                    }
+                }
+                Step::CrashedWhileAway { record, exit } => {
+                    tracing::warn!(user = %record.user, role = %record.role,
+                        "instance ended while berth was away");
+                    self.recover(record, exit, &held).await;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn prepare_slot(&self, record: &Instance) -> Arc<Slot> {
+        let slot = self.users.slot(&record.user);
+        slot.touch(record.last_active);
+        slot.flushed(record.last_active);
+        slot
+    }
+
+    /// Records `record` as fenced: another node holds its lease now.
+    async fn record_fenced(&self, slot: &Slot, mut record: Instance) {
+        self.runtime.release(&record.id).await;
+        record.status = InstanceStatus::Stopped;
+        record.ready = false;
+        record.last_error = Some(FENCED_ERROR.into());
+        let (entry, _) = Entry::new(record.clone(), None);
+        self.publisher.install(slot, entry);
+        let stored = self
+            .publisher
+            .publish(slot, &record, None, Some(FENCED_ERROR.into()))
+            .await;
+        self.on_store_refusal(&slot.user, &stored);
+    }
+
+    async fn adopt(
+        self: &Arc<Self>,
+        mut record: Instance,
+        found: &Discovered,
+        held: &HashMap<UserId, Epoch>,
+    ) {
+        let slot = self.prepare_slot(&record);
+        if record.role == Role::Main {
+            let Some(epoch) = self.fencer.regain(&record.user, record.epoch, held).await else {
+                if let Err(e) = self.runtime.remove(found).await {
+                    tracing::warn!(user = %record.user, error = %e, "could not fence the instance");
+                }
+                self.record_fenced(&slot, record).await;
+                return;
+            };
+            record.epoch = epoch;
+        }
+        let started = match self.runtime.adopt(found).await {
+            Ok(started) => started,
+            Err(e) => {
+                tracing::warn!(user = %record.user, error = %e, "could not follow the instance");
+                self.recover(record, None, held).await;
+                return;
+            }
+        };
+        if found.token.is_some() {
+            // Before `start` returns, so the open URL can be built at once.
+            self.publisher.set_token(&record.user, found.token.clone());
+        }
+        let ready = record.ready || (found.ready && record.role == Role::Main);
+        let (entry, stops) = Entry::new(record.clone(), started.endpoint.clone());
+        self.publisher.install(&slot, entry);
+        let stored = self
+            .publisher
+            .publish(
+                &slot,
+                &record,
+                started.endpoint.clone(),
+                Some("re-attached".into()),
+            )
+            .await;
+        self.on_store_refusal(&slot.user, &stored);
+        match record.role {
+            Role::Main => driver::start_main(
+                self,
+                &slot,
+                &record,
+                stops,
+                Begin::Run {
+                    run: Run::of(started),
+                    started_at: record.started_at,
+                    ready,
+                    fresh: false,
+                },
+            ),
+            Role::Watchdog => {
+                driver::start_watchdog(self, &slot, &record.id, Run::of(started), stops);
+            }
+        }
+    }
+
+    async fn recover(
+        self: &Arc<Self>,
+        mut record: Instance,
+        exit: Option<ExitStatus>,
+        held: &HashMap<UserId, Epoch>,
+    ) {
+        if record.role == Role::Watchdog {
+            // Watchdogs are never restarted: forget the record.
+            self.runtime.release(&record.id).await;
+            if let Err(e) = self
+                .store
+                .delete_instance(&record.user, Role::Watchdog)
+                .await
+            {
+                tracing::warn!(user = %record.user, error = %e, "could not delete the watchdog record");
+            }
+            return;
+        }
+        let slot = self.prepare_slot(&record);
+        let Some(epoch) = self.fencer.regain(&record.user, record.epoch, held).await else {
+            self.record_fenced(&slot, record).await;
+            return;
+        };
+        record.epoch = epoch;
+        let counted = record.status == InstanceStatus::Crashed;
+        let ready = record.ready;
+        record.ready = false;
+        let (entry, stops) = Entry::new(record.clone(), None);
+        self.publisher.install(&slot, entry);
+        self.publisher.announce(&slot, &record, None, None);
+        let begin = if counted {
+            Begin::Respawn
+        } else {
+            Begin::Ended {
+                started_at: record.started_at,
+                ready,
+                exit: exit.unwrap_or_else(unknown_exit),
+            }
+        };
+        driver::start_main(self, &slot, &record, stops, begin);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use berth_core::runtime::RuntimeRef;
+
+    use super::*;
+
+    fn record(user: &str, role: Role, status: InstanceStatus) -> Instance {
+        Instance {
+            id: format!("id-{user}-{role}"),
+            user: UserId::parse(user).unwrap(),
+            role,
+            status,
+            node: "n1".into(),
+            epoch: 3,
+            port: Some(20000),
+            pid: Some(100),
+            pid_start: None,
+            runtime_ref: Some(RuntimeRef::new(format!("ref-{user}-{role}"))),
+            folder: String::new(),
+            started_at: 0,
+            ready: true,
+            restarts: 0,
+            last_error: None,
+            exit_code: None,
+            last_active: 0,
+        }
+    }
+
+    fn found(r: &Instance, alive: bool) -> Discovered {
+        Discovered {
+            user: Some(r.user.clone()),
+            slug: r.user.slug().as_str().into(),
+            role: r.role,
+            instance_id: r.id.clone(),
+            epoch: r.epoch,
+            runtime_ref: r.runtime_ref.clone().unwrap(),
+            alive,
+            frozen: false,
+            ready: false,
+            token: None,
+            exit: None,
+        }
+    }
+
+    fn plan_of(found: &[Discovered], records: &[Instance]) -> Vec<Step> {
+        plan(found, records, UserId::slug)
+    }
+
+    #[test]
+    fn a_matching_live_instance_is_adopted() {
+        let r = record("alice", Role::Main, InstanceStatus::Running);
+        assert_eq!(
+            plan_of(&[found(&r, true)], std::slice::from_ref(&r)),
+            [Step::Adopt {
+                found: 0,
+                record: r
+            }]
+        );
+    }
+
+    #[test]
+    fn another_run_under_the_same_id_is_not_mistaken_for_the_instance() {
+        // A reused pid: the runtime's reference differs.
+        let r = record("alice", Role::Main, InstanceStatus::Running);
+        let mut f = found(&r, true);
+        f.runtime_ref = RuntimeRef::new("someone else");
+        let plan = plan_of(&[f], std::slice::from_ref(&r));
+        assert!(
+            matches!(&plan[0], Step::Remove { reason, .. } if reason.contains("runtime reference")),
+            "{plan:?}"
+        );
+        assert!(
+            matches!(&plan[1], Step::CrashedWhileAway { record, exit: None } if record.id == r.id)
+        );
+        // A stale epoch or instance id likewise.
+        let mut f = found(&r, true);
+        f.epoch = 2;
+        f.instance_id = "old".into();
+        let plan = plan_of(&[f], std::slice::from_ref(&r));
+        assert!(
+            matches!(&plan[0], Step::Remove { reason, .. } if reason.contains("instance id, epoch")),
+            "{plan:?}"
+        );
+    }
+
+    #[test]
+    fn instances_without_a_live_record_are_removed() {
+        let r = record("alice", Role::Main, InstanceStatus::Stopped);
+        let plan = plan_of(
+            &[found(&r, true), found(&r, false)],
+            std::slice::from_ref(&r),
+        );
+        assert!(matches!(plan[0], Step::Remove { found: 0, .. }));
+        assert!(matches!(plan[1], Step::Remove { found: 1, .. }));
+        assert_eq!(plan.len(), 2);
+    }
+
+    #[test]
+    fn an_ended_instance_with_a_live_record_is_a_crash_while_away() {
+        let r = record("bob", Role::Main, InstanceStatus::Running);
+        let mut f = found(&r, false);
+        f.exit = Some(ExitStatus {
+            code: Some(3),
+            signal: None,
+            stderr_tail: "boom".into(),
+            out_of_memory: None,
+            port_in_use: false,
+        });
+        assert_eq!(
+            plan_of(&[f.clone()], std::slice::from_ref(&r)),
+            [Step::CrashedWhileAway {
+                record: r,
+                exit: f.exit
+            }]
+        );
+    }
+
+    #[test]
+    fn a_live_record_without_any_instance_is_a_crash_while_away() {
+        let main = record("carol", Role::Main, InstanceStatus::Starting);
+        let dog = record("carol", Role::Watchdog, InstanceStatus::Running);
+        let gone = record("dave", Role::Main, InstanceStatus::Failed);
+        let plan = plan_of(&[], &[main, dog, gone]);
+        assert_eq!(plan.len(), 2);
+        assert!(
+            plan.iter()
+                .all(|s| matches!(s, Step::CrashedWhileAway { exit: None, .. }))
+        );
+    }
+
+    #[test]
+    fn misfiled_or_unreadable_instances_are_removed() {
+        let r = record("alice", Role::Main, InstanceStatus::Running);
+        let mut misfiled = found(&r, true);
+        misfiled.slug = "mallory".into();
+        let mut unreadable = found(&r, false);
+        unreadable.user = None;
+        let plan = plan_of(&[misfiled, unreadable], std::slice::from_ref(&r));
+        assert!(
+            matches!(&plan[0], Step::Remove { reason, .. } if reason.contains("filed")),
+            "{plan:?}"
+        );
+        assert!(
+            matches!(&plan[1], Step::Remove { reason, .. } if reason.contains("unreadable")),
+            "{plan:?}"
+        );
+        assert!(matches!(plan[2], Step::CrashedWhileAway { .. }));
+    }
+
+    #[test]
+    fn two_instances_for_one_record_adopt_one() {
+        let r = record("erin", Role::Main, InstanceStatus::Running);
+        let plan = plan_of(
+            &[found(&r, true), found(&r, true)],
+            std::slice::from_ref(&r),
+        );
+        assert!(matches!(plan[0], Step::Adopt { found: 0, .. }));
+        assert!(matches!(plan[1], Step::Remove { found: 1, .. }));
+    }
+}

@@ -1,0 +1,213 @@
+//! The node's side of the lease (design §3, §7.3): claims through the
+//! [`LeaseKeeper`] (so it renews exactly the epochs instances run under),
+//! the question "may this instance run?", and the bookkeeping of frozen
+//! mains that a good renew thaws.
+//!
+//! The runtime calls themselves (freeze, thaw, extend, kill) are made by
+//! the renew tick (`background.rs`); this part only decides whom they are
+//! for.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, Instant};
+
+use berth_core::policy::supervision::LeaseCheck;
+use berth_core::{Epoch, SpawnError, UserId};
+use berth_store::lease::{LeaseConfig, LeaseKeeper};
+use berth_store::{ClaimOutcome, Store, StoreError};
+
+/// How a launch claims the lease.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Claim {
+    /// An ordinary claim: free, released, this node's own, or expired
+    /// under the takeover policy.
+    Acquire,
+    /// An operator's explicit takeover of an expired lease, whatever the
+    /// policy.
+    TakeOver,
+}
+
+pub(crate) struct Fencer {
+    lease: LeaseKeeper,
+    config: LeaseConfig,
+    fencing: bool,
+    /// Mains whose program is frozen, with the epoch they held: frozen by
+    /// this node's fence deadline, or by the runtime's own (its `Frozen`
+    /// event). A good renew thaws them.
+    frozen: Mutex<HashMap<UserId, Epoch>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// `instant + d`, or as far as `Instant` reaches (`LeaseConfig`'s bounds
+/// keep config durations far below that; this only keeps a bad value from
+/// panicking). Falling back to `instant` itself errs on the side of
+/// fencing early.
+pub(crate) fn saturating_add(instant: Instant, d: Duration) -> Instant {
+    instant
+        .checked_add(d)
+        .or_else(|| instant.checked_add(Duration::from_secs(100 * 365 * 24 * 3600)))
+        .unwrap_or(instant)
+}
+
+impl Fencer {
+    pub fn new(store: Arc<dyn Store>, node: String, config: LeaseConfig, fencing: bool) -> Self {
+        Self {
+            lease: LeaseKeeper::new(store, node, config.clone()),
+            config,
+            fencing,
+            frozen: Mutex::new(HashMap::new()),
+        }
+    }
+
+    pub fn config(&self) -> &LeaseConfig {
+        &self.config
+    }
+
+    /// Claims `user`'s lease; the epoch, or `lease_busy` naming the holder.
+    pub async fn claim(&self, user: &UserId, claim: Claim) -> Result<Epoch, SpawnError> {
+        let outcome = match claim {
+            Claim::Acquire => self.lease.acquire(user).await?,
+            Claim::TakeOver => self.lease.take_over(user).await?,
+        };
+        match outcome {
+            ClaimOutcome::Claimed { epoch } => Ok(epoch),
+            ClaimOutcome::Busy { holder, expired } => Err(SpawnError::LeaseBusy {
+                user: user.clone(),
+                holder,
+                expired,
+            }),
+        }
+    }
+
+    /// Gives the lease up (keeping this node as the sticky holder hint).
+    pub async fn release(&self, user: &UserId) -> Result<(), StoreError> {
+        self.lease.release(user).await.map(drop)
+    }
+
+    /// Drops the lease from this node's books without touching the row: it
+    /// is another node's now.
+    pub fn forget(&self, user: &UserId) {
+        self.lease.forget(user);
+    }
+
+    /// Makes sure this node holds `user`'s lease for an instance found at
+    /// start under `epoch`: adopts it if the store says it is held at that
+    /// epoch (`held`), else claims it again (it ran out while berth was
+    /// away and nobody took it). `None`: another node holds it.
+    pub async fn regain(
+        &self,
+        user: &UserId,
+        epoch: Epoch,
+        held: &HashMap<UserId, Epoch>,
+    ) -> Option<Epoch> {
+        if held.get(user) == Some(&epoch) {
+            self.lease.adopt(user.clone(), epoch);
+            return Some(epoch);
+        }
+        match self.lease.acquire(user).await {
+            Ok(ClaimOutcome::Claimed { epoch }) => Some(epoch),
+            Ok(ClaimOutcome::Busy { holder, .. }) => {
+                tracing::warn!(%user, %holder, "the lease moved to another node while berth was away");
+                None
+            }
+            Err(e) => {
+                tracing::warn!(%user, error = %e, "could not re-claim the lease");
+                None
+            }
+        }
+    }
+
+    /// May a main of `user` under `epoch` run (again) now?
+    pub fn check(&self, user: &UserId, epoch: Epoch) -> LeaseCheck {
+        if self.lease.epoch_of(user) != Some(epoch) {
+            LeaseCheck::Lost
+        } else if self.fence_due() {
+            LeaseCheck::Unproven
+        } else {
+            LeaseCheck::Held
+        }
+    }
+
+    /// The fence deadline a new run gets (cluster mode): it may run only as
+    /// long as the lease is proven, until the last successful renew's send
+    /// time + `fence_after`, not a fresh `fence_after` from now (a restart
+    /// after failed renews would otherwise outlive the lease).
+    pub fn deadline_for_new_run(&self) -> Option<Duration> {
+        if !self.fencing {
+            return None;
+        }
+        Some(match self.lease.fence_deadline() {
+            Some(deadline) => deadline.saturating_duration_since(Instant::now()),
+            None => self.config.fence_after(),
+        })
+    }
+
+    /// When this node must freeze its instances unless a renew succeeds
+    /// first (cluster mode only).
+    pub fn fence_deadline(&self) -> Option<Instant> {
+        self.fencing.then(|| self.lease.fence_deadline()).flatten()
+    }
+
+    /// No renew sent within `fence_after` has succeeded (cluster mode).
+    pub fn fence_due(&self) -> bool {
+        self.fencing && self.lease.fence_due(Instant::now())
+    }
+
+    /// Renews every held lease in one statement; the ones found lost.
+    pub async fn renew_all(&self) -> Result<Vec<(UserId, Epoch)>, StoreError> {
+        Ok(self.lease.renew_all().await?.lost)
+    }
+
+    /// Tracks `user`'s main under `epoch` as frozen or not, whoever froze
+    /// it.
+    pub fn note_frozen(&self, user: &UserId, epoch: Epoch, frozen: bool) {
+        let mut map = lock(&self.frozen);
+        if frozen {
+            map.insert(user.clone(), epoch);
+        } else if map.get(user) == Some(&epoch) {
+            map.remove(user);
+        }
+    }
+
+    pub fn forget_frozen(&self, user: &UserId) {
+        lock(&self.frozen).remove(user);
+    }
+
+    /// Marks `user`'s main frozen by this node's deadline, if its lease is
+    /// held; its epoch when it was not frozen yet (so it is to be frozen
+    /// now).
+    pub fn freeze(&self, user: &UserId) -> Option<Epoch> {
+        let epoch = self.lease.epoch_of(user)?;
+        lock(&self.frozen)
+            .insert(user.clone(), epoch)
+            .is_none()
+            .then_some(epoch)
+    }
+
+    /// The frozen mains whose lease this node still holds under the same
+    /// epoch: to be thawed (and forgotten as frozen).
+    pub fn thawable(&self) -> Vec<(UserId, Epoch)> {
+        let frozen: Vec<(UserId, Epoch)> = lock(&self.frozen)
+            .iter()
+            .map(|(u, e)| (u.clone(), *e))
+            .collect();
+        frozen
+            .into_iter()
+            .filter(|(user, epoch)| self.lease.epoch_of(user) == Some(*epoch))
+            .collect()
+    }
+
+    /// Forgets `user` as frozen under `epoch` (it is being thawed).
+    pub fn thawing(&self, user: &UserId, epoch: Epoch) -> bool {
+        let mut map = lock(&self.frozen);
+        if map.get(user) == Some(&epoch) {
+            map.remove(user);
+            true
+        } else {
+            false
+        }
+    }
+}

@@ -1,0 +1,102 @@
+//! The controller's Prometheus metrics (design §11).
+
+use berth_core::{InstanceStatus, Role};
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::{Registry, Unit};
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub(crate) struct InstanceLabels {
+    pub status: String,
+    pub role: String,
+    pub node: String,
+}
+
+/// Cheap to clone: every metric is an `Arc` inside.
+#[derive(Debug, Clone)]
+pub(crate) struct Metrics {
+    node: String,
+    pub instances: Family<InstanceLabels, Gauge>,
+    pub spawn_to_ready: Histogram,
+    pub restarts: Counter,
+    pub breaker_opens: Counter,
+    pub lease_renew_failures: Counter,
+    pub fenced: Counter,
+    pub store_errors: Counter,
+}
+
+impl Metrics {
+    pub fn new(node: &str) -> Self {
+        Self {
+            node: node.to_owned(),
+            instances: Family::default(),
+            // 50 ms … ~100 s.
+            spawn_to_ready: Histogram::new(exponential_buckets(0.05, 2.0, 12)),
+            restarts: Counter::default(),
+            breaker_opens: Counter::default(),
+            lease_renew_failures: Counter::default(),
+            fenced: Counter::default(),
+            store_errors: Counter::default(),
+        }
+    }
+
+    fn gauge(&self, role: Role, status: InstanceStatus) -> InstanceLabels {
+        InstanceLabels {
+            status: status.as_str().to_owned(),
+            role: role.as_str().to_owned(),
+            node: self.node.clone(),
+        }
+    }
+
+    /// Moves one instance from `old` to `new` in the by-status gauge;
+    /// `None` is "not tracked in memory".
+    pub fn transition(&self, role: Role, old: Option<InstanceStatus>, new: Option<InstanceStatus>) {
+        if old == new {
+            return;
+        }
+        if let Some(old) = old {
+            self.instances.get_or_create(&self.gauge(role, old)).dec();
+        }
+        if let Some(new) = new {
+            self.instances.get_or_create(&self.gauge(role, new)).inc();
+        }
+    }
+
+    pub fn register(&self, registry: &mut Registry) {
+        registry.register(
+            "berth_instances",
+            "Instances known to this node, by status and role",
+            self.instances.clone(),
+        );
+        registry.register_with_unit(
+            "berth_spawn_to_ready",
+            "Time from spawning an instance to its readiness",
+            Unit::Seconds,
+            self.spawn_to_ready.clone(),
+        );
+        registry.register("berth_restarts", "Crash restarts", self.restarts.clone());
+        registry.register(
+            "berth_breaker_opens",
+            "Crash breakers opened",
+            self.breaker_opens.clone(),
+        );
+        registry.register(
+            "berth_lease_renew_failures",
+            "Lease renew ticks that failed",
+            self.lease_renew_failures.clone(),
+        );
+        registry.register(
+            "berth_fenced_instances",
+            "Instances frozen or killed by fencing",
+            self.fenced.clone(),
+        );
+        registry.register(
+            "berth_controller_store_errors",
+            "Store errors met by the controller's background work",
+            self.store_errors.clone(),
+        );
+    }
+}

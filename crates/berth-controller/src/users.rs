@@ -1,0 +1,200 @@
+//! Per-user state on this node: one [`Slot`] per user, created on first use
+//! and kept, holding the user's main and watchdog [`Entry`] and the
+//! per-user locks. The hot path (`endpoint_for`, `touch`) never takes the
+//! async locks.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock};
+
+use berth_core::policy::supervision::StopKind;
+use berth_core::{Endpoint, Instance, Role, Slug, UserId};
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+/// One instance this node supervises (or last supervised, once terminal).
+pub(crate) struct Entry {
+    pub instance: Instance,
+    /// Where it listens, as its runtime said (the route once running).
+    pub endpoint: Option<Endpoint>,
+    /// Asks its driver to stop it; a fence replaces a requested stop.
+    stop: watch::Sender<Option<StopKind>>,
+    /// Its driver; taken by whoever waits for a stop.
+    pub task: Option<JoinHandle<()>>,
+}
+
+impl Entry {
+    /// A new entry, and the receiving end of its stop requests (for its
+    /// driver).
+    pub fn new(
+        instance: Instance,
+        endpoint: Option<Endpoint>,
+    ) -> (Entry, watch::Receiver<Option<StopKind>>) {
+        let (stop, requests) = watch::channel(None);
+        (
+            Entry {
+                instance,
+                endpoint,
+                stop,
+                task: None,
+            },
+            requests,
+        )
+    }
+
+    /// Asks the driver to stop the instance. A fence overrides a stop
+    /// already asked for; otherwise the first reason stays.
+    pub fn request_stop(&self, kind: StopKind) {
+        self.stop.send_if_modified(|current| match current {
+            Some(StopKind::Fenced) => false,
+            Some(_) if kind != StopKind::Fenced => false,
+            _ => {
+                *current = Some(kind);
+                true
+            }
+        });
+    }
+}
+
+#[derive(Default)]
+pub(crate) struct SlotState {
+    pub main: Option<Entry>,
+    pub watchdog: Option<Entry>,
+}
+
+impl SlotState {
+    pub fn get(&self, role: Role) -> Option<&Entry> {
+        match role {
+            Role::Main => self.main.as_ref(),
+            Role::Watchdog => self.watchdog.as_ref(),
+        }
+    }
+    pub fn get_mut(&mut self, role: Role) -> &mut Option<Entry> {
+        match role {
+            Role::Main => &mut self.main,
+            Role::Watchdog => &mut self.watchdog,
+        }
+    }
+    /// The entry of `role` if it is still instance `id`.
+    pub fn current(&mut self, role: Role, id: &str) -> Option<&mut Entry> {
+        self.get_mut(role).as_mut().filter(|e| e.instance.id == id)
+    }
+}
+
+/// Everything about one user on this node.
+pub(crate) struct Slot {
+    pub user: UserId,
+    pub slug: Slug,
+    /// Serialises lifecycle operations (launch, stop, restart) of this user.
+    /// Never taken on the proxy's hot path.
+    pub lifecycle: tokio::sync::Mutex<()>,
+    /// Keeps two watchdog starts (explicit and after a crash) apart.
+    pub watchdog_lock: tokio::sync::Mutex<()>,
+    state: Mutex<SlotState>,
+    /// Last activity, written by `touch` without any lock.
+    last_active: AtomicI64,
+    /// The last activity time already written to the store.
+    flushed_active: AtomicI64,
+    /// The main's current record, for `wait_for_ready`.
+    pub main_watch: watch::Sender<Option<Instance>>,
+}
+
+impl Slot {
+    pub fn lock(&self) -> MutexGuard<'_, SlotState> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    pub fn record(&self, role: Role) -> Option<Instance> {
+        self.lock().get(role).map(|e| e.instance.clone())
+    }
+
+    pub fn live_record(&self, role: Role) -> Option<Instance> {
+        self.record(role).filter(|i| i.status.is_live())
+    }
+
+    pub fn touch(&self, at: i64) {
+        self.last_active.fetch_max(at, Ordering::Relaxed);
+    }
+
+    pub fn last_active(&self) -> i64 {
+        self.last_active.load(Ordering::Relaxed)
+    }
+
+    /// Activity newer than the last flush, if any.
+    pub fn unflushed(&self) -> Option<i64> {
+        let t = self.last_active();
+        (t > self.flushed_active.load(Ordering::Relaxed)).then_some(t)
+    }
+
+    pub fn flushed(&self, at: i64) {
+        self.flushed_active.fetch_max(at, Ordering::Relaxed);
+    }
+}
+
+/// Every user this node has seen.
+#[derive(Default)]
+pub(crate) struct Users {
+    slots: RwLock<HashMap<UserId, Arc<Slot>>>,
+}
+
+impl Users {
+    /// The slot of `user`, created on first use.
+    pub fn slot(&self, user: &UserId) -> Arc<Slot> {
+        if let Some(slot) = self.existing(user) {
+            return slot;
+        }
+        let mut slots = self.slots.write().unwrap_or_else(PoisonError::into_inner);
+        slots
+            .entry(user.clone())
+            .or_insert_with(|| {
+                Arc::new(Slot {
+                    user: user.clone(),
+                    slug: user.slug(),
+                    lifecycle: tokio::sync::Mutex::new(()),
+                    watchdog_lock: tokio::sync::Mutex::new(()),
+                    state: Mutex::new(SlotState::default()),
+                    last_active: AtomicI64::new(0),
+                    flushed_active: AtomicI64::new(0),
+                    main_watch: watch::channel(None).0,
+                })
+            })
+            .clone()
+    }
+
+    pub fn existing(&self, user: &UserId) -> Option<Arc<Slot>> {
+        let slots = self.slots.read().unwrap_or_else(PoisonError::into_inner);
+        slots.get(user).cloned()
+    }
+
+    pub fn all(&self) -> Vec<Arc<Slot>> {
+        let slots = self.slots.read().unwrap_or_else(PoisonError::into_inner);
+        slots.values().cloned().collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_fence_overrides_a_requested_stop_and_nothing_overrides_a_fence() {
+        let instance: Instance = serde_json::from_value(serde_json::json!({
+            "id": "i", "user": "alice", "role": "main", "status": "running",
+            "node": "n", "epoch": 1, "port": null, "pid": null, "pid_start": null,
+            "folder": "", "started_at": 0, "ready": true, "restarts": 0,
+            "last_error": null, "exit_code": null, "last_active": 0
+        }))
+        .unwrap();
+        let (entry, mut requests) = Entry::new(instance, None);
+        entry.request_stop(StopKind::Requested("stop"));
+        entry.request_stop(StopKind::Requested("idle"));
+        assert_eq!(
+            *requests.borrow_and_update(),
+            Some(StopKind::Requested("stop"))
+        );
+        entry.request_stop(StopKind::Fenced);
+        assert_eq!(*requests.borrow_and_update(), Some(StopKind::Fenced));
+        entry.request_stop(StopKind::Requested("stop"));
+        assert!(!requests.has_changed().unwrap());
+    }
+}
