@@ -306,7 +306,6 @@ mod tests {
             epoch: 3,
             port: Some(20000),
             pid: Some(100),
-            pid_start: None,
             runtime_ref: Some(RuntimeRef::new(format!("ref-{user}-{role}"))),
             folder: String::new(),
             started_at: 0,

@@ -180,7 +180,7 @@ mod tests {
     fn a_fence_overrides_a_requested_stop_and_nothing_overrides_a_fence() {
         let instance: Instance = serde_json::from_value(serde_json::json!({
             "id": "i", "user": "alice", "role": "main", "status": "running",
-            "node": "n", "epoch": 1, "port": null, "pid": null, "pid_start": null,
+            "node": "n", "epoch": 1, "port": null, "pid": null,
             "folder": "", "started_at": 0, "ready": true, "restarts": 0,
             "last_error": null, "exit_code": null, "last_active": 0
         }))

@@ -67,6 +67,15 @@ pub struct Capabilities {
     pub fence_deadline: bool,
 }
 
+/// A limit on how many mains run at once, and where it comes from (for the
+/// `capacity_exhausted` message an operator reads).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Capacity {
+    pub instances: u32,
+    /// E.g. "one per port of 20000-29999".
+    pub reason: String,
+}
+
 /// The patch of an instance (design §5): content for a new launch, or
 /// whatever the runtime materialised last time, for a restart.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -253,7 +262,7 @@ pub trait Runtime: Send + Sync + 'static {
     /// How many mains this runtime can run at once, if it has a limit of
     /// its own (the local runtime: one per port of its range). The
     /// controller's node capacity defaults to it.
-    fn capacity(&self) -> Option<u32> {
+    fn capacity(&self) -> Option<Capacity> {
         None
     }
 

@@ -59,7 +59,7 @@ impl UserPaths {
         }
     }
     /// The working directory of an instance started in `folder` (already
-    /// normalised: see [`normalize_folder`]).
+    /// normalised: see [`berth_core::normalize_folder`]).
     pub fn workdir(&self, folder: &str) -> PathBuf {
         if folder.is_empty() {
             self.ws()
@@ -121,8 +121,6 @@ pub(crate) fn check_socket_room(data_dir: &Path) -> Result<(), String> {
     }
     Ok(())
 }
-
-pub(crate) use berth_core::normalize_folder;
 
 #[cfg(test)]
 mod tests {

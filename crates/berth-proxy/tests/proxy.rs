@@ -1,7 +1,7 @@
 //! The proxy's layers together against a real upstream hyper server on
 //! loopback, through the real server loop. The Spawner is a test double
-//! (`StaticSpawner`); the real LocalSpawner is exercised end to end in
-//! crates/berth/tests/proxy.rs.
+//! (`StaticSpawner`); the real controller (over the local runtime) is
+//! exercised end to end in crates/berth/tests/proxy.rs.
 
 mod support;
 

@@ -73,15 +73,6 @@ pub(crate) fn narrow_opt<T: TryFrom<i64>>(
     value.map(|v| narrow(v, column)).transpose()
 }
 
-pub(crate) fn widen<T: TryInto<i64> + Copy + std::fmt::Display>(
-    value: T,
-    what: &str,
-) -> Result<i64, StoreError> {
-    value
-        .try_into()
-        .map_err(|_| StoreError::Query(format!("{what} {value} does not fit the store")))
-}
-
 /// One column of a result row, decoded as `T`: what the row mappers below
 /// need of either backend's rows.
 pub(crate) trait Column<T> {
@@ -144,7 +135,6 @@ pub(crate) fn instance_from_row<R: RecordRow>(row: &R) -> Result<Instance, Store
         epoch: get(row, "epoch")?,
         port: narrow_opt(get(row, "port")?, "port")?,
         pid: narrow_opt(get(row, "pid")?, "pid")?,
-        pid_start: narrow_opt(get(row, "pid_start")?, "pid_start")?,
         folder: get(row, "folder")?,
         started_at: get(row, "started_at")?,
         ready: get(row, "ready")?,

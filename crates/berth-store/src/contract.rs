@@ -118,7 +118,6 @@ fn instance(u: &str, role: Role, node: &str, port: Option<u16>) -> Instance {
         epoch: 0,
         port,
         pid: None,
-        pid_start: None,
         runtime_ref: None,
         folder: String::new(),
         started_at: 1_700_000_000_000,
@@ -218,7 +217,6 @@ pub async fn instance_round_trip_keeps_every_field(store: Arc<dyn Store>) {
         epoch: 7,
         port: Some(u16::MAX),
         pid: Some(u32::MAX),
-        pid_start: Some(i64::MAX as u64),
         runtime_ref: Some(berth_core::runtime::RuntimeRef::new(
             "shim 4242 pid 77 started 9",
         )),
@@ -247,7 +245,6 @@ pub async fn instance_round_trip_keeps_every_field(store: Arc<dyn Store>) {
         epoch: 8,
         port: None,
         pid: None,
-        pid_start: None,
         runtime_ref: None,
         folder: String::new(),
         ready: false,

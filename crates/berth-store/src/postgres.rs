@@ -25,7 +25,7 @@ use sqlx::postgres::{PgConnectOptions, PgConnection, PgPool, PgPoolOptions};
 
 use crate::common::{
     EmbeddedMigrations, get, instance_from_row, lease_from_row, node_from_row, node_status_str,
-    parse_user, ttl_ms, widen,
+    parse_user, ttl_ms,
 };
 use crate::{
     ClaimOutcome, InstanceFilter, LaunchParams, LeaseRecord, NodeRecord, Store, StoreError,
@@ -240,7 +240,6 @@ impl PgStore {
             .bind(i.epoch)
             .bind(i.port.map(i64::from))
             .bind(i.pid.map(i64::from))
-            .bind(i.pid_start.map(|v| widen(v, "pid_start")).transpose()?)
             .bind(&i.folder)
             .bind(i.started_at)
             .bind(i.ready)
@@ -386,7 +385,7 @@ pub fn redact_url(url: &str) -> String {
 
 macro_rules! instance_columns {
     () => {
-        "user_id, role, id, status, node, epoch, port, pid, pid_start, folder, started_at, \
+        "user_id, role, id, status, node, epoch, port, pid, folder, started_at, \
          ready, restarts, last_error, exit_code, last_active, runtime_ref"
     };
 }
@@ -400,10 +399,10 @@ macro_rules! instance_columns {
 const INSTANCE_UPSERT_SQL: &str = concat!(
     "INSERT INTO instances (",
     instance_columns!(),
-    ") VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17) ",
+    ") VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16) ",
     "ON CONFLICT (user_id, role) DO UPDATE SET id = excluded.id, status = excluded.status, ",
     "node = excluded.node, epoch = excluded.epoch, port = excluded.port, pid = excluded.pid, ",
-    "pid_start = excluded.pid_start, folder = excluded.folder, ",
+    "folder = excluded.folder, ",
     "started_at = excluded.started_at, ready = excluded.ready, restarts = excluded.restarts, ",
     "last_error = excluded.last_error, exit_code = excluded.exit_code, ",
     "last_active = excluded.last_active, runtime_ref = excluded.runtime_ref ",

@@ -19,7 +19,7 @@ use sqlx::sqlite::{
 
 use crate::common::{
     EmbeddedMigrations, get, instance_from_row, lease_from_row, node_from_row, node_status_str,
-    parse_user, ttl_ms, widen,
+    parse_user, ttl_ms,
 };
 use crate::{
     ClaimOutcome, InstanceFilter, LaunchParams, LeaseRecord, NodeRecord, Store, StoreError,
@@ -152,7 +152,6 @@ impl SqliteStore {
             .bind(i.epoch)
             .bind(i.port.map(i64::from))
             .bind(i.pid.map(i64::from))
-            .bind(i.pid_start.map(|v| widen(v, "pid_start")).transpose()?)
             .bind(&i.folder)
             .bind(i.started_at)
             .bind(i.ready)
@@ -272,7 +271,7 @@ fn db_err(e: sqlx::Error) -> StoreError {
 
 macro_rules! instance_columns {
     () => {
-        "user_id, role, id, status, node, epoch, port, pid, pid_start, folder, started_at, \
+        "user_id, role, id, status, node, epoch, port, pid, folder, started_at, \
          ready, restarts, last_error, exit_code, last_active, runtime_ref"
     };
 }
@@ -287,10 +286,10 @@ macro_rules! instance_columns {
 const INSTANCE_UPSERT_SQL: &str = concat!(
     "INSERT INTO instances (",
     instance_columns!(),
-    ") VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17) ",
+    ") VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16) ",
     "ON CONFLICT (user_id, role) DO UPDATE SET id = excluded.id, status = excluded.status, ",
     "node = excluded.node, epoch = excluded.epoch, port = excluded.port, pid = excluded.pid, ",
-    "pid_start = excluded.pid_start, folder = excluded.folder, ",
+    "folder = excluded.folder, ",
     "started_at = excluded.started_at, ready = excluded.ready, restarts = excluded.restarts, ",
     "last_error = excluded.last_error, exit_code = excluded.exit_code, ",
     "last_active = excluded.last_active, runtime_ref = excluded.runtime_ref ",
@@ -893,31 +892,50 @@ mod tests {
         assert_eq!(store.leases_held_by("node-a").await.unwrap().len(), 10_000);
     }
 
+    /// Migration 6 carries a local instance's identity over: a record
+    /// written with a pid and its start time gets the runtime reference the
+    /// local runtime names that run by, so an upgrade of berth adopts its
+    /// running instances instead of ending them.
     #[tokio::test]
-    async fn out_of_range_pid_start_is_refused_not_wrapped() {
-        let store = SqliteStore::open("sqlite::memory:").await.unwrap();
-        let instance = Instance {
-            id: "i".into(),
-            user: UserId::parse("alice").unwrap(),
-            role: Role::Main,
-            status: InstanceStatus::Running,
-            node: "n".into(),
-            epoch: 1,
-            port: None,
-            pid: None,
-            pid_start: Some(u64::MAX),
-            runtime_ref: None,
-            folder: String::new(),
-            started_at: 0,
-            ready: true,
-            restarts: 0,
-            last_error: None,
-            exit_code: None,
-            last_active: 0,
-        };
-        assert!(matches!(
-            store.put_instance(&instance).await,
-            Err(StoreError::Query(_))
-        ));
+    async fn migration_6_turns_pid_and_start_time_into_the_runtime_ref() {
+        let pool = SqlitePoolOptions::new()
+            .max_connections(1)
+            .connect("sqlite::memory:")
+            .await
+            .unwrap();
+        for (version, _, sql) in &MIGRATIONS[..2] {
+            assert!(*version < 6);
+            sqlx::raw_sql(sql).execute(&pool).await.unwrap();
+        }
+        sqlx::raw_sql(
+            "INSERT INTO instances (user_id, role, id, status, node, epoch, port, pid, pid_start, \
+             folder, started_at, ready, restarts, last_active) VALUES \
+             ('alice', 'main', 'i1', 'running', 'n', 1, 20000, 4242, 987654, '', 0, 1, 0, 0), \
+             ('bob', 'main', 'i2', 'stopped', 'n', 1, NULL, NULL, NULL, '', 0, 0, 0, 0)",
+        )
+        .execute(&pool)
+        .await
+        .unwrap();
+        let (version, _, sql) = MIGRATIONS[2];
+        assert_eq!(version, 6);
+        sqlx::raw_sql(sql).execute(&pool).await.unwrap();
+        let refs: Vec<(String, Option<String>)> =
+            sqlx::query_as("SELECT user_id, runtime_ref FROM instances ORDER BY user_id")
+                .fetch_all(&pool)
+                .await
+                .unwrap();
+        assert_eq!(
+            refs,
+            [
+                ("alice".to_owned(), Some("pid 4242 start 987654".to_owned())),
+                ("bob".to_owned(), None)
+            ]
+        );
+        let columns: Vec<String> =
+            sqlx::query_scalar("SELECT name FROM pragma_table_info('instances')")
+                .fetch_all(&pool)
+                .await
+                .unwrap();
+        assert!(!columns.iter().any(|c| c == "pid_start"), "{columns:?}");
     }
 }

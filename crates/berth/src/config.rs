@@ -13,8 +13,9 @@ use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use berth_controller::{BreakerHook, ControllerConfig};
 use berth_core::policy::{CrashPolicy, ReapPolicy};
-use berth_local::{Isolation, LocalConfig, Readiness};
+use berth_local::{Isolation, LocalRuntimeConfig, Readiness};
 use berth_store::TakeoverPolicy;
 use berth_store::lease::LeaseConfig;
 use serde::{Deserialize, Serialize};
@@ -536,15 +537,6 @@ impl Config {
         }
     }
 
-    /// The capacity this node reports: `[cluster] capacity`, else one main
-    /// per port of the range.
-    pub fn capacity(&self) -> u32 {
-        self.cluster.capacity.unwrap_or_else(|| {
-            let [low, high] = self.instance.port_range;
-            u32::from(high.saturating_sub(low)) + 1
-        })
-    }
-
     /// The parsed listen address.
     pub fn listen_addr(&self) -> Result<SocketAddr, ConfigError> {
         self.listen.parse().map_err(|_| {
@@ -649,39 +641,69 @@ impl Config {
 
     /// The local backend's settings. `shim_command` runs a shim (normally
     /// `[current_exe, "shim"]`).
-    pub fn local_config(
+    /// The local runtime's settings: how, where and on which ports the
+    /// program runs. `shim_command` runs the shim zygote (normally this
+    /// executable and `shim`).
+    pub fn runtime_config(
         &self,
-        node_id: impl Into<String>,
         shim_command: Vec<String>,
-    ) -> Result<LocalConfig, ConfigError> {
+    ) -> Result<LocalRuntimeConfig, ConfigError> {
         let i = &self.instance;
-        Ok(LocalConfig {
-            node_id: node_id.into(),
-            // Empty when unset: serve.rs knows the bound address and may
-            // fill in a default.
-            advertise_url: self.advertise_url.clone().unwrap_or_default(),
+        Ok(LocalRuntimeConfig {
             data_dir: self.data_dir.clone(),
             command: self.instance_command()?,
             env: i.env.clone(),
             env_allowlist: i.env_allowlist.clone(),
             readiness: self.readiness()?,
-            ready_timeout: Duration::from_secs(i.ready_timeout_s),
             port_range: i.port_range[0]..=i.port_range[1],
-            stop_grace: Duration::from_secs(i.stop_grace_s),
             patch_ext: i.patch_ext.clone(),
             watchdog_command: self.watchdog.command.clone(),
-            crash: self.crash_policy(),
-            no_restart_exit_codes: i.no_restart_exit_codes.clone(),
-            on_breaker_open: i.on_breaker_open.clone(),
-            reap: self.reap_policy(),
-            lease: self.lease_config()?,
-            fence: self.is_postgres(),
             isolation: self.isolation()?,
             shim_command,
+        })
+    }
+
+    /// The controller's settings for node `node_id`.
+    pub fn controller_config(
+        &self,
+        node_id: impl Into<String>,
+    ) -> Result<ControllerConfig, ConfigError> {
+        let i = &self.instance;
+        Ok(ControllerConfig {
+            node_id: node_id.into(),
+            // Empty when unset: serve.rs knows the bound address and may
+            // fill in a default.
+            advertise_url: self.advertise_url.clone().unwrap_or_default(),
+            ready_timeout: Duration::from_secs(i.ready_timeout_s),
+            stop_grace: Duration::from_secs(i.stop_grace_s),
+            crash: self.crash_policy(),
+            no_restart_exit_codes: i.no_restart_exit_codes.clone(),
+            on_breaker_open: i.on_breaker_open.clone().map(|command| BreakerHook {
+                command,
+                env: self.hook_env(),
+            }),
+            reap: self.reap_policy(),
+            lease: self.lease_config()?,
+            fencing: self.is_postgres(),
+            watchdog: self.watchdog.command.is_some(),
+            capacity: self.cluster.capacity,
             probe_settle: Duration::from_millis(2500),
             probe_budget: Duration::from_secs(60),
             restart_all_concurrency: 4,
         })
+    }
+
+    /// The environment of the `on_breaker_open` hook: the allowlisted part
+    /// of berth's own, then `[instance] env` (the controller adds the
+    /// breaker's variables). Nothing else of berth's reaches it.
+    fn hook_env(&self) -> Vec<(String, String)> {
+        let allow = &self.instance.env_allowlist;
+        let mut env: BTreeMap<String, String> = std::env::vars_os()
+            .filter_map(|(k, v)| Some((k.into_string().ok()?, v.into_string().ok()?)))
+            .filter(|(k, _)| allow.contains(k))
+            .collect();
+        env.extend(self.instance.env.clone());
+        env.into_iter().collect()
     }
 
     fn isolation(&self) -> Result<Isolation, ConfigError> {

@@ -4,13 +4,13 @@
 //! first question is "what is my token?"), then the store (migrated), then
 //! — in a cluster — the refusal of a node id that is already live, then the
 //! listener is bound (so the default advertised URL is the real address),
-//! then the spawner (which re-attaches to instances a previous berth left
-//! running), one heartbeat, and only then does the listener serve, so no
+//! then the runtime the config chooses and the controller over it (which
+//! adopts the instances a previous berth left running), one heartbeat, and only then does the listener serve, so no
 //! request sees a half-built node. One listener serves both:
 //! `berth_proxy`'s server sends user routes (`/u/<user>/…`,
 //! `<slug>.<base_domain>`) to the proxy and everything else to the API
 //! router. On SIGINT/SIGTERM berth stops listening, drains, stops the
-//! cluster tasks, tears the spawner down and marks the node `down`;
+//! cluster tasks, tears the controller down and marks the node `down`;
 //! instances keep running for the next start to adopt.
 
 mod api;
@@ -23,9 +23,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
+use berth_controller::Controller;
 use berth_core::Spawner;
 use berth_core::policy::duplicate_node;
-use berth_local::LocalSpawner;
+use berth_core::runtime::Runtime;
+use berth_local::LocalRuntime;
 use berth_store::{NodeStatus, Store};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -55,7 +57,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         refuse_live_duplicate(store.as_ref(), &node_id, lease_config.ttl()).await?;
     }
 
-    // Bound before the spawner starts: the heartbeat advertises the real
+    // Bound before the controller starts: the heartbeat advertises the real
     // address (port 0 included) unless `advertise_url` says otherwise.
     let listener = tokio::net::TcpListener::bind(&config.listen)
         .await
@@ -66,32 +68,25 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         .clone()
         .unwrap_or_else(|| format!("http://{addr}"));
 
-    let shim_command = vec![
-        std::env::current_exe()
-            .context("cannot locate the berth executable to run shims")?
-            .to_string_lossy()
-            .into_owned(),
-        "shim".to_owned(),
-    ];
-    let mut local = config.local_config(&node_id, shim_command)?;
-    local.advertise_url.clone_from(&public_url);
-    let ready_timeout = local.ready_timeout;
-    let lease_ttl = local.lease.ttl();
-    let renew_every = local.lease.renew();
-    let spawner = LocalSpawner::start(local, store.clone())
+    let runtime = runtime(&config)?;
+    let mut controller_config = config.controller_config(&node_id)?;
+    controller_config.advertise_url.clone_from(&public_url);
+    let ready_timeout = controller_config.ready_timeout;
+    let lease_ttl = controller_config.lease.ttl();
+    let renew_every = controller_config.lease.renew();
+    let controller = Controller::start(runtime, store.clone(), controller_config)
         .await
-        .context("cannot start the local spawner")?;
-    spawner.set_capacity(config.capacity());
+        .context("cannot start the controller")?;
     // Registered (with capacity and URL) before serving: placement on other
     // nodes may choose this one as soon as it answers.
-    spawner
+    controller
         .heartbeat()
         .await
         .context("cannot register this node (heartbeat)")?;
 
     let cluster_metrics = cluster::ClusterMetrics::default();
     let metrics = Arc::new(metrics::Metrics::new(|registry| {
-        spawner.register_metrics(registry);
+        controller.register_metrics(registry);
         cluster_metrics.register(registry);
     }));
 
@@ -107,7 +102,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
             .context("cannot build the HTTP client for node-to-node calls")?;
         let cluster = Arc::new(cluster::Cluster::new(
             store.clone(),
-            spawner.clone() as Arc<dyn Spawner>,
+            controller.clone() as Arc<dyn Spawner>,
             node_id.clone(),
             lease_ttl,
             lease_config.takeover(),
@@ -134,12 +129,12 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     };
     let proxy = berth_proxy::Proxy::start_clustered(
         proxy_config(&config, ready_timeout)?,
-        spawner.clone() as Arc<dyn Spawner>,
+        controller.clone() as Arc<dyn Spawner>,
         authenticator.shared(),
         proxy_cluster,
     );
     let state = Arc::new(api::ApiState {
-        spawner: spawner.clone() as Arc<dyn Spawner>,
+        spawner: controller.clone() as Arc<dyn Spawner>,
         store: store.clone(),
         auth: authenticator,
         metrics,
@@ -149,7 +144,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         lease_ttl,
         cluster,
         cluster_secret,
-        node_control: spawner.clone() as Arc<dyn cluster::NodeControl>,
+        node_control: controller.clone() as Arc<dyn cluster::NodeControl>,
     });
     let app = api::router(state);
 
@@ -170,14 +165,31 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     tasks.close();
     tasks.wait().await;
     proxy.shutdown().await;
-    spawner.teardown().await;
+    controller.teardown().await;
     // A node that says `down` may be started again at once under the same
     // id (see `duplicate_node`), and gets no new instances meanwhile.
-    spawner.set_node_status(NodeStatus::Down);
-    if let Err(e) = spawner.heartbeat().await {
+    controller.set_node_status(NodeStatus::Down);
+    if let Err(e) = controller.heartbeat().await {
         tracing::warn!(error = %e, "could not mark this node down");
     }
     Ok(())
+}
+
+/// The runtime this node runs programs with: the one place the config
+/// chooses it. Only the local runtime (shims on this host) exists so far;
+/// a `[kubernetes]` section will select the Kubernetes runtime (design
+/// §8.6, §10).
+fn runtime(config: &Config) -> anyhow::Result<Arc<dyn Runtime>> {
+    let shim_command = vec![
+        std::env::current_exe()
+            .context("cannot locate the berth executable to run shims")?
+            .to_string_lossy()
+            .into_owned(),
+        "shim".to_owned(),
+    ];
+    let local = LocalRuntime::new(config.runtime_config(shim_command)?)
+        .context("cannot start the local runtime")?;
+    Ok(local)
 }
 
 /// Refuses to start a second live node under `node_id`: both would renew,

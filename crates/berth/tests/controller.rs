@@ -626,7 +626,9 @@ async fn a_full_port_range_refuses_the_next_user() {
     assert_eq!(
         full.unwrap_err(),
         SpawnError::CapacityExhausted(
-            "node test-node runs or starts 2 instances, its capacity".into()
+            "node test-node runs or starts 2 instances, its capacity (the local runtime's: \
+             one per port of 21060-21061)"
+                .into()
         )
     );
     assert_eq!(
@@ -1176,7 +1178,7 @@ async fn the_node_capacity_refuses_launches_past_it() {
     assert_eq!(
         full.unwrap_err(),
         SpawnError::CapacityExhausted(
-            "node test-node runs or starts 1 instances, its capacity".into()
+            "node test-node runs or starts 1 instances, its capacity (as configured)".into()
         )
     );
     assert_eq!(env.store.get_lease(&uma).await.unwrap(), None);

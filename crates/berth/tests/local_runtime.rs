@@ -15,7 +15,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU16, Ordering};
 
 use async_trait::async_trait;
-use berth_core::runtime::{InstanceSpec, Patch, Runtime, RuntimeError, RuntimeEvent, RuntimeRef};
+use berth_core::runtime::{
+    Capacity, InstanceSpec, Patch, Runtime, RuntimeError, RuntimeEvent, RuntimeRef,
+};
 use berth_core::runtime_contract::{self, Harness, Program, TOKEN};
 use berth_core::{Role, UserId};
 use berth_local::{Isolation, LocalRuntime, LocalRuntimeConfig, Readiness};
@@ -232,7 +234,13 @@ async fn ports_are_kept_across_runs_until_released() {
         !h.data().join("users/late").exists(),
         "a refused start leaves nothing on disk"
     );
-    assert_eq!(runtime.capacity(), Some(10));
+    assert_eq!(
+        runtime.capacity(),
+        Some(Capacity {
+            instances: 10,
+            reason: format!("one per port of {}-{}", r.start(), r.end())
+        })
+    );
     others.push(other);
     for mut s in others {
         runtime.kill(&s.runtime_ref).await.unwrap();

@@ -29,8 +29,8 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use berth_core::runtime::{
-    Capabilities, Discovered, EVENT_BUFFER, InstanceSpec, Runtime, RuntimeError, RuntimeRef,
-    Started,
+    Capabilities, Capacity, Discovered, EVENT_BUFFER, InstanceSpec, Runtime, RuntimeError,
+    RuntimeRef, Started,
 };
 use berth_core::{Endpoint, Role, Slug};
 use tokio::sync::mpsc;
@@ -371,8 +371,12 @@ impl Runtime for LocalRuntime {
         }
     }
 
-    fn capacity(&self) -> Option<u32> {
-        Some(self.ports.capacity())
+    fn capacity(&self) -> Option<Capacity> {
+        let r = self.ports.range();
+        Some(Capacity {
+            instances: self.ports.capacity(),
+            reason: format!("one per port of {}-{}", r.start(), r.end()),
+        })
     }
 
     async fn start(&self, spec: InstanceSpec) -> Result<Started, RuntimeError> {

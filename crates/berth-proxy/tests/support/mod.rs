@@ -58,8 +58,8 @@ where
 
 // --- the Spawner test double ------------------------------------------------
 
-/// Test double: routes to a fixed upstream; the real LocalSpawner is
-/// exercised in crates/berth/tests/proxy.rs.
+/// Test double: routes to a fixed upstream; the real controller (over the
+/// local runtime) is exercised in crates/berth/tests/proxy.rs.
 ///
 /// `launch` marks the user starting and, after `start_delay`, running on
 /// the configured upstream, publishing events like the real spawner.
@@ -147,7 +147,6 @@ impl SpawnerState {
             epoch: 1,
             port: endpoint.as_ref().map(|e| e.port),
             pid: None,
-            pid_start: None,
             runtime_ref: None,
             folder: String::new(),
             started_at: unix_millis_now(),

@@ -213,7 +213,7 @@ pub trait NodeControl: Send + Sync + 'static {
 }
 
 #[async_trait]
-impl NodeControl for berth_local::LocalSpawner {
+impl NodeControl for berth_controller::Controller {
     fn set_draining(&self, draining: bool) {
         self.set_node_status(if draining {
             berth_store::NodeStatus::Draining
