@@ -254,7 +254,12 @@ impl Spawner for Controller {
         self.shared
             .stop_locked(&slot, StopKind::Requested("stop"))
             .await;
-        self.shared.breaker.reset_counters(user).await
+        // The stop is done; counters that cannot be reset now (the store is
+        // away) only mean the next crash is judged on an older history.
+        if let Err(e) = self.shared.breaker.reset_counters(user).await {
+            tracing::warn!(%user, error = %e, "could not reset the crash counters after a stop");
+        }
+        Ok(())
     }
 
     async fn teardown(&self) {

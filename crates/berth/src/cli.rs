@@ -183,6 +183,10 @@ pub struct DemoAppArgs {
     /// Append "<BERTH_EPOCH> <counter>" to this file once a second.
     #[arg(long, value_name = "FILE")]
     pub journal: Option<PathBuf>,
+    /// On SIGTERM, append one more journal line before exiting 0: a program
+    /// that flushes its state as it stops (for the fencing tests).
+    #[arg(long, requires = "journal")]
+    pub journal_on_term: bool,
 }
 
 /// Where the API is and how to authenticate to it.

@@ -537,6 +537,26 @@ impl Config {
         }
     }
 
+    /// A warning when `[instance] port_range` overlaps `ephemeral`, the
+    /// kernel's range for the local ports of outgoing connections: any
+    /// connection on the host may take an instance's port between berth's
+    /// check and the program's bind. berth then starts the program again
+    /// on another port, but a range outside the ephemeral one avoids the
+    /// race (and the restart) altogether.
+    pub fn port_range_warning(&self, ephemeral: Option<(u16, u16)>) -> Option<String> {
+        let (low, high) = ephemeral?;
+        let [start, end] = self.instance.port_range;
+        let (from, to) = (start.max(low), end.min(high));
+        (from <= to).then(|| {
+            format!(
+                "instance.port_range {start}-{end} overlaps the kernel's ephemeral port range \
+                 {low}-{high} (net.ipv4.ip_local_port_range) in {from}-{to}: outgoing connections \
+                 may take an instance's port just before it binds (berth then restarts it on \
+                 another port); choose a range outside it, or narrow the kernel's"
+            )
+        })
+    }
+
     /// The parsed listen address.
     pub fn listen_addr(&self) -> Result<SocketAddr, ConfigError> {
         self.listen.parse().map_err(|_| {
@@ -1008,6 +1028,17 @@ impl Config {
     }
 }
 
+/// The kernel's ephemeral port range (`net.ipv4.ip_local_port_range`),
+/// if it can be read.
+pub fn ephemeral_port_range() -> Option<(u16, u16)> {
+    let text = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range").ok()?;
+    let mut parts = text.split_whitespace().map(str::parse::<u16>);
+    match (parts.next(), parts.next()) {
+        (Some(Ok(low)), Some(Ok(high))) => Some((low, high)),
+        _ => None,
+    }
+}
+
 fn is_ip_or_cidr(s: &str) -> bool {
     let (addr, prefix) = match s.split_once('/') {
         Some((addr, prefix)) => (addr, Some(prefix)),
@@ -1288,6 +1319,26 @@ mod tests {
         assert!(
             msg.contains("isolation mode \"user\" is not supported yet"),
             "{msg}"
+        );
+    }
+
+    #[test]
+    fn a_port_range_inside_the_ephemeral_range_is_warned_about() {
+        let c = parse("[instance]\nport_range = [20000, 29999]\n").unwrap();
+        assert_eq!(c.port_range_warning(Some((32768, 60999))), None);
+        assert_eq!(c.port_range_warning(None), None);
+        let warning = c.port_range_warning(Some((29000, 40000))).unwrap();
+        assert!(
+            warning.contains("20000-29999") && warning.contains("in 29000-29999"),
+            "{warning}"
+        );
+        let inside = parse("[instance]\nport_range = [40000, 40009]\n").unwrap();
+        assert!(inside.port_range_warning(Some((32768, 60999))).is_some());
+        assert_eq!(
+            parse("[instance]\nport_range = [29999, 29999]\n")
+                .unwrap()
+                .port_range_warning(Some((30000, 30001))),
+            None
         );
     }
 

@@ -67,26 +67,40 @@ async fn serve(args: DemoAppArgs) -> anyhow::Result<()> {
     let port = listener.local_addr()?.port();
 
     if let Some(path) = &args.journal {
-        let mut file = std::fs::OpenOptions::new()
+        let file = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
             .open(path)
             .with_context(|| format!("cannot open journal {}", path.display()))?;
-        let epoch = page.epoch.clone();
+        let journal = Arc::new(std::sync::Mutex::new(Journal {
+            file,
+            epoch: page.epoch.clone(),
+            counter: 0,
+        }));
+        if args.journal_on_term {
+            // Installed before the first line, so a SIGTERM never finds the
+            // default action (death without the last line) in place.
+            let mut term =
+                tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+                    .context("cannot watch SIGTERM")?;
+            let journal = journal.clone();
+            tokio::spawn(async move {
+                term.recv().await;
+                journal
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner)
+                    .append();
+                std::process::exit(0);
+            });
+        }
         tokio::spawn(async move {
             let mut tick = tokio::time::interval(Duration::from_secs(1));
-            for counter in 1u64.. {
+            loop {
                 tick.tick().await;
-                // One write per line, so that a reader never sees half of one.
-                let line = format!("{epoch} {counter}\n");
-                if file
-                    .write_all(line.as_bytes())
-                    .and_then(|()| file.flush())
-                    .is_err()
-                {
-                    eprintln!("berth-demo: cannot write the journal");
-                    std::process::exit(1);
-                }
+                journal
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner)
+                    .append();
             }
         });
     }
@@ -114,6 +128,32 @@ async fn serve(args: DemoAppArgs) -> anyhow::Result<()> {
     axum::serve(listener, app)
         .await
         .context("the demo app's server failed")
+}
+
+/// The `--journal` file: `<epoch> <counter>` lines, the counter going up
+/// by one per line.
+struct Journal {
+    file: std::fs::File,
+    epoch: String,
+    counter: u64,
+}
+
+impl Journal {
+    /// Appends the next line, in one write so that a reader never sees half
+    /// of one; a journal that cannot be written ends the program.
+    fn append(&mut self) {
+        self.counter += 1;
+        let line = format!("{} {}\n", self.epoch, self.counter);
+        if self
+            .file
+            .write_all(line.as_bytes())
+            .and_then(|()| self.file.flush())
+            .is_err()
+        {
+            eprintln!("berth-demo: cannot write the journal");
+            std::process::exit(1);
+        }
+    }
 }
 
 fn random_token() -> anyhow::Result<String> {

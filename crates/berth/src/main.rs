@@ -43,6 +43,10 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         } => {
             let config = Config::from_file(&file)?;
             config.validate()?;
+            if let Some(warning) = config.port_range_warning(crate::config::ephemeral_port_range())
+            {
+                eprintln!("berth: warning: {warning}");
+            }
             println!("{}: ok", file.display());
             Ok(ExitCode::SUCCESS)
         }
@@ -63,6 +67,9 @@ fn serve(args: &ServeArgs) -> anyhow::Result<()> {
     config.apply_overrides(&args.overrides());
     config.validate()?;
     init_tracing(&config.log_format)?;
+    if let Some(warning) = config.port_range_warning(crate::config::ephemeral_port_range()) {
+        tracing::warn!("{warning}");
+    }
 
     let mut builder = tokio::runtime::Builder::new_multi_thread();
     // Only `#[tokio::main]` reads this variable; the builder does not.

@@ -829,6 +829,90 @@ async fn a_node_cut_from_the_database_freezes_then_thaws_without_a_restart() {
     assert!(nodes[0].is_running());
 }
 
+/// The fencing hole of issue 10: a node cut off from the database freezes
+/// its instance; an operator then stops that user through the node's own
+/// API. The program is killed while frozen, never thawed to act on SIGTERM:
+/// its TERM handler (`--journal-on-term`, which writes one last journal
+/// line, as a program flushing its state would) never runs, so it writes
+/// nothing as a stale holder. It is gone, and once the lease runs out the
+/// user's new holder runs the only instance.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frozen_instance_stopped_through_its_cut_off_node_never_runs_again() {
+    let db = fresh_db().await;
+    let dirs = Dirs::new();
+    let journal = format!("{}/journal-{{slug}}.log", dirs.journals.display());
+    let argv = [
+        BERTH,
+        "demo-app",
+        "--port",
+        "{port}",
+        "--journal",
+        &journal,
+        "--journal-on-term",
+    ];
+    let instance = format!("command = {}\n", serde_json::to_string(&argv).unwrap());
+    let relay = Relay::start(upstream_of(&db)).await;
+    let relayed = via_port(&db, relay.port);
+    // node-a, alone at first so alice lands on it, reaches the database
+    // only through the relay.
+    let mut nodes = vec![start_node(dirs.path(), &relayed, IDS[0], &lease(""), &instance).await];
+    let (holder, old_epoch, old_pid) = launch(&nodes, 0, "alice").await;
+    assert_eq!(holder, 0);
+    for id in &IDS[1..] {
+        nodes.push(start_node(dirs.path(), &db, id, &lease(""), &instance).await);
+    }
+    dirs.wait_lines("alice", old_epoch, 2).await;
+
+    relay.cut();
+    eventually(LONG, "alice's instance frozen", || async {
+        stopped(proc_state(old_pid)).then_some(())
+    })
+    .await;
+    let lines_frozen = dirs.lines_of("alice", old_epoch);
+
+    // The operator's stop, through the cut-off node itself.
+    let r = nodes[0]
+        .http
+        .delete(nodes[0].api("/users/alice/instance"))
+        .bearer_auth(&nodes[0].token)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 204, "{:?}", r.text().await);
+    eventually(LONG, "the frozen instance gone", || async {
+        (!alive(u64::from(old_pid))).then_some(())
+    })
+    .await;
+    assert_eq!(
+        dirs.lines_of("alice", old_epoch),
+        lines_frozen,
+        "the frozen instance ran again (its TERM handler wrote) after it was frozen"
+    );
+    assert!(instance_pids(&nodes[0].data_dir, "alice", "main").is_empty());
+
+    // The lease runs out; another node takes alice over (node-a's heartbeat
+    // stopped with the cut: the evidence).
+    let survivors = [1, 2];
+    let (new, main) = moved(&nodes, &survivors, "alice", old_epoch).await;
+    let new_epoch = main["epoch"].as_i64().unwrap();
+    dirs.wait_lines("alice", new_epoch, 2).await;
+    relay.heal();
+    let lines = dirs.lines_of("alice", new_epoch);
+    dirs.wait_lines("alice", new_epoch, lines + 2).await;
+    let runs = dirs.journal("alice");
+    assert_eq!(
+        runs.iter().map(|r| r.epoch as i64).collect::<Vec<_>>(),
+        vec![old_epoch, new_epoch],
+        "{runs:?}"
+    );
+    assert_eq!(dirs.lines_of("alice", old_epoch), lines_frozen);
+    let running = mains_everywhere(&nodes, "alice");
+    assert_eq!(running.len(), 1, "{running:?}");
+    assert_eq!(running[0].0, new);
+    assert_eq!(main["pid"].as_u64(), Some(u64::from(running[0].1)));
+    assert!(nodes[0].is_running());
+}
+
 // --- 4b. a node's database answers arrive late ---------------------------------
 
 /// Context switches of all a process's threads: they move only when it

@@ -239,6 +239,38 @@ fn journal_appends_epoch_and_counter() {
     assert_eq!(lines[..3], ["old line", "7 1", "7 2"]);
 }
 
+/// With `--journal-on-term`, SIGTERM appends one more line, then the app
+/// exits 0; without it, SIGTERM ends the app with no line (the default
+/// action), so the fencing tests can tell the handler ran.
+#[test]
+fn journal_on_term_writes_a_last_line() {
+    let dir = tempfile::tempdir().unwrap();
+    for (flag, last) in [(true, Some(0)), (false, None)] {
+        let journal = dir.path().join(format!("journal-{flag}.txt"));
+        let path = journal.to_str().unwrap();
+        let mut args = vec!["--journal", path];
+        if flag {
+            args.push("--journal-on-term");
+        }
+        let mut demo = start(&args, &[("BERTH_EPOCH", "4")]);
+        let before = wait_for_lines(&journal, 1);
+        nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(demo.child.id() as i32),
+            nix::sys::signal::Signal::SIGTERM,
+        )
+        .unwrap();
+        let status = demo.child.wait().unwrap();
+        assert_eq!(status.code(), last, "{status:?}");
+        let after = wait_for_lines(&journal, before.len());
+        if flag {
+            // At least the handler's line (a tick may have come first), and
+            // the counter goes on.
+            assert!(after.len() > before.len(), "{after:?}");
+            assert_eq!(after.last().unwrap(), &format!("4 {}", after.len()));
+        }
+    }
+}
+
 fn wait_for_lines(path: &Path, n: usize) -> Vec<String> {
     let deadline = Instant::now() + DEADLINE;
     loop {
