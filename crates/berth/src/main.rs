@@ -70,6 +70,7 @@ fn serve(args: &ServeArgs) -> anyhow::Result<()> {
     if let Some(warning) = config.port_range_warning(crate::config::ephemeral_port_range()) {
         tracing::warn!("{warning}");
     }
+    raise_open_files_limit();
 
     let mut builder = tokio::runtime::Builder::new_multi_thread();
     // Only `#[tokio::main]` reads this variable; the builder does not.
@@ -110,4 +111,21 @@ fn init_tracing(log_format: &str) -> anyhow::Result<()> {
         builder.try_init()
     };
     result.map_err(|e| anyhow::anyhow!("cannot set up logging: {e}"))
+}
+
+/// berth holds a socket per instance (to its shim) besides its clients'
+/// connections and its upstream pool, so the usual soft limit of 1024
+/// open files would cap a node at a few hundred users. Like most servers,
+/// it raises its soft limit to the hard one (which it cannot exceed).
+fn raise_open_files_limit() {
+    use nix::sys::resource::{Resource, getrlimit, setrlimit};
+    match getrlimit(Resource::RLIMIT_NOFILE) {
+        Ok((soft, hard)) if soft < hard => {
+            if let Err(e) = setrlimit(Resource::RLIMIT_NOFILE, hard, hard) {
+                tracing::warn!(soft, hard, error = %e, "cannot raise the open-files limit");
+            }
+        }
+        Ok(_) => {}
+        Err(e) => tracing::warn!(error = %e, "cannot read the open-files limit"),
+    }
 }
