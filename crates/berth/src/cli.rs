@@ -183,6 +183,11 @@ pub struct DemoAppArgs {
     /// Append "<BERTH_EPOCH> <counter>" to this file once a second.
     #[arg(long, value_name = "FILE")]
     pub journal: Option<PathBuf>,
+    /// Debugging aid: answer `GET …/echo` with the request line, the
+    /// request headers and the whole environment as JSON. Shows every
+    /// secret the program was given, so it is off unless asked for.
+    #[arg(long, env = "BERTH_DEMO_ECHO", value_parser = clap::builder::BoolishValueParser::new())]
+    pub echo: bool,
 }
 
 /// Where the API is and how to authenticate to it.

@@ -6,6 +6,14 @@
 //! `…/ws` echoes WebSocket messages, `…/sse?n=N` streams N events,
 //! `…/bytes?n=N` streams N zero bytes, `POST …/upload` counts the body, and
 //! any other GET is the HTML page.
+//!
+//! With `--echo` (or `BERTH_DEMO_ECHO=1` in its environment, which an
+//! `[instance] env` entry can set), `GET …/echo` answers with what the
+//! program actually received: the request line, every request header in
+//! order, and its whole environment, as JSON. It is a debugging aid, and
+//! the evidence berth's tests use to show that berth's credentials and the
+//! cluster secret never reach a program. It shows every secret the
+//! program holds, so it is off by default (`…/echo` is then the page).
 
 use std::convert::Infallible;
 use std::io::Write;
@@ -36,6 +44,7 @@ struct Page {
     epoch: String,
     base_path: String,
     never_ready: bool,
+    echo: bool,
 }
 
 pub fn run(args: DemoAppArgs) -> anyhow::Result<()> {
@@ -59,6 +68,7 @@ async fn serve(args: DemoAppArgs) -> anyhow::Result<()> {
         epoch: env("BERTH_EPOCH", "0"),
         base_path,
         never_ready: args.never_ready,
+        echo: args.echo,
     });
 
     let listener = tokio::net::TcpListener::bind(("127.0.0.1", args.port))
@@ -133,6 +143,7 @@ async fn handle(page: Arc<Page>, req: Request) -> Response {
         (Method::GET, "sse") => sse(n.unwrap_or(10).min(MAX_SSE_EVENTS)),
         (Method::GET, "bytes") => zeros(n.unwrap_or(0)),
         (Method::POST, "upload") => upload(req).await,
+        (Method::GET, "echo") if page.echo => echo_request(&req),
         (Method::GET | Method::HEAD, _) => Html(render_page(&page)).into_response(),
         _ => StatusCode::METHOD_NOT_ALLOWED.into_response(),
     }
@@ -217,6 +228,36 @@ fn zeros(n: u64) -> Response {
         .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response())
 }
 
+/// What the program received: the request line, the headers (in order,
+/// repeats kept, values lossily decoded) and the environment.
+fn echo_request(req: &Request) -> Response {
+    let headers: Vec<[String; 2]> = req
+        .headers()
+        .iter()
+        .map(|(name, value)| {
+            [
+                name.as_str().to_owned(),
+                String::from_utf8_lossy(value.as_bytes()).into_owned(),
+            ]
+        })
+        .collect();
+    let env: std::collections::BTreeMap<String, String> = std::env::vars_os()
+        .map(|(k, v)| {
+            (
+                k.to_string_lossy().into_owned(),
+                v.to_string_lossy().into_owned(),
+            )
+        })
+        .collect();
+    axum::Json(serde_json::json!({
+        "method": req.method().as_str(),
+        "uri": req.uri().to_string(),
+        "headers": headers,
+        "env": env,
+    }))
+    .into_response()
+}
+
 async fn upload(req: Request) -> Response {
     let mut stream = req.into_body().into_data_stream();
     let mut total: u64 = 0;
@@ -283,6 +324,7 @@ mod tests {
             epoch: "3".into(),
             base_path: "/u/x/".into(),
             never_ready: false,
+            echo: false,
         };
         let html = render_page(&page);
         assert!(html.contains("&lt;b&gt;&amp;&quot;x&#39;"));

@@ -14,7 +14,9 @@ use std::time::Duration;
 
 use berth_testkit::PgCluster;
 use serde_json::{Value, json};
-use support::{BERTH, Node, cluster_config, eventually, instance_pids};
+use support::{
+    BERTH, CLUSTER_LEASE, Node, berth, cluster_config, eventually, instance_pids, proc_state,
+};
 
 const SECRET: &str = "cluster-secret-for-tests";
 
@@ -59,17 +61,67 @@ fn pids_everywhere(nodes: &[Node], user: &str) -> Vec<(usize, u32)> {
         .collect()
 }
 
-/// The state letter of a process (`R`, `S`, `T` stopped, …), if it exists.
-fn proc_state(pid: u32) -> Option<char> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    stat.rsplit_once(')')?.1.trim_start().chars().next()
+/// Starts nodes whose programs report what they received (`berth demo-app`
+/// with `BERTH_DEMO_ECHO=1`: `GET …/echo` shows the request headers and the
+/// environment). Each berth also has the cluster secret in its own
+/// environment, as the README's "Run a cluster" sets it, so the echo shows
+/// whether berth's environment leaks into programs.
+async fn start_echo_nodes(root: &Path, db: &str, ids: &[&str]) -> Vec<Node> {
+    let mut nodes = Vec::new();
+    for id in ids {
+        let dir = root.join(id);
+        let db = db.to_owned();
+        let id = (*id).to_owned();
+        let node = tokio::task::spawn_blocking(move || {
+            berth()
+                .env("BERTH_CLUSTER_SECRET", SECRET)
+                .start_cluster_custom(
+                    &dir,
+                    &db,
+                    &id,
+                    SECRET,
+                    CLUSTER_LEASE,
+                    "env = { BERTH_DEMO_ECHO = \"1\" }\n",
+                    "",
+                )
+        })
+        .await
+        .unwrap();
+        nodes.push(Node::from(node));
+    }
+    nodes
+}
+
+/// `GET <url>/u/alice/echo` with `headers`: the program's report of what it
+/// received, as JSON.
+async fn echo(http: &reqwest::Client, url: &str, headers: &[(&str, &str)]) -> Value {
+    let mut request = http.get(format!("{url}/u/alice/echo"));
+    for (name, value) in headers {
+        request = request.header(*name, *value);
+    }
+    let response = request.send().await.unwrap();
+    let status = response.status().as_u16();
+    let text = response.text().await.unwrap();
+    assert_eq!(status, 200, "via {url}: {text}");
+    serde_json::from_str(&text).unwrap_or_else(|e| panic!("not an echo ({e}): {text}"))
+}
+
+/// The values of header `name` in an echo.
+fn echoed_header<'a>(echo: &'a Value, name: &str) -> Vec<&'a str> {
+    echo["headers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|h| h[0].as_str().is_some_and(|n| n.eq_ignore_ascii_case(name)))
+        .filter_map(|h| h[1].as_str())
+        .collect()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn any_node_answers_for_a_user_running_on_another_node() {
     let db = fresh_db().await;
     let root = tempfile::tempdir().unwrap();
-    let nodes = start_nodes(root.path(), &db, &["node-a", "node-b", "node-c"], "").await;
+    let nodes = start_echo_nodes(root.path(), &db, &["node-a", "node-b", "node-c"]).await;
     let (status, body) = nodes[0].post("/users/alice/instance", json!({})).await;
     assert!(status == 201 || status == 200, "{status} {body}");
     let owner = body["instance"]["node"].as_str().unwrap().to_owned();
@@ -91,11 +143,62 @@ async fn any_node_answers_for_a_user_running_on_another_node() {
         assert_eq!(status, 200, "via {}: {page}", node.url);
         assert!(page.contains(r#"<b id="user">alice</b>"#), "{page}");
         assert!(page.contains(&format!("epoch <b>{epoch}</b>")), "{page}");
-        // berth's credentials and the cluster secret never reach the app.
-        assert!(!page.contains(SECRET));
+
+        // What the program received through this node (the owner itself,
+        // or another node forwarding with the cluster secret): the ordinary
+        // header the client sent, and none of berth's credentials, in the
+        // headers or in its environment.
+        let bearer = format!("Bearer {token}");
+        let seen = echo(
+            &node.http,
+            &node.url,
+            &[("authorization", &bearer), ("x-probe", &node.url)],
+        )
+        .await;
+        assert_eq!(
+            echoed_header(&seen, "x-probe"),
+            [node.url.as_str()],
+            "{seen}"
+        );
+        assert_eq!(seen["env"]["BERTH_USER"], "alice", "{seen}");
+        for name in [
+            "x-berth-cluster-secret",
+            "x-berth-forwarded-user",
+            "authorization",
+        ] {
+            assert!(
+                echoed_header(&seen, name).is_empty(),
+                "{name} reached the program via {}: {seen}",
+                node.url
+            );
+        }
+        assert!(seen["env"].get("BERTH_CLUSTER_SECRET").is_none(), "{seen}");
+        let text = seen.to_string();
+        for (what, secret) in [
+            ("the cluster secret", SECRET),
+            ("alice's token", token.as_str()),
+            ("the admin token", node.token.as_str()),
+        ] {
+            assert!(!text.contains(secret), "{what} reached the program: {text}");
+        }
     }
     // Served by the same process throughout: nothing was started elsewhere.
     assert_eq!(pids_everywhere(&nodes, "alice"), before, "owner {owner}");
+
+    // The echo would have shown the secret had it arrived: sent straight to
+    // the program, past berth, it is there.
+    let port = nodes[0].main_of("alice").await["port"].as_u64().unwrap();
+    let direct = echo(
+        &nodes[0].http,
+        &format!("http://127.0.0.1:{port}"),
+        &[("x-berth-cluster-secret", SECRET)],
+    )
+    .await;
+    assert_eq!(
+        echoed_header(&direct, "x-berth-cluster-secret"),
+        [SECRET],
+        "{direct}"
+    );
 
     // The API of any node launches through the owner: 200, same instance.
     for node in &nodes {
