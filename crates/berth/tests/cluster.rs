@@ -15,7 +15,7 @@ use std::time::Duration;
 use berth_testkit::PgCluster;
 use serde_json::{Value, json};
 use support::{
-    BERTH, CLUSTER_LEASE, Node, berth, cluster_config, eventually, instance_pids, proc_state,
+    BERTH, CLUSTER_LEASE, Node, alive, berth, cluster_config, eventually, instance_pids, proc_state,
 };
 
 const SECRET: &str = "cluster-secret-for-tests";
@@ -604,4 +604,181 @@ async fn with_evidence_a_dead_holders_users_are_relaunched_elsewhere() {
         .await
         .unwrap();
     assert!(text.contains("berth_failovers_total 1"), "{text}");
+}
+
+/// A GET of `user`'s app sent to `node` the way another node forwards it:
+/// the cluster secret and the forwarded user, no user token.
+async fn forwarded_get(node: &Node, user: &str) -> (u16, String) {
+    let r = node
+        .http
+        .get(format!("{}/u/{user}/", node.url))
+        .header("x-berth-cluster-secret", SECRET)
+        .header("x-berth-forwarded-user", user)
+        .send()
+        .await
+        .unwrap();
+    (r.status().as_u16(), r.text().await.unwrap())
+}
+
+/// A request another node forwarded is served where it lands, never
+/// forwarded again (design: "Cluster mode", Routing): nodes whose views
+/// differ for a moment cannot bounce a request between them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_forwarded_request_is_never_forwarded_again() {
+    let db = fresh_db().await;
+    let root = tempfile::tempdir().unwrap();
+    let nodes = start_nodes(root.path(), &db, &["node-a", "node-b"], "").await;
+    let (a, b) = (&nodes[0], &nodes[1]);
+
+    // alice runs on node-a (placement breaks the tie by the smaller id).
+    let (status, body) = a.post("/users/alice/instance", json!({})).await;
+    assert_eq!(status, 201, "{body}");
+    assert_eq!(body["instance"]["node"], "node-a", "{body}");
+    let alice = pids_everywhere(&nodes, "alice");
+    assert_eq!(alice.len(), 1, "{alice:?}");
+
+    // An ordinary request through node-b is forwarded to node-a…
+    let token = a.user_token("alice").await;
+    let r = b
+        .http
+        .get(format!("{}/u/alice/", b.url))
+        .bearer_auth(&token)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+    assert!(r.text().await.unwrap().contains("alice"));
+    // …but one that node-b received as forwarded is not: node-b wakes
+    // alice itself, and its claim meets node-a's live lease.
+    let (status, body) = forwarded_get(b, "alice").await;
+    assert_eq!(status, 409, "{body}");
+    let error: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(error["error"], "lease_busy", "{body}");
+    assert_eq!(pids_everywhere(&nodes, "alice"), alice, "alice untouched");
+
+    // bob last ran on node-a, so placement sends him there (sticky)…
+    let (status, body) = a.post("/users/bob/instance", json!({})).await;
+    assert_eq!(status, 201, "{body}");
+    assert_eq!(body["instance"]["node"], "node-a", "{body}");
+    assert_eq!(a.delete("/users/bob/instance").await, 204);
+    eventually(Duration::from_secs(30), "bob stopped", || async {
+        pids_everywhere(&nodes, "bob").is_empty().then_some(())
+    })
+    .await;
+    let bob_token = a.user_token("bob").await;
+    let r = b
+        .http
+        .get(format!("{}/u/bob/", b.url))
+        .bearer_auth(&bob_token)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+    assert_eq!(a.main_of("bob").await["node"], "node-a");
+    assert_eq!(a.delete("/users/bob/instance").await, 204);
+    eventually(Duration::from_secs(30), "bob stopped again", || async {
+        pids_everywhere(&nodes, "bob").is_empty().then_some(())
+    })
+    .await;
+    // …yet a request forwarded to node-b wakes him on node-b, where it
+    // landed.
+    let (status, page) = forwarded_get(b, "bob").await;
+    assert_eq!(status, 200, "{page}");
+    assert!(page.contains(r#"<b id="user">bob</b>"#), "{page}");
+    assert_eq!(b.main_of("bob").await["node"], "node-b");
+    let bob = pids_everywhere(&nodes, "bob");
+    assert_eq!(bob.len(), 1, "{bob:?}");
+    assert_eq!(bob[0].0, 1, "bob runs on node-b: {bob:?}");
+}
+
+/// `POST /internal/v1/users/{user}/fence` as another node sends it.
+async fn fence(node: &Node, user: &str, epoch: i64) -> Value {
+    let r = node
+        .http
+        .post(format!("{}/internal/v1/users/{user}/fence", node.url))
+        .header("x-berth-cluster-secret", SECRET)
+        .json(&json!({ "epoch": epoch }))
+        .send()
+        .await
+        .unwrap();
+    let status = r.status().as_u16();
+    let body: Value = r.json().await.unwrap();
+    assert_eq!(status, 200, "{body}");
+    body
+}
+
+/// A fence names the holder's epoch: an older one (a late fence from an
+/// earlier failover) or a newer one fences nothing and the instance runs
+/// on; only exactly the running epoch stops it, on the node that runs it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fence_acts_only_on_exactly_the_running_epoch() {
+    let db = fresh_db().await;
+    let root = tempfile::tempdir().unwrap();
+    let nodes = start_nodes(root.path(), &db, &["node-a", "node-b"], "").await;
+    let (a, b) = (&nodes[0], &nodes[1]);
+
+    // Two launches, so the running epoch has a real predecessor.
+    let (status, body) = a.post("/users/alice/instance", json!({})).await;
+    assert_eq!(status, 201, "{body}");
+    let first = body["instance"]["epoch"].as_i64().unwrap();
+    assert_eq!(a.delete("/users/alice/instance").await, 204);
+    let (status, body) = a.post("/users/alice/instance", json!({})).await;
+    assert_eq!(status, 201, "{body}");
+    assert_eq!(body["instance"]["node"], "node-a", "{body}");
+    let epoch = body["instance"]["epoch"].as_i64().unwrap();
+    assert!(epoch > first, "{first} then {epoch}");
+    let running = a.running_main("alice", None).await;
+    let pid = running["pid"].as_u64().unwrap();
+
+    let untouched = |what: &str| {
+        let what = what.to_owned();
+        async move {
+            assert!(alive(pid), "{what}: the instance is gone");
+            assert_ne!(proc_state(pid as u32), Some('T'), "{what}: frozen");
+            let main = a.main_of("alice").await;
+            assert_eq!(main["status"], "running", "{what}: {main}");
+            assert_eq!(main["pid"].as_u64(), Some(pid), "{what}: {main}");
+            assert_eq!(main["epoch"].as_i64(), Some(epoch), "{what}: {main}");
+        }
+    };
+    for (what, node, wrong) in [
+        ("an older epoch", a, first),
+        ("the epoch before", a, epoch - 1),
+        ("a newer epoch", a, epoch + 1),
+        ("the right epoch on the wrong node", b, epoch),
+    ] {
+        let answer = fence(node, "alice", wrong).await;
+        assert_eq!(answer["fenced"], false, "{what}: {answer}");
+        untouched(what).await;
+    }
+    // The instance still serves.
+    let token = a.user_token("alice").await;
+    let r = a
+        .http
+        .get(format!("{}/u/alice/", a.url))
+        .bearer_auth(&token)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+
+    // Exactly the running epoch, on its node: fenced, and gone.
+    let answer = fence(a, "alice", epoch).await;
+    assert_eq!(answer["fenced"], true, "{answer}");
+    eventually(
+        Duration::from_secs(30),
+        "the fenced instance gone",
+        || async { (!alive(pid)).then_some(()) },
+    )
+    .await;
+    let main = eventually(Duration::from_secs(30), "the record stopped", || async {
+        let main = a.main_of("alice").await;
+        (main["status"] == "stopped").then_some(main)
+    })
+    .await;
+    assert!(
+        main["last_error"].as_str().unwrap_or("").contains("fenced"),
+        "{main}"
+    );
+    assert!(pids_everywhere(&nodes, "alice").is_empty());
 }
