@@ -612,7 +612,9 @@ async fn an_instance_that_listens_a_moment_late_is_still_reached() {
     });
     let request = get_as(&h, "/u/alice/", ALICE);
     tokio::pin!(request);
-    // Let the first connection attempt fail, then open the port.
+    // Let the first connection attempt fail, then open the port. The sleep
+    // is the scenario (an instance a moment late) and a check that nothing
+    // is answered meanwhile; a refused connect leaves no trace to wait on.
     tokio::select! {
         r = &mut request => panic!("answered before the instance listened: {r:?}"),
         () = tokio::time::sleep(Duration::from_millis(30)) => {}
@@ -633,6 +635,7 @@ async fn a_post_with_a_body_reaches_an_instance_that_listens_late() {
     drop(probe);
     h.spawner.run_at("alice", late);
     let server = tokio::spawn(async move {
+        // The scenario: the instance listens 200 ms late.
         tokio::time::sleep(Duration::from_millis(200)).await;
         let listener = TcpListener::bind(late).await.unwrap();
         let (mut s, _) = listener.accept().await.unwrap();
@@ -721,6 +724,7 @@ async fn a_slowloris_client_is_cut_off_at_the_header_timeout() {
             if write.write_all(b"X").await.is_err() {
                 return;
             }
+            // The slowloris attack itself: one byte per 50 ms.
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
     });

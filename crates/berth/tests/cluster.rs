@@ -437,7 +437,8 @@ async fn a_draining_node_gets_no_new_instances() {
             .any(|n| n["id"] == "node-b" && n["status"] == "draining"),
         "{listed}"
     );
-    // Other nodes re-read the nodes table at most a second later.
+    // Other nodes re-read the nodes table at most a second later. Nothing
+    // observable marks that re-read, so the wait outlasts NODES_MAX_AGE.
     tokio::time::sleep(Duration::from_millis(1500)).await;
     for (i, user) in ["d1", "d2", "d3", "d4"].iter().enumerate() {
         let (status, body) = nodes[i % 2]
@@ -462,6 +463,7 @@ async fn a_draining_node_gets_no_new_instances() {
     let (status, body) = nodes[1].post("/node/undrain", json!({})).await;
     assert_eq!(status, 200, "{body}");
     assert_eq!(body["status"], "up");
+    // As above: outlast the other node's cached view of the nodes table.
     tokio::time::sleep(Duration::from_millis(1500)).await;
     // node-b is now the emptier node: new users go there.
     let (status, body) = nodes[0].post("/users/u6/instance", json!({})).await;

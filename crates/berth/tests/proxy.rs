@@ -275,6 +275,7 @@ fn sample_rss(pid: u32, done: Arc<AtomicBool>, max: Arc<AtomicU64>) -> tokio::ta
             if let Some(kib) = rss_kib(pid) {
                 max.fetch_max(kib, Ordering::Relaxed);
             }
+            // The sampling rate of the measurement.
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     })
@@ -453,6 +454,7 @@ async fn a_slowloris_client_is_cut_off() {
             if write.write_all(std::slice::from_ref(byte)).await.is_err() {
                 return;
             }
+            // The slowloris attack itself: one byte per 100 ms.
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
     });

@@ -195,6 +195,7 @@ impl Spawner for StaticSpawner {
         let owned = user.clone();
         let delay = *self.inner.start_delay.lock().unwrap();
         tokio::spawn(async move {
+            // The double's start-up time (`start_delay`), as a test sets it.
             tokio::time::sleep(delay).await;
             let ep = state.upstream.lock().unwrap().clone();
             state.set(&owned, InstanceStatus::Running, Some(ep));
