@@ -1,7 +1,8 @@
 //! The proxy's layers together against a real upstream hyper server on
 //! loopback, through the real server loop. The Spawner is a test double
 //! (`StaticSpawner`); the real LocalSpawner is exercised end to end in
-//! crates/berth/tests/proxy.rs.
+//! crates/berth/tests/proxy.rs and proxy_e2e.rs (README, "Test it", says
+//! which behaviour is tested where).
 
 mod support;
 

@@ -59,7 +59,7 @@ where
 // --- the Spawner test double ------------------------------------------------
 
 /// Test double: routes to a fixed upstream; the real LocalSpawner is
-/// exercised in crates/berth/tests/proxy.rs.
+/// exercised in crates/berth/tests/proxy.rs and proxy_e2e.rs.
 ///
 /// `launch` marks the user starting and, after `start_delay`, running on
 /// the configured upstream, publishing events like the real spawner.
