@@ -10,8 +10,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum::Router;
-use axum::body::Bytes;
-use axum::extract::{DefaultBodyLimit, Query, State};
+use axum::body::{Body, Bytes};
+use axum::extract::{Query, State};
 use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, Uri, header};
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
@@ -30,9 +30,13 @@ use super::cluster::{Cluster, Decision, NodeControl};
 use super::metrics::{ApiLabels, Metrics};
 use super::peer::PeerAnswer;
 
-/// Request bodies larger than this are refused before parsing. It sits
-/// above the patch limit so that an oversized patch gets the precise
+/// Request bodies larger than this are refused while they are read. It
+/// sits above the patch limit so that an oversized patch gets the precise
 /// `payload_too_large` message from the spawner.
+///
+/// No handler takes a body extractor: each reads its body with
+/// [`read_body`] only once the caller is authenticated (design §8.2), so an
+/// anonymous client cannot make berth buffer anything.
 const MAX_BODY_BYTES: usize = 1024 * 1024;
 
 /// What every handler shares.
@@ -73,7 +77,6 @@ pub fn router(state: Arc<ApiState>) -> Router {
         // Node-to-node calls: only the cluster secret opens them, never an
         // admin or user token.
         .route("/internal/v1/users/{*rest}", post(internal_route))
-        .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(state)
 }
 
@@ -227,14 +230,44 @@ struct UserQuery {
     tail: Option<usize>,
 }
 
+/// Reads a request body of at most [`MAX_BODY_BYTES`]. Call it only after
+/// the caller is authenticated.
+async fn read_body(headers: &HeaderMap, body: Body) -> ApiResult<Bytes> {
+    let too_large = || {
+        ApiError::new(
+            ErrorCode::PayloadTooLarge,
+            format!("the request body exceeds {MAX_BODY_BYTES} bytes"),
+        )
+    };
+    // A declared length over the limit is refused without reading a byte.
+    let declared = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > MAX_BODY_BYTES as u64) {
+        return Err(too_large());
+    }
+    axum::body::to_bytes(body, MAX_BODY_BYTES)
+        .await
+        .map_err(|e| {
+            let e = e.into_inner();
+            if e.downcast_ref::<http_body_util::LengthLimitError>()
+                .is_some()
+            {
+                too_large()
+            } else {
+                ApiError::new(
+                    ErrorCode::InvalidRequest,
+                    format!("cannot read the request body: {e}"),
+                )
+            }
+        })
+}
+
 /// Dispatches `/api/v1/users/<user>/<action>`.
-async fn user_route(
-    State(state): AppState,
-    method: Method,
-    uri: Uri,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Response {
+async fn user_route(State(state): AppState, request: axum::extract::Request) -> Response {
+    let (parts, body) = request.into_parts();
+    let (method, uri, headers) = (parts.method, parts.uri, parts.headers);
     let result = match Query::<UserQuery>::try_from_uri(&uri) {
         Ok(Query(query)) => dispatch_user_route(&state, method, &uri, &headers, query, body).await,
         Err(e) => Err(ApiError::new(ErrorCode::InvalidRequest, e.body_text())),
@@ -254,7 +287,7 @@ async fn dispatch_user_route(
     uri: &Uri,
     headers: &HeaderMap,
     query: UserQuery,
-    body: Bytes,
+    body: Body,
 ) -> ApiResult {
     let rest = uri
         .path()
@@ -292,7 +325,10 @@ async fn dispatch_user_route(
             }))
             .into_response())
         }
-        (Method::POST, "instance") => launch(state, &user, query.wait.unwrap_or(true), &body).await,
+        (Method::POST, "instance") => {
+            let body = read_body(headers, body).await?;
+            launch(state, &user, query.wait.unwrap_or(true), &body).await
+        }
         (Method::DELETE, "instance") => {
             spawner.stop(&user).await?;
             Ok(StatusCode::NO_CONTENT.into_response())
@@ -774,13 +810,9 @@ struct FenceBody {
 
 /// `/internal/v1/users/<user>/{launch,fence}`: calls from other nodes,
 /// authenticated by the cluster secret alone.
-async fn internal_route(
-    State(state): AppState,
-    uri: Uri,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Response {
-    let result = internal_dispatch(&state, &uri, &headers, &body).await;
+async fn internal_route(State(state): AppState, request: axum::extract::Request) -> Response {
+    let (parts, body) = request.into_parts();
+    let result = internal_dispatch(&state, &parts.uri, &parts.headers, body).await;
     match result {
         Ok(response) => response,
         Err(err) => {
@@ -794,7 +826,7 @@ async fn internal_dispatch(
     state: &Arc<ApiState>,
     uri: &Uri,
     headers: &HeaderMap,
-    body: &[u8],
+    body: Body,
 ) -> ApiResult {
     let Some(secret) = &state.cluster_secret else {
         return Err(ApiError::new(
@@ -814,17 +846,19 @@ async fn internal_dispatch(
         .unwrap_or_default();
     let (raw_user, action) = rest.rsplit_once('/').unwrap_or((rest, ""));
     let user = parse_user_segment(raw_user)?;
+    // Read only now that the caller has proved to be a node.
+    let body = read_body(headers, body).await?;
     match action {
         "launch" => {
             let query = Query::<UserQuery>::try_from_uri(uri)
                 .map_err(|e| ApiError::new(ErrorCode::InvalidRequest, e.body_text()))?;
-            let request = parse_launch_body(body)?;
+            let request = parse_launch_body(&body)?;
             // Local only: the caller already decided this node should run
             // it, and a call that forwarded again could loop.
             Ok(local_launch(state, &user, request, query.0.wait.unwrap_or(true)).await?)
         }
         "fence" => {
-            let FenceBody { epoch } = serde_json::from_slice(body).map_err(|e| {
+            let FenceBody { epoch } = serde_json::from_slice(&body).map_err(|e| {
                 ApiError::new(
                     ErrorCode::InvalidRequest,
                     format!("invalid fence body: {e}"),
