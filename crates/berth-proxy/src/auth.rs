@@ -775,20 +775,35 @@ impl CookieScope {
 
     /// `Set-Cookie` values that delete the user cookie under every name and
     /// path berth has used here, including the `Path=/` cookie of versions
-    /// before per-user paths.
-    pub fn user_cookie_removals(&self, https: bool) -> Vec<Cookie<'static>> {
+    /// before per-user paths. In host mode, `parent_domain` (the base
+    /// domain) also deletes a plain cookie another subdomain's script
+    /// planted for the whole domain; the `__Host-` cookie of https cannot
+    /// be planted at all.
+    pub fn user_cookie_removals(
+        &self,
+        https: bool,
+        parent_domain: Option<&str>,
+    ) -> Vec<Cookie<'static>> {
         let mut removals = Vec::new();
-        let mut paths = vec!["/".to_owned()];
-        if let CookieScope::Path(path) = self {
-            paths.push(path.clone());
+        let mut paths = vec![("/".to_owned(), None)];
+        match self {
+            CookieScope::Path(path) => paths.push((path.clone(), None)),
+            CookieScope::Host => {
+                if let Some(domain) = parent_domain {
+                    paths.push(("/".to_owned(), Some(domain.to_owned())));
+                }
+            }
         }
-        for path in paths {
-            let mut cookie = Cookie::build((USER_COOKIE, ""))
+        for (path, domain) in paths {
+            let mut builder = Cookie::build((USER_COOKIE, ""))
                 .path(path)
                 .http_only(true)
                 .same_site(SameSite::Lax)
-                .secure(https)
-                .build();
+                .secure(https);
+            if let Some(domain) = domain {
+                builder = builder.domain(domain);
+            }
+            let mut cookie = builder.build();
             cookie.make_removal();
             removals.push(cookie);
         }
@@ -832,6 +847,8 @@ pub struct Gate {
     trusted: TrustedProxies,
     cluster: Option<ClusterSecret>,
     header_secret: Option<SharedSecret>,
+    /// The base domain of host routing, for deleting planted cookies.
+    base_domain: Option<String>,
 }
 
 impl Gate {
@@ -842,7 +859,14 @@ impl Gate {
             trusted,
             cluster: None,
             header_secret: None,
+            base_domain: None,
         }
+    }
+
+    /// The base domain apps live under (host routing), if any.
+    pub fn with_base_domain(mut self, base_domain: Option<&str>) -> Self {
+        self.base_domain = base_domain.map(str::to_owned);
+        self
     }
 
     /// Also accepts requests forwarded by another node: a valid cluster
@@ -925,7 +949,10 @@ impl Gate {
         }
         let cookies = match berth_cookies(headers) {
             Ok(cookies) => cookies,
-            Err(duplicate) => return Err(duplicate_cookie(&duplicate, scope, headers, conn)),
+            Err(duplicate) => {
+                let parent = self.base_domain.as_deref();
+                return Err(duplicate_cookie(&duplicate, scope, parent, headers, conn));
+            }
         };
         if let Some(q) = uri.query().and_then(query_token) {
             return Err(self
@@ -1020,6 +1047,7 @@ impl Gate {
 fn duplicate_cookie(
     duplicate: &DuplicateCookie,
     scope: &CookieScope,
+    parent_domain: Option<&str>,
     headers: &HeaderMap,
     conn: &ConnInfo,
 ) -> Response<ProxyBody> {
@@ -1029,7 +1057,7 @@ fn duplicate_cookie(
             "{duplicate}; berth has deleted its cookies here: open your link (with ?berth_token=) again"
         ),
     );
-    for removal in scope.user_cookie_removals(is_https(headers, conn)) {
+    for removal in scope.user_cookie_removals(is_https(headers, conn), parent_domain) {
         if let Ok(value) = HeaderValue::try_from(removal.to_string()) {
             response.headers_mut().append(header::SET_COOKIE, value);
         }
@@ -1258,7 +1286,7 @@ mod tests {
             assert!(path.contains(part), "{path}");
         }
         let removals: Vec<String> = CookieScope::Path("/u/a/".into())
-            .user_cookie_removals(false)
+            .user_cookie_removals(false, None)
             .iter()
             .map(ToString::to_string)
             .collect();
@@ -1269,6 +1297,22 @@ mod tests {
         );
         assert!(
             removals.iter().any(|r| r.contains("Path=/u/a/")),
+            "{removals:?}"
+        );
+        let removals: Vec<String> = CookieScope::Host
+            .user_cookie_removals(true, Some("berth.example"))
+            .iter()
+            .map(ToString::to_string)
+            .collect();
+        assert_eq!(removals.len(), 3, "{removals:?}");
+        assert!(
+            removals.iter().any(|r| r.contains("Domain=berth.example")),
+            "a cookie planted for the whole domain is deleted: {removals:?}"
+        );
+        assert!(
+            removals
+                .iter()
+                .any(|r| r.starts_with("__Host-berth_token=") && r.contains("Secure")),
             "{removals:?}"
         );
     }
