@@ -9,7 +9,7 @@
 
 use std::collections::BTreeMap;
 use std::fmt;
-use std::net::{IpAddr, SocketAddr};
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -1097,16 +1097,10 @@ impl Config {
     }
 }
 
+/// The proxy's own parser (`ipnet`), so that config check and start-up
+/// agree on what a `trusted_proxies` entry is.
 fn is_ip_or_cidr(s: &str) -> bool {
-    let (addr, prefix) = match s.split_once('/') {
-        Some((addr, prefix)) => (addr, Some(prefix)),
-        None => (s, None),
-    };
-    let Ok(ip) = addr.parse::<IpAddr>() else {
-        return false;
-    };
-    let max = if ip.is_ipv4() { 32 } else { 128 };
-    prefix.is_none_or(|p| p.parse::<u8>().is_ok_and(|p| p <= max))
+    berth_proxy::auth::TrustedProxies::parse(&[s]).is_ok()
 }
 
 /// The 1-based line of byte `offset` in `text`.
