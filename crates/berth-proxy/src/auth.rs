@@ -738,20 +738,23 @@ pub fn strip_credentials(headers: &mut HeaderMap, used: Credential) {
 }
 
 /// Where the user cookie lives: the origin a request was routed by.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum CookieScope {
+/// Borrowed from the request, so that judging a request allocates nothing;
+/// the cookie's path is built only when a cookie is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CookieScope<'a> {
     /// `<slug>.<base_domain>`: a host-only cookie for `Path=/`.
     Host,
-    /// `/u/<user>/` on a shared host: `Path=` that base path, exactly as
-    /// the request spelled it (the browser compares paths byte for byte).
-    Path(String),
+    /// `/u/<segment>/` on a shared host: `Path=` that base path, with the
+    /// segment exactly as the request spelled it (the browser compares
+    /// paths byte for byte).
+    Path { segment: &'a str },
 }
 
-impl CookieScope {
-    fn path(&self) -> &str {
+impl CookieScope<'_> {
+    fn path(&self) -> String {
         match self {
-            CookieScope::Host => "/",
-            CookieScope::Path(path) => path,
+            CookieScope::Host => "/".to_owned(),
+            CookieScope::Path { segment } => format!("/u/{segment}/"),
         }
     }
 
@@ -766,7 +769,7 @@ impl CookieScope {
     /// The `Set-Cookie` value that stores `token` in a browser.
     pub fn user_cookie(&self, token: &str, https: bool) -> Cookie<'static> {
         Cookie::build((self.user_cookie_name(https), token.to_owned()))
-            .path(self.path().to_owned())
+            .path(self.path())
             .http_only(true)
             .same_site(SameSite::Lax)
             .secure(https)
@@ -787,7 +790,7 @@ impl CookieScope {
         let mut removals = Vec::new();
         let mut paths = vec![("/".to_owned(), None)];
         match self {
-            CookieScope::Path(path) => paths.push((path.clone(), None)),
+            CookieScope::Path { .. } => paths.push((self.path(), None)),
             CookieScope::Host => {
                 if let Some(domain) = parent_domain {
                     paths.push(("/".to_owned(), Some(domain.to_owned())));
@@ -918,7 +921,7 @@ impl Gate {
         uri: &Uri,
         conn: &ConnInfo,
         user: &UserId,
-        scope: &CookieScope,
+        scope: &CookieScope<'_>,
     ) -> Result<Pass, Response<ProxyBody>> {
         let navigation = respond::is_navigation(headers);
         if headers.get_all(&FORWARDED_USER).iter().nth(1).is_some() {
@@ -997,7 +1000,7 @@ impl Gate {
         conn: &ConnInfo,
         headers: &HeaderMap,
         user: &UserId,
-        scope: &CookieScope,
+        scope: &CookieScope<'_>,
         navigation: bool,
     ) -> Response<ProxyBody> {
         match self.auth.access(&q.token, user).await {
@@ -1046,7 +1049,7 @@ impl Gate {
 /// each name and path berth uses here so that the next link works.
 fn duplicate_cookie(
     duplicate: &DuplicateCookie,
-    scope: &CookieScope,
+    scope: &CookieScope<'_>,
     parent_domain: Option<&str>,
     headers: &HeaderMap,
     conn: &ConnInfo,
@@ -1274,7 +1277,7 @@ mod tests {
         let plain = CookieScope::Host.user_cookie("t0k", false).to_string();
         assert!(plain.starts_with("berth_token=t0k"), "{plain}");
         assert!(!plain.contains("Secure"), "{plain}");
-        let path = CookieScope::Path("/u/a%40b/".into())
+        let path = CookieScope::Path { segment: "a%40b" }
             .user_cookie("t0k", false)
             .to_string();
         for part in [
@@ -1285,7 +1288,7 @@ mod tests {
         ] {
             assert!(path.contains(part), "{path}");
         }
-        let removals: Vec<String> = CookieScope::Path("/u/a/".into())
+        let removals: Vec<String> = CookieScope::Path { segment: "a" }
             .user_cookie_removals(false, None)
             .iter()
             .map(ToString::to_string)

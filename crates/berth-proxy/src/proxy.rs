@@ -168,7 +168,7 @@ impl Proxy {
             };
             let scope = match &target {
                 Target::Host { .. } => CookieScope::Host,
-                Target::Path { segment, .. } => CookieScope::Path(format!("/u/{segment}/")),
+                Target::Path { segment, .. } => CookieScope::Path { segment },
             };
             let pass = match self
                 .gate
