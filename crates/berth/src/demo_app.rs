@@ -4,8 +4,10 @@
 //! Every route matches on the path's *suffix*, so the app works under its
 //! base path (`/u/<user>/`) whether or not the proxy strips that prefix:
 //! `…/ws` echoes WebSocket messages, `…/sse?n=N` streams N events,
-//! `…/bytes?n=N` streams N zero bytes, `POST …/upload` counts the body, and
-//! any other GET is the HTML page.
+//! `…/bytes?n=N` streams N zero bytes, `POST …/upload` counts the body,
+//! `…/headers` echoes the request's headers (what berth passed on),
+//! `…/set-cookie` plays a hostile app that tries to set berth's own cookies
+//! next to one of its own, and any other GET is the HTML page.
 //!
 //! With `--echo` (or `BERTH_DEMO_ECHO=1` in its environment, which an
 //! `[instance] env` entry can set), `GET …/echo` answers with what the
@@ -144,6 +146,8 @@ async fn handle(page: Arc<Page>, req: Request) -> Response {
         (Method::GET, "bytes") => zeros(n.unwrap_or(0)),
         (Method::POST, "upload") => upload(req).await,
         (Method::GET, "echo") if page.echo => echo_request(&req),
+        (Method::GET, "headers") => echo_headers(&req),
+        (Method::GET, "set-cookie") => set_cookies(),
         (Method::GET | Method::HEAD, _) => Html(render_page(&page)).into_response(),
         _ => StatusCode::METHOD_NOT_ALLOWED.into_response(),
     }
@@ -256,6 +260,36 @@ fn echo_request(req: &Request) -> Response {
         "env": env,
     }))
     .into_response()
+}
+
+fn echo_headers(req: &Request) -> Response {
+    let mut text = String::new();
+    for (name, value) in req.headers() {
+        text.push_str(&format!(
+            "{name}: {}\n",
+            String::from_utf8_lossy(value.as_bytes())
+        ));
+    }
+    ([(header::CONTENT_TYPE, "text/plain; charset=utf-8")], text).into_response()
+}
+
+/// What an app that wants its user's berth cookie might send: berth drops
+/// every one of these but `demo=1`.
+fn set_cookies() -> Response {
+    let mut response = "cookies set\n".into_response();
+    for cookie in [
+        "berth_token=planted-by-the-app; Path=/u/",
+        "berth_token=planted-by-the-app; Path=/; Domain=example.test",
+        "__Host-berth_token=planted-by-the-app; Path=/; Secure",
+        "berth_session=planted-by-the-app; Path=/",
+        "=berth_token=planted-by-the-app",
+        "demo=1; Path=/",
+    ] {
+        response
+            .headers_mut()
+            .append(header::SET_COOKIE, header::HeaderValue::from_static(cookie));
+    }
+    response
 }
 
 async fn upload(req: Request) -> Response {

@@ -784,3 +784,72 @@ async fn a_fence_acts_only_on_exactly_the_running_epoch() {
     );
     assert!(pids_everywhere(&nodes, "alice").is_empty());
 }
+
+/// A revoked token gets 401 at once on every node: the node that revoked
+/// it empties the other nodes' token caches before it answers, so a node
+/// that had just accepted the token (and cached it) refuses it on the very
+/// next request, through the proxy and the API alike.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_revoked_token_gets_401_at_once_on_every_node() {
+    let db = fresh_db().await;
+    let root = tempfile::tempdir().unwrap();
+    let nodes = start_nodes(root.path(), &db, &["node-a", "node-b"], "").await;
+    let (status, body) = nodes[0].post("/users/alice/instance", json!({})).await;
+    assert!(status == 201 || status == 200, "{status} {body}");
+    let (status, minted) = nodes[0].post("/users/alice/tokens", json!({})).await;
+    assert_eq!(status, 201, "{minted}");
+    let token = minted["token"].as_str().unwrap().to_owned();
+    let id = minted["id"].as_str().unwrap().to_owned();
+
+    let app = |node: &Node| {
+        node.http
+            .get(format!("{}/u/alice/", node.url))
+            .bearer_auth(&token)
+            .send()
+    };
+    let api = |node: &Node| {
+        node.http
+            .get(node.api("/users/alice/instance"))
+            .bearer_auth(&token)
+            .send()
+    };
+    // Every node accepts (and caches) the token.
+    for node in &nodes {
+        assert_eq!(app(node).await.unwrap().status(), 200, "{}", node.url);
+        assert_eq!(api(node).await.unwrap().status(), 200, "{}", node.url);
+    }
+
+    // Revoked through node-a; node-b refuses it on the next request.
+    let status = nodes[0].delete(&format!("/users/alice/tokens/{id}")).await;
+    assert_eq!(status, 200);
+    for node in nodes.iter().rev() {
+        assert_eq!(app(node).await.unwrap().status(), 401, "{}", node.url);
+        assert_eq!(api(node).await.unwrap().status(), 401, "{}", node.url);
+    }
+
+    // And the other way round, with a token node-b minted.
+    let (_, minted) = nodes[1].post("/users/alice/tokens", json!({})).await;
+    let token = minted["token"].as_str().unwrap().to_owned();
+    let id = minted["id"].as_str().unwrap().to_owned();
+    let app = |node: &Node| {
+        node.http
+            .get(format!("{}/u/alice/", node.url))
+            .bearer_auth(&token)
+            .send()
+    };
+    for node in &nodes {
+        assert_eq!(app(node).await.unwrap().status(), 200, "{}", node.url);
+    }
+    let r = nodes[1]
+        .http
+        .delete(nodes[1].api(&format!("/users/alice/tokens/{id}")))
+        .bearer_auth(&nodes[1].token)
+        .send()
+        .await
+        .unwrap();
+    let answer: Value = r.json().await.unwrap();
+    assert_eq!(answer["unreached_nodes"], json!([]), "{answer}");
+    for node in &nodes {
+        assert_eq!(app(node).await.unwrap().status(), 401, "{}", node.url);
+    }
+}
