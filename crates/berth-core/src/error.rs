@@ -18,6 +18,12 @@ pub enum ErrorCode {
     SpawnFailed,
     CapacityExhausted,
     StoreUnavailable,
+    /// A user already has as many live tokens as `[auth]
+    /// max_tokens_per_user` allows.
+    TooManyTokens,
+    /// A request body that is not JSON: form and text bodies are what a
+    /// cross-site form can send, so the API refuses them.
+    UnsupportedMediaType,
     Internal,
 }
 
@@ -37,6 +43,8 @@ impl ErrorCode {
             ErrorCode::SpawnFailed => "spawn_failed",
             ErrorCode::CapacityExhausted => "capacity_exhausted",
             ErrorCode::StoreUnavailable => "store_unavailable",
+            ErrorCode::TooManyTokens => "too_many_tokens",
+            ErrorCode::UnsupportedMediaType => "unsupported_media_type",
             ErrorCode::Internal => "internal",
         }
     }
@@ -48,8 +56,9 @@ impl ErrorCode {
             ErrorCode::Unauthorized => 401,
             ErrorCode::Forbidden => 403,
             ErrorCode::NotFound => 404,
-            ErrorCode::AlreadyRunning | ErrorCode::LeaseBusy => 409,
+            ErrorCode::AlreadyRunning | ErrorCode::LeaseBusy | ErrorCode::TooManyTokens => 409,
             ErrorCode::PayloadTooLarge => 413,
+            ErrorCode::UnsupportedMediaType => 415,
             ErrorCode::SpawnFailed | ErrorCode::Internal => 500,
             ErrorCode::InstanceCircuitOpen
             | ErrorCode::InstanceStarting

@@ -6,8 +6,9 @@
 //! 1. [`route`] reads the target user from the request and looks up where
 //!    the user's instance listens, in an in-memory table fed by spawner
 //!    events;
-//! 2. [`auth`] lets through the user themself or the admin (token as
-//!    Bearer, cookie or one-shot query parameter; or a trusted SSO header);
+//! 2. [`auth`] lets through the user themself (a user token as Bearer, as
+//!    the user cookie, or once as a query parameter that becomes the
+//!    cookie; or a trusted SSO header) or the admin (Bearer only);
 //! 3. [`wake`] starts a missing instance and waits for it (or shows a
 //!    browser the "starting" page);
 //! 4. [`forward`] streams the request to the instance and the answer back,

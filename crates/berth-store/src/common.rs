@@ -16,7 +16,9 @@ use sqlx::postgres::{PgRow, Postgres};
 use sqlx::sqlite::{Sqlite, SqliteRow};
 use sqlx::{Decode, Row, Type};
 
-use crate::{LeaseRecord, NodeRecord, NodeStatus, StoreError};
+use crate::{
+    LeaseRecord, MintOutcome, NodeRecord, NodeStatus, StoreError, TokenOwner, TokenRecord,
+};
 
 /// Cap on a TTL handed to SQL, so `now + ttl` can overflow neither SQLite's
 /// integers (which would silently turn into a float) nor a BIGINT. Ten
@@ -189,5 +191,40 @@ pub(crate) fn node_from_row<R: RecordRow>(row: &R) -> Result<NodeRecord, StoreEr
         load: narrow(get(row, "load")?, "load")?,
         status,
         heartbeat: get(row, "heartbeat")?,
+    })
+}
+
+/// A token record from a row of `id, user_id, created_at, expires_at,
+/// last_used_at, parent_id`.
+pub(crate) fn token_from_row<R: RecordRow>(row: &R) -> Result<TokenRecord, StoreError> {
+    Ok(TokenRecord {
+        id: get(row, "id")?,
+        user: parse_user(get(row, "user_id")?)?,
+        created_at: get(row, "created_at")?,
+        expires_at: get(row, "expires_at")?,
+        last_used_at: get(row, "last_used_at")?,
+        parent: get(row, "parent_id")?,
+    })
+}
+
+/// A token's owner from a row of `user_id, id, expires_at, now`.
+pub(crate) fn token_owner_from_row<R: RecordRow>(row: &R) -> Result<TokenOwner, StoreError> {
+    Ok(TokenOwner {
+        user: parse_user(get(row, "user_id")?)?,
+        id: get(row, "id")?,
+        expires_at: get(row, "expires_at")?,
+        now: get(row, "now")?,
+    })
+}
+
+/// Why a mint that inserted nothing was refused, given the user's live
+/// token count read in the same transaction: the cap, else a parent that
+/// is gone.
+pub(crate) fn refused_mint(live: i64, max_live: u32) -> Result<MintOutcome, StoreError> {
+    let live: u32 = narrow(live, "count")?;
+    Ok(if live >= max_live {
+        MintOutcome::TooMany { live }
+    } else {
+        MintOutcome::ParentGone
     })
 }

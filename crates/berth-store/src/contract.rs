@@ -27,8 +27,8 @@ use berth_core::policy::CrashState;
 use berth_core::{Epoch, Instance, InstanceStatus, Role, UnixMillis, UserId};
 
 use crate::{
-    ClaimOutcome, InstanceFilter, LaunchParams, NodeRecord, NodeStatus, Store, StoreError,
-    TakeoverPolicy,
+    ClaimOutcome, InstanceFilter, LaunchParams, MintOutcome, NewToken, NodeRecord, NodeStatus,
+    Store, StoreError, TakeoverPolicy, TokenRecord,
 };
 
 /// A lease that runs out while a test watches.
@@ -87,7 +87,11 @@ macro_rules! store_contract_tests {
             list_leases_reports_holder_liveness,
             concurrent_claimers_have_one_winner,
             crash_state_round_trip_and_clear_deletes,
-            tokens_round_trip,
+            tokens_mint_use_list_and_expire,
+            token_cap_holds_under_concurrent_mints,
+            child_tokens_never_outlive_their_parent,
+            revocation_takes_every_descendant_and_only_them,
+            sessions_live_until_they_expire_or_end,
             nodes_heartbeat_upsert_and_list,
             record_activity_never_lowers_last_active,
         );
@@ -1210,23 +1214,291 @@ pub async fn crash_state_round_trip_and_clear_deletes(store: Arc<dyn Store>) {
     assert_eq!(store.load_crash_state(&bob).await.unwrap(), state);
 }
 
-/// Token hashes map to their user; an unknown hash maps to nobody.
-pub async fn tokens_round_trip(store: Arc<dyn Store>) {
+/// Mints `id` (hash `h-<id>`) for `u`; panics unless it was minted.
+async fn mint(
+    store: &dyn Store,
+    u: &UserId,
+    id: &str,
+    ttl: Duration,
+    parent: Option<&str>,
+) -> TokenRecord {
+    let hash = format!("h-{id}");
+    match store
+        .mint_token(&NewToken {
+            id,
+            user: u,
+            token_hash: &hash,
+            ttl,
+            parent,
+            max_live: 100,
+        })
+        .await
+        .unwrap()
+    {
+        MintOutcome::Minted(record) => record,
+        other => panic!("minting {id}: {other:?}"),
+    }
+}
+
+/// Tokens are found by hash while live, record their use, are listed
+/// without their secret, and are gone once expired (by the store's clock).
+pub async fn tokens_mint_use_list_and_expire(store: Arc<dyn Store>) {
     let alice = user("alice");
     let bob = user("bob@corp.example");
-    store.put_token(&alice, "hash-a1").await.unwrap();
-    store.put_token(&alice, "hash-a2").await.unwrap();
-    store.put_token(&bob, "hash-b").await.unwrap();
-    // Putting the same hash again is idempotent.
-    store.put_token(&bob, "hash-b").await.unwrap();
+    let before = store.now().await.unwrap();
+    let a1 = mint(store.as_ref(), &alice, "a1", LONG, None).await;
+    assert_eq!(a1.id, "a1");
+    assert_eq!(a1.user, alice);
+    assert!(a1.created_at >= before, "{a1:?}");
+    assert_eq!(a1.expires_at - a1.created_at, LONG.as_millis() as i64);
+    assert_eq!((a1.last_used_at, a1.parent.as_deref()), (None, None));
+    mint(store.as_ref(), &alice, "a2", SHORT, None).await;
+    mint(store.as_ref(), &bob, "b1", LONG, None).await;
+
+    let owner = store.use_token("h-a1").await.unwrap().expect("a1 is live");
+    assert_eq!((owner.user, owner.id.as_str()), (alice.clone(), "a1"));
+    assert_eq!(owner.expires_at, a1.expires_at);
+    assert!(owner.now >= a1.created_at && owner.now < owner.expires_at);
+    assert_eq!(store.use_token("h-b1").await.unwrap().unwrap().user, bob);
+    for unknown in ["h-unknown", "", "a1"] {
+        assert_eq!(store.use_token(unknown).await.unwrap(), None, "{unknown:?}");
+    }
+    let listed = store.list_tokens(&alice).await.unwrap();
     assert_eq!(
-        store.user_for_token("hash-a1").await.unwrap(),
-        Some(alice.clone())
+        listed.iter().map(|t| t.id.as_str()).collect::<Vec<_>>(),
+        ["a1", "a2"]
     );
-    assert_eq!(store.user_for_token("hash-a2").await.unwrap(), Some(alice));
-    assert_eq!(store.user_for_token("hash-b").await.unwrap(), Some(bob));
-    assert_eq!(store.user_for_token("hash-unknown").await.unwrap(), None);
-    assert_eq!(store.user_for_token("").await.unwrap(), None);
+    assert_eq!(
+        listed[0].last_used_at,
+        Some(owner.now),
+        "the use is recorded"
+    );
+
+    // a2 runs out: neither found nor listed, and a1 is untouched.
+    let deadline = std::time::Instant::now() + PATIENCE;
+    while store.use_token("h-a2").await.unwrap().is_some() {
+        assert!(std::time::Instant::now() < deadline, "a2 never expired");
+        tokio::time::sleep(POLL).await;
+    }
+    let listed = store.list_tokens(&alice).await.unwrap();
+    assert_eq!(listed.len(), 1, "{listed:?}");
+    assert_eq!(listed[0].id, "a1");
+    assert!(store.list_tokens(&user("nobody")).await.unwrap().is_empty());
+}
+
+/// The per-user cap holds when many mints race, counts only live tokens,
+/// and is per user.
+pub async fn token_cap_holds_under_concurrent_mints(store: Arc<dyn Store>) {
+    let alice = user("alice");
+    let mints = (0..12).map(|i| {
+        let store = store.clone();
+        let alice = alice.clone();
+        tokio::spawn(async move {
+            let id = format!("race-{i}");
+            let hash = format!("h-{id}");
+            store
+                .mint_token(&NewToken {
+                    id: &id,
+                    user: &alice,
+                    token_hash: &hash,
+                    ttl: LONG,
+                    parent: None,
+                    max_live: 3,
+                })
+                .await
+                .unwrap()
+        })
+    });
+    let outcomes: Vec<MintOutcome> = futures_join(mints).await;
+    let minted = outcomes
+        .iter()
+        .filter(|o| matches!(o, MintOutcome::Minted(_)))
+        .count();
+    assert_eq!(minted, 3, "{outcomes:?}");
+    assert!(
+        outcomes
+            .iter()
+            .all(|o| matches!(o, MintOutcome::Minted(_) | MintOutcome::TooMany { live: 3 })),
+        "{outcomes:?}"
+    );
+    assert_eq!(store.list_tokens(&alice).await.unwrap().len(), 3);
+    // Another user has a cap of their own.
+    mint(store.as_ref(), &user("bob"), "b1", LONG, None).await;
+    // Revoking one makes room for one.
+    let first = store.list_tokens(&alice).await.unwrap()[0].id.clone();
+    assert_eq!(store.revoke_token(&alice, &first).await.unwrap(), [first]);
+    let again = |id: &'static str| {
+        let store = store.clone();
+        let alice = alice.clone();
+        async move {
+            store
+                .mint_token(&NewToken {
+                    id,
+                    user: &alice,
+                    token_hash: id,
+                    ttl: SHORT,
+                    parent: None,
+                    max_live: 3,
+                })
+                .await
+                .unwrap()
+        }
+    };
+    assert!(matches!(again("short").await, MintOutcome::Minted(_)));
+    assert_eq!(again("one-more").await, MintOutcome::TooMany { live: 3 });
+    // Expired tokens do not count.
+    let deadline = std::time::Instant::now() + PATIENCE;
+    while store.use_token("short").await.unwrap().is_some() {
+        assert!(std::time::Instant::now() < deadline, "never expired");
+        tokio::time::sleep(POLL).await;
+    }
+    assert!(matches!(
+        again("after-expiry").await,
+        MintOutcome::Minted(_)
+    ));
+}
+
+async fn futures_join<T: Send + 'static>(
+    tasks: impl Iterator<Item = tokio::task::JoinHandle<T>>,
+) -> Vec<T> {
+    let mut out = Vec::new();
+    for task in tasks.collect::<Vec<_>>() {
+        out.push(task.await.unwrap());
+    }
+    out
+}
+
+/// A token minted with another expires no later than it, and only a live
+/// token of the same user can be a parent.
+pub async fn child_tokens_never_outlive_their_parent(store: Arc<dyn Store>) {
+    let alice = user("alice");
+    let parent = mint(
+        store.as_ref(),
+        &alice,
+        "parent",
+        Duration::from_secs(60),
+        None,
+    )
+    .await;
+    let child = mint(store.as_ref(), &alice, "child", LONG, Some("parent")).await;
+    assert_eq!(child.parent.as_deref(), Some("parent"));
+    assert_eq!(child.expires_at, parent.expires_at, "bounded by the parent");
+    let short = mint(store.as_ref(), &alice, "short", SHORT, Some("parent")).await;
+    assert!(
+        short.expires_at < parent.expires_at,
+        "a shorter life is kept"
+    );
+    let grandchild = mint(store.as_ref(), &alice, "grandchild", LONG, Some("child")).await;
+    assert!(grandchild.expires_at <= child.expires_at);
+
+    let refused = |id: &'static str, who: UserId, parent: &'static str| {
+        let store = store.clone();
+        async move {
+            store
+                .mint_token(&NewToken {
+                    id,
+                    user: &who,
+                    token_hash: id,
+                    ttl: LONG,
+                    parent: Some(parent),
+                    max_live: 100,
+                })
+                .await
+                .unwrap()
+        }
+    };
+    assert_eq!(
+        refused("x1", alice.clone(), "nope").await,
+        MintOutcome::ParentGone
+    );
+    assert_eq!(
+        refused("x2", user("bob"), "parent").await,
+        MintOutcome::ParentGone
+    );
+    let deadline = std::time::Instant::now() + PATIENCE;
+    while store.use_token("h-short").await.unwrap().is_some() {
+        assert!(std::time::Instant::now() < deadline, "never expired");
+        tokio::time::sleep(POLL).await;
+    }
+    assert_eq!(
+        refused("x3", alice.clone(), "short").await,
+        MintOutcome::ParentGone
+    );
+    for id in ["x1", "x2", "x3"] {
+        assert_eq!(
+            store.use_token(id).await.unwrap(),
+            None,
+            "{id} was not minted"
+        );
+    }
+}
+
+/// Revoking a token deletes it and everything minted with it, at any
+/// depth, and nothing else; another user cannot revoke it.
+pub async fn revocation_takes_every_descendant_and_only_them(store: Arc<dyn Store>) {
+    let alice = user("alice");
+    mint(store.as_ref(), &alice, "root", LONG, None).await;
+    mint(store.as_ref(), &alice, "kid", LONG, Some("root")).await;
+    mint(store.as_ref(), &alice, "grandkid", LONG, Some("kid")).await;
+    mint(store.as_ref(), &alice, "sibling", LONG, None).await;
+    mint(store.as_ref(), &user("bob"), "bobs", LONG, None).await;
+
+    assert!(
+        store
+            .revoke_token(&user("bob"), "root")
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    assert!(store.revoke_token(&alice, "nope").await.unwrap().is_empty());
+    assert!(store.use_token("h-root").await.unwrap().is_some());
+
+    let mut revoked = store.revoke_token(&alice, "kid").await.unwrap();
+    revoked.sort();
+    assert_eq!(revoked, ["grandkid", "kid"]);
+    for (hash, live) in [
+        ("h-root", true),
+        ("h-kid", false),
+        ("h-grandkid", false),
+        ("h-sibling", true),
+        ("h-bobs", true),
+    ] {
+        assert_eq!(
+            store.use_token(hash).await.unwrap().is_some(),
+            live,
+            "{hash}"
+        );
+    }
+    let left: Vec<String> = store
+        .list_tokens(&alice)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|t| t.id)
+        .collect();
+    assert_eq!(left, ["root", "sibling"]);
+    assert!(
+        store.revoke_token(&alice, "kid").await.unwrap().is_empty(),
+        "already gone"
+    );
+}
+
+/// Admin sessions are found by hash until they expire or are ended.
+pub async fn sessions_live_until_they_expire_or_end(store: Arc<dyn Store>) {
+    let before = store.now().await.unwrap();
+    let long = store.create_session("s-long", LONG).await.unwrap();
+    assert!(long >= before + LONG.as_millis() as i64, "{long}");
+    store.create_session("s-short", SHORT).await.unwrap();
+    assert_eq!(store.session_expiry("s-long").await.unwrap(), Some(long));
+    assert_eq!(store.session_expiry("nope").await.unwrap(), None);
+    let deadline = std::time::Instant::now() + PATIENCE;
+    while store.session_expiry("s-short").await.unwrap().is_some() {
+        assert!(std::time::Instant::now() < deadline, "never expired");
+        tokio::time::sleep(POLL).await;
+    }
+    assert!(store.delete_session("s-long").await.unwrap());
+    assert!(!store.delete_session("s-long").await.unwrap());
+    assert_eq!(store.session_expiry("s-long").await.unwrap(), None);
 }
 
 /// heartbeat inserts, then updates, a node's row and stamps it with the

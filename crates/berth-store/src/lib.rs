@@ -2,7 +2,8 @@
 //!
 //! * [`Store`]: the one trait every backend implements — instance records
 //!   (a main's fenced by its lease epoch), the fenced lease (design §3),
-//!   launch parameters, crash/breaker state, tokens and nodes;
+//!   launch parameters, crash/breaker state, user tokens, admin sessions
+//!   and nodes;
 //! * [`SqliteStore`]: the embedded single-node backend;
 //! * [`PgStore`]: the PostgreSQL backend a cluster of nodes shares;
 //! * [`lease`]: the validated lease settings and [`lease::LeaseKeeper`], the
@@ -155,6 +156,65 @@ pub struct LaunchParams {
     /// The patch content (at most [`berth_core::MAX_PATCH_BYTES`]); `None`
     /// for a launch without one.
     pub patch: Option<String>,
+}
+
+/// A user token as it is listed: everything but its secret (design §8.2).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TokenRecord {
+    /// The public handle, for listing and revoking.
+    pub id: String,
+    pub user: UserId,
+    /// The store's clock when it was minted.
+    pub created_at: UnixMillis,
+    /// By the store's clock; a lookup at or after it finds nothing.
+    pub expires_at: UnixMillis,
+    /// When a node last looked it up in the store. Nodes cache tokens, so
+    /// this is the last use give or take the cache's lifetime.
+    pub last_used_at: Option<UnixMillis>,
+    /// The token it was minted with; `None` when the admin minted it.
+    pub parent: Option<String>,
+}
+
+/// A token to mint with [`Store::mint_token`].
+#[derive(Debug, Clone, Copy)]
+pub struct NewToken<'a> {
+    /// A fresh public id (random; unique across all tokens).
+    pub id: &'a str,
+    pub user: &'a UserId,
+    /// The SHA-256 of the secret, lowercase hex.
+    pub token_hash: &'a str,
+    /// How long it lives, from the store's clock.
+    pub ttl: Duration,
+    /// The id of the user token it is minted with, if any: the new token
+    /// then expires no later than that one, and is refused if that one is
+    /// no longer live or belongs to another user.
+    pub parent: Option<&'a str>,
+    /// The most live tokens `user` may have; minting one more is refused.
+    pub max_live: u32,
+}
+
+/// What [`Store::mint_token`] did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum MintOutcome {
+    Minted(TokenRecord),
+    /// The user already has `live` live tokens, the cap; nothing changed.
+    TooMany {
+        live: u32,
+    },
+    /// The parent token is revoked, expired, or another user's.
+    ParentGone,
+}
+
+/// Who a live token belongs to, as [`Store::use_token`] finds it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TokenOwner {
+    pub user: UserId,
+    /// The token's public id.
+    pub id: String,
+    pub expires_at: UnixMillis,
+    /// The store's clock at the lookup, so that the caller can tell how
+    /// long the token has left by the store's clock.
+    pub now: UnixMillis,
 }
 
 /// Which instance records to list.
@@ -332,8 +392,35 @@ pub trait Store: Send + Sync + 'static {
 
     // --- user tokens (stored hashed; design §8.2) ---------------------------
 
-    async fn put_token(&self, user: &UserId, token_hash: &str) -> Result<(), StoreError>;
-    async fn user_for_token(&self, token_hash: &str) -> Result<Option<UserId>, StoreError>;
+    /// Records a new user token, as one atomic step across nodes: drops the
+    /// user's expired tokens, refuses when the user already has
+    /// [`NewToken::max_live`] live ones or the parent is gone, and bounds
+    /// the expiry by the parent's.
+    async fn mint_token(&self, new: &NewToken<'_>) -> Result<MintOutcome, StoreError>;
+    /// The owner of the live token with this hash, recording the use;
+    /// `None` for an unknown, expired or revoked token.
+    async fn use_token(&self, token_hash: &str) -> Result<Option<TokenOwner>, StoreError>;
+    /// `user`'s live tokens, oldest first.
+    async fn list_tokens(&self, user: &UserId) -> Result<Vec<TokenRecord>, StoreError>;
+    /// Deletes `user`'s token `id` and every token minted with it, directly
+    /// or not. Returns the ids deleted; empty when `user` has no token
+    /// `id`.
+    async fn revoke_token(&self, user: &UserId, id: &str) -> Result<Vec<String>, StoreError>;
+
+    // --- admin sessions (design §8.2) ----------------------------------------
+
+    /// Records a session by the hash of its secret; drops expired sessions.
+    /// Returns when it expires, by the store's clock.
+    async fn create_session(
+        &self,
+        secret_hash: &str,
+        ttl: Duration,
+    ) -> Result<UnixMillis, StoreError>;
+    /// When the live session with this hash expires; `None` if there is
+    /// none (unknown, expired or ended).
+    async fn session_expiry(&self, secret_hash: &str) -> Result<Option<UnixMillis>, StoreError>;
+    /// Ends a session. Returns whether there was one.
+    async fn delete_session(&self, secret_hash: &str) -> Result<bool, StoreError>;
 
     // --- nodes (design §8.1) -------------------------------------------------
 

@@ -19,11 +19,11 @@ use sqlx::sqlite::{
 
 use crate::common::{
     EmbeddedMigrations, get, instance_from_row, lease_from_row, node_from_row, node_status_str,
-    parse_user, ttl_ms,
+    parse_user, refused_mint, token_from_row, token_owner_from_row, ttl_ms,
 };
 use crate::{
-    ClaimOutcome, InstanceFilter, LaunchParams, LeaseRecord, NodeRecord, Store, StoreError,
-    TakeoverPolicy, check_patch_size,
+    ClaimOutcome, InstanceFilter, LaunchParams, LeaseRecord, MintOutcome, NewToken, NodeRecord,
+    Store, StoreError, TakeoverPolicy, TokenOwner, TokenRecord, check_patch_size,
 };
 
 /// The store's clock in Unix milliseconds, as SQL text (SQLite ≥ 3.42 for
@@ -55,6 +55,11 @@ static MIGRATIONS: &[(i64, &str, &str)] = &[
         2,
         "launch_params",
         include_str!("../migrations/sqlite/0002_launch_params.sql"),
+    ),
+    (
+        5,
+        "tokens",
+        include_str!("../migrations/sqlite/0005_tokens.sql"),
     ),
     (
         6,
@@ -685,27 +690,147 @@ impl Store for SqliteStore {
         Ok(())
     }
 
-    async fn put_token(&self, user: &UserId, token_hash: &str) -> Result<(), StoreError> {
+    async fn mint_token(&self, new: &NewToken<'_>) -> Result<MintOutcome, StoreError> {
+        // SQLite has one writer at a time and the transaction writes first
+        // (the DELETE), so the count, the parent check and the insert see
+        // no concurrent mint of the same user.
+        let mut tx = self.pool.begin().await.map_err(db_err)?;
         sqlx::query(concat!(
-            "INSERT INTO tokens (token_hash, user_id, created_at) VALUES (?1, ?2, ",
-            now_ms!(),
-            ") ON CONFLICT (token_hash) DO UPDATE SET user_id = excluded.user_id"
+            "DELETE FROM tokens WHERE user_id = ?1 AND expires_at <= ",
+            now_ms!()
         ))
-        .bind(token_hash)
-        .bind(user.as_str())
-        .execute(&self.pool)
+        .bind(new.user.as_str())
+        .execute(&mut *tx)
         .await
         .map_err(db_err)?;
-        Ok(())
+        let row = sqlx::query(concat!(
+            "INSERT INTO tokens (token_hash, id, user_id, created_at, expires_at, parent_id) ",
+            "SELECT ?1, ?2, ?3, c.now, ",
+            "CASE WHEN ?5 IS NULL THEN c.now + ?4 ELSE min(c.now + ?4, p.expires_at) END, ?5 ",
+            "FROM (SELECT ",
+            now_ms!(),
+            " AS now) c ",
+            "LEFT JOIN tokens p ON p.id = ?5 AND p.user_id = ?3 AND p.expires_at > c.now ",
+            "WHERE (?5 IS NULL OR p.id IS NOT NULL) ",
+            "AND (SELECT count(*) FROM tokens WHERE user_id = ?3 AND expires_at > c.now) < ?6 ",
+            "RETURNING id, user_id, created_at, expires_at, last_used_at, parent_id"
+        ))
+        .bind(new.token_hash)
+        .bind(new.id)
+        .bind(new.user.as_str())
+        .bind(ttl_ms(new.ttl))
+        .bind(new.parent)
+        .bind(i64::from(new.max_live))
+        .fetch_optional(&mut *tx)
+        .await
+        .map_err(db_err)?;
+        let outcome = match row {
+            Some(row) => MintOutcome::Minted(token_from_row(&row)?),
+            None => {
+                let live: i64 = sqlx::query_scalar(concat!(
+                    "SELECT count(*) FROM tokens WHERE user_id = ?1 AND expires_at > ",
+                    now_ms!()
+                ))
+                .bind(new.user.as_str())
+                .fetch_one(&mut *tx)
+                .await
+                .map_err(db_err)?;
+                refused_mint(live, new.max_live)?
+            }
+        };
+        tx.commit().await.map_err(db_err)?;
+        Ok(outcome)
     }
 
-    async fn user_for_token(&self, token_hash: &str) -> Result<Option<UserId>, StoreError> {
-        let row = sqlx::query("SELECT user_id FROM tokens WHERE token_hash = ?1")
-            .bind(token_hash)
-            .fetch_optional(&self.pool)
+    async fn use_token(&self, token_hash: &str) -> Result<Option<TokenOwner>, StoreError> {
+        let row = sqlx::query(concat!(
+            "UPDATE tokens SET last_used_at = ",
+            now_ms!(),
+            " WHERE token_hash = ?1 AND expires_at > ",
+            now_ms!(),
+            " RETURNING user_id, id, expires_at, last_used_at AS now"
+        ))
+        .bind(token_hash)
+        .fetch_optional(&self.pool)
+        .await
+        .map_err(db_err)?;
+        row.map(|row| token_owner_from_row(&row)).transpose()
+    }
+
+    async fn list_tokens(&self, user: &UserId) -> Result<Vec<TokenRecord>, StoreError> {
+        let rows = sqlx::query(concat!(
+            "SELECT id, user_id, created_at, expires_at, last_used_at, parent_id FROM tokens ",
+            "WHERE user_id = ?1 AND expires_at > ",
+            now_ms!(),
+            " ORDER BY created_at, id"
+        ))
+        .bind(user.as_str())
+        .fetch_all(&self.pool)
+        .await
+        .map_err(db_err)?;
+        rows.iter().map(token_from_row).collect()
+    }
+
+    async fn revoke_token(&self, user: &UserId, id: &str) -> Result<Vec<String>, StoreError> {
+        sqlx::query_scalar(
+            "WITH RECURSIVE doomed(id) AS ( \
+               SELECT id FROM tokens WHERE id = ?1 AND user_id = ?2 \
+               UNION SELECT t.id FROM tokens t JOIN doomed d ON t.parent_id = d.id \
+             ) DELETE FROM tokens WHERE id IN (SELECT id FROM doomed) RETURNING id",
+        )
+        .bind(id)
+        .bind(user.as_str())
+        .fetch_all(&self.pool)
+        .await
+        .map_err(db_err)
+    }
+
+    async fn create_session(
+        &self,
+        secret_hash: &str,
+        ttl: Duration,
+    ) -> Result<UnixMillis, StoreError> {
+        let mut tx = self.pool.begin().await.map_err(db_err)?;
+        sqlx::query(concat!(
+            "DELETE FROM sessions WHERE expires_at <= ",
+            now_ms!()
+        ))
+        .execute(&mut *tx)
+        .await
+        .map_err(db_err)?;
+        let expires_at: i64 = sqlx::query_scalar(concat!(
+            "INSERT INTO sessions (secret_hash, created_at, expires_at) SELECT ?1, c.now, c.now + ?2 ",
+            "FROM (SELECT ",
+            now_ms!(),
+            " AS now) c RETURNING expires_at"
+        ))
+        .bind(secret_hash)
+        .bind(ttl_ms(ttl))
+        .fetch_one(&mut *tx)
+        .await
+        .map_err(db_err)?;
+        tx.commit().await.map_err(db_err)?;
+        Ok(expires_at)
+    }
+
+    async fn session_expiry(&self, secret_hash: &str) -> Result<Option<UnixMillis>, StoreError> {
+        sqlx::query_scalar(concat!(
+            "SELECT expires_at FROM sessions WHERE secret_hash = ?1 AND expires_at > ",
+            now_ms!()
+        ))
+        .bind(secret_hash)
+        .fetch_optional(&self.pool)
+        .await
+        .map_err(db_err)
+    }
+
+    async fn delete_session(&self, secret_hash: &str) -> Result<bool, StoreError> {
+        let done = sqlx::query("DELETE FROM sessions WHERE secret_hash = ?1")
+            .bind(secret_hash)
+            .execute(&self.pool)
             .await
             .map_err(db_err)?;
-        row.map(|row| parse_user(get(&row, "user_id")?)).transpose()
+        Ok(done.rows_affected() > 0)
     }
 
     async fn heartbeat(&self, node: &NodeRecord) -> Result<(), StoreError> {
@@ -782,17 +907,81 @@ mod tests {
             .await
             .unwrap();
         assert!(busy >= 1000, "{busy}");
-        store
-            .put_token(&UserId::parse("alice").unwrap(), "h")
+        let alice = UserId::parse("alice").unwrap();
+        let minted = store
+            .mint_token(&NewToken {
+                id: "t1",
+                user: &alice,
+                token_hash: "h",
+                ttl: Duration::from_secs(60),
+                parent: None,
+                max_live: 5,
+            })
             .await
             .unwrap();
+        assert!(matches!(minted, MintOutcome::Minted(_)), "{minted:?}");
         store.close().await;
 
         // Migrations are recorded, so opening again neither fails nor loses data.
         let store = SqliteStore::open(&url).await.unwrap();
-        assert_eq!(
-            store.user_for_token("h").await.unwrap(),
-            Some(UserId::parse("alice").unwrap())
+        assert_eq!(store.use_token("h").await.unwrap().unwrap().user, alice);
+    }
+
+    /// Tokens minted before schema version 5 get an id (a prefix of their
+    /// hash) and expire 30 days after they were minted.
+    #[tokio::test]
+    async fn tokens_from_before_version_5_get_an_id_and_an_expiry() {
+        let dir = tempfile::tempdir().unwrap();
+        let url = url_in(dir.path());
+        let options = SqliteConnectOptions::from_str(&url)
+            .unwrap()
+            .create_if_missing(true);
+        let pool = SqlitePoolOptions::new()
+            .max_connections(1)
+            .connect_with(options)
+            .await
+            .unwrap();
+        Migrator::new(EmbeddedMigrations(&MIGRATIONS[..2]))
+            .await
+            .unwrap()
+            .run(&pool)
+            .await
+            .unwrap();
+        let day: i64 = 24 * 3600 * 1000;
+        let now = berth_core::unix_millis_now();
+        for (hash, age) in [
+            ("0123456789abcdef0000", day),
+            ("fedcba98765432100000", 31 * day),
+        ] {
+            sqlx::query(
+                "INSERT INTO tokens (token_hash, user_id, created_at) VALUES (?1, 'alice', ?2)",
+            )
+            .bind(hash)
+            .bind(now - age)
+            .execute(&pool)
+            .await
+            .unwrap();
+        }
+        pool.close().await;
+        let store = SqliteStore::open(&url).await.unwrap();
+        let alice = UserId::parse("alice").unwrap();
+        let listed = store.list_tokens(&alice).await.unwrap();
+        assert_eq!(listed.len(), 1, "the 31-day-old token expired: {listed:?}");
+        assert_eq!(listed[0].id, "0123456789abcdef");
+        assert_eq!(listed[0].expires_at, now - day + 30 * day);
+        assert!(
+            store
+                .use_token("0123456789abcdef0000")
+                .await
+                .unwrap()
+                .is_some()
+        );
+        assert!(
+            store
+                .use_token("fedcba98765432100000")
+                .await
+                .unwrap()
+                .is_none()
         );
     }
 
@@ -903,8 +1092,7 @@ mod tests {
             .connect("sqlite::memory:")
             .await
             .unwrap();
-        for (version, _, sql) in &MIGRATIONS[..2] {
-            assert!(*version < 6);
+        for (_, _, sql) in MIGRATIONS.iter().filter(|(v, _, _)| *v < 6) {
             sqlx::raw_sql(sql).execute(&pool).await.unwrap();
         }
         sqlx::raw_sql(
@@ -916,8 +1104,7 @@ mod tests {
         .execute(&pool)
         .await
         .unwrap();
-        let (version, _, sql) = MIGRATIONS[2];
-        assert_eq!(version, 6);
+        let (_, _, sql) = MIGRATIONS.iter().find(|(v, _, _)| *v == 6).unwrap();
         sqlx::raw_sql(sql).execute(&pool).await.unwrap();
         let refs: Vec<(String, Option<String>)> =
             sqlx::query_as("SELECT user_id, runtime_ref FROM instances ORDER BY user_id")

@@ -158,20 +158,49 @@ pub async fn run(command: Command) -> anyhow::Result<ExitCode> {
                 return Ok(ExitCode::FAILURE);
             }
         }
-        Command::Token { user, client } => {
+        Command::Token {
+            user,
+            list,
+            revoke,
+            ttl,
+            client,
+        } => {
             let user = parse_user(&user)?;
             let api = Api::new(&client)?;
-            let mut answer = api.post(&user_path(&user, &["tokens"])).await?;
-            let token = answer
-                .get("token")
-                .and_then(Value::as_str)
-                .ok_or_else(|| anyhow!("the API answered without a token: {answer}"))?
-                .to_owned();
-            let open = api.open_url(&user, &token);
-            if let Value::Object(map) = &mut answer {
-                map.insert("url".into(), Value::String(open.to_string()));
+            if list {
+                let body = api.get(&user_path(&user, &["tokens"]), &[]).await?;
+                print_table(&body, "tokens", TOKEN_COLUMNS);
+            } else if let Some(id) = revoke {
+                let answer = api
+                    .send(
+                        Method::DELETE,
+                        &user_path(&user, &["tokens", id.as_str()]),
+                        &[],
+                        None,
+                    )
+                    .await?;
+                print_json(&answer);
+            } else {
+                let body = ttl.map(|secs| serde_json::json!({ "ttl_s": secs }));
+                let mut answer = api
+                    .send(Method::POST, &user_path(&user, &["tokens"]), &[], body)
+                    .await?;
+                let token = answer
+                    .get("token")
+                    .and_then(Value::as_str)
+                    .ok_or_else(|| anyhow!("the API answered without a token: {answer}"))?
+                    .to_owned();
+                // In path mode the link is this client's URL plus the base
+                // path (it may carry a prefix the server cannot know); in
+                // host mode only the server knows the user's host name.
+                if answer.get("routing").and_then(Value::as_str) != Some("host") {
+                    let open = api.open_url(&user, &token);
+                    if let Value::Object(map) = &mut answer {
+                        map.insert("url".into(), Value::String(open.to_string()));
+                    }
+                }
+                print_json(&answer);
             }
-            print_json(&answer);
         }
         Command::Serve(_) | Command::DemoApp(_) | Command::Config { .. } => {
             bail!("internal: not a client command")
@@ -427,6 +456,14 @@ const NODE_COLUMNS: &[Column] = &[
     Column("CAPACITY", "capacity", Cell::Plain),
     Column("URL", "advertise_url", Cell::Plain),
     Column("HEARTBEAT", "heartbeat", Cell::Time),
+];
+
+const TOKEN_COLUMNS: &[Column] = &[
+    Column("ID", "id", Cell::Plain),
+    Column("CREATED", "created_at", Cell::Time),
+    Column("EXPIRES", "expires_at", Cell::Time),
+    Column("LAST USED", "last_used_at", Cell::Time),
+    Column("MINTED WITH", "parent", Cell::Plain),
 ];
 
 const LEASE_COLUMNS: &[Column] = &[

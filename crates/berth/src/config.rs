@@ -9,7 +9,7 @@
 
 use std::collections::BTreeMap;
 use std::fmt;
-use std::net::{IpAddr, SocketAddr};
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -59,6 +59,7 @@ pub struct Config {
     pub lease: LeaseSection,
     pub isolation: IsolationConfig,
     pub proxy: ProxyConfig,
+    pub auth: AuthSection,
     pub cluster: ClusterSection,
     /// Accepted so that a Kubernetes config is refused with a clear message
     /// rather than as an unknown key; the backend does not exist yet.
@@ -127,6 +128,40 @@ pub struct LeaseSection {
     pub takeover: berth_store::TakeoverPolicy,
 }
 
+/// `[auth]`: user tokens and admin sessions (design §8.2).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct AuthSection {
+    /// How long a user token lives. A token minted with a user token lives
+    /// no longer than that one.
+    pub user_token_ttl_s: u64,
+    /// Whether a user token may launch with `patch`, `folder` or `force`,
+    /// and reset its breaker. Off: only the admin may.
+    pub users_may_patch: bool,
+    /// The most live tokens one user may have; minting one more is refused
+    /// (409 `too_many_tokens`) until one is revoked or expires.
+    pub max_tokens_per_user: u32,
+    /// How long a node trusts a user token it looked up without asking
+    /// the store again. A revocation clears every reachable node at once;
+    /// this bounds how long a node it could not reach may accept the token.
+    /// 0: every use asks the store.
+    pub token_cache_s: u64,
+    /// How long an admin page session lasts.
+    pub session_ttl_s: u64,
+}
+
+impl Default for AuthSection {
+    fn default() -> Self {
+        Self {
+            user_token_ttl_s: 30 * 24 * 3600,
+            users_may_patch: false,
+            max_tokens_per_user: 20,
+            token_cache_s: 10,
+            session_ttl_s: 12 * 3600,
+        }
+    }
+}
+
 /// `[cluster]`: this node's part in a cluster (PostgreSQL store).
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -151,10 +186,17 @@ pub struct IsolationConfig {
 #[serde(deny_unknown_fields, default)]
 pub struct ProxyConfig {
     pub base_domain: String,
+    /// `/u/<user>/` on the berth host: `"auto"` (on unless `base_domain`
+    /// is set), `"on"` or `"off"`. On, every app shares the API's origin.
+    pub path_routing: String,
     pub strip_prefix: bool,
     /// `"token"` or `"header"`.
     pub auth: String,
     pub trusted_proxies: Vec<String>,
+    /// `auth = "header"`: `X-Forwarded-User` counts only next to this
+    /// secret in `X-Berth-Proxy-Secret`, proving the request came through
+    /// the SSO proxy rather than another process on a trusted address.
+    pub header_secret: Option<String>,
     /// A client must send its request head within this time (slowloris).
     pub header_timeout_ms: u64,
     /// Largest request head in bytes; larger gets `431`.
@@ -181,6 +223,7 @@ impl Default for Config {
             lease: LeaseSection::default(),
             isolation: IsolationConfig::default(),
             proxy: ProxyConfig::default(),
+            auth: AuthSection::default(),
             cluster: ClusterSection::default(),
             kubernetes: None,
             provenance: Provenance::default(),
@@ -259,9 +302,11 @@ impl Default for ProxyConfig {
     fn default() -> Self {
         Self {
             base_domain: String::new(),
+            path_routing: "auto".to_owned(),
             strip_prefix: false,
             auth: "token".to_owned(),
             trusted_proxies: Vec::new(),
+            header_secret: None,
             header_timeout_ms: 10_000,
             max_header_bytes: 64 * 1024,
             max_upgrades: 10_000,
@@ -555,6 +600,16 @@ impl Config {
                  another port); choose a range outside it, or narrow the kernel's"
             )
         })
+    }
+
+    /// Whether `/u/<user>/` is routed on the berth host: `[proxy]
+    /// path_routing`, where `"auto"` means on unless a base domain is set.
+    pub fn path_routing(&self) -> bool {
+        match self.proxy.path_routing.as_str() {
+            "on" => true,
+            "off" => false,
+            _ => self.proxy.base_domain.is_empty(),
+        }
     }
 
     /// The parsed listen address.
@@ -1024,6 +1079,62 @@ impl Config {
                 format!("{bad:?} is not an IP address or CIDR block"),
             ));
         }
+        match p.path_routing.as_str() {
+            "auto" | "on" => {}
+            "off" if domain.is_empty() => {
+                return Err(self.invalid(
+                    "proxy.path_routing",
+                    "\"off\" needs a base_domain: without one, no app could be reached",
+                ));
+            }
+            "off" => {}
+            other => {
+                return Err(self.invalid(
+                    "proxy.path_routing",
+                    format!("{other:?} is not a choice (expected \"auto\", \"on\" or \"off\")"),
+                ));
+            }
+        }
+        if let Some(secret) = &p.header_secret {
+            if p.auth != "header" {
+                return Err(
+                    self.invalid("proxy.header_secret", "is used only with auth = \"header\"")
+                );
+            }
+            if berth_proxy::auth::SharedSecret::new(secret).is_err() {
+                return Err(self.invalid(
+                    "proxy.header_secret",
+                    "must be visible ASCII without spaces (it is sent as an HTTP header)",
+                ));
+            }
+        }
+        self.validate_auth()
+    }
+
+    fn validate_auth(&self) -> Result<(), ConfigError> {
+        let a = &self.auth;
+        if a.user_token_ttl_s == 0 {
+            return Err(self.invalid("auth.user_token_ttl_s", "must be at least 1"));
+        }
+        // The store caps every TTL at ten years.
+        if a.user_token_ttl_s > 10 * 365 * 24 * 3600 {
+            return Err(self.invalid("auth.user_token_ttl_s", "must be at most ten years"));
+        }
+        if a.max_tokens_per_user == 0 {
+            return Err(self.invalid("auth.max_tokens_per_user", "must be at least 1"));
+        }
+        if a.token_cache_s > 3600 {
+            return Err(self.invalid(
+                "auth.token_cache_s",
+                "must be at most 3600: it bounds how long a revoked token may still work on a node the revocation could not reach",
+            ));
+        }
+        if a.session_ttl_s == 0 || a.session_ttl_s > 30 * 24 * 3600 {
+            return Err(self.invalid(
+                "auth.session_ttl_s",
+                "must be between 1 and 2592000 (30 days)",
+            ));
+        }
         Ok(())
     }
 }
@@ -1039,16 +1150,10 @@ pub fn ephemeral_port_range() -> Option<(u16, u16)> {
     }
 }
 
+/// The proxy's own parser (`ipnet`), so that config check and start-up
+/// agree on what a `trusted_proxies` entry is.
 fn is_ip_or_cidr(s: &str) -> bool {
-    let (addr, prefix) = match s.split_once('/') {
-        Some((addr, prefix)) => (addr, Some(prefix)),
-        None => (s, None),
-    };
-    let Ok(ip) = addr.parse::<IpAddr>() else {
-        return false;
-    };
-    let max = if ip.is_ipv4() { 32 } else { 128 };
-    prefix.is_none_or(|p| p.parse::<u8>().is_ok_and(|p| p <= max))
+    berth_proxy::auth::TrustedProxies::parse(&[s]).is_ok()
 }
 
 /// The 1-based line of byte `offset` in `text`.
@@ -1184,6 +1289,10 @@ mod tests {
         assert_eq!(c.proxy.auth, "token");
         assert!(!c.proxy.strip_prefix);
         assert!(c.proxy.base_domain.is_empty());
+        assert_eq!(c.proxy.path_routing, "auto");
+        assert!(c.path_routing(), "no domain: path routing");
+        assert_eq!(c.auth.user_token_ttl_s, 2_592_000);
+        assert!(!c.auth.users_may_patch);
     }
 
     #[test]
@@ -1440,6 +1549,53 @@ mod tests {
         assert!(c.is_postgres());
         let msg = c.validate().unwrap_err().to_string();
         assert!(msg.contains("cluster_secret"), "{msg}");
+    }
+
+    #[test]
+    fn path_routing_follows_the_domain_unless_told() {
+        let on = |text: &str| parse(text).unwrap().path_routing();
+        assert!(on(""));
+        assert!(!on("[proxy]\nbase_domain = \"b.example\"\n"));
+        assert!(on(
+            "[proxy]\nbase_domain = \"b.example\"\npath_routing = \"on\"\n"
+        ));
+        assert!(!on(
+            "[proxy]\nbase_domain = \"b.example\"\npath_routing = \"off\"\n"
+        ));
+        for bad in [
+            "[proxy]\npath_routing = \"off\"\n",
+            "[proxy]\npath_routing = \"sometimes\"\n",
+        ] {
+            let err = parse(bad).unwrap().validate().unwrap_err().to_string();
+            assert!(
+                err.contains("proxy.path_routing") && err.contains("line 2"),
+                "{err}"
+            );
+        }
+    }
+
+    #[test]
+    fn auth_settings_are_checked() {
+        for (text, key) in [
+            ("[auth]\nuser_token_ttl_s = 0\n", "auth.user_token_ttl_s"),
+            (
+                "[auth]\nmax_tokens_per_user = 0\n",
+                "auth.max_tokens_per_user",
+            ),
+            ("[auth]\ntoken_cache_s = 86400\n", "auth.token_cache_s"),
+            ("[auth]\nsession_ttl_s = 0\n", "auth.session_ttl_s"),
+            ("[proxy]\nheader_secret = \"s\"\n", "proxy.header_secret"),
+            (
+                "[proxy]\nauth = \"header\"\ntrusted_proxies = [\"127.0.0.1\"]\nheader_secret = \"a b\"\n",
+                "proxy.header_secret",
+            ),
+        ] {
+            let err = parse(text).unwrap().validate().unwrap_err().to_string();
+            assert!(err.contains(key), "{text}: {err}");
+        }
+        let ok = "[auth]\nuser_token_ttl_s = 60\nusers_may_patch = true\ntoken_cache_s = 0\n\
+                  [proxy]\nauth = \"header\"\ntrusted_proxies = [\"127.0.0.1\"]\nheader_secret = \"s3\"\n";
+        parse(ok).unwrap().validate().unwrap();
     }
 
     #[test]

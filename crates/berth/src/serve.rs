@@ -119,7 +119,29 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         (None, None)
     };
 
-    let authenticator = auth::Authenticator::new(&admin_token, store.clone());
+    let path_routing = config.path_routing();
+    let authenticator = auth::Authenticator::new(
+        &admin_token,
+        store.clone(),
+        auth::AuthSettings {
+            user_token_ttl: Duration::from_secs(config.auth.user_token_ttl_s),
+            max_tokens_per_user: config.auth.max_tokens_per_user,
+            token_cache: Duration::from_secs(config.auth.token_cache_s),
+            session_ttl: Duration::from_secs(config.auth.session_ttl_s),
+            users_may_patch: config.auth.users_may_patch,
+            // A session cookie is only as safe as the API's origin is the
+            // admin page's alone.
+            sessions: !path_routing,
+        },
+    );
+    if path_routing {
+        tracing::warn!(
+            "path routing is on: every user's app is served under /u/<user>/ on the same origin as \
+             the API, so one user's app can act in another user's browser session. This suits \
+             only users who trust each other, or development; set [proxy] base_domain to give each \
+             app its own origin"
+        );
+    }
     let proxy_cluster = match (&cluster, &cluster_secret) {
         (Some(cluster), Some(secret)) => Some(berth_proxy::ProxyCluster {
             hook: cluster.clone() as Arc<dyn berth_proxy::ClusterHook>,
@@ -145,6 +167,8 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         cluster,
         cluster_secret,
         node_control: controller.clone() as Arc<dyn cluster::NodeControl>,
+        base_domain: Some(config.proxy.base_domain.clone()).filter(|d| !d.is_empty()),
+        path_routing,
     });
     let app = api::router(state);
 
@@ -233,9 +257,16 @@ fn proxy_config(
     let p = &config.proxy;
     Ok(berth_proxy::ProxyConfig {
         base_domain: Some(p.base_domain.clone()).filter(|d| !d.is_empty()),
+        path_routing: config.path_routing(),
         strip_prefix: p.strip_prefix,
         auth_mode: p.auth.parse().map_err(anyhow::Error::msg)?,
         trusted_proxies: berth_proxy::auth::TrustedProxies::parse(&p.trusted_proxies)?,
+        header_secret: p
+            .header_secret
+            .as_deref()
+            .map(berth_proxy::auth::SharedSecret::new)
+            .transpose()
+            .context("proxy.header_secret")?,
         ready_timeout,
         forward: berth_proxy::forward::ForwardConfig {
             max_upgrades: p.max_upgrades,

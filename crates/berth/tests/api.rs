@@ -415,3 +415,67 @@ async fn serve_runs_on_embedded_defaults() {
         .mode();
     assert_eq!(mode & 0o777, 0o600);
 }
+
+/// berth authenticates before it reads a body (design §8.2): a client
+/// that sends headers and only half of its body gets its 401 at once,
+/// while the rest is still missing; an authenticated one gets 413 for a
+/// declared length over the limit, before it sends anything.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_body_is_read_only_after_authentication() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let dir = tempfile::tempdir().unwrap();
+    let node = Node::start(dir.path(), &ports(10));
+    let addr = node.url.trim_start_matches("http://").to_owned();
+    let half = vec![b'{'; 512 * 1024];
+    for (path, auth) in [
+        ("/api/v1/users/alice/instance", String::new()),
+        (
+            "/api/v1/users/alice/instance",
+            "Authorization: Bearer wrong\r\n".to_owned(),
+        ),
+        ("/internal/v1/users/alice/launch", String::new()),
+    ] {
+        let mut stream = tokio::net::TcpStream::connect(&addr).await.unwrap();
+        let head = format!(
+            "POST {path} HTTP/1.1\r\nHost: x\r\n{auth}Content-Type: application/json\r\n\
+             Content-Length: {}\r\n\r\n",
+            2 * half.len()
+        );
+        stream.write_all(head.as_bytes()).await.unwrap();
+        stream.write_all(&half).await.unwrap();
+        // The other half never comes: only an answer that did not wait for
+        // it arrives.
+        let mut answer = vec![0u8; 1024];
+        let n = tokio::time::timeout(Duration::from_secs(60), stream.read(&mut answer))
+            .await
+            .unwrap_or_else(|_| panic!("{path}: berth waited for the body"))
+            .unwrap();
+        let text = String::from_utf8_lossy(&answer[..n]);
+        let want = if path.starts_with("/internal") {
+            // Single node: node-to-node routes do not exist.
+            "HTTP/1.1 404"
+        } else {
+            "HTTP/1.1 401"
+        };
+        assert!(text.starts_with(want), "{path} {auth:?}: {text}");
+    }
+    assert!(node.main_of("alice").await.is_null(), "nothing launched");
+
+    let mut stream = tokio::net::TcpStream::connect(&addr).await.unwrap();
+    let head = format!(
+        "POST /api/v1/users/alice/instance HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {}\r\n\
+         Content-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+        node.token,
+        4 * 1024 * 1024
+    );
+    stream.write_all(head.as_bytes()).await.unwrap();
+    let mut answer = vec![0u8; 4096];
+    let n = tokio::time::timeout(Duration::from_secs(60), stream.read(&mut answer))
+        .await
+        .expect("413 without reading the body")
+        .unwrap();
+    let text = String::from_utf8_lossy(&answer[..n]);
+    assert!(text.starts_with("HTTP/1.1 413"), "{text}");
+    assert!(text.contains("payload_too_large"), "{text}");
+    assert!(node.main_of("alice").await.is_null(), "nothing launched");
+}

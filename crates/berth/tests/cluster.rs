@@ -14,7 +14,9 @@ use std::time::Duration;
 
 use berth_testkit::PgCluster;
 use serde_json::{Value, json};
-use support::{BERTH, Node, cluster_config, eventually, instance_pids};
+use support::{
+    BERTH, CLUSTER_LEASE, Node, alive, berth, cluster_config, eventually, instance_pids, proc_state,
+};
 
 const SECRET: &str = "cluster-secret-for-tests";
 
@@ -59,17 +61,67 @@ fn pids_everywhere(nodes: &[Node], user: &str) -> Vec<(usize, u32)> {
         .collect()
 }
 
-/// The state letter of a process (`R`, `S`, `T` stopped, …), if it exists.
-fn proc_state(pid: u32) -> Option<char> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    stat.rsplit_once(')')?.1.trim_start().chars().next()
+/// Starts nodes whose programs report what they received (`berth demo-app`
+/// with `BERTH_DEMO_ECHO=1`: `GET …/echo` shows the request headers and the
+/// environment). Each berth also has the cluster secret in its own
+/// environment, as the README's "Run a cluster" sets it, so the echo shows
+/// whether berth's environment leaks into programs.
+async fn start_echo_nodes(root: &Path, db: &str, ids: &[&str]) -> Vec<Node> {
+    let mut nodes = Vec::new();
+    for id in ids {
+        let dir = root.join(id);
+        let db = db.to_owned();
+        let id = (*id).to_owned();
+        let node = tokio::task::spawn_blocking(move || {
+            berth()
+                .env("BERTH_CLUSTER_SECRET", SECRET)
+                .start_cluster_custom(
+                    &dir,
+                    &db,
+                    &id,
+                    SECRET,
+                    CLUSTER_LEASE,
+                    "env = { BERTH_DEMO_ECHO = \"1\" }\n",
+                    "",
+                )
+        })
+        .await
+        .unwrap();
+        nodes.push(Node::from(node));
+    }
+    nodes
+}
+
+/// `GET <url>/u/alice/echo` with `headers`: the program's report of what it
+/// received, as JSON.
+async fn echo(http: &reqwest::Client, url: &str, headers: &[(&str, &str)]) -> Value {
+    let mut request = http.get(format!("{url}/u/alice/echo"));
+    for (name, value) in headers {
+        request = request.header(*name, *value);
+    }
+    let response = request.send().await.unwrap();
+    let status = response.status().as_u16();
+    let text = response.text().await.unwrap();
+    assert_eq!(status, 200, "via {url}: {text}");
+    serde_json::from_str(&text).unwrap_or_else(|e| panic!("not an echo ({e}): {text}"))
+}
+
+/// The values of header `name` in an echo.
+fn echoed_header<'a>(echo: &'a Value, name: &str) -> Vec<&'a str> {
+    echo["headers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|h| h[0].as_str().is_some_and(|n| n.eq_ignore_ascii_case(name)))
+        .filter_map(|h| h[1].as_str())
+        .collect()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn any_node_answers_for_a_user_running_on_another_node() {
     let db = fresh_db().await;
     let root = tempfile::tempdir().unwrap();
-    let nodes = start_nodes(root.path(), &db, &["node-a", "node-b", "node-c"], "").await;
+    let nodes = start_echo_nodes(root.path(), &db, &["node-a", "node-b", "node-c"]).await;
     let (status, body) = nodes[0].post("/users/alice/instance", json!({})).await;
     assert!(status == 201 || status == 200, "{status} {body}");
     let owner = body["instance"]["node"].as_str().unwrap().to_owned();
@@ -91,11 +143,62 @@ async fn any_node_answers_for_a_user_running_on_another_node() {
         assert_eq!(status, 200, "via {}: {page}", node.url);
         assert!(page.contains(r#"<b id="user">alice</b>"#), "{page}");
         assert!(page.contains(&format!("epoch <b>{epoch}</b>")), "{page}");
-        // berth's credentials and the cluster secret never reach the app.
-        assert!(!page.contains(SECRET));
+
+        // What the program received through this node (the owner itself,
+        // or another node forwarding with the cluster secret): the ordinary
+        // header the client sent, and none of berth's credentials, in the
+        // headers or in its environment.
+        let bearer = format!("Bearer {token}");
+        let seen = echo(
+            &node.http,
+            &node.url,
+            &[("authorization", &bearer), ("x-probe", &node.url)],
+        )
+        .await;
+        assert_eq!(
+            echoed_header(&seen, "x-probe"),
+            [node.url.as_str()],
+            "{seen}"
+        );
+        assert_eq!(seen["env"]["BERTH_USER"], "alice", "{seen}");
+        for name in [
+            "x-berth-cluster-secret",
+            "x-berth-forwarded-user",
+            "authorization",
+        ] {
+            assert!(
+                echoed_header(&seen, name).is_empty(),
+                "{name} reached the program via {}: {seen}",
+                node.url
+            );
+        }
+        assert!(seen["env"].get("BERTH_CLUSTER_SECRET").is_none(), "{seen}");
+        let text = seen.to_string();
+        for (what, secret) in [
+            ("the cluster secret", SECRET),
+            ("alice's token", token.as_str()),
+            ("the admin token", node.token.as_str()),
+        ] {
+            assert!(!text.contains(secret), "{what} reached the program: {text}");
+        }
     }
     // Served by the same process throughout: nothing was started elsewhere.
     assert_eq!(pids_everywhere(&nodes, "alice"), before, "owner {owner}");
+
+    // The echo would have shown the secret had it arrived: sent straight to
+    // the program, past berth, it is there.
+    let port = nodes[0].main_of("alice").await["port"].as_u64().unwrap();
+    let direct = echo(
+        &nodes[0].http,
+        &format!("http://127.0.0.1:{port}"),
+        &[("x-berth-cluster-secret", SECRET)],
+    )
+    .await;
+    assert_eq!(
+        echoed_header(&direct, "x-berth-cluster-secret"),
+        [SECRET],
+        "{direct}"
+    );
 
     // The API of any node launches through the owner: 200, same instance.
     for node in &nodes {
@@ -334,7 +437,8 @@ async fn a_draining_node_gets_no_new_instances() {
             .any(|n| n["id"] == "node-b" && n["status"] == "draining"),
         "{listed}"
     );
-    // Other nodes re-read the nodes table at most a second later.
+    // Other nodes re-read the nodes table at most a second later. Nothing
+    // observable marks that re-read, so the wait outlasts NODES_MAX_AGE.
     tokio::time::sleep(Duration::from_millis(1500)).await;
     for (i, user) in ["d1", "d2", "d3", "d4"].iter().enumerate() {
         let (status, body) = nodes[i % 2]
@@ -359,6 +463,7 @@ async fn a_draining_node_gets_no_new_instances() {
     let (status, body) = nodes[1].post("/node/undrain", json!({})).await;
     assert_eq!(status, 200, "{body}");
     assert_eq!(body["status"], "up");
+    // As above: outlast the other node's cached view of the nodes table.
     tokio::time::sleep(Duration::from_millis(1500)).await;
     // node-b is now the emptier node: new users go there.
     let (status, body) = nodes[0].post("/users/u6/instance", json!({})).await;
@@ -501,4 +606,250 @@ async fn with_evidence_a_dead_holders_users_are_relaunched_elsewhere() {
         .await
         .unwrap();
     assert!(text.contains("berth_failovers_total 1"), "{text}");
+}
+
+/// A GET of `user`'s app sent to `node` the way another node forwards it:
+/// the cluster secret and the forwarded user, no user token.
+async fn forwarded_get(node: &Node, user: &str) -> (u16, String) {
+    let r = node
+        .http
+        .get(format!("{}/u/{user}/", node.url))
+        .header("x-berth-cluster-secret", SECRET)
+        .header("x-berth-forwarded-user", user)
+        .send()
+        .await
+        .unwrap();
+    (r.status().as_u16(), r.text().await.unwrap())
+}
+
+/// A request another node forwarded is served where it lands, never
+/// forwarded again (design: "Cluster mode", Routing): nodes whose views
+/// differ for a moment cannot bounce a request between them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_forwarded_request_is_never_forwarded_again() {
+    let db = fresh_db().await;
+    let root = tempfile::tempdir().unwrap();
+    let nodes = start_nodes(root.path(), &db, &["node-a", "node-b"], "").await;
+    let (a, b) = (&nodes[0], &nodes[1]);
+
+    // alice runs on node-a (placement breaks the tie by the smaller id).
+    let (status, body) = a.post("/users/alice/instance", json!({})).await;
+    assert_eq!(status, 201, "{body}");
+    assert_eq!(body["instance"]["node"], "node-a", "{body}");
+    let alice = pids_everywhere(&nodes, "alice");
+    assert_eq!(alice.len(), 1, "{alice:?}");
+
+    // An ordinary request through node-b is forwarded to node-a…
+    let token = a.user_token("alice").await;
+    let r = b
+        .http
+        .get(format!("{}/u/alice/", b.url))
+        .bearer_auth(&token)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+    assert!(r.text().await.unwrap().contains("alice"));
+    // …but one that node-b received as forwarded is not: node-b wakes
+    // alice itself, and its claim meets node-a's live lease.
+    let (status, body) = forwarded_get(b, "alice").await;
+    assert_eq!(status, 409, "{body}");
+    let error: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(error["error"], "lease_busy", "{body}");
+    assert_eq!(pids_everywhere(&nodes, "alice"), alice, "alice untouched");
+
+    // bob last ran on node-a, so placement sends him there (sticky)…
+    let (status, body) = a.post("/users/bob/instance", json!({})).await;
+    assert_eq!(status, 201, "{body}");
+    assert_eq!(body["instance"]["node"], "node-a", "{body}");
+    assert_eq!(a.delete("/users/bob/instance").await, 204);
+    eventually(Duration::from_secs(30), "bob stopped", || async {
+        pids_everywhere(&nodes, "bob").is_empty().then_some(())
+    })
+    .await;
+    let bob_token = a.user_token("bob").await;
+    let r = b
+        .http
+        .get(format!("{}/u/bob/", b.url))
+        .bearer_auth(&bob_token)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+    assert_eq!(a.main_of("bob").await["node"], "node-a");
+    assert_eq!(a.delete("/users/bob/instance").await, 204);
+    eventually(Duration::from_secs(30), "bob stopped again", || async {
+        pids_everywhere(&nodes, "bob").is_empty().then_some(())
+    })
+    .await;
+    // …yet a request forwarded to node-b wakes him on node-b, where it
+    // landed.
+    let (status, page) = forwarded_get(b, "bob").await;
+    assert_eq!(status, 200, "{page}");
+    assert!(page.contains(r#"<b id="user">bob</b>"#), "{page}");
+    assert_eq!(b.main_of("bob").await["node"], "node-b");
+    let bob = pids_everywhere(&nodes, "bob");
+    assert_eq!(bob.len(), 1, "{bob:?}");
+    assert_eq!(bob[0].0, 1, "bob runs on node-b: {bob:?}");
+}
+
+/// `POST /internal/v1/users/{user}/fence` as another node sends it.
+async fn fence(node: &Node, user: &str, epoch: i64) -> Value {
+    let r = node
+        .http
+        .post(format!("{}/internal/v1/users/{user}/fence", node.url))
+        .header("x-berth-cluster-secret", SECRET)
+        .json(&json!({ "epoch": epoch }))
+        .send()
+        .await
+        .unwrap();
+    let status = r.status().as_u16();
+    let body: Value = r.json().await.unwrap();
+    assert_eq!(status, 200, "{body}");
+    body
+}
+
+/// A fence names the holder's epoch: an older one (a late fence from an
+/// earlier failover) or a newer one fences nothing and the instance runs
+/// on; only exactly the running epoch stops it, on the node that runs it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fence_acts_only_on_exactly_the_running_epoch() {
+    let db = fresh_db().await;
+    let root = tempfile::tempdir().unwrap();
+    let nodes = start_nodes(root.path(), &db, &["node-a", "node-b"], "").await;
+    let (a, b) = (&nodes[0], &nodes[1]);
+
+    // Two launches, so the running epoch has a real predecessor.
+    let (status, body) = a.post("/users/alice/instance", json!({})).await;
+    assert_eq!(status, 201, "{body}");
+    let first = body["instance"]["epoch"].as_i64().unwrap();
+    assert_eq!(a.delete("/users/alice/instance").await, 204);
+    let (status, body) = a.post("/users/alice/instance", json!({})).await;
+    assert_eq!(status, 201, "{body}");
+    assert_eq!(body["instance"]["node"], "node-a", "{body}");
+    let epoch = body["instance"]["epoch"].as_i64().unwrap();
+    assert!(epoch > first, "{first} then {epoch}");
+    let running = a.running_main("alice", None).await;
+    let pid = running["pid"].as_u64().unwrap();
+
+    let untouched = |what: &str| {
+        let what = what.to_owned();
+        async move {
+            assert!(alive(pid), "{what}: the instance is gone");
+            assert_ne!(proc_state(pid as u32), Some('T'), "{what}: frozen");
+            let main = a.main_of("alice").await;
+            assert_eq!(main["status"], "running", "{what}: {main}");
+            assert_eq!(main["pid"].as_u64(), Some(pid), "{what}: {main}");
+            assert_eq!(main["epoch"].as_i64(), Some(epoch), "{what}: {main}");
+        }
+    };
+    for (what, node, wrong) in [
+        ("an older epoch", a, first),
+        ("the epoch before", a, epoch - 1),
+        ("a newer epoch", a, epoch + 1),
+        ("the right epoch on the wrong node", b, epoch),
+    ] {
+        let answer = fence(node, "alice", wrong).await;
+        assert_eq!(answer["fenced"], false, "{what}: {answer}");
+        untouched(what).await;
+    }
+    // The instance still serves.
+    let token = a.user_token("alice").await;
+    let r = a
+        .http
+        .get(format!("{}/u/alice/", a.url))
+        .bearer_auth(&token)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+
+    // Exactly the running epoch, on its node: fenced, and gone.
+    let answer = fence(a, "alice", epoch).await;
+    assert_eq!(answer["fenced"], true, "{answer}");
+    eventually(
+        Duration::from_secs(30),
+        "the fenced instance gone",
+        || async { (!alive(pid)).then_some(()) },
+    )
+    .await;
+    let main = eventually(Duration::from_secs(30), "the record stopped", || async {
+        let main = a.main_of("alice").await;
+        (main["status"] == "stopped").then_some(main)
+    })
+    .await;
+    assert!(
+        main["last_error"].as_str().unwrap_or("").contains("fenced"),
+        "{main}"
+    );
+    assert!(pids_everywhere(&nodes, "alice").is_empty());
+}
+
+/// A revoked token gets 401 at once on every node: the node that revoked
+/// it empties the other nodes' token caches before it answers, so a node
+/// that had just accepted the token (and cached it) refuses it on the very
+/// next request, through the proxy and the API alike.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_revoked_token_gets_401_at_once_on_every_node() {
+    let db = fresh_db().await;
+    let root = tempfile::tempdir().unwrap();
+    let nodes = start_nodes(root.path(), &db, &["node-a", "node-b"], "").await;
+    let (status, body) = nodes[0].post("/users/alice/instance", json!({})).await;
+    assert!(status == 201 || status == 200, "{status} {body}");
+    let (status, minted) = nodes[0].post("/users/alice/tokens", json!({})).await;
+    assert_eq!(status, 201, "{minted}");
+    let token = minted["token"].as_str().unwrap().to_owned();
+    let id = minted["id"].as_str().unwrap().to_owned();
+
+    let app = |node: &Node| {
+        node.http
+            .get(format!("{}/u/alice/", node.url))
+            .bearer_auth(&token)
+            .send()
+    };
+    let api = |node: &Node| {
+        node.http
+            .get(node.api("/users/alice/instance"))
+            .bearer_auth(&token)
+            .send()
+    };
+    // Every node accepts (and caches) the token.
+    for node in &nodes {
+        assert_eq!(app(node).await.unwrap().status(), 200, "{}", node.url);
+        assert_eq!(api(node).await.unwrap().status(), 200, "{}", node.url);
+    }
+
+    // Revoked through node-a; node-b refuses it on the next request.
+    let status = nodes[0].delete(&format!("/users/alice/tokens/{id}")).await;
+    assert_eq!(status, 200);
+    for node in nodes.iter().rev() {
+        assert_eq!(app(node).await.unwrap().status(), 401, "{}", node.url);
+        assert_eq!(api(node).await.unwrap().status(), 401, "{}", node.url);
+    }
+
+    // And the other way round, with a token node-b minted.
+    let (_, minted) = nodes[1].post("/users/alice/tokens", json!({})).await;
+    let token = minted["token"].as_str().unwrap().to_owned();
+    let id = minted["id"].as_str().unwrap().to_owned();
+    let app = |node: &Node| {
+        node.http
+            .get(format!("{}/u/alice/", node.url))
+            .bearer_auth(&token)
+            .send()
+    };
+    for node in &nodes {
+        assert_eq!(app(node).await.unwrap().status(), 200, "{}", node.url);
+    }
+    let r = nodes[1]
+        .http
+        .delete(nodes[1].api(&format!("/users/alice/tokens/{id}")))
+        .bearer_auth(&nodes[1].token)
+        .send()
+        .await
+        .unwrap();
+    let answer: Value = r.json().await.unwrap();
+    assert_eq!(answer["unreached_nodes"], json!([]), "{answer}");
+    for node in &nodes {
+        assert_eq!(app(node).await.unwrap().status(), 401, "{}", node.url);
+    }
 }

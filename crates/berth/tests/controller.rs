@@ -1068,8 +1068,12 @@ async fn a_crash_is_not_restarted_while_the_lease_is_unproven() {
     let first_pid = running.pid.unwrap();
 
     flaky.hook.0.store(true, Ordering::SeqCst);
-    // Past fence_after without a good renew: the lease is unproven.
-    tokio::time::sleep(Duration::from_millis(900)).await;
+    // Past fence_after without a good renew the lease is unproven, and the
+    // spawner freezes the instance: wait for that.
+    eventually("the instance frozen once the lease is unproven", || async {
+        (berth_testkit::proc_state(first_pid) == Some('T')).then_some(())
+    })
+    .await;
     nix::sys::signal::kill(
         nix::unistd::Pid::from_raw(first_pid as i32),
         nix::sys::signal::Signal::SIGKILL,
@@ -1079,7 +1083,8 @@ async fn a_crash_is_not_restarted_while_the_lease_is_unproven() {
         (!alive(first_pid)).then_some(())
     })
     .await;
-    // Well past the backoff (≤ 200 ms): still no new program.
+    // Well past the backoff (≤ 200 ms): still no new program. The sleep is
+    // the test: nothing may happen during it.
     tokio::time::sleep(Duration::from_millis(1000)).await;
     let held = main_of(&spawner, &rita).await.unwrap();
     assert_eq!(held.status, InstanceStatus::Crashed, "{held:?}");
@@ -1094,12 +1099,6 @@ async fn a_crash_is_not_restarted_while_the_lease_is_unproven() {
     assert_ne!(again.pid, Some(first_pid));
     spawner.stop(&rita).await.unwrap();
     spawner.teardown().await;
-}
-
-/// The state letter of `pid` in `/proc/<pid>/stat` (`T`: stopped).
-fn proc_state(pid: u32) -> Option<char> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    stat.rsplit(')').next()?.trim_start().chars().next()
 }
 
 /// Launch robustness (issue 10): another socket takes a launch's port just
@@ -1335,7 +1334,7 @@ async fn a_frozen_main_is_stopped_without_running_again() {
         .unwrap();
     flaky.hook.0.store(true, Ordering::SeqCst);
     eventually("the instance to be frozen", || async {
-        (proc_state(pid) == Some('T')).then_some(())
+        (berth_testkit::proc_state(pid) == Some('T')).then_some(())
     })
     .await;
     spawner.stop(&yan).await.unwrap();

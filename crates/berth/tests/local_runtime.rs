@@ -98,51 +98,13 @@ impl Harness for LocalHarness {
     }
 
     async fn running(&self, _runtime_ref: &RuntimeRef, pid: Option<u32>) -> bool {
-        pid.is_some_and(alive)
+        pid.is_some_and(|pid| berth_testkit::alive(u64::from(pid)))
     }
 }
 
 impl Drop for LocalHarness {
     fn drop(&mut self) {
-        kill_leftovers(&self.data());
-    }
-}
-
-/// Kills every program and shim the state files under `data` name.
-fn kill_leftovers(data: &std::path::Path) {
-    let Ok(dirs) = std::fs::read_dir(data.join("run")) else {
-        return;
-    };
-    for dir in dirs.flatten() {
-        for role in ["main", "watchdog"] {
-            let Ok(text) = std::fs::read_to_string(dir.path().join(format!("{role}.json"))) else {
-                continue;
-            };
-            let Ok(state) = serde_json::from_str::<serde_json::Value>(&text) else {
-                continue;
-            };
-            for (key, group) in [("pid", true), ("shim_pid", false)] {
-                if let Some(pid) = state[key].as_i64().and_then(|p| i32::try_from(p).ok()) {
-                    let pid = nix::unistd::Pid::from_raw(pid);
-                    let _ = if group {
-                        nix::sys::signal::killpg(pid, nix::sys::signal::Signal::SIGKILL)
-                    } else {
-                        nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL)
-                    };
-                }
-            }
-        }
-    }
-}
-
-fn alive(pid: u32) -> bool {
-    // A zombie still answers kill(0); /proc's state tells them apart.
-    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
-        Ok(stat) => !stat
-            .rsplit(')')
-            .next()
-            .is_some_and(|rest| rest.trim_start().starts_with('Z')),
-        Err(_) => false,
+        berth_testkit::kill_instances_under(&self.data());
     }
 }
 

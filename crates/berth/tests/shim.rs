@@ -180,22 +180,55 @@ async fn ready_token_is_captured_and_recorded() {
     poll_until("socket removed", || !spec.socket_path.exists()).await;
 }
 
-/// A ready line without a capture group, printed before berth connects,
-/// must still be known: the state file records `ready` for late clients.
+/// A ready line printed before a client connects is still known to one
+/// that attaches later: the state file records `ready` and the token the
+/// regex's capture group took from that line.
 #[tokio::test]
-async fn a_ready_line_before_connect_is_recorded_without_a_token() {
+async fn a_ready_line_before_connect_is_recorded_with_its_token() {
     let dir = tempfile::tempdir().unwrap();
-    let mut spec = spec(dir.path(), &sh("echo listening now; exec sleep 1000"));
-    spec.ready_regex = Some("^listening".to_owned());
+    let mut spec = spec(
+        dir.path(),
+        &sh("echo 'listening on http://127.0.0.1:1/?token=early42'; exec sleep 1000"),
+    );
+    spec.ready_regex = Some(r"^listening on .*\?token=(\w+)".to_owned());
     let (handle, state, _reaper) = spawn(&spec).await.unwrap();
     poll_until("ready recorded", || {
         ShimHandle::read_state(&spec.state_path).is_ok_and(|s| s.ready)
     })
     .await;
+    let recorded = ShimHandle::read_state(&spec.state_path).unwrap();
+    assert_eq!(recorded.token.as_deref(), Some("early42"), "{recorded:?}");
     let (_late, hello) = ShimHandle::attach(&spec.state_path).await.unwrap();
     assert!(hello.ready, "a client attaching later learns it is ready");
-    assert_eq!(hello.token, None);
-    assert!(!state.ready || state.token.is_none());
+    assert_eq!(hello.token.as_deref(), Some("early42"), "{hello:?}");
+    // The first client may or may not have seen the line in its own hello;
+    // if it did, it saw the same token.
+    if state.ready {
+        assert_eq!(state.token.as_deref(), Some("early42"), "{state:?}");
+    }
+    send(&handle, ShimCommand::Kill).await;
+}
+
+/// A ready regex without a capture group marks the program ready and
+/// records no token: readiness is the line itself (`^listening`).
+#[tokio::test]
+async fn a_ready_regex_without_a_capture_group_records_no_token() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut spec = spec(
+        dir.path(),
+        &sh("echo 'listening on http://127.0.0.1:1/?token=unseen'; exec sleep 1000"),
+    );
+    spec.ready_regex = Some("^listening".to_owned());
+    let (handle, _state, _reaper) = spawn(&spec).await.unwrap();
+    poll_until("ready recorded", || {
+        ShimHandle::read_state(&spec.state_path).is_ok_and(|s| s.ready)
+    })
+    .await;
+    let recorded = ShimHandle::read_state(&spec.state_path).unwrap();
+    assert_eq!(recorded.token, None, "{recorded:?}");
+    let (_late, hello) = ShimHandle::attach(&spec.state_path).await.unwrap();
+    assert!(hello.ready);
+    assert_eq!(hello.token, None, "{hello:?}");
     send(&handle, ShimCommand::Kill).await;
 }
 

@@ -10,8 +10,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum::Router;
-use axum::body::Bytes;
-use axum::extract::{DefaultBodyLimit, Query, State};
+use axum::body::{Body, Bytes};
+use axum::extract::{Query, State};
 use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, Uri, header};
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
@@ -25,14 +25,18 @@ use futures_util::stream::{self, Stream};
 use serde::Deserialize;
 use serde_json::{Value, json};
 
-use super::auth::{Authenticator, Caller};
+use super::auth::{Authenticator, Caller, Minted, Refusal};
 use super::cluster::{Cluster, Decision, NodeControl};
 use super::metrics::{ApiLabels, Metrics};
 use super::peer::PeerAnswer;
 
-/// Request bodies larger than this are refused before parsing. It sits
-/// above the patch limit so that an oversized patch gets the precise
+/// Request bodies larger than this are refused while they are read. It
+/// sits above the patch limit so that an oversized patch gets the precise
 /// `payload_too_large` message from the spawner.
+///
+/// No handler takes a body extractor: each reads its body with
+/// [`read_body`] only once the caller is authenticated (design §8.2), so an
+/// anonymous client cannot make berth buffer anything.
 const MAX_BODY_BYTES: usize = 1024 * 1024;
 
 /// What every handler shares.
@@ -53,6 +57,10 @@ pub struct ApiState {
     pub cluster_secret: Option<berth_proxy::auth::ClusterSecret>,
     /// This node's status (drain/undrain).
     pub node_control: Arc<dyn NodeControl>,
+    /// Where users' apps live: `<slug>.<base_domain>` when set.
+    pub base_domain: Option<String>,
+    /// Whether `/u/<user>/` on the berth host routes to apps.
+    pub path_routing: bool,
 }
 
 type AppState = State<Arc<ApiState>>;
@@ -62,6 +70,10 @@ pub fn router(state: Arc<ApiState>) -> Router {
     Router::new()
         .route("/healthz", get(|| async { "ok" }))
         .route("/metrics", get(metrics))
+        .route(
+            "/api/v1/session",
+            post(start_session).get(show_session).delete(end_session),
+        )
         .route("/api/v1/users/{*rest}", axum::routing::any(user_route))
         .route("/api/v1/instances", get(list_instances))
         .route("/api/v1/instances/restart-all", post(restart_all))
@@ -73,8 +85,50 @@ pub fn router(state: Arc<ApiState>) -> Router {
         // Node-to-node calls: only the cluster secret opens them, never an
         // admin or user token.
         .route("/internal/v1/users/{*rest}", post(internal_route))
-        .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .route("/internal/v1/tokens/purge", post(internal_purge))
+        .fallback(no_such_route)
+        // Outermost: a form or text body is refused before anything else
+        // looks at the request.
+        .layer(axum::middleware::from_fn(refuse_non_json_bodies))
         .with_state(state)
+}
+
+/// 415 for any request whose body is declared as something other than
+/// JSON. Form and text bodies are what a page on another site can send
+/// without asking the browser for permission (no CORS preflight), so no
+/// endpoint takes them (design §8.2). A request without `Content-Type` is
+/// read as JSON.
+async fn refuse_non_json_bodies(
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    if let Some(value) = request.headers().get(header::CONTENT_TYPE) {
+        let text = value.to_str().unwrap_or_default();
+        let mime = text
+            .split(';')
+            .next()
+            .unwrap_or_default()
+            .trim()
+            .to_ascii_lowercase();
+        let json = mime == "application/json"
+            || (mime.starts_with("application/") && mime.ends_with("+json"));
+        if !json {
+            return ApiError::new(
+                ErrorCode::UnsupportedMediaType,
+                format!("the API takes JSON bodies (Content-Type: application/json), not {mime:?}"),
+            )
+            .into_response();
+        }
+    }
+    next.run(request).await
+}
+
+async fn no_such_route(uri: Uri) -> Response {
+    ApiError::new(
+        ErrorCode::NotFound,
+        format!("no such route: {}", uri.path()),
+    )
+    .into_response()
 }
 
 /// An error answered as `{"error": code, "message": …, …}`.
@@ -96,15 +150,19 @@ impl ApiError {
         }
     }
 
-    fn unauthorized() -> Self {
-        Self::new(
-            ErrorCode::Unauthorized,
-            "a valid token is required (Authorization: Bearer <token>, or the berth_token cookie)",
-        )
-    }
-
     fn forbidden() -> Self {
         Self::new(ErrorCode::Forbidden, "this token may not do that")
+    }
+}
+
+impl From<Refusal> for ApiError {
+    fn from(refusal: Refusal) -> Self {
+        match refusal {
+            Refusal::Unauthenticated(m) => ApiError::new(ErrorCode::Unauthorized, m),
+            Refusal::Forbidden(m) => ApiError::new(ErrorCode::Forbidden, m),
+            Refusal::BadRequest(m) => ApiError::new(ErrorCode::InvalidRequest, m),
+            Refusal::Store(e) => e.into(),
+        }
     }
 }
 
@@ -168,27 +226,48 @@ impl IntoResponse for ApiError {
 type ApiResult<T = Response> = Result<T, ApiError>;
 
 impl ApiState {
-    async fn caller(&self, headers: &HeaderMap) -> ApiResult<Caller> {
-        self.auth
-            .identify(headers)
-            .await?
-            .ok_or_else(ApiError::unauthorized)
+    async fn caller(&self, method: &Method, headers: &HeaderMap) -> ApiResult<Caller> {
+        Ok(self.auth.caller(method, headers).await?)
     }
 
-    async fn require_admin(&self, headers: &HeaderMap) -> ApiResult<()> {
-        match self.caller(headers).await? {
+    async fn require_admin(&self, method: &Method, headers: &HeaderMap) -> ApiResult<()> {
+        match self.caller(method, headers).await? {
             Caller::Admin => Ok(()),
-            Caller::User(_) => Err(ApiError::forbidden()),
+            Caller::User { .. } => Err(ApiError::forbidden()),
         }
     }
 
-    /// The URL a user opens: their base path, carrying the launch token.
-    fn open_url(&self, user: &UserId) -> String {
-        let base = format!(
-            "{}{}",
-            self.public_url.trim_end_matches('/'),
-            user.base_path()
-        );
+    /// Where `user`'s app is opened: `<slug>.<base_domain>` on the port
+    /// the client used to reach this API, or, with path routing, the base
+    /// path on this node's public URL.
+    fn app_url(&self, user: &UserId, headers: &HeaderMap, https: bool) -> String {
+        match &self.base_domain {
+            Some(base) if !self.path_routing => {
+                let scheme = if https || self.public_url.starts_with("https://") {
+                    "https"
+                } else {
+                    "http"
+                };
+                let port = headers
+                    .get(header::HOST)
+                    .and_then(|v| v.to_str().ok())
+                    .and_then(|h| h.rsplit_once(':'))
+                    .map(|(_, port)| port)
+                    .filter(|p| !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()));
+                let port = port.map(|p| format!(":{p}")).unwrap_or_default();
+                format!("{scheme}://{}.{base}{port}/", user.slug())
+            }
+            _ => format!(
+                "{}{}",
+                self.public_url.trim_end_matches('/'),
+                user.base_path()
+            ),
+        }
+    }
+
+    /// The URL a user opens: their app, carrying the launch token.
+    fn open_url(&self, user: &UserId, headers: &HeaderMap, https: bool) -> String {
+        let base = self.app_url(user, headers, https);
         match self.spawner.launch_token(user) {
             Some(token) => format!("{base}?token={token}"),
             None => base,
@@ -205,8 +284,8 @@ impl ApiState {
     }
 }
 
-async fn metrics(State(state): AppState, headers: HeaderMap) -> ApiResult {
-    state.require_admin(&headers).await?;
+async fn metrics(State(state): AppState, method: Method, headers: HeaderMap) -> ApiResult {
+    state.require_admin(&method, &headers).await?;
     let text = state
         .metrics
         .encode()
@@ -227,16 +306,56 @@ struct UserQuery {
     tail: Option<usize>,
 }
 
+/// Reads a request body of at most [`MAX_BODY_BYTES`]. Call it only after
+/// the caller is authenticated.
+async fn read_body(headers: &HeaderMap, body: Body) -> ApiResult<Bytes> {
+    let too_large = || {
+        ApiError::new(
+            ErrorCode::PayloadTooLarge,
+            format!("the request body exceeds {MAX_BODY_BYTES} bytes"),
+        )
+    };
+    // A declared length over the limit is refused without reading a byte.
+    let declared = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > MAX_BODY_BYTES as u64) {
+        return Err(too_large());
+    }
+    axum::body::to_bytes(body, MAX_BODY_BYTES)
+        .await
+        .map_err(|e| {
+            let e = e.into_inner();
+            if e.downcast_ref::<http_body_util::LengthLimitError>()
+                .is_some()
+            {
+                too_large()
+            } else {
+                ApiError::new(
+                    ErrorCode::InvalidRequest,
+                    format!("cannot read the request body: {e}"),
+                )
+            }
+        })
+}
+
 /// Dispatches `/api/v1/users/<user>/<action>`.
-async fn user_route(
-    State(state): AppState,
-    method: Method,
-    uri: Uri,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Response {
+async fn user_route(State(state): AppState, request: axum::extract::Request) -> Response {
+    let https = is_https(&request);
+    let (parts, body) = request.into_parts();
+    let (method, uri, headers) = (parts.method, parts.uri, parts.headers);
     let result = match Query::<UserQuery>::try_from_uri(&uri) {
-        Ok(Query(query)) => dispatch_user_route(&state, method, &uri, &headers, query, body).await,
+        Ok(Query(query)) => {
+            let request = UserRequest {
+                method,
+                uri: &uri,
+                headers: &headers,
+                query,
+                https,
+            };
+            dispatch_user_route(&state, request, body).await
+        }
         Err(e) => Err(ApiError::new(ErrorCode::InvalidRequest, e.body_text())),
     };
     match result {
@@ -248,14 +367,58 @@ async fn user_route(
     }
 }
 
+/// Whether the client reached berth over https (a trusted proxy says so).
+fn is_https(request: &axum::extract::Request) -> bool {
+    request
+        .extensions()
+        .get::<berth_proxy::forward::ConnInfo>()
+        .is_some_and(|conn| berth_proxy::auth::is_https(request.headers(), conn))
+}
+
+/// The head of a request to `/api/v1/users/…`.
+struct UserRequest<'a> {
+    method: Method,
+    uri: &'a Uri,
+    headers: &'a HeaderMap,
+    query: UserQuery,
+    https: bool,
+}
+
+/// What a user token may do on its own user (design §8.2); everything
+/// else is the admin's. `patch`, `folder` and `force` are checked on the
+/// launch body itself.
+fn user_may(method: &Method, action: &str, users_may_patch: bool) -> bool {
+    match (method, action) {
+        (&Method::GET, "instance" | "instance/progress" | "instance/logs" | "tokens")
+        | (&Method::POST, "instance" | "tokens")
+        | (&Method::DELETE, "instance") => true,
+        (&Method::DELETE, action) => action
+            .strip_prefix("tokens/")
+            .is_some_and(|id| !id.is_empty()),
+        (&Method::POST, "breaker/reset") => users_may_patch,
+        _ => false,
+    }
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct MintBody {
+    /// A shorter life than `[auth] user_token_ttl_s`.
+    ttl_s: Option<u64>,
+}
+
 async fn dispatch_user_route(
     state: &Arc<ApiState>,
-    method: Method,
-    uri: &Uri,
-    headers: &HeaderMap,
-    query: UserQuery,
-    body: Bytes,
+    request: UserRequest<'_>,
+    body: Body,
 ) -> ApiResult {
+    let UserRequest {
+        method,
+        uri,
+        headers,
+        query,
+        https,
+    } = request;
     let rest = uri
         .path()
         .strip_prefix("/api/v1/users/")
@@ -263,21 +426,13 @@ async fn dispatch_user_route(
     let (raw_user, action) = rest.split_once('/').unwrap_or((rest, ""));
     // Authenticate before validating input, so unauthenticated callers learn
     // nothing about which ids exist or are valid.
-    let caller = state.caller(headers).await?;
+    let caller = state.caller(&method, headers).await?;
     let user = parse_user_segment(raw_user)?;
-    let self_service = matches!(
-        (&method, action),
-        (&Method::GET, "instance")
-            | (&Method::POST, "instance")
-            | (&Method::GET, "instance/progress")
-            | (&Method::POST, "tokens")
-    );
-    let allowed = match &caller {
-        Caller::Admin => true,
-        Caller::User(_) => self_service && caller.may_act_for(&user),
-    };
-    if !allowed {
-        return Err(ApiError::forbidden());
+    let users_may_patch = state.auth.settings().users_may_patch;
+    if let Caller::User { user: own, .. } = &caller {
+        if own != &user || !user_may(&method, action, users_may_patch) {
+            return Err(ApiError::forbidden());
+        }
     }
     let spawner = &state.spawner;
     match (method, action) {
@@ -292,7 +447,35 @@ async fn dispatch_user_route(
             }))
             .into_response())
         }
-        (Method::POST, "instance") => launch(state, &user, query.wait.unwrap_or(true), &body).await,
+        (Method::POST, "instance") => {
+            let body = read_body(headers, body).await?;
+            let request = parse_launch_body(&body)?;
+            if matches!(caller, Caller::User { .. }) && !users_may_patch {
+                let asks = [
+                    ("patch", request.patch.is_some()),
+                    (
+                        "folder",
+                        request.folder.as_deref().is_some_and(|f| !f.is_empty()),
+                    ),
+                    ("force", request.force),
+                ];
+                if let Some((what, _)) = asks.iter().find(|(_, asked)| *asked) {
+                    return Err(ApiError::new(
+                        ErrorCode::Forbidden,
+                        format!(
+                            "a user token launches with the configured defaults: {what} is for the \
+                             admin ([auth] users_may_patch = false)"
+                        ),
+                    ));
+                }
+            }
+            let launch = LaunchContext {
+                wait: query.wait.unwrap_or(true),
+                headers,
+                https,
+            };
+            launch_instance(state, &user, request, &launch).await
+        }
         (Method::DELETE, "instance") => {
             spawner.stop(&user).await?;
             Ok(StatusCode::NO_CONTENT.into_response())
@@ -300,7 +483,14 @@ async fn dispatch_user_route(
         (Method::POST, "instance/restart") => {
             let instance = spawner.restart_main(&user).await?;
             let instance = wait_until_ready(state, &user, instance, true).await?;
-            Ok(instance_response(state, &user, StatusCode::OK, instance))
+            Ok(instance_response(
+                state,
+                &user,
+                StatusCode::OK,
+                instance,
+                headers,
+                https,
+            ))
         }
         (Method::POST, "instance/probe") => {
             Ok(axum::Json(spawner.restart_and_probe(&user).await).into_response())
@@ -319,27 +509,238 @@ async fn dispatch_user_route(
             Ok(StatusCode::NO_CONTENT.into_response())
         }
         (Method::POST, "tokens") => {
-            let token = state
-                .auth
-                .mint_user_token(&user)
-                .await
-                .map_err(|e| ApiError::new(ErrorCode::StoreUnavailable, format!("{e:#}")))?;
-            let url = format!(
-                "{}{}?berth_token={token}",
-                state.public_url.trim_end_matches('/'),
-                user.base_path()
-            );
-            Ok((
-                StatusCode::CREATED,
-                axum::Json(json!({ "user": user, "token": token, "url": url })),
+            let body = read_body(headers, body).await?;
+            let MintBody { ttl_s } = if body.iter().all(u8::is_ascii_whitespace) {
+                MintBody::default()
+            } else {
+                serde_json::from_slice(&body).map_err(|e| {
+                    ApiError::new(
+                        ErrorCode::InvalidRequest,
+                        format!("invalid token body: {e}"),
+                    )
+                })?
+            };
+            if ttl_s == Some(0) {
+                return Err(ApiError::new(
+                    ErrorCode::InvalidRequest,
+                    "ttl_s must be at least 1",
+                ));
+            }
+            mint_token(
+                state,
+                &caller,
+                &user,
+                ttl_s.map(Duration::from_secs),
+                headers,
+                https,
             )
-                .into_response())
+            .await
+        }
+        (Method::GET, "tokens") => {
+            let tokens = state.store.list_tokens(&user).await?;
+            Ok(axum::Json(json!({ "user": user, "tokens": tokens })).into_response())
+        }
+        (Method::DELETE, action) if action.starts_with("tokens/") => {
+            let id = &action["tokens/".len()..];
+            revoke_token(state, &user, id).await
         }
         (_, action) => Err(ApiError::new(
             ErrorCode::NotFound,
             format!("no such route: {action:?}"),
         )),
     }
+}
+
+/// `POST /api/v1/users/{user}/tokens`: a token for `user`, its id and
+/// expiry, and the link that opens the user's app with it.
+async fn mint_token(
+    state: &ApiState,
+    caller: &Caller,
+    user: &UserId,
+    ttl: Option<Duration>,
+    headers: &HeaderMap,
+    https: bool,
+) -> ApiResult {
+    let parent = match caller {
+        Caller::Admin => None,
+        Caller::User { token_id, .. } => Some(token_id.as_str()),
+    };
+    match state.auth.mint_user_token(user, parent, ttl).await? {
+        Minted::Token { token, record } => {
+            let url = format!(
+                "{}?berth_token={token}",
+                state.app_url(user, headers, https)
+            );
+            let routing = if state.path_routing { "path" } else { "host" };
+            Ok((
+                StatusCode::CREATED,
+                axum::Json(json!({
+                    "user": user,
+                    "token": token,
+                    "id": record.id,
+                    "created_at": record.created_at,
+                    "expires_at": record.expires_at,
+                    "parent": record.parent,
+                    "url": url,
+                    "routing": routing,
+                })),
+            )
+                .into_response())
+        }
+        Minted::TooMany { live } => Err(ApiError::new(
+            ErrorCode::TooManyTokens,
+            format!(
+                "{user} already has {live} live tokens, the most [auth] max_tokens_per_user \
+                 allows; revoke one (berth token {} --revoke ID) or wait for one to expire",
+                user.as_str()
+            ),
+        )),
+        Minted::ParentGone => Err(ApiError::new(
+            ErrorCode::Unauthorized,
+            "the token this request was made with has expired or been revoked",
+        )),
+    }
+}
+
+/// `DELETE /api/v1/users/{user}/tokens/{id}`: deletes the token and every
+/// token minted with it, then empties the token caches of this node and of
+/// every other node that answers, so none accepts it from now on. A node
+/// that does not answer is named; it drops the token within `[auth]
+/// token_cache_s`.
+async fn revoke_token(state: &ApiState, user: &UserId, id: &str) -> ApiResult {
+    let revoked = state.store.revoke_token(user, id).await?;
+    if revoked.is_empty() {
+        return Err(ApiError::new(
+            ErrorCode::NotFound,
+            format!("{user} has no token {id:?}"),
+        ));
+    }
+    state.auth.purge_cache();
+    let unreached = match &state.cluster {
+        Some(cluster) => cluster.purge_token_caches().await,
+        None => Vec::new(),
+    };
+    if !unreached.is_empty() {
+        tracing::warn!(
+            %user,
+            nodes = ?unreached,
+            "revoked a token, but could not tell every node to drop it; they will within [auth] token_cache_s"
+        );
+    }
+    Ok(axum::Json(json!({
+        "user": user,
+        "revoked": revoked,
+        "unreached_nodes": unreached,
+    }))
+    .into_response())
+}
+
+/// `POST /api/v1/session`: the admin page signs in with the admin token
+/// (as Bearer) and gets the session cookie and its CSRF token.
+async fn start_session(State(state): AppState, request: axum::extract::Request) -> Response {
+    let https = is_https(&request);
+    let headers = request.headers();
+    let result: ApiResult = async {
+        let Some(token) = berth_proxy::auth::bearer(headers) else {
+            return Err(ApiError::new(
+                ErrorCode::Unauthorized,
+                "sign in with the admin token as Authorization: Bearer",
+            ));
+        };
+        if !state.auth.shared().is_admin(token) {
+            return Err(ApiError::new(
+                ErrorCode::Unauthorized,
+                "only the admin token opens a session",
+            ));
+        }
+        let session = state.auth.start_session(https).await?;
+        let mut response = (
+            StatusCode::CREATED,
+            axum::Json(json!({
+                "csrf_token": session.csrf_token,
+                "expires_at": session.expires_at,
+            })),
+        )
+            .into_response();
+        if let Ok(cookie) = HeaderValue::try_from(session.cookie) {
+            response.headers_mut().insert(header::SET_COOKIE, cookie);
+        }
+        Ok(response)
+    }
+    .await;
+    finish(&state, result)
+}
+
+/// `GET /api/v1/session`: the current session's CSRF token and expiry, for
+/// an admin page that was reloaded.
+async fn show_session(State(state): AppState, method: Method, headers: HeaderMap) -> Response {
+    let result: ApiResult = async {
+        let session = state.auth.session(&method, &headers).await?;
+        Ok(axum::Json(json!({
+            "csrf_token": session.csrf_token,
+            "expires_at": session.expires_at,
+        }))
+        .into_response())
+    }
+    .await;
+    finish(&state, result)
+}
+
+/// `DELETE /api/v1/session`: signs out (CSRF rules apply).
+async fn end_session(State(state): AppState, request: axum::extract::Request) -> Response {
+    let https = is_https(&request);
+    let (method, headers) = (request.method().clone(), request.headers().clone());
+    let result: ApiResult = async {
+        let session = state.auth.session(&method, &headers).await?;
+        let removal = state.auth.end_session(&session, https).await?;
+        let mut response = StatusCode::NO_CONTENT.into_response();
+        if let Ok(cookie) = HeaderValue::try_from(removal) {
+            response.headers_mut().insert(header::SET_COOKIE, cookie);
+        }
+        Ok(response)
+    }
+    .await;
+    finish(&state, result)
+}
+
+/// The answer, counting an error.
+fn finish(state: &ApiState, result: ApiResult) -> Response {
+    match result {
+        Ok(mut response) => {
+            // Answers about credentials are never cached.
+            response
+                .headers_mut()
+                .insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+            response
+        }
+        Err(err) => {
+            state.count_error(err.code);
+            err.into_response()
+        }
+    }
+}
+
+/// `POST /internal/v1/tokens/purge`: another node revoked a token; forget
+/// every cached user token here.
+async fn internal_purge(State(state): AppState, headers: HeaderMap) -> Response {
+    let result: ApiResult = async {
+        let Some(secret) = &state.cluster_secret else {
+            return Err(ApiError::new(
+                ErrorCode::NotFound,
+                "node-to-node routes exist only in cluster mode",
+            ));
+        };
+        if !secret.verify(&headers) {
+            return Err(ApiError::new(
+                ErrorCode::Unauthorized,
+                "node-to-node calls need the cluster secret in X-Berth-Cluster-Secret",
+            ));
+        }
+        state.auth.purge_cache();
+        Ok(axum::Json(json!({ "purged": true })).into_response())
+    }
+    .await;
+    finish(&state, result)
 }
 
 /// Percent-decodes (with the proxy's strict rules, so both accept the same
@@ -366,13 +767,25 @@ fn parse_launch_body(body: &[u8]) -> ApiResult<LaunchRequest> {
     })
 }
 
+/// How a launch is answered: whether to wait for ready, and what the
+/// app's URL is built from.
+struct LaunchContext<'a> {
+    wait: bool,
+    headers: &'a HeaderMap,
+    https: bool,
+}
+
 /// `POST …/instance`: on a single node a local launch; in a cluster, where
 /// the lease and placement say (design §7.3).
-async fn launch(state: &Arc<ApiState>, user: &UserId, wait: bool, body: &[u8]) -> ApiResult {
-    let request = parse_launch_body(body)?;
+async fn launch_instance(
+    state: &Arc<ApiState>,
+    user: &UserId,
+    request: LaunchRequest,
+    launch: &LaunchContext<'_>,
+) -> ApiResult {
     match &state.cluster {
-        None => Ok(local_launch(state, user, request, wait).await?),
-        Some(cluster) => cluster_launch(state, cluster, user, request, wait).await,
+        None => Ok(local_launch(state, user, request, launch).await?),
+        Some(cluster) => cluster_launch(state, cluster, user, request, launch).await,
     }
 }
 
@@ -382,7 +795,7 @@ async fn local_launch(
     state: &Arc<ApiState>,
     user: &UserId,
     request: LaunchRequest,
-    wait: bool,
+    launch: &LaunchContext<'_>,
 ) -> Result<Response, SpawnError> {
     let (status, instance) = match state.spawner.launch(user, request).await {
         Ok(instance) => (StatusCode::CREATED, instance),
@@ -395,8 +808,15 @@ async fn local_launch(
         }
         Err(e) => return Err(e),
     };
-    let instance = wait_until_ready(state, user, instance, wait).await?;
-    Ok(instance_response(state, user, status, instance))
+    let instance = wait_until_ready(state, user, instance, launch.wait).await?;
+    Ok(instance_response(
+        state,
+        user,
+        status,
+        instance,
+        launch.headers,
+        launch.https,
+    ))
 }
 
 /// A launch through the cluster: the live lease's holder answers it (its
@@ -408,13 +828,14 @@ async fn cluster_launch(
     cluster: &Cluster,
     user: &UserId,
     request: LaunchRequest,
-    wait: bool,
+    launch: &LaunchContext<'_>,
 ) -> ApiResult {
+    let wait = launch.wait;
     let me = cluster.node_id();
     let mut decision = cluster.decide(user).await?;
     for _ in 0..3 {
         let node = match decision {
-            Decision::Local => match local_launch(state, user, request.clone(), wait).await {
+            Decision::Local => match local_launch(state, user, request.clone(), launch).await {
                 Err(SpawnError::LeaseBusy {
                     holder,
                     expired: false,
@@ -514,8 +935,10 @@ fn instance_response(
     user: &UserId,
     status: StatusCode,
     instance: Instance,
+    headers: &HeaderMap,
+    https: bool,
 ) -> Response {
-    let url = state.open_url(user);
+    let url = state.open_url(user, headers, https);
     (
         status,
         axum::Json(json!({ "instance": instance, "url": url })),
@@ -632,10 +1055,11 @@ struct InstancesQuery {
 
 async fn list_instances(
     State(state): AppState,
+    method: Method,
     headers: HeaderMap,
     Query(q): Query<InstancesQuery>,
 ) -> ApiResult {
-    state.require_admin(&headers).await?;
+    state.require_admin(&method, &headers).await?;
     let status = match q.status.as_deref() {
         None | Some("") => None,
         Some(s) => Some(
@@ -652,14 +1076,14 @@ async fn list_instances(
     Ok(axum::Json(json!({ "instances": instances })).into_response())
 }
 
-async fn restart_all(State(state): AppState, headers: HeaderMap) -> ApiResult {
-    state.require_admin(&headers).await?;
+async fn restart_all(State(state): AppState, method: Method, headers: HeaderMap) -> ApiResult {
+    state.require_admin(&method, &headers).await?;
     let results = state.spawner.restart_all_mains().await;
     Ok(axum::Json(json!({ "results": results })).into_response())
 }
 
-async fn list_nodes(State(state): AppState, headers: HeaderMap) -> ApiResult {
-    state.require_admin(&headers).await?;
+async fn list_nodes(State(state): AppState, method: Method, headers: HeaderMap) -> ApiResult {
+    state.require_admin(&method, &headers).await?;
     let nodes = state.store.list_nodes().await?;
     Ok(axum::Json(json!({ "nodes": nodes })).into_response())
 }
@@ -671,10 +1095,11 @@ struct LeasesQuery {
 
 async fn list_leases(
     State(state): AppState,
+    method: Method,
     headers: HeaderMap,
     Query(q): Query<LeasesQuery>,
 ) -> ApiResult {
-    state.require_admin(&headers).await?;
+    state.require_admin(&method, &headers).await?;
     // Liveness is judged by the lease TTL, the window an evidence claim uses.
     let leases = state
         .store
@@ -685,8 +1110,13 @@ async fn list_leases(
 
 /// `POST /api/v1/leases/<user>/takeover`: an operator moves an expired lease
 /// to this node and starts the user here.
-async fn take_over(State(state): AppState, uri: Uri, headers: HeaderMap) -> ApiResult {
-    state.require_admin(&headers).await?;
+async fn take_over(
+    State(state): AppState,
+    method: Method,
+    uri: Uri,
+    headers: HeaderMap,
+) -> ApiResult {
+    state.require_admin(&method, &headers).await?;
     let rest = uri
         .path()
         .strip_prefix("/api/v1/leases/")
@@ -713,7 +1143,14 @@ async fn take_over(State(state): AppState, uri: Uri, headers: HeaderMap) -> ApiR
             let instance = main.ok_or_else(|| {
                 ApiError::new(ErrorCode::Internal, "instance vanished during launch")
             })?;
-            return Ok(instance_response(&state, &user, StatusCode::OK, instance));
+            return Ok(instance_response(
+                &state,
+                &user,
+                StatusCode::OK,
+                instance,
+                &headers,
+                false,
+            ));
         }
         Err(e) => return Err(e.into()),
     };
@@ -725,7 +1162,14 @@ async fn take_over(State(state): AppState, uri: Uri, headers: HeaderMap) -> ApiR
             cluster.fence_remote(holder, &user, old.epoch).await;
         }
     }
-    Ok(instance_response(&state, &user, StatusCode::OK, instance))
+    Ok(instance_response(
+        &state,
+        &user,
+        StatusCode::OK,
+        instance,
+        &headers,
+        false,
+    ))
 }
 
 /// The request that relaunches `user` as they were last launched (folder
@@ -746,17 +1190,22 @@ pub(crate) async fn launch_request_from_store(
 
 /// `POST /api/v1/node/drain`: this node takes no new instances (it keeps
 /// what it runs). Heartbeats at once so placement elsewhere sees it.
-async fn drain(State(state): AppState, headers: HeaderMap) -> ApiResult {
-    set_draining(&state, &headers, true).await
+async fn drain(State(state): AppState, method: Method, headers: HeaderMap) -> ApiResult {
+    set_draining(&state, &method, &headers, true).await
 }
 
 /// `POST /api/v1/node/undrain`: this node takes new instances again.
-async fn undrain(State(state): AppState, headers: HeaderMap) -> ApiResult {
-    set_draining(&state, &headers, false).await
+async fn undrain(State(state): AppState, method: Method, headers: HeaderMap) -> ApiResult {
+    set_draining(&state, &method, &headers, false).await
 }
 
-async fn set_draining(state: &ApiState, headers: &HeaderMap, draining: bool) -> ApiResult {
-    state.require_admin(headers).await?;
+async fn set_draining(
+    state: &ApiState,
+    method: &Method,
+    headers: &HeaderMap,
+    draining: bool,
+) -> ApiResult {
+    state.require_admin(method, headers).await?;
     state.node_control.set_draining(draining);
     state.node_control.heartbeat_now().await?;
     if let Some(cluster) = &state.cluster {
@@ -774,13 +1223,9 @@ struct FenceBody {
 
 /// `/internal/v1/users/<user>/{launch,fence}`: calls from other nodes,
 /// authenticated by the cluster secret alone.
-async fn internal_route(
-    State(state): AppState,
-    uri: Uri,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Response {
-    let result = internal_dispatch(&state, &uri, &headers, &body).await;
+async fn internal_route(State(state): AppState, request: axum::extract::Request) -> Response {
+    let (parts, body) = request.into_parts();
+    let result = internal_dispatch(&state, &parts.uri, &parts.headers, body).await;
     match result {
         Ok(response) => response,
         Err(err) => {
@@ -794,7 +1239,7 @@ async fn internal_dispatch(
     state: &Arc<ApiState>,
     uri: &Uri,
     headers: &HeaderMap,
-    body: &[u8],
+    body: Body,
 ) -> ApiResult {
     let Some(secret) = &state.cluster_secret else {
         return Err(ApiError::new(
@@ -814,17 +1259,24 @@ async fn internal_dispatch(
         .unwrap_or_default();
     let (raw_user, action) = rest.rsplit_once('/').unwrap_or((rest, ""));
     let user = parse_user_segment(raw_user)?;
+    // Read only now that the caller has proved to be a node.
+    let body = read_body(headers, body).await?;
     match action {
         "launch" => {
             let query = Query::<UserQuery>::try_from_uri(uri)
                 .map_err(|e| ApiError::new(ErrorCode::InvalidRequest, e.body_text()))?;
-            let request = parse_launch_body(body)?;
+            let request = parse_launch_body(&body)?;
             // Local only: the caller already decided this node should run
             // it, and a call that forwarded again could loop.
-            Ok(local_launch(state, &user, request, query.0.wait.unwrap_or(true)).await?)
+            let launch = LaunchContext {
+                wait: query.0.wait.unwrap_or(true),
+                headers,
+                https: false,
+            };
+            Ok(local_launch(state, &user, request, &launch).await?)
         }
         "fence" => {
-            let FenceBody { epoch } = serde_json::from_slice(body).map_err(|e| {
+            let FenceBody { epoch } = serde_json::from_slice(&body).map_err(|e| {
                 ApiError::new(
                     ErrorCode::InvalidRequest,
                     format!("invalid fence body: {e}"),

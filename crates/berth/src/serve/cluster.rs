@@ -24,7 +24,7 @@ use axum::http::uri::Authority;
 use berth_core::policy::{NodeView, place};
 use berth_core::{Epoch, InstanceStatus, LaunchRequest, Role, SpawnError, Spawner, UserId};
 use berth_proxy::{ClusterHook, Locate};
-use berth_store::{LeaseRecord, NodeRecord, Store, StoreError, TakeoverPolicy};
+use berth_store::{LeaseRecord, NodeRecord, NodeStatus, Store, StoreError, TakeoverPolicy};
 use futures_util::StreamExt;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::gauge::Gauge;
@@ -399,6 +399,31 @@ impl Cluster {
     ) -> Result<PeerAnswer, SpawnError> {
         let url = self.url_of(node).await?;
         self.peers.launch(&url, node, user, request, wait).await
+    }
+
+    /// Tells every other node that is not `down` to forget its cached user
+    /// tokens (after a revocation), all at once, and waits for the answers.
+    /// Returns the nodes that could not be told, with why; they drop the
+    /// token when their cache entries expire (`[auth] token_cache_s`).
+    pub async fn purge_token_caches(&self) -> Vec<String> {
+        let nodes = match self.store.list_nodes().await {
+            Ok(nodes) => nodes,
+            Err(e) => return vec![format!("every node (cannot list them: {e})")],
+        };
+        let calls = nodes
+            .into_iter()
+            .filter(|n| n.id != self.node_id && n.status != NodeStatus::Down)
+            .map(|n| async move {
+                match self.peers.purge_tokens(&n.advertise_url, &n.id).await {
+                    Ok(()) => None,
+                    Err(e) => Some(format!("{} ({e})", n.id)),
+                }
+            });
+        futures_util::future::join_all(calls)
+            .await
+            .into_iter()
+            .flatten()
+            .collect()
     }
 
     /// Asks `node` to fence `user`'s instance if it still runs under

@@ -16,6 +16,8 @@ use serde_json::{Value, json};
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 /// Budget of a fence call: the callee kills at once and waits for the exit.
 const FENCE_TIMEOUT: Duration = Duration::from_secs(5);
+/// Budget of a token purge: the callee clears a map and answers.
+const PURGE_TIMEOUT: Duration = Duration::from_secs(3);
 /// Added to the callee's ready timeout for a launch that waits for ready.
 const LAUNCH_MARGIN: Duration = Duration::from_secs(5);
 
@@ -117,6 +119,30 @@ impl PeerClient {
             body,
             retry_after,
         })
+    }
+
+    /// `POST /internal/v1/tokens/purge` on the node at `base`: it forgets
+    /// its cached user tokens. Ok only for a 2xx answer.
+    pub async fn purge_tokens(&self, base: &str, node: &str) -> Result<(), SpawnError> {
+        let response = self
+            .http
+            .post(format!(
+                "{}/internal/v1/tokens/purge",
+                base.trim_end_matches('/')
+            ))
+            .header(&CLUSTER_SECRET, self.secret.header_value().clone())
+            .timeout(PURGE_TIMEOUT)
+            .send()
+            .await
+            .map_err(|e| unreachable_peer(node, base, &e))?;
+        if response.status().is_success() {
+            Ok(())
+        } else {
+            Err(SpawnError::Internal(format!(
+                "node {node} at {base} answered {} to a token purge",
+                response.status()
+            )))
+        }
     }
 
     /// `POST /internal/v1/users/{user}/fence` with `{"epoch": epoch}`:
