@@ -133,7 +133,7 @@ mod tests {
         assert_eq!(
             full,
             SpawnError::CapacityExhausted(
-                "node n1 runs or starts 2 instances, its capacity".into()
+                "node n1 runs or starts 2 instances, its capacity (a test's)".into()
             )
         );
         drop(a);

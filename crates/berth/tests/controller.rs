@@ -1132,7 +1132,13 @@ async fn a_port_taken_before_the_program_binds_it_is_replaced_uncharged() {
     let thief = std::net::TcpListener::bind(("127.0.0.1", taken)).unwrap();
     std::fs::write(home.join("go"), "").unwrap();
 
-    let running = wait_status(&spawner, &sam, InstanceStatus::Running).await;
+    // Ready as the proxy sees it: routed.
+    let running = spawner
+        .wait_for_ready(&sam, WAIT)
+        .await
+        .unwrap()
+        .expect("a record");
+    assert_eq!(running.status, InstanceStatus::Running, "{running:?}");
     assert_eq!(
         running.restarts, 0,
         "the lost port was charged: {running:?}"
