@@ -1035,17 +1035,13 @@ impl RenewHook for FailingRenews {
     }
 }
 
-/// A main that crashes while renews have failed for longer than
-/// `fence_after` is not restarted until a renew proves the lease again:
-/// another node may hold it by then.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_crash_is_not_restarted_while_the_lease_is_unproven() {
-    let env = Env::new().await;
-    let mut config = env.config(
-        21150,
-        sh("echo ready; exec sleep 1000"),
-        token_regex("^ready$"),
-    );
+/// Starts a cluster-mode controller (fencing on; TTL 2 s, renew 100 ms,
+/// fence after 600 ms) whose lease renews fail once the returned hook is
+/// switched on.
+async fn start_with_failable_renews(
+    env: &Env,
+    mut config: Setup,
+) -> (Arc<Controller>, Arc<InterceptRenew<FailingRenews>>) {
     config.controller.fencing = true;
     config.controller.lease = LeaseConfig::new(
         Duration::from_secs(2),
@@ -1058,7 +1054,21 @@ async fn a_crash_is_not_restarted_while_the_lease_is_unproven() {
         inner: env.store.clone(),
         hook: FailingRenews::default(),
     });
-    let spawner = env.start_on(config, flaky.clone()).await;
+    (env.start_on(config, flaky.clone()).await, flaky)
+}
+
+/// A main that crashes while renews have failed for longer than
+/// `fence_after` is not restarted until a renew proves the lease again:
+/// another node may hold it by then.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crash_is_not_restarted_while_the_lease_is_unproven() {
+    let env = Env::new().await;
+    let config = env.config(
+        21150,
+        sh("echo ready; exec sleep 1000"),
+        token_regex("^ready$"),
+    );
+    let (spawner, flaky) = start_with_failable_renews(&env, config).await;
     let rita = user("rita");
     spawner
         .launch(&rita, LaunchRequest::default())
@@ -1305,20 +1315,8 @@ async fn logs_are_followed_as_they_grow() {
 async fn a_frozen_main_is_stopped_without_running_again() {
     let env = Env::new().await;
     let script = r#"trap 'echo flushed >> "$HOME/term"; exit 0' TERM; echo ready; while :; do sleep 0.05; done"#;
-    let mut config = env.config(21200, sh(script), token_regex("^ready$"));
-    config.controller.fencing = true;
-    config.controller.lease = LeaseConfig::new(
-        Duration::from_secs(2),
-        Duration::from_millis(100),
-        Duration::from_millis(600),
-        berth_store::TakeoverPolicy::Evidence,
-    )
-    .unwrap();
-    let flaky = Arc::new(InterceptRenew {
-        inner: env.store.clone(),
-        hook: FailingRenews::default(),
-    });
-    let spawner = env.start_on(config, flaky.clone()).await;
+    let config = env.config(21200, sh(script), token_regex("^ready$"));
+    let (spawner, flaky) = start_with_failable_renews(&env, config).await;
     let (xia, yan) = (user("xia"), user("yan"));
 
     // Not frozen, the handler runs on a stop: the check below can fail.

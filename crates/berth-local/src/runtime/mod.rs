@@ -347,6 +347,25 @@ impl LocalRuntime {
     }
 }
 
+impl LocalRuntime {
+    /// Sends a command that ends the run; a shim that does not take it has
+    /// the run killed directly (by pid and start time, never a reused pid).
+    async fn ending(
+        &self,
+        instance: &RuntimeRef,
+        command: ShimCommand,
+    ) -> Result<(), RuntimeError> {
+        match self.command(instance, command).await {
+            Err(RuntimeError::Failed(why)) => {
+                tracing::warn!(%instance, %why, "the shim did not take the command; killing directly");
+                self.run_of(instance)?.kill_directly();
+                Ok(())
+            }
+            other => other,
+        }
+    }
+}
+
 fn local_endpoint(port: u16) -> Endpoint {
     Endpoint {
         host: "127.0.0.1".into(),
@@ -404,25 +423,11 @@ impl Runtime for LocalRuntime {
 
     async fn stop(&self, instance: &RuntimeRef, grace: Duration) -> Result<(), RuntimeError> {
         let grace_ms = millis(grace);
-        match self.command(instance, ShimCommand::Stop { grace_ms }).await {
-            Err(RuntimeError::Failed(why)) => {
-                tracing::warn!(%instance, %why, "stopping through the shim failed; killing directly");
-                self.run_of(instance)?.kill_directly();
-                Ok(())
-            }
-            other => other,
-        }
+        self.ending(instance, ShimCommand::Stop { grace_ms }).await
     }
 
     async fn kill(&self, instance: &RuntimeRef) -> Result<(), RuntimeError> {
-        match self.command(instance, ShimCommand::Kill).await {
-            Err(RuntimeError::Failed(why)) => {
-                tracing::warn!(%instance, %why, "killing through the shim failed; killing directly");
-                self.run_of(instance)?.kill_directly();
-                Ok(())
-            }
-            other => other,
-        }
+        self.ending(instance, ShimCommand::Kill).await
     }
 
     async fn freeze(&self, instance: &RuntimeRef) -> Result<(), RuntimeError> {
