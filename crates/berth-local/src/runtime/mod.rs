@@ -193,42 +193,28 @@ impl LocalRuntime {
                 self.ports.release(r.port);
             }
         }
-        let none = BTreeSet::new();
-        match reservations.get(&spec.instance_id).map(|r| r.port) {
-            Some(own) if spec.port_hint == Some(own) && bind_free(own) => Ok((own, false)),
-            Some(own) => {
-                // Its port is held by some other process now, or a fresh
-                // one was asked for.
-                let hint = spec.port_hint.filter(|p| *p != own);
-                let port = self
-                    .ports
-                    .allocate(hint, &none)
-                    .ok_or_else(|| self.no_free_port())?;
-                self.ports.release(own);
-                reservations.insert(
-                    spec.instance_id.clone(),
-                    Reservation {
-                        slug: spec.slug.as_str().to_owned(),
-                        port,
-                    },
-                );
-                Ok((port, false))
-            }
-            None => {
-                let port = self
-                    .ports
-                    .allocate(spec.port_hint, &none)
-                    .ok_or_else(|| self.no_free_port())?;
-                reservations.insert(
-                    spec.instance_id.clone(),
-                    Reservation {
-                        slug: spec.slug.as_str().to_owned(),
-                        port,
-                    },
-                );
-                Ok((port, true))
-            }
+        let own = reservations.get(&spec.instance_id).map(|r| r.port);
+        if let Some(own) = own.filter(|p| spec.port_hint == Some(*p) && bind_free(*p)) {
+            return Ok((own, false));
         }
+        // A new instance, or one whose port is held by some other process
+        // now, or which asked for a fresh one.
+        let hint = spec.port_hint.filter(|p| Some(*p) != own);
+        let port = self
+            .ports
+            .allocate(hint, &BTreeSet::new())
+            .ok_or_else(|| self.no_free_port())?;
+        if let Some(own) = own {
+            self.ports.release(own);
+        }
+        reservations.insert(
+            spec.instance_id.clone(),
+            Reservation {
+                slug: spec.slug.as_str().to_owned(),
+                port,
+            },
+        );
+        Ok((port, own.is_none()))
     }
 
     fn unreserve(&self, instance_id: &str) {
