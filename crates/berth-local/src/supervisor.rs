@@ -548,6 +548,7 @@ impl Ctx {
         let inner = &self.inner;
         let user = &self.slot.user;
         if let Some(port) = self.current().and_then(|i| i.port) {
+            inner.revoke_port(port).await;
             inner.ports.release(port);
         }
         {
@@ -759,6 +760,7 @@ impl Ctx {
             None => match inner.ports.allocate(None, &Default::default()) {
                 Some(port) => {
                     if let Some(old) = instance.port {
+                        inner.revoke_port(old).await;
                         inner.ports.release(old);
                     }
                     // Record the new port now so `finish` frees the right one.
@@ -789,13 +791,21 @@ impl Ctx {
         };
         let mut next = instance.clone();
         next.port = Some(port);
-        let spawned = match inner.shim_spec(&self.slot, &next, port, patch.as_deref()) {
-            Ok(spec) => inner.shims.spawn(&spec).await.map_err(|e| match e {
+        let spawned = async {
+            let account = inner.account(&self.slot).await.map_err(|e| e.to_string())?;
+            let spec = inner
+                .shim_spec(&self.slot, &next, port, patch.as_deref(), account.as_ref())
+                .map_err(|e| e.to_string())?;
+            inner
+                .grant_port(account.as_ref(), port)
+                .await
+                .map_err(|e| e.to_string())?;
+            inner.shims.spawn(&spec).await.map_err(|e| match e {
                 crate::shim::ShimError::SpawnFailed(m) => m,
                 other => other.to_string(),
-            }),
-            Err(e) => Err(e.to_string()),
-        };
+            })
+        }
+        .await;
         match spawned {
             Ok((handle, state)) => {
                 let control = handle.control();
@@ -850,12 +860,14 @@ mod tests {
         let code = Some(ExitInfo {
             code: Some(3),
             signal: None,
+            oom_limit_mb: None,
         });
         assert_eq!(describe_exit(code, "", None), "exited with code 3");
         assert_eq!(describe_exit(code, "boom\n", None), "boom");
         let sig = Some(ExitInfo {
             code: None,
             signal: Some(9),
+            oom_limit_mb: None,
         });
         assert_eq!(describe_exit(sig, " ", None), "killed by signal 9");
         assert_eq!(

@@ -29,6 +29,8 @@ fn spec(dir: &Path, argv: &[&str]) -> ShimSpec {
         socket_path: dir.join("run/main.sock"),
         ready_regex: None,
         fence_ms: None,
+        user_root: None,
+        isolation: None,
     }
 }
 
@@ -173,7 +175,8 @@ async fn ready_token_is_captured_and_recorded() {
         exit,
         ExitInfo {
             code: None,
-            signal: Some(9)
+            signal: Some(9),
+            oom_limit_mb: None,
         }
     );
     poll_until("socket removed", || !spec.socket_path.exists()).await;
@@ -217,7 +220,8 @@ async fn exit_code_stderr_tail_and_log_are_recorded() {
         exit,
         ExitInfo {
             code: Some(3),
-            signal: None
+            signal: None,
+            oom_limit_mb: None,
         }
     );
     assert_eq!(tail.chars().count(), 500);
@@ -315,7 +319,8 @@ async fn stop_sends_term_then_kills_the_group_after_grace() {
         exit,
         ExitInfo {
             code: None,
-            signal: Some(9)
+            signal: Some(9),
+            oom_limit_mb: None,
         }
     );
     poll_until("grandchild gone", || !alive(grandchild, grandchild_start)).await;
@@ -600,6 +605,8 @@ fn fake_state(spec: &ShimSpec, socket: &Path, shim_pid: u32) -> ShimState {
         exit: None,
         stderr_tail: String::new(),
         frozen: false,
+        uid: None,
+        cgroup: Vec::new(),
     }
 }
 
