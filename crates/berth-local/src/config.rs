@@ -23,7 +23,6 @@ pub enum Readiness {
     Tcp,
 }
 
-
 /// Everything the local spawner needs.
 #[derive(Debug, Clone)]
 pub struct LocalConfig {

@@ -173,7 +173,11 @@ pub(crate) struct Admission<'a> {
 
 impl Drop for Admission<'_> {
     fn drop(&mut self) {
-        let mut launching = self.inner.launching.lock().unwrap_or_else(|e| e.into_inner());
+        let mut launching = self
+            .inner
+            .launching
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
         launching.remove(&self.user);
     }
 }
@@ -460,9 +464,13 @@ impl Inner {
             .collect();
         let mut launching = self.launching.lock().unwrap_or_else(|e| e.into_inner());
         let used = live.union(&launching).filter(|u| *u != user).count();
-        if used >= usize::try_from(capacity).unwrap_or(usize::MAX) {
+        // A capacity of one main per port or more is what the port range
+        // enforces anyway (with its own message, naming the range).
+        if capacity < self.ports.capacity()
+            && used >= usize::try_from(capacity).unwrap_or(usize::MAX)
+        {
             return Err(SpawnError::CapacityExhausted(format!(
-                "node {} runs {used} instance(s), its capacity is {capacity}",
+                "node {} runs {used} instance(s), its capacity ([cluster] capacity) is {capacity}",
                 self.node()
             )));
         }

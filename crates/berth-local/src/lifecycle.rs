@@ -189,8 +189,14 @@ impl Inner {
                     .and_then(|n| n.to_str())
                     .unwrap_or("main")
                     .to_owned();
-                write_in_root(paths, Some("patches"), name, content.into_bytes(), account.as_ref())
-                    .await?;
+                write_in_root(
+                    paths,
+                    Some("patches"),
+                    name,
+                    content.into_bytes(),
+                    account.as_ref(),
+                )
+                .await?;
                 Some(file)
             }
         };
@@ -341,7 +347,13 @@ impl Inner {
         // Watchdogs hold no lease (epoch 0) and listen on no port of their own.
         let mut instance = self.starting_instance(slot, Role::Watchdog, 0, None, folder, now);
         let var_port = main.as_ref().and_then(|m| m.port).unwrap_or(0);
-        let spec = self.shim_spec(slot, &instance, var_port, patch.as_deref(), account.as_ref())?;
+        let spec = self.shim_spec(
+            slot,
+            &instance,
+            var_port,
+            patch.as_deref(),
+            account.as_ref(),
+        )?;
         self.store.put_instance(&instance).await?;
         match self.shims.spawn(&spec).await {
             Ok((handle, state)) => {

@@ -95,7 +95,8 @@ impl UserPaths {
         let root = users.child(slug, owner, OnLink::Refuse)?;
         root.set_private(owner)?;
         for name in Self::LAYOUT {
-            root.child(name, owner, OnLink::Replace)?.set_private(owner)?;
+            root.child(name, owner, OnLink::Replace)?
+                .set_private(owner)?;
         }
         let ws = root.child("ws", owner, OnLink::Replace)?;
         let cwd = ws.walk(folder, owner, OnLink::Refuse)?;

@@ -93,8 +93,7 @@ impl LocalSpawner {
         };
         std::fs::create_dir_all(&config.data_dir).map_err(io(&config.data_dir))?;
         // Absolute from here on: a sandbox mounts over these paths.
-        config.data_dir =
-            std::fs::canonicalize(&config.data_dir).map_err(io(&config.data_dir))?;
+        config.data_dir = std::fs::canonicalize(&config.data_dir).map_err(io(&config.data_dir))?;
         check_socket_room(&config.data_dir).map_err(LocalError::Config)?;
         let isolator = Isolator::prepare(
             config.isolation,

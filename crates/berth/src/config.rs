@@ -1336,7 +1336,10 @@ mod tests {
         assert!(msg.contains("line 2"), "{msg}");
         for (text, key) in [
             ("base_uid = 0", "isolation.base_uid"),
-            ("base_uid = 4294967000\nuid_count = 1000", "isolation.uid_count"),
+            (
+                "base_uid = 4294967000\nuid_count = 1000",
+                "isolation.uid_count",
+            ),
             ("uid_count = 0", "isolation.uid_count"),
             ("memory_max_mb = 0", "isolation.memory_max_mb"),
             ("pids_max = 0", "isolation.pids_max"),

@@ -45,9 +45,15 @@ impl Perm {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum Denied {
     /// A directory on the way cannot be searched.
-    Dir { dir: PathBuf, perm: Perm },
+    Dir {
+        dir: PathBuf,
+        perm: Perm,
+    },
     /// The file itself is not executable (or, for a script, readable).
-    File { file: PathBuf, perm: Perm },
+    File {
+        file: PathBuf,
+        perm: Perm,
+    },
     Missing(String),
 }
 
@@ -145,8 +151,7 @@ mod tests {
             err.to_string(),
             "/root is not searchable by it (mode 0700, owner 0:0)"
         );
-        let err =
-            check_with(Path::new("/usr/bin/noexec"), 200_000, 200_000, perms).unwrap_err();
+        let err = check_with(Path::new("/usr/bin/noexec"), 200_000, 200_000, perms).unwrap_err();
         assert!(matches!(err, Denied::File { .. }), "{err}");
         assert!(check_with(Path::new("/usr/bin/ok"), 200_000, 200_000, perms).is_ok());
     }

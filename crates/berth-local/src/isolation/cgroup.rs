@@ -200,9 +200,9 @@ pub fn detect(
     let mounts = parse_mountinfo(mountinfo);
     let (v1_own, v2_own) = own_paths(self_cgroup);
     let v1_mount = |controller: &str| {
-        mounts.iter().find(|m| {
-            m.fstype == "cgroup" && m.super_options.split(',').any(|o| o == controller)
-        })
+        mounts
+            .iter()
+            .find(|m| m.fstype == "cgroup" && m.super_options.split(',').any(|o| o == controller))
     };
     if v1_mount("memory").is_some() {
         let mut dirs = Vec::new();
@@ -299,7 +299,12 @@ pub fn v1_limit_files(limits: &Limits) -> Vec<(&'static str, &'static str, Strin
         ("memory", "memory.memsw.limit_in_bytes", bytes, true),
         ("pids", "pids.max", limits.pids_max.to_string(), false),
         ("cpu", "cpu.cfs_period_us", CPU_PERIOD_US.to_string(), false),
-        ("cpu", "cpu.cfs_quota_us", v1_quota(limits.cpu_max_percent), false),
+        (
+            "cpu",
+            "cpu.cfs_quota_us",
+            v1_quota(limits.cpu_max_percent),
+            false,
+        ),
     ]
 }
 
@@ -780,7 +785,10 @@ mod tests {
         };
         let err = prepare_parents(&layout, &layout.parents("i"), 1).unwrap_err();
         let msg = err.to_string();
-        assert!(msg.contains("cannot enable the memory, pids and cpu controllers"), "{msg}");
+        assert!(
+            msg.contains("cannot enable the memory, pids and cpu controllers"),
+            "{msg}"
+        );
         assert!(msg.contains("Delegate=yes"), "{msg}");
     }
 }

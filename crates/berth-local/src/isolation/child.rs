@@ -81,9 +81,15 @@ struct EtcMount {
 
 enum EtcKind {
     /// Bound from `source` (a path through the host `/etc` descriptor).
-    Dir { source: CString },
-    File { source: CString },
-    Link { to: CString },
+    Dir {
+        source: CString,
+    },
+    File {
+        source: CString,
+    },
+    Link {
+        to: CString,
+    },
 }
 
 /// How the child makes sure the shim still lives once its parent-death
@@ -321,7 +327,10 @@ impl ChildPlan {
                     libc::RLIMIT_NPROC,
                     within_hard_limit(libc::RLIMIT_NPROC, isolation.limits.pids_max),
                 ),
-                (libc::RLIMIT_NOFILE, within_hard_limit(libc::RLIMIT_NOFILE, NOFILE)),
+                (
+                    libc::RLIMIT_NOFILE,
+                    within_hard_limit(libc::RLIMIT_NOFILE, NOFILE),
+                ),
                 (libc::RLIMIT_CORE, 0),
             ],
             cwd,
@@ -554,10 +563,7 @@ impl ChildPlan {
             },
             "make the system read-only",
         )?;
-        for (target, options) in [
-            (c"/tmp", c"mode=1777"),
-            (c"/dev/shm", c"mode=1777"),
-        ] {
+        for (target, options) in [(c"/tmp", c"mode=1777"), (c"/dev/shm", c"mode=1777")] {
             let ret = unsafe {
                 libc::mount(
                     c"tmpfs".as_ptr(),
@@ -714,13 +720,7 @@ impl ChildPlan {
         // SAFETY: capset(2) reads a header and two data structs, both
         // alive for the call.
         self.check(
-            unsafe {
-                libc::syscall(
-                    libc::SYS_capset,
-                    &header as *const CapHeader,
-                    data.as_ptr(),
-                )
-            },
+            unsafe { libc::syscall(libc::SYS_capset, &header as *const CapHeader, data.as_ptr()) },
             "drop capabilities",
         )?;
         // SAFETY: PR_SET_NO_NEW_PRIVS takes integer arguments.

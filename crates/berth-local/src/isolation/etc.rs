@@ -105,9 +105,11 @@ mod tests {
     fn the_users_entries() {
         let home = Path::new("/var/lib/berth/users/alice/home");
         let passwd = passwd("alice", 200_001, 200_001, home);
-        assert!(passwd.contains(
-            "\nalice:x:200001:200001:alice:/var/lib/berth/users/alice/home:/bin/sh\n"
-        ));
+        assert!(
+            passwd.contains(
+                "\nalice:x:200001:200001:alice:/var/lib/berth/users/alice/home:/bin/sh\n"
+            )
+        );
         assert!(passwd.starts_with("root:x:0:0:"));
         assert_eq!(passwd.lines().count(), 3);
         assert_eq!(
@@ -122,12 +124,16 @@ mod tests {
 
     #[test]
     fn secrets_of_the_host_are_not_on_the_list() {
-        for secret in ["shadow", "gshadow", "ssh", "sudoers", "berth", "passwd", "group"] {
+        for secret in [
+            "shadow", "gshadow", "ssh", "sudoers", "berth", "passwd", "group",
+        ] {
             assert!(!ALLOWED.contains(&secret), "{secret}");
         }
         let entries = host_entries(Path::new("/etc"));
         assert!(
-            entries.iter().any(|(n, _)| *n == "ld.so.cache" || *n == "hosts"),
+            entries
+                .iter()
+                .any(|(n, _)| *n == "ld.so.cache" || *n == "hosts"),
             "{entries:?}"
         );
     }

@@ -219,11 +219,8 @@ impl Dir {
             std::process::id(),
             COUNTER.fetch_add(1, Ordering::Relaxed)
         );
-        let flags = OFlag::O_WRONLY
-            | OFlag::O_CREAT
-            | OFlag::O_EXCL
-            | OFlag::O_NOFOLLOW
-            | OFlag::O_CLOEXEC;
+        let flags =
+            OFlag::O_WRONLY | OFlag::O_CREAT | OFlag::O_EXCL | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC;
         let fd = openat(
             Some(self.raw()),
             tmp.as_str(),
@@ -309,7 +306,11 @@ mod tests {
         let patches = root_dir.child("patches", None, OnLink::Replace).unwrap();
         patches.write_file("main.yaml", b"patched", None).unwrap();
         assert!(root.join("patches").is_dir());
-        assert!(!std::fs::symlink_metadata(root.join("patches")).unwrap().is_symlink());
+        assert!(
+            !std::fs::symlink_metadata(root.join("patches"))
+                .unwrap()
+                .is_symlink()
+        );
         assert_eq!(
             std::fs::read_to_string(root.join("patches/main.yaml")).unwrap(),
             "patched"
@@ -338,7 +339,8 @@ mod tests {
         let dir = Dir::open(&ws).unwrap();
         let err = dir.walk("proj/sub", None, OnLink::Refuse).unwrap_err();
         assert!(
-            err.to_string().ends_with("proj is a symbolic link; refusing to follow it"),
+            err.to_string()
+                .ends_with("proj is a symbolic link; refusing to follow it"),
             "{err}"
         );
         assert!(!Path::new("/etc/sub").exists());
@@ -369,7 +371,11 @@ mod tests {
             std::fs::read_to_string(dir_path.join("main.log")).unwrap(),
             "line\n"
         );
-        assert!(!std::fs::symlink_metadata(dir_path.join("handoff.json")).unwrap().is_symlink());
+        assert!(
+            !std::fs::symlink_metadata(dir_path.join("handoff.json"))
+                .unwrap()
+                .is_symlink()
+        );
         // No temporary file is left behind.
         assert_eq!(std::fs::read_dir(&dir_path).unwrap().count(), 2);
     }

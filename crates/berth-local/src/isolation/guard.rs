@@ -246,9 +246,9 @@ mod tests {
             count: 1000,
         };
         let script = ruleset("berth_0a1b2c3d", uids, &(20000..=20099));
-        assert!(script.starts_with(
-            "table inet berth_0a1b2c3d {}\ndelete table inet berth_0a1b2c3d\n"
-        ));
+        assert!(
+            script.starts_with("table inet berth_0a1b2c3d {}\ndelete table inet berth_0a1b2c3d\n")
+        );
         for rule in [
             "meta skuid 200000-200999 tcp dport 20000-20099 meta skuid . tcp dport @own_ports accept",
             "meta skuid 200000-200999 tcp dport 20000-20099 reject with tcp reset",

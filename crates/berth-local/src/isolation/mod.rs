@@ -200,13 +200,12 @@ impl Isolator {
                 use std::os::unix::fs::MetadataExt;
                 std::fs::metadata(p).map(|m| m.mode())
             };
-            let blocked = unsearchable_ancestor(parent, mode_of).map_err(|source| {
-                HostError::Io {
+            let blocked =
+                unsearchable_ancestor(parent, mode_of).map_err(|source| HostError::Io {
                     what: "cannot inspect",
                     path: parent.to_owned(),
                     source,
-                }
-            })?;
+                })?;
             if let Some((blocker, mode)) = blocked {
                 return Err(HostError::DataDirUnreachable {
                     level,

@@ -311,7 +311,10 @@ fn start(spec: &ShimSpec, compiled: Option<Regex>) -> Result<Started, String> {
         stderr_tail: String::new(),
         frozen: false,
         uid: isolation.map(|i| i.uid),
-        cgroup: cgroup.as_ref().map(InstanceCgroup::dirs).unwrap_or_default(),
+        cgroup: cgroup
+            .as_ref()
+            .map(InstanceCgroup::dirs)
+            .unwrap_or_default(),
     };
     // In place before the report, so a berth that restarts right after it
     // finds this shim.

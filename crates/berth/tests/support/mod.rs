@@ -71,6 +71,10 @@ impl Node {
 
     /// Starts `berth <args>` in `dir` and waits for its "listening" line.
     pub fn start_with_args(dir: &Path, args: &[&str], data_dir: &Path) -> Node {
+        // Run as root, berth gives every user's instances a uid of their
+        // own (isolation mode `user`), which must be able to pass through
+        // the test's private temporary directory to its data root.
+        reachable_by_instances(dir);
         let mut child = Command::new(BERTH)
             .args(args)
             .current_dir(dir)
@@ -209,6 +213,19 @@ impl Drop for Node {
     fn drop(&mut self) {
         self.kill9();
         self.kill_instances();
+    }
+}
+
+/// Lets other users search (not list) `dir`, as instance accounts must to
+/// reach their data roots below it (tempfile makes its directories 0700).
+pub fn reachable_by_instances(dir: &Path) {
+    use std::os::unix::fs::PermissionsExt;
+    let Ok(meta) = std::fs::metadata(dir) else {
+        return;
+    };
+    let mode = meta.permissions().mode();
+    if mode & 0o001 == 0 {
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(mode | 0o011)).unwrap();
     }
 }
 
