@@ -67,6 +67,9 @@ pub struct LocalConfig {
     pub uids: UidRange,
     /// Per-instance limits: rlimits at `user`, cgroups at `sandbox`.
     pub limits: Limits,
+    /// The `nft` program of the guards; `None`: looked up in `PATH`,
+    /// `/usr/sbin` and `/sbin`.
+    pub nft: Option<PathBuf>,
     /// The executable and leading arguments that run the shim zygote (which
     /// forks every shim); normally `current_exe()` and `["shim"]`.
     pub shim_command: Vec<String>,

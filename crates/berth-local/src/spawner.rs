@@ -100,6 +100,7 @@ impl LocalSpawner {
             &config.data_dir,
             config.uids,
             &config.port_range,
+            config.nft.as_deref(),
         )
         .await?;
         match &isolator {

@@ -260,6 +260,11 @@ fn from_now(d: Duration) -> tokio::time::Instant {
 }
 
 fn describe_exit(exit: Option<ExitInfo>, stderr_tail: &str, note: Option<&str>) -> String {
+    if let Some(limit) = exit.and_then(|e| e.oom_limit_mb) {
+        // What the program printed is beside the point: the kernel killed
+        // it for its memory.
+        return format!("out of memory (limit {limit} MiB)");
+    }
     let how = match exit {
         Some(ExitInfo {
             code: Some(code), ..
@@ -666,8 +671,10 @@ impl Ctx {
                     )
                     .await?;
                 inner.metrics.restarts.inc();
+                // `?`: the description is the program's own output, which
+                // must not forge lines or send control codes to berth's log.
                 tracing::info!(%user, restarts = crashed.restarts, delay_ms = millis(delay),
-                    error = %description, "instance crashed; restarting after backoff");
+                    error = ?description, "instance crashed; restarting after backoff");
                 if config.watchdog_command.is_some() && !*watchdog_ran {
                     *watchdog_ran = true;
                     if let Err(e) = inner.spawn_watchdog(&self.slot, Some(crashed)).await {
@@ -680,7 +687,7 @@ impl Ctx {
                 opens,
                 cooldown_until,
             } => {
-                tracing::warn!(%user, opens, cooldown_until, error = %description,
+                tracing::warn!(%user, opens, cooldown_until, error = ?description,
                     "crash breaker opened: instance failed");
                 inner.metrics.breaker_opens.inc();
                 inner.run_breaker_hook(user, opens, cooldown_until);
@@ -836,7 +843,7 @@ impl Ctx {
                 })
             }
             Err(message) => {
-                tracing::warn!(%user, error = %message, "could not restart the instance");
+                tracing::warn!(%user, error = ?message, "could not restart the instance");
                 self.finish(
                     InstanceStatus::Failed,
                     None,
@@ -873,6 +880,15 @@ mod tests {
         assert_eq!(
             describe_exit(None, "", Some("not ready within 1 s")),
             "not ready within 1 s; exited"
+        );
+        let oom = Some(ExitInfo {
+            code: None,
+            signal: Some(9),
+            oom_limit_mb: Some(64),
+        });
+        assert_eq!(
+            describe_exit(oom, "MemoryError\n", None),
+            "out of memory (limit 64 MiB)"
         );
     }
 }

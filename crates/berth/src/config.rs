@@ -156,6 +156,10 @@ pub struct IsolationConfig {
     pub base_uid: u32,
     /// How many uids the account range holds.
     pub uid_count: u32,
+    /// The `nft` program of the port and egress guards; default: looked up
+    /// in `PATH`, `/usr/sbin` and `/sbin`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub nft: Option<PathBuf>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -266,6 +270,7 @@ impl Default for IsolationConfig {
             cpu_max_percent: limits.cpu_max_percent,
             base_uid: 200_000,
             uid_count: 100_000,
+            nft: None,
         }
     }
 }
@@ -699,6 +704,7 @@ impl Config {
                 pids_max: self.isolation.pids_max,
                 cpu_max_percent: self.isolation.cpu_max_percent,
             },
+            nft: self.isolation.nft.clone(),
             shim_command,
             probe_settle: Duration::from_millis(2500),
             probe_budget: Duration::from_secs(60),

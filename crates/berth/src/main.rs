@@ -141,8 +141,10 @@ fn init_tracing(log_format: &str) -> anyhow::Result<()> {
             .with_context(|| format!("RUST_LOG={spec:?} is not a valid filter"))?,
         _ => EnvFilter::new("info"),
     };
+    // Colours only for a terminal: a log file or journal gets plain text.
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_writer(std::io::stderr);
     let result = if log_format == "json" {
         builder.json().try_init()

@@ -97,6 +97,7 @@ impl Env {
                 count: 1000,
             },
             limits: Limits::default(),
+            nft: None,
             shim_command: vec![BERTH.into(), "shim".into()],
             probe_settle: Duration::from_millis(200),
             probe_budget: Duration::from_secs(20),

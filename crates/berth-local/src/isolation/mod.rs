@@ -32,6 +32,7 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 pub use berth_store::UidRange;
+pub use guard::table_name as nft_table_name;
 
 /// Isolation level (design §6).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -165,8 +166,16 @@ impl Isolator {
         data_dir: &Path,
         uids: UidRange,
         ports: &std::ops::RangeInclusive<u16>,
+        nft: Option<&Path>,
     ) -> Result<Option<Isolator>, HostError> {
-        let nft = guard::find_nft(std::env::var("PATH").ok().as_deref());
+        let looked = match nft {
+            Some(path) => format!("at {}", path.display()),
+            None => "in PATH, /usr/sbin and /sbin".to_owned(),
+        };
+        let nft = match nft {
+            Some(path) => path.is_file().then(|| path.to_owned()),
+            None => guard::find_nft(std::env::var("PATH").ok().as_deref()),
+        };
         let table = guard::table_name(data_dir);
         if level == Isolation::None {
             if let Some(nft) = nft.filter(|_| nix::unistd::geteuid().is_root()) {
@@ -227,7 +236,7 @@ impl Isolator {
         } else {
             None
         };
-        let nft = nft.ok_or(HostError::NoNft(level))?;
+        let nft = nft.ok_or(HostError::NoNft { level, looked })?;
         let guard = guard::Guard::new(nft, table, uids, ports.clone());
         guard.install().await?;
         Ok(Some(Isolator {
@@ -268,17 +277,16 @@ fn check_mount_setattr() -> Result<(), HostError> {
 #[derive(Debug, thiserror::Error)]
 pub enum HostError {
     #[error(
-        "isolation mode {0:?} needs berth to run as root: it runs every user's instances under \
+        "isolation mode \"{0}\" needs berth to run as root: it runs every user's instances under \
          a uid of their own; run berth as root, or set [isolation] mode = \"none\" (instances \
          are then not isolated)"
     )]
     NotRoot(Isolation),
     #[error(
-        "isolation mode {0:?} needs nftables for its port and egress guards, but the `nft` \
-         program was not found (looked in PATH, /usr/sbin and /sbin); install the nftables \
-         package"
+        "isolation mode \"{level}\" needs nftables for its port and egress guards, but the `nft` \
+         program was not found (looked {looked}); install the nftables package"
     )]
-    NoNft(Isolation),
+    NoNft { level: Isolation, looked: String },
     #[error("{0}")]
     Guard(#[from] guard::GuardError),
     #[error("{0}")]
@@ -288,7 +296,7 @@ pub enum HostError {
     #[error("{0}")]
     Config(String),
     #[error(
-        "isolation mode {level:?}: instances could not reach their data under {data_dir}: \
+        "isolation mode \"{level}\": instances could not reach their data under {data_dir}: \
          {blocker} is not searchable by other users (mode {mode:04o}); make it searchable \
          (chmod o+x {blocker}) or choose a data_dir elsewhere"
     )]

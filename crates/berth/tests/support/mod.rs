@@ -40,6 +40,17 @@ pub fn config_with(data_dir: &Path, extra: &str) -> String {
     )
 }
 
+/// How [`Node::start_with_options`] runs berth.
+#[derive(Debug, Clone, Default)]
+pub struct StartOptions {
+    /// Extra environment.
+    pub env: Vec<(String, String)>,
+    /// Where berth's stderr (its log) goes; inherited when `None`.
+    pub stderr: Option<PathBuf>,
+    /// A command berth runs under, e.g. `ip netns exec NAME`.
+    pub wrapper: Vec<String>,
+}
+
 /// A running `berth serve` and its data dir.
 pub struct Node {
     child: Option<Child>,
@@ -71,19 +82,40 @@ impl Node {
 
     /// Starts `berth <args>` in `dir` and waits for its "listening" line.
     pub fn start_with_args(dir: &Path, args: &[&str], data_dir: &Path) -> Node {
+        Self::start_with_options(dir, args, data_dir, &StartOptions::default())
+    }
+
+    /// [`Node::start_with_args`] with `options`.
+    pub fn start_with_options(
+        dir: &Path,
+        args: &[&str],
+        data_dir: &Path,
+        options: &StartOptions,
+    ) -> Node {
         // Run as root, berth gives every user's instances a uid of their
         // own (isolation mode `user`), which must be able to pass through
         // the test's private temporary directory to its data root.
         reachable_by_instances(dir);
-        let mut child = Command::new(BERTH)
+        let mut command = match options.wrapper.split_first() {
+            Some((program, rest)) => {
+                let mut c = Command::new(program);
+                c.args(rest).arg(BERTH);
+                c
+            }
+            None => Command::new(BERTH),
+        };
+        command
             .args(args)
             .current_dir(dir)
             .env("RUST_LOG", "info,berth=debug")
+            .envs(options.env.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("berth starts");
+            .stdout(Stdio::piped());
+        match &options.stderr {
+            Some(path) => command.stderr(std::fs::File::create(path).unwrap()),
+            None => command.stderr(Stdio::inherit()),
+        };
+        let mut child = command.spawn().expect("berth starts");
         let stdout = child.stdout.take().unwrap();
         let mut lines = BufReader::new(stdout).lines();
         let url = loop {
@@ -98,10 +130,13 @@ impl Node {
         };
         // Keep draining stdout so berth never blocks on a full pipe.
         std::thread::spawn(move || for _ in lines {});
-        let token = std::fs::read_to_string(data_dir.join("admin.token"))
-            .unwrap()
-            .trim()
-            .to_owned();
+        let token = match options.env.iter().find(|(k, _)| k == "BERTH_ADMIN_TOKEN") {
+            Some((_, token)) => token.clone(),
+            None => std::fs::read_to_string(data_dir.join("admin.token"))
+                .unwrap()
+                .trim()
+                .to_owned(),
+        };
         Node {
             child: Some(child),
             url,
@@ -110,6 +145,20 @@ impl Node {
             data_dir: data_dir.to_owned(),
             http: reqwest::Client::new(),
         }
+    }
+
+    /// Starts berth in `dir` on exactly `config` (whose data dir must be
+    /// `dir/data`), with `options`.
+    pub fn start_configured(dir: &Path, config: &str, options: &StartOptions) -> Node {
+        std::fs::create_dir_all(dir).unwrap();
+        let path = dir.join("berth.toml");
+        std::fs::write(&path, config).unwrap();
+        Self::start_with_options(
+            dir,
+            &["serve", "--config", path.to_str().unwrap()],
+            &dir.join("data"),
+            options,
+        )
     }
 
     pub fn api(&self, path: &str) -> String {
