@@ -49,6 +49,8 @@ pub struct StartOptions {
     pub stderr: Option<PathBuf>,
     /// A command berth runs under, e.g. `ip netns exec NAME`.
     pub wrapper: Vec<String>,
+    /// Run berth as this uid (and gid) instead of the test's.
+    pub run_as: Option<u32>,
 }
 
 /// A running `berth serve` and its data dir.
@@ -115,6 +117,10 @@ impl Node {
             Some(path) => command.stderr(std::fs::File::create(path).unwrap()),
             None => command.stderr(Stdio::inherit()),
         };
+        if let Some(uid) = options.run_as {
+            use std::os::unix::process::CommandExt;
+            command.uid(uid).gid(uid);
+        }
         let mut child = command.spawn().expect("berth starts");
         let stdout = child.stdout.take().unwrap();
         let mut lines = BufReader::new(stdout).lines();
