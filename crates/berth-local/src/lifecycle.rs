@@ -178,43 +178,50 @@ impl Inner {
         }
         let paths = &slot.paths;
         let account = self.account(slot).await?;
-        prepare_dirs(paths, &folder, account.as_ref()).await?;
-        let patch = match patch {
-            PatchSource::Keep(path) => path,
-            PatchSource::Content(None) => None,
-            PatchSource::Content(Some(content)) => {
-                let file = paths.patch_file(&self.config.patch_ext);
-                let name = file
-                    .file_name()
-                    .and_then(|n| n.to_str())
-                    .unwrap_or("main")
-                    .to_owned();
-                write_in_root(
-                    paths,
-                    Some("patches"),
-                    name,
-                    content.into_bytes(),
-                    account.as_ref(),
-                )
-                .await?;
-                Some(file)
+        let prepare = async {
+            prepare_dirs(paths, &folder, account.as_ref()).await?;
+            let patch = match patch {
+                PatchSource::Keep(path) => path,
+                PatchSource::Content(None) => None,
+                PatchSource::Content(Some(content)) => {
+                    let file = paths.patch_file(&self.config.patch_ext);
+                    let name = file
+                        .file_name()
+                        .and_then(|n| n.to_str())
+                        .unwrap_or("main")
+                        .to_owned();
+                    write_in_root(
+                        paths,
+                        Some("patches"),
+                        name,
+                        content.into_bytes(),
+                        account.as_ref(),
+                    )
+                    .await?;
+                    Some(file)
+                }
+            };
+            if admitted != crash {
+                self.store.save_crash_state(&slot.user, &admitted).await?;
             }
+            let now = Inner::now();
+            let instance = self.starting_instance(slot, Role::Main, epoch, Some(port), folder, now);
+            let spec = self.shim_spec(slot, &instance, port, patch.as_deref(), account.as_ref())?;
+            Ok::<_, SpawnError>((patch, instance, spec))
         };
-        if admitted != crash {
-            self.store.save_crash_state(&slot.user, &admitted).await?;
-        }
-        let now = Inner::now();
-        let mut instance = self.starting_instance(slot, Role::Main, epoch, Some(port), folder, now);
-        let spec = self.shim_spec(slot, &instance, port, patch.as_deref(), account.as_ref())?;
-        // Before the program runs, so it can always reach its own port.
-        self.grant_port(account.as_ref(), port).await?;
+        // The port grant (an `nft` run) goes alongside the preparation, and
+        // is done before the program runs, so it can always reach its own
+        // port. On any error the caller takes the grant back.
+        let (granted, prepared) = tokio::join!(self.grant_port(account.as_ref(), port), prepare);
+        granted?;
+        let (patch, mut instance, spec) = prepared?;
         self.store.put_instance(&instance).await?;
         let spawned_at = std::time::Instant::now();
         match self.shims.spawn(&spec).await {
             Ok((handle, state)) => {
                 instance.pid = Some(state.pid);
                 instance.pid_start = Some(state.pid_start);
-                slot.touch(now);
+                slot.touch(instance.started_at);
                 let mut live = Live::new(instance.clone(), patch);
                 live.control = Some(handle.control());
                 live.shim_pid = Some(state.shim_pid);

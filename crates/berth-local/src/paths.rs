@@ -103,6 +103,13 @@ impl UserPaths {
         Ok(cwd.path().to_owned())
     }
 
+    /// Opens the log of `role` for reading, never through a link, and only
+    /// if it is a regular file (not a FIFO that would block the reader).
+    pub fn open_log(&self, role: Role) -> std::io::Result<std::fs::File> {
+        let logs = Dir::open(&self.root)?.child_existing("logs")?;
+        logs.open_regular(&format!("{}.log", role.as_str()))
+    }
+
     /// Writes `bytes` as the file `name` of the layout directory `dir`
     /// (e.g. `patches`), never through a link, owned by `owner`.
     pub fn write_file(

@@ -573,9 +573,10 @@ impl Spawner for LocalSpawner {
     }
 
     async fn logs(&self, user: &UserId, tail: usize) -> Result<Vec<String>, SpawnError> {
-        let path =
-            crate::paths::UserPaths::new(&self.inner.config.data_dir, &user.slug()).log(Role::Main);
-        let read = tokio::task::spawn_blocking(move || match std::fs::File::open(&path) {
+        let paths = crate::paths::UserPaths::new(&self.inner.config.data_dir, &user.slug());
+        // Read as root from the user's own root: never through a link the
+        // user put there (it could point at any file of the host's).
+        let read = tokio::task::spawn_blocking(move || match paths.open_log(Role::Main) {
             Ok(mut file) => tail_lines(&mut file, tail),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Vec::new()),
             Err(e) => Err(e),

@@ -44,8 +44,10 @@ fn jupyter_installed() -> bool {
 }
 
 /// Starts berth on the shipped `name`, as `run_as` (the test's own user
-/// when `None`), in a fresh directory.
-fn serve(name: &str, run_as: Option<u32>) -> (Node, tempfile::TempDir) {
+/// when `None`), in a fresh directory. The directory comes first, so it is
+/// dropped last: the node's drop kills its instances through the state
+/// files in it.
+fn serve(name: &str, run_as: Option<u32>) -> (tempfile::TempDir, Node) {
     let dir = tempfile::tempdir().unwrap();
     let data = dir.path().join("data");
     if let Some(uid) = run_as {
@@ -73,7 +75,7 @@ fn serve(name: &str, run_as: Option<u32>) -> (Node, tempfile::TempDir) {
         &data,
         &options,
     );
-    (node, dir)
+    (dir, node)
 }
 
 /// Launches alice and returns the URL berth hands out.
@@ -157,7 +159,7 @@ async fn every_example_serves_as_shipped_as_root_and_as_an_unprivileged_user() {
                 None => "this user".to_owned(),
             };
             let what = format!("{name} with berth as {who}");
-            let (node, _dir) = serve(name, run_as);
+            let (_dir, node) = serve(name, run_as);
             match name {
                 "demo.toml" => demo(&node, &what).await,
                 "http-server.toml" => http_server(&node, &what).await,

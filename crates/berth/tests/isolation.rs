@@ -491,6 +491,29 @@ async fn links_planted_in_a_root_never_lead_berth_outside_it() {
     std::fs::set_permissions(&victim, std::fs::Permissions::from_mode(0o750)).unwrap();
 
     launch(&node, "alice").await;
+    // Reading goes through no link either: the log berth serves alice
+    // would otherwise be any file of root's.
+    let secret = dir.path().join("secret");
+    std::fs::write(&secret, "root's secret").unwrap();
+    std::fs::set_permissions(&secret, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let log = node.data_dir.join("users/alice/logs/main.log");
+    let linked = probe(
+        &node,
+        "alice",
+        "filelink",
+        &[("path", path_str(&log)), ("target", path_str(&secret))],
+    )
+    .await;
+    assert_eq!(linked["ok"], true, "{linked}");
+    let r = node
+        .http
+        .get(node.api("/users/alice/instance/logs?tail=10"))
+        .bearer_auth(&node.token)
+        .send()
+        .await
+        .unwrap();
+    let body = r.text().await.unwrap();
+    assert!(!body.contains("root's secret"), "{body}");
     for name in ["tmp", "patches", "logs"] {
         let linked = probe(
             &node,
@@ -625,6 +648,31 @@ async fn a_fork_bomb_is_capped_by_pids_max() {
             .trim(),
         pids_max.to_string()
     );
+    // The other two limits, at their defaults: 1024 MiB and one CPU.
+    let dirs: Vec<PathBuf> = cgroups
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| PathBuf::from(d.as_str().unwrap()))
+        .collect();
+    let read_in = |file: &str| {
+        dirs.iter()
+            .find_map(|d| std::fs::read_to_string(d.join(file)).ok())
+            .unwrap_or_else(|| panic!("no {file} in {dirs:?}"))
+    };
+    if dirs
+        .iter()
+        .any(|d| d.join("memory.limit_in_bytes").exists())
+    {
+        assert_eq!(
+            read_in("memory.limit_in_bytes").trim(),
+            (1024u64 << 20).to_string()
+        );
+        assert_eq!(read_in("cpu.cfs_quota_us").trim(), "100000");
+    } else {
+        assert_eq!(read_in("memory.max").trim(), (1024u64 << 20).to_string());
+        assert_eq!(read_in("cpu.max").trim(), "100000 100000");
+    }
     assert_eq!(probe(&node, "alice", "forkbomb", &[]).await, true);
     // The bomb fills the instance up to the cap (the account's
     // RLIMIT_NPROC and the cgroup's pids.max are both pids_max)...

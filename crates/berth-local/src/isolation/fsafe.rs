@@ -248,6 +248,34 @@ impl Dir {
         Ok(())
     }
 
+    /// The existing subdirectory `name`, never through a link (ENOENT when
+    /// it is missing; a link is an error, not followed).
+    pub fn child_existing(&self, name: &str) -> io::Result<Dir> {
+        let path = self.path.join(name);
+        let flags = OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC;
+        let fd = openat(Some(self.raw()), name, flags, Mode::empty())
+            .map_err(|e| context(&path, "open", e))?;
+        Ok(Dir { fd: own(fd), path })
+    }
+
+    /// Opens the regular file `name` for reading, never through a link,
+    /// and never blocking on a FIFO put in its place.
+    pub fn open_regular(&self, name: &str) -> io::Result<File> {
+        let path = self.path.join(name);
+        let flags = OFlag::O_RDONLY | OFlag::O_NOFOLLOW | OFlag::O_NONBLOCK | OFlag::O_CLOEXEC;
+        let fd = openat(Some(self.raw()), name, flags, Mode::empty())
+            .map_err(|e| context(&path, "open", e))?;
+        let file = File::from(own(fd));
+        let stat = fstat(file.as_raw_fd()).map_err(|e| context(&path, "inspect", e))?;
+        if SFlag::from_bits_truncate(stat.st_mode) & SFlag::S_IFMT != SFlag::S_IFREG {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!("{} is not a regular file", path.display()),
+            ));
+        }
+        Ok(file)
+    }
+
     /// Opens `name` for appending (created 0600), never through a link: a
     /// link in its place is removed and a new file made.
     pub fn open_append(&self, name: &str) -> io::Result<File> {
@@ -378,6 +406,36 @@ mod tests {
         );
         // No temporary file is left behind.
         assert_eq!(std::fs::read_dir(&dir_path).unwrap().count(), 2);
+    }
+
+    #[test]
+    fn reads_never_follow_a_link_nor_block_on_a_fifo() {
+        let tmp = tempfile::tempdir().unwrap();
+        let secret = tmp.path().join("secret");
+        std::fs::write(&secret, "shadow").unwrap();
+        let dir_path = tmp.path().join("logs");
+        std::fs::create_dir(&dir_path).unwrap();
+        symlink(&secret, dir_path.join("main.log")).unwrap();
+        nix::unistd::mkfifo(&dir_path.join("fifo.log"), Mode::from_bits_truncate(0o600)).unwrap();
+        std::fs::write(dir_path.join("ok.log"), "line\n").unwrap();
+        let dir = Dir::open(tmp.path())
+            .unwrap()
+            .child_existing("logs")
+            .unwrap();
+        let err = dir.open_regular("main.log").unwrap_err();
+        assert!(err.to_string().contains("symbolic links"), "{err}");
+        let err = dir.open_regular("fifo.log").unwrap_err();
+        assert!(err.to_string().contains("not a regular file"), "{err}");
+        let mut text = String::new();
+        std::io::Read::read_to_string(&mut dir.open_regular("ok.log").unwrap(), &mut text).unwrap();
+        assert_eq!(text, "line\n");
+        symlink("/etc", tmp.path().join("linked")).unwrap();
+        assert!(
+            Dir::open(tmp.path())
+                .unwrap()
+                .child_existing("linked")
+                .is_err()
+        );
     }
 
     #[test]

@@ -126,6 +126,13 @@ def replace_with_link(name, target):
     return True
 
 
+def link_file(path, target):
+    if os.path.lexists(path):
+        os.unlink(path)
+    os.symlink(target, path)
+    return True
+
+
 def allocate(mb):
     block = bytearray(mb * 1024 * 1024)
     for i in range(0, len(block), 4096):
@@ -185,6 +192,8 @@ class Handler(BaseHTTPRequestHandler):
             result = outcome(lambda: shim_command(one("path"), command))
         elif probe == "link":
             result = outcome(lambda: replace_with_link(one("name"), one("target")))
+        elif probe == "filelink":
+            result = outcome(lambda: link_file(one("path"), one("target")))
         elif probe == "alloc":
             result = outcome(lambda: allocate(int(one("mb"))))
         elif probe == "forkbomb":

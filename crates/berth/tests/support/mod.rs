@@ -268,6 +268,60 @@ impl Drop for Node {
     fn drop(&mut self) {
         self.kill9();
         self.kill_instances();
+        remove_isolation_leftovers(&self.data_dir);
+    }
+}
+
+/// What berth at level `user` or `sandbox` leaves in the kernel on purpose
+/// when it stops (instances outlive it, guarded and limited): its nftables
+/// table and its cgroups. A test's berth is gone for good, so they go too,
+/// after its instances (the cgroups of shims killed by
+/// [`kill_instances_under`] are never removed by those shims).
+pub fn remove_isolation_leftovers(data_dir: &Path) {
+    if !nix::unistd::geteuid().is_root() {
+        return;
+    }
+    let Ok(canonical) = data_dir.canonicalize() else {
+        return;
+    };
+    let table = berth_local::isolation::nft_table_name(&canonical);
+    let _ = Command::new("nft")
+        .args(["delete", "table", "inet", &table])
+        .stderr(Stdio::null())
+        .status();
+    let parent = format!("berth-{}", table.trim_start_matches("berth_"));
+    let Ok(own) = std::fs::read_to_string("/proc/self/cgroup") else {
+        return;
+    };
+    for line in own.lines() {
+        let mut fields = line.splitn(3, ':');
+        let (Some(_), Some(controllers), Some(path)) =
+            (fields.next(), fields.next(), fields.next())
+        else {
+            continue;
+        };
+        let path = path.trim_start_matches('/');
+        for mount in controllers.split(',').chain([controllers]) {
+            let mount = if mount.is_empty() { "unified" } else { mount };
+            let dir = Path::new("/sys/fs/cgroup")
+                .join(mount)
+                .join(path)
+                .join(&parent);
+            let Ok(leaves) = std::fs::read_dir(&dir) else {
+                continue;
+            };
+            let deadline = Instant::now() + Duration::from_secs(5);
+            for leaf in leaves
+                .flatten()
+                .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
+            {
+                // Busy while its last processes finish dying.
+                while std::fs::remove_dir(leaf.path()).is_err() && Instant::now() < deadline {
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+            }
+            let _ = std::fs::remove_dir(&dir);
+        }
     }
 }
 
