@@ -377,9 +377,8 @@ fn mkdir(path: &Path) -> Result<(), CgroupError> {
 
 /// Makes the parents exist, once at start. On v2 this also moves berth
 /// (`pid`) into `<own>/berth-supervisor` unless it sits at the root, and
-/// enables the three controllers down to the parent. `root` is where the
-/// hierarchy is mounted in this view (the real mount in production, a fake
-/// tree in tests).
+/// enables the three controllers down to the parent. The layout's mount
+/// is the real one in production, a fake tree in tests.
 pub fn prepare_parents(layout: &Layout, parents: &Parents, pid: u32) -> Result<(), CgroupError> {
     match (layout, parents) {
         (Layout::V1 { .. }, Parents::V1 { memory, pids, cpu }) => {

@@ -7,7 +7,7 @@
 //!   (allocated once, recorded in the store's `accounts`), with no
 //!   supplementary groups, every capability dropped, `no_new_privs` and
 //!   rlimits; the data root belongs to that uid. nftables rules in berth's
-//!   own table ([`guard`]) keep instance uids off other instances' ports
+//!   own table (`guard`) keep instance uids off other instances' ports
 //!   and off cloud metadata and the host's own addresses.
 //! * `sandbox`: `user`, plus a mount namespace (system read-only, private
 //!   `/tmp`, a minimal `/etc` with a passwd and group entry for the user,
@@ -15,9 +15,9 @@
 //!   and cgroup limits on memory, pids and CPU ([`cgroup`], v1 or v2).
 //!
 //! berth decides (this module, on plain data); the shim carries it out
-//! just before it executes the program ([`child`]), so the privileged work
+//! just before it executes the program (`child`), so the privileged work
 //! happens in one small process per instance and never in berth's async
-//! code. [`fsafe`] is how berth and the shim touch a user's root without
+//! code. `fsafe` is how berth and the shim touch a user's root without
 //! ever following a symbolic link the user planted there.
 
 pub(crate) mod access;
