@@ -32,7 +32,7 @@
 //! status to the shim through a pipe. When the program exits, init exits,
 //! and the kernel kills whatever is left in the namespace.
 
-use std::ffi::CString;
+use std::ffi::{CStr, CString};
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::ffi::OsStrExt;
@@ -428,151 +428,76 @@ impl ChildPlan {
     /// As [`ChildPlan::enter`].
     unsafe fn enter_sandbox(&self, sb: &SandboxPlan) -> io::Result<()> {
         for &fd in &sb.cgroup_procs {
-            // SAFETY: writes two bytes from a static to a descriptor the
-            // shim opened for this child.
-            let n = unsafe { libc::write(fd, b"0".as_ptr().cast(), 1) };
-            self.check(n as libc::c_long, "join the instance's cgroup")?;
+            self.check(sys::write(fd, b"0"), "join the instance's cgroup")?;
         }
         // SAFETY: unshare(2) takes flags only.
         self.check(
             unsafe { libc::unshare(libc::CLONE_NEWNS) }.into(),
             "create a mount namespace",
         )?;
-        let null = std::ptr::null::<libc::c_char>();
-        // SAFETY (every mount, mkdir, open, write and close below): each
-        // passes C strings owned by the plan, or static ones, or null
-        // where the call allows it; none of the calls keeps a pointer.
         self.check(
-            unsafe {
-                libc::mount(
-                    null,
-                    c"/".as_ptr(),
-                    null,
-                    libc::MS_REC | libc::MS_PRIVATE,
-                    null.cast(),
-                )
-            }
-            .into(),
+            sys::mount(None, c"/", None, libc::MS_REC | libc::MS_PRIVATE, None),
             "make the mounts private",
         )?;
         for (path, flags, slot, step) in [
             (
-                c"/etc".as_ptr(),
+                c"/etc",
                 libc::O_PATH | libc::O_DIRECTORY,
                 sb.etc_slot,
                 "open the host's /etc",
             ),
             (
-                sb.user_root.as_ptr(),
+                sb.user_root.as_c_str(),
                 libc::O_PATH | libc::O_DIRECTORY | libc::O_NOFOLLOW,
                 sb.root_slot,
                 "open the user's root",
             ),
         ] {
-            let fd = unsafe { libc::open(path, flags | libc::O_CLOEXEC) };
-            self.check(fd.into(), step)?;
-            let moved = unsafe { libc::dup3(fd, slot, libc::O_CLOEXEC) };
-            unsafe { libc::close(fd) };
-            self.check(moved.into(), step)?;
+            let fd = sys::open(path, flags, 0);
+            self.check(fd, step)?;
+            let moved = sys::dup3(fd as RawFd, slot);
+            sys::close(fd as RawFd);
+            self.check(moved, step)?;
         }
+        let tmpfs = Some(c"tmpfs");
+        let private = libc::MS_NOSUID | libc::MS_NODEV;
         self.check(
-            unsafe {
-                libc::mount(
-                    c"tmpfs".as_ptr(),
-                    c"/etc".as_ptr(),
-                    c"tmpfs".as_ptr(),
-                    libc::MS_NOSUID | libc::MS_NODEV,
-                    c"mode=0755,size=1m".as_ptr().cast(),
-                )
-            }
-            .into(),
+            sys::mount(tmpfs, c"/etc", tmpfs, private, Some(c"mode=0755,size=1m")),
             "mount a tmpfs on /etc",
         )?;
         for entry in &sb.etc {
+            let target = entry.target.as_c_str();
             match &entry.kind {
-                EtcKind::Dir { source } | EtcKind::File { source } => {
-                    let made = if matches!(entry.kind, EtcKind::Dir { .. }) {
-                        unsafe { libc::mkdir(entry.target.as_ptr(), 0o755) }
-                    } else {
-                        let fd = unsafe {
-                            libc::open(
-                                entry.target.as_ptr(),
-                                libc::O_CREAT | libc::O_WRONLY | libc::O_CLOEXEC,
-                                0o644 as libc::c_uint,
-                            )
-                        };
-                        if fd >= 0 {
-                            unsafe { libc::close(fd) };
-                        }
-                        fd
-                    };
-                    self.check(made.into(), "make a mount point in /etc")?;
-                    self.check(
-                        unsafe {
-                            libc::mount(
-                                source.as_ptr(),
-                                entry.target.as_ptr(),
-                                null,
-                                libc::MS_BIND | libc::MS_REC,
-                                null.cast(),
-                            )
-                        }
-                        .into(),
-                        "bind a host /etc entry",
-                    )?;
+                EtcKind::Dir { source } => {
+                    self.check(sys::mkdir(target, 0o755), "make a mount point in /etc")?;
+                    self.bind(source, target)?;
+                }
+                EtcKind::File { source } => {
+                    let fd = sys::open(target, libc::O_CREAT | libc::O_WRONLY, 0o644);
+                    self.check(fd, "make a mount point in /etc")?;
+                    sys::close(fd as RawFd);
+                    self.bind(source, target)?;
                 }
                 EtcKind::Link { to } => {
-                    self.check(
-                        unsafe { libc::symlink(to.as_ptr(), entry.target.as_ptr()) }.into(),
-                        "link an /etc entry",
-                    )?;
+                    self.check(sys::symlink(to, target), "link an /etc entry")?;
                 }
             }
         }
         for (path, bytes) in [(c"/etc/passwd", &sb.passwd), (c"/etc/group", &sb.group)] {
-            let fd = unsafe {
-                libc::open(
-                    path.as_ptr(),
-                    libc::O_CREAT | libc::O_WRONLY | libc::O_TRUNC | libc::O_CLOEXEC,
-                    0o644 as libc::c_uint,
-                )
-            };
-            self.check(fd.into(), "write /etc/passwd or /etc/group")?;
-            let n = unsafe { libc::write(fd, bytes.as_ptr().cast(), bytes.len()) };
-            unsafe { libc::close(fd) };
-            self.check(n as libc::c_long, "write /etc/passwd or /etc/group")?;
+            let fd = sys::open(path, libc::O_CREAT | libc::O_WRONLY | libc::O_TRUNC, 0o644);
+            self.check(fd, "write /etc/passwd or /etc/group")?;
+            let written = sys::write(fd as RawFd, bytes);
+            sys::close(fd as RawFd);
+            self.check(written, "write /etc/passwd or /etc/group")?;
         }
         // The system, read-only and without set-uid, in one call for the
         // whole tree (mount_setattr, Linux 5.12).
-        let attr = MountAttr {
-            attr_set: MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID,
-            attr_clr: 0,
-            propagation: 0,
-            userns_fd: 0,
-        };
         self.check(
-            unsafe {
-                libc::syscall(
-                    libc::SYS_mount_setattr,
-                    libc::AT_FDCWD,
-                    c"/".as_ptr(),
-                    libc::AT_RECURSIVE as libc::c_uint,
-                    &attr as *const MountAttr,
-                    std::mem::size_of::<MountAttr>(),
-                )
-            },
+            sys::mount_setattr(c"/", true, MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID, 0),
             "make the system read-only",
         )?;
-        for (target, options) in [(c"/tmp", c"mode=1777"), (c"/dev/shm", c"mode=1777")] {
-            let ret = unsafe {
-                libc::mount(
-                    c"tmpfs".as_ptr(),
-                    target.as_ptr(),
-                    c"tmpfs".as_ptr(),
-                    libc::MS_NOSUID | libc::MS_NODEV,
-                    options.as_ptr().cast(),
-                )
-            };
+        for target in [c"/tmp", c"/dev/shm"] {
+            let ret = sys::mount(tmpfs, target, tmpfs, private, Some(c"mode=1777"));
             // A host without /dev/shm has none in the sandbox either.
             if ret < 0 && io::Error::last_os_error().raw_os_error() != Some(libc::ENOENT) {
                 return Err(self.fail("mount a private /tmp or /dev/shm"));
@@ -580,79 +505,61 @@ impl ChildPlan {
         }
         // The data dir's path, recreated where a private /tmp hid it.
         for dir in &sb.data_dir_chain {
-            let ret = unsafe { libc::mkdir(dir.as_ptr(), 0o755) };
+            let ret = sys::mkdir(dir, 0o755);
             if ret < 0 && io::Error::last_os_error().raw_os_error() != Some(libc::EEXIST) {
                 return Err(self.fail("recreate the data dir's path"));
             }
         }
         self.check(
-            unsafe {
-                libc::mount(
-                    c"tmpfs".as_ptr(),
-                    sb.data_dir.as_ptr(),
-                    c"tmpfs".as_ptr(),
-                    libc::MS_NOSUID | libc::MS_NODEV,
-                    c"mode=0711,size=1m".as_ptr().cast(),
-                )
-            }
-            .into(),
+            sys::mount(
+                tmpfs,
+                &sb.data_dir,
+                tmpfs,
+                private,
+                Some(c"mode=0711,size=1m"),
+            ),
             "hide berth's data dir",
         )?;
+        self.check(sys::mkdir(&sb.users_dir, 0o711), "make the users dir")?;
+        self.check(sys::mkdir(&sb.user_root, 0o700), "make the user's root")?;
         self.check(
-            unsafe { libc::mkdir(sb.users_dir.as_ptr(), 0o711) }.into(),
-            "make the users dir",
-        )?;
-        self.check(
-            unsafe { libc::mkdir(sb.user_root.as_ptr(), 0o700) }.into(),
-            "make the user's root",
-        )?;
-        self.check(
-            unsafe {
-                libc::mount(
-                    sb.user_root_source.as_ptr(),
-                    sb.user_root.as_ptr(),
-                    null,
-                    libc::MS_BIND,
-                    null.cast(),
-                )
-            }
-            .into(),
+            sys::mount(
+                Some(&sb.user_root_source),
+                &sb.user_root,
+                None,
+                libc::MS_BIND,
+                None,
+            ),
             "bind the user's root",
         )?;
         // A bind copies the read-only flag of the mount it comes from.
-        let writable = MountAttr {
-            attr_set: 0,
-            attr_clr: MOUNT_ATTR_RDONLY,
-            propagation: 0,
-            userns_fd: 0,
-        };
         self.check(
-            unsafe {
-                libc::syscall(
-                    libc::SYS_mount_setattr,
-                    libc::AT_FDCWD,
-                    sb.user_root.as_ptr(),
-                    0 as libc::c_uint,
-                    &writable as *const MountAttr,
-                    std::mem::size_of::<MountAttr>(),
-                )
-            },
+            sys::mount_setattr(&sb.user_root, false, 0, MOUNT_ATTR_RDONLY),
             "make the user's root writable",
         )?;
         self.check(
-            unsafe {
-                libc::mount(
-                    c"proc".as_ptr(),
-                    c"/proc".as_ptr(),
-                    c"proc".as_ptr(),
-                    libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC,
-                    null.cast(),
-                )
-            }
-            .into(),
+            sys::mount(
+                Some(c"proc"),
+                c"/proc",
+                Some(c"proc"),
+                libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC,
+                None,
+            ),
             "mount /proc of the pid namespace",
-        )?;
-        Ok(())
+        )
+    }
+
+    fn bind(&self, source: &CStr, target: &CStr) -> io::Result<()> {
+        self.check(
+            sys::mount(
+                Some(source),
+                target,
+                None,
+                libc::MS_BIND | libc::MS_REC,
+                None,
+            ),
+            "bind a host /etc entry",
+        )
     }
 
     /// # Safety
@@ -671,14 +578,15 @@ impl ChildPlan {
                 "set rlimits",
             )?;
         }
-        // SAFETY (the raw system calls below): setgroups with a null list
-        // of length 0; setresgid/setresuid with plain ids; each changes the
-        // credentials of this thread only, which in a single-threaded
-        // child is the whole process.
+        // Raw system calls, not glibc's wrappers (which would signal every
+        // thread the shim had): each changes the credentials of this thread
+        // only, which in a single-threaded child is the whole process.
+        // SAFETY: setgroups(2) with a null list of length 0.
         self.check(
             unsafe { libc::syscall(libc::SYS_setgroups, 0usize, std::ptr::null::<libc::gid_t>()) },
             "drop supplementary groups",
         )?;
+        // SAFETY: setresgid(2) with plain ids.
         self.check(
             unsafe { libc::syscall(libc::SYS_setresgid, self.gid, self.gid, self.gid) },
             "set the gid",
@@ -702,6 +610,7 @@ impl ChildPlan {
             },
             "clear ambient capabilities",
         )?;
+        // SAFETY: setresuid(2) with plain ids.
         self.check(
             unsafe { libc::syscall(libc::SYS_setresuid, self.uid, self.uid, self.uid) },
             "set the uid",
@@ -762,6 +671,100 @@ impl ChildPlan {
             return Err(io::Error::from_raw_os_error(libc::ESRCH));
         }
         Ok(())
+    }
+}
+
+/// Thin wrappers of the system calls the sandbox's setup makes, each a
+/// single call on C strings and buffers that outlive it: safe to call, and
+/// async-signal-safe (no allocation, no lock). Each returns the call's raw
+/// result (negative on error, with `errno` set).
+mod sys {
+    use std::ffi::CStr;
+    use std::os::fd::RawFd;
+
+    use nix::libc;
+
+    use super::MountAttr;
+
+    fn ptr(s: Option<&CStr>) -> *const libc::c_char {
+        s.map_or(std::ptr::null(), CStr::as_ptr)
+    }
+
+    pub fn mount(
+        source: Option<&CStr>,
+        target: &CStr,
+        fstype: Option<&CStr>,
+        flags: libc::c_ulong,
+        data: Option<&CStr>,
+    ) -> libc::c_long {
+        // SAFETY: every pointer is null or a NUL-terminated string that
+        // lives for the call; mount(2) keeps none of them.
+        unsafe {
+            libc::mount(
+                ptr(source),
+                target.as_ptr(),
+                ptr(fstype),
+                flags,
+                ptr(data).cast(),
+            )
+        }
+        .into()
+    }
+
+    /// mount_setattr(2) on `path` (its whole tree when `recursive`).
+    pub fn mount_setattr(path: &CStr, recursive: bool, set: u64, clear: u64) -> libc::c_long {
+        let attr = MountAttr {
+            attr_set: set,
+            attr_clr: clear,
+            propagation: 0,
+            userns_fd: 0,
+        };
+        let flags = if recursive { libc::AT_RECURSIVE } else { 0 } as libc::c_uint;
+        // SAFETY: a path string and an attribute struct that live for the
+        // call, with the struct's true size.
+        unsafe {
+            libc::syscall(
+                libc::SYS_mount_setattr,
+                libc::AT_FDCWD,
+                path.as_ptr(),
+                flags,
+                &attr as *const MountAttr,
+                std::mem::size_of::<MountAttr>(),
+            )
+        }
+    }
+
+    pub fn mkdir(path: &CStr, mode: libc::mode_t) -> libc::c_long {
+        // SAFETY: a NUL-terminated path that lives for the call.
+        unsafe { libc::mkdir(path.as_ptr(), mode) }.into()
+    }
+
+    /// open(2), always close-on-exec.
+    pub fn open(path: &CStr, flags: libc::c_int, mode: libc::c_uint) -> libc::c_long {
+        // SAFETY: a NUL-terminated path that lives for the call.
+        unsafe { libc::open(path.as_ptr(), flags | libc::O_CLOEXEC, mode) }.into()
+    }
+
+    pub fn close(fd: RawFd) {
+        // SAFETY: closes a descriptor number this setup opened; an error
+        // (EBADF) changes nothing.
+        unsafe { libc::close(fd) };
+    }
+
+    pub fn dup3(fd: RawFd, onto: RawFd) -> libc::c_long {
+        // SAFETY: plain descriptor numbers; `onto` is a slot the plan
+        // reserved for exactly this.
+        unsafe { libc::dup3(fd, onto, libc::O_CLOEXEC) }.into()
+    }
+
+    pub fn write(fd: RawFd, bytes: &[u8]) -> libc::c_long {
+        // SAFETY: a buffer of `bytes.len()` bytes that lives for the call.
+        unsafe { libc::write(fd, bytes.as_ptr().cast(), bytes.len()) as libc::c_long }
+    }
+
+    pub fn symlink(to: &CStr, at: &CStr) -> libc::c_long {
+        // SAFETY: two NUL-terminated strings that live for the call.
+        unsafe { libc::symlink(to.as_ptr(), at.as_ptr()) }.into()
     }
 }
 
