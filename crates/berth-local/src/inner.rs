@@ -2,10 +2,10 @@
 //! lifecycle path uses to change it: one place that updates a record,
 //! persists it, refreshes the route table and publishes the change.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicI64, AtomicU32, Ordering};
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::{Arc, Mutex, OnceLock, RwLock};
 
 use berth_core::{
     Endpoint, Epoch, Instance, InstanceEvent, InstanceStatus, Role, SpawnError, UserId,
@@ -18,6 +18,8 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
+use crate::isolation::cgroup::CgroupSpec;
+use crate::isolation::{Account, IsolationSpec, Isolator, SandboxSpec};
 use crate::metrics::Metrics;
 use crate::paths::UserPaths;
 use crate::ports::PortPool;
@@ -107,6 +109,8 @@ pub(crate) struct UserSlot {
     pub flushed_active: AtomicI64,
     /// The main's current record, for `wait_for_ready`.
     pub main_watch: watch::Sender<Option<Instance>>,
+    /// The user's account, once read from (or allocated in) the store.
+    pub account: OnceLock<Account>,
 }
 
 impl UserSlot {
@@ -154,6 +158,28 @@ pub(crate) struct Inner {
     pub heartbeat_lock: tokio::sync::Mutex<()>,
     /// Starts every shim (through one zygote process).
     pub shims: ShimLauncher,
+    /// What isolates instances; `None` at level `none`.
+    pub isolator: Option<Isolator>,
+    /// Users whose main is being launched and not yet installed: with the
+    /// live mains, what counts against the node's capacity.
+    pub launching: Mutex<HashSet<UserId>>,
+}
+
+/// A place under the node's capacity, held while a launch runs.
+pub(crate) struct Admission<'a> {
+    inner: &'a Inner,
+    user: UserId,
+}
+
+impl Drop for Admission<'_> {
+    fn drop(&mut self) {
+        let mut launching = self
+            .inner
+            .launching
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        launching.remove(&self.user);
+    }
 }
 
 impl Inner {
@@ -178,6 +204,7 @@ impl Inner {
                     last_active: AtomicI64::new(0),
                     flushed_active: AtomicI64::new(0),
                     main_watch: watch::channel(None).0,
+                    account: OnceLock::new(),
                 })
             })
             .clone()
@@ -316,6 +343,7 @@ impl Inner {
         instance: &Instance,
         var_port: u16,
         patch: Option<&Path>,
+        account: Option<&Account>,
     ) -> Result<ShimSpec, SpawnError> {
         let (command, extra): (&[String], Vec<(String, String)>) = match instance.role {
             Role::Main => (&self.config.command, Vec::new()),
@@ -354,6 +382,12 @@ impl Inner {
         ]
         .into_iter()
         .map(|(k, v)| (k.to_owned(), v))
+        .chain(account.into_iter().flat_map(|a| {
+            [
+                ("USER".to_owned(), a.name.clone()),
+                ("LOGNAME".to_owned(), a.name.clone()),
+            ]
+        }))
         .chain(extra);
         let env = template::build_env(
             &self.config.env_allowlist,
@@ -390,7 +424,104 @@ impl Inner {
             socket_path: slot.paths.socket(instance.role),
             ready_regex,
             fence_ms,
+            user_root: Some(slot.paths.root.clone()),
+            isolation: self.isolation_spec(slot, account),
         })
+    }
+
+    /// The isolation part of a shim spec.
+    fn isolation_spec(&self, slot: &UserSlot, account: Option<&Account>) -> Option<IsolationSpec> {
+        let isolator = self.isolator.as_ref()?;
+        let account = account?;
+        let limits = self.config.limits;
+        Some(IsolationSpec {
+            uid: account.uid,
+            gid: account.gid,
+            name: account.name.clone(),
+            limits,
+            sandbox: isolator.cgroups.as_ref().map(|parents| SandboxSpec {
+                cgroup: CgroupSpec {
+                    parents: parents.clone(),
+                    limits,
+                },
+                data_dir: self.config.data_dir.clone(),
+                user_root: slot.paths.root.clone(),
+                home: slot.paths.home(),
+            }),
+        })
+    }
+
+    /// Takes a place under the node's capacity for a new main of `user`,
+    /// or refuses: live mains and launches in flight together never exceed
+    /// it, however many launches race.
+    pub fn admit(&self, user: &UserId) -> Result<Admission<'_>, SpawnError> {
+        let capacity = self.capacity.load(Ordering::Relaxed);
+        let live: HashSet<UserId> = self
+            .all_slots()
+            .iter()
+            .filter(|s| s.live_record(Role::Main).is_some())
+            .map(|s| s.user.clone())
+            .collect();
+        let mut launching = self.launching.lock().unwrap_or_else(|e| e.into_inner());
+        let used = live.union(&launching).filter(|u| *u != user).count();
+        // A capacity of one main per port or more is what the port range
+        // enforces anyway (with its own message, naming the range).
+        if capacity < self.ports.capacity()
+            && used >= usize::try_from(capacity).unwrap_or(usize::MAX)
+        {
+            return Err(SpawnError::CapacityExhausted(format!(
+                "node {} runs {used} instance(s), its capacity ([cluster] capacity) is {capacity}",
+                self.node()
+            )));
+        }
+        launching.insert(user.clone());
+        Ok(Admission {
+            inner: self,
+            user: user.clone(),
+        })
+    }
+
+    /// The account `slot`'s instances run under (`None` at level `none`),
+    /// allocated in the store on first use and remembered.
+    pub async fn account(&self, slot: &UserSlot) -> Result<Option<Account>, SpawnError> {
+        if self.isolator.is_none() {
+            return Ok(None);
+        }
+        if let Some(account) = slot.account.get() {
+            return Ok(Some(account.clone()));
+        }
+        let slug = slot.user.slug();
+        let uid = self
+            .store
+            .account_uid(slug.as_str(), self.config.uids)
+            .await?;
+        let account = Account {
+            uid,
+            gid: uid,
+            name: slug.as_str().to_owned(),
+        };
+        Ok(Some(slot.account.get_or_init(|| account).clone()))
+    }
+
+    /// Lets the account connect to its own instance's `port` (port guard).
+    pub async fn grant_port(&self, account: Option<&Account>, port: u16) -> Result<(), SpawnError> {
+        let (Some(isolator), Some(account)) = (&self.isolator, account) else {
+            return Ok(());
+        };
+        isolator
+            .guard
+            .grant(account.uid, port)
+            .await
+            .map_err(|e| SpawnError::SpawnFailed(e.to_string()))
+    }
+
+    /// Takes back the port guard's pair on `port`, if any.
+    pub async fn revoke_port(&self, port: u16) {
+        if let Some(isolator) = &self.isolator {
+            if let Err(e) = isolator.guard.revoke(port).await {
+                tracing::warn!(port, error = %e, "could not take back a port grant");
+            }
+        }
     }
 
     /// Number of live mains, for the node heartbeat.

@@ -156,6 +156,8 @@ mod tests {
             exit: None,
             stderr_tail: String::new(),
             frozen: false,
+            uid: None,
+            cgroup: Vec::new(),
         }
     }
 
@@ -215,6 +217,7 @@ mod tests {
         s.exit = Some(ExitInfo {
             code: Some(3),
             signal: None,
+            oom_limit_mb: None,
         });
         s.stderr_tail = "boom".into();
         let plan = plan(&[found(&r, false, s)], std::slice::from_ref(&r));
@@ -224,7 +227,8 @@ mod tests {
                 record: r,
                 exit: Some(ExitInfo {
                     code: Some(3),
-                    signal: None
+                    signal: None,
+                    oom_limit_mb: None,
                 }),
                 stderr_tail: "boom".into()
             }]

@@ -2,8 +2,8 @@
 //!
 //! * [`Store`]: the one trait every backend implements — instance records
 //!   (a main's fenced by its lease epoch), the fenced lease (design §3),
-//!   launch parameters, crash/breaker state, user tokens, admin sessions
-//!   and nodes;
+//!   launch parameters, crash/breaker state, user tokens, admin sessions,
+//!   nodes and the per-user accounts (host uids) of isolated instances;
 //! * [`SqliteStore`]: the embedded single-node backend;
 //! * [`PgStore`]: the PostgreSQL backend a cluster of nodes shares;
 //! * [`lease`]: the validated lease settings and [`lease::LeaseKeeper`], the
@@ -50,6 +50,12 @@ pub enum StoreError {
     /// A stored value could not be decoded.
     #[error("corrupt store record: {0}")]
     Corrupt(String),
+    /// Every uid of the account range is taken (see [`Store::account_uid`]).
+    #[error(
+        "no free uid for a new account in {first}-{last}: every one is taken; widen the range \
+         ([isolation] base_uid / uid_count)"
+    )]
+    UidsExhausted { first: u32, last: u32 },
     /// The store URL is not one this build understands.
     #[error("unsupported store URL {0:?}: expected sqlite://… or postgres://…")]
     UnsupportedUrl(String),
@@ -216,6 +222,32 @@ pub struct TokenOwner {
     /// long the token has left by the store's clock.
     pub now: UnixMillis,
 }
+/// The host uids instance accounts are allocated from: `first`, `first +
+/// 1`, … `first + count - 1`. The gid of an account is its uid.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct UidRange {
+    pub first: u32,
+    pub count: u32,
+}
+
+impl UidRange {
+    /// The last uid of the range; `None` when the range is empty or runs
+    /// past the largest valid uid (`u32::MAX - 1`; `-1` means "no uid").
+    pub fn last(&self) -> Option<u32> {
+        let last = self.first.checked_add(self.count.checked_sub(1)?)?;
+        (last < u32::MAX).then_some(last)
+    }
+
+    pub fn contains(&self, uid: u32) -> bool {
+        self.last()
+            .is_some_and(|last| (self.first..=last).contains(&uid))
+    }
+}
+
+/// How often an account allocation retries after losing a race for a uid
+/// to another node. Each retry means another account was created, so this
+/// bounds only pathological contention.
+const ACCOUNT_ATTEMPTS: usize = 64;
 
 /// Which instance records to list.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -431,6 +463,19 @@ pub trait Store: Send + Sync + 'static {
     /// [`NodeView`] with [`NodeRecord::view`], passing [`Store::now`]: a
     /// heartbeat's age is measured by the store's clock.
     async fn list_nodes(&self) -> Result<Vec<NodeRecord>, StoreError>;
+
+    // --- accounts of isolated instances (design §6) --------------------------
+
+    /// The host uid of `slug`'s account, allocated on first use: the uid
+    /// after the highest one of `range` already taken (so uids are handed
+    /// out in order and never reused). An existing account keeps its uid
+    /// even if `range` no longer contains it: a user's files must keep
+    /// their owner. Concurrent callers, on any node, for the same slug get
+    /// the same uid, and for different slugs different ones.
+    /// [`StoreError::UidsExhausted`] when the range has no uid left.
+    async fn account_uid(&self, slug: &str, range: UidRange) -> Result<u32, StoreError>;
+    /// Every account, as `(slug, uid)`, ordered by uid.
+    async fn list_accounts(&self) -> Result<Vec<(String, u32)>, StoreError>;
 }
 
 /// Refuses a patch larger than design §9 allows before it reaches SQL; the
@@ -443,6 +488,18 @@ fn check_patch_size(user: &UserId, patch: Option<&str>) -> Result<(), StoreError
             berth_core::MAX_PATCH_BYTES
         ))),
         _ => Ok(()),
+    }
+}
+
+/// The range's first and last uid as the stores bind them; an empty range
+/// (or one past the largest uid) is refused before any SQL runs.
+fn account_bounds(range: UidRange) -> Result<(i64, i64), StoreError> {
+    match range.last() {
+        Some(last) => Ok((i64::from(range.first), i64::from(last))),
+        None => Err(StoreError::Query(format!(
+            "uid range of {} from {} is empty or passes the largest uid",
+            range.count, range.first
+        ))),
     }
 }
 

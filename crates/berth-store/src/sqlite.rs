@@ -18,12 +18,13 @@ use sqlx::sqlite::{
 };
 
 use crate::common::{
-    EmbeddedMigrations, get, instance_from_row, lease_from_row, node_from_row, node_status_str,
-    parse_user, refused_mint, token_from_row, token_owner_from_row, ttl_ms, widen,
+    EmbeddedMigrations, get, instance_from_row, lease_from_row, narrow, node_from_row,
+    node_status_str, parse_user, refused_mint, token_from_row, token_owner_from_row, ttl_ms, widen,
 };
 use crate::{
-    ClaimOutcome, InstanceFilter, LaunchParams, LeaseRecord, MintOutcome, NewToken, NodeRecord,
-    Store, StoreError, TakeoverPolicy, TokenOwner, TokenRecord, check_patch_size,
+    ACCOUNT_ATTEMPTS, ClaimOutcome, InstanceFilter, LaunchParams, LeaseRecord, MintOutcome,
+    NewToken, NodeRecord, Store, StoreError, TakeoverPolicy, TokenOwner, TokenRecord, UidRange,
+    account_bounds, check_patch_size,
 };
 
 /// The store's clock in Unix milliseconds, as SQL text (SQLite ≥ 3.42 for
@@ -55,6 +56,11 @@ static MIGRATIONS: &[(i64, &str, &str)] = &[
         2,
         "launch_params",
         include_str!("../migrations/sqlite/0002_launch_params.sql"),
+    ),
+    (
+        4,
+        "accounts",
+        include_str!("../migrations/sqlite/0004_accounts.sql"),
     ),
     (
         5,
@@ -856,6 +862,68 @@ impl Store for SqliteStore {
         .await
         .map_err(db_err)?;
         rows.iter().map(node_from_row).collect()
+    }
+
+    async fn account_uid(&self, slug: &str, range: UidRange) -> Result<u32, StoreError> {
+        let (first, last) = account_bounds(range)?;
+        for _ in 0..ACCOUNT_ATTEMPTS {
+            let existing = sqlx::query("SELECT uid FROM accounts WHERE slug = ?1")
+                .bind(slug)
+                .fetch_optional(&self.pool)
+                .await
+                .map_err(db_err)?;
+            if let Some(row) = existing {
+                return narrow(get(&row, "uid")?, "accounts.uid");
+            }
+            // One statement takes the uid after the highest in the range.
+            // A slug or uid taken meanwhile by another node makes it insert
+            // nothing (the unique constraints, not a lock, decide), and the
+            // loop looks again.
+            let inserted = sqlx::query(concat!(
+                "INSERT INTO accounts (slug, uid, created_at) ",
+                "SELECT ?1, COALESCE(MAX(uid) + 1, ?2), ",
+                now_ms!(),
+                " FROM accounts WHERE uid BETWEEN ?2 AND ?3 ",
+                "HAVING COALESCE(MAX(uid) + 1, ?2) <= ?3 ",
+                "ON CONFLICT DO NOTHING RETURNING uid"
+            ))
+            .bind(slug)
+            .bind(first)
+            .bind(last)
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(db_err)?;
+            if let Some(row) = inserted {
+                return narrow(get(&row, "uid")?, "accounts.uid");
+            }
+            let highest =
+                sqlx::query("SELECT MAX(uid) AS uid FROM accounts WHERE uid BETWEEN ?1 AND ?2")
+                    .bind(first)
+                    .bind(last)
+                    .fetch_one(&self.pool)
+                    .await
+                    .map_err(db_err)?;
+            if get::<_, Option<i64>>(&highest, "uid")? == Some(last) {
+                return Err(StoreError::UidsExhausted {
+                    first: range.first,
+                    last: narrow(last, "accounts.uid")?,
+                });
+            }
+        }
+        Err(StoreError::Query(format!(
+            "could not allocate a uid for account {slug:?} in {ACCOUNT_ATTEMPTS} attempts: \
+             other nodes took every uid tried"
+        )))
+    }
+
+    async fn list_accounts(&self) -> Result<Vec<(String, u32)>, StoreError> {
+        let rows = sqlx::query("SELECT slug, uid FROM accounts ORDER BY uid")
+            .fetch_all(&self.pool)
+            .await
+            .map_err(db_err)?;
+        rows.iter()
+            .map(|row| Ok((get(row, "slug")?, narrow(get(row, "uid")?, "accounts.uid")?)))
+            .collect()
     }
 }
 

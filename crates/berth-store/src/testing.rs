@@ -10,7 +10,7 @@ use berth_core::{Epoch, Instance, Role, UnixMillis, UserId};
 
 use crate::{
     ClaimOutcome, InstanceFilter, LaunchParams, LeaseRecord, MintOutcome, NewToken, NodeRecord,
-    Store, StoreError, TakeoverPolicy, TokenOwner, TokenRecord,
+    Store, StoreError, TakeoverPolicy, TokenOwner, TokenRecord, UidRange,
 };
 
 /// What runs before every `renew_leases` of an [`InterceptRenew`]: it may
@@ -136,5 +136,11 @@ impl<H: RenewHook> Store for InterceptRenew<H> {
     }
     async fn list_nodes(&self) -> Result<Vec<NodeRecord>, StoreError> {
         self.inner.list_nodes().await
+    }
+    async fn account_uid(&self, s: &str, r: UidRange) -> Result<u32, StoreError> {
+        self.inner.account_uid(s, r).await
+    }
+    async fn list_accounts(&self) -> Result<Vec<(String, u32)>, StoreError> {
+        self.inner.list_accounts().await
     }
 }

@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use berth_core::policy::{CrashPolicy, ReapPolicy};
-use berth_local::{Isolation, LocalConfig, Readiness};
+use berth_local::{Isolation, Limits, LocalConfig, Readiness, UidRange};
 use berth_store::TakeoverPolicy;
 use berth_store::lease::LeaseConfig;
 use serde::{Deserialize, Serialize};
@@ -171,14 +171,30 @@ pub struct ClusterSection {
     pub capacity: Option<u32>,
 }
 
+/// `[isolation]` (design §6).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct IsolationConfig {
-    /// `"none"` only, for now; `"user"` and `"sandbox"` are refused with a
-    /// clear error until they exist.
-    pub mode: String,
+    /// `"none"`, `"user"` or `"sandbox"`; unset: `user` when berth runs as
+    /// root, `none` otherwise.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub mode: Option<String>,
+    /// Memory of one instance (cgroup limit, level `sandbox`).
     pub memory_max_mb: u64,
+    /// Processes of one instance: cgroup limit (`sandbox`) and the
+    /// account's `RLIMIT_NPROC` (`user` and `sandbox`).
     pub pids_max: u64,
+    /// CPU of one instance in percent of one CPU (`sandbox`); 0 = no limit.
+    pub cpu_max_percent: u32,
+    /// The first host uid of instance accounts; each user gets the next
+    /// free one, once, recorded in the store.
+    pub base_uid: u32,
+    /// How many uids the account range holds.
+    pub uid_count: u32,
+    /// The `nft` program of the port and egress guards; default: looked up
+    /// in `PATH`, `/usr/sbin` and `/sbin`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub nft: Option<PathBuf>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -289,10 +305,15 @@ impl Default for LeaseSection {
 
 impl Default for IsolationConfig {
     fn default() -> Self {
+        let limits = Limits::default();
         Self {
-            mode: "none".to_owned(),
-            memory_max_mb: 1024,
-            pids_max: 256,
+            mode: None,
+            memory_max_mb: limits.memory_max_mb,
+            pids_max: limits.pids_max,
+            cpu_max_percent: limits.cpu_max_percent,
+            base_uid: 200_000,
+            uid_count: 100_000,
+            nft: None,
         }
     }
 }
@@ -731,7 +752,14 @@ impl Config {
             reap: self.reap_policy(),
             lease: self.lease_config()?,
             fence: self.is_postgres(),
-            isolation: self.isolation()?,
+            isolation: self.isolation_level(nix::unistd::geteuid().is_root())?,
+            uids: self.uid_range(),
+            limits: Limits {
+                memory_max_mb: self.isolation.memory_max_mb,
+                pids_max: self.isolation.pids_max,
+                cpu_max_percent: self.isolation.cpu_max_percent,
+            },
+            nft: self.isolation.nft.clone(),
             shim_command,
             probe_settle: Duration::from_millis(2500),
             probe_budget: Duration::from_secs(60),
@@ -739,20 +767,51 @@ impl Config {
         })
     }
 
-    fn isolation(&self) -> Result<Isolation, ConfigError> {
-        match self.isolation.mode.as_str() {
-            "none" => Ok(Isolation::None),
-            mode @ ("user" | "sandbox") => Err(self.invalid(
-                "isolation.mode",
-                format!("isolation mode {mode:?} is not supported yet"),
-            )),
-            other => Err(self.invalid(
-                "isolation.mode",
-                format!(
-                    "unknown isolation mode {other:?} (expected \"none\", \"user\" or \"sandbox\")"
-                ),
-            )),
+    /// The isolation level: the configured one, else `user` when berth runs
+    /// as root (`root`) and `none` otherwise.
+    pub fn isolation_level(&self, root: bool) -> Result<Isolation, ConfigError> {
+        match &self.isolation.mode {
+            Some(mode) => mode
+                .parse()
+                .map_err(|reason: String| self.invalid("isolation.mode", reason)),
+            None if root => Ok(Isolation::User),
+            None => Ok(Isolation::None),
         }
+    }
+
+    /// The host uids of instance accounts.
+    pub fn uid_range(&self) -> UidRange {
+        UidRange {
+            first: self.isolation.base_uid,
+            count: self.isolation.uid_count,
+        }
+    }
+
+    fn validate_isolation(&self) -> Result<(), ConfigError> {
+        let i = &self.isolation;
+        self.isolation_level(false)?;
+        if i.base_uid == 0 {
+            return Err(self.invalid(
+                "isolation.base_uid",
+                "must not be 0: instances must never run as root",
+            ));
+        }
+        if self.uid_range().last().is_none() {
+            return Err(self.invalid(
+                "isolation.uid_count",
+                format!(
+                    "{} uids from {} is empty or passes the largest uid (4294967294)",
+                    i.uid_count, i.base_uid
+                ),
+            ));
+        }
+        if i.memory_max_mb == 0 {
+            return Err(self.invalid("isolation.memory_max_mb", "must be at least 1"));
+        }
+        if i.pids_max == 0 {
+            return Err(self.invalid("isolation.pids_max", "must be at least 1"));
+        }
+        Ok(())
     }
 
     fn invalid(&self, key: &str, reason: impl Into<String>) -> ConfigError {
@@ -831,7 +890,7 @@ impl Config {
             self.check_command("watchdog.command", command)?;
         }
         self.validate_policies()?;
-        self.isolation()?;
+        self.validate_isolation()?;
         self.validate_proxy()?;
         if self.kubernetes.is_some() {
             return Err(self.invalid(
@@ -1228,10 +1287,19 @@ mod tests {
             (30_000, 10_000, 20_000)
         );
         assert_eq!(c.lease.takeover, TakeoverPolicy::Evidence);
-        assert_eq!(c.isolation.mode, "none");
+        assert_eq!(c.isolation.mode, None);
+        assert_eq!(c.isolation_level(true).unwrap(), Isolation::User);
+        assert_eq!(c.isolation_level(false).unwrap(), Isolation::None);
         assert_eq!(
             (c.isolation.memory_max_mb, c.isolation.pids_max),
             (1024, 256)
+        );
+        assert_eq!(
+            c.uid_range(),
+            UidRange {
+                first: 200_000,
+                count: 100_000
+            }
         );
         assert_eq!(c.proxy.auth, "token");
         assert!(!c.proxy.strip_prefix);
@@ -1369,13 +1437,32 @@ mod tests {
     }
 
     #[test]
-    fn isolation_user_is_refused_clearly() {
-        let c = parse("[isolation]\nmode = \"user\"\n").unwrap();
+    fn isolation_modes_and_numbers_are_checked() {
+        for mode in ["none", "user", "sandbox"] {
+            let c = parse(&format!("[isolation]\nmode = \"{mode}\"\n")).unwrap();
+            c.validate().unwrap();
+            // A configured mode wins over the default of either user.
+            assert_eq!(c.isolation_level(false).unwrap().as_str(), mode);
+            assert_eq!(c.isolation_level(true).unwrap().as_str(), mode);
+        }
+        let c = parse("[isolation]\nmode = \"jail\"\n").unwrap();
         let msg = c.validate().unwrap_err().to_string();
-        assert!(
-            msg.contains("isolation mode \"user\" is not supported yet"),
-            "{msg}"
-        );
+        assert!(msg.contains("unknown isolation mode \"jail\""), "{msg}");
+        assert!(msg.contains("line 2"), "{msg}");
+        for (text, key) in [
+            ("base_uid = 0", "isolation.base_uid"),
+            (
+                "base_uid = 4294967000\nuid_count = 1000",
+                "isolation.uid_count",
+            ),
+            ("uid_count = 0", "isolation.uid_count"),
+            ("memory_max_mb = 0", "isolation.memory_max_mb"),
+            ("pids_max = 0", "isolation.pids_max"),
+        ] {
+            let c = parse(&format!("[isolation]\n{text}\n")).unwrap();
+            let msg = c.validate().unwrap_err().to_string();
+            assert!(msg.contains(key), "{text}: {msg}");
+        }
     }
 
     #[test]

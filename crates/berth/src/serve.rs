@@ -75,6 +75,16 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     ];
     let mut local = config.local_config(&node_id, shim_command)?;
     local.advertise_url.clone_from(&public_url);
+    if local.isolation == berth_local::Isolation::None {
+        tracing::warn!(
+            as_root = nix::unistd::geteuid().is_root(),
+            "isolation mode \"none\": instances run as berth's own user and are NOT isolated \
+             from berth or from each other (a program can read berth's files and signal its \
+             processes); use mode \"user\" or \"sandbox\" for users who do not trust each other"
+        );
+    } else {
+        tracing::info!(mode = %local.isolation, uids = ?local.uids, "instance isolation");
+    }
     let ready_timeout = local.ready_timeout;
     let lease_ttl = local.lease.ttl();
     let renew_every = local.lease.renew();

@@ -230,13 +230,14 @@ async fn the_reaper_stops_idle_instances_and_keeps_their_data() {
 #[tokio::test(flavor = "multi_thread")]
 async fn the_watchdog_runs_once_after_a_crash() {
     let dir = tempfile::tempdir().unwrap();
-    let marker = dir.path().join("watchdog-runs");
+    // In the user's home: the watchdog runs as the user's account, which
+    // may write there and nowhere in the test's own directory.
     let config = format!(
-        "{}[watchdog]\ncommand = [\"sh\", \"-c\", \"echo \\\"$BERTH_ROLE $BERTH_HANDOFF\\\" >> {}\"]\n",
+        "{}[watchdog]\ncommand = [\"sh\", \"-c\", \"echo \\\"$BERTH_ROLE $BERTH_HANDOFF\\\" >> \\\"$HOME/watchdog-runs\\\"\"]\n",
         ports(6),
-        marker.display()
     );
     let node = Node::start(dir.path(), &config);
+    let marker = node.data_dir.join("users/fragile/home/watchdog-runs");
     let (_, body) = launch(&node, "fragile").await;
     let pid = body["instance"]["pid"].as_u64().unwrap();
     support::signal(pid as u32, nix::sys::signal::Signal::SIGKILL);

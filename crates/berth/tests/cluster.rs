@@ -575,6 +575,11 @@ async fn with_evidence_a_dead_holders_users_are_relaunched_elsewhere() {
     assert_eq!(body["instance"]["node"], "node-a", "{body}");
     let old_epoch = body["instance"]["epoch"].as_i64().unwrap();
     let old_pid = instance_pids(&nodes[0].data_dir, "alice", "main")[0];
+    let uid_of = |pid: u32| {
+        std::os::unix::fs::MetadataExt::uid(&std::fs::metadata(format!("/proc/{pid}")).unwrap())
+    };
+    // As root, instances run under the user's account (level `user`).
+    let account = uid_of(old_pid);
 
     nodes[0].kill9();
     let b = &nodes[1];
@@ -594,7 +599,13 @@ async fn with_evidence_a_dead_holders_users_are_relaunched_elsewhere() {
     assert_eq!(patch, "k: v\n");
     // The old instance was frozen by its shim before anyone could claim.
     assert!(matches!(proc_state(old_pid), Some('T') | None));
-    assert_eq!(instance_pids(&b.data_dir, "alice", "main").len(), 1);
+    let new_pids = instance_pids(&b.data_dir, "alice", "main");
+    assert_eq!(new_pids.len(), 1);
+    // The account is the cluster's, not the node's: the same uid here.
+    assert_eq!(uid_of(new_pids[0]), account);
+    if nix::unistd::geteuid().is_root() {
+        assert_ne!(account, 0, "as root, the instance runs under an account");
+    }
     let text = b
         .http
         .get(format!("{}/metrics", b.url))

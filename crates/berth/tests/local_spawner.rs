@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use berth_core::policy::{CrashPolicy, ReapPolicy};
 use berth_core::{InstanceStatus, LaunchRequest, SpawnError, Spawner, UserId};
-use berth_local::{Isolation, LocalConfig, LocalSpawner, Readiness};
+use berth_local::{Isolation, Limits, LocalConfig, LocalSpawner, Readiness, UidRange};
 use berth_store::lease::LeaseConfig;
 use berth_store::testing::{InterceptRenew, RenewHook};
 use berth_store::{Store, StoreError};
@@ -92,6 +92,12 @@ impl Env {
             lease: LeaseConfig::default(),
             fence: false,
             isolation: Isolation::None,
+            uids: UidRange {
+                first: 200_000,
+                count: 1000,
+            },
+            limits: Limits::default(),
+            nft: None,
             shim_command: vec![BERTH.into(), "shim".into()],
             probe_settle: Duration::from_millis(200),
             probe_budget: Duration::from_secs(20),
