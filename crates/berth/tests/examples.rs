@@ -123,12 +123,13 @@ async fn jupyter(node: &Node, what: &str) {
         .nth(1)
         .unwrap_or_else(|| panic!("{what}: no launch token in {url}"))
         .to_owned();
-    // berth's credential as the cookie, Jupyter's as its own header: each
+    // alice's berth token as her cookie, Jupyter's as its own header: each
     // side checks its own, and berth's never reaches Jupyter.
+    let alice = node.user_token("alice").await;
     let r = node
         .http
         .get(format!("{}/u/alice/api/status", node.url))
-        .header("Cookie", format!("berth_token={}", node.token))
+        .header("Cookie", format!("berth_token={alice}"))
         .header("Authorization", format!("token {token}"))
         .timeout(Duration::from_secs(60))
         .send()
