@@ -5,7 +5,10 @@
 //!   launch parameters, crash/breaker state, user tokens, admin sessions,
 //!   nodes and the per-user accounts (host uids) of isolated instances;
 //! * [`SqliteStore`]: the embedded single-node backend;
-//! * [`PgStore`]: the PostgreSQL backend a cluster of nodes shares;
+//! * [`PgStore`]: the PostgreSQL backend a cluster of nodes shares; both
+//!   are one implementation over SQL (`sql/`: the operations and their
+//!   statements written once), each adding only its dialect (clock, bulk
+//!   binds, locking) and how it opens its database;
 //! * [`lease`]: the validated lease settings and [`lease::LeaseKeeper`], the
 //!   node-side holder of leases that renews them in bulk and knows when to
 //!   fence itself;
@@ -19,11 +22,11 @@
 //! read-then-write, and expiry and liveness are measured with the store's
 //! own clock.
 
-mod common;
 #[cfg(feature = "contract-tests")]
 pub mod contract;
 pub mod lease;
 mod postgres;
+mod sql;
 mod sqlite;
 #[cfg(feature = "contract-tests")]
 pub mod testing;
