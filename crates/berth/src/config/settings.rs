@@ -99,9 +99,10 @@ impl Config {
         }
     }
 
-    /// The lease timing, checked.
+    /// The lease timing, checked. The rules live in `LeaseConfig::new`;
+    /// this only names the key (and its line) that each refusal is about.
     pub fn lease_config(&self) -> Result<LeaseConfig, ConfigError> {
-        self.check_lease_numbers()?;
+        use berth_store::lease::LeaseConfigError as E;
         let l = &self.lease;
         LeaseConfig::new(
             Duration::from_millis(l.ttl_ms),
@@ -109,7 +110,14 @@ impl Config {
             Duration::from_millis(l.fence_after_ms),
             l.takeover,
         )
-        .map_err(|e| self.invalid("lease", e.to_string()))
+        .map_err(|e| {
+            let key = match e {
+                E::ZeroRenew => "lease.renew_ms",
+                E::TtlTooShort { .. } | E::TtlTooLong { .. } => "lease.ttl_ms",
+                E::FenceAfterTooLong { .. } => "lease.fence_after_ms",
+            };
+            self.invalid(key, e.to_string())
+        })
     }
 
     /// The instance command: configured, or this binary's `demo-app`.

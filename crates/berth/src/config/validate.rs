@@ -1,10 +1,6 @@
 //! Everything parsing cannot check: addresses, ranges, choices and
 //! combinations, each refusal naming its key and where it was set.
 
-use std::time::Duration;
-
-use berth_store::lease::LeaseConfig;
-
 use super::error::ConfigError;
 use super::sections::Config;
 
@@ -249,28 +245,10 @@ impl Config {
         self.check_lease_numbers()
     }
 
-    /// The lease invariants, checked here too so that the messages name the
-    /// keys (and the file line).
-    /// The rules live in `LeaseConfig::new`; this only names the key (and
-    /// its line) that each refusal is about.
+    /// The lease invariants ([`Config::lease_config`]), refused naming
+    /// the key and its line.
     pub(super) fn check_lease_numbers(&self) -> Result<(), ConfigError> {
-        use berth_store::lease::LeaseConfigError as E;
-        let l = &self.lease;
-        LeaseConfig::new(
-            Duration::from_millis(l.ttl_ms),
-            Duration::from_millis(l.renew_ms),
-            Duration::from_millis(l.fence_after_ms),
-            l.takeover,
-        )
-        .map(drop)
-        .map_err(|e| {
-            let key = match e {
-                E::ZeroRenew => "lease.renew_ms",
-                E::TtlTooShort { .. } | E::TtlTooLong { .. } => "lease.ttl_ms",
-                E::FenceAfterTooLong { .. } => "lease.fence_after_ms",
-            };
-            self.invalid(key, e.to_string())
-        })
+        self.lease_config().map(drop)
     }
 
     fn validate_proxy(&self) -> Result<(), ConfigError> {
