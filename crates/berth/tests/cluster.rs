@@ -853,3 +853,147 @@ async fn a_revoked_token_gets_401_at_once_on_every_node() {
         assert_eq!(app(node).await.unwrap().status(), 401, "{}", node.url);
     }
 }
+
+// --- node identity across restarts -------------------------------------------
+
+/// `config` listening on the address of `url` (a node that ran there
+/// before) instead of a free port: a restarted node answers where its
+/// predecessor did.
+fn config_on_same_address(config: &str, url: &str) -> String {
+    let addr = url.strip_prefix("http://").unwrap();
+    assert!(config.contains("listen = \"127.0.0.1:0\""), "{config}");
+    config.replacen(
+        "listen = \"127.0.0.1:0\"",
+        &format!("listen = \"{addr}\""),
+        1,
+    )
+}
+
+/// `berth serve` on `config` (written to `dir/other.toml`), expected to
+/// refuse to start: its stderr.
+async fn refused_start(dir: &Path, config: &str) -> String {
+    let path = dir.join("other.toml");
+    std::fs::write(&path, config).unwrap();
+    let output = tokio::task::spawn_blocking(move || {
+        std::process::Command::new(BERTH)
+            .args(["serve", "--config", path.to_str().unwrap()])
+            .output()
+            .unwrap()
+    })
+    .await
+    .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
+    assert!(!output.status.success(), "it started: {stderr}");
+    stderr
+}
+
+/// A node killed with `kill -9` and started again at once with the same
+/// node id and data dir proves its predecessor dead (the data dir's lock
+/// is free, and its row was claimed from this data dir): it answers within
+/// the acceptance bound of 2 s, not one lease TTL later, and adopts its
+/// instances, same pids. While it lives, a second process with its id is
+/// refused with a clear message, from its data dir or any other, and so
+/// it is while the first is paused (SIGSTOP): a paused process still
+/// holds its lock.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_restarted_after_kill_9_starts_at_once_and_adopts_its_instances() {
+    let db = fresh_db().await;
+    let root = tempfile::tempdir().unwrap();
+    // A TTL far longer than the acceptance bound: waiting for the old
+    // heartbeat to expire could not pass the 2 s deadline below.
+    let lease = "ttl_ms = 30000\nrenew_ms = 1000\nfence_after_ms = 20000\n";
+    let dir = root.path().join("node-a");
+    let db_ = db.clone();
+    let dir_ = dir.clone();
+    let mut first = tokio::task::spawn_blocking(move || {
+        Node::from(berth().start_cluster_custom(&dir_, &db_, "node-a", SECRET, lease, "", ""))
+    })
+    .await
+    .unwrap();
+    let mut before = Vec::new();
+    for user in ["alice", "bob"] {
+        let (status, body) = first
+            .post(&format!("/users/{user}/instance"), json!({}))
+            .await;
+        assert_eq!(status, 201, "{body}");
+        let main = first.running_main(user, None).await;
+        before.push((user, main["pid"].as_u64().unwrap(), main["epoch"].clone()));
+    }
+    let url = first.url.clone();
+    let original = std::fs::read_to_string(dir.join("berth.toml")).unwrap();
+    let same_address = config_on_same_address(&original, &url);
+
+    first.kill9();
+    let restart = {
+        let dir = dir.clone();
+        let config = same_address.clone();
+        tokio::task::spawn_blocking(move || Node::from(berth().start_with_config(&dir, &config)))
+    };
+    let http = reqwest::Client::new();
+    eventually(Duration::from_secs(2), "the restarted node's /healthz", || {
+        let request = http.get(format!("{url}/healthz")).send();
+        async move {
+            let r = request.await.ok()?;
+            (r.status() == 200).then_some(())
+        }
+    })
+    .await;
+    let second = restart.await.unwrap();
+    assert_eq!(second.url, url);
+    for (user, pid, epoch) in &before {
+        let main = second.running_main(user, None).await;
+        assert_eq!(main["pid"].as_u64(), Some(*pid), "{user} adopted: {main}");
+        assert_eq!(&main["epoch"], epoch, "{user}: the same lease: {main}");
+        assert_eq!(main["node"], "node-a", "{main}");
+        assert!(alive(*pid), "{user}");
+        assert_ne!(proc_state(*pid as u32), Some('T'), "{user} thawed");
+    }
+    // It serves them.
+    let token = second.user_token("alice").await;
+    let r = http
+        .get(format!("{url}/u/alice/"))
+        .bearer_auth(&token)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+
+    // A second process under the same id and data dir, while the first
+    // lives: refused by the data dir's lock, naming the holder.
+    let pid = second.pid().unwrap();
+    let mut other = original.clone();
+    let stderr = refused_start(&dir, &other).await;
+    for part in [
+        "in use by another berth process",
+        &format!("(pid {pid})"),
+        "node.lock",
+    ] {
+        assert!(stderr.contains(part), "{part:?} missing from: {stderr}");
+    }
+    // Another data dir under the same id: refused by the live heartbeat.
+    other = other.replace(
+        &format!("data_dir = \"{}\"", second.data_dir.display()),
+        &format!("data_dir = \"{}\"", root.path().join("elsewhere").display()),
+    );
+    let stderr = refused_start(&dir, &other).await;
+    for part in ["\"node-a\"", "already in use", "heartbeat", &url] {
+        assert!(stderr.contains(part), "{part:?} missing from: {stderr}");
+    }
+
+    // Paused, the first still holds its lock: a second process is refused
+    // however long ago the first last heartbeat.
+    second.signal(nix::sys::signal::Signal::SIGSTOP);
+    let stderr = refused_start(&dir, &same_address).await;
+    assert!(
+        stderr.contains(&format!("in use by another berth process (pid {pid})")),
+        "{stderr}"
+    );
+    second.signal(nix::sys::signal::Signal::SIGCONT);
+    for (user, pid, _) in &before {
+        assert_eq!(
+            second.running_main(user, None).await["pid"].as_u64(),
+            Some(*pid),
+            "{user} untouched"
+        );
+    }
+}
