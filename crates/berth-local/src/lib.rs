@@ -5,6 +5,7 @@
 
 mod background;
 mod config;
+mod follow;
 mod inner;
 mod lifecycle;
 mod logs;

@@ -190,6 +190,11 @@ impl Drop for LocalSpawner {
 }
 
 impl LocalSpawner {
+    /// Where the shim writes `user`'s main output.
+    fn main_log(&self, user: &UserId) -> std::path::PathBuf {
+        crate::paths::UserPaths::new(&self.inner.config.data_dir, &user.slug()).log(Role::Main)
+    }
+
     /// The record of `role`: memory first (it is this node's truth), else
     /// the store.
     async fn record(&self, user: &UserId, role: Role) -> Result<Option<Instance>, SpawnError> {
@@ -536,8 +541,7 @@ impl Spawner for LocalSpawner {
     }
 
     async fn logs(&self, user: &UserId, tail: usize) -> Result<Vec<String>, SpawnError> {
-        let path =
-            crate::paths::UserPaths::new(&self.inner.config.data_dir, &user.slug()).log(Role::Main);
+        let path = self.main_log(user);
         let read = tokio::task::spawn_blocking(move || match std::fs::File::open(&path) {
             Ok(mut file) => tail_lines(&mut file, tail),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Vec::new()),
@@ -546,6 +550,22 @@ impl Spawner for LocalSpawner {
         .await
         .map_err(|e| SpawnError::Internal(format!("log reader failed: {e}")))?;
         read.map_err(|e| SpawnError::Internal(format!("cannot read the log: {e}")))
+    }
+
+    async fn follow_logs(
+        &self,
+        user: &UserId,
+        tail: usize,
+    ) -> Result<tokio::sync::mpsc::Receiver<String>, SpawnError> {
+        let path = self.main_log(user);
+        crate::follow::follow(
+            path,
+            tail,
+            &self.inner.tracker,
+            self.inner.cancel.child_token(),
+        )
+        .await
+        .map_err(|e| SpawnError::Internal(format!("cannot read the log: {e}")))
     }
 
     fn subscribe(&self) -> broadcast::Receiver<InstanceEvent> {

@@ -17,7 +17,9 @@ mod api;
 mod auth;
 mod cluster;
 mod data_lock;
+mod failover;
 mod metrics;
+mod ops;
 mod peer;
 
 use std::sync::Arc;
@@ -108,31 +110,42 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     // Cluster mode: routing across nodes, node-to-node calls, failover.
     let tasks = TaskTracker::new();
     let cancel = CancellationToken::new();
+    let spawner_dyn = spawner.clone() as Arc<dyn Spawner>;
     let (cluster, cluster_secret) = if config.is_postgres() {
         let secret = berth_proxy::auth::ClusterSecret::new(
             config.cluster_secret.as_deref().unwrap_or_default(),
         )
         .context("cluster_secret")?;
-        let peers = peer::PeerClient::new(secret.clone(), ready_timeout)
+        let peers = peer::PeerClient::new(secret.clone())
             .context("cannot build the HTTP client for node-to-node calls")?;
         let cluster = Arc::new(cluster::Cluster::new(
             store.clone(),
-            spawner.clone() as Arc<dyn Spawner>,
             node_id.clone(),
             lease_ttl,
-            lease_config.takeover(),
             peers,
             cluster_metrics,
         ));
-        tasks.spawn(
-            cluster
-                .clone()
-                .run_failover(renew_every, cancel.child_token()),
-        );
+        let failover = Arc::new(failover::Failover::new(
+            store.clone(),
+            spawner_dyn.clone(),
+            cluster.clone(),
+            lease_config.takeover(),
+        ));
+        tasks.spawn(failover.run(renew_every, cancel.child_token()));
         (Some(cluster), Some(secret))
     } else {
         (None, None)
     };
+    // The use cases, for the API, the proxy and other nodes alike.
+    let ops = Arc::new(ops::Ops::new(
+        spawner_dyn.clone(),
+        store.clone(),
+        cluster.clone(),
+        ops::Budgets {
+            ready_timeout,
+            stop_grace: Duration::from_secs(config.instance.stop_grace_s),
+        },
+    ));
 
     let path_routing = config.path_routing();
     let authenticator = auth::Authenticator::new(
@@ -158,26 +171,25 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         );
     }
     let proxy_cluster = match (&cluster, &cluster_secret) {
-        (Some(cluster), Some(secret)) => Some(berth_proxy::ProxyCluster {
-            hook: cluster.clone() as Arc<dyn berth_proxy::ClusterHook>,
+        (Some(_), Some(secret)) => Some(berth_proxy::ProxyCluster {
+            hook: ops.clone() as Arc<dyn berth_proxy::ClusterHook>,
             secret: secret.clone(),
         }),
         _ => None,
     };
     let proxy = berth_proxy::Proxy::start_clustered(
         proxy_config(&config, ready_timeout)?,
-        spawner.clone() as Arc<dyn Spawner>,
+        spawner_dyn,
         authenticator.shared(),
         proxy_cluster,
     );
     let state = Arc::new(api::ApiState {
-        spawner: spawner.clone() as Arc<dyn Spawner>,
+        ops,
         store: store.clone(),
         auth: authenticator,
         metrics,
         public_url: public_url.clone(),
         node_id: node_id.clone(),
-        ready_timeout,
         lease_ttl,
         cluster,
         cluster_secret,

@@ -930,13 +930,17 @@ async fn a_node_restarted_after_kill_9_starts_at_once_and_adopts_its_instances()
         tokio::task::spawn_blocking(move || Node::from(berth().start_with_config(&dir, &config)))
     };
     let http = reqwest::Client::new();
-    eventually(Duration::from_secs(2), "the restarted node's /healthz", || {
-        let request = http.get(format!("{url}/healthz")).send();
-        async move {
-            let r = request.await.ok()?;
-            (r.status() == 200).then_some(())
-        }
-    })
+    eventually(
+        Duration::from_secs(2),
+        "the restarted node's /healthz",
+        || {
+            let request = http.get(format!("{url}/healthz")).send();
+            async move {
+                let r = request.await.ok()?;
+                (r.status() == 200).then_some(())
+            }
+        },
+    )
     .await;
     let second = restart.await.unwrap();
     assert_eq!(second.url, url);
