@@ -10,6 +10,13 @@
 use axum::body::Bytes;
 use futures_util::{Stream, StreamExt};
 
+/// The event of one stage in a progress stream (`…/instance/progress`);
+/// its data is the instance's status as JSON.
+pub const STAGE_EVENT: &str = "status";
+/// The event of one line of a followed log (`…/instance/logs?follow=true`);
+/// its data is the line as a JSON string, so any byte of it survives.
+pub const LOG_LINE_EVENT: &str = "line";
+
 /// Lines longer than this end the stream with an error: berth never sends
 /// them, and a peer that does must not make the reader buffer without
 /// bound.

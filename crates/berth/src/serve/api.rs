@@ -39,7 +39,8 @@ use extract::{Admin, Https, QueryOf, UserCall, parse_user_segment, read_body};
 use super::auth::{Authenticator, Caller};
 use super::cluster::{Cluster, NodeControl};
 use super::metrics::Metrics;
-use super::ops::{LOG_LINE_EVENT, Launched, Ops, RestartAll, STAGE_EVENT, Via};
+use super::ops::{Launched, Ops, RestartAll, Via};
+use crate::sse::{LOG_LINE_EVENT, STAGE_EVENT};
 
 /// What every handler shares.
 pub struct ApiState {

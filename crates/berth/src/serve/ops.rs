@@ -45,6 +45,7 @@ use serde_json::{Value, json};
 
 use super::cluster::{Cluster, Decision, no_capacity, remote_locate};
 use super::peer::{PeerClient, PeerNode, UserCall};
+use crate::sse::{LOG_LINE_EVENT, STAGE_EVENT};
 
 /// Calls to other nodes per operation, in all: a `lease_busy` answer is
 /// followed to the holder it names, twice at most (nodes' views differ
@@ -626,10 +627,6 @@ struct FollowLogs {
     tail: usize,
 }
 
-/// The event type of one log line in a followed log's stream; its data is
-/// the line as a JSON string.
-pub const LOG_LINE_EVENT: &str = "line";
-
 #[async_trait]
 impl UserOp for FollowLogs {
     type Output = BoxStream<'static, String>;
@@ -710,9 +707,6 @@ impl UserOp for ResetBreaker {
 }
 
 struct Progress;
-
-/// The event type of one stage in a progress stream.
-pub const STAGE_EVENT: &str = "status";
 
 #[async_trait]
 impl UserOp for Progress {
