@@ -652,7 +652,9 @@ async fn a_forwarded_request_is_never_forwarded_again() {
     assert_eq!(r.status().as_u16(), 200);
     assert!(r.text().await.unwrap().contains("alice"));
     // …but one that node-b received as forwarded is not: node-b wakes
-    // alice itself, and its claim meets node-a's live lease.
+    // alice itself, and its claim meets node-a's live lease (a browser's
+    // navigation would get the starting page instead, whose reload is
+    // routed afresh: `a_browser_through_another_node_…`).
     let (status, body) = forwarded_get(b, "alice").await;
     assert_eq!(status, 409, "{body}");
     let error: Value = serde_json::from_str(&body).unwrap();

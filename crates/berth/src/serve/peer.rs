@@ -25,6 +25,13 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 const FENCE_TIMEOUT: Duration = Duration::from_secs(5);
 /// Budget of a token purge: the callee clears a map and answers.
 const PURGE_TIMEOUT: Duration = Duration::from_secs(3);
+/// How long a relayed event stream may stay silent: three of the API's
+/// keep-alive intervals (15 s). A stream from a node that went away
+/// without closing its connections ends after this.
+const STREAM_SILENCE: Duration = Duration::from_secs(45);
+/// Keep-alive probes on idle connections to peers, so a peer that
+/// vanished is noticed by the kernel too.
+const TCP_KEEPALIVE: Duration = Duration::from_secs(30);
 
 /// A node to call: its id (for messages) and advertised URL.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -78,7 +85,10 @@ impl<'a> UserCall<'a> {
 /// An HTTP client for node-to-node calls.
 #[derive(Clone)]
 pub struct PeerClient {
+    /// Calls with an answer: each has its own budget.
     http: reqwest::Client,
+    /// Event streams: no budget in all, but a bound on silence.
+    streams: reqwest::Client,
     secret: ClusterSecret,
 }
 
@@ -102,12 +112,19 @@ impl PeerAnswer {
 
 impl PeerClient {
     pub fn new(secret: ClusterSecret) -> Result<Self, reqwest::Error> {
-        let http = reqwest::Client::builder()
-            .connect_timeout(CONNECT_TIMEOUT)
-            // Peers may be many; idle connections to each are kept briefly.
-            .pool_idle_timeout(Duration::from_secs(30))
-            .build()?;
-        Ok(Self { http, secret })
+        let builder = || {
+            reqwest::Client::builder()
+                .connect_timeout(CONNECT_TIMEOUT)
+                .tcp_keepalive(TCP_KEEPALIVE)
+                // Peers may be many; idle connections to each are kept
+                // briefly.
+                .pool_idle_timeout(Duration::from_secs(30))
+        };
+        Ok(Self {
+            http: builder().build()?,
+            streams: builder().read_timeout(STREAM_SILENCE).build()?,
+            secret,
+        })
     }
 
     /// `<url>/internal/v1/users/<user>/<op>`.
@@ -122,6 +139,12 @@ impl PeerClient {
     fn request(&self, method: Method, url: &str) -> reqwest::RequestBuilder {
         self.http
             .request(method, url)
+            .header(&CLUSTER_SECRET, self.secret.header_value().clone())
+    }
+
+    fn stream_request(&self, url: &str) -> reqwest::RequestBuilder {
+        self.streams
+            .get(url)
             .header(&CLUSTER_SECRET, self.secret.header_value().clone())
     }
 
@@ -180,7 +203,7 @@ impl PeerClient {
         query: &[(&str, String)],
     ) -> Result<BoxStream<'static, SseEvent>, SpawnError> {
         let response = self
-            .request(Method::GET, &Self::user_url(node, user, op))
+            .stream_request(&Self::user_url(node, user, op))
             .query(query)
             .send()
             .await
