@@ -141,6 +141,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         spawner_dyn.clone(),
         store.clone(),
         cluster.clone(),
+        node_id.clone(),
         ops::Budgets {
             ready_timeout,
             stop_grace: Duration::from_secs(config.instance.stop_grace_s),

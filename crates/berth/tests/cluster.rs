@@ -927,6 +927,16 @@ async fn a_node_restarted_after_kill_9_starts_at_once_and_adopts_its_instances()
     let same_address = config_on_same_address(&original, &url);
 
     first.kill9();
+    // Nothing the dead berth started holds its lock: its shims and
+    // programs run on, yet the lock is free (close-on-exec).
+    let lock = std::fs::File::open(first.data_dir.join("node.lock")).unwrap();
+    let held = nix::fcntl::Flock::lock(lock, nix::fcntl::FlockArg::LockExclusiveNonblock)
+        .map_err(|(_, e)| e)
+        .expect("the dead berth's lock is free while its instances run");
+    drop(held);
+    for (user, pid, _) in &before {
+        assert!(alive(*pid), "{user} outlived berth");
+    }
     let restart = {
         let dir = dir.clone();
         let config = same_address.clone();

@@ -158,6 +158,7 @@ pub struct Ops {
     spawner: Arc<dyn Spawner>,
     store: Arc<dyn Store>,
     cluster: Option<Arc<Cluster>>,
+    node_id: String,
     budgets: Budgets,
 }
 
@@ -167,12 +168,14 @@ impl Ops {
         spawner: Arc<dyn Spawner>,
         store: Arc<dyn Store>,
         cluster: Option<Arc<Cluster>>,
+        node_id: String,
         budgets: Budgets,
     ) -> Self {
         Self {
             spawner,
             store,
             cluster,
+            node_id,
             budgets,
         }
     }
@@ -382,14 +385,13 @@ impl Ops {
     /// each user whose lease it holds, so no failure is silent.
     pub async fn restart_all(&self, via: Via) -> Result<Vec<NodeRestart>, SpawnError> {
         let here = async {
-            let me = self.node_id();
             self.spawner
                 .restart_all_mains()
                 .await
                 .into_iter()
                 .map(|r| NodeRestart {
                     user: r.user,
-                    node: me.clone(),
+                    node: self.node_id.clone(),
                     ok: r.ok,
                     error: r.error,
                 })
@@ -439,13 +441,6 @@ impl Ops {
                 error: Some(format!("node {} was not restarted: {error}", node.id)),
             })
             .collect())
-    }
-
-    fn node_id(&self) -> String {
-        self.cluster
-            .as_deref()
-            .map(|c| c.node_id().to_owned())
-            .unwrap_or_default()
     }
 
     async fn current_main(&self, user: &UserId) -> Result<Instance, SpawnError> {
