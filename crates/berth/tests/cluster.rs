@@ -1106,6 +1106,20 @@ impl Events {
     }
 }
 
+/// Launches `user` on `node` itself, the way another node asks it to.
+async fn launch_on(node: &Node, user: &str) -> Value {
+    let r = node
+        .http
+        .post(format!("{}/internal/v1/users/{user}/launch", node.url))
+        .header("x-berth-cluster-secret", SECRET)
+        .json(&json!({}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    r.json().await.unwrap()
+}
+
 /// The launch token in an `{instance, url}` answer.
 fn token_of(answer: &Value) -> String {
     let url = answer["url"].as_str().unwrap();
@@ -1130,16 +1144,7 @@ async fn every_operation_through_another_node_acts_on_the_owner() {
     assert_eq!(body["instance"]["node"], "node-a", "{body}");
     // bob on node-b: asked of node-b the way another node asks (placement
     // would break the tie between two empty nodes towards node-a).
-    let r = b
-        .http
-        .post(format!("{}/internal/v1/users/bob/launch", b.url))
-        .header("x-berth-cluster-secret", SECRET)
-        .json(&json!({}))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 200);
-    let body: Value = r.json().await.unwrap();
+    let body = launch_on(b, "bob").await;
     assert_eq!(body["instance"]["node"], "node-b", "{body}");
     let mut alice = a.running_main("alice", None).await;
     let token = a.user_token("alice").await;
@@ -1375,6 +1380,18 @@ async fn every_operation_through_another_node_acts_on_the_owner() {
     assert_eq!(status, 201, "a launch without force: {body}");
     assert_eq!(body["instance"]["node"], "node-a", "{body}");
     assert!(instance_pids(&b.data_dir, "alice", "main").is_empty());
+
+    // status: dave ran on node-b, stopped, and runs on node-a now; node-b,
+    // which remembers him stopped, answers what node-a knows.
+    assert_eq!(launch_on(b, "dave").await["instance"]["node"], "node-b");
+    assert_eq!(b.delete("/users/dave/instance").await, 204);
+    assert_eq!(launch_on(a, "dave").await["instance"]["node"], "node-a");
+    let main = b.main_of("dave").await;
+    assert_eq!(
+        (main["node"].as_str(), main["status"].as_str()),
+        (Some("node-a"), Some("running")),
+        "{main}"
+    );
 }
 
 /// A browser opening alice's app through a node that does not run her sees

@@ -230,14 +230,15 @@ impl LogsQuery {
     }
 }
 
-/// `GET …/instance`: `{user, main, watchdog, breaker}`.
+/// `GET …/instance`: `{user, main, watchdog, breaker}`, as the node that
+/// runs the user knows them.
 async fn status(UserCall { user, .. }: UserCall, State(state): AppState) -> ApiResult {
-    let (status, breaker) = state.ops.status(&user).await?;
+    let state = state.ops.status(&user, Via::Client).await?;
     Ok(axum::Json(json!({
         "user": user,
-        "main": status.main,
-        "watchdog": status.watchdog,
-        "breaker": breaker,
+        "main": state.main,
+        "watchdog": state.watchdog,
+        "breaker": state.breaker,
     }))
     .into_response())
 }

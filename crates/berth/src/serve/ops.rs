@@ -101,6 +101,14 @@ pub struct RestartAll {
     pub results: Vec<NodeRestart>,
 }
 
+/// A user's records and open breaker (`GET …/instance`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct UserState {
+    pub main: Option<Instance>,
+    pub watchdog: Option<Instance>,
+    pub breaker: Option<BreakerInfo>,
+}
+
 /// The answer of a logs call.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct LogLines {
@@ -322,15 +330,18 @@ impl Ops {
         self.hop(user, via, &Progress).await
     }
 
-    /// `user`'s records and open breaker, as the store (or this node, for
-    /// its own instances) has them.
-    pub async fn status(
-        &self,
-        user: &UserId,
-    ) -> Result<(UserStatus, Option<BreakerInfo>), SpawnError> {
-        let status = self.spawner.status(user).await?;
-        let breaker = self.spawner.breaker_info(user).await?;
-        Ok((status, breaker))
+    /// `user`'s records and open breaker, as the node that runs the user
+    /// knows them. A read: when that node cannot be asked, this node
+    /// answers from what it knows (the store's records, which every
+    /// node writes through).
+    pub async fn status(&self, user: &UserId, via: Via) -> Result<UserState, SpawnError> {
+        match self.hop(user, via, &Status).await {
+            Err(SpawnError::Internal(e)) if via == Via::Client => {
+                tracing::info!(%user, error = %e, "status: the owner did not answer; reading here");
+                Status.local(self, user).await
+            }
+            other => other,
+        }
     }
 
     /// Kills `user`'s main here if it runs under exactly `epoch` (a fence
@@ -524,6 +535,30 @@ impl UserOp for Launch {
             .query("wait", self.wait)
             .body(body);
         ops.peers()?.user_call(&to.node, user, call).await
+    }
+}
+
+struct Status;
+
+#[async_trait]
+impl UserOp for Status {
+    type Output = UserState;
+    const ROUTE: Route = Route::Home;
+
+    async fn local(&self, ops: &Ops, user: &UserId) -> Result<UserState, SpawnError> {
+        let UserStatus { main, watchdog } = ops.spawner.status(user).await?;
+        let breaker = ops.spawner.breaker_info(user).await?;
+        Ok(UserState {
+            main,
+            watchdog,
+            breaker,
+        })
+    }
+
+    async fn remote(&self, ops: &Ops, to: &Target, user: &UserId) -> Result<UserState, SpawnError> {
+        ops.peers()?
+            .user_call(&to.node, user, UserCall::get("status", MARGIN))
+            .await
     }
 }
 
@@ -724,7 +759,10 @@ impl UserOp for Progress {
             endpoint: None,
             message: m.last_error.clone(),
         });
-        let done = first.as_ref().is_none_or(is_final);
+        // Another node's record (no one holds the lease, so it was routed
+        // here): its events are not published here, so only its state now.
+        let foreign = main.as_ref().is_some_and(|m| m.node != ops.node_id);
+        let done = foreign || first.as_ref().is_none_or(is_final);
         let first = first.map_or_else(|| json!({ "status": "none" }), |e| stage(&e));
         struct Follow {
             events: tokio::sync::broadcast::Receiver<InstanceEvent>,

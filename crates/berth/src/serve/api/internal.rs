@@ -26,6 +26,7 @@ use super::{
 /// The node-to-node routes.
 pub fn routes() -> Router<Arc<ApiState>> {
     Router::new()
+        .route("/internal/v1/users/{user}/status", get(status))
         .route("/internal/v1/users/{user}/launch", post(launch))
         .route("/internal/v1/users/{user}/stop", post(stop))
         .route("/internal/v1/users/{user}/restart", post(restart))
@@ -40,6 +41,11 @@ pub fn routes() -> Router<Arc<ApiState>> {
         .route("/internal/v1/users/{user}/fence", post(fence))
         .route("/internal/v1/instances/restart-all", post(restart_all))
         .route("/internal/v1/tokens/purge", post(purge))
+}
+
+async fn status(PeerCall { user }: PeerCall, State(state): AppState) -> ApiResult {
+    let state = state.ops.status(&user, Via::Peer).await?;
+    Ok(axum::Json(state).into_response())
 }
 
 /// A launch here (waiting for ready unless `?wait=false`): the caller
