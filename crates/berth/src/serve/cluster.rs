@@ -493,14 +493,15 @@ pub(crate) fn no_capacity() -> SpawnError {
     )
 }
 
+/// Node views for the decision tables (here and in `failover`).
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use berth_core::policy::NodeState;
+pub(super) mod fixtures {
+    use berth_core::policy::{NodeState, NodeView};
 
-    const TTL: i64 = 3000;
+    pub const TTL: i64 = 3000;
 
-    fn up(id: &str, capacity: u32, load: u32) -> NodeView {
+    /// Alive and `up`, with `load` of `capacity` taken.
+    pub fn up(id: &str, capacity: u32, load: u32) -> NodeView {
         NodeView {
             id: id.into(),
             status: NodeState::Up,
@@ -510,12 +511,19 @@ mod tests {
         }
     }
 
-    fn dead(id: &str) -> NodeView {
+    /// Heartbeat older than the TTL.
+    pub fn dead(id: &str) -> NodeView {
         NodeView {
             heartbeat_age_ms: TTL + 1,
             ..up(id, 10, 0)
         }
     }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::fixtures::{TTL, dead, up};
+    use super::*;
 
     fn lease(holder: Option<&str>, live: bool) -> LeaseView {
         LeaseView {

@@ -270,27 +270,8 @@ impl Failover {
 
 #[cfg(test)]
 mod tests {
+    use super::super::cluster::fixtures::{TTL, dead, up};
     use super::*;
-    use berth_core::policy::NodeState;
-
-    const TTL: i64 = 3000;
-
-    fn up(id: &str, capacity: u32, load: u32) -> NodeView {
-        NodeView {
-            id: id.into(),
-            status: NodeState::Up,
-            capacity,
-            load,
-            heartbeat_age_ms: 100,
-        }
-    }
-
-    fn dead(id: &str) -> NodeView {
-        NodeView {
-            heartbeat_age_ms: TTL + 1,
-            ..up(id, 10, 0)
-        }
-    }
 
     fn expired(
         user: &str,
