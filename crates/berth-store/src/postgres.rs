@@ -1127,7 +1127,7 @@ mod tests {
                 .fetch_all(&store.pool)
                 .await
                 .unwrap();
-        assert_eq!(versions, [1, 2, 5]);
+        assert_eq!(versions, [1, 2, 5, 7]);
     }
 
     /// Tokens minted before schema version 5 get an id (a prefix of their
