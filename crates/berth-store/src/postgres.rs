@@ -29,8 +29,8 @@ use crate::common::{
 };
 use crate::{
     ACCOUNT_ATTEMPTS, ClaimOutcome, InstanceFilter, LaunchParams, LeaseRecord, MintOutcome,
-    NewToken, NodeRecord, Store, StoreError, TakeoverPolicy, TokenOwner, TokenRecord, UidRange,
-    account_bounds, check_patch_size,
+    NewToken, NodeClaim, NodeRecord, Store, StoreError, TakeoverPolicy, TokenOwner, TokenRecord,
+    UidRange, account_bounds, check_patch_size,
 };
 
 /// The store's clock in Unix milliseconds, as SQL text. `clock_timestamp()`
@@ -66,6 +66,11 @@ static MIGRATIONS: &[(i64, &str, &str)] = &[
         5,
         "tokens",
         include_str!("../migrations/postgres/0005_tokens.sql"),
+    ),
+    (
+        7,
+        "node_identity",
+        include_str!("../migrations/postgres/0007_node_identity.sql"),
     ),
 ];
 
@@ -1050,6 +1055,48 @@ impl Store for PgStore {
         rows.iter()
             .map(|row| Ok((get(row, "slug")?, narrow(get(row, "uid")?, "accounts.uid")?)))
             .collect()
+    }
+
+    async fn claim_node(
+        &self,
+        node: &str,
+        data_dir_id: &str,
+        ttl: Duration,
+    ) -> Result<NodeClaim, StoreError> {
+        let claimed = sqlx::query(concat!(
+            "INSERT INTO nodes (id, advertise_url, capacity, load, status, heartbeat, data_dir_id) ",
+            "VALUES ($1, '', 0, 0, 'up', ",
+            now_ms!(),
+            ", $2) ON CONFLICT (id) DO UPDATE SET data_dir_id = excluded.data_dir_id, ",
+            "heartbeat = excluded.heartbeat, ",
+            "status = CASE WHEN nodes.status = 'down' THEN 'up' ELSE nodes.status END ",
+            "WHERE nodes.status = 'down' OR nodes.heartbeat < excluded.heartbeat - $3 ",
+            "OR nodes.data_dir_id = excluded.data_dir_id ",
+            "RETURNING id"
+        ))
+        .bind(node)
+        .bind(data_dir_id)
+        .bind(ttl_ms(ttl))
+        .fetch_optional(&self.pool)
+        .await
+        .map_err(|e| self.err(e))?;
+        if claimed.is_some() {
+            return Ok(NodeClaim::Claimed);
+        }
+        let row = sqlx::query(
+            "SELECT id, advertise_url, capacity, load, status, heartbeat FROM nodes WHERE id = $1",
+        )
+        .bind(node)
+        .fetch_optional(&self.pool)
+        .await
+        .map_err(|e| self.err(e))?;
+        match row {
+            Some(row) => Ok(NodeClaim::Live(node_from_row(&row)?)),
+            // Deleted in between: nothing to be refused by.
+            None => Err(StoreError::Query(format!(
+                "the row of node {node} vanished during its claim; try again"
+            ))),
+        }
     }
 }
 
