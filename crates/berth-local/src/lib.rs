@@ -5,6 +5,7 @@
 
 mod background;
 mod config;
+mod follow;
 mod inner;
 pub mod isolation;
 mod lifecycle;

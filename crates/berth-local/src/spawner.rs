@@ -586,6 +586,24 @@ impl Spawner for LocalSpawner {
         read.map_err(|e| SpawnError::Internal(format!("cannot read the log: {e}")))
     }
 
+    async fn follow_logs(
+        &self,
+        user: &UserId,
+        tail: usize,
+    ) -> Result<tokio::sync::mpsc::Receiver<String>, SpawnError> {
+        let paths = crate::paths::UserPaths::new(&self.inner.config.data_dir, &user.slug());
+        // Like `logs`: never through a link the user put in their root.
+        let open: crate::follow::Opener = std::sync::Arc::new(move || paths.open_log(Role::Main));
+        crate::follow::follow(
+            open,
+            tail,
+            &self.inner.tracker,
+            self.inner.cancel.child_token(),
+        )
+        .await
+        .map_err(|e| SpawnError::Internal(format!("cannot read the log: {e}")))
+    }
+
     fn subscribe(&self) -> broadcast::Receiver<InstanceEvent> {
         self.inner.events.subscribe()
     }

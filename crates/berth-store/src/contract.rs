@@ -27,8 +27,8 @@ use berth_core::policy::CrashState;
 use berth_core::{Epoch, Instance, InstanceStatus, Role, UnixMillis, UserId};
 
 use crate::{
-    ClaimOutcome, InstanceFilter, LaunchParams, MintOutcome, NewToken, NodeRecord, NodeStatus,
-    Store, StoreError, TakeoverPolicy, TokenRecord, UidRange,
+    ClaimOutcome, InstanceFilter, LaunchParams, MintOutcome, NewToken, NodeClaim, NodeRecord,
+    NodeStatus, Store, StoreError, TakeoverPolicy, TokenRecord, UidRange,
 };
 
 /// A lease that runs out while a test watches.
@@ -93,6 +93,7 @@ macro_rules! store_contract_tests {
             revocation_takes_every_descendant_and_only_them,
             sessions_live_until_they_expire_or_end,
             nodes_heartbeat_upsert_and_list,
+            node_claims_need_a_stale_row_or_the_same_data_dir,
             record_activity_never_lowers_last_active,
             accounts_get_stable_unique_uids,
             accounts_refuse_a_full_range_and_change_nothing,
@@ -1701,4 +1702,51 @@ pub async fn concurrent_account_allocations_never_share_a_uid(store: Arc<dyn Sto
     let expected: Vec<u32> = (200_000..200_012).collect();
     assert_eq!(uids, expected);
     assert_eq!(store.list_accounts().await.unwrap().len(), 12);
+}
+
+/// A node id is claimed by one process at a time: a fresh or `down` row,
+/// one whose heartbeat is older than the TTL, or one last claimed from the
+/// same data dir (whose lock the claimer holds) may be taken; a live row
+/// claimed from another data dir may not. Heartbeats keep the identity.
+pub async fn node_claims_need_a_stale_row_or_the_same_data_dir(store: Arc<dyn Store>) {
+    let claim = |data_dir: &'static str, ttl: Duration| {
+        let store = store.clone();
+        async move { store.claim_node("node-1", data_dir, ttl).await.unwrap() }
+    };
+    let before = store.now().await.unwrap();
+    assert_eq!(claim("dir-a", LONG).await, NodeClaim::Claimed, "a new id");
+    let rows = store.list_nodes().await.unwrap();
+    assert_eq!(rows.len(), 1, "{rows:?}");
+    assert_eq!(rows[0].status, NodeStatus::Up);
+    assert!(
+        rows[0].heartbeat >= before,
+        "the claim stamps the heartbeat"
+    );
+    // The node heartbeats as usual; its identity stays.
+    store.heartbeat(&node("node-1")).await.unwrap();
+
+    // Another data dir meets the live row, and changes nothing.
+    let NodeClaim::Live(row) = claim("dir-b", LONG).await else {
+        panic!("a live row claimed from another data dir");
+    };
+    assert_eq!(row.id, "node-1");
+    assert_eq!(row.advertise_url, "http://node-1.internal:8080");
+    // The same data dir: its lock proves the last claimer gone.
+    assert_eq!(claim("dir-a", LONG).await, NodeClaim::Claimed);
+    assert!(matches!(claim("dir-b", LONG).await, NodeClaim::Live(_)));
+
+    // A node that said `down` may be replaced at once, from anywhere, and
+    // the row is `up` again.
+    let mut down = node("node-1");
+    down.status = NodeStatus::Down;
+    store.heartbeat(&down).await.unwrap();
+    assert_eq!(claim("dir-b", LONG).await, NodeClaim::Claimed);
+    assert_eq!(store.list_nodes().await.unwrap()[0].status, NodeStatus::Up);
+    // …and now dir-b's identity is the one recorded.
+    assert!(matches!(claim("dir-a", LONG).await, NodeClaim::Live(_)));
+
+    // A heartbeat older than the TTL is no longer live.
+    wait_until_heartbeat_older(&store, "node-1", SHORT).await;
+    assert_eq!(claim("dir-a", SHORT).await, NodeClaim::Claimed);
+    assert!(matches!(claim("dir-b", LONG).await, NodeClaim::Live(_)));
 }

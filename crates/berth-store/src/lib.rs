@@ -133,6 +133,16 @@ pub enum ClaimOutcome {
     Busy { holder: String, expired: bool },
 }
 
+/// How a starting node's claim on its id came out ([`Store::claim_node`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum NodeClaim {
+    /// The id is this process's now.
+    Claimed,
+    /// Another process runs under this id, from another data dir (or on
+    /// another host), and has heartbeaten within the TTL: its row.
+    Live(NodeRecord),
+}
+
 /// One user's lease row, as reported to operators.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct LeaseRecord {
@@ -466,6 +476,25 @@ pub trait Store: Send + Sync + 'static {
     /// [`NodeView`] with [`NodeRecord::view`], passing [`Store::now`]: a
     /// heartbeat's age is measured by the store's clock.
     async fn list_nodes(&self) -> Result<Vec<NodeRecord>, StoreError>;
+
+    /// Claims node id `node` for a starting process whose data dir has the
+    /// identity `data_dir_id`, as one conditional write: it succeeds when
+    /// the id has no row, when its row says `down`, when its heartbeat is
+    /// older than `ttl` by the store's clock, or when the row was last
+    /// claimed from the same data dir. The caller must hold that data dir's
+    /// lock (which a live process never gives up), so in the last case
+    /// whoever claimed the row before is dead: a node restarted after a
+    /// crash starts at once. A successful claim records `data_dir_id` and
+    /// stamps the heartbeat (an existing row keeps its URL, capacity and
+    /// load until the node's first heartbeat; a `down` row becomes `up`),
+    /// so a second process starting with another data dir at the same
+    /// moment is refused.
+    async fn claim_node(
+        &self,
+        node: &str,
+        data_dir_id: &str,
+        ttl: Duration,
+    ) -> Result<NodeClaim, StoreError>;
 
     // --- accounts of isolated instances (design §6) --------------------------
 

@@ -7,6 +7,7 @@ mod client;
 mod config;
 mod demo_app;
 mod serve;
+mod sse;
 
 use std::process::ExitCode;
 

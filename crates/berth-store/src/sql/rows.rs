@@ -33,6 +33,7 @@ macro_rules! embedded_migrations {
             (2, "launch_params", embedded_migrations!(@file $dir, "0002_launch_params.sql")),
             (4, "accounts", embedded_migrations!(@file $dir, "0004_accounts.sql")),
             (5, "tokens", embedded_migrations!(@file $dir, "0005_tokens.sql")),
+            (7, "node_identity", embedded_migrations!(@file $dir, "0007_node_identity.sql")),
         ]
     };
     (@file $dir:literal, $name:literal) => {

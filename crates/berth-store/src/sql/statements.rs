@@ -51,6 +51,8 @@ pub(crate) struct Statements {
     pub(crate) session_delete: String,
     pub(crate) heartbeat: String,
     pub(crate) nodes_list: String,
+    pub(crate) node_claim: String,
+    pub(crate) node_get: String,
     pub(crate) account_get: String,
     pub(crate) account_take_next: String,
     pub(crate) account_highest: String,
@@ -260,6 +262,21 @@ impl Statements {
             )),
             nodes_list: sql(
                 "SELECT id, advertise_url, capacity, load, status, heartbeat FROM nodes ORDER BY id",
+            ),
+            // Claims node id $1 for data dir $2: a new row, or one that is
+            // `down`, older than the TTL $3, or last claimed from $2.
+            node_claim: sql(concat!(
+                "INSERT INTO nodes (id, advertise_url, capacity, load, status, heartbeat, data_dir_id) ",
+                "VALUES ($1, '', 0, 0, 'up', {now}, $2) ",
+                "ON CONFLICT (id) DO UPDATE SET data_dir_id = excluded.data_dir_id, ",
+                "heartbeat = excluded.heartbeat, ",
+                "status = CASE WHEN nodes.status = 'down' THEN 'up' ELSE nodes.status END ",
+                "WHERE nodes.status = 'down' OR nodes.heartbeat < excluded.heartbeat - $3 ",
+                "OR nodes.data_dir_id = excluded.data_dir_id ",
+                "RETURNING id"
+            )),
+            node_get: sql(
+                "SELECT id, advertise_url, capacity, load, status, heartbeat FROM nodes WHERE id = $1",
             ),
 
             // --- accounts -----------------------------------------------

@@ -14,8 +14,8 @@ use super::rows::{
 use super::{Dialect, SqlBackend};
 use crate::{
     ACCOUNT_ATTEMPTS, ClaimOutcome, InstanceFilter, LaunchParams, LeaseRecord, MintOutcome,
-    NewToken, NodeRecord, Store, StoreError, TakeoverPolicy, TokenOwner, TokenRecord, UidRange,
-    account_bounds, check_patch_size,
+    NewToken, NodeClaim, NodeRecord, Store, StoreError, TakeoverPolicy, TokenOwner, TokenRecord,
+    UidRange, account_bounds, check_patch_size,
 };
 
 #[async_trait]
@@ -382,6 +382,36 @@ impl<B: SqlBackend> Store for B {
     async fn list_nodes(&self) -> Result<Vec<NodeRecord>, StoreError> {
         let rows = self.stmt(&self.sql().nodes_list).fetch_all().await?;
         rows.iter().map(node_from_row).collect()
+    }
+
+    async fn claim_node(
+        &self,
+        node: &str,
+        data_dir_id: &str,
+        ttl: Duration,
+    ) -> Result<NodeClaim, StoreError> {
+        let claimed = self
+            .stmt(&self.sql().node_claim)
+            .bind(node)
+            .bind(data_dir_id)
+            .bind(ttl_ms(ttl))
+            .fetch_optional()
+            .await?;
+        if claimed.is_some() {
+            return Ok(NodeClaim::Claimed);
+        }
+        match self
+            .stmt(&self.sql().node_get)
+            .bind(node)
+            .fetch_optional()
+            .await?
+        {
+            Some(row) => Ok(NodeClaim::Live(node_from_row(&row)?)),
+            // Deleted in between: nothing to be refused by.
+            None => Err(StoreError::Query(format!(
+                "the row of node {node} vanished during its claim; try again"
+            ))),
+        }
     }
 
     async fn account_uid(&self, slug: &str, range: UidRange) -> Result<u32, StoreError> {
