@@ -82,8 +82,8 @@ pub struct Capacity {
 pub enum Patch {
     /// Use what the previous start of this user's role materialised.
     Unchanged,
-    /// Materialise this content (≤ [`crate::MAX_PATCH_BYTES`]), or remove
-    /// the previous patch when `None`.
+    /// Materialise this content (≤ [`crate::MAX_PATCH_BYTES`]); `None`:
+    /// the program is given no patch.
     Set(Option<String>),
 }
 

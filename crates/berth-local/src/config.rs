@@ -1,5 +1,5 @@
-//! The local runtime's choices that are also the config file's: how
-//! readiness is told, and the isolation level.
+//! How the local runtime tells that a starting instance is ready (the
+//! isolation level and limits live in [`crate::isolation`]).
 
 /// How berth decides that a starting instance is ready (design §4.2).
 #[derive(Debug, Clone)]
@@ -11,12 +11,4 @@ pub enum Readiness {
     Http { path: String },
     /// A TCP connect to the instance's port succeeds.
     Tcp,
-}
-
-/// Isolation level (design §6). Only `None` exists so far; `user` and
-/// `sandbox` come with the isolation work.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub enum Isolation {
-    #[default]
-    None,
 }

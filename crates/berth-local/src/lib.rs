@@ -8,6 +8,8 @@
 //! store.
 
 mod config;
+mod follow;
+pub mod isolation;
 mod logs;
 mod paths;
 mod ports;
@@ -17,8 +19,9 @@ mod runtime;
 pub mod shim;
 mod template;
 
-pub use config::{Isolation, Readiness};
-pub use runtime::{LocalRuntime, LocalRuntimeConfig};
+pub use config::Readiness;
+pub use isolation::{Isolation, Limits, UidRange};
+pub use runtime::{Accounts, LocalRuntime, LocalRuntimeConfig};
 
 /// Why the local runtime could not start.
 #[derive(Debug, thiserror::Error)]
@@ -30,4 +33,6 @@ pub enum LocalError {
         path: std::path::PathBuf,
         source: std::io::Error,
     },
+    #[error(transparent)]
+    Host(#[from] crate::isolation::HostError),
 }

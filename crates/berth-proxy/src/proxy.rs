@@ -198,7 +198,7 @@ impl Proxy {
                     .as_ref()
                     .filter(|_| credential != Credential::Cluster);
                 if let Some(cluster) = cluster {
-                    match cluster.hook.locate(&route.user).await {
+                    match cluster.hook.locate(&route.user, !navigation).await {
                         Ok(Locate::Local) => {}
                         Ok(Locate::Remote { endpoint, node }) => {
                             return self

@@ -27,8 +27,8 @@ use berth_core::policy::CrashState;
 use berth_core::{Epoch, Instance, InstanceStatus, Role, UnixMillis, UserId};
 
 use crate::{
-    ClaimOutcome, InstanceFilter, LaunchParams, MintOutcome, NewToken, NodeRecord, NodeStatus,
-    Store, StoreError, TakeoverPolicy, TokenRecord,
+    ClaimOutcome, InstanceFilter, LaunchParams, MintOutcome, NewToken, NodeClaim, NodeRecord,
+    NodeStatus, Store, StoreError, TakeoverPolicy, TokenRecord, UidRange,
 };
 
 /// A lease that runs out while a test watches.
@@ -93,7 +93,11 @@ macro_rules! store_contract_tests {
             revocation_takes_every_descendant_and_only_them,
             sessions_live_until_they_expire_or_end,
             nodes_heartbeat_upsert_and_list,
+            node_claims_need_a_stale_row_or_the_same_data_dir,
             record_activity_never_lowers_last_active,
+            accounts_get_stable_unique_uids,
+            accounts_refuse_a_full_range_and_change_nothing,
+            concurrent_account_allocations_never_share_a_uid,
         );
     };
     (@cases $fresh:expr; $($case:ident),+ $(,)?) => {
@@ -1602,4 +1606,149 @@ pub async fn record_activity_never_lowers_last_active(store: Arc<dyn Store>) {
         .await
         .unwrap();
     assert_eq!(last_active("alice", Role::Main).await, 4_000);
+}
+
+const UIDS: UidRange = UidRange {
+    first: 200_000,
+    count: 100,
+};
+
+/// The first account gets the range's first uid, the next one the next;
+/// asking again returns the same uid, also under another range (a user's
+/// files must keep their owner), and `list_accounts` shows them all.
+pub async fn accounts_get_stable_unique_uids(store: Arc<dyn Store>) {
+    assert_eq!(store.account_uid("alice", UIDS).await.unwrap(), 200_000);
+    assert_eq!(store.account_uid("bob", UIDS).await.unwrap(), 200_001);
+    assert_eq!(store.account_uid("alice", UIDS).await.unwrap(), 200_000);
+    let moved = UidRange {
+        first: 500_000,
+        count: 10,
+    };
+    assert_eq!(store.account_uid("alice", moved).await.unwrap(), 200_000);
+    assert_eq!(store.account_uid("carol", moved).await.unwrap(), 500_000);
+    // Back in the old range, numbering continues after its highest uid.
+    assert_eq!(store.account_uid("dave", UIDS).await.unwrap(), 200_002);
+    assert_eq!(
+        store.list_accounts().await.unwrap(),
+        vec![
+            ("alice".to_owned(), 200_000),
+            ("bob".to_owned(), 200_001),
+            ("dave".to_owned(), 200_002),
+            ("carol".to_owned(), 500_000),
+        ]
+    );
+}
+
+/// A range with no uid left is a typed error naming the range, and records
+/// nothing; an empty or overflowing range is refused before any SQL.
+pub async fn accounts_refuse_a_full_range_and_change_nothing(store: Arc<dyn Store>) {
+    let two = UidRange {
+        first: 300_000,
+        count: 2,
+    };
+    store.account_uid("a", two).await.unwrap();
+    store.account_uid("b", two).await.unwrap();
+    let err = store.account_uid("c", two).await.unwrap_err();
+    assert!(
+        matches!(
+            err,
+            StoreError::UidsExhausted {
+                first: 300_000,
+                last: 300_001
+            }
+        ),
+        "{err:?}"
+    );
+    assert!(err.to_string().contains("300000-300001"), "{err}");
+    assert_eq!(store.list_accounts().await.unwrap().len(), 2);
+    // Existing accounts are still served from a full range.
+    assert_eq!(store.account_uid("b", two).await.unwrap(), 300_001);
+    for bad in [
+        UidRange {
+            first: 1000,
+            count: 0,
+        },
+        UidRange {
+            first: u32::MAX - 1,
+            count: 2,
+        },
+    ] {
+        let err = store.account_uid("d", bad).await.unwrap_err();
+        assert!(err.to_string().contains("empty"), "{err}");
+    }
+    assert_eq!(store.list_accounts().await.unwrap().len(), 2);
+}
+
+/// Many allocations at once (as many nodes would make them): distinct
+/// slugs get distinct, consecutive uids, and one slug asked for by many
+/// callers gets one uid.
+pub async fn concurrent_account_allocations_never_share_a_uid(store: Arc<dyn Store>) {
+    let mut tasks = Vec::new();
+    for i in 0..24 {
+        let store = store.clone();
+        // Every slug asked for twice at once.
+        let slug = format!("user-{}", i / 2);
+        tasks.push(tokio::spawn(async move {
+            let uid = store.account_uid(&slug, UIDS).await.unwrap();
+            (slug, uid)
+        }));
+    }
+    let mut got = std::collections::BTreeMap::new();
+    for task in tasks {
+        let (slug, uid) = task.await.unwrap();
+        let first = *got.entry(slug.clone()).or_insert(uid);
+        assert_eq!(first, uid, "{slug} got two uids");
+    }
+    let mut uids: Vec<u32> = got.values().copied().collect();
+    uids.sort_unstable();
+    let expected: Vec<u32> = (200_000..200_012).collect();
+    assert_eq!(uids, expected);
+    assert_eq!(store.list_accounts().await.unwrap().len(), 12);
+}
+
+/// A node id is claimed by one process at a time: a fresh or `down` row,
+/// one whose heartbeat is older than the TTL, or one last claimed from the
+/// same data dir (whose lock the claimer holds) may be taken; a live row
+/// claimed from another data dir may not. Heartbeats keep the identity.
+pub async fn node_claims_need_a_stale_row_or_the_same_data_dir(store: Arc<dyn Store>) {
+    let claim = |data_dir: &'static str, ttl: Duration| {
+        let store = store.clone();
+        async move { store.claim_node("node-1", data_dir, ttl).await.unwrap() }
+    };
+    let before = store.now().await.unwrap();
+    assert_eq!(claim("dir-a", LONG).await, NodeClaim::Claimed, "a new id");
+    let rows = store.list_nodes().await.unwrap();
+    assert_eq!(rows.len(), 1, "{rows:?}");
+    assert_eq!(rows[0].status, NodeStatus::Up);
+    assert!(
+        rows[0].heartbeat >= before,
+        "the claim stamps the heartbeat"
+    );
+    // The node heartbeats as usual; its identity stays.
+    store.heartbeat(&node("node-1")).await.unwrap();
+
+    // Another data dir meets the live row, and changes nothing.
+    let NodeClaim::Live(row) = claim("dir-b", LONG).await else {
+        panic!("a live row claimed from another data dir");
+    };
+    assert_eq!(row.id, "node-1");
+    assert_eq!(row.advertise_url, "http://node-1.internal:8080");
+    // The same data dir: its lock proves the last claimer gone.
+    assert_eq!(claim("dir-a", LONG).await, NodeClaim::Claimed);
+    assert!(matches!(claim("dir-b", LONG).await, NodeClaim::Live(_)));
+
+    // A node that said `down` may be replaced at once, from anywhere, and
+    // the row is `up` again.
+    let mut down = node("node-1");
+    down.status = NodeStatus::Down;
+    store.heartbeat(&down).await.unwrap();
+    assert_eq!(claim("dir-b", LONG).await, NodeClaim::Claimed);
+    assert_eq!(store.list_nodes().await.unwrap()[0].status, NodeStatus::Up);
+    // …and now dir-b's identity is the one recorded.
+    assert!(matches!(claim("dir-a", LONG).await, NodeClaim::Live(_)));
+
+    // A heartbeat older than the TTL is no longer live.
+    wait_until_heartbeat_older(&store, "node-1", SHORT).await;
+    assert_eq!(claim("dir-a", SHORT).await, NodeClaim::Claimed);
+    assert!(matches!(claim("dir-b", LONG).await, NodeClaim::Live(_)));
 }

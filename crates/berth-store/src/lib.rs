@@ -2,10 +2,13 @@
 //!
 //! * [`Store`]: the one trait every backend implements — instance records
 //!   (a main's fenced by its lease epoch), the fenced lease (design §3),
-//!   launch parameters, crash/breaker state, user tokens, admin sessions
-//!   and nodes;
+//!   launch parameters, crash/breaker state, user tokens, admin sessions,
+//!   nodes and the per-user accounts (host uids) of isolated instances;
 //! * [`SqliteStore`]: the embedded single-node backend;
-//! * [`PgStore`]: the PostgreSQL backend a cluster of nodes shares;
+//! * [`PgStore`]: the PostgreSQL backend a cluster of nodes shares; both
+//!   are one implementation over SQL (`sql/`: the operations and their
+//!   statements written once), each adding only its dialect (clock, bulk
+//!   binds, locking) and how it opens its database;
 //! * [`lease`]: the validated lease settings and [`lease::LeaseKeeper`], the
 //!   node-side holder of leases that renews them in bulk and knows when to
 //!   fence itself;
@@ -19,11 +22,11 @@
 //! read-then-write, and expiry and liveness are measured with the store's
 //! own clock.
 
-mod common;
 #[cfg(feature = "contract-tests")]
 pub mod contract;
 pub mod lease;
 mod postgres;
+mod sql;
 mod sqlite;
 #[cfg(feature = "contract-tests")]
 pub mod testing;
@@ -50,6 +53,12 @@ pub enum StoreError {
     /// A stored value could not be decoded.
     #[error("corrupt store record: {0}")]
     Corrupt(String),
+    /// Every uid of the account range is taken (see [`Store::account_uid`]).
+    #[error(
+        "no free uid for a new account in {first}-{last}: every one is taken; widen the range \
+         ([isolation] base_uid / uid_count)"
+    )]
+    UidsExhausted { first: u32, last: u32 },
     /// The store URL is not one this build understands.
     #[error("unsupported store URL {0:?}: expected sqlite://… or postgres://…")]
     UnsupportedUrl(String),
@@ -122,6 +131,16 @@ pub enum ClaimOutcome {
     /// Another node holds it. `expired` is true when its lease ran out but
     /// there is no evidence it is gone (see [`TakeoverPolicy`]).
     Busy { holder: String, expired: bool },
+}
+
+/// How a starting node's claim on its id came out ([`Store::claim_node`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum NodeClaim {
+    /// The id is this process's now.
+    Claimed,
+    /// Another process runs under this id, from another data dir (or on
+    /// another host), and has heartbeaten within the TTL: its row.
+    Live(NodeRecord),
 }
 
 /// One user's lease row, as reported to operators.
@@ -216,6 +235,12 @@ pub struct TokenOwner {
     /// long the token has left by the store's clock.
     pub now: UnixMillis,
 }
+pub use berth_core::UidRange;
+
+/// How often an account allocation retries after losing a race for a uid
+/// to another node. Each retry means another account was created, so this
+/// bounds only pathological contention.
+const ACCOUNT_ATTEMPTS: usize = 64;
 
 /// Which instance records to list.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -431,6 +456,38 @@ pub trait Store: Send + Sync + 'static {
     /// [`NodeView`] with [`NodeRecord::view`], passing [`Store::now`]: a
     /// heartbeat's age is measured by the store's clock.
     async fn list_nodes(&self) -> Result<Vec<NodeRecord>, StoreError>;
+
+    /// Claims node id `node` for a starting process whose data dir has the
+    /// identity `data_dir_id`, as one conditional write: it succeeds when
+    /// the id has no row, when its row says `down`, when its heartbeat is
+    /// older than `ttl` by the store's clock, or when the row was last
+    /// claimed from the same data dir. The caller must hold that data dir's
+    /// lock (which a live process never gives up), so in the last case
+    /// whoever claimed the row before is dead: a node restarted after a
+    /// crash starts at once. A successful claim records `data_dir_id` and
+    /// stamps the heartbeat (an existing row keeps its URL, capacity and
+    /// load until the node's first heartbeat; a `down` row becomes `up`),
+    /// so a second process starting with another data dir at the same
+    /// moment is refused.
+    async fn claim_node(
+        &self,
+        node: &str,
+        data_dir_id: &str,
+        ttl: Duration,
+    ) -> Result<NodeClaim, StoreError>;
+
+    // --- accounts of isolated instances (design §6) --------------------------
+
+    /// The host uid of `slug`'s account, allocated on first use: the uid
+    /// after the highest one of `range` already taken (so uids are handed
+    /// out in order and never reused). An existing account keeps its uid
+    /// even if `range` no longer contains it: a user's files must keep
+    /// their owner. Concurrent callers, on any node, for the same slug get
+    /// the same uid, and for different slugs different ones.
+    /// [`StoreError::UidsExhausted`] when the range has no uid left.
+    async fn account_uid(&self, slug: &str, range: UidRange) -> Result<u32, StoreError>;
+    /// Every account, as `(slug, uid)`, ordered by uid.
+    async fn list_accounts(&self) -> Result<Vec<(String, u32)>, StoreError>;
 }
 
 /// Refuses a patch larger than design §9 allows before it reaches SQL; the
@@ -443,6 +500,18 @@ fn check_patch_size(user: &UserId, patch: Option<&str>) -> Result<(), StoreError
             berth_core::MAX_PATCH_BYTES
         ))),
         _ => Ok(()),
+    }
+}
+
+/// The range's first and last uid as the stores bind them; an empty range
+/// (or one past the largest uid) is refused before any SQL runs.
+fn account_bounds(range: UidRange) -> Result<(i64, i64), StoreError> {
+    match range.last() {
+        Some(last) => Ok((i64::from(range.first), i64::from(last))),
+        None => Err(StoreError::Query(format!(
+            "uid range of {} from {} is empty or passes the largest uid",
+            range.count, range.first
+        ))),
     }
 }
 

@@ -9,8 +9,8 @@ use berth_core::policy::CrashState;
 use berth_core::{Epoch, Instance, Role, UnixMillis, UserId};
 
 use crate::{
-    ClaimOutcome, InstanceFilter, LaunchParams, LeaseRecord, MintOutcome, NewToken, NodeRecord,
-    Store, StoreError, TakeoverPolicy, TokenOwner, TokenRecord,
+    ClaimOutcome, InstanceFilter, LaunchParams, LeaseRecord, MintOutcome, NewToken, NodeClaim,
+    NodeRecord, Store, StoreError, TakeoverPolicy, TokenOwner, TokenRecord, UidRange,
 };
 
 /// What runs before every `renew_leases` of an [`InterceptRenew`]: it may
@@ -136,5 +136,14 @@ impl<H: RenewHook> Store for InterceptRenew<H> {
     }
     async fn list_nodes(&self) -> Result<Vec<NodeRecord>, StoreError> {
         self.inner.list_nodes().await
+    }
+    async fn account_uid(&self, s: &str, r: UidRange) -> Result<u32, StoreError> {
+        self.inner.account_uid(s, r).await
+    }
+    async fn list_accounts(&self) -> Result<Vec<(String, u32)>, StoreError> {
+        self.inner.list_accounts().await
+    }
+    async fn claim_node(&self, n: &str, d: &str, ttl: Duration) -> Result<NodeClaim, StoreError> {
+        self.inner.claim_node(n, d, ttl).await
     }
 }

@@ -140,11 +140,7 @@ impl Berth {
     /// Writes `config` to `dir/berth.toml` and runs `berth serve` on it;
     /// its data dir must be `dir/data`.
     pub fn start_with_config(&self, dir: &Path, config: &str) -> Node {
-        std::fs::create_dir_all(dir).expect("cannot create the node's directory");
-        let path = dir.join("berth.toml");
-        std::fs::write(&path, config).expect("cannot write the node's config");
-        let path = path.to_str().expect("a UTF-8 config path");
-        self.start_with_args(dir, &["serve", "--config", path], &dir.join("data"))
+        self.start_configured(dir, config, &StartOptions::default())
     }
 
     /// Starts `berth <args>` in `dir` and waits for its "listening" line;
@@ -154,16 +150,65 @@ impl Berth {
     ///
     /// When berth cannot start, or exits before it listens.
     pub fn start_with_args(&self, dir: &Path, args: &[&str], data_dir: &Path) -> Node {
-        let mut child = self
-            .command()
+        self.start_with_options(dir, args, data_dir, &StartOptions::default())
+    }
+
+    /// Writes `config` to `dir/berth.toml` and runs `berth serve` on it
+    /// with `options`; its data dir must be `dir/data`.
+    pub fn start_configured(&self, dir: &Path, config: &str, options: &StartOptions) -> Node {
+        std::fs::create_dir_all(dir).expect("cannot create the node's directory");
+        let path = dir.join("berth.toml");
+        std::fs::write(&path, config).expect("cannot write the node's config");
+        let path = path.to_str().expect("a UTF-8 config path");
+        self.start_with_options(
+            dir,
+            &["serve", "--config", path],
+            &dir.join("data"),
+            options,
+        )
+    }
+
+    /// [`Berth::start_with_args`] with `options`.
+    ///
+    /// # Panics
+    ///
+    /// When berth cannot start, or exits before it listens.
+    pub fn start_with_options(
+        &self,
+        dir: &Path,
+        args: &[&str],
+        data_dir: &Path,
+        options: &StartOptions,
+    ) -> Node {
+        // Run as root, berth gives every user's instances a uid of their
+        // own (isolation level `user`), which must be able to pass through
+        // the test's private temporary directory to its data root.
+        reachable_by_instances(dir);
+        let mut command = match options.wrapper.split_first() {
+            Some((program, rest)) => {
+                let mut c = Command::new(program);
+                c.args(rest).arg(&self.bin);
+                c.envs(self.env.iter().map(|(k, v)| (k, v)));
+                c
+            }
+            None => self.command(),
+        };
+        command
             .args(args)
             .current_dir(dir)
             .env("RUST_LOG", "info,berth=debug")
+            .envs(options.env.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("berth starts");
+            .stdout(Stdio::piped());
+        match &options.stderr {
+            Some(path) => command.stderr(std::fs::File::create(path).expect("a stderr file")),
+            None => command.stderr(Stdio::inherit()),
+        };
+        if let Some(uid) = options.run_as {
+            use std::os::unix::process::CommandExt;
+            command.uid(uid).gid(uid);
+        }
+        let mut child = command.spawn().expect("berth starts");
         let stdout = child.stdout.take().expect("a piped stdout");
         let mut lines = BufReader::new(stdout).lines();
         let url = loop {
@@ -178,10 +223,13 @@ impl Berth {
         };
         // Keep draining stdout so berth never blocks on a full pipe.
         std::thread::spawn(move || for _ in lines {});
-        let token = std::fs::read_to_string(data_dir.join("admin.token"))
-            .expect("berth wrote its admin token")
-            .trim()
-            .to_owned();
+        let token = match options.env.iter().find(|(k, _)| k == "BERTH_ADMIN_TOKEN") {
+            Some((_, token)) => token.clone(),
+            None => std::fs::read_to_string(data_dir.join("admin.token"))
+                .expect("berth wrote its admin token")
+                .trim()
+                .to_owned(),
+        };
         Node {
             child: Some(child),
             berth: self.clone(),
@@ -238,6 +286,33 @@ impl Berth {
             dir,
             &cluster_config_custom(dir, pg_url, node_id, secret, lease, instance, extra),
         )
+    }
+}
+
+/// How [`Berth::start_with_options`] runs berth, beyond its arguments.
+#[derive(Debug, Clone, Default)]
+pub struct StartOptions {
+    /// Extra environment.
+    pub env: Vec<(String, String)>,
+    /// Where berth's stderr (its log) goes; inherited when `None`.
+    pub stderr: Option<PathBuf>,
+    /// A command berth runs under, e.g. `ip netns exec NAME`.
+    pub wrapper: Vec<String>,
+    /// Run berth as this uid (and gid) instead of the test's.
+    pub run_as: Option<u32>,
+}
+
+/// Lets other users search (not list) `dir`, as instance accounts must to
+/// reach their data roots below it (tempfile makes its directories 0700).
+pub fn reachable_by_instances(dir: &Path) {
+    use std::os::unix::fs::PermissionsExt;
+    let Ok(meta) = std::fs::metadata(dir) else {
+        return;
+    };
+    let mode = meta.permissions().mode();
+    if mode & 0o001 == 0 {
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(mode | 0o011))
+            .expect("cannot open the test directory to instance accounts");
     }
 }
 

@@ -68,7 +68,9 @@ pub enum Command {
     /// Show the last lines of a user's instance output.
     Logs {
         user: String,
-        /// Keep polling for new lines.
+        /// Keep following: print each new line as the instance writes it
+        /// (one streamed request to the node that runs the user), until
+        /// interrupted.
         #[arg(short, long)]
         follow: bool,
         #[arg(long, default_value_t = 100)]

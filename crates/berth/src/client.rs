@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use anyhow::{Context, anyhow, bail};
 use berth_core::UserId;
+use futures_util::StreamExt;
 use reqwest::{Method, StatusCode, Url};
 use serde_json::{Map, Value};
 
@@ -274,6 +275,33 @@ impl Api {
         self.send(Method::POST, segments, &[], None).await
     }
 
+    /// A GET whose answer is read as it arrives (an event stream); an error
+    /// answer is the API's error.
+    async fn stream(
+        &self,
+        segments: &[&str],
+        query: &[(&str, &str)],
+    ) -> anyhow::Result<reqwest::Response> {
+        let mut url = self.api_url(segments);
+        url.query_pairs_mut().extend_pairs(query);
+        let response = self
+            .http
+            .get(url.clone())
+            .bearer_auth(&self.token)
+            .send()
+            .await
+            .map_err(|e| connection_error(&self.base, e))?;
+        let status = response.status();
+        if status.is_success() {
+            return Ok(response);
+        }
+        let text = response
+            .text()
+            .await
+            .map_err(|e| connection_error(&self.base, e))?;
+        Err(api_error(status, &text, &url))
+    }
+
     /// One request. `Value::Null` for an empty answer (e.g. 204).
     async fn send(
         &self,
@@ -363,25 +391,29 @@ fn read_token_file(path: &std::path::Path) -> anyhow::Result<String> {
 async fn logs(api: &Api, user: &UserId, tail: usize, follow: bool) -> anyhow::Result<()> {
     let tail_text = tail.to_string();
     let path = user_path(user, &["instance", "logs"]);
-    let query = [("tail", tail_text.as_str())];
-    let mut shown = log_lines(&api.get(&path, &query).await?);
-    for line in &shown {
-        println!("{line}");
-    }
     if !follow {
-        return Ok(());
-    }
-    let mut tick = tokio::time::interval(Duration::from_secs(1));
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    tick.tick().await;
-    loop {
-        tick.tick().await;
-        let lines = log_lines(&api.get(&path, &query).await?);
-        for line in new_lines(&shown, &lines) {
+        for line in log_lines(&api.get(&path, &[("tail", tail_text.as_str())]).await?) {
             println!("{line}");
         }
-        shown = lines;
+        return Ok(());
     }
+    // One request, streamed: the server (the node that runs the user)
+    // sends the last lines, then each new one as it is written.
+    let query = [("tail", tail_text.as_str()), ("follow", "true")];
+    let response = api.stream(&path, &query).await?;
+    let events = crate::sse::events(response.bytes_stream());
+    futures_util::pin_mut!(events);
+    while let Some(event) = events.next().await {
+        let event = event.map_err(|e| anyhow!("the log stream from {} broke: {e}", api.base))?;
+        if event.event != crate::sse::LOG_LINE_EVENT {
+            continue;
+        }
+        match serde_json::from_str::<String>(&event.data) {
+            Ok(line) => println!("{line}"),
+            Err(_) => println!("{}", event.data),
+        }
+    }
+    Ok(())
 }
 
 fn log_lines(body: &Value) -> Vec<String> {
@@ -402,20 +434,6 @@ fn log_lines(body: &Value) -> Vec<String> {
                 .collect()
         })
         .unwrap_or_default()
-}
-
-/// The lines of `now` not already in `before`: both are windows of the same
-/// log, so the new ones follow the longest suffix of `before` that is a
-/// prefix of `now`. Without overlap everything is new (lines may have been
-/// missed).
-fn new_lines<'a>(before: &[String], now: &'a [String]) -> &'a [String] {
-    let longest = before.len().min(now.len());
-    for overlap in (1..=longest).rev() {
-        if before[before.len() - overlap..] == now[..overlap] {
-            return &now[overlap..];
-        }
-    }
-    now
 }
 
 fn print_json(value: &Value) {
@@ -586,18 +604,6 @@ mod tests {
             open.as_str(),
             "http://h:8000/prefix/u/alice/?berth_token=tok"
         );
-    }
-
-    #[test]
-    fn follow_prints_only_new_lines() {
-        let s = |v: &[&str]| v.iter().map(|x| x.to_string()).collect::<Vec<_>>();
-        assert_eq!(
-            new_lines(&s(&["a", "b", "c"]), &s(&["b", "c", "d"])),
-            s(&["d"])
-        );
-        assert_eq!(new_lines(&s(&["a"]), &s(&["a"])), s(&[]));
-        assert_eq!(new_lines(&s(&[]), &s(&["x"])), s(&["x"]));
-        assert_eq!(new_lines(&s(&["a", "b"]), &s(&["x", "y"])), s(&["x", "y"]));
     }
 
     #[test]

@@ -16,19 +16,22 @@
 mod api;
 mod auth;
 mod cluster;
+mod data_lock;
+mod failover;
 mod metrics;
+mod ops;
 mod peer;
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
+use async_trait::async_trait;
 use berth_controller::Controller;
-use berth_core::Spawner;
-use berth_core::policy::duplicate_node;
 use berth_core::runtime::Runtime;
-use berth_local::LocalRuntime;
-use berth_store::{NodeStatus, Store};
+use berth_core::{Spawner, UidRange};
+use berth_local::{Accounts, Isolation, LocalRuntime};
+use berth_store::{NodeClaim, NodeStatus, Store};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
@@ -40,6 +43,10 @@ pub use auth::admin_token_path;
 pub async fn run(config: Config) -> anyhow::Result<()> {
     std::fs::create_dir_all(&config.data_dir)
         .with_context(|| format!("cannot create data dir {}", config.data_dir.display()))?;
+    // Held until this process ends: no other live process uses this data
+    // dir, and in a cluster it proves that whoever last claimed this node
+    // id from here is dead.
+    let data_lock = data_lock::DataDirLock::acquire(&config.data_dir)?;
     let admin_token =
         auth::load_or_create_admin_token(config.admin_token.as_deref(), &config.data_dir)?;
 
@@ -54,7 +61,13 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     let node_id = config.node_id()?;
     let lease_config = config.lease_config()?;
     if config.is_postgres() {
-        refuse_live_duplicate(store.as_ref(), &node_id, lease_config.ttl()).await?;
+        claim_node_id(
+            store.as_ref(),
+            &node_id,
+            data_lock.identity(),
+            lease_config.ttl(),
+        )
+        .await?;
     }
 
     // Bound before the controller starts: the heartbeat advertises the real
@@ -68,56 +81,68 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         .clone()
         .unwrap_or_else(|| format!("http://{addr}"));
 
-    let runtime = runtime(&config)?;
+    let runtime = runtime(&config, store.clone()).await?;
     let mut controller_config = config.controller_config(&node_id)?;
     controller_config.advertise_url.clone_from(&public_url);
     let ready_timeout = controller_config.ready_timeout;
     let lease_ttl = controller_config.lease.ttl();
     let renew_every = controller_config.lease.renew();
-    let controller = Controller::start(runtime, store.clone(), controller_config)
+    let spawner = Controller::start(runtime, store.clone(), controller_config)
         .await
         .context("cannot start the controller")?;
     // Registered (with capacity and URL) before serving: placement on other
     // nodes may choose this one as soon as it answers.
-    controller
+    spawner
         .heartbeat()
         .await
         .context("cannot register this node (heartbeat)")?;
 
     let cluster_metrics = cluster::ClusterMetrics::default();
     let metrics = Arc::new(metrics::Metrics::new(|registry| {
-        controller.register_metrics(registry);
+        spawner.register_metrics(registry);
         cluster_metrics.register(registry);
     }));
 
     // Cluster mode: routing across nodes, node-to-node calls, failover.
     let tasks = TaskTracker::new();
     let cancel = CancellationToken::new();
+    let spawner_dyn = spawner.clone() as Arc<dyn Spawner>;
     let (cluster, cluster_secret) = if config.is_postgres() {
         let secret = berth_proxy::auth::ClusterSecret::new(
             config.cluster_secret.as_deref().unwrap_or_default(),
         )
         .context("cluster_secret")?;
-        let peers = peer::PeerClient::new(secret.clone(), ready_timeout)
+        let peers = peer::PeerClient::new(secret.clone())
             .context("cannot build the HTTP client for node-to-node calls")?;
         let cluster = Arc::new(cluster::Cluster::new(
             store.clone(),
-            controller.clone() as Arc<dyn Spawner>,
             node_id.clone(),
             lease_ttl,
-            lease_config.takeover(),
             peers,
             cluster_metrics,
         ));
-        tasks.spawn(
-            cluster
-                .clone()
-                .run_failover(renew_every, cancel.child_token()),
-        );
+        let failover = Arc::new(failover::Failover::new(
+            store.clone(),
+            spawner_dyn.clone(),
+            cluster.clone(),
+            lease_config.takeover(),
+        ));
+        tasks.spawn(failover.run(renew_every, cancel.child_token()));
         (Some(cluster), Some(secret))
     } else {
         (None, None)
     };
+    // The use cases, for the API, the proxy and other nodes alike.
+    let ops = Arc::new(ops::Ops::new(
+        spawner_dyn.clone(),
+        store.clone(),
+        cluster.clone(),
+        node_id.clone(),
+        ops::Budgets {
+            ready_timeout,
+            stop_grace: Duration::from_secs(config.instance.stop_grace_s),
+        },
+    ));
 
     let path_routing = config.path_routing();
     let authenticator = auth::Authenticator::new(
@@ -143,30 +168,29 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         );
     }
     let proxy_cluster = match (&cluster, &cluster_secret) {
-        (Some(cluster), Some(secret)) => Some(berth_proxy::ProxyCluster {
-            hook: cluster.clone() as Arc<dyn berth_proxy::ClusterHook>,
+        (Some(_), Some(secret)) => Some(berth_proxy::ProxyCluster {
+            hook: ops.clone() as Arc<dyn berth_proxy::ClusterHook>,
             secret: secret.clone(),
         }),
         _ => None,
     };
     let proxy = berth_proxy::Proxy::start_clustered(
         proxy_config(&config, ready_timeout)?,
-        controller.clone() as Arc<dyn Spawner>,
+        spawner_dyn,
         authenticator.shared(),
         proxy_cluster,
     );
     let state = Arc::new(api::ApiState {
-        spawner: controller.clone() as Arc<dyn Spawner>,
+        ops,
         store: store.clone(),
         auth: authenticator,
         metrics,
         public_url: public_url.clone(),
         node_id: node_id.clone(),
-        ready_timeout,
         lease_ttl,
         cluster,
         cluster_secret,
-        node_control: controller.clone() as Arc<dyn cluster::NodeControl>,
+        node_control: spawner.clone() as Arc<dyn cluster::NodeControl>,
         base_domain: Some(config.proxy.base_domain.clone()).filter(|d| !d.is_empty()),
         path_routing,
     });
@@ -189,11 +213,11 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     tasks.close();
     tasks.wait().await;
     proxy.shutdown().await;
-    controller.teardown().await;
+    spawner.teardown().await;
     // A node that says `down` may be started again at once under the same
-    // id (see `duplicate_node`), and gets no new instances meanwhile.
-    controller.set_node_status(NodeStatus::Down);
-    if let Err(e) = controller.heartbeat().await {
+    // id (see `Store::claim_node`), and gets no new instances meanwhile.
+    spawner.set_node_status(NodeStatus::Down);
+    if let Err(e) = spawner.heartbeat().await {
         tracing::warn!(error = %e, "could not mark this node down");
     }
     Ok(())
@@ -203,7 +227,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
 /// chooses it. Only the local runtime (shims on this host) exists so far;
 /// a `[kubernetes]` section will select the Kubernetes runtime (design
 /// §8.6, §10).
-fn runtime(config: &Config) -> anyhow::Result<Arc<dyn Runtime>> {
+async fn runtime(config: &Config, store: Arc<dyn Store>) -> anyhow::Result<Arc<dyn Runtime>> {
     let shim_command = vec![
         std::env::current_exe()
             .context("cannot locate the berth executable to run shims")?
@@ -211,39 +235,68 @@ fn runtime(config: &Config) -> anyhow::Result<Arc<dyn Runtime>> {
             .into_owned(),
         "shim".to_owned(),
     ];
-    let local = LocalRuntime::new(config.runtime_config(shim_command)?)
+    let local = config.runtime_config(shim_command)?;
+    if local.isolation == Isolation::None {
+        tracing::warn!(
+            as_root = nix::unistd::geteuid().is_root(),
+            "isolation mode \"none\": instances run as berth's own user and are NOT isolated \
+             from berth or from each other (a program can read berth's files and signal its \
+             processes); use mode \"user\" or \"sandbox\" for users who do not trust each other"
+        );
+    } else {
+        tracing::info!(mode = %local.isolation, uids = ?local.uids, "instance isolation");
+    }
+    let accounts = Arc::new(StoreAccounts(store)) as Arc<dyn Accounts>;
+    let local = LocalRuntime::new(local, Some(accounts))
+        .await
         .context("cannot start the local runtime")?;
     Ok(local)
 }
 
-/// Refuses to start a second live node under `node_id`: both would renew,
-/// and fence, the same leases. Liveness is the heartbeat's age by the
-/// store's clock, within one lease TTL.
-async fn refuse_live_duplicate(
+/// Users' accounts (their host uids) as the store allocates them: once per
+/// user, the same on every node.
+struct StoreAccounts(Arc<dyn Store>);
+
+#[async_trait]
+impl Accounts for StoreAccounts {
+    async fn uid(&self, slug: &str, range: UidRange) -> Result<u32, String> {
+        self.0
+            .account_uid(slug, range)
+            .await
+            .map_err(|e| e.to_string())
+    }
+}
+
+/// Claims `node_id` for this process, or refuses to start a second live
+/// node under it: both would renew, and fence, the same leases. The store
+/// grants the claim when the id's row is `down`, has not heartbeaten
+/// within one lease TTL (by the store's clock), or was last claimed from
+/// this very data dir, whose lock this process holds: then the process
+/// that claimed it before is dead, and a node restarted after a crash
+/// starts at once and adopts its instances.
+async fn claim_node_id(
     store: &dyn Store,
     node_id: &str,
+    data_dir_id: &str,
     ttl: Duration,
 ) -> anyhow::Result<()> {
-    let nodes = store
-        .list_nodes()
+    let claim = store
+        .claim_node(node_id, data_dir_id, ttl)
         .await
-        .context("cannot read the nodes table")?;
+        .context("cannot claim this node's id in the nodes table")?;
+    let live = match claim {
+        NodeClaim::Claimed => return Ok(()),
+        NodeClaim::Live(live) => live,
+    };
     let now = store.now().await.context("cannot read the store's clock")?;
-    let views: Vec<_> = nodes.iter().map(|n| n.view(now)).collect();
-    let ttl_ms = i64::try_from(ttl.as_millis()).unwrap_or(i64::MAX);
-    if let Some(live) = duplicate_node(node_id, &views, ttl_ms) {
-        let url = nodes
-            .iter()
-            .find(|n| n.id == live.id)
-            .map_or("", |n| n.advertise_url.as_str());
-        anyhow::bail!(
-            "node id {node_id:?} is already in use by a live node: its last heartbeat was {:.1} s ago (advertised at {url}); \
-             stop that node, wait {:.1} s for its heartbeat to expire, or start this one with another node_id",
-            live.heartbeat_age_ms.max(0) as f64 / 1000.0,
-            ttl.as_secs_f64()
-        );
-    }
-    Ok(())
+    anyhow::bail!(
+        "node id {node_id:?} is already in use by a live node from another data dir or host: its \
+         last heartbeat was {:.1} s ago (advertised at {}); stop that node, wait {:.1} s for its \
+         heartbeat to expire, or start this one with another node_id",
+        now.saturating_sub(live.heartbeat).max(0) as f64 / 1000.0,
+        live.advertise_url,
+        ttl.as_secs_f64()
+    );
 }
 
 /// How long in-flight requests may finish after SIGTERM. Long streams

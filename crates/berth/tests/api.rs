@@ -230,13 +230,14 @@ async fn the_reaper_stops_idle_instances_and_keeps_their_data() {
 #[tokio::test(flavor = "multi_thread")]
 async fn the_watchdog_runs_once_after_a_crash() {
     let dir = tempfile::tempdir().unwrap();
-    let marker = dir.path().join("watchdog-runs");
+    // In the user's home: the watchdog runs as the user's account, which
+    // may write there and nowhere in the test's own directory.
     let config = format!(
-        "{}[watchdog]\ncommand = [\"sh\", \"-c\", \"echo \\\"$BERTH_ROLE $BERTH_HANDOFF\\\" >> {}\"]\n",
+        "{}[watchdog]\ncommand = [\"sh\", \"-c\", \"echo \\\"$BERTH_ROLE $BERTH_HANDOFF\\\" >> \\\"$HOME/watchdog-runs\\\"\"]\n",
         ports(6),
-        marker.display()
     );
     let node = Node::start(dir.path(), &config);
+    let marker = node.data_dir.join("users/fragile/home/watchdog-runs");
     let (_, body) = launch(&node, "fragile").await;
     let pid = body["instance"]["pid"].as_u64().unwrap();
     support::signal(pid as u32, nix::sys::signal::Signal::SIGKILL);
@@ -314,6 +315,68 @@ async fn bad_input_gets_a_clear_error_and_changes_nothing() {
     assert_eq!(wrong.status(), 401);
     let body: Value = wrong.json().await.unwrap();
     assert_eq!(body["error"], "unauthorized");
+
+    // Routes and queries that do not exist, with a valid token: clear
+    // JSON errors, and nothing launched.
+    for (method, path, status, code) in [
+        ("PUT", "/users/alice/instance", 404, "not_found"),
+        ("POST", "/users/alice/instance/nope", 404, "not_found"),
+        (
+            "GET",
+            "/users/alice/instance/logs?tail=many",
+            400,
+            "invalid_request",
+        ),
+        ("GET", "/users/a%00b/instance/logs", 400, "invalid_user"),
+    ] {
+        let r = node
+            .http
+            .request(method.parse().unwrap(), node.api(path))
+            .bearer_auth(&node.token)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status().as_u16(), status, "{method} {path}");
+        let body: Value = r.json().await.unwrap();
+        assert_eq!(body["error"], code, "{method} {path}: {body}");
+    }
+    assert!(node.main_of("alice").await.is_null(), "nothing recorded");
+}
+
+/// `restart-all` on one node: every running main gets a new process, and
+/// each result names its user, this node and the outcome.
+#[tokio::test(flavor = "multi_thread")]
+async fn restart_all_restarts_every_running_main() {
+    let dir = tempfile::tempdir().unwrap();
+    let node = Node::start(dir.path(), &ports(11));
+    let mut before = Vec::new();
+    for user in ["ann", "ben"] {
+        let (status, body) = launch(&node, user).await;
+        assert_eq!(status, 201, "{body}");
+        before.push(body["instance"]["pid"].as_u64().unwrap());
+    }
+    let (_, nodes) = node.get("/nodes").await;
+    let me = nodes["nodes"][0]["id"].as_str().unwrap().to_owned();
+    let (status, answer) = node.post("/instances/restart-all", json!({})).await;
+    assert_eq!(status, 200, "{answer}");
+    let mut results = answer["results"].as_array().unwrap().clone();
+    results.sort_by_key(|r| r["user"].as_str().unwrap().to_owned());
+    assert_eq!(
+        results,
+        [
+            json!({"user": "ann", "node": me, "ok": true}),
+            json!({"user": "ben", "node": me, "ok": true}),
+        ],
+        "{answer}"
+    );
+    for (user, pid) in ["ann", "ben"].iter().zip(before) {
+        let main = node.running_main(user, Some(pid)).await;
+        assert!(!alive(pid), "{user}: the old process is gone");
+        assert_eq!(
+            instance_pids(&node.data_dir, user, "main"),
+            [main["pid"].as_u64().unwrap() as u32]
+        );
+    }
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -213,6 +213,11 @@ impl Dirs {
         let root = tempfile::tempdir().unwrap();
         let journals = root.path().join("journals");
         std::fs::create_dir_all(&journals).unwrap();
+        // Written by the instances, which run under their users' accounts
+        // (the same uid on every node: the accounts are in the shared
+        // store).
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&journals, std::fs::Permissions::from_mode(0o1777)).unwrap();
         Dirs { root, journals }
     }
 

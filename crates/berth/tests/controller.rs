@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use berth_controller::{BreakerHook, Controller, ControllerConfig};
 use berth_core::policy::{CrashPolicy, ReapPolicy};
 use berth_core::{InstanceStatus, LaunchRequest, SpawnError, Spawner, UserId};
-use berth_local::{Isolation, LocalRuntime, LocalRuntimeConfig, Readiness};
+use berth_local::{Isolation, Limits, LocalRuntime, LocalRuntimeConfig, Readiness, UidRange};
 use berth_store::lease::LeaseConfig;
 use berth_store::testing::{InterceptRenew, RenewHook};
 use berth_store::{Store, StoreError};
@@ -75,6 +75,12 @@ impl Env {
             patch_ext: "toml".into(),
             watchdog_command: None,
             isolation: Isolation::None,
+            uids: UidRange {
+                first: 200_000,
+                count: 1000,
+            },
+            limits: Limits::default(),
+            nft: None,
             shim_command: vec![BERTH.into(), "shim".into()],
         };
         let controller = ControllerConfig {
@@ -105,7 +111,7 @@ impl Env {
     }
 
     async fn start_on(&self, setup: Setup, store: Arc<dyn Store>) -> Arc<Controller> {
-        let runtime = LocalRuntime::new(setup.runtime).unwrap();
+        let runtime = LocalRuntime::new(setup.runtime, None).await.unwrap();
         Controller::start(runtime, store, setup.controller)
             .await
             .unwrap()
@@ -959,7 +965,7 @@ async fn a_data_dir_too_long_for_sockets_is_refused() {
     let env = Env::new().await;
     let mut config = env.config(21130, demo(), Readiness::Tcp);
     config.runtime.data_dir = Path::new("/tmp").join("d".repeat(80));
-    let err = match LocalRuntime::new(config.runtime) {
+    let err = match LocalRuntime::new(config.runtime, None).await {
         Err(e) => e,
         Ok(_) => panic!("a too-long data dir was accepted"),
     };

@@ -20,7 +20,7 @@ use berth_core::runtime::{
 };
 use berth_core::runtime_contract::{self, Harness, Program, TOKEN};
 use berth_core::{Role, UserId};
-use berth_local::{Isolation, LocalRuntime, LocalRuntimeConfig, Readiness};
+use berth_local::{Isolation, Limits, LocalRuntime, LocalRuntimeConfig, Readiness, UidRange};
 
 const BERTH: &str = env!("CARGO_BIN_EXE_berth");
 
@@ -62,12 +62,18 @@ impl LocalHarness {
             patch_ext: "toml".into(),
             watchdog_command: None,
             isolation: Isolation::None,
+            uids: UidRange {
+                first: 200_000,
+                count: 1000,
+            },
+            limits: Limits::default(),
+            nft: None,
             shim_command: vec![BERTH.into(), "shim".into()],
         }
     }
 
-    fn local(&self, config: LocalRuntimeConfig) -> Arc<LocalRuntime> {
-        LocalRuntime::new(config).unwrap()
+    async fn local(&self, config: LocalRuntimeConfig) -> Arc<LocalRuntime> {
+        LocalRuntime::new(config, None).await.unwrap()
     }
 }
 
@@ -94,7 +100,7 @@ impl Harness for LocalHarness {
             }
             Program::Missing { name } => vec![name.clone()],
         };
-        self.local(self.config(command, token_regex()))
+        self.local(self.config(command, token_regex())).await
     }
 
     async fn running(&self, _runtime_ref: &RuntimeRef, pid: Option<u32>) -> bool {
@@ -130,7 +136,7 @@ async fn exited(started: &mut berth_core::runtime::Started) -> berth_core::runti
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ports_are_kept_across_runs_until_released() {
     let h = LocalHarness::new();
-    let runtime = h.local(h.config(ready_line(), token_regex()));
+    let runtime = h.local(h.config(ready_line(), token_regex())).await;
     let alice = user("alice");
     let mut first = runtime
         .start(runtime_contract::spec(&alice, "a-1"))
@@ -226,7 +232,7 @@ async fn an_exit_with_the_port_held_by_another_process_is_told_apart() {
     let demo = Readiness::TokenRegex(
         regex::Regex::new(r"berth-demo: http://127\.0\.0\.1:\d+/\?token=(\S+)").unwrap(),
     );
-    let runtime = h.local(h.config(sh(&script), demo));
+    let runtime = h.local(h.config(sh(&script), demo)).await;
     let mut started = runtime
         .start(runtime_contract::spec(&user("carl"), "c-1"))
         .await
@@ -256,7 +262,9 @@ async fn an_exit_with_the_port_held_by_another_process_is_told_apart() {
     drop(thief);
 
     // Failing for its own reasons, with its port free, is a plain exit.
-    let runtime = h.local(h.config(sh("echo no >&2; exit 1"), token_regex()));
+    let runtime = h
+        .local(h.config(sh("echo no >&2; exit 1"), token_regex()))
+        .await;
     let mut started = runtime
         .start(runtime_contract::spec(&user("dora"), "d-1"))
         .await
@@ -277,7 +285,7 @@ async fn a_watchdog_gets_the_handoff_the_patch_and_its_mains_port() {
     if let Some(c) = config.watchdog_command.as_mut() {
         c.extend(["sh".into(), "{patch}".into()]);
     }
-    let runtime = h.local(config);
+    let runtime = h.local(config).await;
     let eve = user("eve");
     let mut spec = runtime_contract::spec(&eve, "e-1");
     spec.patch = Patch::Set(Some("answer = 42".into()));
@@ -309,7 +317,7 @@ async fn a_watchdog_gets_the_handoff_the_patch_and_its_mains_port() {
     exited(&mut main).await;
 
     // Without a watchdog command, none starts.
-    let plain = h.local(h.config(ready_line(), token_regex()));
+    let plain = h.local(h.config(ready_line(), token_regex())).await;
     let err = plain
         .start(InstanceSpec {
             role: Role::Watchdog,

@@ -9,11 +9,13 @@
 
 use std::ops::{Deref, DerefMut};
 use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
 
 pub use berth_testkit::{
-    Berth, CLUSTER_LEASE, alive, cluster_config, cluster_config_custom, config_with, eventually,
-    free_port, instance_pids, kill_instances_under, proc_state, raw_request, rss_kib, signal,
-    zygote_of,
+    Berth, CLUSTER_LEASE, StartOptions, alive, cluster_config, cluster_config_custom, config_with,
+    eventually, free_port, instance_pids, kill_instances_under, proc_state, raw_request,
+    reachable_by_instances, rss_kib, signal, zygote_of,
 };
 
 /// The `berth` binary cargo built for these tests.
@@ -27,7 +29,9 @@ pub fn berth() -> Berth {
 
 /// A running `berth serve` of [`BERTH`]: [`berth_testkit::Node`], with the
 /// starters this crate's tests call as `Node::start…`. Dropping it kills
-/// berth and every instance under its data dir.
+/// berth and every instance under its data dir, then removes what an
+/// isolated berth leaves in the kernel on purpose (see
+/// [`remove_isolation_leftovers`]).
 #[derive(Debug)]
 pub struct Node(pub berth_testkit::Node);
 
@@ -50,6 +54,15 @@ impl From<berth_testkit::Node> for Node {
     }
 }
 
+impl Drop for Node {
+    fn drop(&mut self) {
+        // Instances first: their cgroups are busy while they run.
+        self.0.kill9();
+        self.0.kill_instances();
+        remove_isolation_leftovers(&self.0.data_dir);
+    }
+}
+
 impl Node {
     /// Starts berth in `dir` with `extra` TOML appended to the base config.
     pub fn start(dir: &Path, extra: &str) -> Node {
@@ -59,6 +72,22 @@ impl Node {
     /// Starts `berth <args>` in `dir` and waits for its "listening" line.
     pub fn start_with_args(dir: &Path, args: &[&str], data_dir: &Path) -> Node {
         Node(berth().start_with_args(dir, args, data_dir))
+    }
+
+    /// [`Node::start_with_args`] with `options`.
+    pub fn start_with_options(
+        dir: &Path,
+        args: &[&str],
+        data_dir: &Path,
+        options: &StartOptions,
+    ) -> Node {
+        Node(berth().start_with_options(dir, args, data_dir, options))
+    }
+
+    /// Starts berth in `dir` on exactly `config` (whose data dir must be
+    /// `dir/data`), with `options`.
+    pub fn start_configured(dir: &Path, config: &str, options: &StartOptions) -> Node {
+        Node(berth().start_configured(dir, config, options))
     }
 
     /// Starts a cluster node (PostgreSQL store) in `dir`; see
@@ -96,5 +125,58 @@ impl Node {
         extra: &str,
     ) -> Node {
         Node(berth().start_cluster_custom(dir, pg_url, node_id, secret, lease, instance, extra))
+    }
+}
+
+/// What berth at level `user` or `sandbox` leaves in the kernel on purpose
+/// when it stops (instances outlive it, guarded and limited): its nftables
+/// table and its cgroups. A test's berth is gone for good, so they go too,
+/// after its instances (the cgroups of shims killed by
+/// [`kill_instances_under`] are never removed by those shims).
+pub fn remove_isolation_leftovers(data_dir: &Path) {
+    if !nix::unistd::geteuid().is_root() {
+        return;
+    }
+    let Ok(canonical) = data_dir.canonicalize() else {
+        return;
+    };
+    let table = berth_local::isolation::nft_table_name(&canonical);
+    let _ = Command::new("nft")
+        .args(["delete", "table", "inet", &table])
+        .stderr(Stdio::null())
+        .status();
+    let parent = format!("berth-{}", table.trim_start_matches("berth_"));
+    let Ok(own) = std::fs::read_to_string("/proc/self/cgroup") else {
+        return;
+    };
+    for line in own.lines() {
+        let mut fields = line.splitn(3, ':');
+        let (Some(_), Some(controllers), Some(path)) =
+            (fields.next(), fields.next(), fields.next())
+        else {
+            continue;
+        };
+        let path = path.trim_start_matches('/');
+        for mount in controllers.split(',').chain([controllers]) {
+            let mount = if mount.is_empty() { "unified" } else { mount };
+            let dir = Path::new("/sys/fs/cgroup")
+                .join(mount)
+                .join(path)
+                .join(&parent);
+            let Ok(leaves) = std::fs::read_dir(&dir) else {
+                continue;
+            };
+            let deadline = Instant::now() + Duration::from_secs(5);
+            for leaf in leaves
+                .flatten()
+                .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
+            {
+                // Busy while its last processes finish dying.
+                while std::fs::remove_dir(leaf.path()).is_err() && Instant::now() < deadline {
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+            }
+            let _ = std::fs::remove_dir(&dir);
+        }
     }
 }

@@ -1,8 +1,7 @@
-//! What the SQLite and PostgreSQL backends share outside their SQL: the
-//! embedded-migration source, the TTL bound, the conversions between stored
-//! integers and the model's types, and the mapping of result rows onto
-//! records. The SQL text itself stays with each backend (placeholder styles
-//! and clocks differ).
+//! From rows to records, and the conversions around them: the mapping of
+//! either backend's result rows onto records, the conversions between
+//! stored integers and the model's types, the TTL bound, and the
+//! embedded-migration source each backend feeds its schema through.
 
 use std::borrow::Cow;
 use std::future::Future;
@@ -12,9 +11,7 @@ use std::time::Duration;
 use berth_core::runtime::RuntimeRef;
 use berth_core::{Instance, UserId};
 use sqlx::migrate::{Migration, MigrationSource, MigrationType};
-use sqlx::postgres::{PgRow, Postgres};
-use sqlx::sqlite::{Sqlite, SqliteRow};
-use sqlx::{Decode, Row, Type};
+use sqlx::{ColumnIndex, Decode, Row, Type};
 
 use crate::{
     LeaseRecord, MintOutcome, NodeRecord, NodeStatus, StoreError, TokenOwner, TokenRecord,
@@ -24,6 +21,28 @@ use crate::{
 /// integers (which would silently turn into a float) nor a BIGINT. Ten
 /// years.
 pub(crate) const MAX_TTL_MS: i64 = 10 * 365 * 24 * 3600 * 1000;
+
+/// Every schema version of the backend whose migrations live in
+/// `migrations/<dir>/`, as `(version, description, sql)`, embedded so a
+/// deployed binary needs no files beside it. One list for both backends: a
+/// version cannot be added to one and forgotten in the other, since each
+/// file must exist in both directories.
+macro_rules! embedded_migrations {
+    ($dir:literal) => {
+        &[
+            (1, "init", embedded_migrations!(@file $dir, "0001_init.sql")),
+            (2, "launch_params", embedded_migrations!(@file $dir, "0002_launch_params.sql")),
+            (4, "accounts", embedded_migrations!(@file $dir, "0004_accounts.sql")),
+            (5, "tokens", embedded_migrations!(@file $dir, "0005_tokens.sql")),
+            (6, "runtime_ref", embedded_migrations!(@file $dir, "0006_runtime_ref.sql")),
+            (7, "node_identity", embedded_migrations!(@file $dir, "0007_node_identity.sql")),
+        ]
+    };
+    (@file $dir:literal, $name:literal) => {
+        include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/migrations/", $dir, "/", $name))
+    };
+}
+pub(crate) use embedded_migrations;
 
 /// A backend's schema, embedded so a deployed binary needs no files beside
 /// it: `(version, description, sql)`. Fed to sqlx's `Migrator`, which
@@ -81,22 +100,17 @@ pub(crate) trait Column<T> {
     fn column(&self, name: &str) -> Result<T, StoreError>;
 }
 
-macro_rules! impl_column {
-    ($row:ty, $db:ty) => {
-        impl<T> Column<T> for $row
-        where
-            T: for<'r> Decode<'r, $db> + Type<$db>,
-        {
-            fn column(&self, name: &str) -> Result<T, StoreError> {
-                self.try_get(name)
-                    .map_err(|e| StoreError::Corrupt(format!("column {name}: {e}")))
-            }
-        }
-    };
+impl<R, T> Column<T> for R
+where
+    R: Row,
+    T: for<'r> Decode<'r, R::Database> + Type<R::Database>,
+    for<'n> &'n str: ColumnIndex<R>,
+{
+    fn column(&self, name: &str) -> Result<T, StoreError> {
+        self.try_get(name)
+            .map_err(|e| StoreError::Corrupt(format!("column {name}: {e}")))
+    }
 }
-
-impl_column!(SqliteRow, Sqlite);
-impl_column!(PgRow, Postgres);
 
 /// A row with every column type berth's records are made of.
 pub(crate) trait RecordRow:
