@@ -216,6 +216,17 @@ impl Spawner for Controller {
     }
 
     async fn status(&self, user: &UserId) -> Result<UserStatus, SpawnError> {
+        // A user whose main this node supervises has its watchdog here too,
+        // if any: memory answers both, and a node cut off from the store
+        // still knows what it runs.
+        if let Some(slot) = self.shared.users.existing(user) {
+            if slot.record(Role::Main).is_some() {
+                return Ok(UserStatus {
+                    main: self.record(user, Role::Main).await?,
+                    watchdog: slot.record(Role::Watchdog),
+                });
+            }
+        }
         Ok(UserStatus {
             main: self.record(user, Role::Main).await?,
             watchdog: self.record(user, Role::Watchdog).await?,

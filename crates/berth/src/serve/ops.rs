@@ -273,8 +273,31 @@ impl Ops {
 
     /// Stops `user`'s main and watchdog where they run; returns once they
     /// are gone.
+    ///
+    /// A node cut off from the store cannot ask it who owns the user, but
+    /// if it runs the user's main itself, it stops it here: ending what
+    /// runs here needs no lease to be safe, and a node whose instance is
+    /// frozen for want of the database must still be able to end it (it is
+    /// killed while frozen, never thawed: ARCHITECTURE.md, invariant 3).
     pub async fn stop(&self, user: &UserId, via: Via) -> Result<(), SpawnError> {
-        self.hop(user, via, &Stop).await
+        match self.hop(user, via, &Stop).await {
+            Err(SpawnError::StoreUnavailable(why)) if self.runs_here(user).await => {
+                tracing::warn!(%user, %why, "the store is unavailable; stopping the instance this node runs");
+                Stop.local(self, user).await
+            }
+            other => other,
+        }
+    }
+
+    /// Whether this node runs a live main of `user`, as far as it knows
+    /// without the store.
+    async fn runs_here(&self, user: &UserId) -> bool {
+        self.spawner
+            .status(user)
+            .await
+            .ok()
+            .and_then(|s| s.main)
+            .is_some_and(|m| m.status.is_live() && m.node == self.node_id)
     }
 
     /// Restarts `user`'s live main (resetting its crash budget) and waits
