@@ -18,14 +18,14 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use berth_core::policy::CrashState;
-use berth_core::{Epoch, Instance, InstanceStatus, Role, UnixMillis, UserId};
+use berth_core::{Epoch, Instance, InstanceStatus, Role, Slug, UnixMillis, UserId};
 use sqlx::Connection;
 use sqlx::migrate::Migrator;
 use sqlx::postgres::{PgConnectOptions, PgConnection, PgPool, PgPoolOptions};
 
 use crate::common::{
     EmbeddedMigrations, get, instance_from_row, lease_from_row, node_from_row, node_status_str,
-    parse_user, ttl_ms, widen,
+    parse_slug, parse_user, slug_taken, ttl_ms, widen,
 };
 use crate::{
     ClaimOutcome, InstanceFilter, LaunchParams, LeaseRecord, NodeRecord, Store, StoreError,
@@ -55,6 +55,11 @@ static MIGRATIONS: &[(i64, &str, &str)] = &[
         2,
         "launch_params",
         include_str!("../migrations/postgres/0002_launch_params.sql"),
+    ),
+    (
+        3,
+        "users",
+        include_str!("../migrations/postgres/0003_users.sql"),
     ),
 ];
 
@@ -825,6 +830,42 @@ impl Store for PgStore {
         row.map(|row| parse_user(get(&row, "user_id")?)).transpose()
     }
 
+    async fn user_slug(&self, user: &UserId) -> Result<Option<Slug>, StoreError> {
+        let row = sqlx::query("SELECT slug FROM users WHERE user_id = $1")
+            .bind(user.as_str())
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(|e| self.err(e))?;
+        row.map(|row| parse_slug(get(&row, "slug")?)).transpose()
+    }
+
+    async fn record_user_slug(&self, user: &UserId, slug: &Slug) -> Result<Slug, StoreError> {
+        if let Some(recorded) = self.user_slug(user).await? {
+            return Ok(recorded);
+        }
+        // A concurrent first record for the same user makes this insert do
+        // nothing (and the read below returns theirs); one for the same
+        // slug by another user fails on the slug's unique constraint.
+        let inserted = sqlx::query(concat!(
+            "INSERT INTO users (user_id, slug, created_at) VALUES ($1, $2, ",
+            now_ms!(),
+            ") ON CONFLICT (user_id) DO NOTHING RETURNING slug"
+        ))
+        .bind(user.as_str())
+        .bind(slug.as_str())
+        .fetch_optional(&self.pool)
+        .await
+        .map_err(|e| slug_taken(&e, user, slug).unwrap_or_else(|| self.err(e)))?;
+        if inserted.is_some() {
+            return Ok(slug.clone());
+        }
+        self.user_slug(user).await?.ok_or_else(|| {
+            StoreError::Query(format!(
+                "the slug of {user} was recorded concurrently but cannot be read back"
+            ))
+        })
+    }
+
     async fn heartbeat(&self, node: &NodeRecord) -> Result<(), StoreError> {
         sqlx::query(concat!(
             "INSERT INTO nodes (id, advertise_url, capacity, load, status, heartbeat) ",
@@ -941,6 +982,8 @@ mod tests {
                 .fetch_all(&store.pool)
                 .await
                 .unwrap();
-        assert_eq!(versions, [1, 2]);
+        let embedded: Vec<i64> = MIGRATIONS.iter().map(|m| m.0).collect();
+        assert_eq!(versions, embedded);
+        assert_eq!(versions[..3], [1, 2, 3]);
     }
 }

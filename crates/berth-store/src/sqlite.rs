@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use berth_core::policy::CrashState;
-use berth_core::{Epoch, Instance, InstanceStatus, Role, UnixMillis, UserId};
+use berth_core::{Epoch, Instance, InstanceStatus, Role, Slug, UnixMillis, UserId};
 use sqlx::migrate::Migrator;
 use sqlx::sqlite::{
     SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteSynchronous,
@@ -19,7 +19,7 @@ use sqlx::sqlite::{
 
 use crate::common::{
     EmbeddedMigrations, get, instance_from_row, lease_from_row, node_from_row, node_status_str,
-    parse_user, ttl_ms, widen,
+    parse_slug, parse_user, slug_taken, ttl_ms, widen,
 };
 use crate::{
     ClaimOutcome, InstanceFilter, LaunchParams, LeaseRecord, NodeRecord, Store, StoreError,
@@ -55,6 +55,11 @@ static MIGRATIONS: &[(i64, &str, &str)] = &[
         2,
         "launch_params",
         include_str!("../migrations/sqlite/0002_launch_params.sql"),
+    ),
+    (
+        3,
+        "users",
+        include_str!("../migrations/sqlite/0003_users.sql"),
     ),
 ];
 
@@ -703,6 +708,42 @@ impl Store for SqliteStore {
         row.map(|row| parse_user(get(&row, "user_id")?)).transpose()
     }
 
+    async fn user_slug(&self, user: &UserId) -> Result<Option<Slug>, StoreError> {
+        let row = sqlx::query("SELECT slug FROM users WHERE user_id = ?1")
+            .bind(user.as_str())
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(db_err)?;
+        row.map(|row| parse_slug(get(&row, "slug")?)).transpose()
+    }
+
+    async fn record_user_slug(&self, user: &UserId, slug: &Slug) -> Result<Slug, StoreError> {
+        if let Some(recorded) = self.user_slug(user).await? {
+            return Ok(recorded);
+        }
+        // A concurrent first record for the same user makes this insert do
+        // nothing (and the read below returns theirs); one for the same
+        // slug by another user fails on the slug's unique constraint.
+        let inserted = sqlx::query(concat!(
+            "INSERT INTO users (user_id, slug, created_at) VALUES (?1, ?2, ",
+            now_ms!(),
+            ") ON CONFLICT (user_id) DO NOTHING RETURNING slug"
+        ))
+        .bind(user.as_str())
+        .bind(slug.as_str())
+        .fetch_optional(&self.pool)
+        .await
+        .map_err(|e| slug_taken(&e, user, slug).unwrap_or_else(|| db_err(e)))?;
+        if inserted.is_some() {
+            return Ok(slug.clone());
+        }
+        self.user_slug(user).await?.ok_or_else(|| {
+            StoreError::Query(format!(
+                "the slug of {user} was recorded concurrently but cannot be read back"
+            ))
+        })
+    }
+
     async fn heartbeat(&self, node: &NodeRecord) -> Result<(), StoreError> {
         sqlx::query(concat!(
             "INSERT INTO nodes (id, advertise_url, capacity, load, status, heartbeat) ",
@@ -885,6 +926,28 @@ mod tests {
                 .is_empty()
         );
         assert_eq!(store.leases_held_by("node-a").await.unwrap().len(), 10_000);
+    }
+
+    /// The schema refuses a slug that is not a DNS label even from a writer
+    /// that bypasses `Slug::parse`: a stored slug becomes a path.
+    #[tokio::test]
+    async fn the_users_table_refuses_slugs_that_are_not_dns_labels() {
+        let store = SqliteStore::open("sqlite::memory:").await.unwrap();
+        let too_long = "a".repeat(44);
+        for bad in ["", "a/b", "..", "-a", "a-", "A", too_long.as_str()] {
+            let result =
+                sqlx::query("INSERT INTO users (user_id, slug, created_at) VALUES ('u', ?1, 0)")
+                    .bind(bad)
+                    .execute(&store.pool)
+                    .await;
+            assert!(result.is_err(), "{bad:?} was accepted");
+        }
+        let longest = "a".repeat(43);
+        sqlx::query("INSERT INTO users (user_id, slug, created_at) VALUES ('u', ?1, 0)")
+            .bind(&longest)
+            .execute(&store.pool)
+            .await
+            .unwrap();
     }
 
     #[tokio::test]
