@@ -116,6 +116,7 @@ impl LocalSpawner {
             heartbeat_lock: tokio::sync::Mutex::new(()),
             shims,
         });
+        inner.keep_earlier_data_roots().await;
         if let Err(e) = inner.reattach().await {
             // Supervisors started for instances adopted so far must not
             // outlive a spawner that failed to start.
@@ -245,7 +246,7 @@ impl LocalSpawner {
         let inner = Arc::clone(&self.inner);
         let user = user.clone();
         self.run_detached(async move {
-            let slot = inner.slot(&user);
+            let slot = inner.slot(&user).await?;
             let _guard = slot.lifecycle.lock().await;
             // Waited for the lock while berth began to stop: start nothing.
             if inner.cancel.is_cancelled() {
@@ -291,6 +292,14 @@ impl Spawner for LocalSpawner {
     }
 
     async fn restart_main(&self, user: &UserId) -> Result<Instance, SpawnError> {
+        // A user this node has never seen has no main here to restart (and
+        // gets no slug recorded for asking).
+        if self.inner.existing_slot(user).is_none() {
+            return Err(SpawnError::NotFound {
+                user: user.clone(),
+                what: "live main instance",
+            });
+        }
         self.run_locked(user, |inner, slot| async move {
             let (folder, patch) = {
                 let state = slot.lock();
@@ -371,10 +380,20 @@ impl Spawner for LocalSpawner {
     }
 
     async fn spawn_watchdog(&self, user: &UserId) -> Result<Instance, SpawnError> {
+        // Refused before anything is recorded (invariant 6).
+        if self.inner.config.watchdog_command.is_none() {
+            return Err(SpawnError::NotFound {
+                user: user.clone(),
+                what: "watchdog command",
+            });
+        }
         let inner = Arc::clone(&self.inner);
-        let slot = inner.slot(user);
-        self.run_detached(async move { inner.spawn_watchdog(&slot, None).await })
-            .await
+        let user = user.clone();
+        self.run_detached(async move {
+            let slot = inner.slot(&user).await?;
+            inner.spawn_watchdog(&slot, None).await
+        })
+        .await
     }
 
     async fn status(&self, user: &UserId) -> Result<UserStatus, SpawnError> {
@@ -536,8 +555,15 @@ impl Spawner for LocalSpawner {
     }
 
     async fn logs(&self, user: &UserId, tail: usize) -> Result<Vec<String>, SpawnError> {
-        let path =
-            crate::paths::UserPaths::new(&self.inner.config.data_dir, &user.slug()).log(Role::Main);
+        // The recorded slug names the log; a user without one never ran.
+        let slug = match self.inner.existing_slot(user) {
+            Some(slot) => slot.slug.clone(),
+            None => match self.inner.store.user_slug(user).await? {
+                Some(slug) => slug,
+                None => return Ok(Vec::new()),
+            },
+        };
+        let path = crate::paths::UserPaths::new(&self.inner.config.data_dir, &slug).log(Role::Main);
         let read = tokio::task::spawn_blocking(move || match std::fs::File::open(&path) {
             Ok(mut file) => tail_lines(&mut file, tail),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Vec::new()),
