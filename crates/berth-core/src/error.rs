@@ -18,6 +18,12 @@ pub enum ErrorCode {
     SpawnFailed,
     CapacityExhausted,
     StoreUnavailable,
+    /// A user holds as many long-lived streams (WebSockets, progress
+    /// streams) as one user may (`[proxy] max_upgrades_per_user`).
+    TooManyStreams,
+    /// The request body arrived too slowly (`[proxy] body_min_bytes_per_s`,
+    /// `body_grace_ms`).
+    RequestTimeout,
     Internal,
 }
 
@@ -37,6 +43,8 @@ impl ErrorCode {
             ErrorCode::SpawnFailed => "spawn_failed",
             ErrorCode::CapacityExhausted => "capacity_exhausted",
             ErrorCode::StoreUnavailable => "store_unavailable",
+            ErrorCode::TooManyStreams => "too_many_streams",
+            ErrorCode::RequestTimeout => "request_timeout",
             ErrorCode::Internal => "internal",
         }
     }
@@ -49,7 +57,9 @@ impl ErrorCode {
             ErrorCode::Forbidden => 403,
             ErrorCode::NotFound => 404,
             ErrorCode::AlreadyRunning | ErrorCode::LeaseBusy => 409,
+            ErrorCode::RequestTimeout => 408,
             ErrorCode::PayloadTooLarge => 413,
+            ErrorCode::TooManyStreams => 429,
             ErrorCode::SpawnFailed | ErrorCode::Internal => 500,
             ErrorCode::InstanceCircuitOpen
             | ErrorCode::InstanceStarting

@@ -17,7 +17,11 @@
 //! * `Connection: upgrade` requests (WebSocket) go through hyper's pooled
 //!   client (its connection tasks hand the upgraded stream over) and become
 //!   a raw byte tunnel once both sides have switched protocols; at most
-//!   `max_upgrades` exist at a time.
+//!   `max_upgrades` long-lived streams exist at a time, and at most
+//!   `max_upgrades_per_user` for one user ([`StreamLimits`], which the
+//!   API's progress streams share).
+//! * A request body that falls behind its pace ([`crate::pace`]) fails the
+//!   exchange with `408 request_timeout`, and the client connection closes.
 
 use std::future::Future;
 use std::io;
@@ -27,10 +31,10 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
-use berth_core::{Spawner, UserId};
+use berth_core::{ErrorCode, Spawner, UserId};
 use bytes::Bytes;
 use http_body_util::{Either, Empty};
-use hyper::body::{Body as _, Incoming};
+use hyper::body::Body as _;
 use hyper::header::{self, HeaderMap, HeaderName, HeaderValue};
 use hyper::http::uri::{Authority, PathAndQuery, Scheme};
 use hyper::{Method, Request, Response, StatusCode, Uri, Version};
@@ -38,15 +42,17 @@ use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
+use crate::RequestBody;
+use crate::limits::{StreamLimits, StreamPermit, StreamRefused};
+use crate::pace::BodyTooSlow;
 use crate::pool::{Conn, ForwardedBody, Pool};
 use crate::respond::{self, ProxyBody};
 
 /// The body sent upstream: the client's, or nothing (a retry).
-pub type UpstreamBody = Either<Incoming, Empty<Bytes>>;
+pub type UpstreamBody = Either<RequestBody, Empty<Bytes>>;
 
 static X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 static X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
@@ -77,8 +83,11 @@ const TUNNEL_TOUCH_EVERY: Duration = Duration::from_secs(1);
 /// Forwarding settings.
 #[derive(Debug, Clone)]
 pub struct ForwardConfig {
-    /// Concurrent upgraded connections (WebSockets); more get 503.
+    /// Concurrent long-lived streams (WebSockets and other upgrades, and
+    /// the API's progress streams) on this node; more get 503.
     pub max_upgrades: usize,
+    /// Concurrent long-lived streams of one user; more get 429.
+    pub max_upgrades_per_user: usize,
     pub connect_timeout: Duration,
     /// How long an unused upstream connection stays in the pool.
     pub pool_idle_timeout: Duration,
@@ -89,6 +98,7 @@ impl Default for ForwardConfig {
     fn default() -> Self {
         Self {
             max_upgrades: 10_000,
+            max_upgrades_per_user: 100,
             connect_timeout: Duration::from_secs(5),
             pool_idle_timeout: Duration::from_secs(60),
             pool_max_idle_per_host: 64,
@@ -160,7 +170,7 @@ pub struct Forwarder {
     client: Client<HttpConnector, UpstreamBody>,
     connector: HttpConnector,
     pool: Arc<Pool>,
-    upgrades: Arc<Semaphore>,
+    streams: Arc<StreamLimits>,
     spawner: Arc<dyn Spawner>,
     tasks: TaskTracker,
     cancel: CancellationToken,
@@ -169,7 +179,7 @@ pub struct Forwarder {
 impl std::fmt::Debug for Forwarder {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Forwarder")
-            .field("free_upgrades", &self.upgrades.available_permits())
+            .field("free_upgrades", &self.streams.free())
             .finish_non_exhaustive()
     }
 }
@@ -246,7 +256,7 @@ impl Forwarder {
             client,
             connector,
             pool,
-            upgrades: Arc::new(Semaphore::new(config.max_upgrades)),
+            streams: StreamLimits::new(config.max_upgrades, config.max_upgrades_per_user),
             spawner,
             tasks,
             cancel,
@@ -255,14 +265,20 @@ impl Forwarder {
 
     /// Free upgrade slots (for tests and metrics).
     pub fn free_upgrades(&self) -> usize {
-        self.upgrades.available_permits()
+        self.streams.free()
+    }
+
+    /// The counts of long-lived streams, which the API's progress streams
+    /// share with upgrades.
+    pub fn streams(&self) -> &Arc<StreamLimits> {
+        &self.streams
     }
 
     /// Forwards `req` to `to` and returns the upstream's response, or a
     /// 502/503 of our own.
     pub async fn forward(
         &self,
-        mut req: Request<Incoming>,
+        mut req: Request<RequestBody>,
         to: Upstream,
         conn: &ConnInfo,
         keep_forwarded_user: bool,
@@ -271,16 +287,9 @@ impl Forwarder {
         let upgrade = wants_upgrade(req.headers());
         let mut upgrade_slot = None;
         let client_upgrade = if upgrade {
-            match self.upgrades.clone().try_acquire_owned() {
+            match self.streams.acquire(&to.user) {
                 Ok(permit) => upgrade_slot = Some(permit),
-                Err(_) => {
-                    return respond::json_error(
-                        StatusCode::SERVICE_UNAVAILABLE,
-                        "too_many_upgrades",
-                        "too many upgraded connections (WebSockets) are open; try again later",
-                        &[],
-                    );
-                }
+                Err(refused) => return stream_refused(&refused),
             }
             Some(hyper::upgrade::on(&mut req))
         } else {
@@ -314,6 +323,10 @@ impl Forwarder {
         let mut response = match result {
             Ok(response) => response,
             Err(Failure::Stale(e) | Failure::Refused(e) | Failure::Fatal(e)) => {
+                if BodyTooSlow::caused(e.as_ref()) {
+                    tracing::debug!(user = %to.user, error = %e, "request body too slow; cut off");
+                    return body_too_slow(&e);
+                }
                 tracing::debug!(user = %to.user, upstream = %to.authority, error = %e, "upstream request failed");
                 return bad_gateway("the instance did not answer");
             }
@@ -348,7 +361,7 @@ impl Forwarder {
         &self,
         to: &Upstream,
         parts: hyper::http::request::Parts,
-        body: Incoming,
+        body: RequestBody,
     ) -> Result<Response<ForwardedBody>, Failure> {
         let (mut conn, mut reused) = match self.pool.checkout(&to.authority) {
             Some(conn) => (conn, true),
@@ -482,7 +495,7 @@ impl Forwarder {
         &self,
         client: hyper::upgrade::OnUpgrade,
         upstream: hyper::upgrade::OnUpgrade,
-        permit: OwnedSemaphorePermit,
+        permit: StreamPermit,
         user: Arc<UserId>,
     ) {
         let spawner = self.spawner.clone();
@@ -514,6 +527,39 @@ impl Forwarder {
 
 fn bad_gateway(message: &str) -> Response<ProxyBody> {
     respond::json_error(StatusCode::BAD_GATEWAY, "bad_gateway", message, &[])
+}
+
+/// A long-lived stream refused: 503 when the node is full, 429 when the
+/// user is at their own cap.
+pub fn stream_refused(refused: &StreamRefused) -> Response<ProxyBody> {
+    let code = match refused {
+        StreamRefused::Total(_) => ErrorCode::CapacityExhausted,
+        StreamRefused::PerUser { .. } => ErrorCode::TooManyStreams,
+    };
+    respond::code_error(code, &refused.to_string())
+}
+
+/// The client fell behind its body's pace: 408, and the connection closes
+/// (the rest of the body is never read).
+fn body_too_slow(error: &BoxError) -> Response<ProxyBody> {
+    let message = error_chain_text(error.as_ref());
+    let mut response = respond::code_error(ErrorCode::RequestTimeout, &message);
+    response
+        .headers_mut()
+        .insert(header::CONNECTION, HeaderValue::from_static("close"));
+    response
+}
+
+/// The message of the [`BodyTooSlow`] in `error`'s chain.
+fn error_chain_text(error: &(dyn std::error::Error + 'static)) -> String {
+    let mut source = Some(error);
+    while let Some(e) = source {
+        if let Some(slow) = e.downcast_ref::<BodyTooSlow>() {
+            return slow.to_string();
+        }
+        source = e.source();
+    }
+    error.to_string()
 }
 
 fn is_idempotent(method: &Method) -> bool {

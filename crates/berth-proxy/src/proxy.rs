@@ -6,17 +6,18 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use berth_core::{ErrorCode, Spawner};
-use hyper::body::Incoming;
 use hyper::header::HeaderValue;
 use hyper::{Request, Response, StatusCode};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
+use crate::RequestBody;
 use crate::auth::{
     AuthMode, Authenticator, CLUSTER_SECRET, CLUSTER_USER, ClusterSecret, Credential, Gate,
     TrustedProxies, strip_credentials,
 };
 use crate::forward::{ConnInfo, ForwardConfig, Forwarder, Upstream};
+use crate::limits::StreamLimits;
 use crate::respond::{self, ProxyBody};
 use crate::route::{Class, RouteError, RouteTable, Router, Target};
 use crate::wake::{ClusterHook, Locate, Wake, Waker};
@@ -118,6 +119,13 @@ impl Proxy {
         self.forwarder.free_upgrades()
     }
 
+    /// The counts of long-lived streams per user and in all: WebSockets
+    /// take a slot here, and so must every other long-lived stream berth
+    /// serves (the API's progress streams).
+    pub fn streams(&self) -> &Arc<StreamLimits> {
+        self.forwarder.streams()
+    }
+
     /// Per-connection facts, computed once per connection.
     pub fn conn_info(&self, peer: SocketAddr) -> ConnInfo {
         ConnInfo::new(peer, self.gate.trusted().contains(peer.ip()))
@@ -129,7 +137,7 @@ impl Proxy {
     }
 
     /// Answers a request for a user's instance.
-    pub async fn handle(&self, req: Request<Incoming>, conn: &ConnInfo) -> Response<ProxyBody> {
+    pub async fn handle(&self, req: Request<RequestBody>, conn: &ConnInfo) -> Response<ProxyBody> {
         let (route, path_and_query, progress_url, navigation, credential) = {
             let target = match self.router.target(req.headers(), req.uri()) {
                 Ok(Some(target)) => target,
@@ -215,7 +223,7 @@ impl Proxy {
     /// already removed.
     async fn forward_remote(
         &self,
-        mut req: Request<Incoming>,
+        mut req: Request<RequestBody>,
         user: Arc<berth_core::UserId>,
         endpoint: hyper::http::uri::Authority,
         node: &str,

@@ -2,11 +2,15 @@
 //! connection-level limits, and sends each request to the proxy or to the
 //! fallback service (berth's API).
 //!
-//! Limits: a header read timeout (a slowloris client is cut off), a request
-//! header size limit (hyper answers `431`), and the proxy's cap on
-//! concurrent upgrades. On shutdown the listener closes, idle connections
-//! close, in-flight requests get `shutdown_grace` to finish, and whatever
-//! is left is then cut.
+//! Limits: a cap on open connections, in all and per client address (a
+//! connection over either is closed at once, before anything is read); a
+//! header read timeout (a slowloris client is cut off; it also closes
+//! idle keep-alive connections); a request header size limit (hyper
+//! answers `431`); a minimum pace for request bodies (a trickling client
+//! is cut off, see [`crate::pace`]); and the proxy's caps on long-lived
+//! streams. On shutdown the listener closes, idle connections close,
+//! in-flight requests get `shutdown_grace` to finish, and whatever is left
+//! is then cut.
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -26,7 +30,10 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tower_service::Service;
 
+use crate::RequestBody;
 use crate::forward::ConnInfo;
+use crate::limits::ConnLimits;
+use crate::pace::{BodyPace, PacedBody};
 use crate::proxy::{Proxy, route_error};
 use crate::respond::ProxyBody;
 use crate::route::Class;
@@ -40,6 +47,13 @@ pub struct ServerConfig {
     pub max_header_bytes: usize,
     /// How long in-flight requests may run on after shutdown begins.
     pub shutdown_grace: Duration,
+    /// Open client connections at most; one more is closed at once.
+    pub max_connections: usize,
+    /// Open connections at most from one client address (an IPv4 address
+    /// or an IPv6 /64); trusted proxies count only towards the total.
+    pub max_connections_per_ip: usize,
+    /// How fast request bodies must arrive; `None`: no bound.
+    pub body_pace: Option<BodyPace>,
 }
 
 impl Default for ServerConfig {
@@ -48,6 +62,9 @@ impl Default for ServerConfig {
             header_read_timeout: Duration::from_secs(10),
             max_header_bytes: 64 * 1024,
             shutdown_grace: Duration::from_secs(10),
+            max_connections: 10_000,
+            max_connections_per_ip: 512,
+            body_pace: Some(BodyPace::default()),
         }
     }
 }
@@ -62,9 +79,13 @@ struct Shared<F> {
 
 impl<F, B> Shared<F>
 where
-    F: Service<Request<Incoming>, Response = Response<B>, Error = Infallible> + Clone,
+    F: Service<Request<RequestBody>, Response = Response<B>, Error = Infallible> + Clone,
 {
-    async fn dispatch(&self, req: Request<Incoming>, conn: &ConnInfo) -> Response<ServerBody<B>> {
+    async fn dispatch(
+        &self,
+        req: Request<RequestBody>,
+        conn: &ConnInfo,
+    ) -> Response<ServerBody<B>> {
         match self.proxy.classify(&req) {
             Class::Proxy => self.proxy.handle(req, conn).await.map(Either::Left),
             Class::Fallback => {
@@ -85,7 +106,8 @@ where
 /// Serves `listener` until `shutdown` completes, then drains.
 ///
 /// Requests for user routes go to `proxy`; everything else to `fallback`
-/// (for berth, the API router). Does not stop the proxy's own background
+/// (for berth, the API router), both with their bodies paced
+/// ([`ServerConfig::body_pace`]). Does not stop the proxy's own background
 /// tasks: call [`Proxy::shutdown`] afterwards.
 pub async fn serve<F, B>(
     listener: TcpListener,
@@ -95,7 +117,7 @@ pub async fn serve<F, B>(
     shutdown: impl Future<Output = ()>,
 ) -> io::Result<()>
 where
-    F: Service<Request<Incoming>, Response = Response<B>, Error = Infallible>
+    F: Service<Request<RequestBody>, Response = Response<B>, Error = Infallible>
         + Clone
         + Send
         + Sync
@@ -111,6 +133,8 @@ where
         .keep_alive(true);
     let http = Arc::new(http);
     let shared = Arc::new(Shared { proxy, fallback });
+    let limits = ConnLimits::new(config.max_connections, config.max_connections_per_ip);
+    let body_pace = config.body_pace;
     let connections = TaskTracker::new();
     let draining = CancellationToken::new();
     let cut = CancellationToken::new();
@@ -135,16 +159,29 @@ where
                 }
             },
         };
+        let conn = shared.proxy.conn_info(peer);
+        let permit = match limits.admit(peer.ip(), conn.trusted) {
+            Ok(permit) => permit,
+            Err(refused) => {
+                // Closed before anything is read or spent on it. Debug, not
+                // warn: a flood would otherwise flood the log too.
+                tracing::debug!(%peer, %refused, "connection refused");
+                drop(stream);
+                continue;
+            }
+        };
         let _ = stream.set_nodelay(true);
-        let conn = Arc::new(shared.proxy.conn_info(peer));
+        let conn = Arc::new(conn);
         let shared = shared.clone();
         let http = http.clone();
         let draining = draining.clone();
         let cut = cut.clone();
         connections.spawn(async move {
-            let service = service_fn(move |req| {
+            let _permit = permit;
+            let service = service_fn(move |req: Request<Incoming>| {
                 let shared = shared.clone();
                 let conn = conn.clone();
+                let req = req.map(|body| PacedBody::new(body, body_pace));
                 async move { Ok::<_, Infallible>(shared.dispatch(req, &conn).await) }
             });
             let connection = http

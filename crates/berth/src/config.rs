@@ -158,8 +158,24 @@ pub struct ProxyConfig {
     pub header_timeout_ms: u64,
     /// Largest request head in bytes; larger gets `431`.
     pub max_header_bytes: usize,
-    /// Concurrent WebSocket/upgraded connections; more get `503`.
+    /// Concurrent long-lived streams on this node: WebSockets (and other
+    /// upgrades) and API progress streams; more get `503`.
     pub max_upgrades: usize,
+
+    // --- exhaustion limits (issue 9) -----------------------------------------
+    /// Open client connections at most; more are closed at once.
+    pub max_connections: usize,
+    /// Open connections at most from one client address (an IPv4 address
+    /// or an IPv6 /64); `trusted_proxies` count only towards the total.
+    pub max_connections_per_ip: usize,
+    /// Concurrent long-lived streams of one user (WebSockets to their app,
+    /// progress streams of their instance); more get `429`.
+    pub max_upgrades_per_user: usize,
+    /// Request bodies must arrive at this average rate at least…
+    pub body_min_bytes_per_s: u64,
+    /// …and may stall (or fall behind the rate) by at most this long; then
+    /// the request fails (`408`) and its connection closes. 0: no bound.
+    pub body_grace_ms: u64,
 }
 
 impl Default for Config {
@@ -264,6 +280,11 @@ impl Default for ProxyConfig {
             header_timeout_ms: 10_000,
             max_header_bytes: 64 * 1024,
             max_upgrades: 10_000,
+            max_connections: 10_000,
+            max_connections_per_ip: 512,
+            max_upgrades_per_user: 100,
+            body_min_bytes_per_s: 1024,
+            body_grace_ms: 10_000,
         }
     }
 }
@@ -982,6 +1003,25 @@ impl Config {
                 format!("{bad:?} is not an IP address or CIDR block"),
             ));
         }
+        for (key, value) in [
+            ("proxy.max_connections", p.max_connections),
+            ("proxy.max_connections_per_ip", p.max_connections_per_ip),
+            ("proxy.max_upgrades", p.max_upgrades),
+            ("proxy.max_upgrades_per_user", p.max_upgrades_per_user),
+        ] {
+            if value == 0 {
+                return Err(self.invalid(key, "must be at least 1 (0 would refuse everything)"));
+            }
+        }
+        if p.max_connections_per_ip > p.max_connections {
+            return Err(self.invalid(
+                "proxy.max_connections_per_ip",
+                format!(
+                    "{} is more than max_connections ({})",
+                    p.max_connections_per_ip, p.max_connections
+                ),
+            ));
+        }
         Ok(())
     }
 }
@@ -1378,6 +1418,95 @@ mod tests {
         assert!(c.validate_proxy().is_ok());
         let c = parse("[proxy]\ntrusted_proxies = [\"10.0.0.0/33\"]\n").unwrap();
         assert!(c.validate_proxy().is_err());
+    }
+
+    #[test]
+    fn exhaustion_limits_are_read_and_checked_naming_key_and_line() {
+        let c = parse(
+            "[proxy]
+max_connections = 100
+max_connections_per_ip = 10
+             max_upgrades_per_user = 5
+body_min_bytes_per_s = 100
+body_grace_ms = 3000
+",
+        )
+        .unwrap();
+        assert!(c.validate_proxy().is_ok());
+        let p = &c.proxy;
+        assert_eq!(
+            (
+                p.max_connections,
+                p.max_connections_per_ip,
+                p.max_upgrades_per_user,
+                p.body_min_bytes_per_s,
+                p.body_grace_ms
+            ),
+            (100, 10, 5, 100, 3000)
+        );
+        let d = Config::default().proxy;
+        assert_eq!(
+            (
+                d.max_connections,
+                d.max_connections_per_ip,
+                d.max_upgrades_per_user
+            ),
+            (10_000, 512, 100)
+        );
+        assert_eq!((d.body_min_bytes_per_s, d.body_grace_ms), (1024, 10_000));
+        for (text, key) in [
+            (
+                "[proxy]
+max_connections_per_ip = 0
+",
+                "proxy.max_connections_per_ip",
+            ),
+            (
+                "[proxy]
+max_upgrades_per_user = 0
+",
+                "proxy.max_upgrades_per_user",
+            ),
+            (
+                "[proxy]
+max_connections = 0
+",
+                "proxy.max_connections",
+            ),
+        ] {
+            let msg = parse(text)
+                .unwrap()
+                .validate_proxy()
+                .unwrap_err()
+                .to_string();
+            assert!(
+                msg.contains(key) && msg.contains("line 2") && msg.contains("at least 1"),
+                "{msg}"
+            );
+        }
+        let msg = parse(
+            "[proxy]
+max_connections = 10
+max_connections_per_ip = 20
+",
+        )
+        .unwrap()
+        .validate_proxy()
+        .unwrap_err()
+        .to_string();
+        assert!(
+            msg.contains("proxy.max_connections_per_ip")
+                && msg.contains("more than max_connections"),
+            "{msg}"
+        );
+        let msg = parse(
+            "[proxy]
+max_upgrades_per_user = -1
+",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(msg.contains("proxy.max_upgrades_per_user"), "{msg}");
     }
 
     #[test]

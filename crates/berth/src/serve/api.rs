@@ -53,6 +53,9 @@ pub struct ApiState {
     pub cluster_secret: Option<berth_proxy::auth::ClusterSecret>,
     /// This node's status (drain/undrain).
     pub node_control: Arc<dyn NodeControl>,
+    /// Long-lived streams per user and in all, shared with the proxy's
+    /// WebSockets: a progress stream takes a slot for as long as it is open.
+    pub streams: Arc<berth_proxy::limits::StreamLimits>,
 }
 
 type AppState = State<Arc<ApiState>>;
@@ -529,6 +532,15 @@ async fn progress(
     state: &Arc<ApiState>,
     user: UserId,
 ) -> ApiResult<Sse<impl Stream<Item = Result<Event, Infallible>> + use<>>> {
+    // A slot for as long as the stream is open (the stream owns it), so
+    // one user's many streams cannot starve the others.
+    let permit = state.streams.acquire(&user).map_err(|refused| {
+        let code = match refused {
+            berth_proxy::limits::StreamRefused::Total(_) => ErrorCode::CapacityExhausted,
+            berth_proxy::limits::StreamRefused::PerUser { .. } => ErrorCode::TooManyStreams,
+        };
+        ApiError::new(code, refused.to_string())
+    })?;
     // Subscribe before reading the status so no change falls in between.
     let events = state.spawner.subscribe();
     let main = state.spawner.status(&user).await?.main;
@@ -562,6 +574,8 @@ async fn progress(
         /// Polled instead of `events`: the spawner (whose `status` reads
         /// the store for another node's instance) and the last state sent.
         poll: Option<(Arc<dyn Spawner>, (InstanceStatus, bool))>,
+        /// Held until the stream is dropped (finished, or the client left).
+        _permit: berth_proxy::limits::StreamPermit,
     }
     let follow = stream::unfold(
         Follow {
@@ -569,6 +583,7 @@ async fn progress(
             user,
             done: done_already,
             poll,
+            _permit: permit,
         },
         |mut f| async move {
             loop {
