@@ -230,16 +230,21 @@ struct UserQuery {
     tail: Option<usize>,
 }
 
-/// Dispatches `/api/v1/users/<user>/<action>`.
-async fn user_route(
-    State(state): AppState,
-    method: Method,
-    uri: Uri,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Response {
-    let result = match Query::<UserQuery>::try_from_uri(&uri) {
-        Ok(Query(query)) => dispatch_user_route(&state, method, &uri, &headers, query, body).await,
+/// Dispatches `/api/v1/users/<user>/<action>`. The caller is
+/// authenticated before a byte of the body is read (design §8.2): an
+/// anonymous client cannot make berth buffer anything.
+async fn user_route(State(state): AppState, req: axum::extract::Request) -> Response {
+    let (parts, body) = req.into_parts();
+    let result = match Query::<UserQuery>::try_from_uri(&parts.uri) {
+        Ok(Query(query)) => match state.caller(&parts.headers).await {
+            Ok(caller) => match read_body(body).await {
+                Ok(body) => {
+                    dispatch_user_route(&state, caller, parts.method, &parts.uri, query, body).await
+                }
+                Err(e) => Err(e),
+            },
+            Err(e) => Err(e),
+        },
         Err(e) => Err(ApiError::new(ErrorCode::InvalidRequest, e.body_text())),
     };
     match result {
@@ -251,11 +256,33 @@ async fn user_route(
     }
 }
 
+/// Reads a request body of at most [`MAX_BODY_BYTES`].
+async fn read_body(body: axum::body::Body) -> ApiResult<Bytes> {
+    axum::body::to_bytes(body, MAX_BODY_BYTES)
+        .await
+        .map_err(|e| {
+            let cause = std::error::Error::source(&e);
+            if cause.is_some_and(|c| c.is::<http_body_util::LengthLimitError>()) {
+                ApiError::new(
+                    ErrorCode::PayloadTooLarge,
+                    format!("the request body is larger than {MAX_BODY_BYTES} bytes"),
+                )
+            } else if cause.is_some_and(berth_proxy::BodyTooSlow::caused) {
+                ApiError::new(ErrorCode::RequestTimeout, e.to_string())
+            } else {
+                ApiError::new(
+                    ErrorCode::InvalidRequest,
+                    format!("cannot read the body: {e}"),
+                )
+            }
+        })
+}
+
 async fn dispatch_user_route(
     state: &Arc<ApiState>,
+    caller: Caller,
     method: Method,
     uri: &Uri,
-    headers: &HeaderMap,
     query: UserQuery,
     body: Bytes,
 ) -> ApiResult {
@@ -264,9 +291,9 @@ async fn dispatch_user_route(
         .strip_prefix("/api/v1/users/")
         .unwrap_or_default();
     let (raw_user, action) = rest.split_once('/').unwrap_or((rest, ""));
-    // Authenticate before validating input, so unauthenticated callers learn
-    // nothing about which ids exist or are valid.
-    let caller = state.caller(headers).await?;
+    // The caller was authenticated before validating input, so
+    // unauthenticated callers learn nothing about which ids exist or are
+    // valid.
     let user = parse_user_segment(raw_user)?;
     let self_service = matches!(
         (&method, action),
