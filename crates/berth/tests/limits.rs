@@ -87,7 +87,8 @@ fn sample_rss(pid: u32, done: Arc<AtomicBool>, max: Arc<AtomicU64>) -> tokio::ta
 /// The attack of issue 9: 200 clients announce 1 MiB bodies without a
 /// token, send half and go quiet. berth must answer each 401 without
 /// reading (let alone buffering) the body, and close: its memory barely
-/// moves. Half go to the API, half to the proxy.
+/// moves. A third go to the API, a third to the proxy, and a third to the
+/// node-to-node routes (which a single node answers 404, unread, too).
 #[tokio::test(flavor = "multi_thread")]
 async fn two_hundred_half_sent_unauthenticated_bodies_get_401_in_flat_memory() {
     let dir = tempfile::tempdir().unwrap();
@@ -107,13 +108,14 @@ async fn two_hundred_half_sent_unauthenticated_bodies_get_401_in_flat_memory() {
     let sampler = sample_rss(pid, done.clone(), max.clone());
 
     let half = Arc::new(vec![b'{'; MIB / 2]);
+    let targets = [
+        ("/api/v1/users/alice/instance", 401),
+        ("/u/alice/upload", 401),
+        ("/internal/v1/users/alice/launch", 404),
+    ];
     let clients: Vec<_> = (0..200)
         .map(|i| {
-            let path = if i % 2 == 0 {
-                "/api/v1/users/alice/instance".to_owned()
-            } else {
-                "/u/alice/upload".to_owned()
-            };
+            let path = targets[i % 3].0;
             let head = format!(
                 "POST {path} HTTP/1.1\r\nHost: berth.test\r\nContent-Type: application/json\r\n\
                  Content-Length: {MIB}\r\n\r\n"
@@ -129,7 +131,8 @@ async fn two_hundred_half_sent_unauthenticated_bodies_get_401_in_flat_memory() {
     sampler.await.unwrap();
 
     for (i, outcome) in outcomes.iter().enumerate() {
-        assert_eq!(*outcome, Outcome::Answered(401), "client {i}");
+        let (path, status) = targets[i % 3];
+        assert_eq!(*outcome, Outcome::Answered(status), "client {i}: {path}");
     }
     let growth_mib = max.load(Ordering::Relaxed).saturating_sub(baseline) / 1024;
     eprintln!("berth's RSS: {baseline} KiB before, +{growth_mib} MiB at most during the attack");

@@ -816,13 +816,16 @@ struct FenceBody {
 
 /// `/internal/v1/users/<user>/{launch,fence}`: calls from other nodes,
 /// authenticated by the cluster secret alone.
-async fn internal_route(
-    State(state): AppState,
-    uri: Uri,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Response {
-    let result = internal_dispatch(&state, &uri, &headers, &body).await;
+async fn internal_route(State(state): AppState, req: axum::extract::Request) -> Response {
+    // The secret is checked before a byte of the body is read.
+    let (parts, body) = req.into_parts();
+    let result = match check_cluster_secret(&state, &parts.headers) {
+        Ok(()) => match read_body(body).await {
+            Ok(body) => internal_dispatch(&state, &parts.uri, &body).await,
+            Err(e) => Err(e),
+        },
+        Err(e) => Err(e),
+    };
     match result {
         Ok(response) => response,
         Err(err) => {
@@ -832,12 +835,9 @@ async fn internal_route(
     }
 }
 
-async fn internal_dispatch(
-    state: &Arc<ApiState>,
-    uri: &Uri,
-    headers: &HeaderMap,
-    body: &[u8],
-) -> ApiResult {
+/// Node-to-node routes exist only in cluster mode, and only for callers
+/// with the cluster secret.
+fn check_cluster_secret(state: &ApiState, headers: &HeaderMap) -> ApiResult<()> {
     let Some(secret) = &state.cluster_secret else {
         return Err(ApiError::new(
             ErrorCode::NotFound,
@@ -850,6 +850,10 @@ async fn internal_dispatch(
             "node-to-node calls need the cluster secret in X-Berth-Cluster-Secret",
         ));
     }
+    Ok(())
+}
+
+async fn internal_dispatch(state: &Arc<ApiState>, uri: &Uri, body: &[u8]) -> ApiResult {
     let rest = uri
         .path()
         .strip_prefix("/internal/v1/users/")
