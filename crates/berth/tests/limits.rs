@@ -224,6 +224,18 @@ async fn a_body_trickled_at_one_byte_per_two_seconds_is_cut_off() {
     assert_eq!(r.status(), 200);
     let counted: serde_json::Value = r.json().await.unwrap();
     assert_eq!(counted["bytes"].as_u64(), Some(4 * MIB as u64));
+    // The API still bounds its bodies by size, read after authentication.
+    let r = node
+        .http
+        .post(node.api("/users/bob/instance"))
+        .bearer_auth(token)
+        .body(vec![b' '; 2 * MIB])
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 413);
+    let body: serde_json::Value = r.json().await.unwrap();
+    assert_eq!(body["error"], "payload_too_large", "{body}");
 }
 
 async fn websocket(
