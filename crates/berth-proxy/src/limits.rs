@@ -113,7 +113,7 @@ impl ConnLimits {
         };
         Ok(ConnPermit {
             limits: self.clone(),
-            client,
+            client: Mutex::new(client),
         })
     }
 
@@ -127,23 +127,44 @@ impl ConnLimits {
 #[derive(Debug)]
 pub struct ConnPermit {
     limits: Arc<ConnLimits>,
-    client: Option<ClientKey>,
+    /// The address slot it holds, until [`ConnPermit::exempt`] or drop.
+    client: Mutex<Option<ClientKey>>,
+}
+
+impl ConnPermit {
+    /// Stops counting this connection against its address (it still counts
+    /// in all): for a connection that turned out to come from another node
+    /// of the cluster, which may hold many connections to this one from a
+    /// single address.
+    pub fn exempt(&self) {
+        let key = self.client.lock().unwrap_or_else(|e| e.into_inner()).take();
+        if let Some(key) = key {
+            self.limits.release_client(key);
+        }
+    }
+}
+
+impl ConnLimits {
+    fn release_client(&self, key: ClientKey) {
+        let mut map = self.per_client.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(open) = map.get_mut(&key) {
+            *open -= 1;
+            if *open == 0 {
+                map.remove(&key);
+            }
+        }
+    }
 }
 
 impl Drop for ConnPermit {
     fn drop(&mut self) {
-        if let Some(key) = self.client {
-            let mut map = self
-                .limits
-                .per_client
-                .lock()
-                .unwrap_or_else(|e| e.into_inner());
-            if let Some(open) = map.get_mut(&key) {
-                *open -= 1;
-                if *open == 0 {
-                    map.remove(&key);
-                }
-            }
+        let key = self
+            .client
+            .get_mut()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+        if let Some(key) = key {
+            self.limits.release_client(key);
         }
         give_slot(&self.limits.total);
     }
@@ -315,6 +336,26 @@ mod tests {
         drop((_a2, _b, _p1, _p2, _a3));
         assert_eq!(limits.open(), 0);
         assert!(limits.per_client.lock().unwrap().is_empty());
+    }
+
+    #[test]
+    fn an_exempted_connection_frees_its_address_slot_but_not_the_total() {
+        let limits = ConnLimits::new(3, 1);
+        let peer = limits.admit(ip("10.0.0.5"), false).unwrap();
+        assert!(limits.admit(ip("10.0.0.5"), false).is_err());
+        peer.exempt();
+        peer.exempt(); // twice is once
+        let second = limits.admit(ip("10.0.0.5"), false).unwrap();
+        assert_eq!(limits.open(), 2);
+        drop(peer);
+        assert_eq!(limits.open(), 1);
+        assert!(
+            limits.admit(ip("10.0.0.5"), false).is_err(),
+            "the second still holds the address's slot"
+        );
+        drop(second);
+        assert!(limits.per_client.lock().unwrap().is_empty());
+        assert_eq!(limits.open(), 0);
     }
 
     #[test]

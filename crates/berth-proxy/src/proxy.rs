@@ -126,6 +126,14 @@ impl Proxy {
         self.forwarder.streams()
     }
 
+    /// Whether `headers` carry this cluster's secret: a request from another
+    /// node (single node: never).
+    pub fn is_cluster_peer(&self, headers: &hyper::HeaderMap) -> bool {
+        self.cluster
+            .as_ref()
+            .is_some_and(|c| c.secret.verify(headers))
+    }
+
     /// Per-connection facts, computed once per connection.
     pub fn conn_info(&self, peer: SocketAddr) -> ConnInfo {
         ConnInfo::new(peer, self.gate.trusted().contains(peer.ip()))

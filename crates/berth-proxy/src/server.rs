@@ -3,7 +3,9 @@
 //! fallback service (berth's API).
 //!
 //! Limits: a cap on open connections, in all and per client address (a
-//! connection over either is closed at once, before anything is read); a
+//! connection over either is closed at once, before anything is read; one
+//! whose first request carries the cluster secret, from another node, stops
+//! counting against its address); a
 //! header read timeout (a slowloris client is cut off; it also closes
 //! idle keep-alive connections); a request header size limit (hyper
 //! answers `431`); a minimum pace for request bodies (a trickling client
@@ -16,6 +18,7 @@ use std::convert::Infallible;
 use std::future::Future;
 use std::io;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -32,7 +35,7 @@ use tower_service::Service;
 
 use crate::RequestBody;
 use crate::forward::ConnInfo;
-use crate::limits::ConnLimits;
+use crate::limits::{ConnLimits, ConnPermit};
 use crate::pace::{BodyPace, PacedBody};
 use crate::proxy::{Proxy, route_error};
 use crate::respond::ProxyBody;
@@ -50,7 +53,8 @@ pub struct ServerConfig {
     /// Open client connections at most; one more is closed at once.
     pub max_connections: usize,
     /// Open connections at most from one client address (an IPv4 address
-    /// or an IPv6 /64); trusted proxies count only towards the total.
+    /// or an IPv6 /64); trusted proxies, and connections whose first
+    /// request carries the cluster secret, count only towards the total.
     pub max_connections_per_ip: usize,
     /// How fast request bodies must arrive; `None`: no bound.
     pub body_pace: Option<BodyPace>,
@@ -63,10 +67,17 @@ impl Default for ServerConfig {
             max_header_bytes: 64 * 1024,
             shutdown_grace: Duration::from_secs(10),
             max_connections: 10_000,
-            max_connections_per_ip: 512,
+            max_connections_per_ip: 1000,
             body_pace: Some(BodyPace::default()),
         }
     }
+}
+
+/// One client connection: what the proxy knows of it, and its slots.
+struct Connection {
+    info: ConnInfo,
+    permit: ConnPermit,
+    first_request: AtomicBool,
 }
 
 /// The response body of the server: the proxy's or the fallback's.
@@ -171,18 +182,28 @@ where
             }
         };
         let _ = stream.set_nodelay(true);
-        let conn = Arc::new(conn);
+        let conn = Arc::new(Connection {
+            info: conn,
+            permit,
+            first_request: AtomicBool::new(true),
+        });
         let shared = shared.clone();
         let http = http.clone();
         let draining = draining.clone();
         let cut = cut.clone();
         connections.spawn(async move {
-            let _permit = permit;
             let service = service_fn(move |req: Request<Incoming>| {
                 let shared = shared.clone();
                 let conn = conn.clone();
+                // Another node of the cluster says so on every request; the
+                // first one is enough to stop counting it per address.
+                if conn.first_request.swap(false, Ordering::Relaxed)
+                    && shared.proxy.is_cluster_peer(req.headers())
+                {
+                    conn.permit.exempt();
+                }
                 let req = req.map(|body| PacedBody::new(body, body_pace));
-                async move { Ok::<_, Infallible>(shared.dispatch(req, &conn).await) }
+                async move { Ok::<_, Infallible>(shared.dispatch(req, &conn.info).await) }
             });
             let connection = http
                 .serve_connection(TokioIo::new(stream), service)

@@ -166,7 +166,8 @@ pub struct ProxyConfig {
     /// Open client connections at most; more are closed at once.
     pub max_connections: usize,
     /// Open connections at most from one client address (an IPv4 address
-    /// or an IPv6 /64); `trusted_proxies` count only towards the total.
+    /// or an IPv6 /64); `trusted_proxies`, and connections that carry the
+    /// cluster secret (other nodes), count only towards the total.
     pub max_connections_per_ip: usize,
     /// Concurrent long-lived streams of one user (WebSockets to their app,
     /// progress streams of their instance); more get `429`.
@@ -281,7 +282,7 @@ impl Default for ProxyConfig {
             max_header_bytes: 64 * 1024,
             max_upgrades: 10_000,
             max_connections: 10_000,
-            max_connections_per_ip: 512,
+            max_connections_per_ip: 1000,
             max_upgrades_per_user: 100,
             body_min_bytes_per_s: 1024,
             body_grace_ms: 10_000,
@@ -1451,7 +1452,7 @@ body_grace_ms = 3000
                 d.max_connections_per_ip,
                 d.max_upgrades_per_user
             ),
-            (10_000, 512, 100)
+            (10_000, 1000, 100)
         );
         assert_eq!((d.body_min_bytes_per_s, d.body_grace_ms), (1024, 10_000));
         for (text, key) in [
