@@ -531,7 +531,7 @@ fn bad_gateway(message: &str) -> Response<ProxyBody> {
 
 /// A long-lived stream refused: 503 when the node is full, 429 when the
 /// user is at their own cap.
-pub fn stream_refused(refused: &StreamRefused) -> Response<ProxyBody> {
+fn stream_refused(refused: &StreamRefused) -> Response<ProxyBody> {
     let code = match refused {
         StreamRefused::Total(_) => ErrorCode::CapacityExhausted,
         StreamRefused::PerUser { .. } => ErrorCode::TooManyStreams,
