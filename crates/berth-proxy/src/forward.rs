@@ -34,7 +34,7 @@ use std::time::{Duration, Instant};
 use berth_core::{ErrorCode, Spawner, UserId};
 use bytes::Bytes;
 use http_body_util::{Either, Empty};
-use hyper::body::Body as _;
+use hyper::body::{Body as _, Incoming};
 use hyper::header::{self, HeaderMap, HeaderName, HeaderValue};
 use hyper::http::uri::{Authority, PathAndQuery, Scheme};
 use hyper::{Method, Request, Response, StatusCode, Uri, Version};
@@ -45,14 +45,20 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use crate::RequestBody;
 use crate::limits::{StreamLimits, StreamPermit, StreamRefused};
-use crate::pace::BodyTooSlow;
+use crate::pace::{BodyPace, BodyTooSlow, PacedBody};
 use crate::pool::{Conn, ForwardedBody, Pool};
 use crate::respond::{self, ProxyBody};
 
-/// The body sent upstream: the client's, or nothing (a retry).
-pub type UpstreamBody = Either<RequestBody, Empty<Bytes>>;
+/// The body sent upstream: the client's as it is (no body to read, as for
+/// a GET), the client's paced ([`crate::pace`]; boxed, so that the common
+/// bodiless request does not carry the pacer's state through every move),
+/// or nothing (a retry).
+pub type UpstreamBody = Either<Incoming, Either<Box<PacedBody<Incoming>>, Empty<Bytes>>>;
+
+fn no_body() -> UpstreamBody {
+    Either::Right(Either::Right(Empty::new()))
+}
 
 static X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 static X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
@@ -88,6 +94,9 @@ pub struct ForwardConfig {
     pub max_upgrades: usize,
     /// Concurrent long-lived streams of one user; more get 429.
     pub max_upgrades_per_user: usize,
+    /// How fast a request body streamed upstream must arrive; `None`: no
+    /// bound.
+    pub body_pace: Option<BodyPace>,
     pub connect_timeout: Duration,
     /// How long an unused upstream connection stays in the pool.
     pub pool_idle_timeout: Duration,
@@ -99,6 +108,7 @@ impl Default for ForwardConfig {
         Self {
             max_upgrades: 10_000,
             max_upgrades_per_user: 100,
+            body_pace: Some(BodyPace::default()),
             connect_timeout: Duration::from_secs(5),
             pool_idle_timeout: Duration::from_secs(60),
             pool_max_idle_per_host: 64,
@@ -171,6 +181,7 @@ pub struct Forwarder {
     connector: HttpConnector,
     pool: Arc<Pool>,
     streams: Arc<StreamLimits>,
+    body_pace: Option<BodyPace>,
     spawner: Arc<dyn Spawner>,
     tasks: TaskTracker,
     cancel: CancellationToken,
@@ -257,6 +268,7 @@ impl Forwarder {
             connector,
             pool,
             streams: StreamLimits::new(config.max_upgrades, config.max_upgrades_per_user),
+            body_pace: config.body_pace,
             spawner,
             tasks,
             cancel,
@@ -274,11 +286,21 @@ impl Forwarder {
         &self.streams
     }
 
+    /// The client's body as sent upstream: paced, unless there is none.
+    fn upstream_body(&self, body: Incoming) -> UpstreamBody {
+        match self.body_pace {
+            Some(pace) if !body.is_end_stream() => {
+                Either::Right(Either::Left(Box::new(PacedBody::new(body, Some(pace)))))
+            }
+            _ => Either::Left(body),
+        }
+    }
+
     /// Forwards `req` to `to` and returns the upstream's response, or a
     /// 502/503 of our own.
     pub async fn forward(
         &self,
-        mut req: Request<RequestBody>,
+        mut req: Request<Incoming>,
         to: Upstream,
         conn: &ConnInfo,
         keep_forwarded_user: bool,
@@ -314,7 +336,8 @@ impl Forwarder {
                 Err(_) => return bad_gateway("cannot build the upstream URI"),
             };
             parts.uri = uri;
-            Box::pin(self.send_upgrade(Request::from_parts(parts, Either::Left(body)))).await
+            let body = self.upstream_body(body);
+            Box::pin(self.send_upgrade(Request::from_parts(parts, body))).await
         } else {
             // Origin-form: the request line carries the path only.
             parts.uri = Uri::from(to.path_and_query.clone());
@@ -361,7 +384,7 @@ impl Forwarder {
         &self,
         to: &Upstream,
         parts: hyper::http::request::Parts,
-        body: RequestBody,
+        body: Incoming,
     ) -> Result<Response<ForwardedBody>, Failure> {
         let (mut conn, mut reused) = match self.pool.checkout(&to.authority) {
             Some(conn) => (conn, true),
@@ -376,7 +399,7 @@ impl Forwarder {
                     parts.headers.clone(),
                 )
             });
-        let mut req = Request::from_parts(parts, Either::Left(body));
+        let mut req = Request::from_parts(parts, self.upstream_body(body));
         loop {
             match self.attempt(&to.authority, conn, req).await {
                 Ok(response) => return Ok(response),
@@ -392,7 +415,7 @@ impl Forwarder {
                         return Err(Failure::Stale(e));
                     };
                     tracing::debug!(user = %to.user, error = %e, "stale upstream connection; retrying once");
-                    let mut rebuilt = Request::new(Either::Right(Empty::new()));
+                    let mut rebuilt = Request::new(no_body());
                     *rebuilt.method_mut() = method;
                     *rebuilt.uri_mut() = uri;
                     *rebuilt.headers_mut() = headers;

@@ -70,8 +70,9 @@ pub mod wake;
 pub use pace::{BodyPace, BodyTooSlow, PacedBody};
 pub use pool::ForwardedBody;
 
-/// Every request body berth's server hands out: the client's stream,
-/// bounded in pace ([`pace`]).
+/// The request bodies the server hands its fallback (berth's API): the
+/// client's stream, bounded in pace ([`pace`]). The proxy paces the bodies
+/// it forwards itself, and only those it has to read.
 pub type RequestBody = PacedBody<hyper::body::Incoming>;
 pub use proxy::{Proxy, ProxyCluster, ProxyConfig, route_error};
 pub use server::{ServerConfig, serve};

@@ -16,8 +16,9 @@
 //! upstream that reads slowly, a handler that is busy) does not ask for
 //! the next chunk, the clock is stopped, so backpressure from berth's side
 //! is never blamed on the client. A body that is never read (a request
-//! refused before its body is needed) never starts a timer, and one that
-//! never stalls never allocates one.
+//! refused before its body is needed, a GET) or never keeps its reader
+//! waiting costs no clock, no timer and no allocation: each request
+//! carries just 8 bytes of settings until its reader first has to wait.
 
 use std::pin::Pin;
 use std::task::{Context, Poll};
@@ -84,9 +85,9 @@ impl BodyTooSlow {
     }
 }
 
-/// The clock of one paced body.
+/// The clock of one paced body, from the first time its reader waits.
 #[derive(Debug)]
-struct Pacer {
+struct Clock {
     pace: BodyPace,
     budget: Duration,
     /// Since when the reader has been waiting for the client.
@@ -97,26 +98,58 @@ struct Pacer {
     expired: bool,
 }
 
+/// A [`BodyPace`] in 8 bytes: every request carries one, and the request
+/// (with the futures that hold it) is moved several times on its way, so
+/// each byte here is copied on every proxied request.
+#[derive(Debug, Clone, Copy)]
+struct CompactPace {
+    min_bytes_per_s: u32,
+    grace_ms: u32,
+}
+
+impl CompactPace {
+    fn of(pace: BodyPace) -> Self {
+        Self {
+            min_bytes_per_s: u32::try_from(pace.min_bytes_per_s).unwrap_or(u32::MAX),
+            grace_ms: u32::try_from(pace.grace.as_millis()).unwrap_or(u32::MAX),
+        }
+    }
+
+    fn expand(self) -> BodyPace {
+        BodyPace {
+            min_bytes_per_s: u64::from(self.min_bytes_per_s),
+            grace: Duration::from_millis(u64::from(self.grace_ms)),
+        }
+    }
+}
+
+#[derive(Debug)]
+enum Pacing {
+    Off,
+    /// Paced, and the reader has never waited: the budget is still whole
+    /// (arriving bytes can only top it up to the grace period), so there
+    /// is no clock to keep. A request whose body is never read, or arrives
+    /// at once, stays here and never allocates.
+    Unstarted(CompactPace),
+    Started(Box<Clock>),
+}
+
 /// A request body that ends with [`BodyTooSlow`] when its client falls
 /// behind its [`BodyPace`]. With no pace it is the body unchanged.
 #[derive(Debug)]
 pub struct PacedBody<B> {
     inner: B,
-    /// Inline, not boxed: every request gets one, and most never stall.
-    pacer: Option<Pacer>,
+    pacing: Pacing,
 }
 
 impl<B> PacedBody<B> {
     pub fn new(inner: B, pace: Option<BodyPace>) -> Self {
         Self {
             inner,
-            pacer: pace.map(|pace| Pacer {
-                pace,
-                budget: pace.grace,
-                waiting_since: None,
-                timer: None,
-                expired: false,
-            }),
+            pacing: match pace {
+                Some(pace) => Pacing::Unstarted(CompactPace::of(pace)),
+                None => Pacing::Off,
+            },
         }
     }
 
@@ -125,7 +158,17 @@ impl<B> PacedBody<B> {
     }
 }
 
-impl Pacer {
+impl Clock {
+    fn new(pace: BodyPace) -> Self {
+        Self {
+            pace,
+            budget: pace.grace,
+            waiting_since: None,
+            timer: None,
+            expired: false,
+        }
+    }
+
     fn too_slow(&self) -> BoxError {
         Box::new(BodyTooSlow {
             min_bytes_per_s: self.pace.min_bytes_per_s,
@@ -180,20 +223,32 @@ where
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         let this = self.get_mut();
-        let Some(pacer) = this.pacer.as_mut() else {
-            return Pin::new(&mut this.inner).poll_frame(cx).map_err(Into::into);
-        };
-        if pacer.expired {
-            return Poll::Ready(Some(Err(pacer.too_slow())));
-        }
-        match Pin::new(&mut this.inner).poll_frame(cx) {
-            Poll::Ready(Some(Ok(frame))) => {
-                pacer.on_frame(&frame);
-                Poll::Ready(Some(Ok(frame)))
+        let inner = Pin::new(&mut this.inner);
+        match &mut this.pacing {
+            Pacing::Off => inner.poll_frame(cx).map_err(Into::into),
+            Pacing::Unstarted(pace) => match inner.poll_frame(cx) {
+                Poll::Pending => {
+                    let mut clock = Box::new(Clock::new(pace.expand()));
+                    let polled = clock.on_pending(cx);
+                    this.pacing = Pacing::Started(clock);
+                    polled
+                }
+                ready => ready.map_err(Into::into),
+            },
+            Pacing::Started(clock) => {
+                if clock.expired {
+                    return Poll::Ready(Some(Err(clock.too_slow())));
+                }
+                match inner.poll_frame(cx) {
+                    Poll::Ready(Some(Ok(frame))) => {
+                        clock.on_frame(&frame);
+                        Poll::Ready(Some(Ok(frame)))
+                    }
+                    Poll::Ready(Some(Err(e))) => Poll::Ready(Some(Err(e.into()))),
+                    Poll::Ready(None) => Poll::Ready(None),
+                    Poll::Pending => clock.on_pending(cx),
+                }
             }
-            Poll::Ready(Some(Err(e))) => Poll::Ready(Some(Err(e.into()))),
-            Poll::Ready(None) => Poll::Ready(None),
-            Poll::Pending => pacer.on_pending(cx),
         }
     }
 

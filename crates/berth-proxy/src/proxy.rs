@@ -6,12 +6,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use berth_core::{ErrorCode, Spawner};
+use hyper::body::Incoming;
 use hyper::header::HeaderValue;
 use hyper::{Request, Response, StatusCode};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use crate::RequestBody;
 use crate::auth::{
     AuthMode, Authenticator, CLUSTER_SECRET, CLUSTER_USER, ClusterSecret, Credential, Gate,
     TrustedProxies, strip_credentials,
@@ -145,7 +145,7 @@ impl Proxy {
     }
 
     /// Answers a request for a user's instance.
-    pub async fn handle(&self, req: Request<RequestBody>, conn: &ConnInfo) -> Response<ProxyBody> {
+    pub async fn handle(&self, req: Request<Incoming>, conn: &ConnInfo) -> Response<ProxyBody> {
         let (route, path_and_query, progress_url, navigation, credential) = {
             let target = match self.router.target(req.headers(), req.uri()) {
                 Ok(Some(target)) => target,
@@ -231,7 +231,7 @@ impl Proxy {
     /// already removed.
     async fn forward_remote(
         &self,
-        mut req: Request<RequestBody>,
+        mut req: Request<Incoming>,
         user: Arc<berth_core::UserId>,
         endpoint: hyper::http::uri::Authority,
         node: &str,

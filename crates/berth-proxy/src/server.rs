@@ -56,7 +56,9 @@ pub struct ServerConfig {
     /// or an IPv6 /64); trusted proxies, and connections whose first
     /// request carries the cluster secret, count only towards the total.
     pub max_connections_per_ip: usize,
-    /// How fast request bodies must arrive; `None`: no bound.
+    /// How fast the bodies of requests for the fallback (berth's API) must
+    /// arrive; `None`: no bound. The proxy's own are paced by
+    /// [`crate::forward::ForwardConfig::body_pace`].
     pub body_pace: Option<BodyPace>,
 }
 
@@ -86,17 +88,16 @@ pub type ServerBody<B> = Either<ProxyBody, B>;
 struct Shared<F> {
     proxy: Arc<Proxy>,
     fallback: F,
+    /// For the fallback's bodies; the proxy paces the bodies it forwards
+    /// itself (only those it reads).
+    body_pace: Option<BodyPace>,
 }
 
 impl<F, B> Shared<F>
 where
     F: Service<Request<RequestBody>, Response = Response<B>, Error = Infallible> + Clone,
 {
-    async fn dispatch(
-        &self,
-        req: Request<RequestBody>,
-        conn: &ConnInfo,
-    ) -> Response<ServerBody<B>> {
+    async fn dispatch(&self, req: Request<Incoming>, conn: &ConnInfo) -> Response<ServerBody<B>> {
         match self.proxy.classify(&req) {
             Class::Proxy => self.proxy.handle(req, conn).await.map(Either::Left),
             Class::Fallback => {
@@ -104,6 +105,7 @@ where
                 if let Err(never) = std::future::poll_fn(|cx| service.poll_ready(cx)).await {
                     match never {}
                 }
+                let req = req.map(|body| PacedBody::new(body, self.body_pace));
                 match service.call(req).await {
                     Ok(response) => response.map(Either::Right),
                     Err(never) => match never {},
@@ -117,8 +119,8 @@ where
 /// Serves `listener` until `shutdown` completes, then drains.
 ///
 /// Requests for user routes go to `proxy`; everything else to `fallback`
-/// (for berth, the API router), both with their bodies paced
-/// ([`ServerConfig::body_pace`]). Does not stop the proxy's own background
+/// (for berth, the API router, with its bodies paced by
+/// [`ServerConfig::body_pace`]). Does not stop the proxy's own background
 /// tasks: call [`Proxy::shutdown`] afterwards.
 pub async fn serve<F, B>(
     listener: TcpListener,
@@ -143,9 +145,12 @@ where
         .max_header_size(config.max_header_bytes)
         .keep_alive(true);
     let http = Arc::new(http);
-    let shared = Arc::new(Shared { proxy, fallback });
+    let shared = Arc::new(Shared {
+        proxy,
+        fallback,
+        body_pace: config.body_pace,
+    });
     let limits = ConnLimits::new(config.max_connections, config.max_connections_per_ip);
-    let body_pace = config.body_pace;
     let connections = TaskTracker::new();
     let draining = CancellationToken::new();
     let cut = CancellationToken::new();
@@ -197,12 +202,14 @@ where
                 let conn = conn.clone();
                 // Another node of the cluster says so on every request; the
                 // first one is enough to stop counting it per address.
-                if conn.first_request.swap(false, Ordering::Relaxed)
-                    && shared.proxy.is_cluster_peer(req.headers())
-                {
-                    conn.permit.exempt();
+                // (A load, not a swap, on the path every request takes:
+                // the requests of one connection are not concurrent.)
+                if conn.first_request.load(Ordering::Relaxed) {
+                    conn.first_request.store(false, Ordering::Relaxed);
+                    if shared.proxy.is_cluster_peer(req.headers()) {
+                        conn.permit.exempt();
+                    }
                 }
-                let req = req.map(|body| PacedBody::new(body, body_pace));
                 async move { Ok::<_, Infallible>(shared.dispatch(req, &conn.info).await) }
             });
             let connection = http

@@ -165,10 +165,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         shutdown_grace: SHUTDOWN_GRACE,
         max_connections: p.max_connections,
         max_connections_per_ip: p.max_connections_per_ip,
-        body_pace: (p.body_grace_ms > 0).then(|| berth_proxy::BodyPace {
-            min_bytes_per_s: p.body_min_bytes_per_s,
-            grace: Duration::from_millis(p.body_grace_ms),
-        }),
+        body_pace: body_pace(&config),
     };
     berth_proxy::serve(listener, server, proxy.clone(), app, shutdown_signal())
         .await
@@ -236,8 +233,19 @@ fn proxy_config(
         forward: berth_proxy::forward::ForwardConfig {
             max_upgrades: p.max_upgrades,
             max_upgrades_per_user: p.max_upgrades_per_user,
+            body_pace: body_pace(config),
             ..Default::default()
         },
+    })
+}
+
+/// `[proxy] body_min_bytes_per_s` and `body_grace_ms` (0: no bound), for
+/// the API's bodies and for the bodies the proxy forwards alike.
+fn body_pace(config: &Config) -> Option<berth_proxy::BodyPace> {
+    let p = &config.proxy;
+    (p.body_grace_ms > 0).then(|| berth_proxy::BodyPace {
+        min_bytes_per_s: p.body_min_bytes_per_s,
+        grace: Duration::from_millis(p.body_grace_ms),
     })
 }
 
