@@ -33,5 +33,5 @@ pub use model::{
     BreakerInfo, Endpoint, Epoch, Instance, InstanceEvent, InstanceStatus, LaunchRequest,
     MAX_PATCH_BYTES, ProbeReport, RestartResult, Role, UserStatus,
 };
-pub use spawner::Spawner;
+pub use spawner::{STARTING_RETRY_MS, Spawner, readiness_answer, wait_ready};
 pub use time::{UnixMillis, unix_millis_now};

@@ -210,8 +210,8 @@ pub struct RestartResult {
 }
 
 /// A change to an instance, published to the proxy's route table and to
-/// progress streams.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+/// progress streams (and read back from another node's stream).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct InstanceEvent {
     pub user: UserId,
     pub role: Role,

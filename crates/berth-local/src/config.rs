@@ -9,6 +9,8 @@ use std::time::Duration;
 use berth_core::policy::{CrashPolicy, ReapPolicy};
 use berth_store::lease::LeaseConfig;
 
+use crate::isolation::{Isolation, Limits, UidRange};
+
 /// How berth decides that a starting instance is ready (design §4.2).
 #[derive(Debug, Clone)]
 pub enum Readiness {
@@ -19,14 +21,6 @@ pub enum Readiness {
     Http { path: String },
     /// A TCP connect to the instance's port succeeds.
     Tcp,
-}
-
-/// Isolation level (design §6). Only `None` exists so far; `user` and
-/// `sandbox` come with the isolation work.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub enum Isolation {
-    #[default]
-    None,
 }
 
 /// Everything the local spawner needs.
@@ -67,7 +61,15 @@ pub struct LocalConfig {
     pub lease: LeaseConfig,
     /// Enforce the fence deadline in shims (cluster mode). Off on SQLite.
     pub fence: bool,
+    /// How instances are isolated (design §6).
     pub isolation: Isolation,
+    /// The host uids of instance accounts (levels `user` and `sandbox`).
+    pub uids: UidRange,
+    /// Per-instance limits: rlimits at `user`, cgroups at `sandbox`.
+    pub limits: Limits,
+    /// The `nft` program of the guards; `None`: looked up in `PATH`,
+    /// `/usr/sbin` and `/sbin`.
+    pub nft: Option<PathBuf>,
     /// The executable and leading arguments that run the shim zygote (which
     /// forks every shim); normally `current_exe()` and `["shim"]`.
     pub shim_command: Vec<String>,

@@ -2,10 +2,10 @@
 //! lifecycle path uses to change it: one place that updates a record,
 //! persists it, refreshes the route table and publishes the change.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicI64, AtomicU32, Ordering};
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::{Arc, Mutex, OnceLock, RwLock};
 
 use berth_core::{
     Endpoint, Epoch, Instance, InstanceEvent, InstanceStatus, Role, Slug, SpawnError, UserId,
@@ -18,6 +18,8 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
+use crate::isolation::cgroup::CgroupSpec;
+use crate::isolation::{Account, IsolationSpec, Isolator, SandboxSpec};
 use crate::metrics::Metrics;
 use crate::paths::UserPaths;
 use crate::ports::PortPool;
@@ -111,6 +113,8 @@ pub(crate) struct UserSlot {
     pub flushed_active: AtomicI64,
     /// The main's current record, for `wait_for_ready`.
     pub main_watch: watch::Sender<Option<Instance>>,
+    /// The user's account, once read from (or allocated in) the store.
+    pub account: OnceLock<Account>,
 }
 
 impl UserSlot {
@@ -158,6 +162,28 @@ pub(crate) struct Inner {
     pub heartbeat_lock: tokio::sync::Mutex<()>,
     /// Starts every shim (through one zygote process).
     pub shims: ShimLauncher,
+    /// What isolates instances; `None` at level `none`.
+    pub isolator: Option<Isolator>,
+    /// Users whose main is being launched and not yet installed: with the
+    /// live mains, what counts against the node's capacity.
+    pub launching: Mutex<HashSet<UserId>>,
+}
+
+/// A place under the node's capacity, held while a launch runs.
+pub(crate) struct Admission<'a> {
+    inner: &'a Inner,
+    user: UserId,
+}
+
+impl Drop for Admission<'_> {
+    fn drop(&mut self) {
+        let mut launching = self
+            .inner
+            .launching
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        launching.remove(&self.user);
+    }
 }
 
 impl Inner {
@@ -185,6 +211,7 @@ impl Inner {
                 last_active: AtomicI64::new(0),
                 flushed_active: AtomicI64::new(0),
                 main_watch: watch::channel(None).0,
+                account: OnceLock::new(),
             })
         });
         Ok(slot.clone())
@@ -193,40 +220,65 @@ impl Inner {
     /// The slug the store records for `user`, recorded now if none is.
     ///
     /// The first record chooses (design §9, and the upgrade from 8-hex-digit
-    /// slugs): if this node has a data root under the user's
-    /// [`UserId::legacy_slug`] — made by a berth before slugs were recorded
-    /// — the user keeps it, unless another user already holds that slug
-    /// (two ids that shared it under the old rule: the first to be recorded
-    /// keeps the directory, the other starts afresh under today's slug).
-    /// Otherwise the user gets today's [`UserId::slug`]. The store decides
-    /// every race, between this node's tasks or between nodes.
+    /// slugs) the slug [`Inner::first_slug`] names: an earlier slug whose
+    /// data root this node has, else today's [`UserId::slug`]. If another
+    /// user already holds that earlier slug (two ids that shared it under
+    /// the old rule), the first to be recorded keeps the directory and the
+    /// other starts afresh under today's slug. The store decides every
+    /// race, between this node's tasks or between nodes.
     pub async fn recorded_slug(&self, user: &UserId) -> Result<Slug, StoreError> {
         if let Some(slug) = self.store.user_slug(user).await? {
             return Ok(slug);
         }
-        let legacy = user.legacy_slug();
-        if legacy != user.slug() && self.has_data_root(&legacy).await {
-            match self.store.record_user_slug(user, &legacy).await {
+        let today = user.slug();
+        let first = self.first_slug(user).await;
+        if first != today {
+            match self.store.record_user_slug(user, &first).await {
                 Ok(slug) => {
-                    if slug == legacy {
-                        tracing::info!(%user, slug = %legacy, "kept the data root of an earlier slug");
+                    if slug == first {
+                        tracing::info!(%user, slug = %first, "kept the data root of an earlier slug");
                     }
                     return Ok(slug);
                 }
                 Err(StoreError::SlugTaken { .. }) => {
-                    tracing::warn!(%user, slug = %legacy,
+                    tracing::warn!(%user, slug = %first,
                         "another user holds this earlier slug and its data root; this user gets a new one");
                 }
                 Err(e) => return Err(e),
             }
         }
-        self.store.record_user_slug(user, &user.slug()).await
+        self.store.record_user_slug(user, &today).await
     }
 
-    /// Whether `<data_dir>/users/<slug>` is a directory on this node.
+    /// The slug a first record of `user` made on this node asks for,
+    /// without recording it: the user's [`UserId::legacy_slug`] if this
+    /// node has a data root under it (made by a berth before slugs were
+    /// recorded), else today's [`UserId::slug`].
+    pub async fn first_slug(&self, user: &UserId) -> Slug {
+        let legacy = user.legacy_slug();
+        if legacy != user.slug() && self.has_data_root(&legacy).await {
+            legacy
+        } else {
+            user.slug()
+        }
+    }
+
+    /// The slug that names `user`'s files, if one is recorded (by this
+    /// node's slot or in the store); `None` records nothing.
+    pub async fn known_slug(&self, user: &UserId) -> Result<Option<Slug>, StoreError> {
+        match self.existing_slot(user) {
+            Some(slot) => Ok(Some(slot.slug.clone())),
+            None => self.store.user_slug(user).await,
+        }
+    }
+
+    /// Whether `<data_dir>/users/<slug>` is a directory on this node (a
+    /// link there is not one: data roots are never reached through links).
     pub async fn has_data_root(&self, slug: &Slug) -> bool {
         let root = self.config.data_dir.join("users").join(slug.as_str());
-        tokio::fs::metadata(root).await.is_ok_and(|m| m.is_dir())
+        tokio::fs::symlink_metadata(root)
+            .await
+            .is_ok_and(|m| m.is_dir())
     }
 
     pub fn existing_slot(&self, user: &UserId) -> Option<Arc<UserSlot>> {
@@ -362,6 +414,7 @@ impl Inner {
         instance: &Instance,
         var_port: u16,
         patch: Option<&Path>,
+        account: Option<&Account>,
     ) -> Result<ShimSpec, SpawnError> {
         let (command, extra): (&[String], Vec<(String, String)>) = match instance.role {
             Role::Main => (&self.config.command, Vec::new()),
@@ -400,6 +453,12 @@ impl Inner {
         ]
         .into_iter()
         .map(|(k, v)| (k.to_owned(), v))
+        .chain(account.into_iter().flat_map(|a| {
+            [
+                ("USER".to_owned(), a.name.clone()),
+                ("LOGNAME".to_owned(), a.name.clone()),
+            ]
+        }))
         .chain(extra);
         let env = template::build_env(
             &self.config.env_allowlist,
@@ -436,7 +495,106 @@ impl Inner {
             socket_path: slot.paths.socket(instance.role),
             ready_regex,
             fence_ms,
+            user_root: Some(slot.paths.root.clone()),
+            isolation: self.isolation_spec(slot, account),
         })
+    }
+
+    /// The isolation part of a shim spec.
+    fn isolation_spec(&self, slot: &UserSlot, account: Option<&Account>) -> Option<IsolationSpec> {
+        let isolator = self.isolator.as_ref()?;
+        let account = account?;
+        let limits = self.config.limits;
+        Some(IsolationSpec {
+            uid: account.uid,
+            gid: account.gid,
+            name: account.name.clone(),
+            limits,
+            sandbox: isolator.cgroups.as_ref().map(|parents| SandboxSpec {
+                cgroup: CgroupSpec {
+                    parents: parents.clone(),
+                    limits,
+                },
+                data_dir: self.config.data_dir.clone(),
+                user_root: slot.paths.root.clone(),
+                home: slot.paths.home(),
+            }),
+        })
+    }
+
+    /// Takes a place under the node's capacity for a new main of `user`,
+    /// or refuses: live mains and launches in flight together never exceed
+    /// it, however many launches race.
+    pub fn admit(&self, user: &UserId) -> Result<Admission<'_>, SpawnError> {
+        let capacity = self.capacity.load(Ordering::Relaxed);
+        let live: HashSet<UserId> = self
+            .all_slots()
+            .iter()
+            .filter(|s| s.live_record(Role::Main).is_some())
+            .map(|s| s.user.clone())
+            .collect();
+        let mut launching = self.launching.lock().unwrap_or_else(|e| e.into_inner());
+        let used = live.union(&launching).filter(|u| *u != user).count();
+        // A capacity of one main per port or more is what the port range
+        // enforces anyway (with its own message, naming the range).
+        if capacity < self.ports.capacity()
+            && used >= usize::try_from(capacity).unwrap_or(usize::MAX)
+        {
+            return Err(SpawnError::CapacityExhausted(format!(
+                "node {} runs {used} instance(s), its capacity ([cluster] capacity) is {capacity}",
+                self.node()
+            )));
+        }
+        launching.insert(user.clone());
+        Ok(Admission {
+            inner: self,
+            user: user.clone(),
+        })
+    }
+
+    /// The account `slot`'s instances run under (`None` at level `none`),
+    /// allocated in the store on first use and remembered.
+    pub async fn account(&self, slot: &UserSlot) -> Result<Option<Account>, SpawnError> {
+        if self.isolator.is_none() {
+            return Ok(None);
+        }
+        if let Some(account) = slot.account.get() {
+            return Ok(Some(account.clone()));
+        }
+        // Keyed by the recorded slug, like every path of the user's: a user
+        // who kept an earlier slug keeps that slug's account (and uid).
+        let slug = &slot.slug;
+        let uid = self
+            .store
+            .account_uid(slug.as_str(), self.config.uids)
+            .await?;
+        let account = Account {
+            uid,
+            gid: uid,
+            name: slug.as_str().to_owned(),
+        };
+        Ok(Some(slot.account.get_or_init(|| account).clone()))
+    }
+
+    /// Lets the account connect to its own instance's `port` (port guard).
+    pub async fn grant_port(&self, account: Option<&Account>, port: u16) -> Result<(), SpawnError> {
+        let (Some(isolator), Some(account)) = (&self.isolator, account) else {
+            return Ok(());
+        };
+        isolator
+            .guard
+            .grant(account.uid, port)
+            .await
+            .map_err(|e| SpawnError::SpawnFailed(e.to_string()))
+    }
+
+    /// Takes back the port guard's pair on `port`, if any.
+    pub async fn revoke_port(&self, port: u16) {
+        if let Some(isolator) = &self.isolator {
+            if let Err(e) = isolator.guard.revoke(port).await {
+                tracing::warn!(port, error = %e, "could not take back a port grant");
+            }
+        }
     }
 
     /// Number of live mains, for the node heartbeat.

@@ -5,7 +5,9 @@
 
 mod background;
 mod config;
+mod follow;
 mod inner;
+pub mod isolation;
 mod lifecycle;
 mod logs;
 mod metrics;
@@ -20,5 +22,6 @@ mod spawner;
 mod supervisor;
 mod template;
 
-pub use config::{Isolation, LocalConfig, Readiness};
+pub use config::{LocalConfig, Readiness};
+pub use isolation::{Isolation, Limits, UidRange};
 pub use spawner::{LocalError, LocalSpawner};

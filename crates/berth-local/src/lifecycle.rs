@@ -12,7 +12,9 @@ use berth_core::{Instance, InstanceStatus, MAX_PATCH_BYTES, Role, SpawnError, Us
 use berth_store::{ClaimOutcome, InstanceFilter};
 
 use crate::inner::{Inner, Live, StopKind, UserSlot, error_tail, new_instance_id};
-use crate::paths::{UserPaths, create_private_dir, normalize_folder};
+use crate::isolation::Account;
+use crate::isolation::fsafe::Owner;
+use crate::paths::{UserPaths, normalize_folder};
 use crate::shim::ShimError;
 use crate::supervisor::{self, Start};
 
@@ -56,10 +58,6 @@ fn spawn_error(e: ShimError) -> String {
     }
 }
 
-fn io_error(what: &str, path: &std::path::Path, e: std::io::Error) -> SpawnError {
-    SpawnError::Internal(format!("cannot {what} {}: {e}", path.display()))
-}
-
 impl Inner {
     pub(crate) fn port_range_text(&self) -> String {
         let r = self.ports.range();
@@ -93,6 +91,9 @@ impl Inner {
         if slot.live_record(Role::Main).is_some() {
             return Err(SpawnError::AlreadyRunning { user: user.clone() });
         }
+        // First of all: past the node's capacity nothing is started, and
+        // no port, lease or record is touched.
+        let _admission = self.admit(user)?;
         let now = Inner::now();
         let crash = self.store.load_crash_state(user).await?;
         let admitted = self
@@ -112,6 +113,7 @@ impl Inner {
             .launch_on_port(slot, folder, patch, port, (crash, admitted), claim)
             .await;
         if launched.is_err() {
+            self.revoke_port(port).await;
             self.ports.release(port);
         }
         launched
@@ -175,31 +177,51 @@ impl Inner {
                 .await?;
         }
         let paths = &slot.paths;
-        prepare_dirs(paths, &folder).await?;
-        let patch = match patch {
-            PatchSource::Keep(path) => path,
-            PatchSource::Content(None) => None,
-            PatchSource::Content(Some(content)) => {
-                let file = paths.patch_file(&self.config.patch_ext);
-                tokio::fs::write(&file, content)
-                    .await
-                    .map_err(|e| io_error("write", &file, e))?;
-                Some(file)
+        let account = self.account(slot).await?;
+        let prepare = async {
+            prepare_dirs(paths, &folder, account.as_ref()).await?;
+            let patch = match patch {
+                PatchSource::Keep(path) => path,
+                PatchSource::Content(None) => None,
+                PatchSource::Content(Some(content)) => {
+                    let file = paths.patch_file(&self.config.patch_ext);
+                    let name = file
+                        .file_name()
+                        .and_then(|n| n.to_str())
+                        .unwrap_or("main")
+                        .to_owned();
+                    write_in_root(
+                        paths,
+                        Some("patches"),
+                        name,
+                        content.into_bytes(),
+                        account.as_ref(),
+                    )
+                    .await?;
+                    Some(file)
+                }
+            };
+            if admitted != crash {
+                self.store.save_crash_state(&slot.user, &admitted).await?;
             }
+            let now = Inner::now();
+            let instance = self.starting_instance(slot, Role::Main, epoch, Some(port), folder, now);
+            let spec = self.shim_spec(slot, &instance, port, patch.as_deref(), account.as_ref())?;
+            Ok::<_, SpawnError>((patch, instance, spec))
         };
-        if admitted != crash {
-            self.store.save_crash_state(&slot.user, &admitted).await?;
-        }
-        let now = Inner::now();
-        let mut instance = self.starting_instance(slot, Role::Main, epoch, Some(port), folder, now);
-        let spec = self.shim_spec(slot, &instance, port, patch.as_deref())?;
+        // The port grant (an `nft` run) goes alongside the preparation, and
+        // is done before the program runs, so it can always reach its own
+        // port. On any error the caller takes the grant back.
+        let (granted, prepared) = tokio::join!(self.grant_port(account.as_ref(), port), prepare);
+        granted?;
+        let (patch, mut instance, spec) = prepared?;
         self.store.put_instance(&instance).await?;
         let spawned_at = std::time::Instant::now();
         match self.shims.spawn(&spec).await {
             Ok((handle, state)) => {
                 instance.pid = Some(state.pid);
                 instance.pid_start = Some(state.pid_start);
-                slot.touch(now);
+                slot.touch(instance.started_at);
                 let mut live = Live::new(instance.clone(), patch);
                 live.control = Some(handle.control());
                 live.shim_pid = Some(state.shim_pid);
@@ -305,7 +327,8 @@ impl Inner {
         };
         let paths = &slot.paths;
         let folder = main.as_ref().map(|m| m.folder.clone()).unwrap_or_default();
-        prepare_dirs(paths, &folder).await?;
+        let account = self.account(slot).await?;
+        prepare_dirs(paths, &folder, account.as_ref()).await?;
         let handoff = serde_json::json!({
             "user": slot.user.as_str(),
             "instance_id": main.as_ref().map(|m| m.id.clone()),
@@ -314,10 +337,14 @@ impl Inner {
             "last_error": main.as_ref().and_then(|m| m.last_error.clone()),
             "at": Inner::now(),
         });
-        let handoff_path = paths.handoff();
-        tokio::fs::write(&handoff_path, handoff.to_string())
-            .await
-            .map_err(|e| io_error("write", &handoff_path, e))?;
+        write_in_root(
+            paths,
+            None,
+            "handoff.json".to_owned(),
+            handoff.to_string().into_bytes(),
+            account.as_ref(),
+        )
+        .await?;
         let patch_file = paths.patch_file(&self.config.patch_ext);
         let patch = tokio::fs::try_exists(&patch_file)
             .await
@@ -327,7 +354,13 @@ impl Inner {
         // Watchdogs hold no lease (epoch 0) and listen on no port of their own.
         let mut instance = self.starting_instance(slot, Role::Watchdog, 0, None, folder, now);
         let var_port = main.as_ref().and_then(|m| m.port).unwrap_or(0);
-        let spec = self.shim_spec(slot, &instance, var_port, patch.as_deref())?;
+        let spec = self.shim_spec(
+            slot,
+            &instance,
+            var_port,
+            patch.as_deref(),
+            account.as_ref(),
+        )?;
         self.store.put_instance(&instance).await?;
         match self.shims.spawn(&spec).await {
             Ok((handle, state)) => {
@@ -390,16 +423,54 @@ impl Inner {
 /// for long on a busy disk (a new user needs seven directories): on the
 /// runtime's few worker threads, a burst of launches would hold up every
 /// other request and event meanwhile, so this runs on the blocking pool.
-async fn prepare_dirs(paths: &UserPaths, folder: &str) -> Result<(), SpawnError> {
+async fn prepare_dirs(
+    paths: &UserPaths,
+    folder: &str,
+    account: Option<&Account>,
+) -> Result<(), SpawnError> {
     let dirs = paths.clone();
-    let cwd = crate::inner::workdir(paths, folder);
+    let folder = folder.to_owned();
+    let owner = account.map(owner_of);
     tokio::task::spawn_blocking(move || {
-        dirs.prepare()
-            .map_err(|e| io_error("create", &dirs.root, e))?;
-        create_private_dir(&cwd).map_err(|e| io_error("create", &cwd, e))
+        dirs.prepare(&folder, owner).map_err(|e| {
+            // A link on the way to the folder is the request's problem.
+            if e.kind() == std::io::ErrorKind::InvalidInput {
+                SpawnError::InvalidRequest(e.to_string())
+            } else {
+                SpawnError::Internal(format!("cannot prepare the user's directories: {e}"))
+            }
+        })
     })
     .await
     .map_err(|e| SpawnError::Internal(format!("preparing the directories failed: {e}")))?
+    .map(drop)
+}
+
+/// Writes a file berth hands to the program (the patch, the handoff) into
+/// the user's root, never through a link, owned by the account.
+async fn write_in_root(
+    paths: &UserPaths,
+    dir: Option<&'static str>,
+    name: String,
+    bytes: Vec<u8>,
+    account: Option<&Account>,
+) -> Result<(), SpawnError> {
+    let paths = paths.clone();
+    let owner = account.map(owner_of);
+    tokio::task::spawn_blocking(move || {
+        paths
+            .write_file(dir, &name, &bytes, owner)
+            .map_err(|e| SpawnError::Internal(e.to_string()))
+    })
+    .await
+    .map_err(|e| SpawnError::Internal(format!("writing into the user's root failed: {e}")))?
+}
+
+fn owner_of(account: &Account) -> Owner {
+    Owner {
+        uid: account.uid,
+        gid: account.gid,
+    }
 }
 
 #[cfg(test)]

@@ -52,6 +52,33 @@ async fn scan(run_dir: &Path) -> (Vec<Found>, Vec<Option<ShimHandle>>) {
 }
 
 impl Inner {
+    /// Removes instance cgroups that no adopted instance uses (their shims
+    /// were killed before they could remove them). Called once re-attached.
+    pub(crate) fn remove_stale_cgroups(&self) {
+        let Some(parents) = self.isolator.as_ref().and_then(|i| i.cgroups.as_ref()) else {
+            return;
+        };
+        let mut keep = Vec::new();
+        for slot in self.all_slots() {
+            for role in [Role::Main, Role::Watchdog] {
+                if slot.live_record(role).is_none() {
+                    continue;
+                }
+                if let Ok(state) = ShimHandle::read_state(&slot.paths.state_file(role)) {
+                    keep.extend(
+                        state
+                            .cgroup
+                            .iter()
+                            .filter_map(|d| Some(d.file_name()?.to_string_lossy().into_owned())),
+                    );
+                }
+            }
+        }
+        for (dir, e) in crate::isolation::cgroup::remove_stale(parents, &keep) {
+            tracing::warn!(dir = %dir.display(), error = %e, "a stale instance cgroup remains");
+        }
+    }
+
     pub(crate) async fn reattach(self: &Arc<Self>) -> Result<(), LocalError> {
         let filter = InstanceFilter {
             node: Some(self.node().to_owned()),
@@ -221,6 +248,18 @@ impl Inner {
             record.epoch = epoch;
             if let Some(port) = record.port {
                 self.ports.reserve(port);
+                // The table was made afresh at start: the instance gets its
+                // own port back.
+                match self.account(&slot).await {
+                    Ok(account) => {
+                        if let Err(e) = self.grant_port(account.as_ref(), port).await {
+                            tracing::warn!(user = %record.user, error = %e,
+                                "could not give an adopted instance its port back");
+                        }
+                    }
+                    Err(e) => tracing::warn!(user = %record.user, error = %e,
+                        "could not read the account of an adopted instance"),
+                }
             }
         }
         if token.is_some() {

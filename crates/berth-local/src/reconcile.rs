@@ -165,6 +165,8 @@ mod tests {
             exit: None,
             stderr_tail: String::new(),
             frozen: false,
+            uid: None,
+            cgroup: Vec::new(),
         }
     }
 
@@ -241,6 +243,7 @@ mod tests {
         s.exit = Some(ExitInfo {
             code: Some(3),
             signal: None,
+            oom_limit_mb: None,
         });
         s.stderr_tail = "boom".into();
         let plan = plan(
@@ -254,7 +257,8 @@ mod tests {
                 record: r,
                 exit: Some(ExitInfo {
                     code: Some(3),
-                    signal: None
+                    signal: None,
+                    oom_limit_mb: None,
                 }),
                 stderr_tail: "boom".into()
             }]

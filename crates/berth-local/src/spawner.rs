@@ -3,7 +3,8 @@
 //! background work, and implements [`Spawner`] on top of the lifecycle
 //! operations and the in-memory tables.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
+use std::os::unix::fs::PermissionsExt;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
@@ -23,6 +24,7 @@ use tokio_util::task::TaskTracker;
 
 use crate::LocalConfig;
 use crate::inner::{EVENT_CAPACITY, Inner, StopKind, UserSlot};
+use crate::isolation::Isolator;
 use crate::lifecycle::{Claim, PatchSource, validate};
 use crate::logs::tail_lines;
 use crate::metrics::Metrics;
@@ -42,6 +44,8 @@ pub enum LocalError {
     },
     #[error(transparent)]
     Store(#[from] berth_store::StoreError),
+    #[error(transparent)]
+    Host(#[from] crate::isolation::HostError),
 }
 
 /// Runs users' instances as local processes. Implements
@@ -79,15 +83,45 @@ impl LocalSpawner {
     /// berth on this data dir (checking each against the store), and starts
     /// the background tasks (lease renew, reaper, activity flush).
     pub async fn start(
-        config: LocalConfig,
+        mut config: LocalConfig,
         store: Arc<dyn Store>,
     ) -> Result<Arc<LocalSpawner>, LocalError> {
         check_config(&config)?;
-        for dir in [config.data_dir.join("users"), config.data_dir.join("run")] {
-            create_private_dir(&dir).map_err(|source| LocalError::Io {
-                path: dir.clone(),
-                source,
-            })?;
+        let io = |path: &std::path::Path| {
+            let path = path.to_owned();
+            move |source| LocalError::Io { path, source }
+        };
+        std::fs::create_dir_all(&config.data_dir).map_err(io(&config.data_dir))?;
+        // Absolute from here on: a sandbox mounts over these paths.
+        config.data_dir = std::fs::canonicalize(&config.data_dir).map_err(io(&config.data_dir))?;
+        check_socket_room(&config.data_dir).map_err(LocalError::Config)?;
+        let isolator = Isolator::prepare(
+            config.isolation,
+            &config.data_dir,
+            config.uids,
+            &config.port_range,
+            config.nft.as_deref(),
+        )
+        .await?;
+        match &isolator {
+            Some(isolator) => tracing::info!(level = %isolator.level,
+                table = %format!("inet {}", isolator.guard.table()),
+                cgroups = ?isolator.cgroups.as_ref().map(|p| p.dirs()),
+                "instances are isolated"),
+            None => tracing::debug!("instances are not isolated (level none)"),
+        }
+        // Private to berth; at levels with accounts, others may pass
+        // through (not list) the data dir and `users/` to reach their own
+        // roots, which are theirs and 0700.
+        let shared = if isolator.is_some() { 0o711 } else { 0o700 };
+        for (dir, mode) in [
+            (config.data_dir.clone(), shared),
+            (config.data_dir.join("users"), shared),
+            (config.data_dir.join("run"), 0o700),
+        ] {
+            create_private_dir(&dir).map_err(io(&dir))?;
+            std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(mode))
+                .map_err(io(&dir))?;
         }
         let lease = LeaseKeeper::new(store.clone(), config.node_id.clone(), config.lease.clone());
         let ports = PortPool::new(config.port_range.clone());
@@ -115,6 +149,8 @@ impl LocalSpawner {
             capacity: AtomicU32::new(ports_capacity),
             heartbeat_lock: tokio::sync::Mutex::new(()),
             shims,
+            isolator,
+            launching: Mutex::new(HashSet::new()),
         });
         inner.keep_earlier_data_roots().await;
         if let Err(e) = inner.reattach().await {
@@ -125,6 +161,7 @@ impl LocalSpawner {
             inner.tracker.wait().await;
             return Err(e);
         }
+        inner.remove_stale_cgroups();
         inner.start_background();
         Ok(Arc::new(LocalSpawner { inner }))
     }
@@ -556,15 +593,13 @@ impl Spawner for LocalSpawner {
 
     async fn logs(&self, user: &UserId, tail: usize) -> Result<Vec<String>, SpawnError> {
         // The recorded slug names the log; a user without one never ran.
-        let slug = match self.inner.existing_slot(user) {
-            Some(slot) => slot.slug.clone(),
-            None => match self.inner.store.user_slug(user).await? {
-                Some(slug) => slug,
-                None => return Ok(Vec::new()),
-            },
+        let Some(slug) = self.inner.known_slug(user).await? else {
+            return Ok(Vec::new());
         };
-        let path = crate::paths::UserPaths::new(&self.inner.config.data_dir, &slug).log(Role::Main);
-        let read = tokio::task::spawn_blocking(move || match std::fs::File::open(&path) {
+        let paths = crate::paths::UserPaths::new(&self.inner.config.data_dir, &slug);
+        // Read as root from the user's own root: never through a link the
+        // user put there (it could point at any file of the host's).
+        let read = tokio::task::spawn_blocking(move || match paths.open_log(Role::Main) {
             Ok(mut file) => tail_lines(&mut file, tail),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Vec::new()),
             Err(e) => Err(e),
@@ -572,6 +607,31 @@ impl Spawner for LocalSpawner {
         .await
         .map_err(|e| SpawnError::Internal(format!("log reader failed: {e}")))?;
         read.map_err(|e| SpawnError::Internal(format!("cannot read the log: {e}")))
+    }
+
+    async fn follow_logs(
+        &self,
+        user: &UserId,
+        tail: usize,
+    ) -> Result<tokio::sync::mpsc::Receiver<String>, SpawnError> {
+        // The recorded slug names the log. A user without one has not run
+        // yet: follow where their first launch here will write it (nothing
+        // is recorded for asking).
+        let slug = match self.inner.known_slug(user).await? {
+            Some(slug) => slug,
+            None => self.inner.first_slug(user).await,
+        };
+        let paths = crate::paths::UserPaths::new(&self.inner.config.data_dir, &slug);
+        // Like `logs`: never through a link the user put in their root.
+        let open: crate::follow::Opener = std::sync::Arc::new(move || paths.open_log(Role::Main));
+        crate::follow::follow(
+            open,
+            tail,
+            &self.inner.tracker,
+            self.inner.cancel.child_token(),
+        )
+        .await
+        .map_err(|e| SpawnError::Internal(format!("cannot read the log: {e}")))
     }
 
     fn subscribe(&self) -> broadcast::Receiver<InstanceEvent> {

@@ -260,6 +260,11 @@ fn from_now(d: Duration) -> tokio::time::Instant {
 }
 
 fn describe_exit(exit: Option<ExitInfo>, stderr_tail: &str, note: Option<&str>) -> String {
+    if let Some(limit) = exit.and_then(|e| e.oom_limit_mb) {
+        // What the program printed is beside the point: the kernel killed
+        // it for its memory.
+        return format!("out of memory (limit {limit} MiB)");
+    }
     let how = match exit {
         Some(ExitInfo {
             code: Some(code), ..
@@ -548,6 +553,7 @@ impl Ctx {
         let inner = &self.inner;
         let user = &self.slot.user;
         if let Some(port) = self.current().and_then(|i| i.port) {
+            inner.revoke_port(port).await;
             inner.ports.release(port);
         }
         {
@@ -665,8 +671,10 @@ impl Ctx {
                     )
                     .await?;
                 inner.metrics.restarts.inc();
+                // `?`: the description is the program's own output, which
+                // must not forge lines or send control codes to berth's log.
                 tracing::info!(%user, restarts = crashed.restarts, delay_ms = millis(delay),
-                    error = %description, "instance crashed; restarting after backoff");
+                    error = ?description, "instance crashed; restarting after backoff");
                 if config.watchdog_command.is_some() && !*watchdog_ran {
                     *watchdog_ran = true;
                     if let Err(e) = inner.spawn_watchdog(&self.slot, Some(crashed)).await {
@@ -679,7 +687,7 @@ impl Ctx {
                 opens,
                 cooldown_until,
             } => {
-                tracing::warn!(%user, opens, cooldown_until, error = %description,
+                tracing::warn!(%user, opens, cooldown_until, error = ?description,
                     "crash breaker opened: instance failed");
                 inner.metrics.breaker_opens.inc();
                 inner.run_breaker_hook(user, opens, cooldown_until);
@@ -759,6 +767,7 @@ impl Ctx {
             None => match inner.ports.allocate(None, &Default::default()) {
                 Some(port) => {
                     if let Some(old) = instance.port {
+                        inner.revoke_port(old).await;
                         inner.ports.release(old);
                     }
                     // Record the new port now so `finish` frees the right one.
@@ -789,13 +798,21 @@ impl Ctx {
         };
         let mut next = instance.clone();
         next.port = Some(port);
-        let spawned = match inner.shim_spec(&self.slot, &next, port, patch.as_deref()) {
-            Ok(spec) => inner.shims.spawn(&spec).await.map_err(|e| match e {
+        let spawned = async {
+            let account = inner.account(&self.slot).await.map_err(|e| e.to_string())?;
+            let spec = inner
+                .shim_spec(&self.slot, &next, port, patch.as_deref(), account.as_ref())
+                .map_err(|e| e.to_string())?;
+            inner
+                .grant_port(account.as_ref(), port)
+                .await
+                .map_err(|e| e.to_string())?;
+            inner.shims.spawn(&spec).await.map_err(|e| match e {
                 crate::shim::ShimError::SpawnFailed(m) => m,
                 other => other.to_string(),
-            }),
-            Err(e) => Err(e.to_string()),
-        };
+            })
+        }
+        .await;
         match spawned {
             Ok((handle, state)) => {
                 let control = handle.control();
@@ -826,7 +843,7 @@ impl Ctx {
                 })
             }
             Err(message) => {
-                tracing::warn!(%user, error = %message, "could not restart the instance");
+                tracing::warn!(%user, error = ?message, "could not restart the instance");
                 self.finish(
                     InstanceStatus::Failed,
                     None,
@@ -850,17 +867,28 @@ mod tests {
         let code = Some(ExitInfo {
             code: Some(3),
             signal: None,
+            oom_limit_mb: None,
         });
         assert_eq!(describe_exit(code, "", None), "exited with code 3");
         assert_eq!(describe_exit(code, "boom\n", None), "boom");
         let sig = Some(ExitInfo {
             code: None,
             signal: Some(9),
+            oom_limit_mb: None,
         });
         assert_eq!(describe_exit(sig, " ", None), "killed by signal 9");
         assert_eq!(
             describe_exit(None, "", Some("not ready within 1 s")),
             "not ready within 1 s; exited"
+        );
+        let oom = Some(ExitInfo {
+            code: None,
+            signal: Some(9),
+            oom_limit_mb: Some(64),
+        });
+        assert_eq!(
+            describe_exit(oom, "MemoryError\n", None),
+            "out of memory (limit 64 MiB)"
         );
     }
 }

@@ -19,7 +19,7 @@
 //!   a raw byte tunnel once both sides have switched protocols; at most
 //!   `max_upgrades` long-lived streams exist at a time, and at most
 //!   `max_upgrades_per_user` for one user ([`StreamLimits`], which the
-//!   API's progress streams share).
+//!   API's progress and log streams share).
 //! * A request body that falls behind its pace ([`crate::pace`]) fails the
 //!   exchange with `408 request_timeout`, and the client connection closes.
 
@@ -90,7 +90,7 @@ const TUNNEL_TOUCH_EVERY: Duration = Duration::from_secs(1);
 #[derive(Debug, Clone)]
 pub struct ForwardConfig {
     /// Concurrent long-lived streams (WebSockets and other upgrades, and
-    /// the API's progress streams) on this node; more get 503.
+    /// the API's progress and log streams) on this node; more get 503.
     pub max_upgrades: usize,
     /// Concurrent long-lived streams of one user; more get 429.
     pub max_upgrades_per_user: usize,
@@ -280,8 +280,8 @@ impl Forwarder {
         self.streams.free()
     }
 
-    /// The counts of long-lived streams, which the API's progress streams
-    /// share with upgrades.
+    /// The counts of long-lived streams, which the API's progress and log
+    /// streams share with upgrades.
     pub fn streams(&self) -> &Arc<StreamLimits> {
         &self.streams
     }
@@ -552,14 +552,21 @@ fn bad_gateway(message: &str) -> Response<ProxyBody> {
     respond::json_error(StatusCode::BAD_GATEWAY, "bad_gateway", message, &[])
 }
 
-/// A long-lived stream refused: 503 when the node is full, 429 when the
-/// user is at their own cap.
+/// An upgrade refused: `503 too_many_upgrades` when the node is full (the
+/// proxy's code for it since before the per-user cap), `429
+/// too_many_streams` when the user is at their own cap.
 fn stream_refused(refused: &StreamRefused) -> Response<ProxyBody> {
-    let code = match refused {
-        StreamRefused::Total(_) => ErrorCode::CapacityExhausted,
-        StreamRefused::PerUser { .. } => ErrorCode::TooManyStreams,
-    };
-    respond::code_error(code, &refused.to_string())
+    match refused {
+        StreamRefused::Total(_) => respond::json_error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "too_many_upgrades",
+            &refused.to_string(),
+            &[],
+        ),
+        StreamRefused::PerUser { .. } => {
+            respond::code_error(ErrorCode::TooManyStreams, &refused.to_string())
+        }
+    }
 }
 
 /// The client fell behind its body's pace: 408, and the connection closes

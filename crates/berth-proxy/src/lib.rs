@@ -6,8 +6,9 @@
 //! 1. [`route`] reads the target user from the request and looks up where
 //!    the user's instance listens, in an in-memory table fed by spawner
 //!    events;
-//! 2. [`auth`] lets through the user themself or the admin (token as
-//!    Bearer, cookie or one-shot query parameter; or a trusted SSO header);
+//! 2. [`auth`] lets through the user themself (a user token as Bearer, as
+//!    the user cookie, or once as a query parameter that becomes the
+//!    cookie; or a trusted SSO header) or the admin (Bearer only);
 //! 3. [`wake`] starts a missing instance and waits for it (or shows a
 //!    browser the "starting" page);
 //! 4. [`forward`] streams the request to the instance and the answer back,
@@ -17,8 +18,8 @@
 //! ([`limits`]: connections per client address and in all; [`pace`]: how
 //! fast request bodies must arrive), and hands every other request to a
 //! fallback service (berth's API). Long-lived streams (WebSockets, and the
-//! API's progress streams through [`Proxy::streams`]) are counted per user
-//! and in all by [`limits::StreamLimits`].
+//! API's progress and log streams through [`Proxy::streams`]) are counted
+//! per user and in all by [`limits::StreamLimits`].
 //!
 //! ```no_run
 //! use std::sync::Arc;

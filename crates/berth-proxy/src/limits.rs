@@ -3,8 +3,8 @@
 //! * [`ConnLimits`]: open client connections, in all and per client
 //!   address, so one address cannot take every connection berth has;
 //! * [`StreamLimits`]: long-lived streams (WebSocket tunnels and the API's
-//!   progress streams), in all and per user, so one user cannot starve the
-//!   others.
+//!   progress and followed-log streams), in all and per user, so one user
+//!   cannot starve the others.
 //!
 //! Both hand out permits that give their slot back when dropped. They are
 //! touched once per connection and once per stream, never per plain
@@ -174,11 +174,11 @@ impl Drop for ConnPermit {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum StreamRefused {
     #[error(
-        "too many long-lived streams (WebSockets, progress) are open on this node ({0}, max_upgrades); try again later"
+        "too many long-lived streams (WebSockets, progress and log streams) are open on this node ({0}, max_upgrades); try again later"
     )]
     Total(usize),
     #[error(
-        "{user} has {max} long-lived streams (WebSockets, progress) open, as many as one user may (max_upgrades_per_user); close one first"
+        "{user} has {max} long-lived streams (WebSockets, progress and log streams) open, as many as one user may (max_upgrades_per_user); close one first"
     )]
     PerUser { user: UserId, max: usize },
 }

@@ -101,6 +101,10 @@ where
         match self.proxy.classify(&req) {
             Class::Proxy => self.proxy.handle(req, conn).await.map(Either::Left),
             Class::Fallback => {
+                let mut req = req;
+                // The API reads the peer's facts (is it a trusted proxy
+                // that says https?) from here.
+                req.extensions_mut().insert(conn.clone());
                 let mut service = self.fallback.clone();
                 if let Err(never) = std::future::poll_fn(|cx| service.poll_ready(cx)).await {
                     match never {}

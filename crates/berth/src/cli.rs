@@ -68,7 +68,9 @@ pub enum Command {
     /// Show the last lines of a user's instance output.
     Logs {
         user: String,
-        /// Keep polling for new lines.
+        /// Keep following: print each new line as the instance writes it
+        /// (one streamed request to the node that runs the user), until
+        /// interrupted.
         #[arg(short, long)]
         follow: bool,
         #[arg(long, default_value_t = 100)]
@@ -111,9 +113,20 @@ pub enum Command {
         #[command(flatten)]
         client: ClientArgs,
     },
-    /// Mint a token for a user and print a URL that opens their instance.
+    /// Mint a token for a user and print a URL that opens their app (the
+    /// way for an admin to open it too); or list or revoke their tokens.
     Token {
         user: String,
+        /// List the user's live tokens: id, created, expires, last used.
+        #[arg(long, conflicts_with_all = ["revoke", "ttl"])]
+        list: bool,
+        /// Revoke the token with this id, and every token minted with it.
+        #[arg(long, value_name = "ID", conflicts_with = "ttl")]
+        revoke: Option<String>,
+        /// Let the new token live at most this many seconds (default and
+        /// upper bound: the server's [auth] user_token_ttl_s).
+        #[arg(long, value_name = "SECS", value_parser = clap::value_parser!(u64).range(1..))]
+        ttl: Option<u64>,
         #[command(flatten)]
         client: ClientArgs,
     },
@@ -183,6 +196,11 @@ pub struct DemoAppArgs {
     /// Append "<BERTH_EPOCH> <counter>" to this file once a second.
     #[arg(long, value_name = "FILE")]
     pub journal: Option<PathBuf>,
+    /// Debugging aid: answer `GET …/echo` with the request line, the
+    /// request headers and the whole environment as JSON. Shows every
+    /// secret the program was given, so it is off unless asked for.
+    #[arg(long, env = "BERTH_DEMO_ECHO", value_parser = clap::builder::BoolishValueParser::new())]
+    pub echo: bool,
 }
 
 /// Where the API is and how to authenticate to it.

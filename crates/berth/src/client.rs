@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use anyhow::{Context, anyhow, bail};
 use berth_core::UserId;
+use futures_util::StreamExt;
 use reqwest::{Method, StatusCode, Url};
 use serde_json::{Map, Value};
 
@@ -158,20 +159,49 @@ pub async fn run(command: Command) -> anyhow::Result<ExitCode> {
                 return Ok(ExitCode::FAILURE);
             }
         }
-        Command::Token { user, client } => {
+        Command::Token {
+            user,
+            list,
+            revoke,
+            ttl,
+            client,
+        } => {
             let user = parse_user(&user)?;
             let api = Api::new(&client)?;
-            let mut answer = api.post(&user_path(&user, &["tokens"])).await?;
-            let token = answer
-                .get("token")
-                .and_then(Value::as_str)
-                .ok_or_else(|| anyhow!("the API answered without a token: {answer}"))?
-                .to_owned();
-            let open = api.open_url(&user, &token);
-            if let Value::Object(map) = &mut answer {
-                map.insert("url".into(), Value::String(open.to_string()));
+            if list {
+                let body = api.get(&user_path(&user, &["tokens"]), &[]).await?;
+                print_table(&body, "tokens", TOKEN_COLUMNS);
+            } else if let Some(id) = revoke {
+                let answer = api
+                    .send(
+                        Method::DELETE,
+                        &user_path(&user, &["tokens", id.as_str()]),
+                        &[],
+                        None,
+                    )
+                    .await?;
+                print_json(&answer);
+            } else {
+                let body = ttl.map(|secs| serde_json::json!({ "ttl_s": secs }));
+                let mut answer = api
+                    .send(Method::POST, &user_path(&user, &["tokens"]), &[], body)
+                    .await?;
+                let token = answer
+                    .get("token")
+                    .and_then(Value::as_str)
+                    .ok_or_else(|| anyhow!("the API answered without a token: {answer}"))?
+                    .to_owned();
+                // In path mode the link is this client's URL plus the base
+                // path (it may carry a prefix the server cannot know); in
+                // host mode only the server knows the user's host name.
+                if answer.get("routing").and_then(Value::as_str) != Some("host") {
+                    let open = api.open_url(&user, &token);
+                    if let Value::Object(map) = &mut answer {
+                        map.insert("url".into(), Value::String(open.to_string()));
+                    }
+                }
+                print_json(&answer);
             }
-            print_json(&answer);
         }
         Command::Serve(_) | Command::DemoApp(_) | Command::Config { .. } => {
             bail!("internal: not a client command")
@@ -243,6 +273,33 @@ impl Api {
 
     async fn post(&self, segments: &[&str]) -> anyhow::Result<Value> {
         self.send(Method::POST, segments, &[], None).await
+    }
+
+    /// A GET whose answer is read as it arrives (an event stream); an error
+    /// answer is the API's error.
+    async fn stream(
+        &self,
+        segments: &[&str],
+        query: &[(&str, &str)],
+    ) -> anyhow::Result<reqwest::Response> {
+        let mut url = self.api_url(segments);
+        url.query_pairs_mut().extend_pairs(query);
+        let response = self
+            .http
+            .get(url.clone())
+            .bearer_auth(&self.token)
+            .send()
+            .await
+            .map_err(|e| connection_error(&self.base, e))?;
+        let status = response.status();
+        if status.is_success() {
+            return Ok(response);
+        }
+        let text = response
+            .text()
+            .await
+            .map_err(|e| connection_error(&self.base, e))?;
+        Err(api_error(status, &text, &url))
     }
 
     /// One request. `Value::Null` for an empty answer (e.g. 204).
@@ -334,25 +391,29 @@ fn read_token_file(path: &std::path::Path) -> anyhow::Result<String> {
 async fn logs(api: &Api, user: &UserId, tail: usize, follow: bool) -> anyhow::Result<()> {
     let tail_text = tail.to_string();
     let path = user_path(user, &["instance", "logs"]);
-    let query = [("tail", tail_text.as_str())];
-    let mut shown = log_lines(&api.get(&path, &query).await?);
-    for line in &shown {
-        println!("{line}");
-    }
     if !follow {
-        return Ok(());
-    }
-    let mut tick = tokio::time::interval(Duration::from_secs(1));
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    tick.tick().await;
-    loop {
-        tick.tick().await;
-        let lines = log_lines(&api.get(&path, &query).await?);
-        for line in new_lines(&shown, &lines) {
+        for line in log_lines(&api.get(&path, &[("tail", tail_text.as_str())]).await?) {
             println!("{line}");
         }
-        shown = lines;
+        return Ok(());
     }
+    // One request, streamed: the server (the node that runs the user)
+    // sends the last lines, then each new one as it is written.
+    let query = [("tail", tail_text.as_str()), ("follow", "true")];
+    let response = api.stream(&path, &query).await?;
+    let events = crate::sse::events(response.bytes_stream());
+    futures_util::pin_mut!(events);
+    while let Some(event) = events.next().await {
+        let event = event.map_err(|e| anyhow!("the log stream from {} broke: {e}", api.base))?;
+        if event.event != crate::sse::LOG_LINE_EVENT {
+            continue;
+        }
+        match serde_json::from_str::<String>(&event.data) {
+            Ok(line) => println!("{line}"),
+            Err(_) => println!("{}", event.data),
+        }
+    }
+    Ok(())
 }
 
 fn log_lines(body: &Value) -> Vec<String> {
@@ -373,20 +434,6 @@ fn log_lines(body: &Value) -> Vec<String> {
                 .collect()
         })
         .unwrap_or_default()
-}
-
-/// The lines of `now` not already in `before`: both are windows of the same
-/// log, so the new ones follow the longest suffix of `before` that is a
-/// prefix of `now`. Without overlap everything is new (lines may have been
-/// missed).
-fn new_lines<'a>(before: &[String], now: &'a [String]) -> &'a [String] {
-    let longest = before.len().min(now.len());
-    for overlap in (1..=longest).rev() {
-        if before[before.len() - overlap..] == now[..overlap] {
-            return &now[overlap..];
-        }
-    }
-    now
 }
 
 fn print_json(value: &Value) {
@@ -427,6 +474,14 @@ const NODE_COLUMNS: &[Column] = &[
     Column("CAPACITY", "capacity", Cell::Plain),
     Column("URL", "advertise_url", Cell::Plain),
     Column("HEARTBEAT", "heartbeat", Cell::Time),
+];
+
+const TOKEN_COLUMNS: &[Column] = &[
+    Column("ID", "id", Cell::Plain),
+    Column("CREATED", "created_at", Cell::Time),
+    Column("EXPIRES", "expires_at", Cell::Time),
+    Column("LAST USED", "last_used_at", Cell::Time),
+    Column("MINTED WITH", "parent", Cell::Plain),
 ];
 
 const LEASE_COLUMNS: &[Column] = &[
@@ -549,18 +604,6 @@ mod tests {
             open.as_str(),
             "http://h:8000/prefix/u/alice/?berth_token=tok"
         );
-    }
-
-    #[test]
-    fn follow_prints_only_new_lines() {
-        let s = |v: &[&str]| v.iter().map(|x| x.to_string()).collect::<Vec<_>>();
-        assert_eq!(
-            new_lines(&s(&["a", "b", "c"]), &s(&["b", "c", "d"])),
-            s(&["d"])
-        );
-        assert_eq!(new_lines(&s(&["a"]), &s(&["a"])), s(&[]));
-        assert_eq!(new_lines(&s(&[]), &s(&["x"])), s(&["x"]));
-        assert_eq!(new_lines(&s(&["a", "b"]), &s(&["x", "y"])), s(&["x", "y"]));
     }
 
     #[test]

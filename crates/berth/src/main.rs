@@ -7,6 +7,7 @@ mod client;
 mod config;
 mod demo_app;
 mod serve;
+mod sse;
 
 use std::process::ExitCode;
 
@@ -59,7 +60,13 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
 }
 
 fn serve(args: &ServeArgs) -> anyhow::Result<()> {
+    // Everything berth creates (database, WAL, token, logs, state files) is
+    // its own: 0600 and 0700 unless it says otherwise.
+    nix::sys::stat::umask(nix::sys::stat::Mode::from_bits_truncate(0o077));
     let mut config = Config::load(args.config.as_deref())?;
+    // Read into the config; from here on they need not be in the
+    // environment, where /proc/<pid>/environ would show them.
+    scrub_secrets_from_environment(&["BERTH_ADMIN_TOKEN", "BERTH_CLUSTER_SECRET"]);
     config.apply_overrides(&args.overrides());
     config.validate()?;
     init_tracing(&config.log_format)?;
@@ -74,6 +81,47 @@ fn serve(args: &ServeArgs) -> anyhow::Result<()> {
         .build()
         .context("cannot start the async runtime")?;
     runtime.block_on(serve::run(config))
+}
+
+/// Removes `names` from the environment and wipes their values from the
+/// memory that `/proc/<pid>/environ` reads (the process's initial
+/// environment block, which `unsetenv` only unlinks, never clears): so not
+/// even a process allowed to read berth's environ finds the secrets there.
+///
+/// Must run while the process is single-threaded (before any runtime).
+fn scrub_secrets_from_environment(names: &[&str]) {
+    use std::ffi::CStr;
+    use std::os::raw::c_char;
+
+    unsafe extern "C" {
+        static mut environ: *mut *mut c_char;
+    }
+    for name in names {
+        let prefix = format!("{name}=");
+        let mut found: Vec<(*mut c_char, usize)> = Vec::new();
+        // SAFETY: single-threaded (see above), so nothing changes `environ`
+        // while it is walked; it is a null-terminated array of pointers to
+        // NUL-terminated strings, as the C runtime maintains it.
+        unsafe {
+            let mut entry = environ;
+            while !entry.is_null() && !(*entry).is_null() {
+                let text = CStr::from_ptr(*entry).to_bytes();
+                if text.starts_with(prefix.as_bytes()) {
+                    found.push((*entry, text.len()));
+                }
+                entry = entry.add(1);
+            }
+        }
+        // SAFETY: single-threaded (see above), as `remove_var` requires.
+        unsafe { std::env::remove_var(name) };
+        for (value, len) in found {
+            // SAFETY: `value` points at a writable string of `len` bytes
+            // (the initial block is on the stack; a later `setenv` copy on
+            // the heap) that `unsetenv` left in place but no longer lists;
+            // only the bytes after the `=` are overwritten.
+            unsafe { std::ptr::write_bytes(value.add(prefix.len()), 0, len - prefix.len()) };
+        }
+    }
 }
 
 fn worker_threads_from_env() -> anyhow::Result<Option<usize>> {
@@ -94,8 +142,10 @@ fn init_tracing(log_format: &str) -> anyhow::Result<()> {
             .with_context(|| format!("RUST_LOG={spec:?} is not a valid filter"))?,
         _ => EnvFilter::new("info"),
     };
+    // Colours only for a terminal: a log file or journal gets plain text.
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_writer(std::io::stderr);
     let result = if log_format == "json" {
         builder.json().try_init()

@@ -213,6 +213,11 @@ impl Dirs {
         let root = tempfile::tempdir().unwrap();
         let journals = root.path().join("journals");
         std::fs::create_dir_all(&journals).unwrap();
+        // Written by the instances, which run under their users' accounts
+        // (the same uid on every node: the accounts are in the shared
+        // store).
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&journals, std::fs::Permissions::from_mode(0o1777)).unwrap();
         Dirs { root, journals }
     }
 
@@ -427,6 +432,7 @@ async fn manual_takeover_waits_for_the_operator_and_moves_the_user() {
         let row = lease_of(watcher, "alice").await.unwrap();
         assert_eq!(row["holder"], IDS[holder], "{row}");
         assert_eq!(row["epoch"].as_i64(), Some(old_epoch), "{row}");
+        // Paces the checks over a window in which nothing may happen.
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 
@@ -580,6 +586,7 @@ impl Relay {
         let accept = tokio::spawn(async move {
             loop {
                 let Ok((client, _)) = listener.accept().await else {
+                    // Backs off a failing accept (out of descriptors).
                     tokio::time::sleep(Duration::from_millis(10)).await;
                     continue;
                 };
@@ -663,6 +670,7 @@ async fn relay_one(client: tokio::net::TcpStream, upstream: String, state: Arc<M
     };
     let down = async move {
         while let Some((due, chunk)) = rx.recv().await {
+            // The injected fault itself: rows arrive `row_delay` late.
             tokio::time::sleep_until(due).await;
             if client_write.write_all(&chunk).await.is_err() {
                 break;
@@ -1012,6 +1020,8 @@ async fn a_postgres_restart_under_load_leaves_one_running_instance_per_user() {
                 .then_some(())
         })
         .await;
+        // …and in their cached view of the nodes table, which nothing
+        // observable marks: outlast its age (NODES_MAX_AGE, 1 s).
         tokio::time::sleep(Duration::from_millis(1100)).await;
     }
 
@@ -1049,11 +1059,13 @@ async fn a_postgres_restart_under_load_leaves_one_running_instance_per_user() {
                     *answers.lock().unwrap().entry(key).or_default() += 1;
                 }
                 round += 1;
+                // Paces the load: steady traffic, not a flood.
                 tokio::time::sleep(Duration::from_millis(50)).await;
             }
         })
     };
-    tokio::time::sleep(Duration::from_secs(1)).await;
+    // The client is under way before the first fault.
+    wait_for_answers(&answers, &BTreeMap::new()).await;
 
     // A quick restart: `restart` is stop -m fast + start, so nothing
     // committed is lost.

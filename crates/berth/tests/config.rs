@@ -169,12 +169,15 @@ fn bad_values_name_the_key() {
 }
 
 #[test]
-fn unsupported_isolation_is_refused_clearly() {
-    let (stderr, _path, _dir) = check_failing("[isolation]\nmode = \"user\"\n");
+fn an_unknown_isolation_mode_is_refused_clearly() {
+    let (stderr, _path, _dir) = check_failing("[isolation]\nmode = \"jail\"\n");
     assert!(
-        stderr.contains("isolation mode \"user\" is not supported yet"),
+        stderr.contains(
+            "isolation.mode: unknown isolation mode \"jail\" (expected \"none\", \"user\" or \"sandbox\")"
+        ),
         "{stderr}"
     );
+    assert!(stderr.contains("line 2"), "{stderr}");
 }
 
 #[test]

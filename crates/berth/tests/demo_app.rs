@@ -43,6 +43,7 @@ fn start(args: &[&str], env: &[(&str, &str)]) -> Demo {
         .env_remove("BERTH_EPOCH")
         .env_remove("BERTH_BASE_PATH")
         .env_remove("BERTH_USER")
+        .env_remove("BERTH_DEMO_ECHO")
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit());
@@ -203,6 +204,57 @@ async fn sse_bytes_and_upload_stream() {
     assert_eq!(response.status(), 200);
     let json: serde_json::Value = response.json().await.unwrap();
     assert_eq!(json, serde_json::json!({ "bytes": 123_457 }));
+}
+
+/// `…/echo` reports exactly what the program received — here a header the
+/// test sent and a variable of its environment — and only when asked for.
+#[tokio::test]
+async fn echo_reports_headers_and_environment_only_when_enabled() {
+    let probe = |demo: &Demo| {
+        reqwest::Client::new()
+            .get(format!("{}/u/carol/echo?x=1", demo.base()))
+            .header("x-probe", "seen-by-the-app")
+            .header("x-probe", "twice")
+            .send()
+    };
+    for enable in [
+        (vec!["--echo"], vec![]),
+        (vec![], vec![("BERTH_DEMO_ECHO", "1")]),
+    ] {
+        let (args, mut env) = enable;
+        env.extend([
+            ("BERTH_BASE_PATH", "/u/carol/"),
+            ("DEMO_ECHO_PROBE", "env-probe"),
+        ]);
+        let mut demo = start(&args, &env);
+        demo.ready_line();
+        let response = probe(&demo).await.unwrap();
+        assert_eq!(response.status(), 200, "{args:?} {env:?}");
+        let echo: serde_json::Value = response.json().await.unwrap();
+        assert_eq!(echo["method"], "GET", "{echo}");
+        assert_eq!(echo["uri"], "/u/carol/echo?x=1", "{echo}");
+        let probes: Vec<&serde_json::Value> = echo["headers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|h| h[0] == "x-probe")
+            .map(|h| &h[1])
+            .collect();
+        assert_eq!(probes, ["seen-by-the-app", "twice"], "{echo}");
+        assert_eq!(echo["env"]["DEMO_ECHO_PROBE"], "env-probe", "{echo}");
+        assert_eq!(echo["env"]["BERTH_BASE_PATH"], "/u/carol/", "{echo}");
+    }
+
+    // Off by default, and off when the variable says so: the page.
+    for env in [vec![], vec![("BERTH_DEMO_ECHO", "0")]] {
+        let mut demo = start(&[], &env);
+        demo.ready_line();
+        let response = probe(&demo).await.unwrap();
+        assert_eq!(response.status(), 200);
+        let body = response.text().await.unwrap();
+        assert!(body.contains("berth demo app"), "{env:?}: {body}");
+        assert!(!body.contains("seen-by-the-app"), "{env:?}: {body}");
+    }
 }
 
 #[test]

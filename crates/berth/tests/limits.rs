@@ -1,7 +1,7 @@
 //! Resource exhaustion (issue 9), replayed against the real binary: half-sent
 //! unauthenticated bodies, a trickled body, one user holding many
-//! WebSockets or progress streams, and one address holding many
-//! connections.
+//! WebSockets, progress streams or followed logs, and one address holding
+//! many connections.
 
 mod support;
 
@@ -224,18 +224,28 @@ async fn a_body_trickled_at_one_byte_per_two_seconds_is_cut_off() {
     assert_eq!(r.status(), 200);
     let counted: serde_json::Value = r.json().await.unwrap();
     assert_eq!(counted["bytes"].as_u64(), Some(4 * MIB as u64));
-    // The API still bounds its bodies by size, read after authentication.
-    let r = node
-        .http
-        .post(node.api("/users/bob/instance"))
-        .bearer_auth(token)
-        .body(vec![b' '; 2 * MIB])
-        .send()
+    // The API still bounds the paced bodies it reads by size: a chunked
+    // body (no length to refuse up front) is cut at 1 MiB. Its one chunk,
+    // one byte over, is sent whole and nothing after it, so berth reads
+    // every byte sent before it answers and closes.
+    let mut stream = TcpStream::connect(to).await.unwrap();
+    let head = format!(
+        "POST /api/v1/users/bob/instance HTTP/1.1\r\nHost: berth.test\r\n\
+         Authorization: Bearer {token}\r\nContent-Type: application/json\r\n\
+         Transfer-Encoding: chunked\r\n\r\n{:x}\r\n",
+        MIB + 1
+    );
+    stream.write_all(head.as_bytes()).await.unwrap();
+    stream.write_all(&vec![b' '; MIB + 1]).await.unwrap();
+    let mut answer = Vec::new();
+    tokio::time::timeout(PATIENCE, stream.read_to_end(&mut answer))
         .await
+        .expect("berth answers and closes")
         .unwrap();
-    assert_eq!(r.status(), 413);
-    let body: serde_json::Value = r.json().await.unwrap();
-    assert_eq!(body["error"], "payload_too_large", "{body}");
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(answer.starts_with("HTTP/1.1 413"), "{answer}");
+    assert!(answer.contains("payload_too_large"), "{answer}");
+    assert_eq!(node.status_of("bob").await, "none", "nothing was launched");
 }
 
 async fn websocket(
@@ -321,9 +331,21 @@ async fn progress(node: &Node, user: &str, token: &str) -> reqwest::Response {
         .unwrap()
 }
 
-/// Progress streams count against the same per-user cap: five open streams
-/// of a user whose instance is still starting stop the sixth (429) but not
-/// another user's; one closed gives a slot back.
+/// `GET …/instance/logs?follow=true`: a followed log, a long-lived stream
+/// like progress.
+async fn follow_logs(node: &Node, user: &str, token: &str) -> reqwest::Response {
+    node.http
+        .get(node.api(&format!("/users/{user}/instance/logs?follow=true")))
+        .bearer_auth(token)
+        .send()
+        .await
+        .unwrap()
+}
+
+/// Progress streams and followed logs count against the same per-user cap:
+/// five open progress streams of a user whose instance is still starting
+/// stop a sixth and a followed log (429) but not another user's; one
+/// closed gives a slot back.
 #[tokio::test(flavor = "multi_thread")]
 async fn progress_streams_are_capped_per_user() {
     let dir = tempfile::tempdir().unwrap();
@@ -344,24 +366,39 @@ async fn progress_streams_are_capped_per_user() {
         assert_eq!(r.status(), 200);
         streams.push(r);
     }
-    let r = progress(&node, "carol", &carol).await;
-    assert_eq!(r.status(), 429);
-    let body: serde_json::Value = r.json().await.unwrap();
-    assert_eq!(body["error"], "too_many_streams");
-    assert!(
-        body["message"]
-            .as_str()
-            .unwrap()
-            .contains("max_upgrades_per_user"),
-        "{body}"
-    );
+    for (what, r) in [
+        ("progress", progress(&node, "carol", &carol).await),
+        ("a followed log", follow_logs(&node, "carol", &carol).await),
+    ] {
+        assert_eq!(r.status(), 429, "{what}");
+        let body: serde_json::Value = r.json().await.unwrap();
+        assert_eq!(body["error"], "too_many_streams", "{what}");
+        assert!(
+            body["message"]
+                .as_str()
+                .unwrap()
+                .contains("max_upgrades_per_user"),
+            "{what}: {body}"
+        );
+    }
     let dave = node.user_token("dave").await;
     let r = progress(&node, "dave", &dave).await;
     assert_eq!(r.status(), 200, "carol's cap leaves dave his stream");
     assert!(r.text().await.unwrap().contains("\"status\":\"none\""));
+    let r = follow_logs(&node, "dave", &dave).await;
+    assert_eq!(r.status(), 200, "and his followed log");
+    drop(r);
 
     drop(streams.pop());
-    eventually(PATIENCE, "carol's slot back", || async {
+    let followed = eventually(PATIENCE, "carol's slot back", || async {
+        let r = follow_logs(&node, "carol", &carol).await;
+        (r.status() == 200).then_some(r)
+    })
+    .await;
+    // The followed log holds it: a progress stream is refused again.
+    assert_eq!(progress(&node, "carol", &carol).await.status(), 429);
+    drop(followed);
+    eventually(PATIENCE, "carol's slot back again", || async {
         let r = progress(&node, "carol", &carol).await;
         (r.status() == 200).then_some(())
     })

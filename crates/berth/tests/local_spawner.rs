@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use berth_core::policy::{CrashPolicy, ReapPolicy};
 use berth_core::{InstanceStatus, LaunchRequest, SpawnError, Spawner, UserId};
-use berth_local::{Isolation, LocalConfig, LocalSpawner, Readiness};
+use berth_local::{Isolation, Limits, LocalConfig, LocalSpawner, Readiness, UidRange};
 use berth_store::lease::LeaseConfig;
 use berth_store::testing::{InterceptRenew, RenewHook};
 use berth_store::{Store, StoreError};
@@ -92,6 +92,12 @@ impl Env {
             lease: LeaseConfig::default(),
             fence: false,
             isolation: Isolation::None,
+            uids: UidRange {
+                first: 200_000,
+                count: 1000,
+            },
+            limits: Limits::default(),
+            nft: None,
             shim_command: vec![BERTH.into(), "shim".into()],
             probe_settle: Duration::from_millis(200),
             probe_budget: Duration::from_secs(20),
@@ -1047,8 +1053,12 @@ async fn a_crash_is_not_restarted_while_the_lease_is_unproven() {
     let first_pid = running.pid.unwrap();
 
     flaky.hook.0.store(true, Ordering::SeqCst);
-    // Past fence_after without a good renew: the lease is unproven.
-    tokio::time::sleep(Duration::from_millis(900)).await;
+    // Past fence_after without a good renew the lease is unproven, and the
+    // spawner freezes the instance: wait for that.
+    eventually("the instance frozen once the lease is unproven", || async {
+        (berth_testkit::proc_state(first_pid) == Some('T')).then_some(())
+    })
+    .await;
     nix::sys::signal::kill(
         nix::unistd::Pid::from_raw(first_pid as i32),
         nix::sys::signal::Signal::SIGKILL,
@@ -1058,7 +1068,8 @@ async fn a_crash_is_not_restarted_while_the_lease_is_unproven() {
         (!alive(first_pid)).then_some(())
     })
     .await;
-    // Well past the backoff (≤ 200 ms): still no new program.
+    // Well past the backoff (≤ 200 ms): still no new program. The sleep is
+    // the test: nothing may happen during it.
     tokio::time::sleep(Duration::from_millis(1000)).await;
     let held = main_of(&spawner, &rita).await.unwrap();
     assert_eq!(held.status, InstanceStatus::Crashed, "{held:?}");

@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use berth_core::policy::{CrashPolicy, ReapPolicy};
 use berth_core::{InstanceStatus, LaunchRequest, Spawner, UserId};
-use berth_local::{Isolation, LocalConfig, LocalSpawner, Readiness};
+use berth_local::{Isolation, Limits, LocalConfig, LocalSpawner, Readiness, UidRange};
 use berth_store::lease::LeaseConfig;
 use berth_store::{Store, TakeoverPolicy};
 use serde_json::json;
@@ -136,7 +136,7 @@ async fn a_data_root_of_an_earlier_slug_stays_with_the_first_user_recorded() {
         "kept across the upgrade"
     );
     assert_eq!(data_root(&home_of(&node, SECOND).await), data_root(&second));
-    // And the logs are read from the recorded root.
+    // And the logs are read from the recorded root, followed or not.
     let (status, body) = node
         .get(&format!(
             "/users/{}/instance/logs",
@@ -145,6 +145,32 @@ async fn a_data_root_of_an_earlier_slug_stays_with_the_first_user_recorded() {
         .await;
     assert_eq!(status, 200, "{body}");
     assert!(old_root.join("logs/main.log").is_file());
+    let demo_lines = |text: &str| text.matches("berth-demo: ").count();
+    let lines = body["lines"].as_array().unwrap();
+    assert!(
+        lines.iter().any(|l| demo_lines(l.as_str().unwrap()) > 0),
+        "{body}"
+    );
+    let mut followed = node
+        .http
+        .get(node.api(&format!(
+            "/users/{}/instance/logs?follow=true&tail=10",
+            user(FIRST).path_segment()
+        )))
+        .bearer_auth(&node.token)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(followed.status(), 200);
+    let mut seen = String::new();
+    while demo_lines(&seen) == 0 {
+        let chunk = tokio::time::timeout(PATIENCE, followed.chunk())
+            .await
+            .expect("the followed log's lines")
+            .unwrap()
+            .expect("the stream stays open");
+        seen.push_str(&String::from_utf8_lossy(&chunk));
+    }
 }
 
 fn spawner_config(data: &Path, ports: u16) -> LocalConfig {
@@ -180,6 +206,12 @@ fn spawner_config(data: &Path, ports: u16) -> LocalConfig {
         lease: LeaseConfig::default(),
         fence: false,
         isolation: Isolation::None,
+        uids: UidRange {
+            first: 200_000,
+            count: 100_000,
+        },
+        limits: Limits::default(),
+        nft: None,
         shim_command: vec![BERTH.into(), "shim".into()],
         probe_settle: Duration::from_millis(200),
         probe_budget: Duration::from_secs(20),

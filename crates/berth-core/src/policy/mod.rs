@@ -10,5 +10,5 @@ mod placement;
 mod reap;
 
 pub use crash::{CrashDecision, CrashPolicy, CrashState, LaunchKind};
-pub use placement::{NodeState, NodeView, duplicate_node, place};
+pub use placement::{NodeState, NodeView, place};
 pub use reap::{ReapPolicy, select_for_reaping};

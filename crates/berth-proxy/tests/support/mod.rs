@@ -15,7 +15,7 @@ use berth_core::{
     BreakerInfo, Endpoint, Instance, InstanceEvent, InstanceStatus, LaunchRequest, ProbeReport,
     RestartResult, Role, SpawnError, Spawner, UserId, UserStatus, unix_millis_now,
 };
-use berth_proxy::auth::{AuthError, Authenticator, TokenHash, TokenStore};
+use berth_proxy::auth::{AuthError, Authenticator, TokenHash, TokenStore, UserTokenInfo};
 use berth_proxy::{Proxy, ProxyConfig, ServerConfig};
 use bytes::Bytes;
 use futures_util::{SinkExt, StreamExt};
@@ -59,7 +59,7 @@ where
 // --- the Spawner test double ------------------------------------------------
 
 /// Test double: routes to a fixed upstream; the real LocalSpawner is
-/// exercised in crates/berth/tests/proxy.rs.
+/// exercised in crates/berth/tests/proxy.rs and proxy_e2e.rs.
 ///
 /// `launch` marks the user starting and, after `start_delay`, running on
 /// the configured upstream, publishing events like the real spawner.
@@ -195,6 +195,7 @@ impl Spawner for StaticSpawner {
         let owned = user.clone();
         let delay = *self.inner.start_delay.lock().unwrap();
         tokio::spawn(async move {
+            // The double's start-up time (`start_delay`), as a test sets it.
             tokio::time::sleep(delay).await;
             let ep = state.upstream.lock().unwrap().clone();
             state.set(&owned, InstanceStatus::Running, Some(ep));
@@ -304,11 +305,15 @@ pub struct Tokens;
 
 #[async_trait]
 impl TokenStore for Tokens {
-    async fn user_for_token_hash(&self, hash: &str) -> Result<Option<UserId>, AuthError> {
+    async fn lookup(&self, hash: &str) -> Result<Option<UserTokenInfo>, AuthError> {
         Ok([(ALICE, "alice"), (BOB, "bob")]
             .iter()
             .find(|(t, _)| TokenHash::of(t).to_hex() == hash)
-            .map(|(_, u)| user(u)))
+            .map(|(_, u)| UserTokenInfo {
+                user: user(u),
+                id: format!("{u}-token"),
+                expires_in: Duration::from_secs(3600),
+            }))
     }
 }
 
@@ -415,6 +420,15 @@ async fn upstream_handle(
                 .map(|c| Ok::<_, Infallible>(Frame::data(Bytes::from_static(c.as_bytes())))),
         );
         Response::new(boxed(StreamBody::new(chunks)))
+    } else if path.ends_with("/set-cookie") {
+        // A program trying to set berth's cookies, and one of its own.
+        Response::builder()
+            .header("set-cookie", "berth_token=planted; Path=/u/")
+            .header("set-cookie", "app=kept; Path=/")
+            .header("set-cookie", "__Host-berth_token=planted; Path=/; Secure")
+            .header("set-cookie", "=berth_session=planted")
+            .body(boxed(Full::new(Bytes::from_static(b"cookies set"))))
+            .unwrap()
     } else if path.ends_with("/echo") {
         Response::new(boxed(req.into_body()))
     } else if path.ends_with("/abort") {
@@ -557,6 +571,18 @@ impl RawResponse {
             let (k, v) = line.split_once(':')?;
             k.eq_ignore_ascii_case(name).then(|| v.trim())
         })
+    }
+
+    /// Every value of header `name` (lowercase), in order.
+    pub fn headers(&self, name: &str) -> Vec<&str> {
+        self.head
+            .lines()
+            .skip(1)
+            .filter_map(|line| {
+                let (k, v) = line.split_once(':')?;
+                k.eq_ignore_ascii_case(name).then(|| v.trim())
+            })
+            .collect()
     }
 }
 

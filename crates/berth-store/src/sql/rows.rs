@@ -1,8 +1,7 @@
-//! What the SQLite and PostgreSQL backends share outside their SQL: the
-//! embedded-migration source, the TTL bound, the conversions between stored
-//! integers and the model's types, and the mapping of result rows onto
-//! records. The SQL text itself stays with each backend (placeholder styles
-//! and clocks differ).
+//! From rows to records, and the conversions around them: the mapping of
+//! either backend's result rows onto records, the conversions between
+//! stored integers and the model's types, the TTL bound, and the
+//! embedded-migration source each backend feeds its schema through.
 
 use std::borrow::Cow;
 use std::future::Future;
@@ -11,16 +10,38 @@ use std::time::Duration;
 
 use berth_core::{Instance, Slug, UserId};
 use sqlx::migrate::{Migration, MigrationSource, MigrationType};
-use sqlx::postgres::{PgRow, Postgres};
-use sqlx::sqlite::{Sqlite, SqliteRow};
-use sqlx::{Decode, Row, Type};
+use sqlx::{ColumnIndex, Decode, Row, Type};
 
-use crate::{LeaseRecord, NodeRecord, NodeStatus, StoreError};
+use crate::{
+    LeaseRecord, MintOutcome, NodeRecord, NodeStatus, StoreError, TokenOwner, TokenRecord,
+};
 
 /// Cap on a TTL handed to SQL, so `now + ttl` can overflow neither SQLite's
 /// integers (which would silently turn into a float) nor a BIGINT. Ten
 /// years.
 pub(crate) const MAX_TTL_MS: i64 = 10 * 365 * 24 * 3600 * 1000;
+
+/// Every schema version of the backend whose migrations live in
+/// `migrations/<dir>/`, as `(version, description, sql)`, embedded so a
+/// deployed binary needs no files beside it. One list for both backends: a
+/// version cannot be added to one and forgotten in the other, since each
+/// file must exist in both directories.
+macro_rules! embedded_migrations {
+    ($dir:literal) => {
+        &[
+            (1, "init", embedded_migrations!(@file $dir, "0001_init.sql")),
+            (2, "launch_params", embedded_migrations!(@file $dir, "0002_launch_params.sql")),
+            (3, "users", embedded_migrations!(@file $dir, "0003_users.sql")),
+            (4, "accounts", embedded_migrations!(@file $dir, "0004_accounts.sql")),
+            (5, "tokens", embedded_migrations!(@file $dir, "0005_tokens.sql")),
+            (7, "node_identity", embedded_migrations!(@file $dir, "0007_node_identity.sql")),
+        ]
+    };
+    (@file $dir:literal, $name:literal) => {
+        include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/migrations/", $dir, "/", $name))
+    };
+}
+pub(crate) use embedded_migrations;
 
 /// A backend's schema, embedded so a deployed binary needs no files beside
 /// it: `(version, description, sql)`. Fed to sqlx's `Migrator`, which
@@ -106,22 +127,17 @@ pub(crate) trait Column<T> {
     fn column(&self, name: &str) -> Result<T, StoreError>;
 }
 
-macro_rules! impl_column {
-    ($row:ty, $db:ty) => {
-        impl<T> Column<T> for $row
-        where
-            T: for<'r> Decode<'r, $db> + Type<$db>,
-        {
-            fn column(&self, name: &str) -> Result<T, StoreError> {
-                self.try_get(name)
-                    .map_err(|e| StoreError::Corrupt(format!("column {name}: {e}")))
-            }
-        }
-    };
+impl<R, T> Column<T> for R
+where
+    R: Row,
+    T: for<'r> Decode<'r, R::Database> + Type<R::Database>,
+    for<'n> &'n str: ColumnIndex<R>,
+{
+    fn column(&self, name: &str) -> Result<T, StoreError> {
+        self.try_get(name)
+            .map_err(|e| StoreError::Corrupt(format!("column {name}: {e}")))
+    }
 }
-
-impl_column!(SqliteRow, Sqlite);
-impl_column!(PgRow, Postgres);
 
 /// A row with every column type berth's records are made of.
 pub(crate) trait RecordRow:
@@ -216,5 +232,40 @@ pub(crate) fn node_from_row<R: RecordRow>(row: &R) -> Result<NodeRecord, StoreEr
         load: narrow(get(row, "load")?, "load")?,
         status,
         heartbeat: get(row, "heartbeat")?,
+    })
+}
+
+/// A token record from a row of `id, user_id, created_at, expires_at,
+/// last_used_at, parent_id`.
+pub(crate) fn token_from_row<R: RecordRow>(row: &R) -> Result<TokenRecord, StoreError> {
+    Ok(TokenRecord {
+        id: get(row, "id")?,
+        user: parse_user(get(row, "user_id")?)?,
+        created_at: get(row, "created_at")?,
+        expires_at: get(row, "expires_at")?,
+        last_used_at: get(row, "last_used_at")?,
+        parent: get(row, "parent_id")?,
+    })
+}
+
+/// A token's owner from a row of `user_id, id, expires_at, now`.
+pub(crate) fn token_owner_from_row<R: RecordRow>(row: &R) -> Result<TokenOwner, StoreError> {
+    Ok(TokenOwner {
+        user: parse_user(get(row, "user_id")?)?,
+        id: get(row, "id")?,
+        expires_at: get(row, "expires_at")?,
+        now: get(row, "now")?,
+    })
+}
+
+/// Why a mint that inserted nothing was refused, given the user's live
+/// token count read in the same transaction: the cap, else a parent that
+/// is gone.
+pub(crate) fn refused_mint(live: i64, max_live: u32) -> Result<MintOutcome, StoreError> {
+    let live: u32 = narrow(live, "count")?;
+    Ok(if live >= max_live {
+        MintOutcome::TooMany { live }
+    } else {
+        MintOutcome::ParentGone
     })
 }
