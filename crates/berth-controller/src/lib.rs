@@ -36,6 +36,7 @@ mod lifecycle;
 mod metrics;
 mod node;
 mod publisher;
+mod slugs;
 mod spawner;
 mod users;
 
@@ -147,6 +148,7 @@ impl Controller {
             tasks: TaskTracker::new(),
             cancel: CancellationToken::new(),
         });
+        shared.keep_earlier_data().await;
         if let Err(e) = shared.adopt_all().await {
             // Drivers started for instances adopted so far must not outlive
             // a controller that failed to start.

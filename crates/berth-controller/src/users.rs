@@ -138,18 +138,16 @@ pub(crate) struct Users {
 }
 
 impl Users {
-    /// The slot of `user`, created on first use.
-    pub fn slot(&self, user: &UserId) -> Arc<Slot> {
-        if let Some(slot) = self.existing(user) {
-            return slot;
-        }
+    /// The slot of `user`, made with `slug` (the recorded one) unless it
+    /// exists already.
+    pub fn insert(&self, user: &UserId, slug: Slug) -> Arc<Slot> {
         let mut slots = self.slots.write().unwrap_or_else(PoisonError::into_inner);
         slots
             .entry(user.clone())
             .or_insert_with(|| {
                 Arc::new(Slot {
                     user: user.clone(),
-                    slug: user.slug(),
+                    slug,
                     lifecycle: tokio::sync::Mutex::new(()),
                     watchdog_lock: tokio::sync::Mutex::new(()),
                     state: Mutex::new(SlotState::default()),

@@ -38,7 +38,7 @@ mod uids;
 
 pub use error::{ErrorCode, SpawnError};
 pub use folder::normalize_folder;
-pub use id::{InvalidUserId, Slug, UserId};
+pub use id::{InvalidSlug, InvalidUserId, MAX_SLUG_LEN, Slug, UserId};
 pub use model::{
     BreakerInfo, Endpoint, Epoch, Instance, InstanceEvent, InstanceStatus, LaunchRequest,
     MAX_PATCH_BYTES, ProbeReport, RestartResult, Role, UserStatus,

@@ -274,6 +274,14 @@ pub trait Runtime: Send + Sync + 'static {
         let _ = instance_id;
     }
 
+    /// Whether this runtime keeps data of a user under `slug` here (a data
+    /// root, a volume): a user recorded for the first time keeps an earlier
+    /// slug whose data is here.
+    async fn has_data(&self, slug: &Slug) -> bool {
+        let _ = slug;
+        false
+    }
+
     /// Everything this runtime runs (or last ran) for this node, for
     /// adoption after a restart of berth.
     async fn discover(&self) -> Result<Vec<Discovered>, RuntimeError>;

@@ -579,6 +579,14 @@ impl Runtime for LocalRuntime {
         self.unreserve(instance_id).await;
     }
 
+    async fn has_data(&self, slug: &Slug) -> bool {
+        // A link there is not a data root: they are never reached through
+        // links.
+        tokio::fs::symlink_metadata(&self.paths(slug).root)
+            .await
+            .is_ok_and(|m| m.is_dir())
+    }
+
     async fn discover(&self) -> Result<Vec<Discovered>, RuntimeError> {
         let shims = discover::scan(&self.config.data_dir.join("run")).await;
         // Instance cgroups no running shim uses are left by shims killed
