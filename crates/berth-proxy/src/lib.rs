@@ -14,7 +14,7 @@
 //! 4. [`forward`] streams the request to the instance and the answer back,
 //!    tunnelling WebSockets.
 //!
-//! [`server::serve`] accepts connections, applies connection-level limits,
+//! [`metrics`] times every answer. [`server::serve`] accepts connections, applies connection-level limits,
 //! and hands every other request to a fallback service (berth's API).
 //!
 //! ```no_run
@@ -54,6 +54,7 @@
 
 pub mod auth;
 pub mod forward;
+pub mod metrics;
 mod pool;
 mod proxy;
 pub mod respond;
@@ -61,6 +62,7 @@ pub mod route;
 pub mod server;
 pub mod wake;
 
+pub use metrics::ProxyMetrics;
 pub use pool::ForwardedBody;
 pub use proxy::{Proxy, ProxyCluster, ProxyConfig, route_error};
 pub use server::{ServerConfig, serve};
