@@ -6,6 +6,8 @@ mod cli;
 mod client;
 mod config;
 mod demo_app;
+mod progress;
+mod render;
 mod serve;
 mod sse;
 
@@ -40,12 +42,27 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Serve(args) => serve(&args).map(|()| ExitCode::SUCCESS),
         Command::DemoApp(args) => demo_app::run(args).map(|()| ExitCode::SUCCESS),
         Command::Config {
-            command: ConfigCommand::Check { file },
+            command: ConfigCommand::Check { file, json },
         } => {
-            let config = Config::from_file(&file)?;
-            config.validate()?;
-            println!("{}: ok", file.display());
-            Ok(ExitCode::SUCCESS)
+            let checked = Config::from_file(&file).and_then(|config| config.validate());
+            if !json {
+                checked?;
+                println!("{}: ok", file.display());
+                return Ok(ExitCode::SUCCESS);
+            }
+            let mut answer = serde_json::json!({
+                "file": file.to_string_lossy(),
+                "ok": checked.is_ok(),
+            });
+            if let Err(e) = &checked {
+                answer["error"] = serde_json::Value::String(e.to_string());
+            }
+            println!("{answer:#}");
+            Ok(if checked.is_ok() {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::FAILURE
+            })
         }
         command => {
             // Client commands do a few sequential requests: one thread is
