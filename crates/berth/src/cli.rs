@@ -240,4 +240,38 @@ mod tests {
     fn the_command_line_is_well_formed() {
         Cli::command().debug_assert();
     }
+
+    /// Every command that prints an answer takes `--json`: the client
+    /// commands and `config check`. (`serve` has `--log-format json`;
+    /// `demo-app` prints for its own launcher.)
+    #[test]
+    fn every_command_takes_json() {
+        let cli = Cli::command();
+        let mut checked = 0;
+        let mut commands: Vec<&clap::Command> = cli.get_subcommands().collect();
+        while let Some(command) = commands.pop() {
+            if command.has_subcommands() {
+                commands.extend(command.get_subcommands());
+                continue;
+            }
+            if matches!(command.get_name(), "serve" | "demo-app") {
+                continue;
+            }
+            assert!(
+                command
+                    .get_arguments()
+                    .any(|a| a.get_long() == Some("json")),
+                "berth {} has no --json",
+                command.get_name()
+            );
+            checked += 1;
+        }
+        assert_eq!(checked, 13, "the twelve client commands and config check");
+        let serve = cli.find_subcommand("serve").unwrap();
+        assert!(
+            serve
+                .get_arguments()
+                .any(|a| a.get_long() == Some("log-format"))
+        );
+    }
 }

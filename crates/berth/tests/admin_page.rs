@@ -636,3 +636,95 @@ async fn the_event_stream_is_live_and_bounded() {
     })
     .await;
 }
+
+/// The text of `user`'s main row's `field` cell on the page.
+async fn cell_on_page(c: &Client, user: &str, field: &str) -> Option<String> {
+    let css =
+        format!(r#"#instances tr[data-user="{user}"][data-role="main"] td[data-field="{field}"]"#);
+    c.find(Locator::Css(&css)).await.ok()?.text().await.ok()
+}
+
+/// A cluster of two nodes (PostgreSQL, `takeover = "manual"`), the page
+/// on the node that does not run alice: it shows both nodes and alice on
+/// the other; its stop reaches her there; when her node dies, her lease
+/// shows expired, and the page takes it over onto its own node.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_admin_page_drives_a_cluster() {
+    use berth_testkit::PgCluster;
+    const SECRET: &str = "cluster-secret-for-tests";
+    tokio::task::spawn_blocking(|| PgCluster::shared().map(|_| ()).map_err(|e| e.to_string()))
+        .await
+        .unwrap()
+        .unwrap_or_else(|e| panic!("no PostgreSQL for the cluster test: {e}"));
+    let db = PgCluster::shared().unwrap().fresh_database().await;
+    let root = tempfile::tempdir().unwrap();
+    let mut nodes = Vec::new();
+    for id in ["node-a", "node-b"] {
+        let dir = root.path().join(id);
+        let db = db.clone();
+        nodes.push(
+            tokio::task::spawn_blocking(move || {
+                Node::start_cluster_with_lease(&dir, &db, id, SECRET, "takeover = \"manual\"\n", "")
+            })
+            .await
+            .unwrap(),
+        );
+    }
+    let (status, body) = nodes[0].post("/users/alice/instance", json!({})).await;
+    assert!(status == 201 || status == 200, "{body}");
+    let holder_id = body["instance"]["node"].as_str().unwrap().to_owned();
+    let holder = usize::from(holder_id == "node-b");
+    let page = 1 - holder;
+    let page_id = ["node-a", "node-b"][page];
+
+    let browser = Browser::start().await;
+    let c = browser.client();
+    c.goto(&format!("{}/admin/", nodes[page].url))
+        .await
+        .unwrap();
+    let input = c.wait().for_element(Locator::Id("token")).await.unwrap();
+    input.send_keys(&nodes[page].token).await.unwrap();
+    click(c, "#sign-in").await;
+    wait_status(c, "alice", "running").await;
+    assert_eq!(cell_on_page(c, "alice", "node").await.unwrap(), holder_id);
+    let node_rows = c.find_all(Locator::Css("#nodes tbody tr")).await.unwrap();
+    assert_eq!(node_rows.len(), 2);
+
+    // Stop from the page: the owner node stops her.
+    click_action(c, "alice", "stop").await;
+    click(c, "#confirm-ok").await;
+    wait_status(c, "alice", "stopped").await;
+    assert!(support::instance_pids(&nodes[holder].data_dir, "alice", "main").is_empty());
+
+    // Start from the row: sticky to her node.
+    click_action(c, "alice", "start").await;
+    wait_status(c, "alice", "running").await;
+    assert_eq!(cell_on_page(c, "alice", "node").await.unwrap(), holder_id);
+
+    // Her node dies; her lease runs out and is shown as such.
+    nodes[holder].kill9();
+    let expired = r#"#leases tr[data-user="alice"].expired button[data-action="takeover"]"#;
+    c.wait()
+        .at_most(PATIENCE)
+        .for_element(Locator::Css(expired))
+        .await
+        .expect("the expired lease, highlighted, with its takeover");
+    screenshot(c, "admin-cluster-1280.png", WIDE).await;
+    click(c, expired).await;
+    let question = c.find(Locator::Id("confirm-text")).await.unwrap();
+    assert!(question.text().await.unwrap().contains(&holder_id));
+    click(c, "#confirm-ok").await;
+    eventually(PATIENCE, "alice taken over by the page's node", || async {
+        let node = cell_on_page(c, "alice", "node").await?;
+        let status = status_on_page(c, "alice").await?;
+        (node == page_id && status == "running").then_some(())
+    })
+    .await;
+    assert_eq!(
+        support::instance_pids(&nodes[page].data_dir, "alice", "main").len(),
+        1
+    );
+    if let Some(client) = browser.client.clone() {
+        client.close().await.unwrap();
+    }
+}

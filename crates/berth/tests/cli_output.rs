@@ -121,9 +121,10 @@ async fn the_listings_json_is_what_readme_documents() {
         }
     }
     // The token list also names its user, as documented.
-    let tokens: Value =
-        serde_json::from_str(&stdout_of(&node.cli(&["token", "alice", "--list", "--json"])))
-            .unwrap();
+    let tokens: Value = serde_json::from_str(&stdout_of(
+        &node.cli(&["token", "alice", "--list", "--json"]),
+    ))
+    .unwrap();
     assert_eq!(tokens["user"], "alice");
 
     // The other commands' --json is the API's answer (or the documented
@@ -202,7 +203,10 @@ async fn tables_are_plain_in_a_pipe_and_coloured_on_a_terminal() {
     assert!(!listed.contains('\x1b'), "{listed:?}");
     let mut lines = listed.lines();
     let header = lines.next().unwrap();
-    assert!(header.starts_with("USER   ROLE  STATUS   READY"), "{listed}");
+    assert!(
+        header.starts_with("USER   ROLE  STATUS   READY"),
+        "{listed}"
+    );
     let row = lines.next().unwrap();
     assert!(row.starts_with("alice  main  running  true"), "{listed}");
     let leases = stdout_of(&node.cli(&["leases"]));
@@ -235,7 +239,11 @@ async fn long_waits_show_progress_only_on_a_terminal() {
     let stdout = stdout_of(&out);
     assert!(stdout.starts_with("carol started: running on "), "{stdout}");
     assert!(stdout.contains("\nopen: http://"), "{stdout}");
-    assert!(out.stderr.is_empty(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.stderr.is_empty(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
 
 /// `--log-format json`: every line berth logs is one JSON object.
@@ -272,11 +280,16 @@ async fn serve_logs_json_lines_with_the_flag() {
     .await;
     let mut messages = Vec::new();
     for line in lines.lines() {
-        let object: Value = serde_json::from_str(line)
-            .unwrap_or_else(|e| panic!("not a JSON line ({e}): {line}"));
+        let object: Value =
+            serde_json::from_str(line).unwrap_or_else(|e| panic!("not a JSON line ({e}): {line}"));
         assert!(object["timestamp"].is_string(), "{line}");
         assert!(object["level"].is_string(), "{line}");
-        messages.push(object["fields"]["message"].as_str().unwrap_or("").to_owned());
+        messages.push(
+            object["fields"]["message"]
+                .as_str()
+                .unwrap_or("")
+                .to_owned(),
+        );
     }
     assert!(
         messages.iter().any(|m| m == "berth listening"),

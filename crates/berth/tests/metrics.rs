@@ -44,7 +44,10 @@ async fn the_metrics_token_opens_metrics_and_nothing_else() {
     );
     let (status, text) = get(&node, "/metrics", Some(SCRAPER)).await;
     assert_eq!(status, 200, "{text}");
-    assert!(text.contains("berth_proxy_request_duration_seconds"), "{text}");
+    assert!(
+        text.contains("berth_proxy_request_duration_seconds"),
+        "{text}"
+    );
     // The admin still may; nobody else.
     assert_eq!(get(&node, "/metrics", Some(&node.token)).await.0, 200);
     assert_eq!(get(&node, "/metrics", None).await.0, 401);

@@ -306,20 +306,33 @@
 
   const LIVE = new Set(['starting', 'running', 'crashed']);
 
+  // Nodes whose heartbeat is older than a lease TTL (or that are down).
+  function staleNodeIds() {
+    return new Set(view.nodes
+      .filter((n) => n.status === 'down' || view.now - n.heartbeat > view.lease_ttl_ms)
+      .map((n) => n.id));
+  }
+  let staleNodes = new Set();
+
   function renderInstances() {
+    staleNodes = staleNodeIds();
     const instances = [...view.instances].sort((a, b) =>
       a.user.localeCompare(b.user) || a.role.localeCompare(b.role));
     reconcile('instances', instances, (i) => i.user + '\u0000' + i.role, (row, i) => {
       const breaker = i.role === 'main' ? view.breakers[i.user] : null;
       const live = LIVE.has(i.status);
-      const status = i.status + (i.status === 'running' && !i.ready ? ' (not ready)' : '');
+      let status = i.status + (i.status === 'running' && !i.ready ? ' (not ready)' : '');
+      // A live record on a node that stopped heartbeating is only what
+      // that node last wrote.
+      const stale = live && staleNodes.has(i.node);
+      if (stale) status += ', node stale';
       const user = i.role === 'main' ? i.user : i.user + ' · ' + i.role;
       row.dataset.user = i.user;
       row.dataset.role = i.role;
       row.dataset.status = i.status;
       setCells(row, [
         ['User', 'user', user, 'strong'],
-        ['Status', 'status', badgeCell(row, 1, status, i.status)],
+        ['Status', 'status', badgeCell(row, 1, status, stale ? 'stale' : i.status)],
         ['Node', 'node', i.node],
         ['Epoch', 'epoch', i.epoch],
         ['Uptime', 'uptime', '', 'time'],
