@@ -225,6 +225,20 @@ async fn readable_credentials(c: &Client) -> Value {
     .await
 }
 
+/// A path segment, every byte but letters and digits percent-encoded.
+fn urlencode(segment: &str) -> String {
+    segment
+        .bytes()
+        .map(|b| {
+            if b.is_ascii_alphanumeric() {
+                (b as char).to_string()
+            } else {
+                format!("%{b:02X}")
+            }
+        })
+        .collect()
+}
+
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum Mode {
     Host,
@@ -247,6 +261,13 @@ async fn admin_flow(mode: Mode, n: u16) {
     let (status, body) = node.post("/users/alice/instance", json!({})).await;
     assert!(status == 201 || status == 200, "{body}");
     node.running_main("alice", None).await;
+    // A user whose id is markup: the page must show it as text.
+    const MARKUP: &str = "<img src=x onerror=window.pwned=1>";
+    if mode == Mode::Path {
+        let path = format!("/users/{}/instance?wait=false", urlencode(MARKUP));
+        let (status, body) = node.post(&path, json!({})).await;
+        assert_eq!(status, 201, "{body}");
+    }
 
     let browser = Browser::start().await;
     let c = browser.client();
@@ -321,6 +342,26 @@ async fn admin_flow(mode: Mode, n: u16) {
         // No session while apps share the origin: nothing at all.
         Mode::Path => assert!(cookies.is_empty(), "{cookies:?}"),
     }
+    if mode == Mode::Path {
+        let shown = eventually(PATIENCE, "the markup user's row", || async {
+            let css = format!(r#"#instances tr[data-user="{MARKUP}"] td[data-field="user"]"#);
+            c.find(Locator::Css(&css)).await.ok()?.text().await.ok()
+        })
+        .await;
+        assert_eq!(shown, MARKUP, "shown as text");
+        let injected = script(
+            c,
+            "return [document.querySelectorAll('main img').length, window.pwned === undefined]",
+        )
+        .await;
+        assert_eq!(
+            injected,
+            json!([0, true]),
+            "no element, no script from data"
+        );
+        node.delete(&format!("/users/{}/instance", urlencode(MARKUP)))
+            .await;
+    }
     let prefix = match mode {
         Mode::Host => "admin-host",
         Mode::Path => "admin-path",
@@ -351,9 +392,10 @@ async fn admin_flow(mode: Mode, n: u16) {
     wait_status(c, "bob", "running").await;
     assert_eq!(node.status_of("bob").await, "running");
 
-    // bob's log follows.
+    // bob's log: its last lines, then what it writes next (a restart's
+    // new ready line), in the open view.
     click_action(c, "bob", "logs").await;
-    eventually(PATIENCE, "bob's log on the page", || async {
+    let ready_lines = || async {
         let text = c
             .find(Locator::Id("logs-lines"))
             .await
@@ -361,9 +403,21 @@ async fn admin_flow(mode: Mode, n: u16) {
             .text()
             .await
             .ok()?;
-        text.contains("berth-demo: http://127.0.0.1:").then_some(())
+        Some(text.matches("berth-demo: http://127.0.0.1:").count())
+    };
+    eventually(PATIENCE, "bob's log on the page", || async {
+        (ready_lines().await? == 1).then_some(())
     })
     .await;
+    if mode == Mode::Host {
+        click_action(c, "bob", "restart").await;
+        click(c, "#confirm-ok").await;
+        eventually(PATIENCE, "the restart's line in the open log", || async {
+            (ready_lines().await? == 2).then_some(())
+        })
+        .await;
+        wait_status(c, "bob", "running").await;
+    }
     screenshot(c, &format!("{prefix}-logs-1280.png"), WIDE).await;
     click(c, "#logs-close").await;
 
