@@ -283,7 +283,7 @@ fn stages<'a>(api: &'a Api, user: &'a UserId) -> impl Stream<Item = String> + 'a
                     }
                 }
                 // Not yet launched, or the stream ended: look again shortly.
-                tokio::time::sleep(Duration::from_millis(200)).await;
+                tokio::time::sleep(Duration::from_millis(300)).await;
                 if let Ok(response) = api.stream(&path, &[]).await {
                     events = Some(crate::sse::events(response.bytes_stream()).boxed());
                 }

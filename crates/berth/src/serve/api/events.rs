@@ -154,11 +154,14 @@ pub async fn events(_: Admin, State(state): AppState) -> ApiResult {
     // A store that cannot be read answers an error, not an empty stream.
     let first = read_view(&state, now).await?;
     let first_event = snapshot_event(now, &first);
+    let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + REFRESH, REFRESH);
+    // A slow store read delays the next one; reads never pile up.
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let follow = Follow {
         state,
         changes: Some(changes),
         last: first,
-        tick: tokio::time::interval_at(tokio::time::Instant::now() + REFRESH, REFRESH),
+        tick,
         _permit: permit,
     };
     let events = stream::once(async move { Ok(first_event) }).chain(follow.into_stream());
