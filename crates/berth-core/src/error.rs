@@ -24,6 +24,12 @@ pub enum ErrorCode {
     /// A request body that is not JSON: form and text bodies are what a
     /// cross-site form can send, so the API refuses them.
     UnsupportedMediaType,
+    /// A user holds as many long-lived streams (WebSockets, progress
+    /// streams) as one user may (`[proxy] max_upgrades_per_user`).
+    TooManyStreams,
+    /// The request body arrived too slowly (`[proxy] body_min_bytes_per_s`,
+    /// `body_grace_ms`).
+    RequestTimeout,
     Internal,
 }
 
@@ -45,6 +51,8 @@ impl ErrorCode {
             ErrorCode::StoreUnavailable => "store_unavailable",
             ErrorCode::TooManyTokens => "too_many_tokens",
             ErrorCode::UnsupportedMediaType => "unsupported_media_type",
+            ErrorCode::TooManyStreams => "too_many_streams",
+            ErrorCode::RequestTimeout => "request_timeout",
             ErrorCode::Internal => "internal",
         }
     }
@@ -56,9 +64,11 @@ impl ErrorCode {
             ErrorCode::Unauthorized => 401,
             ErrorCode::Forbidden => 403,
             ErrorCode::NotFound => 404,
+            ErrorCode::RequestTimeout => 408,
             ErrorCode::AlreadyRunning | ErrorCode::LeaseBusy | ErrorCode::TooManyTokens => 409,
             ErrorCode::PayloadTooLarge => 413,
             ErrorCode::UnsupportedMediaType => 415,
+            ErrorCode::TooManyStreams => 429,
             ErrorCode::SpawnFailed | ErrorCode::Internal => 500,
             ErrorCode::InstanceCircuitOpen
             | ErrorCode::InstanceStarting
@@ -112,6 +122,10 @@ pub enum SpawnError {
     CapacityExhausted(String),
     #[error("store unavailable: {0}")]
     StoreUnavailable(String),
+    /// A user's long-lived streams are at their cap (on the node that
+    /// refused, perhaps another one that relayed the stream).
+    #[error("too many streams: {0}")]
+    TooManyStreams(String),
     #[error("internal error: {0}")]
     Internal(String),
 }
@@ -130,6 +144,7 @@ impl SpawnError {
             SpawnError::SpawnFailed(_) => ErrorCode::SpawnFailed,
             SpawnError::CapacityExhausted(_) => ErrorCode::CapacityExhausted,
             SpawnError::StoreUnavailable(_) => ErrorCode::StoreUnavailable,
+            SpawnError::TooManyStreams(_) => ErrorCode::TooManyStreams,
             SpawnError::Internal(_) => ErrorCode::Internal,
         }
     }

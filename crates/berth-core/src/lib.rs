@@ -28,7 +28,7 @@ mod spawner;
 mod time;
 
 pub use error::{ErrorCode, SpawnError};
-pub use id::{InvalidUserId, Slug, UserId};
+pub use id::{InvalidSlug, InvalidUserId, MAX_SLUG_LEN, Slug, UserId};
 pub use model::{
     BreakerInfo, Endpoint, Epoch, Instance, InstanceEvent, InstanceStatus, LaunchRequest,
     MAX_PATCH_BYTES, ProbeReport, RestartResult, Role, UserStatus,

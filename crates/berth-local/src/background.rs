@@ -312,7 +312,10 @@ impl Inner {
         let chosen = select_for_reaping(&self.config.reap, Inner::now(), &candidates);
         for user in chosen {
             tracing::info!(%user, "stopping idle instance");
-            let slot = self.slot(&user);
+            // Candidates come from the slots, so the slot exists.
+            let Some(slot) = self.existing_slot(&user) else {
+                continue;
+            };
             let _guard = slot.lifecycle.lock().await;
             // Activity may have arrived while waiting for the lock.
             let seen = candidates

@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicI64, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, RwLock};
 
 use berth_core::{
-    Endpoint, Epoch, Instance, InstanceEvent, InstanceStatus, Role, SpawnError, UserId,
+    Endpoint, Epoch, Instance, InstanceEvent, InstanceStatus, Role, Slug, SpawnError, UserId,
     unix_millis_now,
 };
 use berth_store::lease::LeaseKeeper;
@@ -96,6 +96,10 @@ impl SlotState {
 /// Everything about one user. Slots are created on first use and kept.
 pub(crate) struct UserSlot {
     pub user: UserId,
+    /// The slug the store recorded for the user (design §9), which names
+    /// every path of theirs: never recomputed from the id, so a user whose
+    /// data root an earlier slug rule named keeps it.
+    pub slug: Slug,
     pub paths: UserPaths,
     /// Serialises lifecycle operations (launch, stop, restart) of this user.
     /// Never taken on the proxy's hot path.
@@ -187,27 +191,94 @@ impl Inner {
         &self.config.node_id
     }
 
-    pub fn slot(&self, user: &UserId) -> Arc<UserSlot> {
+    /// The user's slot, created (with the slug the store records for the
+    /// user, recording it first if need be) on first use. Only the first
+    /// use of a user per process asks the store.
+    pub async fn slot(&self, user: &UserId) -> Result<Arc<UserSlot>, SpawnError> {
         if let Some(slot) = self.existing_slot(user) {
-            return slot;
+            return Ok(slot);
         }
+        let slug = self.recorded_slug(user).await?;
         let mut slots = self.slots.write().unwrap_or_else(|e| e.into_inner());
-        slots
-            .entry(user.clone())
-            .or_insert_with(|| {
-                Arc::new(UserSlot {
-                    user: user.clone(),
-                    paths: UserPaths::new(&self.config.data_dir, &user.slug()),
-                    lifecycle: tokio::sync::Mutex::new(()),
-                    watchdog_lock: tokio::sync::Mutex::new(()),
-                    state: Mutex::new(SlotState::default()),
-                    last_active: AtomicI64::new(0),
-                    flushed_active: AtomicI64::new(0),
-                    main_watch: watch::channel(None).0,
-                    account: OnceLock::new(),
-                })
+        let slot = slots.entry(user.clone()).or_insert_with(|| {
+            Arc::new(UserSlot {
+                user: user.clone(),
+                paths: UserPaths::new(&self.config.data_dir, &slug),
+                slug,
+                lifecycle: tokio::sync::Mutex::new(()),
+                watchdog_lock: tokio::sync::Mutex::new(()),
+                state: Mutex::new(SlotState::default()),
+                last_active: AtomicI64::new(0),
+                flushed_active: AtomicI64::new(0),
+                main_watch: watch::channel(None).0,
+                account: OnceLock::new(),
             })
-            .clone()
+        });
+        Ok(slot.clone())
+    }
+
+    /// The slug the store records for `user`, recorded now if none is.
+    ///
+    /// The first record chooses (design §9, and the upgrade from 8-hex-digit
+    /// slugs) the slug [`Inner::first_slug`] names: an earlier slug whose
+    /// data root this node has, else today's [`UserId::slug`]. If another
+    /// user already holds that earlier slug (two ids that shared it under
+    /// the old rule), the first to be recorded keeps the directory and the
+    /// other starts afresh under today's slug. The store decides every
+    /// race, between this node's tasks or between nodes.
+    pub async fn recorded_slug(&self, user: &UserId) -> Result<Slug, StoreError> {
+        if let Some(slug) = self.store.user_slug(user).await? {
+            return Ok(slug);
+        }
+        let today = user.slug();
+        let first = self.first_slug(user).await;
+        if first != today {
+            match self.store.record_user_slug(user, &first).await {
+                Ok(slug) => {
+                    if slug == first {
+                        tracing::info!(%user, slug = %first, "kept the data root of an earlier slug");
+                    }
+                    return Ok(slug);
+                }
+                Err(StoreError::SlugTaken { .. }) => {
+                    tracing::warn!(%user, slug = %first,
+                        "another user holds this earlier slug and its data root; this user gets a new one");
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        self.store.record_user_slug(user, &today).await
+    }
+
+    /// The slug a first record of `user` made on this node asks for,
+    /// without recording it: the user's [`UserId::legacy_slug`] if this
+    /// node has a data root under it (made by a berth before slugs were
+    /// recorded), else today's [`UserId::slug`].
+    pub async fn first_slug(&self, user: &UserId) -> Slug {
+        let legacy = user.legacy_slug();
+        if legacy != user.slug() && self.has_data_root(&legacy).await {
+            legacy
+        } else {
+            user.slug()
+        }
+    }
+
+    /// The slug that names `user`'s files, if one is recorded (by this
+    /// node's slot or in the store); `None` records nothing.
+    pub async fn known_slug(&self, user: &UserId) -> Result<Option<Slug>, StoreError> {
+        match self.existing_slot(user) {
+            Some(slot) => Ok(Some(slot.slug.clone())),
+            None => self.store.user_slug(user).await,
+        }
+    }
+
+    /// Whether `<data_dir>/users/<slug>` is a directory on this node (a
+    /// link there is not one: data roots are never reached through links).
+    pub async fn has_data_root(&self, slug: &Slug) -> bool {
+        let root = self.config.data_dir.join("users").join(slug.as_str());
+        tokio::fs::symlink_metadata(root)
+            .await
+            .is_ok_and(|m| m.is_dir())
     }
 
     pub fn existing_slot(&self, user: &UserId) -> Option<Arc<UserSlot>> {
@@ -363,7 +434,7 @@ impl Inner {
         let base_path = LocalConfig::base_path(&slot.user);
         let vars = Vars {
             user: slot.user.as_str().to_owned(),
-            slug: slot.user.slug().as_str().to_owned(),
+            slug: slot.slug.as_str().to_owned(),
             port: var_port,
             home: path_string(&home),
             folder: path_string(&cwd),
@@ -490,7 +561,9 @@ impl Inner {
         if let Some(account) = slot.account.get() {
             return Ok(Some(account.clone()));
         }
-        let slug = slot.user.slug();
+        // Keyed by the recorded slug, like every path of the user's: a user
+        // who kept an earlier slug keeps that slug's account (and uid).
+        let slug = &slot.slug;
         let uid = self
             .store
             .account_uid(slug.as_str(), self.config.uids)

@@ -7,15 +7,12 @@ use std::fs::DirBuilder;
 use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
 use std::path::{Component, Path, PathBuf};
 
-use berth_core::{Role, Slug};
+use berth_core::{MAX_SLUG_LEN, Role, Slug};
 
 use crate::isolation::fsafe::{Dir, OnLink, Owner};
 
 /// The longest a unix socket path may be (`sun_path` is 108 bytes with NUL).
 pub(crate) const MAX_SOCKET_PATH: usize = 107;
-
-/// The longest slug `Slug` produces: a 32-character prefix, `---` and 8 hex.
-const MAX_SLUG_LEN: usize = 32 + 3 + 8;
 
 /// Every path that belongs to one user.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
-use berth_core::{Epoch, Instance, InstanceStatus, Role, UserId};
+use berth_core::{Epoch, Instance, InstanceStatus, Role, Slug, UserId};
 use berth_store::{ClaimOutcome, InstanceFilter};
 
 use crate::inner::{Inner, Live, UserSlot};
@@ -92,9 +92,19 @@ impl Inner {
             .into_iter()
             .map(|l| (l.user, l.epoch))
             .collect();
+        // A live instance's shim is in the run directory of its user's
+        // recorded slug; a user recorded by no earlier berth gets one now
+        // (keeping an earlier slug's data root, see `recorded_slug`).
+        let mut slugs: HashMap<UserId, Slug> = HashMap::new();
+        for record in records.iter().filter(|r| r.status.is_live()) {
+            if !slugs.contains_key(&record.user) {
+                let slug = self.recorded_slug(&record.user).await?;
+                slugs.insert(record.user.clone(), slug);
+            }
+        }
         let run_dir = self.config.data_dir.join("run");
         let (found, mut handles) = scan(&run_dir).await;
-        for action in reconcile::plan(&found, &records) {
+        for action in reconcile::plan(&found, &records, &slugs) {
             match action {
                 Action::Adopt { found: i, record } => {
                     let Some(handle) = handles.get_mut(i).and_then(Option::take) else {
@@ -164,14 +174,50 @@ impl Inner {
         }
     }
 
-    fn prepare_slot(&self, record: &Instance) -> (Arc<UserSlot>, Option<PathBuf>) {
-        let slot = self.slot(&record.user);
+    /// The slot of a live record's user (its slug was recorded before the
+    /// plan was made, so this asks the store nothing new) and its patch.
+    async fn prepare_slot(&self, record: &Instance) -> Option<(Arc<UserSlot>, Option<PathBuf>)> {
+        let slot = match self.slot(&record.user).await {
+            Ok(slot) => slot,
+            Err(e) => {
+                tracing::warn!(user = %record.user, error = %e, "cannot prepare the user's slot");
+                return None;
+            }
+        };
         slot.touch(record.last_active);
         slot.flushed_active
             .fetch_max(record.last_active, Ordering::Relaxed);
         let patch = slot.paths.patch_file(&self.config.patch_ext);
         let patch = patch.exists().then_some(patch);
-        (slot, patch)
+        Some((slot, patch))
+    }
+
+    /// At start, records the earlier slug of every user whose lease this
+    /// node holds or held last (the sticky holder hint) and whose data root
+    /// is still here under that slug, before any node can give them a new
+    /// one. Users recorded already are left alone. Best effort: the first
+    /// launch of such a user makes the same choice (`recorded_slug`).
+    pub(crate) async fn keep_earlier_data_roots(&self) {
+        let leases = match self.store.list_leases(false, self.config.lease.ttl()).await {
+            Ok(leases) => leases,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot list leases to find data roots of earlier slugs");
+                return;
+            }
+        };
+        for lease in leases {
+            let user = lease.user;
+            let legacy = user.legacy_slug();
+            if lease.holder.as_deref() != Some(self.node())
+                || legacy == user.slug()
+                || !self.has_data_root(&legacy).await
+            {
+                continue;
+            }
+            if let Err(e) = self.recorded_slug(&user).await {
+                tracing::warn!(%user, error = %e, "cannot record the user's slug");
+            }
+        }
     }
 
     async fn adopt(
@@ -183,7 +229,9 @@ impl Inner {
         shim_ready: bool,
         held: &HashMap<UserId, Epoch>,
     ) {
-        let (slot, patch) = self.prepare_slot(&record);
+        let Some((slot, patch)) = self.prepare_slot(&record).await else {
+            return;
+        };
         if record.role == Role::Main {
             let Some(epoch) = self.regain_lease(&record, held).await else {
                 if let Err(e) = handle.control().send(ShimCommand::Kill).await {
@@ -260,7 +308,9 @@ impl Inner {
             }
             return;
         }
-        let (slot, patch) = self.prepare_slot(&record);
+        let Some((slot, patch)) = self.prepare_slot(&record).await else {
+            return;
+        };
         let Some(epoch) = self.regain_lease(&record, held).await else {
             record.status = InstanceStatus::Stopped;
             record.ready = false;

@@ -2,7 +2,9 @@
 //! the store holds for this node (design §4.7). Pure: the I/O that finds
 //! shims and acts on the plan lives in `reattach`.
 
-use berth_core::{Instance, Role, UserId};
+use std::collections::HashMap;
+
+use berth_core::{Instance, Role, Slug, UserId};
 
 use crate::shim::{ExitInfo, ShimState};
 
@@ -49,8 +51,14 @@ fn mismatch(state: &ShimState, record: &Instance) -> Option<String> {
         .then(|| format!("differs from the store record in {}", differing.join(", ")))
 }
 
-/// Plans re-attachment. `records` are this node's instance records.
-pub(crate) fn plan(found: &[Found], records: &[Instance]) -> Vec<Action> {
+/// Plans re-attachment. `records` are this node's instance records;
+/// `slugs` the recorded slug of each user with a live one (a shim belongs
+/// to its user only in the run directory of that slug).
+pub(crate) fn plan(
+    found: &[Found],
+    records: &[Instance],
+    slugs: &HashMap<UserId, Slug>,
+) -> Vec<Action> {
     let mut actions = Vec::new();
     let live: Vec<&Instance> = records.iter().filter(|r| r.status.is_live()).collect();
     let mut matched = vec![false; live.len()];
@@ -70,7 +78,8 @@ pub(crate) fn plan(found: &[Found], records: &[Instance]) -> Vec<Action> {
         let user = UserId::parse(&state.user).ok();
         let slug_ok = user
             .as_ref()
-            .is_some_and(|u| u.slug().as_str() == f.dir_slug);
+            .and_then(|u| slugs.get(u))
+            .is_some_and(|slug| slug.as_str() == f.dir_slug);
         let candidate = live.iter().position(|r| {
             slug_ok && Some(&r.user) == user.as_ref() && r.role == f.role && r.role == state.role
         });
@@ -161,6 +170,14 @@ mod tests {
         }
     }
 
+    /// Today's slug recorded for each record's user.
+    fn slugs(records: &[&Instance]) -> HashMap<UserId, Slug> {
+        records
+            .iter()
+            .map(|r| (r.user.clone(), r.user.slug()))
+            .collect()
+    }
+
     fn found(r: &Instance, alive: bool, state: ShimState) -> Found {
         Found {
             dir_slug: r.user.slug().as_str().into(),
@@ -173,7 +190,11 @@ mod tests {
     #[test]
     fn a_matching_live_shim_is_adopted() {
         let r = record("alice", Role::Main, InstanceStatus::Running);
-        let plan = plan(&[found(&r, true, state_of(&r))], std::slice::from_ref(&r));
+        let plan = plan(
+            &[found(&r, true, state_of(&r))],
+            std::slice::from_ref(&r),
+            &slugs(&[&r]),
+        );
         assert_eq!(
             plan,
             [Action::Adopt {
@@ -188,7 +209,11 @@ mod tests {
         let r = record("alice", Role::Main, InstanceStatus::Running);
         let mut s = state_of(&r);
         s.pid_start = 1;
-        let plan = plan(&[found(&r, true, s)], std::slice::from_ref(&r));
+        let plan = plan(
+            &[found(&r, true, s)],
+            std::slice::from_ref(&r),
+            &slugs(&[&r]),
+        );
         assert!(
             matches!(&plan[0], Action::KillOrphan { reason, .. } if reason.contains("pid start"))
         );
@@ -204,6 +229,7 @@ mod tests {
                 found(&r, false, state_of(&r)),
             ],
             std::slice::from_ref(&r),
+            &slugs(&[]),
         );
         assert!(matches!(plan[0], Action::KillOrphan { found: 0, .. }));
         assert_eq!(plan[1], Action::RemoveStale { found: 1 });
@@ -220,7 +246,11 @@ mod tests {
             oom_limit_mb: None,
         });
         s.stderr_tail = "boom".into();
-        let plan = plan(&[found(&r, false, s)], std::slice::from_ref(&r));
+        let plan = plan(
+            &[found(&r, false, s)],
+            std::slice::from_ref(&r),
+            &slugs(&[&r]),
+        );
         assert_eq!(
             plan,
             [Action::CrashedWhileAway {
@@ -240,7 +270,7 @@ mod tests {
         let main = record("carol", Role::Main, InstanceStatus::Starting);
         let dog = record("carol", Role::Watchdog, InstanceStatus::Running);
         let gone = record("dave", Role::Main, InstanceStatus::Failed);
-        let plan = plan(&[], &[main.clone(), dog.clone(), gone]);
+        let plan = plan(&[], &[main.clone(), dog.clone(), gone], &slugs(&[&main]));
         assert_eq!(plan.len(), 2);
         assert!(
             plan.iter()
@@ -253,9 +283,32 @@ mod tests {
         let r = record("alice", Role::Main, InstanceStatus::Running);
         let mut f = found(&r, true, state_of(&r));
         f.dir_slug = "mallory".into();
-        let plan = plan(&[f], std::slice::from_ref(&r));
+        let plan = plan(&[f], std::slice::from_ref(&r), &slugs(&[&r]));
         assert!(
             matches!(&plan[0], Action::KillOrphan { reason, .. } if reason.contains("directory"))
+        );
+    }
+
+    /// A user whose recorded slug is an earlier rule's: their shim lives in
+    /// that run directory and is adopted there, and a shim claiming the
+    /// user from today's slug directory is not theirs.
+    #[test]
+    fn the_recorded_slug_decides_the_directory() {
+        let r = record("alice*{@(.:$*corp", Role::Main, InstanceStatus::Running);
+        let legacy = r.user.legacy_slug();
+        let recorded = HashMap::from([(r.user.clone(), legacy.clone())]);
+        let mut in_legacy = found(&r, true, state_of(&r));
+        in_legacy.dir_slug = legacy.as_str().into();
+        let plan_legacy = plan(&[in_legacy], std::slice::from_ref(&r), &recorded);
+        assert!(
+            matches!(&plan_legacy[0], Action::Adopt { found: 0, .. }),
+            "{plan_legacy:?}"
+        );
+        let in_today = found(&r, true, state_of(&r));
+        let plan_today = plan(&[in_today], std::slice::from_ref(&r), &recorded);
+        assert!(
+            matches!(&plan_today[0], Action::KillOrphan { reason, .. } if reason.contains("directory")),
+            "{plan_today:?}"
         );
     }
 }

@@ -152,6 +152,7 @@ impl LocalSpawner {
             isolator,
             launching: Mutex::new(HashSet::new()),
         });
+        inner.keep_earlier_data_roots().await;
         if let Err(e) = inner.reattach().await {
             // Supervisors started for instances adopted so far must not
             // outlive a spawner that failed to start.
@@ -282,7 +283,7 @@ impl LocalSpawner {
         let inner = Arc::clone(&self.inner);
         let user = user.clone();
         self.run_detached(async move {
-            let slot = inner.slot(&user);
+            let slot = inner.slot(&user).await?;
             let _guard = slot.lifecycle.lock().await;
             // Waited for the lock while berth began to stop: start nothing.
             if inner.cancel.is_cancelled() {
@@ -328,6 +329,14 @@ impl Spawner for LocalSpawner {
     }
 
     async fn restart_main(&self, user: &UserId) -> Result<Instance, SpawnError> {
+        // A user this node has never seen has no main here to restart (and
+        // gets no slug recorded for asking).
+        if self.inner.existing_slot(user).is_none() {
+            return Err(SpawnError::NotFound {
+                user: user.clone(),
+                what: "live main instance",
+            });
+        }
         self.run_locked(user, |inner, slot| async move {
             let (folder, patch) = {
                 let state = slot.lock();
@@ -408,10 +417,20 @@ impl Spawner for LocalSpawner {
     }
 
     async fn spawn_watchdog(&self, user: &UserId) -> Result<Instance, SpawnError> {
+        // Refused before anything is recorded (invariant 6).
+        if self.inner.config.watchdog_command.is_none() {
+            return Err(SpawnError::NotFound {
+                user: user.clone(),
+                what: "watchdog command",
+            });
+        }
         let inner = Arc::clone(&self.inner);
-        let slot = inner.slot(user);
-        self.run_detached(async move { inner.spawn_watchdog(&slot, None).await })
-            .await
+        let user = user.clone();
+        self.run_detached(async move {
+            let slot = inner.slot(&user).await?;
+            inner.spawn_watchdog(&slot, None).await
+        })
+        .await
     }
 
     async fn status(&self, user: &UserId) -> Result<UserStatus, SpawnError> {
@@ -573,7 +592,11 @@ impl Spawner for LocalSpawner {
     }
 
     async fn logs(&self, user: &UserId, tail: usize) -> Result<Vec<String>, SpawnError> {
-        let paths = crate::paths::UserPaths::new(&self.inner.config.data_dir, &user.slug());
+        // The recorded slug names the log; a user without one never ran.
+        let Some(slug) = self.inner.known_slug(user).await? else {
+            return Ok(Vec::new());
+        };
+        let paths = crate::paths::UserPaths::new(&self.inner.config.data_dir, &slug);
         // Read as root from the user's own root: never through a link the
         // user put there (it could point at any file of the host's).
         let read = tokio::task::spawn_blocking(move || match paths.open_log(Role::Main) {
@@ -591,7 +614,14 @@ impl Spawner for LocalSpawner {
         user: &UserId,
         tail: usize,
     ) -> Result<tokio::sync::mpsc::Receiver<String>, SpawnError> {
-        let paths = crate::paths::UserPaths::new(&self.inner.config.data_dir, &user.slug());
+        // The recorded slug names the log. A user without one has not run
+        // yet: follow where their first launch here will write it (nothing
+        // is recorded for asking).
+        let slug = match self.inner.known_slug(user).await? {
+            Some(slug) => slug,
+            None => self.inner.first_slug(user).await,
+        };
+        let paths = crate::paths::UserPaths::new(&self.inner.config.data_dir, &slug);
         // Like `logs`: never through a link the user put in their root.
         let open: crate::follow::Opener = std::sync::Arc::new(move || paths.open_log(Role::Main));
         crate::follow::follow(

@@ -17,6 +17,7 @@ use crate::auth::{
     Gate, SharedSecret, TrustedProxies, drop_berth_set_cookies, strip_credentials,
 };
 use crate::forward::{ConnInfo, ForwardConfig, Forwarder, Upstream};
+use crate::limits::StreamLimits;
 use crate::metrics::ProxyMetrics;
 use crate::respond::{self, ProxyBody};
 use crate::route::{Class, RouteError, RouteTable, Router, Target};
@@ -148,6 +149,21 @@ impl Proxy {
     /// Free WebSocket/upgrade slots.
     pub fn free_upgrades(&self) -> usize {
         self.forwarder.free_upgrades()
+    }
+
+    /// The counts of long-lived streams per user and in all: WebSockets
+    /// take a slot here, and so must every other long-lived stream berth
+    /// serves (the API's progress and followed-log streams).
+    pub fn streams(&self) -> &Arc<StreamLimits> {
+        self.forwarder.streams()
+    }
+
+    /// Whether `headers` carry this cluster's secret: a request from another
+    /// node (single node: never).
+    pub fn is_cluster_peer(&self, headers: &hyper::HeaderMap) -> bool {
+        self.cluster
+            .as_ref()
+            .is_some_and(|c| c.secret.verify(headers))
     }
 
     /// Per-connection facts, computed once per connection.

@@ -24,7 +24,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use berth_core::policy::CrashState;
-use berth_core::{Epoch, Instance, InstanceStatus, Role, UnixMillis, UserId};
+use berth_core::{Epoch, Instance, InstanceStatus, Role, Slug, UnixMillis, UserId};
 
 use crate::{
     ClaimOutcome, InstanceFilter, LaunchParams, MintOutcome, NewToken, NodeClaim, NodeRecord,
@@ -92,6 +92,9 @@ macro_rules! store_contract_tests {
             child_tokens_never_outlive_their_parent,
             revocation_takes_every_descendant_and_only_them,
             sessions_live_until_they_expire_or_end,
+            user_slug_is_recorded_once_and_kept,
+            a_slug_recorded_for_one_user_is_refused_for_another,
+            concurrent_first_records_agree_on_one_slug,
             nodes_heartbeat_upsert_and_list,
             node_claims_need_a_stale_row_or_the_same_data_dir,
             record_activity_never_lowers_last_active,
@@ -1501,6 +1504,129 @@ pub async fn sessions_live_until_they_expire_or_end(store: Arc<dyn Store>) {
     assert!(store.delete_session("s-long").await.unwrap());
     assert!(!store.delete_session("s-long").await.unwrap());
     assert_eq!(store.session_expiry("s-long").await.unwrap(), None);
+}
+
+fn slug(s: &str) -> Slug {
+    Slug::parse(s).unwrap()
+}
+
+/// The first record of a user's slug sticks: a store seeded with a slug
+/// (here the 8-hex-digit slug of an earlier berth) keeps it when asked to
+/// record another, so no data root moves.
+pub async fn user_slug_is_recorded_once_and_kept(store: Arc<dyn Store>) {
+    let odd = user("alice*{@(.:$*corp");
+    let plain = user("bob");
+    assert_eq!(store.user_slug(&odd).await.unwrap(), None);
+    let legacy = odd.legacy_slug();
+    assert_eq!(legacy.as_str(), "alice-corp---eb9ba467");
+    assert_eq!(store.record_user_slug(&odd, &legacy).await.unwrap(), legacy);
+    // Asked again with today's rule: the recorded slug wins.
+    assert_ne!(odd.slug(), legacy);
+    assert_eq!(
+        store.record_user_slug(&odd, &odd.slug()).await.unwrap(),
+        legacy
+    );
+    assert_eq!(store.user_slug(&odd).await.unwrap(), Some(legacy.clone()));
+    assert_eq!(
+        store.record_user_slug(&plain, &plain.slug()).await.unwrap(),
+        slug("bob")
+    );
+    assert_eq!(store.user_slug(&plain).await.unwrap(), Some(slug("bob")));
+    assert_eq!(store.user_slug(&user("carol")).await.unwrap(), None);
+}
+
+/// Two ids never share a slug: recording one user's slug for another is
+/// refused with a typed error, and changes nothing.
+pub async fn a_slug_recorded_for_one_user_is_refused_for_another(store: Arc<dyn Store>) {
+    let first = user("alice*{@(.:$*corp");
+    let second = user("alice<;|<@(:{corp");
+    let shared = first.legacy_slug();
+    assert_eq!(second.legacy_slug(), shared, "the collision of issue 9");
+    store.record_user_slug(&first, &shared).await.unwrap();
+    let err = store.record_user_slug(&second, &shared).await.unwrap_err();
+    match &err {
+        StoreError::SlugTaken { user, slug } => {
+            assert_eq!((user, slug.as_str()), (&second, shared.as_str()));
+        }
+        other => panic!("expected SlugTaken, got {other:?}"),
+    }
+    let msg = err.to_string();
+    assert!(
+        msg.contains("alice-corp---eb9ba467") && msg.contains("already recorded for another user"),
+        "{msg}"
+    );
+    assert_eq!(
+        store.user_slug(&second).await.unwrap(),
+        None,
+        "nothing recorded"
+    );
+    assert_eq!(store.user_slug(&first).await.unwrap(), Some(shared));
+    // The second user's own slug is free.
+    assert_eq!(
+        store
+            .record_user_slug(&second, &second.slug())
+            .await
+            .unwrap(),
+        second.slug()
+    );
+}
+
+/// Eight nodes recording one new user at once, each with a different
+/// candidate: all are told the same slug. Eight users racing for one slug:
+/// exactly one gets it, the others are refused.
+pub async fn concurrent_first_records_agree_on_one_slug(store: Arc<dyn Store>) {
+    let alice = user("alice");
+    let barrier = Arc::new(tokio::sync::Barrier::new(8));
+    let tasks: Vec<_> = (0..8)
+        .map(|i| {
+            let (store, alice, barrier) = (store.clone(), alice.clone(), barrier.clone());
+            tokio::spawn(async move {
+                barrier.wait().await;
+                store
+                    .record_user_slug(&alice, &slug(&format!("candidate-{i}")))
+                    .await
+                    .unwrap()
+            })
+        })
+        .collect();
+    let mut answers = Vec::new();
+    for t in tasks {
+        answers.push(t.await.unwrap());
+    }
+    let recorded = store.user_slug(&alice).await.unwrap().unwrap();
+    assert!(answers.iter().all(|a| *a == recorded), "{answers:?}");
+
+    let barrier = Arc::new(tokio::sync::Barrier::new(8));
+    let tasks: Vec<_> = (0..8)
+        .map(|i| {
+            let (store, barrier) = (store.clone(), barrier.clone());
+            tokio::spawn(async move {
+                let who = user(&format!("racer-{i}"));
+                barrier.wait().await;
+                (
+                    who.clone(),
+                    store.record_user_slug(&who, &slug("contested")).await,
+                )
+            })
+        })
+        .collect();
+    let mut winners = Vec::new();
+    for t in tasks {
+        match t.await.unwrap() {
+            (who, Ok(s)) => {
+                assert_eq!(s, slug("contested"));
+                winners.push(who);
+            }
+            (_, Err(StoreError::SlugTaken { .. })) => {}
+            (who, Err(e)) => panic!("{who}: {e}"),
+        }
+    }
+    assert_eq!(winners.len(), 1, "{winners:?}");
+    for i in 0..8 {
+        let who = user(&format!("racer-{i}"));
+        let expected = (who == winners[0]).then(|| slug("contested"));
+        assert_eq!(store.user_slug(&who).await.unwrap(), expected);
+    }
 }
 
 /// heartbeat inserts, then updates, a node's row and stamps it with the

@@ -3,7 +3,8 @@
 //! * [`Store`]: the one trait every backend implements — instance records
 //!   (a main's fenced by its lease epoch), the fenced lease (design §3),
 //!   launch parameters, crash/breaker state, user tokens, admin sessions,
-//!   nodes and the per-user accounts (host uids) of isolated instances;
+//!   nodes, the per-user accounts (host uids) of isolated instances, and
+//!   each user's recorded slug (design §9);
 //! * [`SqliteStore`]: the embedded single-node backend;
 //! * [`PgStore`]: the PostgreSQL backend a cluster of nodes shares; both
 //!   are one implementation over SQL (`sql/`: the operations and their
@@ -35,7 +36,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use berth_core::policy::{CrashState, NodeState, NodeView};
-use berth_core::{Epoch, Instance, InstanceStatus, Role, UnixMillis, UserId};
+use berth_core::{Epoch, Instance, InstanceStatus, Role, Slug, UnixMillis, UserId};
 use serde::{Deserialize, Serialize};
 
 pub use postgres::{PgStore, PgStoreOptions, redact_url};
@@ -77,6 +78,10 @@ pub enum StoreError {
         current_epoch: Epoch,
         current_node: String,
     },
+    /// `slug` is already recorded for another user: two ids never share a
+    /// slug (design §9), so `user` was not given it. Nothing changed.
+    #[error("the slug {slug:?} is already recorded for another user; refused it for {user}")]
+    SlugTaken { user: UserId, slug: String },
 }
 
 impl StoreError {
@@ -466,6 +471,18 @@ pub trait Store: Send + Sync + 'static {
     async fn session_expiry(&self, secret_hash: &str) -> Result<Option<UnixMillis>, StoreError>;
     /// Ends a session. Returns whether there was one.
     async fn delete_session(&self, secret_hash: &str) -> Result<bool, StoreError>;
+
+    // --- users and their slugs (design §9) ------------------------------------
+
+    /// The slug recorded for `user`, if one is.
+    async fn user_slug(&self, user: &UserId) -> Result<Option<Slug>, StoreError>;
+    /// Records `slug` for `user` unless a slug is recorded for them
+    /// already, and returns the user's recorded slug: the one recorded
+    /// before (whatever `slug` says: a user's slug never changes), else
+    /// `slug`. A slug recorded for another user is refused with
+    /// [`StoreError::SlugTaken`] and nothing changes. Atomic across nodes:
+    /// the table's two unique constraints decide every race.
+    async fn record_user_slug(&self, user: &UserId, slug: &Slug) -> Result<Slug, StoreError>;
 
     // --- nodes (design §8.1) -------------------------------------------------
 

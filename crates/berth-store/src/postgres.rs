@@ -412,6 +412,7 @@ mod tests {
         let embedded: Vec<i64> = MIGRATIONS.iter().map(|m| m.0).collect();
         assert_eq!(versions, embedded);
         assert!(embedded.contains(&4), "the accounts migration is applied");
+        assert!(embedded.contains(&3), "the users migration is applied");
     }
 
     /// Tokens minted before schema version 5 get an id (a prefix of their

@@ -383,6 +383,28 @@ mod tests {
         assert_eq!(store.leases_held_by("node-a").await.unwrap().len(), 10_000);
     }
 
+    /// The schema refuses a slug that is not a DNS label even from a writer
+    /// that bypasses `Slug::parse`: a stored slug becomes a path.
+    #[tokio::test]
+    async fn the_users_table_refuses_slugs_that_are_not_dns_labels() {
+        let store = SqliteStore::open("sqlite::memory:").await.unwrap();
+        let too_long = "a".repeat(44);
+        for bad in ["", "a/b", "..", "-a", "a-", "A", too_long.as_str()] {
+            let result =
+                sqlx::query("INSERT INTO users (user_id, slug, created_at) VALUES ('u', ?1, 0)")
+                    .bind(bad)
+                    .execute(&store.db.pool)
+                    .await;
+            assert!(result.is_err(), "{bad:?} was accepted");
+        }
+        let longest = "a".repeat(43);
+        sqlx::query("INSERT INTO users (user_id, slug, created_at) VALUES ('u', ?1, 0)")
+            .bind(&longest)
+            .execute(&store.db.pool)
+            .await
+            .unwrap();
+    }
+
     #[tokio::test]
     async fn out_of_range_pid_start_is_refused_not_wrapped() {
         let store = SqliteStore::open("sqlite::memory:").await.unwrap();

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use berth_core::policy::CrashState;
-use berth_core::{Epoch, Instance, Role, UnixMillis, UserId};
+use berth_core::{Epoch, Instance, Role, Slug, UnixMillis, UserId};
 
 use crate::{
     ClaimOutcome, InstanceFilter, LaunchParams, LeaseRecord, MintOutcome, NewToken, NodeClaim,
@@ -130,6 +130,12 @@ impl<H: RenewHook> Store for InterceptRenew<H> {
     }
     async fn delete_session(&self, h: &str) -> Result<bool, StoreError> {
         self.inner.delete_session(h).await
+    }
+    async fn user_slug(&self, u: &UserId) -> Result<Option<Slug>, StoreError> {
+        self.inner.user_slug(u).await
+    }
+    async fn record_user_slug(&self, u: &UserId, s: &Slug) -> Result<Slug, StoreError> {
+        self.inner.record_user_slug(u, s).await
     }
     async fn heartbeat(&self, n: &NodeRecord) -> Result<(), StoreError> {
         self.inner.heartbeat(n).await

@@ -222,6 +222,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         path_routing,
         event_streams: api::events::EventStreams::default(),
         scrapers: api::scrape::Scrapers::new(config.metrics.token.as_deref())?,
+        streams: proxy.streams().clone(),
     });
     if let Some(listener) = metrics_listener {
         tasks.spawn(api::scrape::serve_unauthenticated(
@@ -236,10 +237,14 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     // One plain line on stdout for people and scripts (e.g. with port 0).
     println!("berth: listening on {public_url}");
 
+    let p = &config.proxy;
     let server = berth_proxy::ServerConfig {
-        header_read_timeout: Duration::from_millis(config.proxy.header_timeout_ms.max(1)),
-        max_header_bytes: config.proxy.max_header_bytes,
+        header_read_timeout: Duration::from_millis(p.header_timeout_ms.max(1)),
+        max_header_bytes: p.max_header_bytes,
         shutdown_grace: SHUTDOWN_GRACE,
+        max_connections: p.max_connections,
+        max_connections_per_ip: p.max_connections_per_ip,
+        body_pace: config.body_pace(),
     };
     berth_proxy::serve(listener, server, proxy.clone(), app, shutdown_signal())
         .await
@@ -316,6 +321,8 @@ fn proxy_config(
         ready_timeout,
         forward: berth_proxy::forward::ForwardConfig {
             max_upgrades: p.max_upgrades,
+            max_upgrades_per_user: p.max_upgrades_per_user,
+            body_pace: config.body_pace(),
             ..Default::default()
         },
         metrics,

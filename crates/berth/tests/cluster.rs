@@ -1481,3 +1481,98 @@ async fn a_browser_through_another_node_sees_the_starting_page_at_once() {
     assert!(instance_pids(&b.data_dir, "carol", "main").is_empty());
     assert_eq!(instance_pids(&a.data_dir, "carol", "main").len(), 1);
 }
+
+/// `GET …/users/<user>/instance/logs?follow=true` on `node`, as the admin:
+/// the response once its head is in (the stream stays open while it lives).
+async fn follow_logs(node: &Node, user: &str) -> reqwest::Response {
+    node.http
+        .get(node.api(&format!("/users/{user}/instance/logs?tail=1&follow=true")))
+        .bearer_auth(&node.token)
+        .send()
+        .await
+        .unwrap()
+}
+
+/// Issue 9's per-user stream cap holds on the node that runs a user however
+/// many nodes relay the user's streams: a followed log asked of node-b
+/// holds a slot on node-b and one on node-a, alice's owner. With
+/// `max_upgrades_per_user = 2`, two streams held on node-a stop a third
+/// relayed through node-b (node-a's `429 too_many_streams` comes back
+/// through node-b with its code), and two relayed through node-b stop a
+/// third asked of node-a directly, and one more asked of node-b. Closed
+/// streams give their slots back on both nodes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relayed_stream_holds_a_slot_on_both_nodes() {
+    let db = fresh_db().await;
+    let root = tempfile::tempdir().unwrap();
+    let mut nodes = Vec::new();
+    for id in ["node-a", "node-b"] {
+        let (dir, db) = (root.path().join(id), db.clone());
+        let node = tokio::task::spawn_blocking(move || {
+            Node::start_cluster_with_lease(
+                &dir,
+                &db,
+                id,
+                SECRET,
+                "",
+                "[proxy]\nmax_upgrades_per_user = 2\n",
+            )
+        })
+        .await
+        .unwrap();
+        nodes.push(node);
+    }
+    let (a, b) = (&nodes[0], &nodes[1]);
+    let (status, body) = a.post("/users/alice/instance", json!({})).await;
+    assert_eq!(status, 201, "{body}");
+    assert_eq!(body["instance"]["node"], "node-a", "{body}");
+    a.running_main("alice", None).await;
+    let refused = |r: reqwest::Response, what: &'static str| async move {
+        assert_eq!(r.status(), 429, "{what}");
+        let body: Value = r.json().await.unwrap();
+        assert_eq!(body["error"], "too_many_streams", "{what}: {body}");
+        assert!(
+            body["message"]
+                .as_str()
+                .unwrap()
+                .contains("max_upgrades_per_user"),
+            "{what}: {body}"
+        );
+    };
+
+    // Two held on node-a: node-b admits a third, node-a refuses it.
+    let mut direct = Vec::new();
+    for _ in 0..2 {
+        direct.push(Events::new(follow_logs(a, "alice").await));
+    }
+    refused(follow_logs(b, "alice").await, "a third, through node-b").await;
+
+    // Those closed, two through node-b: each a live stream of alice's log.
+    drop(direct);
+    let mut relayed = Vec::new();
+    for n in 0..2 {
+        let r = eventually(Duration::from_secs(60), "node-a's slots back", || async {
+            let r = follow_logs(b, "alice").await;
+            (r.status() == 200).then_some(r)
+        })
+        .await;
+        let mut lines = Events::new(r);
+        let (event, first) = lines.next().await.expect("a line");
+        assert_eq!(event, "line", "relayed stream {n}");
+        assert!(first.contains("berth-demo: "), "{first}");
+        relayed.push(lines);
+    }
+    refused(follow_logs(a, "alice").await, "a third, on node-a itself").await;
+    refused(follow_logs(b, "alice").await, "a third, through node-b").await;
+
+    drop(relayed);
+    eventually(
+        Duration::from_secs(60),
+        "both nodes' slots back",
+        || async {
+            let r = follow_logs(a, "alice").await;
+            (r.status() == 200).then_some(())
+        },
+    )
+    .await;
+}

@@ -465,7 +465,7 @@ async fn upstream_handle(
 #[derive(Clone)]
 pub struct Fallback;
 
-impl tower_service::Service<Request<Incoming>> for Fallback {
+impl tower_service::Service<Request<berth_proxy::RequestBody>> for Fallback {
     type Response = Response<Full<Bytes>>;
     type Error = Infallible;
     type Future = std::future::Ready<Result<Self::Response, Infallible>>;
@@ -475,7 +475,7 @@ impl tower_service::Service<Request<Incoming>> for Fallback {
     ) -> std::task::Poll<Result<(), Infallible>> {
         std::task::Poll::Ready(Ok(()))
     }
-    fn call(&mut self, req: Request<Incoming>) -> Self::Future {
+    fn call(&mut self, req: Request<berth_proxy::RequestBody>) -> Self::Future {
         let body = format!("fallback {}", req.uri().path());
         std::future::ready(Ok(Response::new(Full::new(Bytes::from(body)))))
     }

@@ -8,7 +8,7 @@ use std::future::Future;
 use std::pin::Pin;
 use std::time::Duration;
 
-use berth_core::{Instance, UserId};
+use berth_core::{Instance, Slug, UserId};
 use sqlx::migrate::{Migration, MigrationSource, MigrationType};
 use sqlx::{ColumnIndex, Decode, Row, Type};
 
@@ -31,6 +31,7 @@ macro_rules! embedded_migrations {
         &[
             (1, "init", embedded_migrations!(@file $dir, "0001_init.sql")),
             (2, "launch_params", embedded_migrations!(@file $dir, "0002_launch_params.sql")),
+            (3, "users", embedded_migrations!(@file $dir, "0003_users.sql")),
             (4, "accounts", embedded_migrations!(@file $dir, "0004_accounts.sql")),
             (5, "tokens", embedded_migrations!(@file $dir, "0005_tokens.sql")),
             (7, "node_identity", embedded_migrations!(@file $dir, "0007_node_identity.sql")),
@@ -78,6 +79,25 @@ pub(crate) fn ttl_ms(ttl: Duration) -> i64 {
 
 pub(crate) fn parse_user(raw: String) -> Result<UserId, StoreError> {
     UserId::parse(&raw).map_err(|e| StoreError::Corrupt(format!("user id {raw:?}: {e}")))
+}
+
+pub(crate) fn parse_slug(raw: String) -> Result<Slug, StoreError> {
+    Slug::parse(&raw).map_err(|e| StoreError::Corrupt(format!("users.slug: {e}")))
+}
+
+/// The error of an insert into `users` that a unique constraint refused.
+/// The insert names `user_id` as its conflict target (a second insert for
+/// one user does nothing), so a violation left over is the slug's.
+pub(crate) fn slug_taken(e: &sqlx::Error, user: &UserId, slug: &Slug) -> Option<StoreError> {
+    match e {
+        sqlx::Error::Database(db) if db.kind() == sqlx::error::ErrorKind::UniqueViolation => {
+            Some(StoreError::SlugTaken {
+                user: user.clone(),
+                slug: slug.as_str().to_owned(),
+            })
+        }
+        _ => None,
+    }
 }
 
 pub(crate) fn narrow<T: TryFrom<i64>>(value: i64, column: &str) -> Result<T, StoreError> {

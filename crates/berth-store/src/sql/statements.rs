@@ -49,6 +49,8 @@ pub(crate) struct Statements {
     pub(crate) session_create: String,
     pub(crate) session_expiry: String,
     pub(crate) session_delete: String,
+    pub(crate) user_slug_get: String,
+    pub(crate) user_slug_insert: String,
     pub(crate) heartbeat: String,
     pub(crate) nodes_list: String,
     pub(crate) node_claim: String,
@@ -251,6 +253,17 @@ impl Statements {
                 "SELECT expires_at FROM sessions WHERE secret_hash = $1 AND expires_at > {now}",
             ),
             session_delete: sql("DELETE FROM sessions WHERE secret_hash = $1"),
+
+            // --- users and their slugs -----------------------------------
+            user_slug_get: sql("SELECT slug FROM users WHERE user_id = $1"),
+            // Records slug $2 for user $1. A concurrent first record for the
+            // same user makes it insert nothing (the caller reads theirs
+            // back); the same slug recorded for another user fails on the
+            // slug's unique constraint.
+            user_slug_insert: sql(
+                "INSERT INTO users (user_id, slug, created_at) VALUES ($1, $2, {now}) \
+                 ON CONFLICT (user_id) DO NOTHING",
+            ),
 
             // --- nodes --------------------------------------------------
             heartbeat: sql(concat!(

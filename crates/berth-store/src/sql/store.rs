@@ -4,12 +4,12 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use berth_core::policy::CrashState;
-use berth_core::{Epoch, Instance, InstanceStatus, Role, UnixMillis, UserId};
+use berth_core::{Epoch, Instance, InstanceStatus, Role, Slug, UnixMillis, UserId};
 
 use super::driver::Tx;
 use super::rows::{
-    get, instance_from_row, lease_from_row, narrow, node_from_row, node_status_str, parse_user,
-    refused_mint, token_from_row, token_owner_from_row, ttl_ms, widen,
+    get, instance_from_row, lease_from_row, narrow, node_from_row, node_status_str, parse_slug,
+    parse_user, refused_mint, slug_taken, token_from_row, token_owner_from_row, ttl_ms, widen,
 };
 use super::{Dialect, SqlBackend};
 use crate::{
@@ -365,6 +365,38 @@ impl<B: SqlBackend> Store for B {
             .execute()
             .await?;
         Ok(deleted > 0)
+    }
+
+    async fn user_slug(&self, user: &UserId) -> Result<Option<Slug>, StoreError> {
+        let row = self
+            .stmt(&self.sql().user_slug_get)
+            .bind(user.as_str())
+            .fetch_optional()
+            .await?;
+        row.map(|row| parse_slug(get(&row, "slug")?)).transpose()
+    }
+
+    async fn record_user_slug(&self, user: &UserId, slug: &Slug) -> Result<Slug, StoreError> {
+        if let Some(recorded) = self.user_slug(user).await? {
+            return Ok(recorded);
+        }
+        let inserted = self
+            .stmt(&self.sql().user_slug_insert)
+            .bind(user.as_str())
+            .bind(slug.as_str())
+            .execute_or_sqlx_error()
+            .await
+            .map_err(|e| slug_taken(&e, user, slug).unwrap_or_else(|| self.err(e)))?;
+        if inserted > 0 {
+            return Ok(slug.clone());
+        }
+        // Nothing inserted: another node recorded this user's slug in
+        // between, and theirs stands.
+        self.user_slug(user).await?.ok_or_else(|| {
+            StoreError::Query(format!(
+                "the slug of {user} was recorded concurrently but cannot be read back"
+            ))
+        })
     }
 
     async fn heartbeat(&self, node: &NodeRecord) -> Result<(), StoreError> {

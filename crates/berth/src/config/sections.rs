@@ -207,8 +207,25 @@ pub struct ProxyConfig {
     pub header_timeout_ms: u64,
     /// Largest request head in bytes; larger gets `431`.
     pub max_header_bytes: usize,
-    /// Concurrent WebSocket/upgraded connections; more get `503`.
+    /// Concurrent long-lived streams on this node: WebSockets (and other
+    /// upgrades) and API progress streams; more get `503`.
     pub max_upgrades: usize,
+
+    // --- exhaustion limits (issue 9) -----------------------------------------
+    /// Open client connections at most; more are closed at once.
+    pub max_connections: usize,
+    /// Open connections at most from one client address (an IPv4 address
+    /// or an IPv6 /64); `trusted_proxies`, and connections that carry the
+    /// cluster secret (other nodes), count only towards the total.
+    pub max_connections_per_ip: usize,
+    /// Concurrent long-lived streams of one user (WebSockets to their app,
+    /// progress streams of their instance); more get `429`.
+    pub max_upgrades_per_user: usize,
+    /// Request bodies must arrive at this average rate at least…
+    pub body_min_bytes_per_s: u64,
+    /// …and may stall (or fall behind the rate) by at most this long; then
+    /// the request fails (`408`) and its connection closes. 0: no bound.
+    pub body_grace_ms: u64,
 }
 
 impl Default for Config {
@@ -322,6 +339,11 @@ impl Default for ProxyConfig {
             header_timeout_ms: 10_000,
             max_header_bytes: 64 * 1024,
             max_upgrades: 10_000,
+            max_connections: 10_000,
+            max_connections_per_ip: 1000,
+            max_upgrades_per_user: 100,
+            body_min_bytes_per_s: 1024,
+            body_grace_ms: 10_000,
         }
     }
 }

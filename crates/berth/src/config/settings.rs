@@ -1,7 +1,7 @@
 //! What the configuration means for each part of berth: the store URL,
 //! the node's identity and capacity, the proxy's routing, and the
 //! conversions into each crate's settings (crash and reap policies, the
-//! lease, readiness, [`LocalConfig`]).
+//! lease, readiness, [`LocalConfig`], the pace of request bodies).
 
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -218,6 +218,17 @@ impl Config {
         })
     }
 
+    /// `[proxy] body_min_bytes_per_s` and `body_grace_ms` (a grace of 0: no
+    /// bound), for the API's bodies and for the bodies the proxy forwards
+    /// alike.
+    pub fn body_pace(&self) -> Option<berth_proxy::BodyPace> {
+        let p = &self.proxy;
+        (p.body_grace_ms > 0).then(|| berth_proxy::BodyPace {
+            min_bytes_per_s: p.body_min_bytes_per_s,
+            grace: Duration::from_millis(p.body_grace_ms),
+        })
+    }
+
     /// The isolation level: the configured one, else `user` when berth runs
     /// as root (`root`) and `none` otherwise.
     pub fn isolation_level(&self, root: bool) -> Result<Isolation, ConfigError> {
@@ -268,6 +279,20 @@ mod tests {
         }
         let c = parse("[instance]\ncommand = [\"x\"]\nready_tcp = true\n").unwrap();
         assert!(matches!(c.readiness().unwrap(), Readiness::Tcp));
+    }
+
+    #[test]
+    fn body_pace_is_the_two_keys_and_a_zero_grace_turns_it_off() {
+        let c = parse("[proxy]\nbody_min_bytes_per_s = 100\nbody_grace_ms = 3000\n").unwrap();
+        assert_eq!(
+            c.body_pace(),
+            Some(berth_proxy::BodyPace {
+                min_bytes_per_s: 100,
+                grace: Duration::from_secs(3),
+            })
+        );
+        let c = parse("[proxy]\nbody_grace_ms = 0\n").unwrap();
+        assert_eq!(c.body_pace(), None);
     }
 
     #[test]

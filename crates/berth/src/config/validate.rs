@@ -340,6 +340,25 @@ impl Config {
                 ));
             }
         }
+        for (key, value) in [
+            ("proxy.max_connections", p.max_connections),
+            ("proxy.max_connections_per_ip", p.max_connections_per_ip),
+            ("proxy.max_upgrades", p.max_upgrades),
+            ("proxy.max_upgrades_per_user", p.max_upgrades_per_user),
+        ] {
+            if value == 0 {
+                return Err(self.invalid(key, "must be at least 1 (0 would refuse everything)"));
+            }
+        }
+        if p.max_connections_per_ip > p.max_connections {
+            return Err(self.invalid(
+                "proxy.max_connections_per_ip",
+                format!(
+                    "{} is more than max_connections ({})",
+                    p.max_connections_per_ip, p.max_connections
+                ),
+            ));
+        }
         if let Some(secret) = &p.header_secret {
             if p.auth != "header" {
                 return Err(
@@ -559,6 +578,95 @@ mod tests {
         }
         let ok = "[metrics]\ntoken = \"scrape-me\"\nlisten = \"127.0.0.1:9464\"\n";
         parse(ok).unwrap().validate().unwrap();
+    }
+
+    #[test]
+    fn exhaustion_limits_are_read_and_checked_naming_key_and_line() {
+        let c = parse(
+            "[proxy]
+max_connections = 100
+max_connections_per_ip = 10
+             max_upgrades_per_user = 5
+body_min_bytes_per_s = 100
+body_grace_ms = 3000
+",
+        )
+        .unwrap();
+        assert!(c.validate_proxy().is_ok());
+        let p = &c.proxy;
+        assert_eq!(
+            (
+                p.max_connections,
+                p.max_connections_per_ip,
+                p.max_upgrades_per_user,
+                p.body_min_bytes_per_s,
+                p.body_grace_ms
+            ),
+            (100, 10, 5, 100, 3000)
+        );
+        let d = Config::default().proxy;
+        assert_eq!(
+            (
+                d.max_connections,
+                d.max_connections_per_ip,
+                d.max_upgrades_per_user
+            ),
+            (10_000, 1000, 100)
+        );
+        assert_eq!((d.body_min_bytes_per_s, d.body_grace_ms), (1024, 10_000));
+        for (text, key) in [
+            (
+                "[proxy]
+max_connections_per_ip = 0
+",
+                "proxy.max_connections_per_ip",
+            ),
+            (
+                "[proxy]
+max_upgrades_per_user = 0
+",
+                "proxy.max_upgrades_per_user",
+            ),
+            (
+                "[proxy]
+max_connections = 0
+",
+                "proxy.max_connections",
+            ),
+        ] {
+            let msg = parse(text)
+                .unwrap()
+                .validate_proxy()
+                .unwrap_err()
+                .to_string();
+            assert!(
+                msg.contains(key) && msg.contains("line 2") && msg.contains("at least 1"),
+                "{msg}"
+            );
+        }
+        let msg = parse(
+            "[proxy]
+max_connections = 10
+max_connections_per_ip = 20
+",
+        )
+        .unwrap()
+        .validate_proxy()
+        .unwrap_err()
+        .to_string();
+        assert!(
+            msg.contains("proxy.max_connections_per_ip")
+                && msg.contains("more than max_connections"),
+            "{msg}"
+        );
+        let msg = parse(
+            "[proxy]
+max_upgrades_per_user = -1
+",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(msg.contains("proxy.max_upgrades_per_user"), "{msg}");
     }
 
     #[test]

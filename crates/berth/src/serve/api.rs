@@ -28,7 +28,8 @@ use axum::http::{HeaderMap, Method, StatusCode, Uri, header};
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use berth_core::{ErrorCode, InstanceStatus, LaunchRequest, UserId};
+use berth_core::{ErrorCode, InstanceStatus, LaunchRequest, SpawnError, UserId};
+use berth_proxy::limits::{StreamPermit, StreamRefused};
 use berth_store::{InstanceFilter, Store};
 use futures_util::stream::BoxStream;
 use futures_util::{Stream, StreamExt};
@@ -70,6 +71,10 @@ pub struct ApiState {
     pub event_streams: events::EventStreams,
     /// Who may read `/metrics` besides the admin.
     pub scrapers: scrape::Scrapers,
+    /// Long-lived streams per user and in all, shared with the proxy's
+    /// WebSockets: a progress or log stream takes a slot for as long as it
+    /// is open (on each node it passes through).
+    pub streams: Arc<berth_proxy::limits::StreamLimits>,
 }
 
 type AppState = State<Arc<ApiState>>;
@@ -147,6 +152,22 @@ async fn no_such_route(
 impl ApiState {
     async fn caller(&self, method: &Method, headers: &HeaderMap) -> ApiResult<Caller> {
         Ok(self.auth.caller(method, headers).await?)
+    }
+
+    /// One of this node's slots for a long-lived stream of `user`'s (design
+    /// §8.2: one user's streams cannot starve the others): `429
+    /// too_many_streams` at the user's cap, `503 capacity_exhausted` when
+    /// the node is full. The stream that holds it gives it back when it
+    /// ends or its client leaves ([`holding`]).
+    fn stream_slot(&self, user: &UserId) -> ApiResult<StreamPermit> {
+        self.streams.acquire(user).map_err(|refused| {
+            let message = refused.to_string();
+            let error = match refused {
+                StreamRefused::Total(_) => SpawnError::CapacityExhausted(message),
+                StreamRefused::PerUser { .. } => SpawnError::TooManyStreams(message),
+            };
+            error.into()
+        })
     }
 
     /// Where `user`'s app is opened: `<slug>.<base_domain>` on the port
@@ -299,10 +320,12 @@ async fn probe(UserCall { user, .. }: UserCall, State(state): AppState) -> ApiRe
 }
 
 /// `GET …/instance/progress`: Server-Sent Events (`status`) from the
-/// current status until the instance is ready or has ended.
+/// current status until the instance is ready or has ended. The stream
+/// holds one of the user's stream slots while it is open.
 async fn progress(UserCall { user, .. }: UserCall, State(state): AppState) -> ApiResult {
+    let slot = state.stream_slot(&user)?;
     let stages = state.ops.progress(&user, Via::Client).await?;
-    Ok(stage_events(stages).into_response())
+    Ok(stage_events(holding(stages, slot)).into_response())
 }
 
 /// `GET …/instance/logs?tail=N`: the last N lines (`{user, lines}`); with
@@ -314,11 +337,14 @@ async fn logs(
     QueryOf(query): QueryOf<LogsQuery>,
 ) -> ApiResult {
     if query.follow.unwrap_or(false) {
+        // A followed log is a long-lived stream like progress: it holds
+        // one of the user's stream slots.
+        let slot = state.stream_slot(&user)?;
         let lines = state
             .ops
             .follow_logs(&user, query.tail(), Via::Client)
             .await?;
-        return Ok(line_events(lines).into_response());
+        return Ok(line_events(holding(lines, slot)).into_response());
     }
     let lines = state.ops.logs(&user, query.tail(), Via::Client).await?;
     Ok(axum::Json(json!({ "user": user, "lines": lines })).into_response())
@@ -334,6 +360,20 @@ async fn watchdog(UserCall { user, .. }: UserCall, State(state): AppState) -> Ap
 async fn reset_breaker(UserCall { user, .. }: UserCall, State(state): AppState) -> ApiResult {
     state.ops.reset_breaker(&user, Via::Client).await?;
     Ok(StatusCode::NO_CONTENT.into_response())
+}
+
+/// `stream`, holding `slot` until the stream is dropped: it ended, or
+/// its client left.
+fn holding<T: Send + 'static>(
+    stream: BoxStream<'static, T>,
+    slot: StreamPermit,
+) -> BoxStream<'static, T> {
+    stream
+        .map(move |item| {
+            let _held = &slot;
+            item
+        })
+        .boxed()
 }
 
 /// Stages as Server-Sent Events (`event: status`).

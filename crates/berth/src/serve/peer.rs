@@ -327,6 +327,9 @@ pub fn error_from_json(user: &UserId, status: u16, body: &Value) -> SpawnError {
         "store_unavailable" => {
             SpawnError::StoreUnavailable(strip_prefix(&message, "store unavailable: "))
         }
+        "too_many_streams" => {
+            SpawnError::TooManyStreams(strip_prefix(&message, "too many streams: "))
+        }
         "unauthorized" | "forbidden" => SpawnError::Internal(format!(
             "another node refused this node's cluster call ({code}): are the cluster secrets the same?"
         )),
@@ -401,6 +404,11 @@ mod tests {
                 503,
                 json!({"error": "store_unavailable", "message": "store unavailable: down"}),
                 ErrorCode::StoreUnavailable,
+            ),
+            (
+                429,
+                json!({"error": "too_many_streams", "message": "too many streams: alice has 5"}),
+                ErrorCode::TooManyStreams,
             ),
             (401, json!({"error": "unauthorized"}), ErrorCode::Internal),
             (502, json!({"error": "bad_gateway"}), ErrorCode::Internal),

@@ -204,7 +204,10 @@ pub fn parse_user_segment(raw: &str) -> Result<UserId, ApiError> {
 
 /// Reads a request body of at most [`MAX_BODY_BYTES`]. Handlers call it
 /// after their caller extractor, so only an authenticated caller's body
-/// is ever read.
+/// is ever read. The server paces the API's bodies (`[proxy]
+/// body_min_bytes_per_s`, `body_grace_ms`): one that falls behind is `408
+/// request_timeout`, and the connection closes with the answer (the rest
+/// of the body is never read).
 pub async fn read_body(headers: &HeaderMap, body: Body) -> Result<Bytes, ApiError> {
     let too_large = || {
         ApiError::new(
@@ -228,6 +231,8 @@ pub async fn read_body(headers: &HeaderMap, body: Body) -> Result<Bytes, ApiErro
                 .is_some()
             {
                 too_large()
+            } else if berth_proxy::BodyTooSlow::caused(e.as_ref()) {
+                ApiError::new(ErrorCode::RequestTimeout, e.to_string())
             } else {
                 ApiError::new(
                     ErrorCode::InvalidRequest,

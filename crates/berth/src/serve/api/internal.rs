@@ -19,7 +19,7 @@ use serde_json::json;
 use super::super::ops::{LogLines, RestartAll, Via};
 use super::extract::{Peer, PeerCall, QueryOf, read_body};
 use super::{
-    ApiError, ApiResult, ApiState, AppState, LaunchQuery, LogsQuery, line_events,
+    ApiError, ApiResult, ApiState, AppState, LaunchQuery, LogsQuery, holding, line_events,
     parse_launch_body, stage_events,
 };
 
@@ -88,8 +88,10 @@ async fn logs(
 ) -> ApiResult {
     let tail = query.tail();
     if query.follow.unwrap_or(false) {
+        // Counted here too: see `progress`.
+        let slot = state.stream_slot(&user)?;
         let lines = state.ops.follow_logs(&user, tail, Via::Peer).await?;
-        return Ok(line_events(lines).into_response());
+        return Ok(line_events(holding(lines, slot)).into_response());
     }
     let lines = state.ops.logs(&user, tail, Via::Peer).await?;
     Ok(axum::Json(LogLines { user, lines }).into_response())
@@ -105,9 +107,16 @@ async fn reset_breaker(PeerCall { user }: PeerCall, State(state): AppState) -> A
     Ok(axum::Json(json!({})).into_response())
 }
 
+/// A stream relayed for another node's client. It holds resources here
+/// (a subscription, a response stream, a connection) as much as on the
+/// node the client reached, so it takes one of the user's stream slots
+/// here too: however many nodes a user's clients come through, the node
+/// that runs the user holds at most `max_upgrades_per_user` of their
+/// streams. A refusal travels back with its code (`too_many_streams`).
 async fn progress(PeerCall { user }: PeerCall, State(state): AppState) -> ApiResult {
+    let slot = state.stream_slot(&user)?;
     let stages = state.ops.progress(&user, Via::Peer).await?;
-    Ok(stage_events(stages).into_response())
+    Ok(stage_events(holding(stages, slot)).into_response())
 }
 
 #[derive(Debug, Deserialize)]
