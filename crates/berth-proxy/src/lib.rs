@@ -19,7 +19,8 @@
 //! fast request bodies must arrive), and hands every other request to a
 //! fallback service (berth's API). Long-lived streams (WebSockets, and the
 //! API's progress and log streams through [`Proxy::streams`]) are counted
-//! per user and in all by [`limits::StreamLimits`].
+//! per user and in all by [`limits::StreamLimits`]. [`metrics`] times
+//! every answer.
 //!
 //! ```no_run
 //! use std::sync::Arc;
@@ -60,6 +61,7 @@
 pub mod auth;
 pub mod forward;
 pub mod limits;
+pub mod metrics;
 pub mod pace;
 mod pool;
 mod proxy;
@@ -68,6 +70,7 @@ pub mod route;
 pub mod server;
 pub mod wake;
 
+pub use metrics::ProxyMetrics;
 pub use pace::{BodyPace, BodyTooSlow, PacedBody};
 pub use pool::ForwardedBody;
 

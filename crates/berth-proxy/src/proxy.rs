@@ -18,6 +18,7 @@ use crate::auth::{
 };
 use crate::forward::{ConnInfo, ForwardConfig, Forwarder, Upstream};
 use crate::limits::StreamLimits;
+use crate::metrics::ProxyMetrics;
 use crate::respond::{self, ProxyBody};
 use crate::route::{Class, RouteError, RouteTable, Router, Target};
 use crate::wake::{ClusterHook, Locate, Wake, Waker};
@@ -40,6 +41,8 @@ pub struct ProxyConfig {
     /// How long a woken request waits for its instance.
     pub ready_timeout: Duration,
     pub forward: ForwardConfig,
+    /// Where request durations are recorded.
+    pub metrics: ProxyMetrics,
 }
 
 impl Default for ProxyConfig {
@@ -53,6 +56,7 @@ impl Default for ProxyConfig {
             header_secret: None,
             ready_timeout: Duration::default(),
             forward: ForwardConfig::default(),
+            metrics: ProxyMetrics::default(),
         }
     }
 }
@@ -78,6 +82,7 @@ pub struct Proxy {
     waker: Waker,
     forwarder: Forwarder,
     cluster: Option<ProxyCluster>,
+    metrics: ProxyMetrics,
     tasks: TaskTracker,
     cancel: CancellationToken,
 }
@@ -131,6 +136,7 @@ impl Proxy {
             waker: Waker::new(spawner.clone(), table, config.ready_timeout),
             forwarder: Forwarder::new(&config.forward, spawner, tasks.clone(), cancel.clone()),
             cluster,
+            metrics: config.metrics,
             tasks,
             cancel,
         })
@@ -170,8 +176,16 @@ impl Proxy {
         self.router.classify(req)
     }
 
-    /// Answers a request for a user's instance.
+    /// Answers a request for a user's instance, and records how long the
+    /// answer's head took.
     pub async fn handle(&self, req: Request<Incoming>, conn: &ConnInfo) -> Response<ProxyBody> {
+        let started = std::time::Instant::now();
+        let response = self.answer(req, conn).await;
+        self.metrics.observe(response.status(), started.elapsed());
+        response
+    }
+
+    async fn answer(&self, req: Request<Incoming>, conn: &ConnInfo) -> Response<ProxyBody> {
         let (route, path_and_query, navigation, pass) = {
             let target = match self.router.target(req.headers(), req.uri()) {
                 Ok(Some(target)) => target,

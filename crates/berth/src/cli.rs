@@ -140,7 +140,12 @@ pub enum Command {
 #[derive(Debug, Subcommand)]
 pub enum ConfigCommand {
     /// Parse and validate a config file (the environment is not consulted).
-    Check { file: PathBuf },
+    Check {
+        file: PathBuf,
+        /// Print `{"file", "ok", "error"?}` instead of a sentence.
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 /// `berth serve`. The flags' environment variables are read by the config
@@ -165,6 +170,10 @@ pub struct ServeArgs {
     /// How other nodes reach this one [env: BERTH_ADVERTISE_URL].
     #[arg(long, value_name = "URL")]
     pub advertise: Option<String>,
+    /// Log lines as text or as JSON objects, one per line
+    /// [env: BERTH_LOG_FORMAT] [default: text].
+    #[arg(long, value_name = "FORMAT", value_parser = ["text", "json"])]
+    pub log_format: Option<String>,
 }
 
 impl ServeArgs {
@@ -175,6 +184,7 @@ impl ServeArgs {
             store: self.store.clone(),
             node_id: self.node_id.clone(),
             advertise_url: self.advertise.clone(),
+            log_format: self.log_format.clone(),
         }
     }
 }
@@ -219,6 +229,10 @@ pub struct ClientArgs {
     /// Where to find admin.token when no token is given.
     #[arg(long, env = "BERTH_DATA_DIR", default_value = "./berth-data")]
     pub data_dir: PathBuf,
+    /// Print the API's answer as JSON instead of a table or summary
+    /// (`logs -f`: one JSON string per line).
+    #[arg(long)]
+    pub json: bool,
 }
 
 #[cfg(test)]
@@ -229,5 +243,39 @@ mod tests {
     #[test]
     fn the_command_line_is_well_formed() {
         Cli::command().debug_assert();
+    }
+
+    /// Every command that prints an answer takes `--json`: the client
+    /// commands and `config check`. (`serve` has `--log-format json`;
+    /// `demo-app` prints for its own launcher.)
+    #[test]
+    fn every_command_takes_json() {
+        let cli = Cli::command();
+        let mut checked = 0;
+        let mut commands: Vec<&clap::Command> = cli.get_subcommands().collect();
+        while let Some(command) = commands.pop() {
+            if command.has_subcommands() {
+                commands.extend(command.get_subcommands());
+                continue;
+            }
+            if matches!(command.get_name(), "serve" | "demo-app") {
+                continue;
+            }
+            assert!(
+                command
+                    .get_arguments()
+                    .any(|a| a.get_long() == Some("json")),
+                "berth {} has no --json",
+                command.get_name()
+            );
+            checked += 1;
+        }
+        assert_eq!(checked, 13, "the twelve client commands and config check");
+        let serve = cli.find_subcommand("serve").unwrap();
+        assert!(
+            serve
+                .get_arguments()
+                .any(|a| a.get_long() == Some("log-format"))
+        );
     }
 }

@@ -6,6 +6,8 @@ mod cli;
 mod client;
 mod config;
 mod demo_app;
+mod progress;
+mod render;
 mod serve;
 mod sse;
 
@@ -40,16 +42,37 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Serve(args) => serve(&args).map(|()| ExitCode::SUCCESS),
         Command::DemoApp(args) => demo_app::run(args).map(|()| ExitCode::SUCCESS),
         Command::Config {
-            command: ConfigCommand::Check { file },
+            command: ConfigCommand::Check { file, json },
         } => {
-            let config = Config::from_file(&file)?;
-            config.validate()?;
-            if let Some(warning) = config.port_range_warning(crate::config::ephemeral_port_range())
-            {
-                eprintln!("berth: warning: {warning}");
+            let checked =
+                Config::from_file(&file).and_then(|config| config.validate().map(|()| config));
+            // A warning is not an error: on stderr, with the answer as usual.
+            if let Ok(config) = &checked {
+                if let Some(warning) =
+                    config.port_range_warning(crate::config::ephemeral_port_range())
+                {
+                    eprintln!("berth: warning: {warning}");
+                }
             }
-            println!("{}: ok", file.display());
-            Ok(ExitCode::SUCCESS)
+            let checked = checked.map(drop);
+            if !json {
+                checked?;
+                println!("{}: ok", file.display());
+                return Ok(ExitCode::SUCCESS);
+            }
+            let mut answer = serde_json::json!({
+                "file": file.to_string_lossy(),
+                "ok": checked.is_ok(),
+            });
+            if let Err(e) = &checked {
+                answer["error"] = serde_json::Value::String(e.to_string());
+            }
+            println!("{answer:#}");
+            Ok(if checked.is_ok() {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::FAILURE
+            })
         }
         command => {
             // Client commands do a few sequential requests: one thread is

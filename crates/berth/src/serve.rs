@@ -13,6 +13,7 @@
 //! cluster tasks, tears the controller down and marks the node `down`;
 //! instances keep running for the next start to adopt.
 
+mod admin;
 mod api;
 mod auth;
 mod cluster;
@@ -76,6 +77,16 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         .await
         .with_context(|| format!("cannot listen on {}", config.listen))?;
     let addr = listener.local_addr()?;
+    let metrics_listener = match &config.metrics.listen {
+        Some(listen) => {
+            let listener = tokio::net::TcpListener::bind(listen)
+                .await
+                .with_context(|| format!("cannot listen on {listen} ([metrics] listen)"))?;
+            tracing::info!(addr = %listener.local_addr()?, "serving /metrics without authentication");
+            Some(listener)
+        }
+        None => None,
+    };
     let public_url = config
         .advertise_url
         .clone()
@@ -98,9 +109,11 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         .context("cannot register this node (heartbeat)")?;
 
     let cluster_metrics = cluster::ClusterMetrics::default();
+    let proxy_metrics = berth_proxy::ProxyMetrics::default();
     let metrics = Arc::new(metrics::Metrics::new(|registry| {
         spawner.register_metrics(registry);
         cluster_metrics.register(registry);
+        proxy_metrics.register(registry);
     }));
 
     // Cluster mode: routing across nodes, node-to-node calls, failover.
@@ -175,7 +188,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         _ => None,
     };
     let proxy = berth_proxy::Proxy::start_clustered(
-        proxy_config(&config, ready_timeout)?,
+        proxy_config(&config, ready_timeout, proxy_metrics)?,
         spawner_dyn,
         authenticator.shared(),
         proxy_cluster,
@@ -193,8 +206,17 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         node_control: spawner.clone() as Arc<dyn cluster::NodeControl>,
         base_domain: Some(config.proxy.base_domain.clone()).filter(|d| !d.is_empty()),
         path_routing,
+        event_streams: api::events::EventStreams::default(),
+        scrapers: api::scrape::Scrapers::new(config.metrics.token.as_deref())?,
         streams: proxy.streams().clone(),
     });
+    if let Some(listener) = metrics_listener {
+        tasks.spawn(api::scrape::serve_unauthenticated(
+            listener,
+            state.metrics.clone(),
+            cancel.child_token(),
+        ));
+    }
     let app = api::router(state);
 
     tracing::info!(%addr, node = %node_id, data_dir = %config.data_dir.display(), "berth listening");
@@ -311,6 +333,7 @@ const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
 fn proxy_config(
     config: &Config,
     ready_timeout: Duration,
+    metrics: berth_proxy::ProxyMetrics,
 ) -> anyhow::Result<berth_proxy::ProxyConfig> {
     let p = &config.proxy;
     Ok(berth_proxy::ProxyConfig {
@@ -332,6 +355,7 @@ fn proxy_config(
             body_pace: config.body_pace(),
             ..Default::default()
         },
+        metrics,
     })
 }
 

@@ -29,6 +29,7 @@ pub struct Overrides {
     pub store: Option<String>,
     pub node_id: Option<String>,
     pub advertise_url: Option<String>,
+    pub log_format: Option<String>,
 }
 
 impl Config {
@@ -125,6 +126,7 @@ impl Config {
             ("store", "--store", flags.store.clone()),
             ("node_id", "--node-id", flags.node_id.clone()),
             ("advertise_url", "--advertise", flags.advertise_url.clone()),
+            ("log_format", "--log-format", flags.log_format.clone()),
         ];
         for (key, flag, value) in pairs {
             if let Some(value) = value {

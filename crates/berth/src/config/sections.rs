@@ -35,6 +35,7 @@ pub struct Config {
     pub proxy: ProxyConfig,
     pub auth: AuthSection,
     pub cluster: ClusterSection,
+    pub metrics: MetricsSection,
     /// Accepted so that a Kubernetes config is refused with a clear message
     /// rather than as an unknown key; the backend does not exist yet.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -146,6 +147,21 @@ pub struct ClusterSection {
     pub capacity: Option<u32>,
 }
 
+/// `[metrics]`: who may read `/metrics` besides the admin (design §11).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct MetricsSection {
+    /// A read-only token for a Prometheus scraper: as Bearer, it opens
+    /// `GET /metrics` and nothing else.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub token: Option<String>,
+    /// Also serve `/metrics`, without authentication, on this address
+    /// (e.g. `127.0.0.1:9464`), for a scraper that holds no token. Only
+    /// `/metrics` is served there.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub listen: Option<String>,
+}
+
 /// `[isolation]` (design §6).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -232,6 +248,7 @@ impl Default for Config {
             proxy: ProxyConfig::default(),
             auth: AuthSection::default(),
             cluster: ClusterSection::default(),
+            metrics: MetricsSection::default(),
             kubernetes: None,
             provenance: Provenance::default(),
         }

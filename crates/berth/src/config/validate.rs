@@ -102,6 +102,7 @@ impl Config {
         self.validate_policies()?;
         self.validate_isolation()?;
         self.validate_proxy()?;
+        self.validate_metrics()?;
         if self.kubernetes.is_some() {
             return Err(self.invalid(
                 "kubernetes",
@@ -110,6 +111,41 @@ impl Config {
         }
         // Last: the store crate's own checks of the lease timing.
         self.lease_config()?;
+        Ok(())
+    }
+
+    fn validate_metrics(&self) -> Result<(), ConfigError> {
+        let m = &self.metrics;
+        if let Some(token) = &m.token {
+            if berth_proxy::auth::SharedSecret::new(token).is_err() {
+                return Err(self.invalid(
+                    "metrics.token",
+                    "must be visible ASCII without spaces (it is sent as a Bearer token)",
+                ));
+            }
+            if self.admin_token.as_deref() == Some(token.trim()) {
+                return Err(self.invalid(
+                    "metrics.token",
+                    "must differ from the admin token: it is the scraper's, and opens only /metrics",
+                ));
+            }
+        }
+        if let Some(listen) = &m.listen {
+            let Ok(addr) = listen.parse::<std::net::SocketAddr>() else {
+                return Err(self.invalid(
+                    "metrics.listen",
+                    format!(
+                        "{listen:?} is not a socket address (expected e.g. \"127.0.0.1:9464\")"
+                    ),
+                ));
+            };
+            if addr.port() != 0 && self.listen_addr().is_ok_and(|main| main == addr) {
+                return Err(self.invalid(
+                    "metrics.listen",
+                    format!("{listen:?} is the main listen address; give /metrics its own"),
+                ));
+            }
+        }
         Ok(())
     }
 
@@ -510,6 +546,37 @@ mod tests {
         }
         let ok = "[auth]\nuser_token_ttl_s = 60\nusers_may_patch = true\ntoken_cache_s = 0\n\
                   [proxy]\nauth = \"header\"\ntrusted_proxies = [\"127.0.0.1\"]\nheader_secret = \"s3\"\n";
+        parse(ok).unwrap().validate().unwrap();
+    }
+
+    #[test]
+    fn metrics_settings_are_checked() {
+        for (text, key, why) in [
+            (
+                "[metrics]\ntoken = \"a b\"\n",
+                "metrics.token",
+                "visible ASCII",
+            ),
+            (
+                "admin_token = \"same\"\n[metrics]\ntoken = \"same\"\n",
+                "metrics.token",
+                "differ from the admin token",
+            ),
+            (
+                "[metrics]\nlisten = \"localhost\"\n",
+                "metrics.listen",
+                "not a socket address",
+            ),
+            (
+                "listen = \"127.0.0.1:8000\"\n[metrics]\nlisten = \"127.0.0.1:8000\"\n",
+                "metrics.listen",
+                "main listen address",
+            ),
+        ] {
+            let err = parse(text).unwrap().validate().unwrap_err().to_string();
+            assert!(err.contains(key) && err.contains(why), "{text}: {err}");
+        }
+        let ok = "[metrics]\ntoken = \"scrape-me\"\nlisten = \"127.0.0.1:9464\"\n";
         parse(ok).unwrap().validate().unwrap();
     }
 

@@ -12,8 +12,10 @@
 
 mod credentials;
 mod error;
+pub mod events;
 mod extract;
 mod internal;
+pub mod scrape;
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -65,6 +67,10 @@ pub struct ApiState {
     pub base_domain: Option<String>,
     /// Whether `/u/<user>/` on the berth host routes to apps.
     pub path_routing: bool,
+    /// The slots of the admin page's event streams (`/api/v1/events`).
+    pub event_streams: events::EventStreams,
+    /// Who may read `/metrics` besides the admin.
+    pub scrapers: scrape::Scrapers,
     /// Long-lived streams per user and in all, shared with the proxy's
     /// WebSockets: a progress or log stream takes a slot for as long as it
     /// is open (on each node it passes through).
@@ -77,7 +83,7 @@ type AppState = State<Arc<ApiState>>;
 pub fn router(state: Arc<ApiState>) -> Router {
     Router::new()
         .route("/healthz", get(|| async { "ok" }))
-        .route("/metrics", get(metrics))
+        .route("/metrics", get(scrape::metrics))
         .route(
             "/api/v1/session",
             post(credentials::start_session)
@@ -109,6 +115,8 @@ pub fn router(state: Arc<ApiState>) -> Router {
         .route("/api/v1/leases/{user}/takeover", post(take_over))
         .route("/api/v1/node/drain", post(drain))
         .route("/api/v1/node/undrain", post(undrain))
+        .route("/api/v1/events", get(events::events))
+        .merge(super::admin::routes())
         .merge(internal::routes())
         .fallback(no_such_route)
         .method_not_allowed_fallback(no_such_route)
@@ -215,21 +223,6 @@ impl ApiState {
         )
             .into_response()
     }
-}
-
-async fn metrics(_: Admin, State(state): AppState) -> ApiResult {
-    let text = state
-        .metrics
-        .encode()
-        .map_err(|e| ApiError::new(ErrorCode::Internal, e.to_string()))?;
-    Ok((
-        [(
-            header::CONTENT_TYPE,
-            "application/openmetrics-text; version=1.0.0; charset=utf-8",
-        )],
-        text,
-    )
-        .into_response())
 }
 
 // --- one user ------------------------------------------------------------------

@@ -188,6 +188,12 @@ impl Ops {
         }
     }
 
+    /// This node's instance changes, as they happen (the admin page's
+    /// live view).
+    pub fn instance_events(&self) -> tokio::sync::broadcast::Receiver<InstanceEvent> {
+        self.spawner.subscribe()
+    }
+
     fn peers(&self) -> Result<&PeerClient, SpawnError> {
         self.cluster
             .as_deref()
