@@ -163,6 +163,11 @@ stop_grace_s = 2
 
 [reap]
 idle_ttl_s = 0
+
+# The proxy's cost is measured, not isolation's (bench/spawn.py isolation
+# measures that): the backend nginx runs as the benchmark's own user.
+[isolation]
+mode = "none"
 EOF
     TOKIO_WORKER_THREADS=1 valgrind --tool=callgrind --callgrind-out-file="$dir/cg.out" \
         "$binary" serve --config "$dir/berth.toml" >"$dir/berth.log" 2>&1 </dev/null &

@@ -197,6 +197,11 @@ stop_grace_s = 2
 
 [reap]
 idle_ttl_s = 0
+
+# The proxy's cost is measured, not isolation's (bench/spawn.py isolation
+# measures that): the backend nginx runs as the benchmark's own user.
+[isolation]
+mode = "none"
 EOF
     TOKIO_WORKER_THREADS=1 "$binary" serve --config "$WORK/$name/berth.toml" \
         >"$WORK/$name/berth.log" 2>&1 </dev/null &
