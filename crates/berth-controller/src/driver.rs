@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 
 use berth_core::policy::supervision::{Action, Event, PortChoice, StopKind, Supervision, Timer};
 use berth_core::runtime::{ExitStatus, InstanceSpec, Patch, RuntimeEvent, RuntimeRef, Started};
-use berth_core::{Epoch, Instance, InstanceStatus, Role, UnixMillis, unix_millis_now};
+use berth_core::{Epoch, Instance, InstanceStatus, Role, Stage, UnixMillis, unix_millis_now};
 use tokio::sync::{mpsc, watch};
 
 use crate::Shared;
@@ -424,6 +424,9 @@ impl MainDriver {
             env: Vec::new(),
             handoff: None,
         };
+        shared
+            .publisher
+            .announce_stage(&self.slot, Stage::Spawning, None);
         match shared.runtime.start(spec).await {
             Ok(started) => {
                 let now = unix_millis_now();

@@ -10,7 +10,7 @@ use berth_core::policy::LaunchKind;
 use berth_core::policy::supervision::{StopKind, error_tail};
 use berth_core::runtime::{InstanceSpec, Patch, RuntimeError, Started};
 use berth_core::{
-    Epoch, Instance, InstanceStatus, MAX_PATCH_BYTES, Role, SpawnError, normalize_folder,
+    Epoch, Instance, InstanceStatus, MAX_PATCH_BYTES, Role, SpawnError, Stage, normalize_folder,
     unix_millis_now,
 };
 
@@ -78,10 +78,34 @@ impl Shared {
         kind: LaunchKind,
         claim: Claim,
     ) -> Result<Instance, SpawnError> {
-        let user = &slot.user;
         if slot.live_record(Role::Main).is_some() {
-            return Err(SpawnError::AlreadyRunning { user: user.clone() });
+            return Err(SpawnError::AlreadyRunning {
+                user: slot.user.clone(),
+            });
         }
+        self.publisher.announce_stage(slot, Stage::Queued, None);
+        let launched = self.admit_and_start(slot, folder, patch, kind, claim).await;
+        match &launched {
+            // Its record says so already, and has been announced.
+            Err(SpawnError::SpawnFailed(_)) | Ok(_) => {}
+            Err(e) => self
+                .publisher
+                .announce_stage(slot, Stage::Failed, Some(e.to_string())),
+        }
+        launched
+    }
+
+    /// The part of a launch after `queued`: admission (capacity, breaker,
+    /// lease), then the start.
+    async fn admit_and_start(
+        self: &Arc<Self>,
+        slot: &Arc<Slot>,
+        folder: String,
+        patch: Patch,
+        kind: LaunchKind,
+        claim: Claim,
+    ) -> Result<Instance, SpawnError> {
+        let user = &slot.user;
         let _place = self.node.admit(self.publisher.live_mains())?;
         let admission = self.breaker.admit(user, kind, unix_millis_now()).await?;
         // Through the keeper either way, so it renews (and the fence clock
@@ -127,6 +151,7 @@ impl Shared {
             env: Vec::new(),
             handoff: None,
         };
+        self.publisher.announce_stage(slot, Stage::Spawning, None);
         let started = match self.runtime.start(spec).await {
             Ok(started) => started,
             Err(RuntimeError::CapacityExhausted(message)) => {

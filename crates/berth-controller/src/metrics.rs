@@ -1,4 +1,9 @@
 //! The controller's Prometheus metrics (design §11).
+//!
+//! Names are registered without the `berth_` prefix: the binary's registry
+//! adds it (`Registry::with_prefix("berth")`), so `instances` is served as
+//! `berth_instances`. Counters get their `_total` suffix from the encoder.
+//! No label names a user: every label takes a handful of values.
 
 use berth_core::{InstanceStatus, Role};
 use prometheus_client::encoding::EncodeLabelSet;
@@ -67,36 +72,77 @@ impl Metrics {
 
     pub fn register(&self, registry: &mut Registry) {
         registry.register(
-            "berth_instances",
+            "instances",
             "Instances known to this node, by status and role",
             self.instances.clone(),
         );
         registry.register_with_unit(
-            "berth_spawn_to_ready",
+            "spawn_to_ready",
             "Time from spawning an instance to its readiness",
             Unit::Seconds,
             self.spawn_to_ready.clone(),
         );
-        registry.register("berth_restarts", "Crash restarts", self.restarts.clone());
+        registry.register("restarts", "Crash restarts", self.restarts.clone());
         registry.register(
-            "berth_breaker_opens",
+            "breaker_opens",
             "Crash breakers opened",
             self.breaker_opens.clone(),
         );
         registry.register(
-            "berth_lease_renew_failures",
+            "lease_renew_failures",
             "Lease renew ticks that failed",
             self.lease_renew_failures.clone(),
         );
         registry.register(
-            "berth_fenced_instances",
+            "fenced_instances",
             "Instances frozen or killed by fencing",
             self.fenced.clone(),
         );
         registry.register(
-            "berth_controller_store_errors",
+            "controller_store_errors",
             "Store errors met by the controller's background work",
             self.store_errors.clone(),
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The binary serves these under `Registry::with_prefix("berth")`:
+    /// each family once, with the prefix once.
+    #[test]
+    fn names_take_the_registry_prefix_once() {
+        let metrics = Metrics::new("node-a");
+        let mut registry = Registry::with_prefix("berth");
+        metrics.register(&mut registry);
+        metrics.transition(Role::Main, None, Some(InstanceStatus::Running));
+        metrics.restarts.inc();
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
+        let families: Vec<&str> = text
+            .lines()
+            .filter_map(|l| l.strip_prefix("# TYPE "))
+            .collect();
+        assert_eq!(
+            families,
+            [
+                "berth_instances gauge",
+                "berth_spawn_to_ready_seconds histogram",
+                "berth_restarts counter",
+                "berth_breaker_opens counter",
+                "berth_lease_renew_failures counter",
+                "berth_fenced_instances counter",
+                "berth_controller_store_errors counter",
+            ],
+            "{text}"
+        );
+        assert!(
+            text.contains("berth_instances{status=\"running\",role=\"main\",node=\"node-a\"} 1"),
+            "{text}"
+        );
+        assert!(text.contains("berth_restarts_total 1"), "{text}");
+        assert!(!text.contains("berth_berth"), "{text}");
     }
 }

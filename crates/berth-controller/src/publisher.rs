@@ -7,7 +7,7 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, PoisonError, RwLock};
 
-use berth_core::{Endpoint, Instance, InstanceEvent, InstanceStatus, Role, UserId};
+use berth_core::{Endpoint, Instance, InstanceEvent, InstanceStatus, Role, Stage, UserId};
 use berth_store::{Store, StoreError};
 use tokio::sync::broadcast;
 
@@ -186,14 +186,50 @@ impl Publisher {
         if instance.role == Role::Main {
             slot.main_watch.send_replace(Some(instance.clone()));
         }
-        let _ = self.events.send(InstanceEvent {
-            user: instance.user.clone(),
-            role: instance.role,
-            status: instance.status,
-            ready: instance.ready,
-            endpoint,
-            message,
-        });
+        self.send(
+            slot,
+            InstanceEvent {
+                user: instance.user.clone(),
+                role: instance.role,
+                status: instance.status,
+                ready: instance.ready,
+                endpoint,
+                message,
+                stage: Stage::of(instance.status, instance.ready),
+            },
+        );
+    }
+
+    /// Announces a stage of a main's spawn that changes no record: `queued`
+    /// and `spawning` (as `starting`, unreachable), or a launch `failed`
+    /// before it made a record (refused for capacity, the breaker or the
+    /// lease), with `reason`. Only a main that is not reachable (none,
+    /// ended, or crashed) is announced so: the route table, which drops
+    /// the route of an unreachable main, loses nothing.
+    pub fn announce_stage(&self, slot: &Slot, stage: Stage, reason: Option<String>) {
+        let status = match stage {
+            Stage::Failed => InstanceStatus::Failed,
+            _ => InstanceStatus::Starting,
+        };
+        self.send(
+            slot,
+            InstanceEvent {
+                user: slot.user.clone(),
+                role: Role::Main,
+                status,
+                ready: false,
+                endpoint: None,
+                message: reason,
+                stage,
+            },
+        );
+    }
+
+    fn send(&self, slot: &Slot, event: InstanceEvent) {
+        if event.role == Role::Main {
+            slot.set_last_main_event(event.clone());
+        }
+        let _ = self.events.send(event);
     }
 
     /// Updates the route table for a main and returns its endpoint, if it

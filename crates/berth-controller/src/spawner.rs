@@ -441,6 +441,10 @@ impl Spawner for Controller {
         self.shared.publisher.subscribe()
     }
 
+    fn last_main_event(&self, user: &UserId) -> Option<InstanceEvent> {
+        self.shared.users.existing(user)?.last_main_event()
+    }
+
     async fn fence(&self, user: &UserId, epoch: Epoch) -> Result<bool, SpawnError> {
         let Some(slot) = self.shared.users.existing(user) else {
             return Ok(false);

@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock};
 
 use berth_core::policy::supervision::StopKind;
-use berth_core::{Endpoint, Instance, Role, Slug, UserId};
+use berth_core::{Endpoint, Instance, InstanceEvent, Role, Slug, UserId};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
@@ -97,6 +97,9 @@ pub(crate) struct Slot {
     flushed_active: AtomicI64,
     /// The main's current record, for `wait_for_ready`.
     pub main_watch: watch::Sender<Option<Instance>>,
+    /// The last event published about the main, a launch's `queued` and
+    /// `spawning` included: where a progress stream opened now begins.
+    last_main_event: Mutex<Option<InstanceEvent>>,
 }
 
 impl Slot {
@@ -129,6 +132,22 @@ impl Slot {
     pub fn flushed(&self, at: i64) {
         self.flushed_active.fetch_max(at, Ordering::Relaxed);
     }
+
+    pub fn last_main_event(&self) -> Option<InstanceEvent> {
+        let last = self
+            .last_main_event
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        last.clone()
+    }
+
+    pub fn set_last_main_event(&self, event: InstanceEvent) {
+        let mut last = self
+            .last_main_event
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        *last = Some(event);
+    }
 }
 
 /// Every user this node has seen.
@@ -154,6 +173,7 @@ impl Users {
                     last_active: AtomicI64::new(0),
                     flushed_active: AtomicI64::new(0),
                     main_watch: watch::channel(None).0,
+                    last_main_event: Mutex::new(None),
                 })
             })
             .clone()

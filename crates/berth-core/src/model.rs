@@ -213,6 +213,68 @@ pub struct RestartResult {
     pub error: Option<String>,
 }
 
+/// Where a spawn of a main is, as its progress stream reports it (the API's
+/// `…/instance/progress`, design §8.4):
+///
+/// `queued → spawning → waiting_for_ready → ready`, or `failed` with the
+/// reason at any point. A crashed main whose restart waits for its backoff
+/// is `queued` again; a stop ends a spawn as `stopped`. `ready`, `failed`
+/// and `stopped` are final.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Stage {
+    /// Accepted, waiting for its turn: capacity, the breaker, the lease, or
+    /// a crashed main's backoff.
+    Queued,
+    /// The runtime is starting the program.
+    Spawning,
+    /// The program runs; berth waits for its readiness.
+    WaitingForReady,
+    /// Ready: the proxy forwards to it.
+    Ready,
+    /// The spawn failed (the event's message says why).
+    Failed,
+    /// Stopped on purpose.
+    Stopped,
+}
+
+impl Stage {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Stage::Queued => "queued",
+            Stage::Spawning => "spawning",
+            Stage::WaitingForReady => "waiting_for_ready",
+            Stage::Ready => "ready",
+            Stage::Failed => "failed",
+            Stage::Stopped => "stopped",
+        }
+    }
+
+    /// The stage an instance record shows. `queued` and `spawning` come
+    /// before there is a record of the run, so only the controller
+    /// announces them.
+    pub fn of(status: InstanceStatus, ready: bool) -> Stage {
+        match status {
+            InstanceStatus::Running if ready => Stage::Ready,
+            InstanceStatus::Starting | InstanceStatus::Running => Stage::WaitingForReady,
+            InstanceStatus::Crashed => Stage::Queued,
+            InstanceStatus::Stopped => Stage::Stopped,
+            InstanceStatus::Failed => Stage::Failed,
+        }
+    }
+
+    /// A progress stream ends after a final stage.
+    pub fn is_final(self) -> bool {
+        matches!(self, Stage::Ready | Stage::Failed | Stage::Stopped)
+    }
+}
+
+impl fmt::Display for Stage {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
 /// A change to an instance, published to the proxy's route table and to
 /// progress streams (and read back from another node's stream).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -225,4 +287,44 @@ pub struct InstanceEvent {
     pub endpoint: Option<Endpoint>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub message: Option<String>,
+    /// Where a spawn of the instance is; for a record's change,
+    /// [`Stage::of`] its status.
+    pub stage: Stage,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_record_shows_its_stage_and_the_wire_names_are_fixed() {
+        use InstanceStatus::*;
+        let cases = [
+            (Starting, false, Stage::WaitingForReady, "waiting_for_ready"),
+            (Running, false, Stage::WaitingForReady, "waiting_for_ready"),
+            (Running, true, Stage::Ready, "ready"),
+            (Crashed, false, Stage::Queued, "queued"),
+            (Stopped, false, Stage::Stopped, "stopped"),
+            (Failed, false, Stage::Failed, "failed"),
+        ];
+        for (status, ready, stage, name) in cases {
+            assert_eq!(Stage::of(status, ready), stage, "{status} {ready}");
+            assert_eq!(stage.as_str(), name);
+            assert_eq!(serde_json::to_value(stage).unwrap(), name);
+        }
+        assert_eq!(Stage::Spawning.as_str(), "spawning");
+        assert_eq!(serde_json::to_value(Stage::Spawning).unwrap(), "spawning");
+        let finals: Vec<Stage> = [
+            Stage::Queued,
+            Stage::Spawning,
+            Stage::WaitingForReady,
+            Stage::Ready,
+            Stage::Failed,
+            Stage::Stopped,
+        ]
+        .into_iter()
+        .filter(|s| s.is_final())
+        .collect();
+        assert_eq!(finals, [Stage::Ready, Stage::Failed, Stage::Stopped]);
+    }
 }

@@ -125,8 +125,18 @@ pub trait Spawner: Send + Sync + 'static {
         Ok(false)
     }
 
-    /// Subscribes to instance changes (status, readiness, endpoint).
+    /// Subscribes to instance changes (status, readiness, endpoint, the
+    /// stage of a spawn).
     fn subscribe(&self) -> tokio::sync::broadcast::Receiver<crate::InstanceEvent>;
+
+    /// The last change of `user`'s main this node published, the `queued`
+    /// and `spawning` stages of a launch included, if any: where a
+    /// progress stream opened now begins. A backend that publishes no
+    /// stages of its own answers `None`, and progress begins from the
+    /// record.
+    fn last_main_event(&self, _user: &UserId) -> Option<crate::InstanceEvent> {
+        None
+    }
 }
 
 /// Waits up to `timeout` for `user`'s main to be ready, and says what a

@@ -691,6 +691,7 @@ mod tests {
             ready,
             endpoint: port.map(ep),
             message: None,
+            stage: berth_core::Stage::of(status, ready),
         };
         table.apply(&event(InstanceStatus::Starting, false, Some(1)));
         assert_eq!(table.lookup("alice").unwrap().upstream, None);

@@ -261,8 +261,9 @@ impl Output {
 }
 
 /// The stages of `user`'s instance as the progress stream reports them,
-/// as words for the progress line. The stream is opened again while the
-/// launch has not yet made a record (it then reports `none` and ends).
+/// as words for the progress line. The stream is asked for the next spawn
+/// (`?next=true`), so one opened before the launch begins waits for it;
+/// it is opened again when it ends early (a restart's stop ends it).
 fn stages<'a>(api: &'a Api, user: &'a UserId) -> impl Stream<Item = String> + 'a {
     let path = user_path(user, &["instance", "progress"]);
     futures_util::stream::unfold(None, move |events| {
@@ -284,7 +285,7 @@ fn stages<'a>(api: &'a Api, user: &'a UserId) -> impl Stream<Item = String> + 'a
                 }
                 // Not yet launched, or the stream ended: look again shortly.
                 tokio::time::sleep(Duration::from_millis(300)).await;
-                if let Ok(response) = api.stream(&path, &[]).await {
+                if let Ok(response) = api.stream(&path, &[("next", "true")]).await {
                     events = Some(crate::sse::events(response.bytes_stream()).boxed());
                 }
             }
@@ -292,13 +293,12 @@ fn stages<'a>(api: &'a Api, user: &'a UserId) -> impl Stream<Item = String> + 'a
     })
 }
 
-/// `starting`, `running, ready`, `crashed: <message>` …
+/// `queued`, `spawning`, `waiting for ready`, `ready`, `failed: <reason>`
+/// (an older node's stream without stages: its status).
 fn stage_words(stage: &Value) -> String {
-    let status = stage["status"].as_str().unwrap_or("unknown");
-    let mut words = match (status, stage["ready"].as_bool()) {
-        ("running", Some(true)) => "running, ready".to_owned(),
-        ("running", _) => "running, waiting for ready".to_owned(),
-        (other, _) => other.to_owned(),
+    let mut words = match stage["stage"].as_str() {
+        Some(name) => name.replace('_', " "),
+        None => stage["status"].as_str().unwrap_or("unknown").to_owned(),
     };
     if let Some(message) = stage["message"].as_str().filter(|m| !m.is_empty()) {
         words.push_str(": ");

@@ -542,3 +542,114 @@ async fn the_body_is_read_only_after_authentication() {
     assert!(text.contains("payload_too_large"), "{text}");
     assert!(node.main_of("alice").await.is_null(), "nothing launched");
 }
+
+/// Opens `user`'s progress stream (`query` appended) as the admin; it is
+/// subscribed once the answer's head has arrived.
+async fn open_progress(node: &Node, user: &str, query: &str) -> reqwest::Response {
+    let r = node
+        .http
+        .get(node.api(&format!("/users/{user}/instance/progress{query}")))
+        .bearer_auth(&node.token)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let kind = r.headers()["content-type"].to_str().unwrap();
+    assert!(kind.starts_with("text/event-stream"), "{kind}");
+    r
+}
+
+/// Every `status` event of a progress stream, read until the stream ends
+/// (after a final stage).
+async fn stages_of(stream: reqwest::Response) -> Vec<Value> {
+    let text = tokio::time::timeout(Duration::from_secs(60), stream.text())
+        .await
+        .expect("the progress stream ends after a final stage")
+        .unwrap();
+    text.split("\n\n")
+        .filter(|block| block.lines().any(|l| l == "event: status"))
+        .filter_map(|block| block.lines().find_map(|l| l.strip_prefix("data: ")))
+        .map(|data| serde_json::from_str(data).unwrap())
+        .collect()
+}
+
+fn names(stages: &[Value]) -> Vec<&str> {
+    stages
+        .iter()
+        .map(|s| s["stage"].as_str().unwrap_or("-"))
+        .collect()
+}
+
+/// A start, watched from before it begins (`?next=true`): queued,
+/// spawning, waiting for ready, ready, in that order, then the stream ends.
+/// A stream opened on a ready instance reports `ready` and ends; one
+/// without `next` on a user with no instance reports `none` and ends.
+#[tokio::test(flavor = "multi_thread")]
+async fn progress_reports_each_stage_of_a_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let node = Node::start(dir.path(), &ports(12));
+    let stream = open_progress(&node, "alice", "?next=true").await;
+    let (status, body) = launch(&node, "alice").await;
+    assert_eq!(status, 201, "{body}");
+    let stages = stages_of(stream).await;
+    assert_eq!(
+        names(&stages),
+        ["queued", "spawning", "waiting_for_ready", "ready"],
+        "{stages:?}"
+    );
+    let last = stages.last().unwrap();
+    assert_eq!(
+        (&last["status"], &last["ready"]),
+        (&json!("running"), &json!(true))
+    );
+    assert!(stages.iter().all(|s| s["user"] == "alice"), "{stages:?}");
+
+    let now = stages_of(open_progress(&node, "alice", "").await).await;
+    assert_eq!(names(&now), ["ready"], "{now:?}");
+    let nobody = stages_of(open_progress(&node, "nobody", "").await).await;
+    assert_eq!(nobody, [json!({"status": "none"})]);
+}
+
+/// A start that fails reports `failed` with the reason: a program that
+/// cannot be run fails while spawning; a launch the node has no room for
+/// is refused while queued.
+#[tokio::test(flavor = "multi_thread")]
+async fn progress_reports_a_failed_start_with_its_reason() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = format!(
+        "{}command = [\"no-such-program-xyz\", \"--port\", \"{{port}}\"]\n",
+        ports(13)
+    );
+    let node = Node::start(dir.path(), &config);
+    let stream = open_progress(&node, "ghost", "?next=true").await;
+    let (status, body) = launch(&node, "ghost").await;
+    assert_eq!(body["error"], "spawn_failed", "{status} {body}");
+    let stages = stages_of(stream).await;
+    assert_eq!(
+        names(&stages),
+        ["queued", "spawning", "failed"],
+        "{stages:?}"
+    );
+    let reason = stages[2]["message"].as_str().unwrap_or_default();
+    assert!(reason.contains("no-such-program-xyz"), "{stages:?}");
+
+    // One port: alice takes it, and bob's launch is refused for capacity.
+    let dir = tempfile::tempdir().unwrap();
+    let node = Node::start(dir.path(), "[instance]\nport_range = [21290, 21290]\n");
+    assert_eq!(launch(&node, "alice").await.0, 201);
+    let stream = open_progress(&node, "bob", "?next=true").await;
+    let (status, body) = launch(&node, "bob").await;
+    assert_eq!(
+        (status, body["error"].as_str()),
+        (503, Some("capacity_exhausted")),
+        "{body}"
+    );
+    let stages = stages_of(stream).await;
+    assert_eq!(names(&stages), ["queued", "failed"], "{stages:?}");
+    let reason = stages[1]["message"].as_str().unwrap_or_default();
+    assert!(reason.contains("capacity"), "{stages:?}");
+    assert!(
+        node.main_of("bob").await.is_null(),
+        "a refusal records nothing"
+    );
+}

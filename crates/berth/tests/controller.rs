@@ -948,12 +948,17 @@ async fn http_readiness_restart_and_probe() {
         "{missing:?}"
     );
 
-    let mut registry = prometheus_client::registry::Registry::default();
+    // Registered as the binary does, under its `berth` prefix.
+    let mut registry = prometheus_client::registry::Registry::with_prefix("berth");
     spawner.register_metrics(&mut registry);
     let mut text = String::new();
     prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
-    assert!(text.contains("berth_spawn_to_ready_seconds"), "{text}");
-    assert!(text.contains("berth_instances"), "{text}");
+    assert!(
+        text.contains("# TYPE berth_spawn_to_ready_seconds histogram"),
+        "{text}"
+    );
+    assert!(text.contains("# TYPE berth_instances gauge"), "{text}");
+    assert!(!text.contains("berth_berth"), "{text}");
 
     spawner.stop(&olga).await.unwrap();
     spawner.stop(&pete).await.unwrap();

@@ -1,12 +1,17 @@
 //! `/metrics` for a Prometheus scraper: its own read-only token
 //! (`[metrics] token`), which opens `/metrics` and nothing else, or an
 //! unauthenticated address of its own (`[metrics] listen`), which serves
-//! nothing else; and the proxy's request-duration histogram.
+//! nothing else; the proxy's request-duration histogram; and, after a
+//! scripted scenario, every series of design §11 once, under its one
+//! name, holding what happened, read with a strict OpenMetrics parser.
 
 mod support;
 
+use std::collections::HashMap;
+
+use prometheus_parse::{LineInfo, SampleType, Scrape, Value};
 use serde_json::json;
-use support::{Node, free_port};
+use support::{Node, free_port, signal};
 
 const SCRAPER: &str = "scraper-token-0123456789";
 
@@ -157,4 +162,215 @@ async fn proxied_requests_are_timed_by_status_class() {
         1
     );
     assert!(!text.contains("alice"), "{text}");
+}
+
+/// `/metrics`, read by a Prometheus text-format parser.
+struct Scraped {
+    text: String,
+    /// Every family declared (`# TYPE`), in order, with its type.
+    families: Vec<(String, SampleType)>,
+    samples: Vec<prometheus_parse::Sample>,
+}
+
+async fn scrape(node: &Node) -> Scraped {
+    let (status, text) = get(node, "/metrics", Some(&node.token)).await;
+    assert_eq!(status, 200, "{text}");
+    let mut families = Vec::new();
+    for line in text.lines() {
+        match LineInfo::parse(line) {
+            LineInfo::Type {
+                metric_name,
+                metric_alias,
+                sample_type,
+            } => families.push((metric_alias.unwrap_or(metric_name), sample_type)),
+            LineInfo::Doc { .. } | LineInfo::Sample { .. } | LineInfo::Empty => {}
+            // The two lines OpenMetrics adds to the Prometheus format.
+            LineInfo::Ignored => assert!(
+                line.starts_with("# UNIT ") || line == "# EOF",
+                "not Prometheus text: {line:?}\n{text}"
+            ),
+        }
+    }
+    let samples = Scrape::parse(text.lines().map(|l| Ok(l.to_owned())))
+        .unwrap()
+        .samples;
+    Scraped {
+        text,
+        families,
+        samples,
+    }
+}
+
+impl Scraped {
+    fn declared(&self, name: &str) -> SampleType {
+        let found: Vec<_> = self.families.iter().filter(|(n, _)| n == name).collect();
+        match found.as_slice() {
+            [(_, kind)] => *kind,
+            _ => panic!("{name} declared {} times:\n{}", found.len(), self.text),
+        }
+    }
+
+    /// The samples named `name` whose labels include `with`.
+    fn find(&self, name: &str, with: &[(&str, &str)]) -> Vec<&prometheus_parse::Sample> {
+        self.samples
+            .iter()
+            .filter(|s| s.metric == name && with.iter().all(|(k, v)| s.labels.get(k) == Some(*v)))
+            .collect()
+    }
+
+    /// The one value of the sample `name` with labels `with`.
+    fn value(&self, name: &str, with: &[(&str, &str)]) -> f64 {
+        match self.find(name, with).as_slice() {
+            [sample] => match sample.value {
+                Value::Counter(v) | Value::Gauge(v) | Value::Untyped(v) => v,
+                ref other => panic!("{name}: {other:?}"),
+            },
+            other => panic!("{name} {with:?}: {other:?}\n{}", self.text),
+        }
+    }
+
+    /// (count, sum, +Inf bucket) of histogram `name` with labels `with`.
+    fn histogram(&self, name: &str, with: &[(&str, &str)]) -> (f64, f64, f64) {
+        assert_eq!(self.declared(name), SampleType::Histogram, "{name}");
+        let inf = match self.find(name, with).as_slice() {
+            [sample] => match &sample.value {
+                Value::Histogram(buckets) => buckets
+                    .iter()
+                    .find(|b| b.less_than == f64::INFINITY)
+                    .map(|b| b.count)
+                    .unwrap_or_else(|| panic!("{name}: no +Inf bucket")),
+                other => panic!("{name}: {other:?}"),
+            },
+            other => panic!("{name} {with:?}: {other:?}\n{}", self.text),
+        };
+        (
+            self.value(&format!("{name}_count"), with),
+            self.value(&format!("{name}_sum"), with),
+            inf,
+        )
+    }
+}
+
+/// Two launches, one crash, one stop and 100 proxied requests, then
+/// `/metrics`: it parses; each series of design §11 is there once, with
+/// the `berth_` prefix once; and the instance, restart, spawn-to-ready and
+/// proxy series count exactly what happened.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_scripted_scenario_is_counted_under_one_name_each() {
+    let dir = tempfile::tempdir().unwrap();
+    let node = Node::start(dir.path(), &config(3, ""));
+
+    // Two launches.
+    for user in ["alice", "bob"] {
+        let (status, body) = node
+            .post(&format!("/users/{user}/instance"), json!({}))
+            .await;
+        assert_eq!(status, 201, "{user}: {body}");
+    }
+    let alice = node.running_main("alice", None).await;
+    node.running_main("bob", None).await;
+    let node_id = alice["node"].as_str().unwrap().to_owned();
+
+    // One crash: alice's program is killed; berth restarts it.
+    let pid = alice["pid"].as_u64().unwrap();
+    signal(pid as u32, nix::sys::signal::Signal::SIGKILL);
+    let alice = node.running_main("alice", Some(pid)).await;
+    assert_eq!(alice["restarts"], 1, "{alice}");
+
+    // One stop.
+    assert_eq!(node.delete("/users/bob/instance").await, 204);
+
+    // 100 proxied requests.
+    let token = node.user_token("alice").await;
+    for _ in 0..100 {
+        let (status, body) = get(&node, "/u/alice/", Some(&token)).await;
+        assert_eq!(status, 200, "{body}");
+    }
+
+    let scraped = scrape(&node).await;
+    let text = &scraped.text;
+
+    // Each family once, every name under one `berth_` prefix.
+    let mut names: Vec<&str> = scraped.families.iter().map(|(n, _)| n.as_str()).collect();
+    let declared = names.len();
+    names.sort_unstable();
+    names.dedup();
+    assert_eq!(names.len(), declared, "a family declared twice:\n{text}");
+    for name in names
+        .iter()
+        .copied()
+        .chain(scraped.samples.iter().map(|s| s.metric.as_str()))
+    {
+        assert!(name.starts_with("berth_"), "{name}");
+        assert!(
+            !name.starts_with("berth_berth"),
+            "doubled prefix: {name}\n{text}"
+        );
+    }
+
+    // Design §11's series, with their types (a counter's samples end in
+    // `_total`).
+    for (name, kind) in [
+        ("berth_instances", SampleType::Gauge),
+        ("berth_spawn_to_ready_seconds", SampleType::Histogram),
+        (
+            "berth_proxy_request_duration_seconds",
+            SampleType::Histogram,
+        ),
+        ("berth_restarts", SampleType::Counter),
+        ("berth_breaker_opens", SampleType::Counter),
+        ("berth_lease_renew_failures", SampleType::Counter),
+        ("berth_fenced_instances", SampleType::Counter),
+        ("berth_expired_leases", SampleType::Gauge),
+    ] {
+        assert_eq!(scraped.declared(name), kind, "{name}");
+    }
+
+    // Instances by status and node: alice running, bob stopped, nothing
+    // else; no label names a user.
+    let mut instances = HashMap::new();
+    for sample in scraped.find("berth_instances", &[]) {
+        let Value::Gauge(n) = sample.value else {
+            panic!("{sample:?}")
+        };
+        let mut keys: Vec<&str> = sample.labels.keys().map(String::as_str).collect();
+        keys.sort_unstable();
+        assert_eq!(keys, ["node", "role", "status"], "{sample:?}");
+        assert_eq!(sample.labels.get("node"), Some(node_id.as_str()));
+        if n != 0.0 {
+            let status = sample.labels.get("status").unwrap().to_owned();
+            let role = sample.labels.get("role").unwrap().to_owned();
+            instances.insert((status, role), n);
+        }
+    }
+    assert_eq!(
+        instances,
+        HashMap::from([
+            (("running".to_owned(), "main".to_owned()), 1.0),
+            (("stopped".to_owned(), "main".to_owned()), 1.0),
+        ]),
+        "{text}"
+    );
+
+    // One crash, one restart; nothing else went wrong.
+    assert_eq!(scraped.value("berth_restarts_total", &[]), 1.0, "{text}");
+    assert_eq!(scraped.value("berth_breaker_opens_total", &[]), 0.0);
+    assert_eq!(scraped.value("berth_fenced_instances_total", &[]), 0.0);
+    assert_eq!(scraped.value("berth_lease_renew_failures_total", &[]), 0.0);
+
+    // Three runs became ready: the two launches and the restart.
+    let (count, sum, inf) = scraped.histogram("berth_spawn_to_ready_seconds", &[]);
+    assert_eq!((count, inf), (3.0, 3.0), "{text}");
+    assert!(sum > 0.0, "{text}");
+
+    // The 100 proxied requests, all answered 2xx.
+    let (count, sum, inf) =
+        scraped.histogram("berth_proxy_request_duration_seconds", &[("class", "2xx")]);
+    assert_eq!((count, inf), (100.0, 100.0), "{text}");
+    assert!(sum > 0.0, "{text}");
+
+    // Low cardinality: no user appears anywhere.
+    for user in ["alice", "bob"] {
+        assert!(!text.contains(user), "{user} in /metrics:\n{text}");
+    }
 }

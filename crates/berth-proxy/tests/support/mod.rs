@@ -168,6 +168,7 @@ impl SpawnerState {
             ready,
             endpoint,
             message: None,
+            stage: berth_core::Stage::of(status, ready),
         });
     }
 

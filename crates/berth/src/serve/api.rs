@@ -233,6 +233,11 @@ struct LaunchQuery {
 }
 
 #[derive(Debug, Default, Deserialize)]
+struct ProgressQuery {
+    next: Option<bool>,
+}
+
+#[derive(Debug, Default, Deserialize)]
 struct LogsQuery {
     tail: Option<usize>,
     follow: Option<bool>,
@@ -319,12 +324,21 @@ async fn probe(UserCall { user, .. }: UserCall, State(state): AppState) -> ApiRe
     Ok(axum::Json(report).into_response())
 }
 
-/// `GET …/instance/progress`: Server-Sent Events (`status`) from the
-/// current status until the instance is ready or has ended. The stream
-/// holds one of the user's stream slots while it is open.
-async fn progress(UserCall { user, .. }: UserCall, State(state): AppState) -> ApiResult {
+/// `GET …/instance/progress[?next=true]`: Server-Sent Events (`status`,
+/// each with its `stage`) from the current stage until the instance is
+/// ready or has ended; with `next`, a stream that finds no spawn under way
+/// waits for the next. The stream holds one of the user's stream slots
+/// while it is open.
+async fn progress(
+    UserCall { user, .. }: UserCall,
+    State(state): AppState,
+    QueryOf(query): QueryOf<ProgressQuery>,
+) -> ApiResult {
     let slot = state.stream_slot(&user)?;
-    let stages = state.ops.progress(&user, Via::Client).await?;
+    let stages = state
+        .ops
+        .progress(&user, query.next.unwrap_or(false), Via::Client)
+        .await?;
     Ok(stage_events(holding(stages, slot)).into_response())
 }
 

@@ -32,8 +32,8 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use berth_core::{
-    BreakerInfo, Instance, InstanceEvent, InstanceStatus, LaunchRequest, ProbeReport, Role,
-    SpawnError, Spawner, UserId, UserStatus,
+    BreakerInfo, Instance, InstanceEvent, LaunchRequest, ProbeReport, Role, SpawnError, Spawner,
+    Stage, UserId, UserStatus,
 };
 use berth_proxy::{ClusterHook, Locate};
 use berth_store::Store;
@@ -349,14 +349,17 @@ impl Ops {
         self.hop(user, via, &ResetBreaker).await
     }
 
-    /// `user`'s stages (each a JSON status object) from now until the main
-    /// is ready or has ended, from the node that runs it.
+    /// `user`'s stages (each a JSON status object with its `stage`) from
+    /// now until the main is ready or has ended, from the node that runs
+    /// it. With `next`, a stream that finds no spawn under way waits for
+    /// the next one instead of reporting the state it found and ending.
     pub async fn progress(
         &self,
         user: &UserId,
+        next: bool,
         via: Via,
     ) -> Result<BoxStream<'static, Value>, SpawnError> {
-        self.hop(user, via, &Progress).await
+        self.hop(user, via, &Progress { next }).await
     }
 
     /// `user`'s records and open breaker, as the node that runs the user
@@ -765,7 +768,12 @@ impl UserOp for ResetBreaker {
     }
 }
 
-struct Progress;
+/// `user`'s spawn stages; with `next`, a final state at the start (none,
+/// ready, failed, stopped) is not reported: the stream waits for the next
+/// spawn instead.
+struct Progress {
+    next: bool,
+}
 
 #[async_trait]
 impl UserOp for Progress {
@@ -777,31 +785,46 @@ impl UserOp for Progress {
         ops: &Ops,
         user: &UserId,
     ) -> Result<BoxStream<'static, Value>, SpawnError> {
-        // Subscribe before reading the status so no change falls in between.
+        // Subscribe before reading the state so no change falls in
+        // between; one seen both ways is sent once.
         let events = ops.spawner.subscribe();
         let main = ops.spawner.status(user).await?.main;
-        let first = main.as_ref().map(|m| InstanceEvent {
+        // Another node's record (no one holds the lease, so it was routed
+        // here): its events are not published here, so only its state now.
+        let foreign = main.as_ref().is_some_and(|m| m.node != ops.node_id);
+        let record = main.map(|m| InstanceEvent {
             user: user.clone(),
             role: m.role,
             status: m.status,
             ready: m.ready,
             endpoint: None,
-            message: m.last_error.clone(),
+            stage: Stage::of(m.status, m.ready),
+            message: m.last_error,
         });
-        // Another node's record (no one holds the lease, so it was routed
-        // here): its events are not published here, so only its state now.
-        let foreign = main.as_ref().is_some_and(|m| m.node != ops.node_id);
-        let done = foreign || first.as_ref().is_none_or(is_final);
-        let first = first.map_or_else(|| json!({ "status": "none" }), |e| stage(&e));
+        // This node's last word on the main is at least as new as its
+        // record, and also knows a launch's `queued` and `spawning`.
+        let now = if foreign {
+            record
+        } else {
+            ops.spawner.last_main_event(user).or(record)
+        };
+        let at_end = now.as_ref().is_none_or(|e| e.stage.is_final());
+        let (first, done) = match now {
+            Some(e) if !at_end => (Some(e), foreign),
+            _ if self.next => (None, false),
+            now => (now, true),
+        };
         struct Follow {
             events: tokio::sync::broadcast::Receiver<InstanceEvent>,
             user: UserId,
+            last: Option<InstanceEvent>,
             done: bool,
         }
         let follow = stream::unfold(
             Follow {
                 events,
                 user: user.clone(),
+                last: first.clone(),
                 done,
             },
             |mut f| async move {
@@ -811,7 +834,11 @@ impl UserOp for Progress {
                     }
                     match f.events.recv().await {
                         Ok(e) if e.user == f.user && e.role == Role::Main => {
-                            f.done = is_final(&e);
+                            if f.last.as_ref() == Some(&e) {
+                                continue;
+                            }
+                            f.done = e.stage.is_final();
+                            f.last = Some(e.clone());
                             return Some((stage(&e), f));
                         }
                         Ok(_) | Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => {}
@@ -820,7 +847,12 @@ impl UserOp for Progress {
                 }
             },
         );
-        Ok(stream::once(async move { first }).chain(follow).boxed())
+        let first = match (first, self.next) {
+            (Some(e), _) => Some(stage(&e)),
+            (None, false) => Some(json!({ "status": "none" })),
+            (None, true) => None,
+        };
+        Ok(stream::iter(first).chain(follow).boxed())
     }
 
     async fn remote(
@@ -829,9 +861,14 @@ impl UserOp for Progress {
         to: &Target,
         user: &UserId,
     ) -> Result<BoxStream<'static, Value>, SpawnError> {
+        let query = if self.next {
+            vec![("next", "true".to_owned())]
+        } else {
+            Vec::new()
+        };
         let events = ops
             .peers()?
-            .user_events(&to.node, user, "progress", &[])
+            .user_events(&to.node, user, "progress", &query)
             .await?;
         Ok(events
             .filter_map(|e| {
@@ -842,10 +879,6 @@ impl UserOp for Progress {
             })
             .boxed())
     }
-}
-
-fn is_final(e: &InstanceEvent) -> bool {
-    (e.status == InstanceStatus::Running && e.ready) || e.status.is_terminal()
 }
 
 fn stage(e: &InstanceEvent) -> Value {

@@ -19,8 +19,8 @@ use serde_json::json;
 use super::super::ops::{LogLines, RestartAll, Via};
 use super::extract::{Peer, PeerCall, QueryOf, read_body};
 use super::{
-    ApiError, ApiResult, ApiState, AppState, LaunchQuery, LogsQuery, holding, line_events,
-    parse_launch_body, stage_events,
+    ApiError, ApiResult, ApiState, AppState, LaunchQuery, LogsQuery, ProgressQuery, holding,
+    line_events, parse_launch_body, stage_events,
 };
 
 /// The node-to-node routes.
@@ -113,9 +113,16 @@ async fn reset_breaker(PeerCall { user }: PeerCall, State(state): AppState) -> A
 /// here too: however many nodes a user's clients come through, the node
 /// that runs the user holds at most `max_upgrades_per_user` of their
 /// streams. A refusal travels back with its code (`too_many_streams`).
-async fn progress(PeerCall { user }: PeerCall, State(state): AppState) -> ApiResult {
+async fn progress(
+    PeerCall { user }: PeerCall,
+    State(state): AppState,
+    QueryOf(query): QueryOf<ProgressQuery>,
+) -> ApiResult {
     let slot = state.stream_slot(&user)?;
-    let stages = state.ops.progress(&user, Via::Peer).await?;
+    let stages = state
+        .ops
+        .progress(&user, query.next.unwrap_or(false), Via::Peer)
+        .await?;
     Ok(stage_events(holding(stages, slot)).into_response())
 }
 
