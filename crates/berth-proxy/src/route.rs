@@ -14,7 +14,7 @@ use std::borrow::Cow;
 use std::collections::HashMap;
 use std::sync::{Arc, RwLock};
 
-use berth_core::{Endpoint, InstanceEvent, InstanceStatus, Role, Slug, Spawner, UserId};
+use berth_core::{Endpoint, InstanceEvent, Role, Slug, Spawner, UserId};
 use bytes::Bytes;
 use hyper::header::{HOST, HeaderMap};
 use hyper::http::uri::{Authority, PathAndQuery};
@@ -93,7 +93,7 @@ impl RouteTable {
         if event.role != Role::Main {
             return;
         }
-        let routable = event.status == InstanceStatus::Running && event.ready;
+        let routable = event.status.is_routable() && event.ready;
         self.set(&event.user, event.endpoint.as_ref().filter(|_| routable));
     }
 

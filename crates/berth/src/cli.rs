@@ -53,6 +53,18 @@ pub enum Command {
         #[command(flatten)]
         client: ClientArgs,
     },
+    /// Hibernate a user's running instance: freeze it with its memory intact.
+    Hibernate {
+        user: String,
+        #[command(flatten)]
+        client: ClientArgs,
+    },
+    /// Resume a user's hibernated instance.
+    Resume {
+        user: String,
+        #[command(flatten)]
+        client: ClientArgs,
+    },
     /// Restart a user's instance.
     Restart {
         user: String,
