@@ -190,7 +190,7 @@ async fn handle(page: Arc<Page>, req: Request) -> Response {
     match (req.method().clone(), last.as_str()) {
         (Method::GET, "ws") => websocket(req, echo).await,
         (Method::GET, "ticks") => websocket(req, ticks).await,
-        (Method::GET, "counter") => {
+        (Method::GET | Method::POST, "counter") => {
             let count = page
                 .counter
                 .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
