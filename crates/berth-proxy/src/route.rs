@@ -682,6 +682,7 @@ mod tests {
 
     #[test]
     fn the_table_follows_events() {
+        use berth_core::InstanceStatus;
         let table = RouteTable::new();
         let alice = user("alice");
         let event = |status, ready, port: Option<u16>| InstanceEvent {
@@ -702,6 +703,12 @@ mod tests {
         table.apply(&event(InstanceStatus::Crashed, false, None));
         assert_eq!(table.lookup("alice").unwrap().upstream, None);
         table.apply(&event(InstanceStatus::Running, true, Some(3)));
+        assert_eq!(
+            table.lookup("alice").unwrap().upstream.unwrap(),
+            "127.0.0.1:3"
+        );
+        // A hibernated main keeps its route: the forwarder resumes it.
+        table.apply(&event(InstanceStatus::Hibernated, true, Some(3)));
         assert_eq!(
             table.lookup("alice").unwrap().upstream.unwrap(),
             "127.0.0.1:3"

@@ -302,6 +302,14 @@ impl Config {
     }
 }
 
+/// A hook as the controller runs it.
+fn hook(config: HookConfig) -> berth_controller::Hook {
+    match config {
+        HookConfig::Command(argv) => berth_controller::Hook::Command(argv),
+        HookConfig::Http(path) => berth_controller::Hook::Http(path),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -388,13 +396,5 @@ mod tests {
                 "{err}"
             );
         }
-    }
-}
-
-/// A hook as the controller runs it.
-fn hook(config: HookConfig) -> berth_controller::Hook {
-    match config {
-        HookConfig::Command(argv) => berth_controller::Hook::Command(argv),
-        HookConfig::Http(path) => berth_controller::Hook::Http(path),
     }
 }
