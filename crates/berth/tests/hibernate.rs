@@ -276,7 +276,11 @@ async fn a_hibernated_instance_stays_frozen_through_renews_and_a_restart_of_bert
     let out = node.cli(&["resume", "alice"]);
     assert!(out.status.success(), "{out:?}");
     assert_eq!(String::from_utf8_lossy(&out.stdout), "alice is running\n");
-    assert!(none_stopped(&frozen));
+    // The resume answers once the thaw is sent; the shim delivers it.
+    eventually(PATIENCE, "alice thawed", || async {
+        none_stopped(&frozen).then_some(())
+    })
+    .await;
     let (count, same) = counter(&node, "alice").await;
     assert_eq!((count, same), (2, pid));
     assert_eq!(node.main_of("alice").await["restarts"], 0);
