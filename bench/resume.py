@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Hibernation benchmark of issue 13 (single node), standard library only.
 
-    python3 bench/resume.py [--exe target/release/berth] [--rounds 50] [--users 100]
+    python3 bench/resume.py [--berth target/release/berth] [--rounds 50] [--users 100]
 
 Measures, in one run, with berth at isolation `none`:
 
@@ -10,7 +10,9 @@ Measures, in one run, with berth at isolation `none`:
   her process stopped (/proc/<pid>/stat state `T`), then times a
   `GET /u/alice/` from sending it to its status line; `--rounds` times;
 * the same for `--users` hibernated users woken at once: one thread per
-  user, released together, each timing its own GET; 5 rounds;
+  user, released together, each timing its own GET; 5 rounds; and, as a
+  control, the same GETs to the same users awake (what this Python client
+  and the proxy cost without any resume), and single GETs to awake alice;
 * resume-to-first-byte of Jupyter Server (`GET /u/<u>/api`), `--rounds`
   times, the same way;
 * cold start of the same apps: a `GET` for a user with no instance, from
@@ -138,14 +140,18 @@ def resume_one(berth, user, route, rounds):
     return samples
 
 
-def resume_many(berth, users, rounds):
+def resume_many(berth, users, rounds, asleep=True):
+    """`users` GETs released together, `rounds` times; with `asleep`, every
+    user hibernated first (else the control: the same GETs to running
+    instances, which is what the client and proxy cost by themselves)."""
     names = [f"u{i:03d}" for i in range(users)]
     with concurrent.futures.ThreadPoolExecutor(16) as pool:
         list(pool.map(lambda u: launch(berth, u), names))
     samples = []
     for _ in range(rounds):
-        with concurrent.futures.ThreadPoolExecutor(16) as pool:
-            list(pool.map(lambda u: hibernate(berth, u), names))
+        if asleep:
+            with concurrent.futures.ThreadPoolExecutor(16) as pool:
+                list(pool.map(lambda u: hibernate(berth, u), names))
         barrier = threading.Barrier(users)
 
         def wake(user):
@@ -173,11 +179,11 @@ def cold(berth, prefix, route, rounds):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--exe", default=os.path.join(spawn.REPO, "target", "release", "berth"))
+    parser.add_argument("--berth", default=os.path.join(spawn.REPO, "target", "release", "berth"))
     parser.add_argument("--rounds", type=int, default=50)
     parser.add_argument("--users", type=int, default=100)
     args = parser.parse_args()
-    exe = os.path.abspath(args.exe)
+    exe = os.path.abspath(args.berth)
     # Hibernation by hand only, never by the reaper.
     reap = "idle_ttl_s = 0\nhibernate_after_s = 0\n"
     print(f"berth {exe}\n{os.cpu_count()} CPUs, {spawn.platform.platform()}\n", flush=True)
@@ -187,6 +193,10 @@ def main():
                                resume_one(berth, "alice", "", args.rounds)))
         results.append(summary(f"resume-to-first-byte, demo-app, {args.users} at once",
                                resume_many(berth, args.users, 5)))
+        results.append(summary(f"control: {args.users} GETs at once, all awake",
+                               resume_many(berth, args.users, 5, asleep=False)))
+        results.append(summary("control: 1 GET, awake",
+                               [first_byte(berth, "/u/alice/") for _ in range(args.rounds)]))
         results.append(summary("cold start to first byte, demo-app",
                                cold(berth, "cold", "", args.rounds)))
     jupyter = jupyter_instance(jupyter_bin())

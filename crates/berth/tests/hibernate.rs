@@ -289,7 +289,9 @@ async fn a_hibernated_instance_stays_frozen_through_renews_and_a_restart_of_bert
 #[tokio::test(flavor = "multi_thread")]
 async fn hibernating_or_resuming_nothing_is_a_clear_error() {
     let dir = tempfile::tempdir().unwrap();
-    let node = Node::start(dir.path(), &config(3, "", ""));
+    // By hand only: alice must not hibernate on her own here.
+    let config = config(3, "", "").replace("hibernate_after_s = 2", "hibernate_after_s = 0");
+    let node = Node::start(dir.path(), &config);
     let (status, body) = node
         .post("/users/nobody/instance/hibernate", serde_json::json!({}))
         .await;
@@ -306,6 +308,35 @@ async fn hibernating_or_resuming_nothing_is_a_clear_error() {
         .await;
     assert_eq!(status, 400, "{body}");
     assert_eq!(body["error"], "invalid_user");
+
+    // Status says what this node does with idle instances.
+    counter(&node, "alice").await;
+    let (_, body) = node.get("/users/alice/instance").await;
+    assert_eq!(body["idle_action"], "hibernate", "{body}");
+
+    // A user may hibernate and resume their own instance, never another's.
+    let bob = node.user_token("bob").await;
+    for verb in ["hibernate", "resume"] {
+        let r = node
+            .http
+            .post(node.api(&format!("/users/alice/instance/{verb}")))
+            .bearer_auth(&bob)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 403, "bob may not {verb} alice");
+    }
+    assert_eq!(node.status_of("alice").await, "running");
+    let alice = node.user_token("alice").await;
+    let r = node
+        .http
+        .post(node.api("/users/alice/instance/hibernate"))
+        .bearer_auth(&alice)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(node.status_of("alice").await, "hibernated");
 }
 
 #[tokio::test(flavor = "multi_thread")]
