@@ -34,7 +34,8 @@ pub(crate) enum HibernateBy {
     /// The reaper, which saw the main idle with this last activity: any
     /// activity after it calls the hibernation off.
     Reaper { seen: i64 },
-    /// An operator (`berth hibernate`).
+    /// An operator (`berth hibernate`): only activity while the flag is
+    /// being set calls it off (a request then may have missed the flag).
     Request,
 }
 
@@ -77,13 +78,17 @@ impl Shared {
             self.run_hook("pre_hibernate", hook, slot, endpoint.as_ref())
                 .await;
         }
-        // Set before the last look at the activity (see `Slot::hibernated`).
+        // Set before the last look at the activity (see `Slot::hibernated`):
+        // a request that touched before it may not have seen the flag, and
+        // would be forwarded to a frozen program.
+        let seen = match by {
+            HibernateBy::Reaper { seen } => seen,
+            HibernateBy::Request => slot.last_active(),
+        };
         slot.set_hibernated(true);
-        if let HibernateBy::Reaper { seen } = by {
-            if slot.last_active() > seen {
-                slot.set_hibernated(false);
-                return Ok(None);
-            }
+        if slot.last_active() > seen {
+            slot.set_hibernated(false);
+            return Ok(None);
         }
         if let Err(e) = self.runtime.freeze(&run).await {
             slot.set_hibernated(false);

@@ -417,10 +417,18 @@ impl Spawner for Controller {
 
     async fn hibernate(&self, user: &UserId) -> Result<Instance, SpawnError> {
         self.run_locked(user, |shared, slot| async move {
-            shared
+            let user = slot.user.clone();
+            match shared
                 .hibernate_locked(&slot, crate::hibernation::HibernateBy::Request)
                 .await?
-                .ok_or_else(|| SpawnError::Internal("the hibernation was called off".into()))
+            {
+                Some(hibernated) => Ok(hibernated),
+                // A request arrived meanwhile: it stays running, and says so.
+                None => slot.live_record(Role::Main).ok_or(SpawnError::NotFound {
+                    user,
+                    what: "running instance",
+                }),
+            }
         })
         .await
     }

@@ -161,8 +161,16 @@ fn bad_values_name_the_key() {
             "line 2",
         ),
         ("[instance]\npre_stop = []\n", "instance.pre_stop", "line 2"),
-        ("[instance]\nhook_grace_s = 0\n", "instance.hook_grace_s", "line 2"),
-        ("[reap]\nidle_action = \"nap\"\n", "reap.idle_action", "line 2"),
+        (
+            "[instance]\nhook_grace_s = 0\n",
+            "instance.hook_grace_s",
+            "line 2",
+        ),
+        (
+            "[reap]\nidle_action = \"nap\"\n",
+            "reap.idle_action",
+            "line 2",
+        ),
         (
             "[instance]\nport_range = [1, \"x\"]\n",
             "instance.port_range",
