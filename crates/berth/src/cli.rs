@@ -282,7 +282,7 @@ mod tests {
             );
             checked += 1;
         }
-        assert_eq!(checked, 13, "the twelve client commands and config check");
+        assert_eq!(checked, 15, "the fourteen client commands and config check");
         let serve = cli.find_subcommand("serve").unwrap();
         assert!(
             serve
