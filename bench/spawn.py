@@ -173,8 +173,12 @@ class Berth:
     """One `berth serve` on a temp data dir; a context manager that always
     leaves no process behind."""
 
-    def __init__(self, exe, keep=False, parent=None, isolation="none", ports=BERTH_PORTS, base_uid=200000):
+    def __init__(self, exe, keep=False, parent=None, isolation="none", ports=BERTH_PORTS, base_uid=200000,
+                 instance_extra="", reap_extra="idle_ttl_s = 0\n"):
         self.exe = exe
+        # Extra lines for the [instance] and [reap] tables (bench/resume.py).
+        self.instance_extra = instance_extra
+        self.reap_extra = reap_extra
         self.keep = keep
         self.isolation = isolation
         self.ports = ports
@@ -211,8 +215,9 @@ class Berth:
                 f'log_format = "text"\n'
                 f"[instance]\n"
                 f"port_range = [{self.ports[0]}, {self.ports[1]}]\n"
+                f"{self.instance_extra}"
                 f"[reap]\n"
-                f"idle_ttl_s = 0\n"
+                f"{self.reap_extra}"
                 f"[isolation]\n"
                 f'mode = "{self.isolation}"\n'
                 f"base_uid = {self.base_uid}\n"

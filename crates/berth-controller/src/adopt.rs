@@ -214,6 +214,17 @@ impl Shared {
         let Some(slot) = self.prepare_slot(&record).await else {
             return;
         };
+        if record.status == InstanceStatus::Hibernated {
+            // Hibernated as recorded and frozen as found: it stays so until
+            // a request resumes it (no renew thaws it). Found running, the
+            // runtime's word wins.
+            if found.frozen {
+                slot.set_hibernated(true);
+            } else {
+                record.status = InstanceStatus::Running;
+                record.hibernated_at = None;
+            }
+        }
         if record.role == Role::Main {
             let Some(epoch) = self.fencer.regain(&record.user, record.epoch, held).await else {
                 if let Err(e) = self.runtime.remove(found).await {
@@ -337,6 +348,7 @@ mod tests {
             last_error: None,
             exit_code: None,
             last_active: 0,
+            hibernated_at: None,
         }
     }
 

@@ -5,8 +5,8 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use berth_core::policy::select_for_reaping;
 use berth_core::policy::supervision::StopKind;
+use berth_core::policy::{IdleAction, ReapCandidate, plan_reaping};
 use berth_core::runtime::RuntimeRef;
 use berth_core::{InstanceStatus, Role, UserId, unix_millis_now};
 
@@ -192,7 +192,9 @@ impl Shared {
             };
             tracing::warn!(%user, epoch, "no successful lease renew within fence_after; freezing the instance");
             self.metrics.fenced.inc();
-            if !self.capabilities.freeze {
+            if !self.capabilities.freeze || self.hibernated(&user) {
+                // A hibernated program is frozen already; the fence is now
+                // a second reason to keep it so.
                 continue;
             }
             if let Err(e) = self.runtime.freeze(&run).await {
@@ -215,6 +217,12 @@ impl Shared {
                 return;
             }
             if !self.fencer.thawing(&user, epoch) {
+                continue;
+            }
+            if self.hibernated(&user) {
+                // Hibernated too: the renew lifts the fence only, and the
+                // program stays frozen until a request resumes it.
+                tracing::info!(%user, epoch, "lease renewed; the instance stays hibernated");
                 continue;
             }
             if let (true, Some(run)) = (self.capabilities.freeze, runs.get(&user)) {
@@ -251,35 +259,84 @@ impl Shared {
         }
     }
 
-    /// Stops the running mains the reap policy selects.
+    fn hibernated(&self, user: &UserId) -> bool {
+        crate::hibernation::hibernated(self, user)
+    }
+
+    /// Hibernates and stops the mains the reap policy selects.
     async fn reap_once(self: &Arc<Self>) {
-        let candidates: Vec<(UserId, i64)> = self
+        let candidates: Vec<ReapCandidate<UserId>> = self
             .users
             .all()
             .iter()
-            .filter(|slot| {
-                slot.record(Role::Main)
-                    .is_some_and(|i| i.status == InstanceStatus::Running)
+            .filter_map(|slot| {
+                let main = slot.record(Role::Main)?;
+                let status = match main.status {
+                    InstanceStatus::Hibernated if slot.is_hibernated() => {
+                        InstanceStatus::Hibernated
+                    }
+                    InstanceStatus::Running | InstanceStatus::Hibernated if main.ready => {
+                        InstanceStatus::Running
+                    }
+                    _ => return None,
+                };
+                Some(ReapCandidate {
+                    key: slot.user.clone(),
+                    status,
+                    last_active: slot.last_active(),
+                    hibernated_at: main.hibernated_at,
+                })
             })
-            .map(|slot| (slot.user.clone(), slot.last_active()))
             .collect();
-        let chosen = select_for_reaping(&self.config.reap, unix_millis_now(), &candidates);
-        for user in chosen {
-            tracing::info!(%user, "stopping idle instance");
-            // Candidates come from the slots, so the slot exists.
+        let policy = &self.config.reap;
+        let plan = plan_reaping(
+            policy,
+            self.capabilities.freeze,
+            unix_millis_now(),
+            &candidates,
+        );
+        let seen = |user: &UserId| {
+            candidates
+                .iter()
+                .find(|c| c.key == *user)
+                .map_or(0, |c| c.last_active)
+        };
+        for user in plan.hibernate {
             let Some(slot) = self.users.existing(&user) else {
                 continue;
             };
             let _guard = slot.lifecycle.lock().await;
-            // Activity may have arrived while waiting for the lock.
-            let seen = candidates
-                .iter()
-                .find(|(u, _)| *u == user)
-                .map_or(0, |(_, t)| *t);
-            if slot.last_active() > seen {
+            let by = crate::hibernation::HibernateBy::Reaper { seen: seen(&user) };
+            match self.hibernate_locked(&slot, by).await {
+                Ok(_) => {}
+                Err(e) => {
+                    tracing::warn!(%user, error = %e, "could not hibernate the idle instance")
+                }
+            }
+        }
+        for user in plan.stop {
+            let Some(slot) = self.users.existing(&user) else {
+                continue;
+            };
+            let _guard = slot.lifecycle.lock().await;
+            // Activity may have arrived while waiting for the lock (a
+            // hibernated main is resumed by it, and so not stopped).
+            if slot.last_active() > seen(&user) {
                 continue;
             }
-            self.stop_locked(&slot, StopKind::Requested("idle")).await;
+            let reason = if slot.is_hibernated() {
+                tracing::info!(%user, "stopping a long-hibernated instance");
+                "hibernated too long"
+            } else {
+                tracing::info!(%user, "stopping idle instance");
+                "idle"
+            };
+            self.stop_locked(&slot, StopKind::Requested(reason)).await;
         }
+    }
+
+    /// What the reaper does with idle mains here, for status and logs.
+    pub(crate) fn idle_action(&self) -> IdleAction {
+        self.config.reap.effective_action(self.capabilities.freeze)
     }
 }

@@ -26,6 +26,20 @@ pub struct BreakerHook {
     pub env: Vec<(String, String)>,
 }
 
+/// A hook run before an instance is hibernated or stopped (`[instance]
+/// pre_hibernate`, `pre_stop`), cut off after the hook grace.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Hook {
+    /// An operator's program and its arguments, run by berth with
+    /// `BERTH_USER`, `BERTH_SLUG`, `BERTH_PORT` and `BERTH_HOOK` (nothing
+    /// else is inherited) in a process group of its own, which is killed
+    /// at the grace.
+    Command(Vec<String>),
+    /// A path on the instance, asked with `POST` on its endpoint; any
+    /// answer counts as done.
+    Http(String),
+}
+
 /// Everything the controller decides with.
 #[derive(Debug, Clone)]
 pub struct ControllerConfig {
@@ -65,6 +79,13 @@ pub struct ControllerConfig {
     pub probe_budget: Duration,
     /// Parallel restarts in `restart_all_mains`.
     pub restart_all_concurrency: usize,
+    /// Run before an instance is frozen for hibernation.
+    pub pre_hibernate: Option<Hook>,
+    /// Run before a running instance is stopped gracefully (a stop, the
+    /// reaper; never before a fence's or a frozen instance's kill).
+    pub pre_stop: Option<Hook>,
+    /// How long a hook may take before it is cut off.
+    pub hook_grace: Duration,
 }
 
 impl ControllerConfig {
@@ -86,6 +107,9 @@ impl ControllerConfig {
             probe_settle: Duration::from_millis(2500),
             probe_budget: Duration::from_secs(60),
             restart_all_concurrency: 4,
+            pre_hibernate: None,
+            pre_stop: None,
+            hook_grace: Duration::from_secs(10),
         }
     }
 
@@ -117,6 +141,16 @@ impl ControllerConfig {
             return Err(crate::ControllerError::Config(
                 "the on_breaker_open command is empty".into(),
             ));
+        }
+        for (name, hook) in [
+            ("pre_hibernate", &self.pre_hibernate),
+            ("pre_stop", &self.pre_stop),
+        ] {
+            if matches!(hook, Some(Hook::Command(c)) if c.is_empty()) {
+                return Err(crate::ControllerError::Config(format!(
+                    "the {name} command is empty"
+                )));
+            }
         }
         Ok(())
     }

@@ -300,6 +300,9 @@ impl MainDriver {
                     self.kill(&r).await;
                 }
             }
+            // The freeze of a hibernation is not a fence: the fencer tracks
+            // only what froze the program for its lease.
+            Action::NoteFrozen(true) if self.slot.is_hibernated() => {}
             Action::NoteFrozen(frozen) => shared.fencer.note_frozen(user, self.epoch, frozen),
             Action::DecideCrash { uptime } => {
                 let decision = shared
@@ -384,7 +387,10 @@ impl MainDriver {
         let done = self
             .shared
             .modify(&self.slot, Role::Main, &self.id, None, |entry| {
-                entry.instance.status = InstanceStatus::Running;
+                // An adopted hibernated main is ready and stays hibernated.
+                if entry.instance.status != InstanceStatus::Hibernated {
+                    entry.instance.status = InstanceStatus::Running;
+                }
                 entry.instance.ready = true;
             })
             .await;
@@ -424,6 +430,8 @@ impl MainDriver {
             env: Vec::new(),
             handoff: None,
         };
+        // A new run is never frozen.
+        self.slot.set_hibernated(false);
         shared
             .publisher
             .announce_stage(&self.slot, Stage::Spawning, None);

@@ -172,6 +172,11 @@ impl Fencer {
         }
     }
 
+    /// Whether `user`'s main is frozen for fencing (whatever else froze it).
+    pub fn is_fenced(&self, user: &UserId) -> bool {
+        lock(&self.frozen).contains_key(user)
+    }
+
     pub fn forget_frozen(&self, user: &UserId) {
         lock(&self.frozen).remove(user);
     }

@@ -32,6 +32,7 @@ mod breaker;
 mod config;
 mod driver;
 mod fencer;
+mod hibernation;
 mod lifecycle;
 mod metrics;
 mod node;
@@ -51,7 +52,7 @@ use berth_store::{NodeRecord, NodeStatus, Store, StoreError};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-pub use config::{BreakerHook, ControllerConfig};
+pub use config::{BreakerHook, ControllerConfig, Hook};
 
 use crate::breaker::Breaker;
 use crate::fencer::Fencer;
@@ -283,6 +284,7 @@ impl Shared {
         let user = &slot.user;
         self.runtime.release(id).await;
         self.fencer.forget_frozen(user);
+        slot.set_hibernated(false);
         match finish.lease {
             LeaseEnd::Release => self.release_lease(user).await,
             LeaseEnd::Forget => self.fencer.forget(user),

@@ -66,6 +66,7 @@ impl Shared {
             last_error: None,
             exit_code: None,
             last_active: now,
+            hibernated_at: None,
         }
     }
 
@@ -215,6 +216,20 @@ impl Shared {
     /// Stops the user's main (if live) and watchdog, and waits for both.
     /// The caller holds the lifecycle lock.
     pub(crate) async fn stop_locked(&self, slot: &Slot, kind: StopKind) {
+        // The pre-stop hook is for a program that runs: a hibernated or
+        // fenced one is killed while frozen, and a fence kills at once.
+        if let (Some(hook), StopKind::Requested(_)) = (&self.config.pre_stop, kind) {
+            let running = slot.lock().main.as_ref().and_then(|e| {
+                (e.instance.status == InstanceStatus::Running && e.instance.ready)
+                    .then(|| e.endpoint.clone())
+            });
+            if let Some(endpoint) = running {
+                if !slot.is_hibernated() && !self.fencer.is_fenced(&slot.user) {
+                    self.run_hook("pre_stop", hook, slot, endpoint.as_ref())
+                        .await;
+                }
+            }
+        }
         for role in [Role::Main, Role::Watchdog] {
             let task = {
                 let mut state = slot.lock();

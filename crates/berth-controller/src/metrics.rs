@@ -31,6 +31,50 @@ pub(crate) struct Metrics {
     pub lease_renew_failures: Counter,
     pub fenced: Counter,
     pub store_errors: Counter,
+    pub hibernation: HibernationMetrics,
+}
+
+/// Hibernation's series (design §4.5, §11), registered next to the rest.
+#[derive(Debug, Clone)]
+pub(crate) struct HibernationMetrics {
+    /// Mains hibernated on this node now.
+    pub hibernated: Gauge,
+    pub hibernations: Counter,
+    pub resumes: Counter,
+    /// From a resume being asked to the thaw being sent.
+    pub resume_latency: Histogram,
+}
+
+impl HibernationMetrics {
+    fn new() -> Self {
+        Self {
+            hibernated: Gauge::default(),
+            hibernations: Counter::default(),
+            resumes: Counter::default(),
+            // 10 µs … ~80 ms.
+            resume_latency: Histogram::new(exponential_buckets(0.000_01, 2.0, 14)),
+        }
+    }
+
+    fn register(&self, registry: &mut Registry) {
+        registry.register(
+            "hibernated_instances",
+            "Mains hibernated (frozen while idle) on this node",
+            self.hibernated.clone(),
+        );
+        registry.register(
+            "hibernations",
+            "Mains hibernated",
+            self.hibernations.clone(),
+        );
+        registry.register("resumes", "Hibernated mains resumed", self.resumes.clone());
+        registry.register_with_unit(
+            "resume_latency",
+            "Time to resume a hibernated main, from the request to the thaw",
+            Unit::Seconds,
+            self.resume_latency.clone(),
+        );
+    }
 }
 
 impl Metrics {
@@ -45,6 +89,7 @@ impl Metrics {
             lease_renew_failures: Counter::default(),
             fenced: Counter::default(),
             store_errors: Counter::default(),
+            hibernation: HibernationMetrics::new(),
         }
     }
 
@@ -61,6 +106,14 @@ impl Metrics {
     pub fn transition(&self, role: Role, old: Option<InstanceStatus>, new: Option<InstanceStatus>) {
         if old == new {
             return;
+        }
+        if role == Role::Main {
+            if old == Some(InstanceStatus::Hibernated) {
+                self.hibernation.hibernated.dec();
+            }
+            if new == Some(InstanceStatus::Hibernated) {
+                self.hibernation.hibernated.inc();
+            }
         }
         if let Some(old) = old {
             self.instances.get_or_create(&self.gauge(role, old)).dec();
@@ -103,6 +156,7 @@ impl Metrics {
             "Store errors met by the controller's background work",
             self.store_errors.clone(),
         );
+        self.hibernation.register(registry);
     }
 }
 
@@ -135,6 +189,10 @@ mod tests {
                 "berth_lease_renew_failures counter",
                 "berth_fenced_instances counter",
                 "berth_controller_store_errors counter",
+                "berth_hibernated_instances gauge",
+                "berth_hibernations counter",
+                "berth_resumes counter",
+                "berth_resume_latency_seconds histogram",
             ],
             "{text}"
         );

@@ -131,6 +131,9 @@ impl Publisher {
             let entry = state.current(role, id)?;
             let old = entry.instance.status;
             change(entry);
+            if entry.instance.status != InstanceStatus::Hibernated {
+                entry.instance.hibernated_at = None;
+            }
             (old, entry.instance.clone(), entry.endpoint.clone())
         };
         self.transition(role, Some(old), Some(instance.status));
@@ -238,8 +241,7 @@ impl Publisher {
         if instance.role != Role::Main {
             return None;
         }
-        let endpoint =
-            endpoint.filter(|_| instance.status == InstanceStatus::Running && instance.ready);
+        let endpoint = endpoint.filter(|_| instance.status.is_routable() && instance.ready);
         {
             let mut routes = self.routes.write().unwrap_or_else(PoisonError::into_inner);
             match &endpoint {

@@ -126,6 +126,12 @@ impl Controller {
 #[async_trait]
 impl Spawner for Controller {
     async fn launch(&self, user: &UserId, request: LaunchRequest) -> Result<Instance, SpawnError> {
+        // A launch is activity: a hibernated main is resumed, and then
+        // already running.
+        if let Some(slot) = self.shared.users.existing(user) {
+            slot.touch(unix_millis_now());
+            self.shared.resume(&slot).await?;
+        }
         self.launch_claiming(user, request, Claim::Acquire).await
     }
 
@@ -186,10 +192,7 @@ impl Spawner for Controller {
             .users
             .all()
             .iter()
-            .filter(|s| {
-                s.record(Role::Main)
-                    .is_some_and(|i| i.status == InstanceStatus::Running)
-            })
+            .filter(|s| s.record(Role::Main).is_some_and(|i| i.status.is_routable()))
             .map(|s| s.user.clone())
             .collect();
         let limit = self.shared.config.restart_all_concurrency.max(1);
@@ -242,12 +245,14 @@ impl Spawner for Controller {
                 return Ok(UserStatus {
                     main: self.record(user, Role::Main).await?,
                     watchdog: slot.record(Role::Watchdog),
+                    idle_action: Some(self.shared.idle_action().as_str().to_owned()),
                 });
             }
         }
         Ok(UserStatus {
             main: self.record(user, Role::Main).await?,
             watchdog: self.record(user, Role::Watchdog).await?,
+            idle_action: Some(self.shared.idle_action().as_str().to_owned()),
         })
     }
 
@@ -312,7 +317,7 @@ impl Spawner for Controller {
                 let current = watch.borrow_and_update().clone();
                 match current {
                     None => return None,
-                    Some(i) if i.status == InstanceStatus::Running && i.ready => return Some(i),
+                    Some(i) if i.status.is_routable() && i.ready => return Some(i),
                     Some(i) if i.status.is_terminal() || i.status == InstanceStatus::Crashed => {
                         return Some(i);
                     }
@@ -404,6 +409,46 @@ impl Spawner for Controller {
         if let Some(slot) = self.shared.users.existing(user) {
             slot.touch(unix_millis_now());
         }
+    }
+
+    fn is_hibernated(&self, user: &UserId) -> bool {
+        crate::hibernation::hibernated(&self.shared, user)
+    }
+
+    async fn hibernate(&self, user: &UserId) -> Result<Instance, SpawnError> {
+        self.run_locked(user, |shared, slot| async move {
+            let user = slot.user.clone();
+            match shared
+                .hibernate_locked(&slot, crate::hibernation::HibernateBy::Request)
+                .await?
+            {
+                Some(hibernated) => Ok(hibernated),
+                // A request arrived meanwhile: it stays running, and says so.
+                None => slot.live_record(Role::Main).ok_or(SpawnError::NotFound {
+                    user,
+                    what: "running instance",
+                }),
+            }
+        })
+        .await
+    }
+
+    async fn resume(&self, user: &UserId) -> Result<Instance, SpawnError> {
+        let not_found = || SpawnError::NotFound {
+            user: user.clone(),
+            what: "live instance",
+        };
+        let slot = self.shared.users.existing(user).ok_or_else(not_found)?;
+        slot.touch(unix_millis_now());
+        self.shared.resume(&slot).await?;
+        let mut record = slot.live_record(Role::Main).ok_or_else(not_found)?;
+        // The record catches up on its own task; the answer says what is
+        // true now.
+        if record.status == InstanceStatus::Hibernated && !slot.is_hibernated() {
+            record.status = InstanceStatus::Running;
+            record.hibernated_at = None;
+        }
+        Ok(record)
     }
 
     async fn logs(&self, user: &UserId, tail: usize) -> Result<Vec<String>, SpawnError> {

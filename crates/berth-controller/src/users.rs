@@ -4,7 +4,7 @@
 //! async locks.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock};
 
 use berth_core::policy::supervision::StopKind;
@@ -95,6 +95,13 @@ pub(crate) struct Slot {
     last_active: AtomicI64,
     /// The last activity time already written to the store.
     flushed_active: AtomicI64,
+    /// The main is frozen for hibernation (one of the two reasons to be
+    /// frozen; the fencer keeps the other). Read on the hot path with
+    /// `last_active`, both `SeqCst`: a request touches, then reads this;
+    /// the hibernator sets this, then reads `last_active`. So either the
+    /// request sees it and resumes, or the hibernator sees the request and
+    /// backs off; a request can never reach a program frozen under it.
+    hibernated: AtomicBool,
     /// The main's current record, for `wait_for_ready`.
     pub main_watch: watch::Sender<Option<Instance>>,
     /// The last event published about the main, a launch's `queued` and
@@ -116,11 +123,19 @@ impl Slot {
     }
 
     pub fn touch(&self, at: i64) {
-        self.last_active.fetch_max(at, Ordering::Relaxed);
+        self.last_active.fetch_max(at, Ordering::SeqCst);
     }
 
     pub fn last_active(&self) -> i64 {
-        self.last_active.load(Ordering::Relaxed)
+        self.last_active.load(Ordering::SeqCst)
+    }
+
+    pub fn is_hibernated(&self) -> bool {
+        self.hibernated.load(Ordering::SeqCst)
+    }
+
+    pub fn set_hibernated(&self, hibernated: bool) {
+        self.hibernated.store(hibernated, Ordering::SeqCst);
     }
 
     /// Activity newer than the last flush, if any.
@@ -172,6 +187,7 @@ impl Users {
                     state: Mutex::new(SlotState::default()),
                     last_active: AtomicI64::new(0),
                     flushed_active: AtomicI64::new(0),
+                    hibernated: AtomicBool::new(false),
                     main_watch: watch::channel(None).0,
                     last_main_event: Mutex::new(None),
                 })

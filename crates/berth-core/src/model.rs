@@ -49,14 +49,18 @@ impl FromStr for Role {
 
 /// Where an instance is in its lifecycle (design §4.1).
 ///
-/// `starting → running → (crashed → starting …) | stopped | failed`
+/// `starting → running ⇄ hibernated`, `running → (crashed → starting …) |
+/// stopped | failed`, `hibernated → stopped`
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum InstanceStatus {
     /// Spawned, not yet ready.
     Starting,
-    /// Ready; the only status the proxy forwards to.
+    /// Ready; the proxy forwards to it.
     Running,
+    /// Ready, but frozen while idle (design §4.5): memory and sockets kept,
+    /// lease held. The proxy still routes to it, resuming it first.
+    Hibernated,
     /// Exited without being asked to; a restart is scheduled.
     Crashed,
     /// Stopped on purpose (API, reaper, fence). Terminal.
@@ -70,6 +74,7 @@ impl InstanceStatus {
         match self {
             InstanceStatus::Starting => "starting",
             InstanceStatus::Running => "running",
+            InstanceStatus::Hibernated => "hibernated",
             InstanceStatus::Crashed => "crashed",
             InstanceStatus::Stopped => "stopped",
             InstanceStatus::Failed => "failed",
@@ -80,8 +85,17 @@ impl InstanceStatus {
     pub fn is_live(self) -> bool {
         matches!(
             self,
-            InstanceStatus::Starting | InstanceStatus::Running | InstanceStatus::Crashed
+            InstanceStatus::Starting
+                | InstanceStatus::Running
+                | InstanceStatus::Hibernated
+                | InstanceStatus::Crashed
         )
+    }
+
+    /// Whether the proxy may send traffic to it (once ready): running, or
+    /// hibernated (resumed on the way).
+    pub fn is_routable(self) -> bool {
+        matches!(self, InstanceStatus::Running | InstanceStatus::Hibernated)
     }
 
     pub fn is_terminal(self) -> bool {
@@ -101,6 +115,7 @@ impl FromStr for InstanceStatus {
         Ok(match s {
             "starting" => InstanceStatus::Starting,
             "running" => InstanceStatus::Running,
+            "hibernated" => InstanceStatus::Hibernated,
             "crashed" => InstanceStatus::Crashed,
             "stopped" => InstanceStatus::Stopped,
             "failed" => InstanceStatus::Failed,
@@ -139,6 +154,9 @@ pub struct Instance {
     pub last_error: Option<String>,
     pub exit_code: Option<i32>,
     pub last_active: UnixMillis,
+    /// When it was last hibernated; set while `status` is `hibernated`.
+    #[serde(default)]
+    pub hibernated_at: Option<UnixMillis>,
 }
 
 /// A user's main and watchdog instances.
@@ -146,6 +164,10 @@ pub struct Instance {
 pub struct UserStatus {
     pub main: Option<Instance>,
     pub watchdog: Option<Instance>,
+    /// What the node that runs the user does with an idle instance:
+    /// `hibernate`, or `stop` (configured so, or its runtime cannot freeze).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub idle_action: Option<String>,
 }
 
 /// Where the proxy sends a user's traffic.
@@ -257,6 +279,9 @@ impl Stage {
         match status {
             InstanceStatus::Running if ready => Stage::Ready,
             InstanceStatus::Starting | InstanceStatus::Running => Stage::WaitingForReady,
+            // Frozen with its memory intact, and ready again on its next
+            // request: a spawn that reached it ended ready.
+            InstanceStatus::Hibernated => Stage::Ready,
             InstanceStatus::Crashed => Stage::Queued,
             InstanceStatus::Stopped => Stage::Stopped,
             InstanceStatus::Failed => Stage::Failed,

@@ -97,6 +97,35 @@ pub trait Spawner: Send + Sync + 'static {
     /// Records activity. Cheap: an in-memory timestamp, flushed periodically.
     fn touch(&self, user: &UserId);
 
+    /// Whether the user's main here is hibernated, so a request must
+    /// [`Spawner::resume`] it before it is forwarded. Cheap and in memory
+    /// (the proxy asks on every request, after [`Spawner::touch`]).
+    fn is_hibernated(&self, user: &UserId) -> bool {
+        let _ = user;
+        false
+    }
+
+    /// Freezes the user's running main with its memory intact (design
+    /// §4.5), after its `pre_hibernate` hook; its lease stays held. A
+    /// hibernated main is left as it is. Fails with `not_found` without a
+    /// running main, and with `invalid_request` where the runtime cannot
+    /// freeze.
+    async fn hibernate(&self, user: &UserId) -> Result<Instance, SpawnError> {
+        Err(SpawnError::InvalidRequest(format!(
+            "this backend cannot hibernate the instance of {user}"
+        )))
+    }
+
+    /// Resumes the user's hibernated main: thaws it at once (unless it is
+    /// frozen for fencing too, which only a renew lifts) and records it
+    /// running. A running main is left as it is; `not_found` without a
+    /// live one.
+    async fn resume(&self, user: &UserId) -> Result<Instance, SpawnError> {
+        Err(SpawnError::InvalidRequest(format!(
+            "this backend cannot resume the instance of {user}"
+        )))
+    }
+
     /// The last `tail` lines of the main instance's output.
     async fn logs(&self, user: &UserId, tail: usize) -> Result<Vec<String>, SpawnError>;
 
@@ -171,7 +200,7 @@ pub fn readiness_answer(
     breaker: Option<BreakerInfo>,
 ) -> Result<Instance, SpawnError> {
     match current {
-        Some(i) if i.status == InstanceStatus::Running && i.ready => Ok(i),
+        Some(i) if i.status.is_routable() && i.ready => Ok(i),
         Some(i) if i.status == InstanceStatus::Failed => match breaker {
             Some(open) => Err(SpawnError::CircuitOpen {
                 user: user.clone(),
@@ -218,6 +247,7 @@ mod tests {
             last_error: last_error.map(str::to_owned),
             exit_code: None,
             last_active: 0,
+            hibernated_at: None,
         }
     }
 

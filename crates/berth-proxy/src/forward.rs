@@ -101,6 +101,10 @@ pub struct ForwardConfig {
     /// How long an unused upstream connection stays in the pool.
     pub pool_idle_timeout: Duration,
     pub pool_max_idle_per_host: usize,
+    /// Whether bytes from the instance to the client on an upgraded
+    /// connection count as activity (design §4.5: by default only the
+    /// client's do, so a tab that only receives lets its instance idle).
+    pub server_traffic_is_activity: bool,
 }
 
 impl Default for ForwardConfig {
@@ -112,6 +116,7 @@ impl Default for ForwardConfig {
             connect_timeout: Duration::from_secs(5),
             pool_idle_timeout: Duration::from_secs(60),
             pool_max_idle_per_host: 64,
+            server_traffic_is_activity: false,
         }
     }
 }
@@ -182,6 +187,7 @@ pub struct Forwarder {
     pool: Arc<Pool>,
     streams: Arc<StreamLimits>,
     body_pace: Option<BodyPace>,
+    server_traffic_is_activity: bool,
     spawner: Arc<dyn Spawner>,
     tasks: TaskTracker,
     cancel: CancellationToken,
@@ -269,6 +275,7 @@ impl Forwarder {
             pool,
             streams: StreamLimits::new(config.max_upgrades, config.max_upgrades_per_user),
             body_pace: config.body_pace,
+            server_traffic_is_activity: config.server_traffic_is_activity,
             spawner,
             tasks,
             cancel,
@@ -306,6 +313,14 @@ impl Forwarder {
         keep_forwarded_user: bool,
     ) -> Response<ProxyBody> {
         self.spawner.touch(&to.user);
+        // After the touch (see the controller's `Slot::hibernated`): a
+        // hibernated instance is thawed before its request goes out, with
+        // no store on the way.
+        if self.spawner.is_hibernated(&to.user) {
+            if let Err(e) = self.spawner.resume(&to.user).await {
+                tracing::warn!(user = %to.user, error = %e, "could not resume the instance");
+            }
+        }
         let upgrade = wants_upgrade(req.headers());
         let mut upgrade_slot = None;
         let client_upgrade = if upgrade {
@@ -523,6 +538,8 @@ impl Forwarder {
     ) {
         let spawner = self.spawner.clone();
         let cancel = self.cancel.clone();
+        let server_counts = self.server_traffic_is_activity;
+        let tasks = self.tasks.clone();
         self.tasks.spawn(async move {
             let _permit = permit;
             let tunnel = async {
@@ -533,8 +550,26 @@ impl Forwarder {
                         return;
                     }
                 };
-                let mut client = Touching::new(TokioIo::new(client), spawner.clone(), user.clone());
-                let mut upstream = Touching::new(TokioIo::new(upstream), spawner, user.clone());
+                // What the client sends is activity, and wakes a hibernated
+                // instance; what the instance sends counts only if so
+                // configured (design §4.5).
+                let mut client = Touching::new(
+                    TokioIo::new(client),
+                    spawner.clone(),
+                    user.clone(),
+                    Reads::Wake(tasks),
+                );
+                let upstream_reads = if server_counts {
+                    Reads::Touch
+                } else {
+                    Reads::Ignore
+                };
+                let mut upstream = Touching::new(
+                    TokioIo::new(upstream),
+                    spawner,
+                    user.clone(),
+                    upstream_reads,
+                );
                 match tokio::io::copy_bidirectional(&mut client, &mut upstream).await {
                     Ok((up, down)) => tracing::debug!(%user, up, down, "tunnel closed"),
                     Err(e) => tracing::debug!(%user, error = %e, "tunnel ended with an error"),
@@ -812,22 +847,58 @@ pub fn rewrite_request_headers(
     }
 }
 
+/// What reading from one side of a tunnel means.
+enum Reads {
+    /// Nothing: the bytes are not activity.
+    Ignore,
+    /// Activity.
+    Touch,
+    /// Activity, and a hibernated instance is resumed (on a task of the
+    /// proxy's; the bytes wait in the socket until the program runs).
+    Wake(TaskTracker),
+}
+
 /// An upgraded stream that reports reads as user activity, at most once
-/// per [`TUNNEL_TOUCH_EVERY`].
+/// per [`TUNNEL_TOUCH_EVERY`] (a count, never a store write per frame).
 struct Touching<T> {
     io: T,
     spawner: Arc<dyn Spawner>,
     user: Arc<UserId>,
+    reads: Reads,
     last_touch: Option<Instant>,
 }
 
 impl<T> Touching<T> {
-    fn new(io: T, spawner: Arc<dyn Spawner>, user: Arc<UserId>) -> Self {
+    fn new(io: T, spawner: Arc<dyn Spawner>, user: Arc<UserId>, reads: Reads) -> Self {
         Self {
             io,
             spawner,
             user,
+            reads,
             last_touch: None,
+        }
+    }
+
+    fn report(&mut self) {
+        let now = Instant::now();
+        if matches!(self.reads, Reads::Ignore)
+            || self
+                .last_touch
+                .is_some_and(|last| now.duration_since(last) < TUNNEL_TOUCH_EVERY)
+        {
+            return;
+        }
+        self.last_touch = Some(now);
+        self.spawner.touch(&self.user);
+        if let Reads::Wake(tasks) = &self.reads {
+            if self.spawner.is_hibernated(&self.user) {
+                let (spawner, user) = (self.spawner.clone(), self.user.clone());
+                tasks.spawn(async move {
+                    if let Err(e) = spawner.resume(&user).await {
+                        tracing::warn!(%user, error = %e, "could not resume the instance");
+                    }
+                });
+            }
         }
     }
 }
@@ -842,14 +913,7 @@ impl<T: AsyncRead + Unpin> AsyncRead for Touching<T> {
         let before = buf.filled().len();
         let result = Pin::new(&mut this.io).poll_read(cx, buf);
         if matches!(result, Poll::Ready(Ok(()))) && buf.filled().len() > before {
-            let now = Instant::now();
-            if this
-                .last_touch
-                .is_none_or(|last| now.duration_since(last) >= TUNNEL_TOUCH_EVERY)
-            {
-                this.last_touch = Some(now);
-                this.spawner.touch(&this.user);
-            }
+            this.report();
         }
         result
     }

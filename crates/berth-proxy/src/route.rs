@@ -14,7 +14,7 @@ use std::borrow::Cow;
 use std::collections::HashMap;
 use std::sync::{Arc, RwLock};
 
-use berth_core::{Endpoint, InstanceEvent, InstanceStatus, Role, Slug, Spawner, UserId};
+use berth_core::{Endpoint, InstanceEvent, Role, Slug, Spawner, UserId};
 use bytes::Bytes;
 use hyper::header::{HOST, HeaderMap};
 use hyper::http::uri::{Authority, PathAndQuery};
@@ -93,7 +93,7 @@ impl RouteTable {
         if event.role != Role::Main {
             return;
         }
-        let routable = event.status == InstanceStatus::Running && event.ready;
+        let routable = event.status.is_routable() && event.ready;
         self.set(&event.user, event.endpoint.as_ref().filter(|_| routable));
     }
 
@@ -682,6 +682,7 @@ mod tests {
 
     #[test]
     fn the_table_follows_events() {
+        use berth_core::InstanceStatus;
         let table = RouteTable::new();
         let alice = user("alice");
         let event = |status, ready, port: Option<u16>| InstanceEvent {
@@ -703,6 +704,12 @@ mod tests {
         table.apply(&event(InstanceStatus::Crashed, false, None));
         assert_eq!(table.lookup("alice").unwrap().upstream, None);
         table.apply(&event(InstanceStatus::Running, true, Some(3)));
+        assert_eq!(
+            table.lookup("alice").unwrap().upstream.unwrap(),
+            "127.0.0.1:3"
+        );
+        // A hibernated main keeps its route: the forwarder resumes it.
+        table.apply(&event(InstanceStatus::Hibernated, true, Some(3)));
         assert_eq!(
             table.lookup("alice").unwrap().upstream.unwrap(),
             "127.0.0.1:3"

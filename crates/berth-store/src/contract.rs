@@ -137,6 +137,7 @@ fn instance(u: &str, role: Role, node: &str, port: Option<u16>) -> Instance {
         last_error: None,
         exit_code: None,
         last_active: 1_700_000_000_000,
+        hibernated_at: None,
     }
 }
 
@@ -238,6 +239,7 @@ pub async fn instance_round_trip_keeps_every_field(store: Arc<dyn Store>) {
         last_error: Some("boom\nline 2 'quoted'".into()),
         exit_code: Some(-9),
         last_active: 1_700_000_999_999,
+        hibernated_at: None,
     };
     assert_eq!(store.get_instance(&alice, Role::Main).await.unwrap(), None);
     store.put_instance(&full).await.unwrap();

@@ -53,6 +53,18 @@ pub enum Command {
         #[command(flatten)]
         client: ClientArgs,
     },
+    /// Hibernate a user's running instance: freeze it with its memory intact.
+    Hibernate {
+        user: String,
+        #[command(flatten)]
+        client: ClientArgs,
+    },
+    /// Resume a user's hibernated instance.
+    Resume {
+        user: String,
+        #[command(flatten)]
+        client: ClientArgs,
+    },
     /// Restart a user's instance.
     Restart {
         user: String,
@@ -270,7 +282,7 @@ mod tests {
             );
             checked += 1;
         }
-        assert_eq!(checked, 13, "the twelve client commands and config check");
+        assert_eq!(checked, 15, "the fourteen client commands and config check");
         let serve = cli.find_subcommand("serve").unwrap();
         assert!(
             serve

@@ -84,6 +84,8 @@ pub async fn run(command: Command) -> anyhow::Result<ExitCode> {
             let answer = serde_json::json!({ "user": user.as_str(), "stopped": true });
             out.show(&answer, |_| Some(format!("stopped {}\n", user.as_str())));
         }
+        Command::Hibernate { user, client } => hibernation(&user, &client, "hibernate").await?,
+        Command::Resume { user, client } => hibernation(&user, &client, "resume").await?,
         Command::Restart { user, client } => {
             let user = parse_user(&user)?;
             let (api, out) = Api::with_output(&client)?;
@@ -338,6 +340,21 @@ fn cluster_counts(api: &Api) -> impl Stream<Item = String> + '_ {
 
 fn parse_user(raw: &str) -> anyhow::Result<UserId> {
     UserId::parse(raw).map_err(|e| anyhow!("invalid user id {raw:?}: {e}"))
+}
+
+/// `hibernate` or `resume` (`verb`) of `user`; shows the status it left.
+async fn hibernation(user: &str, client: &ClientArgs, verb: &str) -> anyhow::Result<()> {
+    let user = parse_user(user)?;
+    let (api, out) = Api::with_output(client)?;
+    let answer = api.post(&user_path(&user, &["instance", verb])).await?;
+    let status = answer["instance"]["status"]
+        .as_str()
+        .unwrap_or("unknown")
+        .to_owned();
+    out.show(&answer, |_| {
+        Some(format!("{} is {status}\n", user.as_str()))
+    });
+    Ok(())
 }
 
 fn user_path<'a>(user: &'a UserId, rest: &[&'a str]) -> Vec<&'a str> {

@@ -7,7 +7,11 @@
 //! `…/bytes?n=N` streams N zero bytes, `POST …/upload` counts the body,
 //! `…/headers` echoes the request's headers (what berth passed on),
 //! `…/set-cookie` plays a hostile app that tries to set berth's own cookies
-//! next to one of its own, and any other GET is the HTML page.
+//! next to one of its own, `…/counter` counts the requests it has
+//! answered in memory (`{"count": N, "pid": P}`: state that a hibernation
+//! keeps and a restart loses), `…/ticks` is a WebSocket on which the app
+//! sends a message every 200 ms (a tab that only receives), and any other
+//! GET is the HTML page.
 //!
 //! With `--echo` (or `BERTH_DEMO_ECHO=1` in its environment, which an
 //! `[instance] env` entry can set), `GET …/echo` answers with what the
@@ -47,6 +51,8 @@ struct Page {
     base_path: String,
     never_ready: bool,
     echo: bool,
+    /// Requests to `…/counter` so far, in memory only.
+    counter: std::sync::atomic::AtomicU64,
 }
 
 pub fn run(args: DemoAppArgs) -> anyhow::Result<()> {
@@ -71,6 +77,7 @@ async fn serve(args: DemoAppArgs) -> anyhow::Result<()> {
         base_path,
         never_ready: args.never_ready,
         echo: args.echo,
+        counter: std::sync::atomic::AtomicU64::new(0),
     });
 
     let listener = tokio::net::TcpListener::bind(("127.0.0.1", args.port))
@@ -181,7 +188,16 @@ async fn handle(page: Arc<Page>, req: Request) -> Response {
     let n = query_n(req.uri().query());
     let last = last_segment(req.uri().path(), &page.base_path).to_owned();
     match (req.method().clone(), last.as_str()) {
-        (Method::GET, "ws") => websocket(req).await,
+        (Method::GET, "ws") => websocket(req, echo).await,
+        (Method::GET, "ticks") => websocket(req, ticks).await,
+        (Method::GET | Method::POST, "counter") => {
+            let count = page
+                .counter
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+                + 1;
+            let body = format!("{{\"count\":{count},\"pid\":{}}}\n", std::process::id());
+            ([(header::CONTENT_TYPE, "application/json")], body).into_response()
+        }
         (Method::GET, "sse") => sse(n.unwrap_or(10).min(MAX_SSE_EVENTS)),
         (Method::GET, "bytes") => zeros(n.unwrap_or(0)),
         (Method::POST, "upload") => upload(req).await,
@@ -213,11 +229,30 @@ fn query_n(query: Option<&str>) -> Option<u64> {
         .and_then(|v| v.parse().ok())
 }
 
-async fn websocket(req: Request) -> Response {
+async fn websocket<F, Fut>(req: Request, serve: F) -> Response
+where
+    F: FnOnce(WebSocket) -> Fut + Send + 'static,
+    Fut: std::future::Future<Output = ()> + Send + 'static,
+{
     let (mut parts, _body) = req.into_parts();
     match WebSocketUpgrade::from_request_parts(&mut parts, &()).await {
-        Ok(upgrade) => upgrade.on_upgrade(echo),
+        Ok(upgrade) => upgrade.on_upgrade(serve),
         Err(rejection) => rejection.into_response(),
+    }
+}
+
+/// Sends `tick N` every 200 ms until the client goes away.
+async fn ticks(mut socket: WebSocket) {
+    let mut every = tokio::time::interval(Duration::from_millis(200));
+    for n in 0u64.. {
+        every.tick().await;
+        if socket
+            .send(Message::Text(format!("tick {n}").into()))
+            .await
+            .is_err()
+        {
+            break;
+        }
     }
 }
 
@@ -399,6 +434,7 @@ mod tests {
             base_path: "/u/x/".into(),
             never_ready: false,
             echo: false,
+            counter: std::sync::atomic::AtomicU64::new(0),
         };
         let html = render_page(&page);
         assert!(html.contains("&lt;b&gt;&amp;&quot;x&#39;"));

@@ -154,6 +154,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         ops::Budgets {
             ready_timeout,
             stop_grace: Duration::from_secs(config.instance.stop_grace_s),
+            hook_grace: Duration::from_secs(config.instance.hook_grace_s),
         },
     ));
 
@@ -353,6 +354,7 @@ fn proxy_config(
             max_upgrades: p.max_upgrades,
             max_upgrades_per_user: p.max_upgrades_per_user,
             body_pace: config.body_pace(),
+            server_traffic_is_activity: config.reap.server_traffic_is_activity,
             ..Default::default()
         },
         metrics,

@@ -210,7 +210,10 @@ async fn instances_survive_a_berth_crash_and_are_adopted() {
 #[tokio::test(flavor = "multi_thread")]
 async fn the_reaper_stops_idle_instances_and_keeps_their_data() {
     let dir = tempfile::tempdir().unwrap();
-    let config = format!("{}[reap]\ninterval_s = 1\nidle_ttl_s = 1\n", ports(5));
+    let config = format!(
+        "{}[reap]\ninterval_s = 1\nidle_ttl_s = 1\nidle_action = \"stop\"\n",
+        ports(5)
+    );
     let node = Node::start(dir.path(), &config);
     let (_, body) = launch(&node, "sleepy").await;
     let pid = body["instance"]["pid"].as_u64().unwrap();

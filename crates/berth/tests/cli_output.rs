@@ -133,7 +133,7 @@ async fn the_listings_json_is_what_readme_documents() {
         serde_json::from_str(&stdout_of(&node.cli(&["status", "alice", "--json"]))).unwrap();
     assert_eq!(
         keys(&status),
-        ["breaker", "main", "user", "watchdog"]
+        ["breaker", "idle_action", "main", "user", "watchdog"]
             .map(str::to_owned)
             .into()
     );

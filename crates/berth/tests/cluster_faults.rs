@@ -1292,3 +1292,124 @@ async fn recovered(
     }
     now
 }
+
+// --- hibernation and fencing: two reasons to be frozen (issue 13) -----------
+
+/// The value of the series of `node` whose name ends with `suffix`.
+async fn metric_of(node: &Node, suffix: &str) -> f64 {
+    let text = node
+        .http
+        .get(format!("{}/metrics", node.url))
+        .bearer_auth(&node.token)
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .find_map(|l| {
+            let (name, value) = l.split_once(' ')?;
+            name.ends_with(suffix).then(|| value.parse().ok())?
+        })
+        .unwrap_or(0.0)
+}
+
+/// alice is hibernated on node-a (asked through node-b: it reaches the
+/// owner). node-a is then cut from the database past `fence_after`, so the
+/// fence freezes her too, and heals: its renews succeed again under the
+/// same epoch, which lifts the fence but not the hibernation, so she stays
+/// frozen and writes nothing. A request through node-b is forwarded to
+/// node-a and resumes her: the same process, its memory intact.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fenced_then_recovered_node_keeps_a_hibernated_instance_frozen_until_a_request() {
+    let timings = "ttl_ms = 6000\nrenew_ms = 1000\nfence_after_ms = 2000\n";
+    let db = fresh_db().await;
+    let dirs = Dirs::new();
+    let instance = journal_command(&dirs.journals);
+    let relay = Relay::start(upstream_of(&db)).await;
+    let relayed = via_port(&db, relay.port);
+    let mut nodes = vec![start_node(dirs.path(), &relayed, IDS[0], timings, &instance).await];
+    let (holder, epoch, pid) = launch(&nodes, 0, "alice").await;
+    assert_eq!(holder, 0);
+    nodes.push(start_node(dirs.path(), &db, IDS[1], timings, &instance).await);
+    dirs.wait_lines("alice", epoch, 2).await;
+    let count = |node: &Node| {
+        let request = node
+            .http
+            .get(format!("{}/u/alice/counter", node.url))
+            .bearer_auth(&node.token)
+            .timeout(LONG)
+            .send();
+        async move {
+            let r = request.await.expect("berth answers");
+            assert_eq!(r.status(), 200);
+            let body: Value = r.json().await.unwrap();
+            (
+                body["count"].as_u64().unwrap(),
+                body["pid"].as_u64().unwrap(),
+            )
+        }
+    };
+    assert_eq!(count(&nodes[0]).await, (1, u64::from(pid)));
+
+    let (status, body) = nodes[1]
+        .post("/users/alice/instance/hibernate", json!({}))
+        .await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["instance"]["status"], "hibernated", "{body}");
+    assert_eq!(body["instance"]["node"], IDS[0], "{body}");
+    eventually(LONG, "alice frozen", || async {
+        stopped(proc_state(pid)).then_some(())
+    })
+    .await;
+    let lines = dirs.lines_of("alice", epoch);
+
+    // Cut past fence_after: node-a fences (freezing what is frozen already).
+    let fenced = metric_of(&nodes[0], "_fenced_instances_total").await;
+    relay.cut();
+    eventually(LONG, "node-a fences alice", || async {
+        (metric_of(&nodes[0], "_fenced_instances_total").await > fenced).then_some(())
+    })
+    .await;
+    relay.heal();
+    // Two renews of the same epoch after the heal: the fence is lifted.
+    for _ in 0..2 {
+        let before = lease_of(&nodes[1], "alice").await.unwrap()["lease_until"].clone();
+        eventually(LONG, "a renew after the heal", || async {
+            let row = lease_of(&nodes[1], "alice").await?;
+            (row["lease_until"] != before && row["epoch"].as_i64() == Some(epoch)).then_some(())
+        })
+        .await;
+    }
+    assert!(
+        stopped(proc_state(pid)),
+        "a renew never thaws a hibernated instance"
+    );
+    assert_eq!(
+        dirs.lines_of("alice", epoch),
+        lines,
+        "frozen, alice wrote nothing"
+    );
+    assert_eq!(nodes[1].status_of("alice").await, "hibernated");
+
+    // A request through node-b resumes her on node-a: the same process.
+    assert_eq!(count(&nodes[1]).await, (2, u64::from(pid)));
+    assert!(!stopped(proc_state(pid)));
+    dirs.wait_lines("alice", epoch, lines + 1).await;
+    let main = nodes[0].main_of("alice").await;
+    assert_eq!(main["restarts"], 0, "{main}");
+    assert_eq!(main["epoch"].as_i64(), Some(epoch), "{main}");
+    eventually(LONG, "alice recorded running", || async {
+        (nodes[1].status_of("alice").await == "running").then_some(())
+    })
+    .await;
+    assert_eq!(
+        mains_everywhere(&nodes, "alice")
+            .iter()
+            .map(|(i, p, _)| (*i, *p))
+            .collect::<Vec<_>>(),
+        vec![(0, pid)]
+    );
+}

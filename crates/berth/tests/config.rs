@@ -156,6 +156,22 @@ fn bad_values_name_the_key() {
         ),
         ("[proxy]\nauth = \"magic\"\n", "proxy.auth", "line 2"),
         (
+            "[instance]\npre_hibernate = \"flush\"\n",
+            "instance.pre_hibernate",
+            "line 2",
+        ),
+        ("[instance]\npre_stop = []\n", "instance.pre_stop", "line 2"),
+        (
+            "[instance]\nhook_grace_s = 0\n",
+            "instance.hook_grace_s",
+            "line 2",
+        ),
+        (
+            "[reap]\nidle_action = \"nap\"\n",
+            "reap.idle_action",
+            "line 2",
+        ),
+        (
             "[instance]\nport_range = [1, \"x\"]\n",
             "instance.port_range",
             "line 2",

@@ -13,7 +13,7 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use berth_controller::{BreakerHook, Controller, ControllerConfig};
-use berth_core::policy::{CrashPolicy, ReapPolicy};
+use berth_core::policy::{CrashPolicy, IdleAction, ReapPolicy};
 use berth_core::{InstanceStatus, LaunchRequest, SpawnError, Spawner, UserId};
 use berth_local::{Isolation, Limits, LocalRuntime, LocalRuntimeConfig, Readiness, UidRange};
 use berth_store::lease::LeaseConfig;
@@ -95,6 +95,8 @@ impl Env {
                 idle_ttl: None,
                 max_idle: 0,
                 interval: Duration::from_secs(60),
+                hibernate_after: None,
+                ..ReapPolicy::default()
             },
             probe_settle: Duration::from_millis(200),
             probe_budget: Duration::from_secs(20),
@@ -726,6 +728,9 @@ async fn the_reaper_stops_idle_instances_and_keeps_their_data() {
         idle_ttl: Some(Duration::from_millis(300)),
         max_idle: 0,
         interval: Duration::from_millis(100),
+        // This test is about stopping idle mains.
+        idle_action: IdleAction::Stop,
+        ..ReapPolicy::default()
     };
     let spawner = env.start(config).await;
     let kim = user("kim");

@@ -209,6 +209,8 @@ async fn controller(data: &Path, ports: u16, store: Arc<dyn Store>) -> Arc<Contr
             idle_ttl: None,
             max_idle: 0,
             interval: Duration::from_secs(60),
+            hibernate_after: None,
+            ..ReapPolicy::default()
         },
         probe_settle: Duration::from_millis(200),
         probe_budget: Duration::from_secs(20),

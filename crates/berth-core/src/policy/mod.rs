@@ -12,4 +12,4 @@ pub mod supervision;
 
 pub use crash::{CrashDecision, CrashPolicy, CrashState, LaunchKind};
 pub use placement::{NodeState, NodeView, place};
-pub use reap::{ReapPolicy, select_for_reaping};
+pub use reap::{IdleAction, ReapCandidate, ReapPlan, ReapPolicy, plan_reaping, select_for_reaping};

@@ -156,6 +156,7 @@ impl SpawnerState {
             last_error: None,
             exit_code: None,
             last_active: unix_millis_now(),
+            hibernated_at: None,
         };
         self.instances
             .lock()
@@ -229,6 +230,7 @@ impl Spawner for StaticSpawner {
         Ok(UserStatus {
             main: self.inner.current(user),
             watchdog: None,
+            ..UserStatus::default()
         })
     }
     async fn list(&self) -> Result<Vec<Instance>, SpawnError> {

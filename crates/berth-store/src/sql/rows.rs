@@ -37,6 +37,7 @@ macro_rules! embedded_migrations {
             (5, "tokens", embedded_migrations!(@file $dir, "0005_tokens.sql")),
             (6, "runtime_ref", embedded_migrations!(@file $dir, "0006_runtime_ref.sql")),
             (7, "node_identity", embedded_migrations!(@file $dir, "0007_node_identity.sql")),
+            (8, "hibernated", embedded_migrations!(@file $dir, "0008_hibernated.sql")),
         ]
     };
     (@file $dir:literal, $name:literal) => {
@@ -179,6 +180,7 @@ pub(crate) fn instance_from_row<R: RecordRow>(row: &R) -> Result<Instance, Store
         exit_code: narrow_opt(get(row, "exit_code")?, "exit_code")?,
         last_active: get(row, "last_active")?,
         runtime_ref: Option::<String>::map(get(row, "runtime_ref")?, RuntimeRef::new),
+        hibernated_at: get(row, "hibernated_at")?,
     })
 }
 

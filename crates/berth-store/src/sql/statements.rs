@@ -66,7 +66,7 @@ pub(crate) struct Statements {
 macro_rules! instance_columns {
     () => {
         "user_id, role, id, status, node, epoch, port, pid, folder, started_at, \
-         ready, restarts, last_error, exit_code, last_active, runtime_ref"
+         ready, restarts, last_error, exit_code, last_active, runtime_ref, hibernated_at"
     };
 }
 
@@ -100,13 +100,14 @@ impl Statements {
             instance_upsert: sql(concat!(
                 "INSERT INTO instances (",
                 instance_columns!(),
-                ") VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16) ",
+                ") VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17) ",
                 "ON CONFLICT (user_id, role) DO UPDATE SET id = excluded.id, status = excluded.status, ",
                 "node = excluded.node, epoch = excluded.epoch, port = excluded.port, pid = excluded.pid, ",
                 "folder = excluded.folder, ",
                 "started_at = excluded.started_at, ready = excluded.ready, restarts = excluded.restarts, ",
                 "last_error = excluded.last_error, exit_code = excluded.exit_code, ",
-                "last_active = excluded.last_active, runtime_ref = excluded.runtime_ref ",
+                "last_active = excluded.last_active, runtime_ref = excluded.runtime_ref, ",
+                "hibernated_at = excluded.hibernated_at ",
                 "WHERE excluded.role = 'watchdog' OR instances.epoch < excluded.epoch ",
                 "OR (instances.epoch = excluded.epoch AND instances.node = excluded.node)"
             )),

@@ -517,6 +517,7 @@ async fn upsert_instance<B: SqlBackend>(store: &B, i: &Instance) -> Result<bool,
         .bind(i.exit_code.map(i64::from))
         .bind(i.last_active)
         .bind(i.runtime_ref.as_ref().map(|r| r.as_str()))
+        .bind(i.hibernated_at)
         .execute_or_sqlx_error()
         .await
         .map(|written| written > 0)

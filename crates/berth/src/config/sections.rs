@@ -63,6 +63,21 @@ pub struct InstanceConfig {
     pub patch_ext: String,
     pub no_restart_exit_codes: Vec<i32>,
     pub on_breaker_open: Option<Vec<String>>,
+    /// Run before the instance is hibernated: a command (a list) or a path
+    /// on the instance (a string starting with `/`, asked with `POST`).
+    pub pre_hibernate: Option<HookConfig>,
+    /// Run before a running instance is stopped gracefully; the same forms.
+    pub pre_stop: Option<HookConfig>,
+    /// How long a hook may take before it is cut off.
+    pub hook_grace_s: u64,
+}
+
+/// `pre_hibernate` / `pre_stop`: a command, or a path on the instance.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum HookConfig {
+    Command(Vec<String>),
+    Http(String),
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -91,6 +106,25 @@ pub struct ReapConfig {
     pub idle_ttl_s: u64,
     /// 0 = no cap.
     pub max_idle: usize,
+    /// `"hibernate"` (where the runtime can freeze) or `"stop"`.
+    pub idle_action: IdleActionConfig,
+    /// Idle time before a main is hibernated; 0 = never.
+    pub hibernate_after_s: u64,
+    /// Time hibernated before a main is stopped; 0 = never.
+    pub stop_after_s: u64,
+    /// Mains hibernated at once on this node; 0 = no cap.
+    pub max_hibernated: usize,
+    /// Whether server-to-client traffic (pushes, pings) counts as
+    /// activity; by default only client-to-instance traffic does.
+    pub server_traffic_is_activity: bool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum IdleActionConfig {
+    #[default]
+    Hibernate,
+    Stop,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -273,6 +307,9 @@ impl Default for InstanceConfig {
             patch_ext: "yaml".to_owned(),
             no_restart_exit_codes: Vec::new(),
             on_breaker_open: None,
+            pre_hibernate: None,
+            pre_stop: None,
+            hook_grace_s: 10,
         }
     }
 }
@@ -297,6 +334,11 @@ impl Default for ReapConfig {
             interval_s: 60,
             idle_ttl_s: 3600,
             max_idle: 0,
+            idle_action: IdleActionConfig::Hibernate,
+            hibernate_after_s: 300,
+            stop_after_s: 3600,
+            max_hibernated: 0,
+            server_traffic_is_activity: false,
         }
     }
 }

@@ -8,12 +8,12 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use berth_controller::{BreakerHook, ControllerConfig};
-use berth_core::policy::{CrashPolicy, ReapPolicy};
+use berth_core::policy::{CrashPolicy, IdleAction, ReapPolicy};
 use berth_local::{Isolation, Limits, LocalRuntimeConfig, Readiness, UidRange};
 use berth_store::lease::LeaseConfig;
 
 use super::error::ConfigError;
-use super::sections::Config;
+use super::sections::{Config, HookConfig, IdleActionConfig};
 
 /// Matches the line `berth demo-app` prints once it listens; the capture is
 /// the launch token.
@@ -89,6 +89,14 @@ impl Config {
             idle_ttl: (r.idle_ttl_s > 0).then(|| Duration::from_secs(r.idle_ttl_s)),
             max_idle: r.max_idle,
             interval: Duration::from_secs(r.interval_s),
+            idle_action: match r.idle_action {
+                IdleActionConfig::Hibernate => IdleAction::Hibernate,
+                IdleActionConfig::Stop => IdleAction::Stop,
+            },
+            hibernate_after: (r.hibernate_after_s > 0)
+                .then(|| Duration::from_secs(r.hibernate_after_s)),
+            stop_after: (r.stop_after_s > 0).then(|| Duration::from_secs(r.stop_after_s)),
+            max_hibernated: r.max_hibernated,
         }
     }
 
@@ -223,6 +231,9 @@ impl Config {
             probe_settle: Duration::from_millis(2500),
             probe_budget: Duration::from_secs(60),
             restart_all_concurrency: 4,
+            pre_hibernate: i.pre_hibernate.clone().map(hook),
+            pre_stop: i.pre_stop.clone().map(hook),
+            hook_grace: Duration::from_secs(i.hook_grace_s),
         })
     }
 
@@ -288,6 +299,14 @@ impl Config {
             first: self.isolation.base_uid,
             count: self.isolation.uid_count,
         }
+    }
+}
+
+/// A hook as the controller runs it.
+fn hook(config: HookConfig) -> berth_controller::Hook {
+    match config {
+        HookConfig::Command(argv) => berth_controller::Hook::Command(argv),
+        HookConfig::Http(path) => berth_controller::Hook::Http(path),
     }
 }
 

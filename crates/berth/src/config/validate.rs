@@ -2,7 +2,7 @@
 //! combinations, each refusal naming its key and where it was set.
 
 use super::error::ConfigError;
-use super::sections::Config;
+use super::sections::{Config, HookConfig};
 
 impl Config {
     fn validate_isolation(&self) -> Result<(), ConfigError> {
@@ -156,6 +156,26 @@ impl Config {
         }
         if let Some(command) = &i.on_breaker_open {
             self.check_command("instance.on_breaker_open", command)?;
+        }
+        for (key, hook) in [
+            ("instance.pre_hibernate", &i.pre_hibernate),
+            ("instance.pre_stop", &i.pre_stop),
+        ] {
+            match hook {
+                Some(HookConfig::Command(command)) => self.check_command(key, command)?,
+                Some(HookConfig::Http(path))
+                    if !path.starts_with('/') || path.contains(['\r', '\n', ' ']) =>
+                {
+                    return Err(self.invalid(
+                        key,
+                        format!("{path:?} is neither a command (a list) nor a path on the instance (starting with /)"),
+                    ));
+                }
+                _ => {}
+            }
+        }
+        if i.hook_grace_s == 0 {
+            return Err(self.invalid("instance.hook_grace_s", "must be at least 1"));
         }
         for (name, value) in &i.env {
             if name.is_empty() || name.contains('=') || name.contains('\0') {

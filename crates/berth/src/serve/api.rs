@@ -95,6 +95,8 @@ pub fn router(state: Arc<ApiState>) -> Router {
             get(status).post(launch).delete(stop),
         )
         .route("/api/v1/users/{user}/instance/restart", post(restart))
+        .route("/api/v1/users/{user}/instance/hibernate", post(hibernate))
+        .route("/api/v1/users/{user}/instance/resume", post(resume))
         .route("/api/v1/users/{user}/instance/probe", post(probe))
         .route("/api/v1/users/{user}/instance/progress", get(progress))
         .route("/api/v1/users/{user}/instance/logs", get(logs))
@@ -258,6 +260,7 @@ async fn status(UserCall { user, .. }: UserCall, State(state): AppState) -> ApiR
         "main": state.main,
         "watchdog": state.watchdog,
         "breaker": state.breaker,
+        "idle_action": state.idle_action,
     }))
     .into_response())
 }
@@ -305,6 +308,19 @@ async fn launch(
 async fn stop(UserCall { user, .. }: UserCall, State(state): AppState) -> ApiResult {
     state.ops.stop(&user, Via::Client).await?;
     Ok(StatusCode::NO_CONTENT.into_response())
+}
+
+/// `POST …/instance/hibernate`: freezes the running instance with its
+/// memory intact (after its `pre_hibernate` hook); `{instance}`.
+async fn hibernate(UserCall { user, .. }: UserCall, State(state): AppState) -> ApiResult {
+    let instance = state.ops.hibernate(&user, Via::Client).await?;
+    Ok(axum::Json(json!({ "instance": instance })).into_response())
+}
+
+/// `POST …/instance/resume`: thaws a hibernated instance; `{instance}`.
+async fn resume(UserCall { user, .. }: UserCall, State(state): AppState) -> ApiResult {
+    let instance = state.ops.resume(&user, Via::Client).await?;
+    Ok(axum::Json(json!({ "instance": instance })).into_response())
 }
 
 /// `POST …/instance/restart`: a new process, ready.

@@ -107,6 +107,9 @@ pub struct UserState {
     pub main: Option<Instance>,
     pub watchdog: Option<Instance>,
     pub breaker: Option<BreakerInfo>,
+    /// `hibernate` or `stop`: what the owner node does when it idles.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub idle_action: Option<String>,
 }
 
 /// The answer of a logs call.
@@ -159,6 +162,8 @@ pub trait UserOp: Sync {
 pub struct Budgets {
     pub ready_timeout: Duration,
     pub stop_grace: Duration,
+    /// How long a `pre_hibernate` or `pre_stop` hook may run.
+    pub hook_grace: Duration,
 }
 
 /// The use cases of one node.
@@ -293,6 +298,17 @@ impl Ops {
             }
             other => other,
         }
+    }
+
+    /// Hibernates `user`'s main where it runs (design §4.5): frozen with
+    /// its memory intact, its lease kept.
+    pub async fn hibernate(&self, user: &UserId, via: Via) -> Result<Instance, SpawnError> {
+        self.hop(user, via, &Hibernation::Hibernate).await
+    }
+
+    /// Resumes `user`'s hibernated main where it runs.
+    pub async fn resume(&self, user: &UserId, via: Via) -> Result<Instance, SpawnError> {
+        self.hop(user, via, &Hibernation::Resume).await
     }
 
     /// Whether this node runs a live main of `user`, as far as it knows
@@ -578,18 +594,59 @@ impl UserOp for Status {
     const ROUTE: Route = Route::Home;
 
     async fn local(&self, ops: &Ops, user: &UserId) -> Result<UserState, SpawnError> {
-        let UserStatus { main, watchdog } = ops.spawner.status(user).await?;
+        let UserStatus {
+            main,
+            watchdog,
+            idle_action,
+        } = ops.spawner.status(user).await?;
         let breaker = ops.spawner.breaker_info(user).await?;
         Ok(UserState {
             main,
             watchdog,
             breaker,
+            idle_action,
         })
     }
 
     async fn remote(&self, ops: &Ops, to: &Target, user: &UserId) -> Result<UserState, SpawnError> {
         ops.peers()?
             .user_call(&to.node, user, UserCall::get("status", MARGIN))
+            .await
+    }
+}
+
+/// `hibernate` and `resume`: the same shape, one verb each.
+enum Hibernation {
+    Hibernate,
+    Resume,
+}
+
+impl Hibernation {
+    fn verb(&self) -> &'static str {
+        match self {
+            Hibernation::Hibernate => "hibernate",
+            Hibernation::Resume => "resume",
+        }
+    }
+}
+
+#[async_trait]
+impl UserOp for Hibernation {
+    type Output = Instance;
+    const ROUTE: Route = Route::Home;
+
+    async fn local(&self, ops: &Ops, user: &UserId) -> Result<Instance, SpawnError> {
+        match self {
+            Hibernation::Hibernate => ops.spawner.hibernate(user).await,
+            Hibernation::Resume => ops.spawner.resume(user).await,
+        }
+    }
+
+    async fn remote(&self, ops: &Ops, to: &Target, user: &UserId) -> Result<Instance, SpawnError> {
+        // A hibernation runs its hook first, cut off at its grace.
+        let budget = ops.budgets.stop_grace + ops.budgets.hook_grace + MARGIN;
+        ops.peers()?
+            .user_call(&to.node, user, UserCall::post(self.verb(), budget))
             .await
     }
 }
@@ -606,7 +663,7 @@ impl UserOp for Stop {
     }
 
     async fn remote(&self, ops: &Ops, to: &Target, user: &UserId) -> Result<(), SpawnError> {
-        let budget = ops.budgets.stop_grace + MARGIN;
+        let budget = ops.budgets.stop_grace + ops.budgets.hook_grace + MARGIN;
         ops.peers()?
             .user_call::<IgnoredAny>(&to.node, user, UserCall::post("stop", budget))
             .await

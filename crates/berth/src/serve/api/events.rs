@@ -263,6 +263,7 @@ mod tests {
             last_error: None,
             exit_code: None,
             last_active: 0,
+            hibernated_at: None,
         }
     }
 

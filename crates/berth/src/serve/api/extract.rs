@@ -62,7 +62,7 @@ impl FromRequestParts<Arc<ApiState>> for UserCall {
 pub fn user_may(method: &Method, action: &str, users_may_patch: bool) -> bool {
     match (method, action) {
         (&Method::GET, "instance" | "instance/progress" | "instance/logs" | "tokens")
-        | (&Method::POST, "instance" | "tokens")
+        | (&Method::POST, "instance" | "instance/hibernate" | "instance/resume" | "tokens")
         | (&Method::DELETE, "instance") => true,
         (&Method::DELETE, action) => action
             .strip_prefix("tokens/")
@@ -300,6 +300,8 @@ mod tests {
             (Method::POST, "tokens", false, true),
             (Method::DELETE, "tokens/{id}", false, true),
             (Method::POST, "instance/restart", true, false),
+            (Method::POST, "instance/hibernate", false, true),
+            (Method::POST, "instance/resume", false, true),
             (Method::POST, "instance/probe", true, false),
             (Method::POST, "watchdog", true, false),
             (Method::POST, "breaker/reset", false, false),

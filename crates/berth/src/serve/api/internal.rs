@@ -30,6 +30,8 @@ pub fn routes() -> Router<Arc<ApiState>> {
         .route("/internal/v1/users/{user}/launch", post(launch))
         .route("/internal/v1/users/{user}/stop", post(stop))
         .route("/internal/v1/users/{user}/restart", post(restart))
+        .route("/internal/v1/users/{user}/hibernate", post(hibernate))
+        .route("/internal/v1/users/{user}/resume", post(resume))
         .route("/internal/v1/users/{user}/probe", post(probe))
         .route("/internal/v1/users/{user}/logs", get(logs))
         .route("/internal/v1/users/{user}/watchdog", post(watchdog))
@@ -69,6 +71,16 @@ async fn launch(
 async fn stop(PeerCall { user }: PeerCall, State(state): AppState) -> ApiResult {
     state.ops.stop(&user, Via::Peer).await?;
     Ok(axum::Json(json!({})).into_response())
+}
+
+async fn hibernate(PeerCall { user }: PeerCall, State(state): AppState) -> ApiResult {
+    let instance = state.ops.hibernate(&user, Via::Peer).await?;
+    Ok(axum::Json(instance).into_response())
+}
+
+async fn resume(PeerCall { user }: PeerCall, State(state): AppState) -> ApiResult {
+    let instance = state.ops.resume(&user, Via::Peer).await?;
+    Ok(axum::Json(instance).into_response())
 }
 
 async fn restart(PeerCall { user }: PeerCall, State(state): AppState) -> ApiResult {

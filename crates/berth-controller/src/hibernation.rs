@@ -1,0 +1,290 @@
+//! Hibernation (design §4.5): an idle main is frozen with its memory and
+//! sockets intact, its lease still held and renewed, and resumed by the
+//! next request in microseconds.
+//!
+//! Two reasons keep a main frozen, and each is kept apart: hibernation
+//! (here, `Slot::is_hibernated`) and fencing (the fencer's frozen map, set
+//! when no renew succeeded within `fence_after`). The program runs again
+//! only when neither remains: a renew clears the fence reason and thaws
+//! only a main that is not hibernated; a resume clears the hibernation
+//! reason and thaws only a main that is not fenced. A stop of a hibernated
+//! main kills it while frozen, like a fenced one (its `pre_hibernate` hook
+//! already had its chance to flush).
+//!
+//! The hot path reads `Slot::is_hibernated` (an atomic) and nothing else;
+//! a resume thaws through the runtime at once and writes the record to the
+//! store afterwards, on a task of its own.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use berth_core::runtime::RuntimeRef;
+use berth_core::{Endpoint, Instance, InstanceStatus, Role, SpawnError, UserId, unix_millis_now};
+use http_body_util::Empty;
+use hyper::body::Bytes;
+use hyper_util::rt::TokioIo;
+
+use crate::Shared;
+use crate::config::Hook;
+use crate::users::Slot;
+
+/// Who asks for a hibernation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum HibernateBy {
+    /// The reaper, which saw the main idle with this last activity: any
+    /// activity after it calls the hibernation off.
+    Reaper { seen: i64 },
+    /// An operator (`berth hibernate`): only activity while the flag is
+    /// being set calls it off (a request then may have missed the flag).
+    Request,
+}
+
+/// The main's run and endpoint, if it runs ready (or is hibernated).
+fn routable_run(slot: &Slot) -> Option<(Instance, RuntimeRef, Option<Endpoint>)> {
+    let state = slot.lock();
+    let entry = state.main.as_ref()?;
+    let i = &entry.instance;
+    if !(i.status.is_routable() && i.ready) {
+        return None;
+    }
+    Some((i.clone(), i.runtime_ref.clone()?, entry.endpoint.clone()))
+}
+
+impl Shared {
+    /// Hibernates `slot`'s main. The caller holds the lifecycle lock.
+    /// `Ok(None)`: called off (activity arrived meanwhile).
+    pub(crate) async fn hibernate_locked(
+        &self,
+        slot: &Slot,
+        by: HibernateBy,
+    ) -> Result<Option<Instance>, SpawnError> {
+        let user = &slot.user;
+        if !self.capabilities.freeze {
+            return Err(SpawnError::InvalidRequest(format!(
+                "the {} runtime cannot freeze instances, so idle instances are stopped instead",
+                self.runtime.name()
+            )));
+        }
+        let Some((instance, run, endpoint)) = routable_run(slot) else {
+            return Err(SpawnError::NotFound {
+                user: user.clone(),
+                what: "running instance",
+            });
+        };
+        if slot.is_hibernated() {
+            return Ok(Some(instance));
+        }
+        if let Some(hook) = &self.config.pre_hibernate {
+            self.run_hook("pre_hibernate", hook, slot, endpoint.as_ref())
+                .await;
+        }
+        // Set before the last look at the activity (see `Slot::hibernated`):
+        // a request that touched before it may not have seen the flag, and
+        // would be forwarded to a frozen program.
+        let seen = match by {
+            HibernateBy::Reaper { seen } => seen,
+            HibernateBy::Request => slot.last_active(),
+        };
+        slot.set_hibernated(true);
+        if slot.last_active() > seen {
+            slot.set_hibernated(false);
+            return Ok(None);
+        }
+        if let Err(e) = self.runtime.freeze(&run).await {
+            slot.set_hibernated(false);
+            return Err(SpawnError::Internal(format!(
+                "could not freeze the instance: {e}"
+            )));
+        }
+        self.metrics.hibernation.hibernations.inc();
+        tracing::info!(%user, "instance hibernated");
+        let now = unix_millis_now();
+        let hibernated = self
+            .modify(
+                slot,
+                Role::Main,
+                &instance.id,
+                Some("hibernated".into()),
+                |entry| {
+                    let i = &mut entry.instance;
+                    if i.status == InstanceStatus::Running {
+                        i.status = InstanceStatus::Hibernated;
+                        i.hibernated_at = Some(now);
+                    }
+                },
+            )
+            .await;
+        Ok(hibernated)
+    }
+
+    /// Resumes `slot`'s main if it is hibernated: thaws it (unless it is
+    /// also frozen for fencing, which only a renew lifts) and records it
+    /// running. `Ok(false)`: it was not hibernated.
+    pub(crate) async fn resume(self: &Arc<Self>, slot: &Arc<Slot>) -> Result<bool, SpawnError> {
+        if !slot.is_hibernated() {
+            return Ok(false);
+        }
+        let asked = Instant::now();
+        let _guard = slot.lifecycle.lock().await;
+        if !slot.is_hibernated() {
+            return Ok(false);
+        }
+        let user = &slot.user;
+        let run = routable_run(slot).map(|(_, run, _)| run);
+        slot.set_hibernated(false);
+        if self.fencer.is_fenced(user) {
+            tracing::info!(%user, "resume asked while fenced: the instance thaws once a renew proves its lease");
+        } else if let Some(run) = run {
+            if let Err(e) = self.runtime.thaw(&run).await {
+                tracing::warn!(%user, error = %e, "could not thaw the instance");
+            }
+        }
+        let metrics = &self.metrics.hibernation;
+        metrics.resumes.inc();
+        metrics
+            .resume_latency
+            .observe(asked.elapsed().as_secs_f64());
+        // The record follows on a task of its own: the request that woke
+        // the instance is forwarded now. It takes the lifecycle lock, so a
+        // hibernation after this one records after it, too.
+        let (this, slot) = (Arc::clone(self), Arc::clone(slot));
+        self.tasks.spawn(async move {
+            let _guard = slot.lifecycle.lock().await;
+            if slot.is_hibernated() {
+                return;
+            }
+            let Some(id) = slot.record(Role::Main).map(|i| i.id) else {
+                return;
+            };
+            this.modify(&slot, Role::Main, &id, Some("resumed".into()), |entry| {
+                let i = &mut entry.instance;
+                if i.status == InstanceStatus::Hibernated {
+                    i.status = InstanceStatus::Running;
+                    i.hibernated_at = None;
+                }
+            })
+            .await;
+        });
+        Ok(true)
+    }
+
+    /// Runs `hook` for `slot`'s main, cut off at the hook grace. Failures
+    /// are logged: a hook gives the program a chance to flush, it never
+    /// holds up hibernation or a stop.
+    pub(crate) async fn run_hook(
+        &self,
+        name: &'static str,
+        hook: &Hook,
+        slot: &Slot,
+        endpoint: Option<&Endpoint>,
+    ) {
+        let user = &slot.user;
+        let grace = self.config.hook_grace;
+        let outcome = match hook {
+            Hook::Command(argv) => run_command(name, argv, slot, endpoint, grace).await,
+            Hook::Http(path) => match endpoint {
+                Some(endpoint) => post(endpoint, path, grace).await,
+                None => Err("the instance has no endpoint".to_owned()),
+            },
+        };
+        match outcome {
+            Ok(()) => tracing::info!(%user, hook = name, "hook done"),
+            Err(e) => tracing::warn!(%user, hook = name, error = %e, "hook failed"),
+        }
+    }
+}
+
+/// Runs an operator's hook command in a process group of its own, killing
+/// the whole group at `grace`.
+async fn run_command(
+    name: &'static str,
+    argv: &[String],
+    slot: &Slot,
+    endpoint: Option<&Endpoint>,
+    grace: Duration,
+) -> Result<(), String> {
+    let (program, args) = argv.split_first().ok_or("the command is empty")?;
+    let mut command = tokio::process::Command::new(program);
+    command
+        .args(args)
+        .env_clear()
+        .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+        .env("BERTH_USER", slot.user.as_str())
+        .env("BERTH_SLUG", slot.slug.as_str())
+        .env("BERTH_HOOK", name)
+        .stdin(std::process::Stdio::null())
+        .process_group(0)
+        .kill_on_drop(true);
+    if let Some(endpoint) = endpoint {
+        command.env("BERTH_PORT", endpoint.port.to_string());
+    }
+    let mut child = command
+        .spawn()
+        .map_err(|e| format!("cannot run {program:?}: {e}"))?;
+    let group = child.id();
+    match tokio::time::timeout(grace, child.wait()).await {
+        Ok(Ok(status)) if status.success() => Ok(()),
+        Ok(Ok(status)) => Err(format!("{program:?} ended with {status}")),
+        Ok(Err(e)) => Err(format!("waiting for {program:?}: {e}")),
+        Err(_) => {
+            if let Some(pgid) = group.and_then(|g| i32::try_from(g).ok()) {
+                // The group is the hook's own (`process_group(0)`), so this
+                // reaches what it started and nothing else.
+                let _ = nix::sys::signal::killpg(
+                    nix::unistd::Pid::from_raw(pgid),
+                    nix::sys::signal::Signal::SIGKILL,
+                );
+            }
+            let _ = child.wait().await;
+            Err(format!(
+                "{program:?} did not finish within {} s; cut off",
+                grace.as_secs_f64()
+            ))
+        }
+    }
+}
+
+/// `POST path` on the instance; any answer counts as done.
+async fn post(endpoint: &Endpoint, path: &str, grace: Duration) -> Result<(), String> {
+    let attempt = async {
+        let stream = tokio::net::TcpStream::connect((endpoint.host.as_str(), endpoint.port))
+            .await
+            .map_err(|e| format!("cannot connect to {endpoint}: {e}"))?;
+        let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+            .await
+            .map_err(|e| e.to_string())?;
+        let request = hyper::Request::post(path)
+            .header(hyper::header::HOST, endpoint.authority())
+            .body(Empty::<Bytes>::new())
+            .map_err(|e| e.to_string())?;
+        // The connection is driven while the request is in flight; it ends
+        // with the hook, so no task is spawned for it.
+        let mut conn = std::pin::pin!(conn);
+        let mut response = std::pin::pin!(sender.send_request(request));
+        let answer = tokio::select! {
+            biased;
+            answer = &mut response => answer,
+            _ = &mut conn => response.await,
+        };
+        answer
+            .map(|r| tracing::debug!(status = %r.status(), "hook answered"))
+            .map_err(|e| e.to_string())
+    };
+    tokio::time::timeout(grace, attempt)
+        .await
+        .unwrap_or_else(|_| {
+            Err(format!(
+                "POST {path} did not answer within {} s; cut off",
+                grace.as_secs_f64()
+            ))
+        })
+}
+
+/// Whether `user` would be routed to a hibernated main here (the proxy's
+/// question on every request; an atomic read after the slot lookup).
+pub(crate) fn hibernated(shared: &Shared, user: &UserId) -> bool {
+    shared
+        .users
+        .existing(user)
+        .is_some_and(|slot| slot.is_hibernated())
+}
