@@ -192,7 +192,18 @@ impl PodView {
     /// How the pod ended, if it has.
     pub fn exit(&self, memory_limit_mb: Option<u64>) -> Option<ExitStatus> {
         if let Some(t) = &self.main.terminated {
-            return Some(exit_of(t, memory_limit_mb));
+            let mut exit = exit_of(t, memory_limit_mb);
+            if let Some(reason) = &self.reason {
+                // The pod's own reason (an eviction) says more than the
+                // kill it caused.
+                let why = format!(
+                    "{}\nthe pod {reason}: {}",
+                    exit.stderr_tail,
+                    self.message.as_deref().unwrap_or("")
+                );
+                exit.stderr_tail = tail(&why);
+            }
+            return Some(exit);
         }
         self.ended().then(|| ExitStatus {
             code: None,

@@ -148,6 +148,20 @@ fn contains(have: &Value, want: &Value) -> bool {
     }
 }
 
+/// Whether `existing` already has everything of `desired`: its labels and
+/// annotations, and its body — exactly (`whole`), or with what the API
+/// server added.
+fn owns_all<K: Serialize>(existing: &K, desired: &K, whole: bool) -> bool {
+    let (mut have, mut want) = (owned_fields(existing), owned_fields(desired));
+    let (have_meta, want_meta) = (have["metadata"].take(), want["metadata"].take());
+    contains(&have_meta, &want_meta)
+        && if whole {
+            have == want
+        } else {
+            contains(&have, &want)
+        }
+}
+
 /// The parts of an object berth owns: labels, annotations, and everything
 /// but the metadata.
 fn owned_fields<K: Serialize>(object: &K) -> Value {
@@ -408,12 +422,16 @@ impl Inner {
         lock(&self.state).pods.get(name).map(PodView::of)
     }
 
-    /// Waits until the cache has no pod `name` with `uid`.
-    async fn wait_gone(&self, name: &str, uid: &str, deadline: tokio::time::Instant) -> bool {
+    /// Waits until the cache's pod `name` (or its absence) passes `check`.
+    async fn wait_view(
+        &self,
+        name: &str,
+        deadline: tokio::time::Instant,
+        check: impl Fn(Option<&PodView>) -> bool,
+    ) -> bool {
         let mut changes = self.changes.subscribe();
         loop {
-            let present = self.cached_view(name).is_some_and(|v| v.uid == uid);
-            if !present {
+            if check(self.cached_view(name).as_ref()) {
                 return true;
             }
             if !matches!(
@@ -423,6 +441,12 @@ impl Inner {
                 return false;
             }
         }
+    }
+
+    /// Waits until the cache has no pod `name` with `uid`.
+    async fn wait_gone(&self, name: &str, uid: &str, deadline: tokio::time::Instant) -> bool {
+        self.wait_view(name, deadline, |v| v.is_none_or(|v| v.uid != uid))
+            .await
     }
 
     /// Creates `desired`, or brings the existing object's berth fields in
@@ -442,7 +466,7 @@ impl Inner {
             let Some(existing) = api.get_opt(&name).await? else {
                 continue;
             };
-            if contains(&owned_fields(&existing), &owned_fields(desired)) {
+            if owns_all(&existing, desired, replace) {
                 return Ok(());
             }
             let result = if replace {
@@ -689,6 +713,13 @@ impl Inner {
                 if self.take_over(&existing, spec, patch_hash).await? {
                     tracing::info!(pod = %name, uid = %view.uid, epoch = spec.epoch,
                         "took over the running pod in place");
+                    // Until the watch shows it, this replica's own cache
+                    // would not know the pod is its own.
+                    let epoch = Some(spec.epoch);
+                    self.wait_view(&name, deadline, |v| {
+                        v.is_some_and(|v| v.uid == view.uid && v.epoch == epoch)
+                    })
+                    .await;
                     return Ok(view.uid);
                 }
                 continue;
