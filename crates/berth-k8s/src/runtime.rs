@@ -48,6 +48,8 @@ use crate::{K8sRuntimeConfig, Readiness};
 const KEPT_LINES: usize = 1000;
 /// How many times a conflicting write is read and tried again.
 const CONFLICT_RETRIES: usize = 8;
+/// How much of a log adoption reads for the launch token.
+const TOKEN_SCAN_BYTES: i64 = 1 << 20;
 /// Lines buffered for one `follow_logs` reader.
 const FOLLOW_BUFFER: usize = 256;
 
@@ -923,8 +925,10 @@ impl Inner {
         let Readiness::TokenRegex(regex) = &self.config.readiness else {
             return None;
         };
+        // The token is printed at start; a long log is not read whole.
         let params = LogParams {
             container: Some(MAIN_CONTAINER.into()),
+            limit_bytes: Some(TOKEN_SCAN_BYTES),
             ..LogParams::default()
         };
         let text = self.pods.logs(name, &params).await.ok()?;

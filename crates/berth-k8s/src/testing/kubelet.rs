@@ -496,7 +496,8 @@ fn read_lines<R>(
 where
     R: tokio::io::AsyncRead + Unpin + Send + 'static,
 {
-    tokio::spawn(async move {
+    let tasks = shared.tasks.clone();
+    tasks.spawn(async move {
         let mut lines = BufReader::new(stream).lines();
         while let Ok(Some(line)) = lines.next_line().await {
             if let Some(run) = lock(&shared.world).runs.get_mut(&uid) {

@@ -69,6 +69,11 @@ pub struct ApiServerDouble {
 
 impl ApiServerDouble {
     /// Serves on a free local port.
+    ///
+    /// # Panics
+    ///
+    /// When no temporary directory or local port can be had: it is test
+    /// support, and a test cannot go on without it.
     pub async fn start() -> ApiServerDouble {
         let root = tempfile::tempdir().expect("a temporary directory for the double");
         let shared = Arc::new(Shared {

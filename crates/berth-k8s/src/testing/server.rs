@@ -557,7 +557,7 @@ async fn logs(
     };
     if !follow {
         let world = lock(&shared.world);
-        let text: String = world
+        let mut text: String = world
             .runs
             .get(&uid)
             .map(|r| {
@@ -567,6 +567,16 @@ async fn logs(
                     .collect()
             })
             .unwrap_or_default();
+        if let Some(limit) = params
+            .get("limitBytes")
+            .and_then(|l| l.parse::<usize>().ok())
+        {
+            let mut cut = limit.min(text.len());
+            while !text.is_char_boundary(cut) {
+                cut -= 1;
+            }
+            text.truncate(cut);
+        }
         return (StatusCode::OK, [(header::CONTENT_TYPE, "text/plain")], text).into_response();
     }
     let Some(notify) = notify else {
