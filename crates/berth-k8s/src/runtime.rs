@@ -48,6 +48,9 @@ use crate::{K8sRuntimeConfig, Readiness};
 const KEPT_LINES: usize = 1000;
 /// How many times a conflicting write is read and tried again.
 const CONFLICT_RETRIES: usize = 8;
+/// How long the first list of pods may take before a call that needs it
+/// fails (the API server is unreachable, or berth may not list pods).
+const SYNC_TIMEOUT: Duration = Duration::from_secs(60);
 /// How much of a log adoption reads for the launch token.
 const TOKEN_SCAN_BYTES: i64 = 1 << 20;
 /// Lines buffered for one `follow_logs` reader.
@@ -345,9 +348,16 @@ impl Inner {
         }
         let (inner, name, uid) = (self.clone(), view.name.clone(), view.uid.clone());
         self.tasks.spawn(async move {
-            inner.keep_log(&name).await;
-            if let Err(e) = inner.release_finalizer(&name, &uid).await {
-                tracing::warn!(pod = %name, error = %e, "could not remove berth's finalizer");
+            let collect = async {
+                inner.keep_log(&name).await;
+                if let Err(e) = inner.release_finalizer(&name, &uid).await {
+                    tracing::warn!(pod = %name, error = %e, "could not remove berth's finalizer");
+                }
+            };
+            // Cut short by a shutdown, the next berth's relist collects it.
+            tokio::select! {
+                _ = inner.cancel.cancelled() => {}
+                () = collect => {}
             }
             lock(&inner.state).collecting.remove(&name);
         });
@@ -403,6 +413,7 @@ impl Inner {
     }
 
     async fn wait_synced(&self, deadline: tokio::time::Instant) -> Result<(), RuntimeError> {
+        let deadline = deadline.min(tokio::time::Instant::now() + SYNC_TIMEOUT);
         let mut changes = self.changes.subscribe();
         loop {
             if lock(&self.state).synced {
@@ -838,30 +849,24 @@ impl Inner {
         let (tokens, mut found) = mpsc::channel::<String>(1);
         loop {
             let view = views.borrow_and_update().clone();
-            let mut steps = tracker.observe(&view);
-            loop {
-                for step in std::mem::take(&mut steps) {
-                    match step {
-                        Step::Emit(event) => {
-                            if events.send(event).await.is_err() {
-                                return;
-                            }
-                        }
-                        Step::ScanLog => {
-                            self.scan_for_token(name, tokens.clone(), scan_cancel.clone());
-                        }
-                        Step::Finish { exit, delete } => {
-                            if delete {
-                                let _ = self.delete_pod(name, uid, 1).await;
-                            }
-                            self.keep_log(name).await;
-                            let _ = events.send(RuntimeEvent::Exited(exit)).await;
+            for step in tracker.observe(&view) {
+                match step {
+                    Step::Emit(event) => {
+                        if events.send(event).await.is_err() {
                             return;
                         }
                     }
-                }
-                if steps.is_empty() {
-                    break;
+                    Step::ScanLog => {
+                        self.scan_for_token(name, tokens.clone(), scan_cancel.clone());
+                    }
+                    Step::Finish { exit, delete } => {
+                        if delete {
+                            let _ = self.delete_pod(name, uid, 1).await;
+                        }
+                        self.keep_log(name).await;
+                        let _ = events.send(RuntimeEvent::Exited(exit)).await;
+                        return;
+                    }
                 }
             }
             tokio::select! {
