@@ -184,8 +184,9 @@ fn owned_fields<K: Serialize>(object: &K) -> Value {
 
 impl K8sRuntime {
     /// A runtime over `client`, answering endpoints with the Service's DNS
-    /// name. Starts the watch; [`Runtime::discover`] and
-    /// [`Runtime::start`] wait for its first list.
+    /// name. Starts the watch (so it must be called within a Tokio
+    /// runtime); [`Runtime::discover`] and [`Runtime::start`] wait for its
+    /// first list.
     pub fn new(client: Client, config: K8sRuntimeConfig) -> Result<Arc<K8sRuntime>, RuntimeError> {
         let resolver = Arc::new(ServiceDns {
             cluster_domain: config.kubernetes.cluster_domain.clone(),
@@ -905,22 +906,36 @@ impl Inner {
                 follow: true,
                 ..LogParams::default()
             };
+            // Until found or the run ends (which cancels this): a stream
+            // that fails or is cut is read again from the start.
             let scan = async {
-                let stream = inner.pods.log_stream(&name, &params).await?;
-                let mut lines = stream.lines();
-                while let Some(line) = lines.try_next().await? {
-                    if let Some(token) = token_of(&regex, &line) {
-                        let _ = found.send(token).await;
-                        break;
+                loop {
+                    let once = async {
+                        let stream = inner.pods.log_stream(&name, &params).await?;
+                        let mut lines = std::pin::pin!(stream.lines());
+                        while let Some(line) = lines.try_next().await? {
+                            if let Some(token) = token_of(&regex, &line) {
+                                return Ok(Some(token));
+                            }
+                        }
+                        Ok::<_, Box<dyn std::error::Error + Send + Sync>>(None)
+                    };
+                    match once.await {
+                        Ok(Some(token)) => {
+                            let _ = found.send(token).await;
+                            return;
+                        }
+                        Ok(None) => {}
+                        Err(e) => {
+                            tracing::debug!(pod = %name, error = %e, "reading the log for the launch token failed");
+                        }
                     }
+                    tokio::time::sleep(Duration::from_secs(1)).await;
                 }
-                Ok::<(), Box<dyn std::error::Error + Send + Sync>>(())
             };
             tokio::select! {
                 _ = cancel.cancelled() => {}
-                result = scan => if let Err(e) = result {
-                    tracing::debug!(pod = %name, error = %e, "reading the log for the launch token failed");
-                },
+                () = scan => {}
             }
         });
     }
