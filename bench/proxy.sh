@@ -4,6 +4,8 @@
 #   bench/proxy.sh                      # one round, 10 s per wrk run
 #   ROUNDS=3 bench/proxy.sh             # three rounds; the table shows medians
 #   DURATION=5s CONNS=32 BUILD=0 bench/proxy.sh
+#   BUILD=0 BERTH=<new> BERTH_B=<old> ROUNDS=5 TARGETS="nginx berth berth_b" bench/proxy.sh
+#                                       # A/B of two berth builds, alternating
 #
 # Everything runs in one run on this machine, on 127.0.0.1 only:
 #
@@ -22,6 +24,12 @@
 #            full route → auth → wake check → forward path runs.
 # * chp:     wrk → configurable-http-proxy (node is single-threaded), with the
 #            route /u/bench → backend added through its API.
+# * berth_b: only with BERTH_B=<another berth binary>: that build, set up
+#            exactly like `berth` but with a backend of its own (a second,
+#            identical nginx on its own port, as its instance), so two builds
+#            are compared in one run, round by round, under the same load.
+#
+# TARGETS (default: all of them) picks and orders the targets of a round.
 #
 # Every target gets the same request (`GET /u/bench/` with the same
 # Authorization header), a 2 s warm-up, then `wrk -t1 -c$CONNS -d$DURATION
@@ -42,6 +50,8 @@ ROUNDS=${ROUNDS:-1}
 WARMUP=${WARMUP:-2s}
 BUILD=${BUILD:-1}
 BERTH=${BERTH:-$REPO/target/release/berth}
+BERTH_B=${BERTH_B:-}
+TARGETS=${TARGETS:-direct nginx berth${BERTH_B:+ berth_b} chp}
 CHP_DIR=$REPO/target/bench-tools/chp
 
 log() { printf '%s\n' "$*" >&2; }
@@ -57,7 +67,9 @@ install_tools() {
     local missing=()
     command -v nginx >/dev/null || [[ -x /usr/sbin/nginx ]] || missing+=(nginx)
     command -v wrk >/dev/null || missing+=(wrk)
-    command -v npm >/dev/null || missing+=(nodejs npm)
+    local want_chp=
+    [[ " $TARGETS " == *" chp "* ]] && want_chp=1
+    [[ -z $want_chp ]] || command -v npm >/dev/null || missing+=(nodejs npm)
     command -v curl >/dev/null || missing+=(curl ca-certificates)
     command -v python3 >/dev/null || missing+=(python3)
     if ((${#missing[@]})); then
@@ -66,7 +78,10 @@ install_tools() {
         DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
     fi
     NGINX=$(command -v nginx || echo /usr/sbin/nginx)
-    if command -v configurable-http-proxy >/dev/null; then
+    CHP=
+    if [[ -z $want_chp ]]; then
+        :
+    elif command -v configurable-http-proxy >/dev/null; then
         CHP=$(command -v configurable-http-proxy)
     else
         CHP=$CHP_DIR/node_modules/.bin/configurable-http-proxy
@@ -81,6 +96,10 @@ install_tools() {
         (cd "$REPO" && cargo build --release -q -p berth)
     fi
     [[ -x $BERTH ]] || die "no berth binary at $BERTH (build it, or set BERTH=)"
+    [[ -z $BERTH_B || -x $BERTH_B ]] || die "no berth binary at BERTH_B=$BERTH_B"
+    if [[ -z $BERTH_B && " $TARGETS " == *" berth_b "* ]]; then
+        die "TARGETS names berth_b but BERTH_B is not set"
+    fi
 }
 
 # --------------------------------------------------------------------------
@@ -89,6 +108,7 @@ install_tools() {
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/berth-bench-proxy.XXXXXX")
 PIDS=()
 BERTH_URL=
+BERTH_B_URL=
 TOKEN=
 
 cleanup() {
@@ -96,10 +116,11 @@ cleanup() {
     set +e
     # berth's instances outlive berth by design: stop bench's through the
     # API first, then berth, then the rest.
-    if [[ -n $BERTH_URL ]]; then
+    local url
+    for url in $BERTH_URL $BERTH_B_URL; do
         curl -s -o /dev/null -m 10 -X DELETE -H "Authorization: Bearer $TOKEN" \
-            "$BERTH_URL/api/v1/users/bench/instance"
-    fi
+            "$url/api/v1/users/bench/instance"
+    done
     local pid
     for pid in "${PIDS[@]}"; do
         kill -TERM "$pid" 2>/dev/null
@@ -112,13 +133,15 @@ cleanup() {
         kill -KILL "$pid" 2>/dev/null
         wait "$pid" 2>/dev/null
     done
-    # Belt and braces: the backend nginx, should the API stop have failed.
-    if [[ -s $WORK/backend/nginx.pid ]]; then
-        pid=$(cat "$WORK/backend/nginx.pid")
+    # Belt and braces: the backend nginxes, should the API stop have failed.
+    local pidfile
+    for pidfile in "$WORK"/backend*/nginx.pid; do
+        [[ -s $pidfile ]] || continue
+        pid=$(cat "$pidfile")
         if [[ $(readlink "/proc/$pid/exe" 2>/dev/null) == "$(readlink -f "$NGINX")" ]]; then
             kill -TERM "$pid" 2>/dev/null
         fi
-    fi
+    done
     rm -rf "$WORK"
     exit "$status"
 }
@@ -153,23 +176,57 @@ wait_200() {
 }
 
 # --------------------------------------------------------------------------
-# The four targets
+# The targets
+
+# Starts berth binary $1 in $WORK/$2 on port $3, with bench's instance (the
+# backend nginx, its files in $WORK/$5) pinned to port $4; sets STARTED_URL.
+start_berth() {
+    local binary=$1 name=$2 port=$3 backend_port=$4 backend_dir=$5
+    mkdir -p "$WORK/$name" "$WORK/$backend_dir"
+    cat >"$WORK/$name/berth.toml" <<EOF
+listen = "127.0.0.1:$port"
+data_dir = "$WORK/$name/data"
+admin_token = "$TOKEN"
+
+[instance]
+command = ["$WORK/backend.sh", "{port}", "$backend_dir"]
+ready_http_path = "/"
+ready_timeout_s = 30
+port_range = [$backend_port, $backend_port]
+stop_grace_s = 2
+
+[reap]
+idle_ttl_s = 0
+EOF
+    TOKIO_WORKER_THREADS=1 "$binary" serve --config "$WORK/$name/berth.toml" \
+        >"$WORK/$name/berth.log" 2>&1 </dev/null &
+    PIDS+=($!)
+    STARTED_PID=$!
+    STARTED_URL=http://127.0.0.1:$port
+    wait_200 "$STARTED_URL/healthz" "$name"
+    curl -sf -m 60 -o /dev/null -X POST -H "Authorization: Bearer $TOKEN" \
+        "$STARTED_URL/api/v1/users/bench/instance" ||
+        die "$name could not start bench's instance: $(tail -5 "$WORK/$name/berth.log")"
+    wait_200 "http://127.0.0.1:$backend_port/" "backend nginx ($name's instance)"
+}
 
 start_all() {
-    read -r BACKEND_PORT NGINX_PORT BERTH_PORT CHP_PORT CHP_API_PORT <<<"$(free_ports 5)"
+    read -r BACKEND_PORT NGINX_PORT BERTH_PORT CHP_PORT CHP_API_PORT BACKEND_B_PORT BERTH_B_PORT \
+        <<<"$(free_ports 7)"
     TOKEN="bench-$(head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \n')"
-    mkdir -p "$WORK/backend" "$WORK/proxy" "$WORK/berth"
+    mkdir -p "$WORK/proxy"
 
-    # The backend, as berth's instance program: nginx on {port}.
+    # The backend, as berth's instance program: nginx on {port} ($1), its
+    # files in the directory $2 names.
     cat >"$WORK/backend.sh" <<EOF
 #!/bin/sh
 set -e
-conf="$WORK/backend/nginx.conf"
+conf="$WORK/\$2/nginx.conf"
 cat >"\$conf" <<CONF
 worker_processes 1;
 daemon off;
-pid $WORK/backend/nginx.pid;
-error_log $WORK/backend/error.log warn;
+pid $WORK/\$2/nginx.pid;
+error_log $WORK/\$2/error.log warn;
 events { worker_connections 4096; }
 http {
     access_log off;
@@ -180,35 +237,20 @@ http {
     }
 }
 CONF
-exec "$NGINX" -p "$WORK/backend" -c "\$conf"
+exec "$NGINX" -p "$WORK/\$2" -c "\$conf"
 EOF
     chmod +x "$WORK/backend.sh"
 
-    # berth, whose instance for `bench` is that backend.
-    cat >"$WORK/berth/berth.toml" <<EOF
-listen = "127.0.0.1:$BERTH_PORT"
-data_dir = "$WORK/berth/data"
-admin_token = "$TOKEN"
-
-[instance]
-command = ["$WORK/backend.sh", "{port}"]
-ready_http_path = "/"
-ready_timeout_s = 30
-port_range = [$BACKEND_PORT, $BACKEND_PORT]
-stop_grace_s = 2
-
-[reap]
-idle_ttl_s = 0
-EOF
-    TOKIO_WORKER_THREADS=1 "$BERTH" serve --config "$WORK/berth/berth.toml" \
-        >"$WORK/berth/berth.log" 2>&1 </dev/null &
-    PIDS+=($!)
-    BERTH_URL=http://127.0.0.1:$BERTH_PORT
-    wait_200 "$BERTH_URL/healthz" berth
-    curl -sf -m 60 -o /dev/null -X POST -H "Authorization: Bearer $TOKEN" \
-        "$BERTH_URL/api/v1/users/bench/instance" ||
-        die "berth could not start bench's instance: $(tail -5 "$WORK/berth/berth.log")"
-    wait_200 "http://127.0.0.1:$BACKEND_PORT/" "backend nginx (bench's instance)"
+    # berth, whose instance for `bench` is that backend; and berth_b, with
+    # a backend of its own.
+    start_berth "$BERTH" berth "$BERTH_PORT" "$BACKEND_PORT" backend
+    BERTH_URL=$STARTED_URL
+    PID_berth=$STARTED_PID
+    if [[ -n $BERTH_B ]]; then
+        start_berth "$BERTH_B" berth-b "$BERTH_B_PORT" "$BACKEND_B_PORT" backend-b
+        BERTH_B_URL=$STARTED_URL
+        PID_berth_b=$STARTED_PID
+    fi
 
     # nginx as a reverse proxy, configured as one would for production.
     cat >"$WORK/proxy/nginx.conf" <<EOF
@@ -243,26 +285,29 @@ EOF
     PIDS+=($!)
 
     # configurable-http-proxy, with the route JupyterHub would add.
-    CONFIGPROXY_AUTH_TOKEN=$TOKEN "$CHP" --ip 127.0.0.1 --port "$CHP_PORT" \
-        --api-ip 127.0.0.1 --api-port "$CHP_API_PORT" --log-level warn \
-        >"$WORK/chp.log" 2>&1 </dev/null &
-    PIDS+=($!)
-    for _ in $(seq 300); do
-        curl -s -o /dev/null -m 2 "http://127.0.0.1:$CHP_API_PORT/api/routes" \
-            -H "Authorization: token $TOKEN" && break
-        sleep 0.1
-    done
-    curl -sf -m 5 -o /dev/null -X POST -H "Authorization: token $TOKEN" \
-        -d "{\"target\":\"http://127.0.0.1:$BACKEND_PORT\"}" \
-        "http://127.0.0.1:$CHP_API_PORT/api/routes/u/bench" ||
-        die "configurable-http-proxy did not take the route: $(tail -5 "$WORK/chp.log")"
+    if [[ -n $CHP ]]; then
+        CONFIGPROXY_AUTH_TOKEN=$TOKEN "$CHP" --ip 127.0.0.1 --port "$CHP_PORT" \
+            --api-ip 127.0.0.1 --api-port "$CHP_API_PORT" --log-level warn \
+            >"$WORK/chp.log" 2>&1 </dev/null &
+        PIDS+=($!)
+        for _ in $(seq 300); do
+            curl -s -o /dev/null -m 2 "http://127.0.0.1:$CHP_API_PORT/api/routes" \
+                -H "Authorization: token $TOKEN" && break
+            sleep 0.1
+        done
+        curl -sf -m 5 -o /dev/null -X POST -H "Authorization: token $TOKEN" \
+            -d "{\"target\":\"http://127.0.0.1:$BACKEND_PORT\"}" \
+            "http://127.0.0.1:$CHP_API_PORT/api/routes/u/bench" ||
+            die "configurable-http-proxy did not take the route: $(tail -5 "$WORK/chp.log")"
+    fi
 
     URL_direct=http://127.0.0.1:$BACKEND_PORT/u/bench/
     URL_nginx=http://127.0.0.1:$NGINX_PORT/u/bench/
     URL_berth=$BERTH_URL/u/bench/
+    URL_berth_b=$BERTH_B_URL/u/bench/
     URL_chp=http://127.0.0.1:$CHP_PORT/u/bench/
     local t url
-    for t in direct nginx berth chp; do
+    for t in $TARGETS; do
         url=URL_$t
         wait_200 "${!url}" "$t" -H "Authorization: Bearer $TOKEN"
     done
@@ -281,11 +326,25 @@ to_us() {
     }'
 }
 
-# Runs wrk; prints "req/s p50_us p99_us".
+# CPU time (user + system) process $1 has used, in clock ticks.
+cpu_ticks() { awk '{ sub(/^.*\) /, ""); print $12 + $13 }' "/proc/$1/stat"; }
+
+# Runs wrk; prints "req/s p50_us p99_us cpu_us_per_request", the last "-"
+# unless $4 names the proxy's pid (berth's CPU per request is steadier
+# than its req/s on a shared machine: it does not depend on who else runs).
 measure() {
-    local url=$1 conns=$2 duration=$3 out
+    local url=$1 conns=$2 duration=$3 pid=${4:-} out before=
+    [[ -z $pid ]] || before=$(cpu_ticks "$pid")
     out=$(wrk -t1 -c"$conns" -d"$duration" --latency \
         -H "Authorization: Bearer $TOKEN" "$url")
+    local cpu=-
+    if [[ -n $pid ]]; then
+        local ticks requests
+        ticks=$(($(cpu_ticks "$pid") - before))
+        requests=$(awk '/requests in/ { print $1 }' <<<"$out")
+        cpu=$(awk -v t="$ticks" -v r="$requests" -v hz="$(getconf CLK_TCK)" \
+            'BEGIN { printf "%.1f", t * 1e6 / hz / r }')
+    fi
     if grep -qE 'Non-2xx|Socket errors' <<<"$out"; then
         die "errors while measuring $url:
 $out"
@@ -296,7 +355,7 @@ $out"
     p99=$(awk '$1 == "99%" { print $2 }' <<<"$out")
     [[ -n $rps && -n $p50 && -n $p99 ]] || die "cannot read wrk's output:
 $out"
-    echo "$rps $(to_us "$p50") $(to_us "$p99")"
+    echo "$rps $(to_us "$p50") $(to_us "$p99") $cpu"
 }
 
 median() { sort -n | awk '{ v[NR] = $1 } END { print v[int((NR + 1) / 2)] }'; }
@@ -310,44 +369,65 @@ main() {
     install_tools
     start_all
     log "machine: $(nproc) cores, $(uname -sr); load: $(uptime | sed 's/.*load average: //')"
-    log "versions: $("$NGINX" -v 2>&1 | sed 's/.*: //'), configurable-http-proxy $("$CHP" --version), node $(node --version), $(wrk -v 2>&1 | head -1 | awk '{ print $1, $2 }')"
+    log "versions: $("$NGINX" -v 2>&1 | sed 's/.*: //'), $(wrk -v 2>&1 | head -1 | awk '{ print $1, $2 }')${CHP:+, configurable-http-proxy $("$CHP" --version), node $(node --version)}"
     : >"$WORK/results"
-    local round t url
+    local round t url pid
     for round in $(seq "$ROUNDS"); do
-        for t in direct nginx berth chp; do
+        for t in $TARGETS; do
             url=URL_$t
+            pid=PID_$t
             measure "${!url}" "$CONNS" "$WARMUP" >/dev/null
-            echo "$t $CONNS $(measure "${!url}" "$CONNS" "$DURATION")" >>"$WORK/results"
+            echo "$t $CONNS $(measure "${!url}" "$CONNS" "$DURATION" "${!pid:-}")" >>"$WORK/results"
             echo "$t 1 $(measure "${!url}" 1 "$DURATION")" >>"$WORK/results"
             log "round $round/$ROUNDS: $t: $(grep "^$t " "$WORK/results" | tail -2 | tr '\n' ' ')"
         done
     done
     log "load after: $(uptime | sed 's/.*load average: //')"
 
-    local direct1
-    direct1=$(col direct 2 1)
+    local direct1=
+    [[ " $TARGETS " == *" direct "* ]] && direct1=$(col direct 2 1)
     echo
     echo "wrk -t1 -c$CONNS -d$DURATION; c=1 columns: wrk -t1 -c1 -d$DURATION; medians of $ROUNDS round(s)"
     echo
-    echo "| target | req/s (c=$CONNS) | p50 | p99 | p50 at c=1 | p99 at c=1 | added p50 at c=1 |"
-    echo "|---|---:|---:|---:|---:|---:|---:|"
-    for t in direct nginx berth chp; do
-        local added="—"
-        [[ $t == direct ]] || added="+$(us $(($(col "$t" 2 1) - direct1)))"
-        printf '| %s | %s | %s | %s | %s | %s | %s |\n' "$t" "$(col "$t" 1 "$CONNS")" \
+    echo "| target | req/s (c=$CONNS) | p50 | p99 | p50 at c=1 | p99 at c=1 | added p50 at c=1 | CPU µs/req (c=$CONNS) |"
+    echo "|---|---:|---:|---:|---:|---:|---:|---:|"
+    for t in $TARGETS; do
+        local added="—" cpu="—"
+        [[ $t == direct || -z $direct1 ]] || added="+$(us $(($(col "$t" 2 1) - direct1)))"
+        [[ $t != berth* ]] || cpu=$(col "$t" 4 "$CONNS")
+        printf '| %s | %s | %s | %s | %s | %s | %s | %s |\n' "$t" "$(col "$t" 1 "$CONNS")" \
             "$(us "$(col "$t" 2 "$CONNS")")" "$(us "$(col "$t" 3 "$CONNS")")" \
-            "$(us "$(col "$t" 2 1)")" "$(us "$(col "$t" 3 1)")" "$added"
+            "$(us "$(col "$t" 2 1)")" "$(us "$(col "$t" 3 1)")" "$added" "$cpu"
     done
-    local b n c
-    b=$(col berth 1 "$CONNS")
-    n=$(col nginx 1 "$CONNS")
-    c=$(col chp 1 "$CONNS")
     echo
-    awk -v b="$b" -v n="$n" -v c="$c" -v bp="$(col berth 3 "$CONNS")" -v np="$(col nginx 3 "$CONNS")" 'BEGIN {
-        printf "berth / nginx req/s: %.2f× (target ≥ 1.0×); berth p99 %s nginx p99 (target: no worse)\n",
-            b / n, (bp <= np ? "≤" : ">")
-        printf "berth / configurable-http-proxy req/s: %.1f× (target ≥ 8×)\n", b / c
-    }'
+    local has_nginx= has_chp= t b
+    [[ " $TARGETS " == *" nginx "* ]] && has_nginx=1
+    [[ " $TARGETS " == *" chp "* ]] && has_chp=1
+    for t in berth berth_b; do
+        [[ " $TARGETS " == *" $t "* ]] || continue
+        b=$(col "$t" 1 "$CONNS")
+        if [[ -n $has_nginx ]]; then
+            awk -v t="$t" -v b="$b" -v n="$(col nginx 1 "$CONNS")" -v bp="$(col "$t" 3 "$CONNS")" \
+                -v np="$(col nginx 3 "$CONNS")" 'BEGIN {
+                printf "%s / nginx req/s: %.2f× (target ≥ 1.0×); %s p99 %s nginx p99 (target: no worse)\n",
+                    t, b / n, t, (bp <= np ? "≤" : ">")
+            }'
+        fi
+        if [[ -n $has_chp ]]; then
+            awk -v t="$t" -v b="$b" -v c="$(col chp 1 "$CONNS")" 'BEGIN {
+                printf "%s / configurable-http-proxy req/s: %.1f× (target ≥ 8×)\n", t, b / c
+            }'
+        fi
+    done
+    # Round by round, so an A/B reads as pairs measured moments apart.
+    if [[ " $TARGETS " == *" berth "* && " $TARGETS " == *" berth_b "* ]]; then
+        echo
+        echo "per round at c=$CONNS, req/s (CPU µs/req): berth, berth_b${has_nginx:+, nginx}"
+        paste -d' ' <(awk -v c="$CONNS" '$1 == "berth" && $2 == c { print $3, $6 }' "$WORK/results") \
+            <(awk -v c="$CONNS" '$1 == "berth_b" && $2 == c { print $3, $6 }' "$WORK/results") \
+            <(awk -v c="$CONNS" '$1 == "nginx" && $2 == c { print $3 }' "$WORK/results") |
+            awk '{ printf "  round %d: %s (%s), %s (%s)%s\n", NR, $1, $2, $3, $4, ($5 == "" ? "" : ", " $5) }'
+    fi
 }
 
 main "$@"

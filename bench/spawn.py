@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
-"""Spawn benchmarks of issue 2 (single node), standard library only.
+"""Spawn benchmarks of issues 2 and 8 (single node), standard library only.
 
     python3 bench/spawn.py spawn-to-ready [--runs 50]
     python3 bench/spawn.py concurrent     [--users 200]
     python3 bench/spawn.py all
+    python3 bench/spawn.py isolation      [--runs 50]   # as root
 
 Each benchmark compares berth with the same program started directly:
 
@@ -12,6 +13,13 @@ Each benchmark compares berth with the same program started directly:
   spawning `berth demo-app --port P` and reading its token line.
 * concurrent: N POSTs for N new users at once, wall time until all N are
   ready; versus N `demo-app`s started at once, until every token line.
+* isolation: spawn-to-ready through the API at each isolation level
+  (`none`, `user`, `sandbox`), one berth per level, the levels taking
+  turns launch by launch so that load on the machine falls on all three
+  alike; reports each level's median and its overhead over `none`.
+
+spawn-to-ready and concurrent run berth at `--isolation` (default `none`,
+so their numbers stay comparable with those before isolation existed).
 
 The binary is taken as given (default target/release/berth); nothing is
 built here. Every run uses a fresh temp data dir, and every process it
@@ -22,7 +30,9 @@ program still named in <data_dir>/run/*/*.json is killed.
 
 import argparse
 import concurrent.futures
+import contextlib
 import glob
+import hashlib
 import http.client
 import json
 import os
@@ -163,10 +173,16 @@ class Berth:
     """One `berth serve` on a temp data dir; a context manager that always
     leaves no process behind."""
 
-    def __init__(self, exe, keep=False, parent=None):
+    def __init__(self, exe, keep=False, parent=None, isolation="none", ports=BERTH_PORTS, base_uid=200000):
         self.exe = exe
         self.keep = keep
+        self.isolation = isolation
+        self.ports = ports
+        self.base_uid = base_uid
         self.dir = tempfile.mkdtemp(prefix="berth-bench-", dir=parent)
+        # Instance accounts (levels user and sandbox) pass through it to
+        # their data roots.
+        os.chmod(self.dir, 0o711)
         self.data = os.path.join(self.dir, "data")
         self.proc = None
         self.port = None
@@ -194,9 +210,13 @@ class Berth:
                 f'data_dir = "{self.data}"\n'
                 f'log_format = "text"\n'
                 f"[instance]\n"
-                f"port_range = [{BERTH_PORTS[0]}, {BERTH_PORTS[1]}]\n"
+                f"port_range = [{self.ports[0]}, {self.ports[1]}]\n"
                 f"[reap]\n"
                 f"idle_ttl_s = 0\n"
+                f"[isolation]\n"
+                f'mode = "{self.isolation}"\n'
+                f"base_uid = {self.base_uid}\n"
+                f"uid_count = 10000\n"
             )
         self.log_path = os.path.join(self.dir, "berth.log")
         out = open(self.log_path, "wb")
@@ -294,6 +314,31 @@ class Berth:
             found.append((state.get("shim_pid"), state.get("pid")))
         return found
 
+    def remove_isolation_leftovers(self):
+        try:
+            canonical = os.path.realpath(self.data).encode()
+        except OSError:
+            return
+        tag = hashlib.sha256(canonical).hexdigest()[:8]
+        subprocess.run(["nft", "delete", "table", "inet", f"berth_{tag}"],
+                       stderr=subprocess.DEVNULL, check=False)
+        with open("/proc/self/cgroup") as f:
+            lines = f.read().splitlines()
+        for line in lines:
+            _, controllers, path = line.split(":", 2)
+            for mount in controllers.split(",") + [controllers]:
+                parent = os.path.join("/sys/fs/cgroup", mount or "unified",
+                                      path.lstrip("/"), f"berth-{tag}")
+                for leaf in glob.glob(os.path.join(parent, "*", "")):
+                    try:
+                        os.rmdir(leaf)
+                    except OSError:
+                        pass
+                try:
+                    os.rmdir(parent)
+                except OSError:
+                    pass
+
     def close(self):
         # 1. Stop the users the normal way (instances outlive berth).
         try:
@@ -317,6 +362,11 @@ class Berth:
                         os.kill(p, signal.SIGKILL)
                     except OSError:
                         pass
+        # 4. What berth leaves in the kernel on purpose when it stops (its
+        # instances outlive it, guarded and limited): its nftables table
+        # and its cgroups.
+        if self.isolation != "none":
+            self.remove_isolation_leftovers()
         if not self.keep:
             shutil.rmtree(self.dir, ignore_errors=True)
         else:
@@ -391,7 +441,7 @@ def summary(samples):
 def bench_spawn_to_ready(args):
     runs, warmup = args.runs, args.warmup
     api = []
-    with Berth(args.berth, keep=args.keep, parent=args.tmp) as berth:
+    with Berth(args.berth, keep=args.keep, parent=args.tmp, isolation=args.isolation) as berth:
         conn = berth.connection()
         for i in range(warmup + runs):
             user = f"s{i}"
@@ -425,6 +475,44 @@ def bench_spawn_to_ready(args):
     }
 
 
+def bench_isolation(args):
+    """spawn-to-ready at each isolation level, the levels taking turns."""
+    if os.geteuid() != 0:
+        raise RuntimeError("isolation levels user and sandbox need root")
+    levels = ["none", "user", "sandbox"]
+    samples = {level: [] for level in levels}
+    with contextlib.ExitStack() as stack:
+        berths = {}
+        for i, level in enumerate(levels):
+            # Port blocks and account ranges of their own.
+            ports = (BERTH_PORTS[0] + 300 * i, BERTH_PORTS[0] + 300 * i + 299)
+            berths[level] = stack.enter_context(
+                Berth(args.berth, keep=args.keep, parent=args.tmp, isolation=level,
+                      ports=ports, base_uid=700000 + 10000 * i)
+            )
+        conns = {level: berths[level].connection() for level in levels}
+        for i in range(args.warmup + args.runs):
+            for level in levels:
+                berth, conn, user = berths[level], conns[level], f"i{i}"
+                status, body, secs = berth.launch(conn, user)
+                if status != 201 or not json.loads(body)["instance"]["ready"]:
+                    raise RuntimeError(f"{level}: POST {user}: {status} {body[:300]!r}")
+                if i >= args.warmup:
+                    samples[level].append(secs)
+                if berth.stop(conn, user) != 204:
+                    raise RuntimeError(f"{level}: DELETE {user} failed")
+        for conn in conns.values():
+            conn.close()
+    result = {"bench": "isolation", "runs": args.runs}
+    for level in levels:
+        result[level] = summary(samples[level])
+    for level in levels[1:]:
+        result[f"{level}_overhead_median_ms"] = round(
+            result[level]["median_ms"] - result["none"]["median_ms"], 2
+        )
+    return result
+
+
 def run_at_once(n, fn, barrier):
     """Runs fn(0..n) on n threads released together by `barrier` (n + 1
     parties); returns (release time, results in order)."""
@@ -444,7 +532,7 @@ def run_at_once(n, fn, barrier):
 def bench_concurrent(args):
     n = args.users
     result = {"bench": "concurrent", "users": n}
-    with Berth(args.berth, keep=args.keep, parent=args.tmp) as berth:
+    with Berth(args.berth, keep=args.keep, parent=args.tmp, isolation=args.isolation) as berth:
         barrier = threading.Barrier(n + 1)
         conns = [berth.connection() for _ in range(n)]
         for c in conns:
@@ -534,7 +622,13 @@ def machine():
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("bench", choices=["spawn-to-ready", "concurrent", "all"])
+    parser.add_argument("bench", choices=["spawn-to-ready", "concurrent", "all", "isolation"])
+    parser.add_argument(
+        "--isolation",
+        default="none",
+        choices=["none", "user", "sandbox"],
+        help="spawn-to-ready, concurrent: berth's isolation level (default none)",
+    )
     parser.add_argument(
         "--berth",
         default=os.path.join(REPO, "target", "release", "berth"),
@@ -569,6 +663,8 @@ def main():
             results["spawn_to_ready"] = bench_spawn_to_ready(args)
         if args.bench in ("concurrent", "all"):
             results["concurrent"] = bench_concurrent(args)
+        if args.bench == "isolation":
+            results["isolation"] = bench_isolation(args)
     except KeyboardInterrupt:
         log("bench: interrupted; cleaned up")
         return 130
@@ -585,6 +681,16 @@ def main():
             f"\nspawn-to-ready ({s['runs']} runs): API median {s['api']['median_ms']} ms "
             f"p95 {s['api']['p95_ms']} ms | direct median {s['direct']['median_ms']} ms "
             f"p95 {s['direct']['p95_ms']} ms | berth adds {s['overhead_median_ms']} ms at the median"
+        )
+    iso = results.get("isolation")
+    if iso:
+        print(
+            f"\nisolation spawn-to-ready ({iso['runs']} runs each), median (p95): "
+            f"none {iso['none']['median_ms']} ms ({iso['none']['p95_ms']}) | "
+            f"user {iso['user']['median_ms']} ms ({iso['user']['p95_ms']}), "
+            f"+{iso['user_overhead_median_ms']} ms | "
+            f"sandbox {iso['sandbox']['median_ms']} ms ({iso['sandbox']['p95_ms']}), "
+            f"+{iso['sandbox_overhead_median_ms']} ms"
         )
     c = results.get("concurrent")
     if c:

@@ -45,11 +45,12 @@ fn mismatch(found: &Discovered, record: &Instance) -> Option<String> {
 }
 
 /// Plans adoption. `records` are this node's instance records; `slug_of`
-/// names the directory (or object) a user's instances are filed under.
+/// is the recorded slug of each user with a live record, which names the
+/// directory (or object) the user's instances are filed under.
 pub(crate) fn plan(
     found: &[Discovered],
     records: &[Instance],
-    slug_of: impl Fn(&UserId) -> Slug,
+    slug_of: impl Fn(&UserId) -> Option<Slug>,
 ) -> Vec<Step> {
     let mut steps = Vec::new();
     let live: Vec<&Instance> = records.iter().filter(|r| r.status.is_live()).collect();
@@ -62,7 +63,7 @@ pub(crate) fn plan(
             });
             continue;
         };
-        let verdict = if slug_of(user).as_str() != f.slug {
+        let verdict = if slug_of(user).is_none_or(|slug| slug.as_str() != f.slug) {
             Err("its user does not belong where it is filed".to_owned())
         } else {
             match live
@@ -137,7 +138,17 @@ impl Shared {
                 runtime: self.runtime.name(),
                 message: e.to_string(),
             })?;
-        for step in plan(&found, &records, UserId::slug) {
+        // A live instance is filed under its user's recorded slug; a user
+        // recorded by no earlier berth gets one now (keeping an earlier
+        // slug's data, see `recorded_slug`).
+        let mut slugs: HashMap<UserId, Slug> = HashMap::new();
+        for record in records.iter().filter(|r| r.status.is_live()) {
+            if !slugs.contains_key(&record.user) {
+                let slug = self.recorded_slug(&record.user).await?;
+                slugs.insert(record.user.clone(), slug);
+            }
+        }
+        for step in plan(&found, &records, |u| slugs.get(u).cloned()) {
             match step {
                 Step::Adopt { found: i, record } => {
                     tracing::info!(user = %record.user, role = %record.role, pid = ?record.pid,
@@ -164,11 +175,19 @@ impl Shared {
         Ok(())
     }
 
-    fn prepare_slot(&self, record: &Instance) -> Arc<Slot> {
-        let slot = self.users.slot(&record.user);
+    /// The slot of a live record's user (its slug was recorded before the
+    /// plan was made, so this asks the store nothing new).
+    async fn prepare_slot(&self, record: &Instance) -> Option<Arc<Slot>> {
+        let slot = match self.slot(&record.user).await {
+            Ok(slot) => slot,
+            Err(e) => {
+                tracing::warn!(user = %record.user, error = %e, "cannot prepare the user's slot");
+                return None;
+            }
+        };
         slot.touch(record.last_active);
         slot.flushed(record.last_active);
-        slot
+        Some(slot)
     }
 
     /// Records `record` as fenced: another node holds its lease now.
@@ -192,7 +211,9 @@ impl Shared {
         found: &Discovered,
         held: &HashMap<UserId, Epoch>,
     ) {
-        let slot = self.prepare_slot(&record);
+        let Some(slot) = self.prepare_slot(&record).await else {
+            return;
+        };
         if record.role == Role::Main {
             let Some(epoch) = self.fencer.regain(&record.user, record.epoch, held).await else {
                 if let Err(e) = self.runtime.remove(found).await {
@@ -265,7 +286,9 @@ impl Shared {
             }
             return;
         }
-        let slot = self.prepare_slot(&record);
+        let Some(slot) = self.prepare_slot(&record).await else {
+            return;
+        };
         let Some(epoch) = self.fencer.regain(&record.user, record.epoch, held).await else {
             self.record_fenced(&slot, record).await;
             return;
@@ -306,7 +329,6 @@ mod tests {
             epoch: 3,
             port: Some(20000),
             pid: Some(100),
-            pid_start: None,
             runtime_ref: Some(RuntimeRef::new(format!("ref-{user}-{role}"))),
             folder: String::new(),
             started_at: 0,
@@ -335,7 +357,7 @@ mod tests {
     }
 
     fn plan_of(found: &[Discovered], records: &[Instance]) -> Vec<Step> {
-        plan(found, records, UserId::slug)
+        plan(found, records, |u| Some(u.slug()))
     }
 
     #[test]

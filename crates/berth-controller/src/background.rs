@@ -266,7 +266,10 @@ impl Shared {
         let chosen = select_for_reaping(&self.config.reap, unix_millis_now(), &candidates);
         for user in chosen {
             tracing::info!(%user, "stopping idle instance");
-            let slot = self.users.slot(&user);
+            // Candidates come from the slots, so the slot exists.
+            let Some(slot) = self.users.existing(&user) else {
+                continue;
+            };
             let _guard = slot.lifecycle.lock().await;
             // Activity may have arrived while waiting for the lock.
             let seen = candidates

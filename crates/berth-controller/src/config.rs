@@ -54,7 +54,10 @@ pub struct ControllerConfig {
     /// A watchdog command is configured (the runtime runs it, design §4.4).
     pub watchdog: bool,
     /// How many mains this node runs at most (`[cluster] capacity`);
-    /// `None`: the runtime's own limit, if it has one.
+    /// `None`: the runtime's own limit ([`Runtime::capacity`]), if it has
+    /// one.
+    ///
+    /// [`Runtime::capacity`]: berth_core::runtime::Runtime::capacity
     pub capacity: Option<u32>,
     /// Wait after ready in `restart_and_probe` (2.5 s).
     pub probe_settle: Duration,

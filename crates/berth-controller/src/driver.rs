@@ -332,8 +332,10 @@ impl MainDriver {
                     )
                     .await;
                 shared.metrics.restarts.inc();
+                // `?`: the description is the program's own output, which
+                // must not forge lines or send control codes to berth's log.
                 tracing::info!(%user, restarts = crashed.as_ref().map(|c| c.restarts),
-                    error = %last_error, "instance crashed; restarting after backoff");
+                    error = ?last_error, "instance crashed; restarting after backoff");
                 self.crashed = crashed;
             }
             Action::SpawnWatchdog => {
@@ -454,7 +456,7 @@ impl MainDriver {
                 }
             }
             Err(e) => {
-                tracing::warn!(%user, error = %e, "could not restart the instance");
+                tracing::warn!(%user, error = ?e.to_string(), "could not restart the instance");
                 Event::SpawnFailed(e.to_string())
             }
         }

@@ -36,6 +36,7 @@ mod lifecycle;
 mod metrics;
 mod node;
 mod publisher;
+mod slugs;
 mod spawner;
 mod users;
 
@@ -109,10 +110,14 @@ impl Controller {
     ) -> Result<Arc<Controller>, ControllerError> {
         config.check()?;
         let metrics = Metrics::new(&config.node_id);
-        let capacity = config
-            .capacity
-            .or_else(|| runtime.capacity())
-            .unwrap_or(u32::MAX);
+        let (capacity, reason) = match (config.capacity, runtime.capacity()) {
+            (Some(n), _) => (n, "as configured".to_owned()),
+            (None, Some(c)) => (
+                c.instances,
+                format!("the {} runtime's: {}", runtime.name(), c.reason),
+            ),
+            (None, None) => (u32::MAX, "unlimited".to_owned()),
+        };
         let shared = Arc::new(Shared {
             supervision: config.supervision(),
             capabilities: runtime.capabilities(),
@@ -133,6 +138,7 @@ impl Controller {
                 config.node_id.clone(),
                 config.advertise_url.clone(),
                 capacity,
+                reason,
             ),
             users: Users::default(),
             metrics,
@@ -142,6 +148,7 @@ impl Controller {
             tasks: TaskTracker::new(),
             cancel: CancellationToken::new(),
         });
+        shared.keep_earlier_data().await;
         if let Err(e) = shared.adopt_all().await {
             // Drivers started for instances adopted so far must not outlive
             // a controller that failed to start.
@@ -163,7 +170,9 @@ impl Controller {
     /// refused with `capacity_exhausted`, and the heartbeat reports it.
     /// Call [`Controller::heartbeat`] to publish it at once.
     pub fn set_capacity(&self, capacity: u32) {
-        self.shared.node.set_capacity(capacity);
+        self.shared
+            .node
+            .set_capacity(capacity, "as set by the operator".to_owned());
     }
 
     /// Sets this node's status (`up`, `draining`, `down`); the heartbeat

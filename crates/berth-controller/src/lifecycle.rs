@@ -58,7 +58,6 @@ impl Shared {
             epoch,
             port: None,
             pid: None,
-            pid_start: None,
             runtime_ref: None,
             folder,
             started_at: now,

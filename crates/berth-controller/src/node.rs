@@ -16,6 +16,8 @@ pub(crate) struct NodeState {
     status: Mutex<NodeStatus>,
     /// How many mains this node runs at most.
     capacity: AtomicU32,
+    /// Where that number comes from, for the refusal's message.
+    capacity_reason: Mutex<String>,
     /// Launches admitted and not yet live (or given up), counted against
     /// the capacity with the live mains. Changed only under the mutex, so
     /// two launches cannot both take the last place.
@@ -43,12 +45,14 @@ impl Drop for Place<'_> {
 }
 
 impl NodeState {
-    pub fn new(id: String, advertise_url: String, capacity: u32) -> Self {
+    /// A node that runs at most `capacity` mains, for `reason`.
+    pub fn new(id: String, advertise_url: String, capacity: u32, reason: String) -> Self {
         Self {
             id,
             advertise_url,
             status: Mutex::new(NodeStatus::Up),
             capacity: AtomicU32::new(capacity),
+            capacity_reason: Mutex::new(reason),
             launching: Mutex::new(0),
             heartbeat_lock: tokio::sync::Mutex::new(()),
         }
@@ -62,8 +66,13 @@ impl NodeState {
         self.capacity.load(Ordering::Relaxed)
     }
 
-    pub fn set_capacity(&self, capacity: u32) {
+    pub fn set_capacity(&self, capacity: u32, reason: String) {
+        let mut current = self
+            .capacity_reason
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
         self.capacity.store(capacity, Ordering::Relaxed);
+        *current = reason;
     }
 
     pub fn status(&self) -> NodeStatus {
@@ -85,8 +94,12 @@ impl NodeState {
         let capacity = self.capacity();
         let taken = live.saturating_add(*launching);
         if taken >= capacity {
+            let reason = self
+                .capacity_reason
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
             return Err(SpawnError::CapacityExhausted(format!(
-                "node {} runs or starts {taken} instances, its capacity",
+                "node {} runs or starts {taken} instances, its capacity ({reason})",
                 self.id
             )));
         }
@@ -113,21 +126,21 @@ mod tests {
 
     #[test]
     fn places_are_counted_with_live_mains_and_given_back() {
-        let node = NodeState::new("n1".into(), String::new(), 2);
+        let node = NodeState::new("n1".into(), String::new(), 2, "a test's".into());
         let a = node.admit(0).unwrap();
         let b = node.admit(0).unwrap();
         let full = node.admit(0).err().unwrap();
         assert_eq!(
             full,
             SpawnError::CapacityExhausted(
-                "node n1 runs or starts 2 instances, its capacity".into()
+                "node n1 runs or starts 2 instances, its capacity (a test's)".into()
             )
         );
         drop(a);
         assert!(node.admit(1).is_err(), "one live and one launching");
         drop(b);
         assert!(node.admit(1).is_ok());
-        node.set_capacity(0);
+        node.set_capacity(0, "none".into());
         assert!(node.admit(0).is_err());
     }
 }

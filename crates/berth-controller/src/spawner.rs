@@ -92,7 +92,7 @@ impl Controller {
         let shared = Arc::clone(&self.shared);
         let user = user.clone();
         self.run_detached(async move {
-            let slot = shared.users.slot(&user);
+            let slot = shared.slot(&user).await?;
             let _guard = slot.lifecycle.lock().await;
             // Waited for the lock while berth began to stop: start nothing.
             if shared.cancel.is_cancelled() {
@@ -138,6 +138,14 @@ impl Spawner for Controller {
     }
 
     async fn restart_main(&self, user: &UserId) -> Result<Instance, SpawnError> {
+        // A user this node has never seen has no main here to restart (and
+        // gets no slug recorded for asking).
+        if self.shared.users.existing(user).is_none() {
+            return Err(SpawnError::NotFound {
+                user: user.clone(),
+                what: "live main instance",
+            });
+        }
         self.run_locked(user, |shared, slot| async move {
             let folder = match slot.live_record(Role::Main) {
                 Some(live) => live.folder,
@@ -209,13 +217,34 @@ impl Spawner for Controller {
     }
 
     async fn spawn_watchdog(&self, user: &UserId) -> Result<Instance, SpawnError> {
+        // Refused before anything is recorded (invariant 6).
+        if !self.shared.config.watchdog {
+            return Err(SpawnError::NotFound {
+                user: user.clone(),
+                what: "watchdog command",
+            });
+        }
         let shared = Arc::clone(&self.shared);
-        let slot = shared.users.slot(user);
-        self.run_detached(async move { shared.spawn_watchdog(&slot, None).await })
-            .await
+        let user = user.clone();
+        self.run_detached(async move {
+            let slot = shared.slot(&user).await?;
+            shared.spawn_watchdog(&slot, None).await
+        })
+        .await
     }
 
     async fn status(&self, user: &UserId) -> Result<UserStatus, SpawnError> {
+        // A user whose main this node supervises has its watchdog here too,
+        // if any: memory answers both, and a node cut off from the store
+        // still knows what it runs.
+        if let Some(slot) = self.shared.users.existing(user) {
+            if slot.record(Role::Main).is_some() {
+                return Ok(UserStatus {
+                    main: self.record(user, Role::Main).await?,
+                    watchdog: slot.record(Role::Watchdog),
+                });
+            }
+        }
         Ok(UserStatus {
             main: self.record(user, Role::Main).await?,
             watchdog: self.record(user, Role::Watchdog).await?,
@@ -254,7 +283,12 @@ impl Spawner for Controller {
         self.shared
             .stop_locked(&slot, StopKind::Requested("stop"))
             .await;
-        self.shared.breaker.reset_counters(user).await
+        // The stop is done; counters that cannot be reset now (the store is
+        // away) only mean the next crash is judged on an older history.
+        if let Err(e) = self.shared.breaker.reset_counters(user).await {
+            tracing::warn!(%user, error = %e, "could not reset the crash counters after a stop");
+        }
+        Ok(())
     }
 
     async fn teardown(&self) {
@@ -373,9 +407,13 @@ impl Spawner for Controller {
     }
 
     async fn logs(&self, user: &UserId, tail: usize) -> Result<Vec<String>, SpawnError> {
+        // The recorded slug names the log; a user without one never ran.
+        let Some(slug) = self.shared.known_slug(user).await? else {
+            return Ok(Vec::new());
+        };
         self.shared
             .runtime
-            .logs(&user.slug(), Role::Main, tail)
+            .logs(&slug, Role::Main, tail)
             .await
             .map_err(|e| SpawnError::Internal(e.to_string()))
     }
@@ -385,9 +423,16 @@ impl Spawner for Controller {
         user: &UserId,
         tail: usize,
     ) -> Result<mpsc::Receiver<String>, SpawnError> {
+        // A user without a recorded slug has not run yet: follow where
+        // their first launch here will write (nothing is recorded for
+        // asking).
+        let slug = match self.shared.known_slug(user).await? {
+            Some(slug) => slug,
+            None => self.shared.first_slug(user).await,
+        };
         self.shared
             .runtime
-            .follow_logs(&user.slug(), Role::Main, tail)
+            .follow_logs(&slug, Role::Main, tail)
             .await
             .map_err(|e| SpawnError::Internal(e.to_string()))
     }

@@ -138,18 +138,16 @@ pub(crate) struct Users {
 }
 
 impl Users {
-    /// The slot of `user`, created on first use.
-    pub fn slot(&self, user: &UserId) -> Arc<Slot> {
-        if let Some(slot) = self.existing(user) {
-            return slot;
-        }
+    /// The slot of `user`, made with `slug` (the recorded one) unless it
+    /// exists already.
+    pub fn insert(&self, user: &UserId, slug: Slug) -> Arc<Slot> {
         let mut slots = self.slots.write().unwrap_or_else(PoisonError::into_inner);
         slots
             .entry(user.clone())
             .or_insert_with(|| {
                 Arc::new(Slot {
                     user: user.clone(),
-                    slug: user.slug(),
+                    slug,
                     lifecycle: tokio::sync::Mutex::new(()),
                     watchdog_lock: tokio::sync::Mutex::new(()),
                     state: Mutex::new(SlotState::default()),
@@ -180,7 +178,7 @@ mod tests {
     fn a_fence_overrides_a_requested_stop_and_nothing_overrides_a_fence() {
         let instance: Instance = serde_json::from_value(serde_json::json!({
             "id": "i", "user": "alice", "role": "main", "status": "running",
-            "node": "n", "epoch": 1, "port": null, "pid": null, "pid_start": null,
+            "node": "n", "epoch": 1, "port": null, "pid": null,
             "folder": "", "started_at": 0, "ready": true, "restarts": 0,
             "last_error": null, "exit_code": null, "last_active": 0
         }))

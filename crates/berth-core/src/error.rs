@@ -18,6 +18,18 @@ pub enum ErrorCode {
     SpawnFailed,
     CapacityExhausted,
     StoreUnavailable,
+    /// A user already has as many live tokens as `[auth]
+    /// max_tokens_per_user` allows.
+    TooManyTokens,
+    /// A request body that is not JSON: form and text bodies are what a
+    /// cross-site form can send, so the API refuses them.
+    UnsupportedMediaType,
+    /// A user holds as many long-lived streams (WebSockets, progress
+    /// streams) as one user may (`[proxy] max_upgrades_per_user`).
+    TooManyStreams,
+    /// The request body arrived too slowly (`[proxy] body_min_bytes_per_s`,
+    /// `body_grace_ms`).
+    RequestTimeout,
     Internal,
 }
 
@@ -37,6 +49,10 @@ impl ErrorCode {
             ErrorCode::SpawnFailed => "spawn_failed",
             ErrorCode::CapacityExhausted => "capacity_exhausted",
             ErrorCode::StoreUnavailable => "store_unavailable",
+            ErrorCode::TooManyTokens => "too_many_tokens",
+            ErrorCode::UnsupportedMediaType => "unsupported_media_type",
+            ErrorCode::TooManyStreams => "too_many_streams",
+            ErrorCode::RequestTimeout => "request_timeout",
             ErrorCode::Internal => "internal",
         }
     }
@@ -48,8 +64,11 @@ impl ErrorCode {
             ErrorCode::Unauthorized => 401,
             ErrorCode::Forbidden => 403,
             ErrorCode::NotFound => 404,
-            ErrorCode::AlreadyRunning | ErrorCode::LeaseBusy => 409,
+            ErrorCode::RequestTimeout => 408,
+            ErrorCode::AlreadyRunning | ErrorCode::LeaseBusy | ErrorCode::TooManyTokens => 409,
             ErrorCode::PayloadTooLarge => 413,
+            ErrorCode::UnsupportedMediaType => 415,
+            ErrorCode::TooManyStreams => 429,
             ErrorCode::SpawnFailed | ErrorCode::Internal => 500,
             ErrorCode::InstanceCircuitOpen
             | ErrorCode::InstanceStarting
@@ -103,6 +122,10 @@ pub enum SpawnError {
     CapacityExhausted(String),
     #[error("store unavailable: {0}")]
     StoreUnavailable(String),
+    /// A user's long-lived streams are at their cap (on the node that
+    /// refused, perhaps another one that relayed the stream).
+    #[error("too many streams: {0}")]
+    TooManyStreams(String),
     #[error("internal error: {0}")]
     Internal(String),
 }
@@ -121,6 +144,7 @@ impl SpawnError {
             SpawnError::SpawnFailed(_) => ErrorCode::SpawnFailed,
             SpawnError::CapacityExhausted(_) => ErrorCode::CapacityExhausted,
             SpawnError::StoreUnavailable(_) => ErrorCode::StoreUnavailable,
+            SpawnError::TooManyStreams(_) => ErrorCode::TooManyStreams,
             SpawnError::Internal(_) => ErrorCode::Internal,
         }
     }

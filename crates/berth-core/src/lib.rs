@@ -34,13 +34,15 @@ pub mod runtime;
 pub mod runtime_contract;
 mod spawner;
 mod time;
+mod uids;
 
 pub use error::{ErrorCode, SpawnError};
 pub use folder::normalize_folder;
-pub use id::{InvalidUserId, Slug, UserId};
+pub use id::{InvalidSlug, InvalidUserId, MAX_SLUG_LEN, Slug, UserId};
 pub use model::{
     BreakerInfo, Endpoint, Epoch, Instance, InstanceEvent, InstanceStatus, LaunchRequest,
     MAX_PATCH_BYTES, ProbeReport, RestartResult, Role, UserStatus,
 };
-pub use spawner::Spawner;
+pub use spawner::{STARTING_RETRY_MS, Spawner, readiness_answer, wait_ready};
 pub use time::{UnixMillis, unix_millis_now};
+pub use uids::UidRange;

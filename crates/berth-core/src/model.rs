@@ -122,10 +122,9 @@ pub struct Instance {
     /// The lease epoch it runs under (0 for watchdogs, which hold no lease).
     pub epoch: Epoch,
     pub port: Option<u16>,
+    /// The program's process id, where the runtime has one; shown to
+    /// operators. The instance's identity is `runtime_ref`, never this.
     pub pid: Option<u32>,
-    /// Start time of `pid` in clock ticks since boot (`/proc/<pid>/stat`
-    /// field 22), so a reused pid is never mistaken for the instance.
-    pub pid_start: Option<u64>,
     /// The runtime's own name for the current run (see
     /// [`crate::runtime::RuntimeRef`]): what adoption compares, so a reused
     /// pid is never mistaken for the instance. `None` until it runs.
@@ -215,8 +214,8 @@ pub struct RestartResult {
 }
 
 /// A change to an instance, published to the proxy's route table and to
-/// progress streams.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+/// progress streams (and read back from another node's stream).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct InstanceEvent {
     pub user: UserId,
     pub role: Role,

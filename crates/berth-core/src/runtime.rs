@@ -67,14 +67,23 @@ pub struct Capabilities {
     pub fence_deadline: bool,
 }
 
+/// A limit on how many mains run at once, and where it comes from (for the
+/// `capacity_exhausted` message an operator reads).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Capacity {
+    pub instances: u32,
+    /// E.g. "one per port of 20000-29999".
+    pub reason: String,
+}
+
 /// The patch of an instance (design §5): content for a new launch, or
 /// whatever the runtime materialised last time, for a restart.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Patch {
     /// Use what the previous start of this user's role materialised.
     Unchanged,
-    /// Materialise this content (≤ [`crate::MAX_PATCH_BYTES`]), or remove
-    /// the previous patch when `None`.
+    /// Materialise this content (≤ [`crate::MAX_PATCH_BYTES`]); `None`:
+    /// the program is given no patch.
     Set(Option<String>),
 }
 
@@ -253,7 +262,7 @@ pub trait Runtime: Send + Sync + 'static {
     /// How many mains this runtime can run at once, if it has a limit of
     /// its own (the local runtime: one per port of its range). The
     /// controller's node capacity defaults to it.
-    fn capacity(&self) -> Option<u32> {
+    fn capacity(&self) -> Option<Capacity> {
         None
     }
 
@@ -263,6 +272,14 @@ pub trait Runtime: Send + Sync + 'static {
     /// after its last run has exited; releasing an unknown id does nothing.
     async fn release(&self, instance_id: &str) {
         let _ = instance_id;
+    }
+
+    /// Whether this runtime keeps data of a user under `slug` here (a data
+    /// root, a volume): a user recorded for the first time keeps an earlier
+    /// slug whose data is here.
+    async fn has_data(&self, slug: &Slug) -> bool {
+        let _ = slug;
+        false
     }
 
     /// Everything this runtime runs (or last ran) for this node, for

@@ -200,11 +200,17 @@ pub async fn a_started_program_becomes_ready_and_stops_gracefully(h: &dyn Harnes
     runtime.shutdown().await;
 }
 
-pub async fn kill_ends_a_program_that_ignores_term(h: &dyn Harness) {
+/// Starts [`Program::IgnoresTerm`] for `user`, ends it with `end`, and
+/// checks that it was killed and is gone.
+async fn killed_by(
+    h: &dyn Harness,
+    user_id: &str,
+    end: impl AsyncFnOnce(&dyn Runtime, &RuntimeRef),
+) {
     let runtime = h.runtime(&Program::IgnoresTerm).await;
-    let mut started = runtime.start(spec(&user("bob"), "i-1")).await.unwrap();
+    let mut started = runtime.start(spec(&user(user_id), "i-1")).await.unwrap();
     ready(&mut started).await;
-    runtime.kill(&started.runtime_ref).await.unwrap();
+    end(runtime.as_ref(), &started.runtime_ref).await;
     let exit = exit_of(&mut started.events, |_| false).await;
     assert!(
         exit.signal == Some(9) || exit.code == Some(137),
@@ -214,21 +220,15 @@ pub async fn kill_ends_a_program_that_ignores_term(h: &dyn Harness) {
     runtime.shutdown().await;
 }
 
+pub async fn kill_ends_a_program_that_ignores_term(h: &dyn Harness) {
+    killed_by(h, "bob", async |runtime, r| runtime.kill(r).await.unwrap()).await;
+}
+
 pub async fn stop_kills_after_the_grace_period(h: &dyn Harness) {
-    let runtime = h.runtime(&Program::IgnoresTerm).await;
-    let mut started = runtime.start(spec(&user("carol"), "i-1")).await.unwrap();
-    ready(&mut started).await;
-    runtime
-        .stop(&started.runtime_ref, Duration::from_millis(300))
-        .await
-        .unwrap();
-    let exit = exit_of(&mut started.events, |_| false).await;
-    assert!(
-        exit.signal == Some(9) || exit.code == Some(137),
-        "not killed: {exit:?}"
-    );
-    gone(h, &started).await;
-    runtime.shutdown().await;
+    killed_by(h, "carol", async |runtime, r| {
+        runtime.stop(r, Duration::from_millis(300)).await.unwrap();
+    })
+    .await;
 }
 
 pub async fn an_exit_is_reported_with_its_code_and_stderr(h: &dyn Harness) {

@@ -3,9 +3,12 @@ use std::time::Duration;
 use async_trait::async_trait;
 
 use crate::{
-    BreakerInfo, Endpoint, Instance, LaunchRequest, ProbeReport, RestartResult, SpawnError, UserId,
-    UserStatus,
+    BreakerInfo, Endpoint, Instance, InstanceStatus, LaunchRequest, ProbeReport, RestartResult,
+    SpawnError, UserId, UserStatus,
 };
+
+/// How long a client is told to wait when an instance is still starting.
+pub const STARTING_RETRY_MS: u64 = 2000;
 
 /// The lifecycle seam between the API/proxy and a backend (design §5).
 ///
@@ -124,4 +127,181 @@ pub trait Spawner: Send + Sync + 'static {
 
     /// Subscribes to instance changes (status, readiness, endpoint).
     fn subscribe(&self) -> tokio::sync::broadcast::Receiver<crate::InstanceEvent>;
+}
+
+/// Waits up to `timeout` for `user`'s main to be ready, and says what a
+/// client gets ([`readiness_answer`]). Reads the breaker only for a failed
+/// instance.
+pub async fn wait_ready(
+    spawner: &dyn Spawner,
+    user: &UserId,
+    timeout: Duration,
+) -> Result<Instance, SpawnError> {
+    let current = spawner.wait_for_ready(user, timeout).await?;
+    let breaker = match &current {
+        Some(i) if i.status == InstanceStatus::Failed => spawner.breaker_info(user).await?,
+        _ => None,
+    };
+    readiness_answer(user, current, breaker)
+}
+
+/// What a client gets for an instance it waited on (design §7.2, §8.4):
+/// the one mapping from readiness to errors, for the API and the proxy
+/// alike.
+///
+/// * ready and running → the instance;
+/// * failed → `instance_circuit_open` while the breaker is open, else
+///   `spawn_failed` with the instance's last error;
+/// * stopped before it was ready → `spawn_failed`;
+/// * still starting (or crashed, a restart pending, or no record) →
+///   `instance_starting`, to retry after [`STARTING_RETRY_MS`].
+pub fn readiness_answer(
+    user: &UserId,
+    current: Option<Instance>,
+    breaker: Option<BreakerInfo>,
+) -> Result<Instance, SpawnError> {
+    match current {
+        Some(i) if i.status == InstanceStatus::Running && i.ready => Ok(i),
+        Some(i) if i.status == InstanceStatus::Failed => match breaker {
+            Some(open) => Err(SpawnError::CircuitOpen {
+                user: user.clone(),
+                opens: open.opens,
+                retry_at: open.cooldown_until,
+            }),
+            None => {
+                Err(SpawnError::SpawnFailed(i.last_error.unwrap_or_else(|| {
+                    "the instance failed to start".to_owned()
+                })))
+            }
+        },
+        Some(i) if i.status == InstanceStatus::Stopped => Err(SpawnError::SpawnFailed(format!(
+            "the instance stopped before it was ready{}",
+            i.last_error.map(|e| format!(": {e}")).unwrap_or_default()
+        ))),
+        _ => Err(SpawnError::Starting {
+            user: user.clone(),
+            retry_after_ms: STARTING_RETRY_MS,
+        }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{ErrorCode, Role};
+
+    fn instance(status: InstanceStatus, ready: bool, last_error: Option<&str>) -> Instance {
+        Instance {
+            id: "i".into(),
+            user: UserId::parse("alice").unwrap(),
+            role: Role::Main,
+            status,
+            node: "n".into(),
+            epoch: 1,
+            port: Some(1),
+            pid: Some(1),
+            runtime_ref: None,
+            folder: String::new(),
+            started_at: 0,
+            ready,
+            restarts: 0,
+            last_error: last_error.map(str::to_owned),
+            exit_code: None,
+            last_active: 0,
+        }
+    }
+
+    #[test]
+    fn readiness_table() {
+        use InstanceStatus::{Crashed, Failed, Running, Starting, Stopped};
+        let alice = UserId::parse("alice").unwrap();
+        let open = BreakerInfo {
+            opens: 2,
+            opened_at: 1,
+            cooldown_until: 99,
+        };
+        type Case = (
+            &'static str,
+            Option<Instance>,
+            Option<BreakerInfo>,
+            Result<(), ErrorCode>,
+            &'static str,
+        );
+        let cases: Vec<Case> = vec![
+            (
+                "ready",
+                Some(instance(Running, true, None)),
+                None,
+                Ok(()),
+                "",
+            ),
+            (
+                "running, not ready yet",
+                Some(instance(Running, false, None)),
+                None,
+                Err(ErrorCode::InstanceStarting),
+                "",
+            ),
+            (
+                "starting",
+                Some(instance(Starting, false, None)),
+                None,
+                Err(ErrorCode::InstanceStarting),
+                "",
+            ),
+            (
+                "crashed, restart pending",
+                Some(instance(Crashed, false, None)),
+                None,
+                Err(ErrorCode::InstanceStarting),
+                "",
+            ),
+            (
+                "no record",
+                None,
+                None,
+                Err(ErrorCode::InstanceStarting),
+                "",
+            ),
+            (
+                "failed, breaker open",
+                Some(instance(Failed, false, Some("boom"))),
+                Some(open),
+                Err(ErrorCode::InstanceCircuitOpen),
+                "after 2 open",
+            ),
+            (
+                "failed to spawn",
+                Some(instance(Failed, false, Some("no such file"))),
+                None,
+                Err(ErrorCode::SpawnFailed),
+                "no such file",
+            ),
+            (
+                "failed, no message",
+                Some(instance(Failed, false, None)),
+                None,
+                Err(ErrorCode::SpawnFailed),
+                "failed to start",
+            ),
+            (
+                "stopped first",
+                Some(instance(Stopped, false, Some("fenced"))),
+                None,
+                Err(ErrorCode::SpawnFailed),
+                "stopped before it was ready: fenced",
+            ),
+        ];
+        for (name, current, breaker, want, message) in cases {
+            let got = readiness_answer(&alice, current, breaker);
+            assert_eq!(
+                got.as_ref().map(drop).map_err(SpawnError::code),
+                want,
+                "{name}"
+            );
+            if let Err(e) = got {
+                assert!(e.to_string().contains(message), "{name}: {e}");
+            }
+        }
+    }
 }

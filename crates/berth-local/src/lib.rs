@@ -1,27 +1,38 @@
-//! berth's local backend: each user's instance is a child process on this
-//! host, supervised through a [`shim`] so it outlives berth restarts.
+//! berth's local runtime: each user's instance is a program on this host,
+//! supervised through a [`shim`] so it outlives berth restarts.
 //!
-//! [`LocalRuntime`] implements [`berth_core::runtime::Runtime`];
-//! [`LocalSpawner`] implements [`berth_core::Spawner`].
+//! [`LocalRuntime`] implements [`berth_core::runtime::Runtime`]: it runs
+//! programs and reports what happens to them. What to run when, and for
+//! how long (the lease, fencing, crash policy, reaping), is the
+//! controller's (`berth-controller`); this crate knows nothing of the
+//! store.
 
-mod background;
 mod config;
-mod inner;
-mod lifecycle;
+mod follow;
+pub mod isolation;
 mod logs;
-mod metrics;
 mod paths;
 mod ports;
 mod process;
 mod readiness;
-mod reattach;
-mod reconcile;
 mod runtime;
 pub mod shim;
-mod spawner;
-mod supervisor;
 mod template;
 
-pub use config::{Isolation, LocalConfig, Readiness};
-pub use runtime::{LocalRuntime, LocalRuntimeConfig};
-pub use spawner::{LocalError, LocalSpawner};
+pub use config::Readiness;
+pub use isolation::{Isolation, Limits, UidRange};
+pub use runtime::{Accounts, LocalRuntime, LocalRuntimeConfig};
+
+/// Why the local runtime could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum LocalError {
+    #[error("{0}")]
+    Config(String),
+    #[error("cannot prepare {path}: {source}")]
+    Io {
+        path: std::path::PathBuf,
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Host(#[from] crate::isolation::HostError),
+}

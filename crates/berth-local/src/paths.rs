@@ -7,13 +7,12 @@ use std::fs::DirBuilder;
 use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
-use berth_core::{Role, Slug};
+use berth_core::{MAX_SLUG_LEN, Role, Slug};
+
+use crate::isolation::fsafe::{Dir, OnLink, Owner};
 
 /// The longest a unix socket path may be (`sun_path` is 108 bytes with NUL).
 pub(crate) const MAX_SOCKET_PATH: usize = 107;
-
-/// The longest slug `Slug` produces: a 32-character prefix, `---` and 8 hex.
-const MAX_SLUG_LEN: usize = 32 + 3 + 8;
 
 /// Every path that belongs to one user.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -59,7 +58,7 @@ impl UserPaths {
         }
     }
     /// The working directory of an instance started in `folder` (already
-    /// normalised: see [`normalize_folder`]).
+    /// normalised: see [`berth_core::normalize_folder`]).
     pub fn workdir(&self, folder: &str) -> PathBuf {
         if folder.is_empty() {
             self.ws()
@@ -77,22 +76,69 @@ impl UserPaths {
         self.run.join(format!("{}.sock", role.as_str()))
     }
 
-    /// Creates the data root with its subdirectories and the run directory,
-    /// all mode 0700: other local users must not read a user's workspace.
-    pub fn prepare(&self) -> std::io::Result<()> {
-        for dir in [
-            self.root.clone(),
-            self.home(),
-            self.ws(),
-            self.tmp(),
-            self.patches(),
-            self.logs(),
-            self.run.clone(),
-        ] {
-            create_private_dir(&dir)?;
+    /// The names of the directories of berth's layout inside the root.
+    pub const LAYOUT: [&'static str; 5] = ["home", "ws", "tmp", "patches", "logs"];
+
+    /// Creates the data root with its subdirectories, the working folder
+    /// `folder` (normalised, relative to `ws`) and the run directory, all
+    /// mode 0700; the root and everything in it belong to `owner` (the
+    /// user's account) when there is one. Below the root nothing is
+    /// followed through a symbolic link (see `isolation::fsafe`): a link
+    /// the user put in place of a directory of the layout is replaced, one
+    /// on the way to the folder is refused. Returns the working folder.
+    pub fn prepare(&self, folder: &str, owner: Option<Owner>) -> std::io::Result<PathBuf> {
+        create_private_dir(&self.run)?;
+        let users = self.root.parent().ok_or_else(|| {
+            std::io::Error::other(format!("{} has no parent", self.root.display()))
+        })?;
+        create_private_dir_keeping_mode(users)?;
+        let users = Dir::open(users)?;
+        let slug = self
+            .root
+            .file_name()
+            .and_then(|n| n.to_str())
+            .ok_or_else(|| std::io::Error::other("the data root has no name"))?;
+        let root = users.child(slug, owner, OnLink::Refuse)?;
+        root.set_private(owner)?;
+        for name in Self::LAYOUT {
+            root.child(name, owner, OnLink::Replace)?
+                .set_private(owner)?;
         }
-        Ok(())
+        let ws = root.child("ws", owner, OnLink::Replace)?;
+        let cwd = ws.walk(folder, owner, OnLink::Refuse)?;
+        Ok(cwd.path().to_owned())
     }
+
+    /// Opens the log of `role` for reading, never through a link, and only
+    /// if it is a regular file (not a FIFO that would block the reader).
+    pub fn open_log(&self, role: Role) -> std::io::Result<std::fs::File> {
+        let logs = Dir::open(&self.root)?.child_existing("logs")?;
+        logs.open_regular(&format!("{}.log", role.as_str()))
+    }
+
+    /// Writes `bytes` as the file `name` of the layout directory `dir`
+    /// (e.g. `patches`), never through a link, owned by `owner`.
+    pub fn write_file(
+        &self,
+        dir: Option<&str>,
+        name: &str,
+        bytes: &[u8],
+        owner: Option<Owner>,
+    ) -> std::io::Result<()> {
+        let root = Dir::open(&self.root)?;
+        match dir {
+            Some(dir) => root
+                .child(dir, owner, OnLink::Replace)?
+                .write_file(name, bytes, owner),
+            None => root.write_file(name, bytes, owner),
+        }
+    }
+}
+
+/// Creates `dir` (and parents) with mode 0700 where missing, leaving an
+/// existing one as it is (the spawner sets `users/` to its mode at start).
+fn create_private_dir_keeping_mode(dir: &Path) -> std::io::Result<()> {
+    DirBuilder::new().recursive(true).mode(0o700).create(dir)
 }
 
 /// Creates `dir` (and parents) and forces mode 0700 on `dir` itself, also
@@ -121,8 +167,6 @@ pub(crate) fn check_socket_room(data_dir: &Path) -> Result<(), String> {
     }
     Ok(())
 }
-
-pub(crate) use berth_core::normalize_folder;
 
 #[cfg(test)]
 mod tests {
@@ -168,15 +212,34 @@ mod tests {
         let tmp = tempfile::tempdir().unwrap();
         let user = UserId::parse("alice").unwrap();
         let paths = UserPaths::new(tmp.path(), &user.slug());
-        paths.prepare().unwrap();
+        let cwd = paths.prepare("a/b", None).unwrap();
+        assert_eq!(cwd, paths.ws().join("a/b"));
         for dir in [
             paths.root.clone(),
             paths.ws(),
             paths.logs(),
             paths.run.clone(),
+            cwd,
         ] {
             let mode = std::fs::metadata(&dir).unwrap().permissions().mode() & 0o777;
             assert_eq!(mode, 0o700, "{}", dir.display());
         }
+        // A link planted in place of `tmp` is replaced, its target untouched.
+        let victim = tmp.path().join("victim");
+        std::fs::create_dir(&victim).unwrap();
+        std::fs::set_permissions(&victim, std::fs::Permissions::from_mode(0o755)).unwrap();
+        std::fs::remove_dir(paths.tmp()).unwrap();
+        std::os::unix::fs::symlink(&victim, paths.tmp()).unwrap();
+        paths.prepare("", None).unwrap();
+        assert!(!std::fs::symlink_metadata(paths.tmp()).unwrap().is_symlink());
+        let mode = std::fs::metadata(&victim).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o755);
+        paths
+            .write_file(Some("patches"), "main.yaml", b"x: 1", None)
+            .unwrap();
+        assert_eq!(
+            std::fs::read_to_string(paths.patch_file("yaml")).unwrap(),
+            "x: 1"
+        );
     }
 }

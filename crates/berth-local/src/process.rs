@@ -1,5 +1,5 @@
 //! Last-resort signals sent by berth itself (when a shim does not answer),
-//! guarded against pid reuse. (The operator hooks live in `background.rs`.)
+//! guarded against pid reuse.
 
 use nix::sys::signal::{Signal, kill, killpg};
 use nix::unistd::Pid;

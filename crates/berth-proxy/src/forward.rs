@@ -17,7 +17,11 @@
 //! * `Connection: upgrade` requests (WebSocket) go through hyper's pooled
 //!   client (its connection tasks hand the upgraded stream over) and become
 //!   a raw byte tunnel once both sides have switched protocols; at most
-//!   `max_upgrades` exist at a time.
+//!   `max_upgrades` long-lived streams exist at a time, and at most
+//!   `max_upgrades_per_user` for one user ([`StreamLimits`], which the
+//!   API's progress and log streams share).
+//! * A request body that falls behind its pace ([`crate::pace`]) fails the
+//!   exchange with `408 request_timeout`, and the client connection closes.
 
 use std::future::Future;
 use std::io;
@@ -27,7 +31,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
-use berth_core::{Spawner, UserId};
+use berth_core::{ErrorCode, Spawner, UserId};
 use bytes::Bytes;
 use http_body_util::{Either, Empty};
 use hyper::body::{Body as _, Incoming};
@@ -38,15 +42,23 @@ use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
+use crate::limits::{StreamLimits, StreamPermit, StreamRefused};
+use crate::pace::{BodyPace, BodyTooSlow, PacedBody};
 use crate::pool::{Conn, ForwardedBody, Pool};
 use crate::respond::{self, ProxyBody};
 
-/// The body sent upstream: the client's, or nothing (a retry).
-pub type UpstreamBody = Either<Incoming, Empty<Bytes>>;
+/// The body sent upstream: the client's as it is (no body to read, as for
+/// a GET), the client's paced ([`crate::pace`]; boxed, so that the common
+/// bodiless request does not carry the pacer's state through every move),
+/// or nothing (a retry).
+pub type UpstreamBody = Either<Incoming, Either<Box<PacedBody<Incoming>>, Empty<Bytes>>>;
+
+fn no_body() -> UpstreamBody {
+    Either::Right(Either::Right(Empty::new()))
+}
 
 static X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 static X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
@@ -77,8 +89,14 @@ const TUNNEL_TOUCH_EVERY: Duration = Duration::from_secs(1);
 /// Forwarding settings.
 #[derive(Debug, Clone)]
 pub struct ForwardConfig {
-    /// Concurrent upgraded connections (WebSockets); more get 503.
+    /// Concurrent long-lived streams (WebSockets and other upgrades, and
+    /// the API's progress and log streams) on this node; more get 503.
     pub max_upgrades: usize,
+    /// Concurrent long-lived streams of one user; more get 429.
+    pub max_upgrades_per_user: usize,
+    /// How fast a request body streamed upstream must arrive; `None`: no
+    /// bound.
+    pub body_pace: Option<BodyPace>,
     pub connect_timeout: Duration,
     /// How long an unused upstream connection stays in the pool.
     pub pool_idle_timeout: Duration,
@@ -89,6 +107,8 @@ impl Default for ForwardConfig {
     fn default() -> Self {
         Self {
             max_upgrades: 10_000,
+            max_upgrades_per_user: 100,
+            body_pace: Some(BodyPace::default()),
             connect_timeout: Duration::from_secs(5),
             pool_idle_timeout: Duration::from_secs(60),
             pool_max_idle_per_host: 64,
@@ -160,7 +180,8 @@ pub struct Forwarder {
     client: Client<HttpConnector, UpstreamBody>,
     connector: HttpConnector,
     pool: Arc<Pool>,
-    upgrades: Arc<Semaphore>,
+    streams: Arc<StreamLimits>,
+    body_pace: Option<BodyPace>,
     spawner: Arc<dyn Spawner>,
     tasks: TaskTracker,
     cancel: CancellationToken,
@@ -169,7 +190,7 @@ pub struct Forwarder {
 impl std::fmt::Debug for Forwarder {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Forwarder")
-            .field("free_upgrades", &self.upgrades.available_permits())
+            .field("free_upgrades", &self.streams.free())
             .finish_non_exhaustive()
     }
 }
@@ -246,7 +267,8 @@ impl Forwarder {
             client,
             connector,
             pool,
-            upgrades: Arc::new(Semaphore::new(config.max_upgrades)),
+            streams: StreamLimits::new(config.max_upgrades, config.max_upgrades_per_user),
+            body_pace: config.body_pace,
             spawner,
             tasks,
             cancel,
@@ -255,7 +277,23 @@ impl Forwarder {
 
     /// Free upgrade slots (for tests and metrics).
     pub fn free_upgrades(&self) -> usize {
-        self.upgrades.available_permits()
+        self.streams.free()
+    }
+
+    /// The counts of long-lived streams, which the API's progress and log
+    /// streams share with upgrades.
+    pub fn streams(&self) -> &Arc<StreamLimits> {
+        &self.streams
+    }
+
+    /// The client's body as sent upstream: paced, unless there is none.
+    fn upstream_body(&self, body: Incoming) -> UpstreamBody {
+        match self.body_pace {
+            Some(pace) if !body.is_end_stream() => {
+                Either::Right(Either::Left(Box::new(PacedBody::new(body, Some(pace)))))
+            }
+            _ => Either::Left(body),
+        }
     }
 
     /// Forwards `req` to `to` and returns the upstream's response, or a
@@ -271,16 +309,9 @@ impl Forwarder {
         let upgrade = wants_upgrade(req.headers());
         let mut upgrade_slot = None;
         let client_upgrade = if upgrade {
-            match self.upgrades.clone().try_acquire_owned() {
+            match self.streams.acquire(&to.user) {
                 Ok(permit) => upgrade_slot = Some(permit),
-                Err(_) => {
-                    return respond::json_error(
-                        StatusCode::SERVICE_UNAVAILABLE,
-                        "too_many_upgrades",
-                        "too many upgraded connections (WebSockets) are open; try again later",
-                        &[],
-                    );
-                }
+                Err(refused) => return stream_refused(&refused),
             }
             Some(hyper::upgrade::on(&mut req))
         } else {
@@ -305,7 +336,8 @@ impl Forwarder {
                 Err(_) => return bad_gateway("cannot build the upstream URI"),
             };
             parts.uri = uri;
-            Box::pin(self.send_upgrade(Request::from_parts(parts, Either::Left(body)))).await
+            let body = self.upstream_body(body);
+            Box::pin(self.send_upgrade(Request::from_parts(parts, body))).await
         } else {
             // Origin-form: the request line carries the path only.
             parts.uri = Uri::from(to.path_and_query.clone());
@@ -314,6 +346,10 @@ impl Forwarder {
         let mut response = match result {
             Ok(response) => response,
             Err(Failure::Stale(e) | Failure::Refused(e) | Failure::Fatal(e)) => {
+                if BodyTooSlow::caused(e.as_ref()) {
+                    tracing::debug!(user = %to.user, error = %e, "request body too slow; cut off");
+                    return body_too_slow(&e);
+                }
                 tracing::debug!(user = %to.user, upstream = %to.authority, error = %e, "upstream request failed");
                 return bad_gateway("the instance did not answer");
             }
@@ -363,7 +399,7 @@ impl Forwarder {
                     parts.headers.clone(),
                 )
             });
-        let mut req = Request::from_parts(parts, Either::Left(body));
+        let mut req = Request::from_parts(parts, self.upstream_body(body));
         loop {
             match self.attempt(&to.authority, conn, req).await {
                 Ok(response) => return Ok(response),
@@ -379,7 +415,7 @@ impl Forwarder {
                         return Err(Failure::Stale(e));
                     };
                     tracing::debug!(user = %to.user, error = %e, "stale upstream connection; retrying once");
-                    let mut rebuilt = Request::new(Either::Right(Empty::new()));
+                    let mut rebuilt = Request::new(no_body());
                     *rebuilt.method_mut() = method;
                     *rebuilt.uri_mut() = uri;
                     *rebuilt.headers_mut() = headers;
@@ -482,7 +518,7 @@ impl Forwarder {
         &self,
         client: hyper::upgrade::OnUpgrade,
         upstream: hyper::upgrade::OnUpgrade,
-        permit: OwnedSemaphorePermit,
+        permit: StreamPermit,
         user: Arc<UserId>,
     ) {
         let spawner = self.spawner.clone();
@@ -514,6 +550,46 @@ impl Forwarder {
 
 fn bad_gateway(message: &str) -> Response<ProxyBody> {
     respond::json_error(StatusCode::BAD_GATEWAY, "bad_gateway", message, &[])
+}
+
+/// An upgrade refused: `503 too_many_upgrades` when the node is full (the
+/// proxy's code for it since before the per-user cap), `429
+/// too_many_streams` when the user is at their own cap.
+fn stream_refused(refused: &StreamRefused) -> Response<ProxyBody> {
+    match refused {
+        StreamRefused::Total(_) => respond::json_error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "too_many_upgrades",
+            &refused.to_string(),
+            &[],
+        ),
+        StreamRefused::PerUser { .. } => {
+            respond::code_error(ErrorCode::TooManyStreams, &refused.to_string())
+        }
+    }
+}
+
+/// The client fell behind its body's pace: 408, and the connection closes
+/// (the rest of the body is never read).
+fn body_too_slow(error: &BoxError) -> Response<ProxyBody> {
+    let message = error_chain_text(error.as_ref());
+    let mut response = respond::code_error(ErrorCode::RequestTimeout, &message);
+    response
+        .headers_mut()
+        .insert(header::CONNECTION, HeaderValue::from_static("close"));
+    response
+}
+
+/// The message of the [`BodyTooSlow`] in `error`'s chain.
+fn error_chain_text(error: &(dyn std::error::Error + 'static)) -> String {
+    let mut source = Some(error);
+    while let Some(e) = source {
+        if let Some(slow) = e.downcast_ref::<BodyTooSlow>() {
+            return slow.to_string();
+        }
+        source = e.source();
+    }
+    error.to_string()
 }
 
 fn is_idempotent(method: &Method) -> bool {

@@ -6,15 +6,21 @@
 //! 1. [`route`] reads the target user from the request and looks up where
 //!    the user's instance listens, in an in-memory table fed by spawner
 //!    events;
-//! 2. [`auth`] lets through the user themself or the admin (token as
-//!    Bearer, cookie or one-shot query parameter; or a trusted SSO header);
+//! 2. [`auth`] lets through the user themself (a user token as Bearer, as
+//!    the user cookie, or once as a query parameter that becomes the
+//!    cookie; or a trusted SSO header) or the admin (Bearer only);
 //! 3. [`wake`] starts a missing instance and waits for it (or shows a
 //!    browser the "starting" page);
 //! 4. [`forward`] streams the request to the instance and the answer back,
 //!    tunnelling WebSockets.
 //!
-//! [`server::serve`] accepts connections, applies connection-level limits,
-//! and hands every other request to a fallback service (berth's API).
+//! [`server::serve`] accepts connections, applies connection-level limits
+//! ([`limits`]: connections per client address and in all; [`pace`]: how
+//! fast request bodies must arrive), and hands every other request to a
+//! fallback service (berth's API). Long-lived streams (WebSockets, and the
+//! API's progress and log streams through [`Proxy::streams`]) are counted
+//! per user and in all by [`limits::StreamLimits`]. [`metrics`] times
+//! every answer.
 //!
 //! ```no_run
 //! use std::sync::Arc;
@@ -25,7 +31,8 @@
 //! #     tokens: Arc<dyn berth_proxy::auth::TokenStore>,
 //! #     api: NotFound,
 //! # ) -> std::io::Result<()> {
-//! // `api` is any `tower_service::Service<Request<Incoming>>`, e.g. an axum Router.
+//! // `api` is any `tower_service::Service<Request<berth_proxy::RequestBody>>`,
+//! // e.g. an axum Router.
 //! let auth = Authenticator::new("admin-token", tokens);
 //! let proxy = Proxy::start(ProxyConfig::default(), spawner, auth);
 //! let listener = tokio::net::TcpListener::bind("127.0.0.1:8000").await?;
@@ -38,14 +45,14 @@
 //! # }
 //! # #[derive(Clone)]
 //! # struct NotFound;
-//! # impl tower_service::Service<hyper::Request<hyper::body::Incoming>> for NotFound {
+//! # impl tower_service::Service<hyper::Request<berth_proxy::RequestBody>> for NotFound {
 //! #     type Response = hyper::Response<http_body_util::Full<bytes::Bytes>>;
 //! #     type Error = std::convert::Infallible;
 //! #     type Future = std::future::Ready<Result<Self::Response, Self::Error>>;
 //! #     fn poll_ready(&mut self, _: &mut std::task::Context<'_>) -> std::task::Poll<Result<(), Self::Error>> {
 //! #         std::task::Poll::Ready(Ok(()))
 //! #     }
-//! #     fn call(&mut self, _: hyper::Request<hyper::body::Incoming>) -> Self::Future {
+//! #     fn call(&mut self, _: hyper::Request<berth_proxy::RequestBody>) -> Self::Future {
 //! #         std::future::ready(Ok(hyper::Response::default()))
 //! #     }
 //! # }
@@ -53,6 +60,9 @@
 
 pub mod auth;
 pub mod forward;
+pub mod limits;
+pub mod metrics;
+pub mod pace;
 mod pool;
 mod proxy;
 pub mod respond;
@@ -60,7 +70,14 @@ pub mod route;
 pub mod server;
 pub mod wake;
 
+pub use metrics::ProxyMetrics;
+pub use pace::{BodyPace, BodyTooSlow, PacedBody};
 pub use pool::ForwardedBody;
+
+/// The request bodies the server hands its fallback (berth's API): the
+/// client's stream, bounded in pace ([`pace`]). The proxy paces the bodies
+/// it forwards itself, and only those it has to read.
+pub type RequestBody = PacedBody<hyper::body::Incoming>;
 pub use proxy::{Proxy, ProxyCluster, ProxyConfig, route_error};
 pub use server::{ServerConfig, serve};
 pub use wake::{ClusterHook, Locate};

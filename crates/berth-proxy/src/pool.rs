@@ -380,7 +380,7 @@ mod tests {
         let req = Request::builder()
             .uri("/")
             .header("host", "h")
-            .body(Either::Right(Empty::new()))
+            .body(Either::Right(Either::Right(Empty::new())))
             .unwrap();
         let mut response = std::pin::pin!(conn.sender.send_request(req));
         let response = std::future::poll_fn(|cx| {

@@ -13,26 +13,52 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::auth::{
-    AuthMode, Authenticator, CLUSTER_SECRET, CLUSTER_USER, ClusterSecret, Credential, Gate,
-    TrustedProxies, strip_credentials,
+    AuthMode, Authenticator, CLUSTER_SECRET, CLUSTER_USER, ClusterSecret, CookieScope, Credential,
+    Gate, SharedSecret, TrustedProxies, drop_berth_set_cookies, strip_credentials,
 };
 use crate::forward::{ConnInfo, ForwardConfig, Forwarder, Upstream};
+use crate::limits::StreamLimits;
+use crate::metrics::ProxyMetrics;
 use crate::respond::{self, ProxyBody};
 use crate::route::{Class, RouteError, RouteTable, Router, Target};
 use crate::wake::{ClusterHook, Locate, Wake, Waker};
 
 /// Proxy settings.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 pub struct ProxyConfig {
     /// Route `<slug>.<base_domain>` too; `None`: path routing only.
     pub base_domain: Option<String>,
+    /// Route `/u/<user>/` on any host (design §8.2: on by default only
+    /// without a base domain, since it puts every app on one origin).
+    pub path_routing: bool,
     /// Remove `/u/<user>` from the path sent upstream.
     pub strip_prefix: bool,
     pub auth_mode: AuthMode,
     pub trusted_proxies: TrustedProxies,
+    /// In header mode, `X-Forwarded-User` counts only next to this secret
+    /// in `X-Berth-Proxy-Secret`.
+    pub header_secret: Option<SharedSecret>,
     /// How long a woken request waits for its instance.
     pub ready_timeout: Duration,
     pub forward: ForwardConfig,
+    /// Where request durations are recorded.
+    pub metrics: ProxyMetrics,
+}
+
+impl Default for ProxyConfig {
+    fn default() -> Self {
+        Self {
+            base_domain: None,
+            path_routing: true,
+            strip_prefix: false,
+            auth_mode: AuthMode::default(),
+            trusted_proxies: TrustedProxies::default(),
+            header_secret: None,
+            ready_timeout: Duration::default(),
+            forward: ForwardConfig::default(),
+            metrics: ProxyMetrics::default(),
+        }
+    }
 }
 
 /// Cluster mode: where to find users this node does not run, and the
@@ -56,6 +82,7 @@ pub struct Proxy {
     waker: Waker,
     forwarder: Forwarder,
     cluster: Option<ProxyCluster>,
+    metrics: ProxyMetrics,
     tasks: TaskTracker,
     cancel: CancellationToken,
 }
@@ -95,15 +122,21 @@ impl Proxy {
                 table.clone(),
                 config.base_domain.as_deref(),
                 config.strip_prefix,
+                config.path_routing,
             ),
-            gate: match &cluster {
-                Some(c) => Gate::new(auth, config.auth_mode, config.trusted_proxies)
-                    .with_cluster(c.secret.clone()),
-                None => Gate::new(auth, config.auth_mode, config.trusted_proxies),
+            gate: {
+                let gate = Gate::new(auth, config.auth_mode, config.trusted_proxies)
+                    .with_header_secret(config.header_secret)
+                    .with_base_domain(config.base_domain.as_deref());
+                match &cluster {
+                    Some(c) => gate.with_cluster(c.secret.clone()),
+                    None => gate,
+                }
             },
             waker: Waker::new(spawner.clone(), table, config.ready_timeout),
             forwarder: Forwarder::new(&config.forward, spawner, tasks.clone(), cancel.clone()),
             cluster,
+            metrics: config.metrics,
             tasks,
             cancel,
         })
@@ -118,6 +151,21 @@ impl Proxy {
         self.forwarder.free_upgrades()
     }
 
+    /// The counts of long-lived streams per user and in all: WebSockets
+    /// take a slot here, and so must every other long-lived stream berth
+    /// serves (the API's progress and followed-log streams).
+    pub fn streams(&self) -> &Arc<StreamLimits> {
+        self.forwarder.streams()
+    }
+
+    /// Whether `headers` carry this cluster's secret: a request from another
+    /// node (single node: never).
+    pub fn is_cluster_peer(&self, headers: &hyper::HeaderMap) -> bool {
+        self.cluster
+            .as_ref()
+            .is_some_and(|c| c.secret.verify(headers))
+    }
+
     /// Per-connection facts, computed once per connection.
     pub fn conn_info(&self, peer: SocketAddr) -> ConnInfo {
         ConnInfo::new(peer, self.gate.trusted().contains(peer.ip()))
@@ -128,9 +176,17 @@ impl Proxy {
         self.router.classify(req)
     }
 
-    /// Answers a request for a user's instance.
+    /// Answers a request for a user's instance, and records how long the
+    /// answer's head took.
     pub async fn handle(&self, req: Request<Incoming>, conn: &ConnInfo) -> Response<ProxyBody> {
-        let (route, path_and_query, progress_url, navigation, credential) = {
+        let started = std::time::Instant::now();
+        let response = self.answer(req, conn).await;
+        self.metrics.observe(response.status(), started.elapsed());
+        response
+    }
+
+    async fn answer(&self, req: Request<Incoming>, conn: &ConnInfo) -> Response<ProxyBody> {
+        let (route, path_and_query, navigation, pass) = {
             let target = match self.router.target(req.headers(), req.uri()) {
                 Ok(Some(target)) => target,
                 Ok(None) => return respond::code_error(ErrorCode::NotFound, "not a user route"),
@@ -140,29 +196,25 @@ impl Proxy {
                 Ok(route) => route,
                 Err(e) => return route_error(&e, &req),
             };
-            let credential = match self
+            let scope = match &target {
+                Target::Host { .. } => CookieScope::Host,
+                Target::Path { segment, .. } => CookieScope::Path { segment },
+            };
+            let pass = match self
                 .gate
-                .check(req.headers(), req.uri(), conn, &route.user)
+                .check(req.headers(), req.uri(), conn, &route.user, &scope)
                 .await
             {
-                Ok(credential) => credential,
+                Ok(pass) => pass,
                 Err(answer) => return answer,
             };
             let Some(path_and_query) = self.router.upstream_path(&target, req.uri(), None) else {
                 return respond::code_error(ErrorCode::InvalidRequest, "cannot rewrite the path");
             };
             let navigation = respond::is_navigation(req.headers());
-            // A host-routed page cannot reach the API's progress stream on its
-            // own host (every path there is the user's), so it polls instead.
-            let progress_url = match target {
-                Target::Path { .. } if navigation => Some(format!(
-                    "/api/v1/users/{}/instance/progress",
-                    route.user.path_segment()
-                )),
-                _ => None,
-            };
-            (route, path_and_query, progress_url, navigation, credential)
+            (route, path_and_query, navigation, pass)
         };
+        let credential = pass.credential;
         let mut req = req;
         strip_credentials(req.headers_mut(), credential);
         let authority = match self.waker.endpoint(&route.user, route.upstream) {
@@ -176,7 +228,7 @@ impl Proxy {
                     .as_ref()
                     .filter(|_| credential != Credential::Cluster);
                 if let Some(cluster) = cluster {
-                    match cluster.hook.locate(&route.user).await {
+                    match cluster.hook.locate(&route.user, !navigation).await {
                         Ok(Locate::Local) => {}
                         Ok(Locate::Remote { endpoint, node }) => {
                             return self
@@ -189,11 +241,10 @@ impl Proxy {
                         }
                     }
                 }
-                match self
-                    .waker
-                    .wake(&route.user, navigation, progress_url.as_deref())
-                    .await
-                {
+                // The starting page polls (reloads) rather than follow the
+                // API's progress stream: the API takes no browser cookie,
+                // and the user cookie is scoped to the app.
+                match self.waker.wake(&route.user, navigation, None).await {
                     Wake::Ready(authority) => authority,
                     Wake::Respond(answer) => return answer,
                 }
@@ -205,8 +256,12 @@ impl Proxy {
             path_and_query,
             retry_refused: true,
         };
-        let keep_user = self.gate.keeps_forwarded_user(conn);
-        self.forwarder.forward(req, upstream, conn, keep_user).await
+        let mut response = self
+            .forwarder
+            .forward(req, upstream, conn, pass.keep_forwarded_user)
+            .await;
+        drop_berth_set_cookies(response.headers_mut());
+        response
     }
 
     /// Forwards `req` to the node that runs `user`'s instance: same path
@@ -243,7 +298,9 @@ impl Proxy {
             path_and_query,
             retry_refused: false,
         };
-        self.forwarder.forward(req, upstream, conn, false).await
+        let mut response = self.forwarder.forward(req, upstream, conn, false).await;
+        drop_berth_set_cookies(response.headers_mut());
+        response
     }
 
     /// Stops background work: the route follower, pooled upstream
@@ -258,7 +315,7 @@ impl Proxy {
 /// The answer to a request that cannot be routed.
 pub fn route_error<B>(error: &RouteError, req: &Request<B>) -> Response<ProxyBody> {
     match error {
-        RouteError::MissingHost | RouteError::BadHost => {
+        RouteError::MissingHost | RouteError::BadHost | RouteError::HostMismatch => {
             respond::code_error(ErrorCode::InvalidRequest, &error.to_string())
         }
         RouteError::InvalidUser(_) => {

@@ -141,6 +141,24 @@ pub fn forbidden(navigation: bool) -> Response<ProxyBody> {
     }
 }
 
+/// 403 with a reason of its own, as a page or as JSON.
+pub fn forbidden_because(navigation: bool, message: &str) -> Response<ProxyBody> {
+    if navigation {
+        page(
+            StatusCode::FORBIDDEN,
+            "Forbidden",
+            &format!("<h1>Forbidden</h1>\n<p>{}</p>", html_escape(message)),
+        )
+    } else {
+        json_error(
+            StatusCode::FORBIDDEN,
+            ErrorCode::Forbidden.as_str(),
+            message,
+            &[],
+        )
+    }
+}
+
 /// A redirect, optionally setting a cookie.
 pub fn redirect(
     status: StatusCode,

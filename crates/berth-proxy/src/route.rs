@@ -166,6 +166,11 @@ pub enum RouteError {
     MissingHost,
     #[error("the Host header is not a valid host[:port]")]
     BadHost,
+    /// An absolute-form target (`GET http://alice.example/ HTTP/1.1`)
+    /// naming another host than `Host`: which one the client meant cannot
+    /// be told, and the two must never route differently.
+    #[error("the request target's host differs from the Host header")]
+    HostMismatch,
     #[error("the user segment is malformed: {0}")]
     InvalidUser(&'static str),
     #[error("no user has this host name")]
@@ -180,7 +185,13 @@ pub enum RouteError {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Target<'a> {
     /// `/u/<segment>/<rest…>`; `rest` starts with `/`.
-    Path { user: Cow<'a, str>, rest: &'a str },
+    Path {
+        /// The decoded user id.
+        user: Cow<'a, str>,
+        /// The segment as the request spelled it (percent-encoded).
+        segment: &'a str,
+        rest: &'a str,
+    },
     /// `<label>.<base_domain>`, label lowercased.
     Host { label: Cow<'a, str> },
 }
@@ -192,10 +203,18 @@ pub struct Router {
     /// Lowercase, without a leading dot; `None`: host routing is off.
     base_domain: Option<Box<str>>,
     strip_prefix: bool,
+    /// Route `/u/<user>/` on any host. Off, `/u/…` is berth's own path
+    /// (and answers 404): apps live only on their own hosts.
+    path_routing: bool,
 }
 
 impl Router {
-    pub fn new(table: Arc<RouteTable>, base_domain: Option<&str>, strip_prefix: bool) -> Self {
+    pub fn new(
+        table: Arc<RouteTable>,
+        base_domain: Option<&str>,
+        strip_prefix: bool,
+        path_routing: bool,
+    ) -> Self {
         let base_domain = base_domain
             .map(|d| d.trim().trim_matches('.').to_ascii_lowercase())
             .filter(|d| !d.is_empty())
@@ -204,6 +223,7 @@ impl Router {
             table,
             base_domain,
             strip_prefix,
+            path_routing,
         }
     }
 
@@ -232,6 +252,9 @@ impl Router {
                 return Ok(Some(Target::Host { label }));
             }
         }
+        if !self.path_routing {
+            return Ok(None);
+        }
         let Some(rest) = uri.path().strip_prefix(USER_PREFIX) else {
             return Ok(None);
         };
@@ -241,6 +264,7 @@ impl Router {
         };
         Ok(Some(Target::Path {
             user: decode_segment(segment)?,
+            segment,
             rest,
         }))
     }
@@ -310,11 +334,20 @@ impl Router {
 
 /// The host name of a request (no port), validated. HTTP/1.1 requires
 /// exactly one Host; an HTTP/1.0 request without one is refused too, since
-/// routing and `X-Forwarded-Host` depend on it.
+/// routing and `X-Forwarded-Host` depend on it. An absolute-form target
+/// must name the same authority as `Host`.
 pub fn host_name<'a>(headers: &'a HeaderMap, uri: &'a Uri) -> Result<&'a str, RouteError> {
     let mut values = headers.get_all(HOST).iter();
     let host = match (values.next(), values.next()) {
-        (Some(v), None) => std::str::from_utf8(v.as_bytes()).map_err(|_| RouteError::BadHost)?,
+        (Some(v), None) => {
+            let host = std::str::from_utf8(v.as_bytes()).map_err(|_| RouteError::BadHost)?;
+            if let Some(authority) = uri.authority() {
+                if !authority.as_str().eq_ignore_ascii_case(host) {
+                    return Err(RouteError::HostMismatch);
+                }
+            }
+            host
+        }
         (Some(_), Some(_)) => return Err(RouteError::BadHost),
         (None, _) => match uri.authority() {
             Some(a) => a.as_str(),
@@ -426,7 +459,7 @@ mod tests {
     }
 
     fn router(base: Option<&str>, strip: bool) -> Router {
-        Router::new(Arc::new(RouteTable::new()), base, strip)
+        Router::new(Arc::new(RouteTable::new()), base, strip, true)
     }
 
     fn ep(port: u16) -> Endpoint {
@@ -449,6 +482,7 @@ mod tests {
             t,
             Target::Path {
                 user: "alice".into(),
+                segment: "alice",
                 rest: "/lab"
             }
         );
@@ -537,6 +571,57 @@ mod tests {
         two.headers_mut()
             .append(HOST, HeaderValue::from_static("b"));
         assert_eq!(r.classify(&two), Class::Reject(RouteError::BadHost));
+    }
+
+    #[test]
+    fn path_routing_can_be_off() {
+        let r = Router::new(
+            Arc::new(RouteTable::new()),
+            Some("berth.example"),
+            false,
+            false,
+        );
+        assert_eq!(
+            r.classify(&req(Some("berth.example"), "/u/bob/")),
+            Class::Fallback,
+            "/u/ is berth's own path: apps live on their hosts"
+        );
+        assert_eq!(
+            r.classify(&req(Some("bob.berth.example"), "/")),
+            Class::Proxy
+        );
+        assert_eq!(
+            r.classify(&req(Some("bob.berth.example"), "/u/alice/")),
+            Class::Proxy,
+            "on bob's host every path is bob's"
+        );
+        let q = req(Some("h"), "/u/a%40b/x");
+        let on = router(None, false);
+        match on.target(q.headers(), q.uri()).unwrap().unwrap() {
+            Target::Path { user, segment, .. } => assert_eq!((&*user, segment), ("a@b", "a%40b")),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn absolute_form_targets_must_name_the_host() {
+        let r = router(Some("berth.example"), false);
+        let q = req(Some("bob.berth.example"), "http://alice.berth.example/");
+        assert_eq!(r.classify(&q), Class::Reject(RouteError::HostMismatch));
+        let q = req(Some("bob.berth.example:80"), "http://bob.berth.example/");
+        assert_eq!(
+            r.classify(&q),
+            Class::Reject(RouteError::HostMismatch),
+            "the port is part of the authority"
+        );
+        let q = req(Some("Bob.Berth.Example"), "http://bob.berth.example/x");
+        assert_eq!(r.classify(&q), Class::Proxy);
+        let q = req(None, "http://bob.berth.example/x");
+        assert_eq!(
+            r.classify(&q),
+            Class::Proxy,
+            "no Host: the target's authority"
+        );
     }
 
     #[test]

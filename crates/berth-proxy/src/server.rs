@@ -2,16 +2,23 @@
 //! connection-level limits, and sends each request to the proxy or to the
 //! fallback service (berth's API).
 //!
-//! Limits: a header read timeout (a slowloris client is cut off), a request
-//! header size limit (hyper answers `431`), and the proxy's cap on
-//! concurrent upgrades. On shutdown the listener closes, idle connections
-//! close, in-flight requests get `shutdown_grace` to finish, and whatever
-//! is left is then cut.
+//! Limits: a cap on open connections, in all and per client address (a
+//! connection over either is closed at once, before anything is read; one
+//! whose first request carries the cluster secret, from another node, stops
+//! counting against its address); a
+//! header read timeout (a slowloris client is cut off; it also closes
+//! idle keep-alive connections); a request header size limit (hyper
+//! answers `431`); a minimum pace for request bodies (a trickling client
+//! is cut off, see [`crate::pace`]); and the proxy's caps on long-lived
+//! streams. On shutdown the listener closes, idle connections close,
+//! in-flight requests get `shutdown_grace` to finish, and whatever is left
+//! is then cut.
 
 use std::convert::Infallible;
 use std::future::Future;
 use std::io;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -26,7 +33,10 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tower_service::Service;
 
+use crate::RequestBody;
 use crate::forward::ConnInfo;
+use crate::limits::{ConnLimits, ConnPermit};
+use crate::pace::{BodyPace, PacedBody};
 use crate::proxy::{Proxy, route_error};
 use crate::respond::ProxyBody;
 use crate::route::Class;
@@ -40,6 +50,16 @@ pub struct ServerConfig {
     pub max_header_bytes: usize,
     /// How long in-flight requests may run on after shutdown begins.
     pub shutdown_grace: Duration,
+    /// Open client connections at most; one more is closed at once.
+    pub max_connections: usize,
+    /// Open connections at most from one client address (an IPv4 address
+    /// or an IPv6 /64); trusted proxies, and connections whose first
+    /// request carries the cluster secret, count only towards the total.
+    pub max_connections_per_ip: usize,
+    /// How fast the bodies of requests for the fallback (berth's API) must
+    /// arrive; `None`: no bound. The proxy's own are paced by
+    /// [`crate::forward::ForwardConfig::body_pace`].
+    pub body_pace: Option<BodyPace>,
 }
 
 impl Default for ServerConfig {
@@ -48,8 +68,18 @@ impl Default for ServerConfig {
             header_read_timeout: Duration::from_secs(10),
             max_header_bytes: 64 * 1024,
             shutdown_grace: Duration::from_secs(10),
+            max_connections: 10_000,
+            max_connections_per_ip: 1000,
+            body_pace: Some(BodyPace::default()),
         }
     }
+}
+
+/// One client connection: what the proxy knows of it, and its slots.
+struct Connection {
+    info: ConnInfo,
+    permit: ConnPermit,
+    first_request: AtomicBool,
 }
 
 /// The response body of the server: the proxy's or the fallback's.
@@ -58,20 +88,28 @@ pub type ServerBody<B> = Either<ProxyBody, B>;
 struct Shared<F> {
     proxy: Arc<Proxy>,
     fallback: F,
+    /// For the fallback's bodies; the proxy paces the bodies it forwards
+    /// itself (only those it reads).
+    body_pace: Option<BodyPace>,
 }
 
 impl<F, B> Shared<F>
 where
-    F: Service<Request<Incoming>, Response = Response<B>, Error = Infallible> + Clone,
+    F: Service<Request<RequestBody>, Response = Response<B>, Error = Infallible> + Clone,
 {
     async fn dispatch(&self, req: Request<Incoming>, conn: &ConnInfo) -> Response<ServerBody<B>> {
         match self.proxy.classify(&req) {
             Class::Proxy => self.proxy.handle(req, conn).await.map(Either::Left),
             Class::Fallback => {
+                let mut req = req;
+                // The API reads the peer's facts (is it a trusted proxy
+                // that says https?) from here.
+                req.extensions_mut().insert(conn.clone());
                 let mut service = self.fallback.clone();
                 if let Err(never) = std::future::poll_fn(|cx| service.poll_ready(cx)).await {
                     match never {}
                 }
+                let req = req.map(|body| PacedBody::new(body, self.body_pace));
                 match service.call(req).await {
                     Ok(response) => response.map(Either::Right),
                     Err(never) => match never {},
@@ -85,7 +123,8 @@ where
 /// Serves `listener` until `shutdown` completes, then drains.
 ///
 /// Requests for user routes go to `proxy`; everything else to `fallback`
-/// (for berth, the API router). Does not stop the proxy's own background
+/// (for berth, the API router, with its bodies paced by
+/// [`ServerConfig::body_pace`]). Does not stop the proxy's own background
 /// tasks: call [`Proxy::shutdown`] afterwards.
 pub async fn serve<F, B>(
     listener: TcpListener,
@@ -95,7 +134,7 @@ pub async fn serve<F, B>(
     shutdown: impl Future<Output = ()>,
 ) -> io::Result<()>
 where
-    F: Service<Request<Incoming>, Response = Response<B>, Error = Infallible>
+    F: Service<Request<RequestBody>, Response = Response<B>, Error = Infallible>
         + Clone
         + Send
         + Sync
@@ -110,7 +149,12 @@ where
         .max_header_size(config.max_header_bytes)
         .keep_alive(true);
     let http = Arc::new(http);
-    let shared = Arc::new(Shared { proxy, fallback });
+    let shared = Arc::new(Shared {
+        proxy,
+        fallback,
+        body_pace: config.body_pace,
+    });
+    let limits = ConnLimits::new(config.max_connections, config.max_connections_per_ip);
     let connections = TaskTracker::new();
     let draining = CancellationToken::new();
     let cut = CancellationToken::new();
@@ -135,17 +179,42 @@ where
                 }
             },
         };
+        let conn = shared.proxy.conn_info(peer);
+        let permit = match limits.admit(peer.ip(), conn.trusted) {
+            Ok(permit) => permit,
+            Err(refused) => {
+                // Closed before anything is read or spent on it. Debug, not
+                // warn: a flood would otherwise flood the log too.
+                tracing::debug!(%peer, %refused, "connection refused");
+                drop(stream);
+                continue;
+            }
+        };
         let _ = stream.set_nodelay(true);
-        let conn = Arc::new(shared.proxy.conn_info(peer));
+        let conn = Arc::new(Connection {
+            info: conn,
+            permit,
+            first_request: AtomicBool::new(true),
+        });
         let shared = shared.clone();
         let http = http.clone();
         let draining = draining.clone();
         let cut = cut.clone();
         connections.spawn(async move {
-            let service = service_fn(move |req| {
+            let service = service_fn(move |req: Request<Incoming>| {
                 let shared = shared.clone();
                 let conn = conn.clone();
-                async move { Ok::<_, Infallible>(shared.dispatch(req, &conn).await) }
+                // Another node of the cluster says so on every request; the
+                // first one is enough to stop counting it per address.
+                // (A load, not a swap, on the path every request takes:
+                // the requests of one connection are not concurrent.)
+                if conn.first_request.load(Ordering::Relaxed) {
+                    conn.first_request.store(false, Ordering::Relaxed);
+                    if shared.proxy.is_cluster_peer(req.headers()) {
+                        conn.permit.exempt();
+                    }
+                }
+                async move { Ok::<_, Infallible>(shared.dispatch(req, &conn.info).await) }
             });
             let connection = http
                 .serve_connection(TokioIo::new(stream), service)

@@ -5,12 +5,18 @@
 //! progress stream and reloads); any other request waits up to
 //! `ready_timeout` and is then forwarded, so an API client needs one round
 //! trip. A request still waiting after that gets `503 instance_starting`;
-//! an open breaker gives `503 instance_circuit_open`.
+//! an open breaker gives `503 instance_circuit_open` (one mapping for the
+//! proxy and the API: [`berth_core::readiness_answer`]).
+//!
+//! A navigation also gets the starting page when this node cannot claim the
+//! user because another node holds the lease (`lease_busy`): in a cluster
+//! that is a request another node forwarded here on a view a moment stale,
+//! and the page's reload goes through the cluster's routing again.
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use berth_core::{InstanceStatus, LaunchRequest, SpawnError, Spawner, UserId};
+use berth_core::{LaunchRequest, SpawnError, Spawner, UserId};
 use hyper::Response;
 use hyper::http::uri::Authority;
 
@@ -37,8 +43,11 @@ pub enum Locate {
 #[async_trait::async_trait]
 pub trait ClusterHook: Send + Sync + 'static {
     /// Where `user`'s instance is or should be; may launch it on another
-    /// node first. Errors are answered like a local launch's.
-    async fn locate(&self, user: &UserId) -> Result<Locate, SpawnError>;
+    /// node first, waiting there for it to be ready only with
+    /// `wait_for_ready` (a browser's navigation does not wait: it gets the
+    /// starting page from the node that runs the user). Errors are answered
+    /// like a local launch's.
+    async fn locate(&self, user: &UserId, wait_for_ready: bool) -> Result<Locate, SpawnError>;
 }
 
 /// What waking produced.
@@ -65,9 +74,6 @@ impl std::fmt::Debug for Waker {
     }
 }
 
-/// How long a client is told to wait when its instance is still starting.
-const STARTING_RETRY_MS: u64 = 2000;
-
 impl Waker {
     pub fn new(spawner: Arc<dyn Spawner>, table: Arc<RouteTable>, ready_timeout: Duration) -> Self {
         Self {
@@ -91,6 +97,11 @@ impl Waker {
     pub async fn wake(&self, user: &UserId, navigation: bool, progress_url: Option<&str>) -> Wake {
         match self.spawner.launch(user, LaunchRequest::default()).await {
             Ok(_) | Err(SpawnError::AlreadyRunning { .. }) => {}
+            // Another node holds the lease: a browser is shown the starting
+            // page, whose reload is routed afresh.
+            Err(SpawnError::LeaseBusy { .. }) if navigation => {
+                return Wake::Respond(respond::starting_page(user, progress_url));
+            }
             Err(e) => {
                 tracing::info!(%user, error = %e, "wake-on-request could not launch");
                 return Wake::Respond(respond::spawn_error(&e));
@@ -99,45 +110,19 @@ impl Waker {
         if navigation {
             return Wake::Respond(respond::starting_page(user, progress_url));
         }
-        let instance = match self.spawner.wait_for_ready(user, self.ready_timeout).await {
-            Ok(instance) => instance,
-            Err(e) => return Wake::Respond(respond::spawn_error(&e)),
-        };
-        match instance {
-            Some(i) if i.status == InstanceStatus::Running && i.ready => {
+        match berth_core::wait_ready(self.spawner.as_ref(), user, self.ready_timeout).await {
+            Ok(_) => {
                 let from_table = self.table.lookup(user.as_str()).and_then(|r| r.upstream);
                 match self.endpoint(user, from_table) {
                     Some(authority) => Wake::Ready(authority),
-                    None => Wake::Respond(self.starting(user)),
+                    // Ready, yet not routable: the event is on its way.
+                    None => Wake::Respond(respond::spawn_error(&SpawnError::Starting {
+                        user: user.clone(),
+                        retry_after_ms: berth_core::STARTING_RETRY_MS,
+                    })),
                 }
             }
-            Some(i) if i.status == InstanceStatus::Failed => {
-                match self.spawner.breaker_info(user).await {
-                    Ok(Some(open)) => {
-                        Wake::Respond(respond::spawn_error(&SpawnError::CircuitOpen {
-                            user: user.clone(),
-                            opens: open.opens,
-                            retry_at: open.cooldown_until,
-                        }))
-                    }
-                    _ => Wake::Respond(respond::spawn_error(&SpawnError::SpawnFailed(
-                        i.last_error
-                            .unwrap_or_else(|| "the instance failed to start".to_owned()),
-                    ))),
-                }
-            }
-            Some(i) if i.status == InstanceStatus::Stopped => Wake::Respond(respond::spawn_error(
-                &SpawnError::SpawnFailed("the instance stopped before it was ready".to_owned()),
-            )),
-            // Starting past the deadline, or crashed with a restart pending.
-            _ => Wake::Respond(self.starting(user)),
+            Err(e) => Wake::Respond(respond::spawn_error(&e)),
         }
-    }
-
-    fn starting(&self, user: &UserId) -> Response<ProxyBody> {
-        respond::spawn_error(&SpawnError::Starting {
-            user: user.clone(),
-            retry_after_ms: STARTING_RETRY_MS,
-        })
     }
 }

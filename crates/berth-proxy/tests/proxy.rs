@@ -1,7 +1,8 @@
 //! The proxy's layers together against a real upstream hyper server on
 //! loopback, through the real server loop. The Spawner is a test double
-//! (`StaticSpawner`); the real LocalSpawner is exercised end to end in
-//! crates/berth/tests/proxy.rs.
+//! (`StaticSpawner`); the real controller (over the local runtime) is
+//! exercised end to end in crates/berth/tests/proxy.rs and proxy_e2e.rs
+//! (README, "Test it", says which behaviour is tested where).
 
 mod support;
 
@@ -12,7 +13,7 @@ use std::time::Duration;
 
 use berth_core::BreakerInfo;
 use berth_core::unix_millis_now;
-use berth_proxy::auth::{AuthMode, TrustedProxies};
+use berth_proxy::auth::{AuthMode, SharedSecret, TrustedProxies};
 use bytes::Bytes;
 use futures_util::{SinkExt, StreamExt};
 use http_body_util::BodyExt;
@@ -213,9 +214,11 @@ async fn a_query_token_becomes_a_cookie_and_a_redirect() {
         cookie.starts_with(&format!("berth_token={ALICE};")),
         "{cookie}"
     );
-    for attr in ["HttpOnly", "SameSite=Lax", "Path=/"] {
+    // Path mode: the cookie goes only to alice's own base path.
+    for attr in ["HttpOnly", "SameSite=Lax", "Path=/u/alice/"] {
         assert!(cookie.contains(attr), "{cookie}");
     }
+    assert!(!cookie.contains("Secure"), "plain HTTP: {cookie}");
     let jar = cookie.split(';').next().unwrap();
     let r = h.get("/u/alice/lab?a=1&b=2", &[("Cookie", jar)]).await;
     assert_eq!(r.status, 200);
@@ -226,6 +229,130 @@ async fn a_query_token_becomes_a_cookie_and_a_redirect() {
     let r = h.get("/u/alice/?berth_token=wrong", &[]).await;
     assert_eq!(r.status, 401);
     assert_eq!(r.header("set-cookie"), None);
+}
+
+/// The admin token is never turned into, nor accepted as, a cookie: the
+/// pages of the app the admin opens could use it (design §8.2).
+#[tokio::test]
+async fn the_admin_token_never_becomes_a_cookie() {
+    let h = Harness::start(|_, _| {}).await;
+    h.spawner.run("alice");
+    let r = h.get(&format!("/u/alice/?berth_token={ADMIN}"), &[]).await;
+    assert_eq!(r.status, 403, "{r:?}");
+    assert_eq!(r.header("set-cookie"), None);
+    assert!(r.body.contains("berth token USER"), "{}", r.body);
+    let cookie = format!("berth_token={ADMIN}");
+    let r = h.get("/u/alice/", &[("Cookie", &cookie)]).await;
+    assert_eq!(r.status, 401, "{r:?}");
+    let cookie = format!("__Host-berth_token={ADMIN}");
+    assert_eq!(h.get("/u/alice/", &[("Cookie", &cookie)]).await.status, 401);
+    // As a Bearer header (an API client, never a browser on its own) the
+    // admin still reaches everyone.
+    assert_eq!(get_as(&h, "/u/alice/", ADMIN).await.status, 200);
+}
+
+/// Host mode: the cookie is host-only (no Domain), for `Path=/`, and over
+/// https `__Host-` prefixed and Secure; the redirect stays on the host.
+#[tokio::test]
+async fn host_mode_cookies_are_host_only_and_redirects_stay_home() {
+    let h = Harness::start(|c, _| {
+        c.base_domain = Some("berth.test".into());
+        c.path_routing = false;
+        c.trusted_proxies = TrustedProxies::parse(&["127.0.0.1"]).unwrap();
+    })
+    .await;
+    h.spawner.run("alice");
+    let exchange = |path: &str, proto: &str| {
+        format!(
+            "GET {path}?berth_token={ALICE} HTTP/1.1\r\nHost: alice.berth.test\r\n\
+             X-Forwarded-Proto: {proto}\r\nConnection: close\r\n\r\n"
+        )
+    };
+    let r = h.raw(&exchange("/lab", "https")).await;
+    assert_eq!(r.status, 303, "{r:?}");
+    assert_eq!(r.header("location"), Some("/lab"));
+    let cookie = r.header("set-cookie").unwrap();
+    assert!(
+        cookie.starts_with(&format!("__Host-berth_token={ALICE};")),
+        "{cookie}"
+    );
+    for attr in ["HttpOnly", "SameSite=Lax", "Secure", "Path=/"] {
+        assert!(cookie.contains(attr), "{cookie}");
+    }
+    assert!(!cookie.contains("Domain"), "{cookie}");
+    let r = h.raw(&exchange("/", "http")).await;
+    let cookie = r.header("set-cookie").unwrap();
+    assert!(cookie.starts_with("berth_token="), "{cookie}");
+    assert!(!cookie.contains("Secure"), "{cookie}");
+    // `//evil.example/x` would be a network-path reference: it becomes a
+    // path on alice's host.
+    for (path, want) in [
+        ("//evil.example/x", "/evil.example/x"),
+        ("///evil.example", "/evil.example"),
+    ] {
+        let r = h.raw(&exchange(path, "http")).await;
+        assert_eq!(r.status, 303, "{r:?}");
+        assert_eq!(r.header("location"), Some(want), "{path}");
+    }
+    // The __Host- cookie is read back.
+    let r = h
+        .raw(&format!(
+            "GET / HTTP/1.1\r\nHost: alice.berth.test\r\nCookie: __Host-berth_token={ALICE}\r\nConnection: close\r\n\r\n"
+        ))
+        .await;
+    assert_eq!(r.status, 200, "{r:?}");
+    assert!(
+        !r.body.contains(ALICE),
+        "the cookie never reaches the app: {}",
+        r.body
+    );
+    // Path routing is off: /u/alice/ on the berth host is not an app.
+    let r = h
+        .raw(&format!(
+            "GET /u/alice/ HTTP/1.1\r\nHost: berth.test\r\nAuthorization: Bearer {ALICE}\r\nConnection: close\r\n\r\n"
+        ))
+        .await;
+    assert_eq!((r.status, r.body.as_str()), (200, "fallback /u/alice/"));
+    // An absolute-form target naming another host than Host is refused.
+    let r = h
+        .raw(&format!(
+            "GET http://bob.berth.test/ HTTP/1.1\r\nHost: alice.berth.test\r\nAuthorization: Bearer {ALICE}\r\nConnection: close\r\n\r\n"
+        ))
+        .await;
+    assert_eq!(r.status, 400, "{r:?}");
+}
+
+#[tokio::test]
+async fn two_berth_cookies_of_one_name_are_refused_and_cleared() {
+    let h = Harness::start(|_, _| {}).await;
+    h.spawner.run("alice");
+    let cookie = format!("berth_token={ALICE}; berth_token=planted");
+    let r = h.get("/u/alice/", &[("Cookie", &cookie)]).await;
+    assert_eq!(r.status, 400, "{r:?}");
+    assert!(r.body.contains("two berth_token cookies"), "{}", r.body);
+    let removals = r.headers("set-cookie");
+    assert!(
+        removals
+            .iter()
+            .any(|c| c.contains("Path=/u/alice/") && c.contains("Max-Age=0")),
+        "{removals:?}"
+    );
+    assert!(
+        removals
+            .iter()
+            .any(|c| c.contains("Path=/;") || c.ends_with("Path=/")),
+        "the Path=/ cookie of older versions is cleared too: {removals:?}"
+    );
+    assert_eq!(h.spawner.touches("alice"), 0, "nothing was forwarded");
+}
+
+#[tokio::test]
+async fn a_program_cannot_set_berths_cookies() {
+    let h = Harness::start(|_, _| {}).await;
+    h.spawner.run("alice");
+    let r = get_as(&h, "/u/alice/set-cookie", ALICE).await;
+    assert_eq!(r.status, 200, "{r:?}");
+    assert_eq!(r.headers("set-cookie"), ["app=kept; Path=/"]);
 }
 
 #[tokio::test]
@@ -245,6 +372,15 @@ async fn header_mode_trusts_only_trusted_peers() {
         .get("/u/bob/", &[("X-Forwarded-User", "alice")])
         .await;
     assert_eq!(r.status, 403);
+    // Two names: which would the app believe? Neither.
+    let r = trusted
+        .get(
+            "/u/alice/",
+            &[("X-Forwarded-User", "alice"), ("X-Forwarded-User", "bob")],
+        )
+        .await;
+    assert_eq!(r.status, 400, "{r:?}");
+    assert!(r.body.contains("two X-Forwarded-User"), "{}", r.body);
     // Tokens still work (API clients, the admin).
     assert_eq!(get_as(&trusted, "/u/alice/", ADMIN).await.status, 200);
 
@@ -267,6 +403,43 @@ async fn header_mode_trusts_only_trusted_peers() {
     assert!(!r.body.contains("x-forwarded-user"), "{}", r.body);
 }
 
+/// With a header secret, a process on a trusted address that does not
+/// know it cannot name a user; the secret never reaches the program.
+#[tokio::test]
+async fn header_mode_with_a_secret_needs_the_secret() {
+    let h = Harness::start(|c, _| {
+        c.auth_mode = AuthMode::Header;
+        c.trusted_proxies = TrustedProxies::parse(&["127.0.0.0/8"]).unwrap();
+        c.header_secret = Some(SharedSecret::new("sso-s3cret").unwrap());
+    })
+    .await;
+    h.spawner.run("alice");
+    let r = h.get("/u/alice/", &[("X-Forwarded-User", "alice")]).await;
+    assert_eq!(r.status, 401, "no secret: {r:?}");
+    let r = h
+        .get(
+            "/u/alice/",
+            &[
+                ("X-Forwarded-User", "alice"),
+                ("X-Berth-Proxy-Secret", "wrong"),
+            ],
+        )
+        .await;
+    assert_eq!(r.status, 401, "a wrong secret: {r:?}");
+    let r = h
+        .get(
+            "/u/alice/",
+            &[
+                ("X-Forwarded-User", "alice"),
+                ("X-Berth-Proxy-Secret", "sso-s3cret"),
+            ],
+        )
+        .await;
+    assert_eq!(r.status, 200, "{r:?}");
+    assert!(r.body.contains("x-forwarded-user: alice\n"), "{}", r.body);
+    assert!(!r.body.contains("sso-s3cret"), "{}", r.body);
+}
+
 // --- wake -------------------------------------------------------------------
 
 #[tokio::test]
@@ -285,8 +458,11 @@ async fn an_api_request_wakes_the_instance_in_one_round_trip() {
     );
 }
 
+/// The starting page reloads itself until the app answers. It does not
+/// follow the API's progress stream: the API accepts no browser cookie, and
+/// the user cookie is scoped to the app (design §8.2).
 #[tokio::test]
-async fn a_browser_gets_the_starting_page_that_follows_progress() {
+async fn a_browser_gets_the_starting_page_that_reloads() {
     let h = Harness::start(|_, _| {}).await;
     *h.spawner.state().start_delay.lock().unwrap() = Duration::from_secs(3600);
     let cookie = format!("berth_token={ALICE}");
@@ -296,9 +472,7 @@ async fn a_browser_gets_the_starting_page_that_follows_progress() {
     assert_eq!(r.status, 202, "{r:?}");
     assert!(r.header("content-type").unwrap().starts_with("text/html"));
     assert!(
-        r.body.contains(
-            r#"<meta name="berth-progress" content="/api/v1/users/alice/instance/progress">"#
-        ),
+        !r.body.contains(r#"<meta name="berth-progress""#),
         "{}",
         r.body
     );
@@ -612,7 +786,9 @@ async fn an_instance_that_listens_a_moment_late_is_still_reached() {
     });
     let request = get_as(&h, "/u/alice/", ALICE);
     tokio::pin!(request);
-    // Let the first connection attempt fail, then open the port.
+    // Let the first connection attempt fail, then open the port. The sleep
+    // is the scenario (an instance a moment late) and a check that nothing
+    // is answered meanwhile; a refused connect leaves no trace to wait on.
     tokio::select! {
         r = &mut request => panic!("answered before the instance listened: {r:?}"),
         () = tokio::time::sleep(Duration::from_millis(30)) => {}
@@ -633,6 +809,7 @@ async fn a_post_with_a_body_reaches_an_instance_that_listens_late() {
     drop(probe);
     h.spawner.run_at("alice", late);
     let server = tokio::spawn(async move {
+        // The scenario: the instance listens 200 ms late.
         tokio::time::sleep(Duration::from_millis(200)).await;
         let listener = TcpListener::bind(late).await.unwrap();
         let (mut s, _) = listener.accept().await.unwrap();
@@ -721,6 +898,7 @@ async fn a_slowloris_client_is_cut_off_at_the_header_timeout() {
             if write.write_all(b"X").await.is_err() {
                 return;
             }
+            // The slowloris attack itself: one byte per 50 ms.
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
     });

@@ -24,11 +24,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use berth_core::policy::CrashState;
-use berth_core::{Epoch, Instance, InstanceStatus, Role, UnixMillis, UserId};
+use berth_core::{Epoch, Instance, InstanceStatus, Role, Slug, UnixMillis, UserId};
 
 use crate::{
-    ClaimOutcome, InstanceFilter, LaunchParams, NodeRecord, NodeStatus, Store, StoreError,
-    TakeoverPolicy,
+    ClaimOutcome, InstanceFilter, LaunchParams, MintOutcome, NewToken, NodeClaim, NodeRecord,
+    NodeStatus, Store, StoreError, TakeoverPolicy, TokenRecord, UidRange,
 };
 
 /// A lease that runs out while a test watches.
@@ -87,9 +87,20 @@ macro_rules! store_contract_tests {
             list_leases_reports_holder_liveness,
             concurrent_claimers_have_one_winner,
             crash_state_round_trip_and_clear_deletes,
-            tokens_round_trip,
+            tokens_mint_use_list_and_expire,
+            token_cap_holds_under_concurrent_mints,
+            child_tokens_never_outlive_their_parent,
+            revocation_takes_every_descendant_and_only_them,
+            sessions_live_until_they_expire_or_end,
+            user_slug_is_recorded_once_and_kept,
+            a_slug_recorded_for_one_user_is_refused_for_another,
+            concurrent_first_records_agree_on_one_slug,
             nodes_heartbeat_upsert_and_list,
+            node_claims_need_a_stale_row_or_the_same_data_dir,
             record_activity_never_lowers_last_active,
+            accounts_get_stable_unique_uids,
+            accounts_refuse_a_full_range_and_change_nothing,
+            concurrent_account_allocations_never_share_a_uid,
         );
     };
     (@cases $fresh:expr; $($case:ident),+ $(,)?) => {
@@ -118,7 +129,6 @@ fn instance(u: &str, role: Role, node: &str, port: Option<u16>) -> Instance {
         epoch: 0,
         port,
         pid: None,
-        pid_start: None,
         runtime_ref: None,
         folder: String::new(),
         started_at: 1_700_000_000_000,
@@ -218,7 +228,6 @@ pub async fn instance_round_trip_keeps_every_field(store: Arc<dyn Store>) {
         epoch: 7,
         port: Some(u16::MAX),
         pid: Some(u32::MAX),
-        pid_start: Some(i64::MAX as u64),
         runtime_ref: Some(berth_core::runtime::RuntimeRef::new(
             "shim 4242 pid 77 started 9",
         )),
@@ -247,7 +256,6 @@ pub async fn instance_round_trip_keeps_every_field(store: Arc<dyn Store>) {
         epoch: 8,
         port: None,
         pid: None,
-        pid_start: None,
         runtime_ref: None,
         folder: String::new(),
         ready: false,
@@ -1213,23 +1221,414 @@ pub async fn crash_state_round_trip_and_clear_deletes(store: Arc<dyn Store>) {
     assert_eq!(store.load_crash_state(&bob).await.unwrap(), state);
 }
 
-/// Token hashes map to their user; an unknown hash maps to nobody.
-pub async fn tokens_round_trip(store: Arc<dyn Store>) {
+/// Mints `id` (hash `h-<id>`) for `u`; panics unless it was minted.
+async fn mint(
+    store: &dyn Store,
+    u: &UserId,
+    id: &str,
+    ttl: Duration,
+    parent: Option<&str>,
+) -> TokenRecord {
+    let hash = format!("h-{id}");
+    match store
+        .mint_token(&NewToken {
+            id,
+            user: u,
+            token_hash: &hash,
+            ttl,
+            parent,
+            max_live: 100,
+        })
+        .await
+        .unwrap()
+    {
+        MintOutcome::Minted(record) => record,
+        other => panic!("minting {id}: {other:?}"),
+    }
+}
+
+/// Tokens are found by hash while live, record their use, are listed
+/// without their secret, and are gone once expired (by the store's clock).
+pub async fn tokens_mint_use_list_and_expire(store: Arc<dyn Store>) {
     let alice = user("alice");
     let bob = user("bob@corp.example");
-    store.put_token(&alice, "hash-a1").await.unwrap();
-    store.put_token(&alice, "hash-a2").await.unwrap();
-    store.put_token(&bob, "hash-b").await.unwrap();
-    // Putting the same hash again is idempotent.
-    store.put_token(&bob, "hash-b").await.unwrap();
+    let before = store.now().await.unwrap();
+    let a1 = mint(store.as_ref(), &alice, "a1", LONG, None).await;
+    assert_eq!(a1.id, "a1");
+    assert_eq!(a1.user, alice);
+    assert!(a1.created_at >= before, "{a1:?}");
+    assert_eq!(a1.expires_at - a1.created_at, LONG.as_millis() as i64);
+    assert_eq!((a1.last_used_at, a1.parent.as_deref()), (None, None));
+    mint(store.as_ref(), &alice, "a2", SHORT, None).await;
+    mint(store.as_ref(), &bob, "b1", LONG, None).await;
+
+    let owner = store.use_token("h-a1").await.unwrap().expect("a1 is live");
+    assert_eq!((owner.user, owner.id.as_str()), (alice.clone(), "a1"));
+    assert_eq!(owner.expires_at, a1.expires_at);
+    assert!(owner.now >= a1.created_at && owner.now < owner.expires_at);
+    assert_eq!(store.use_token("h-b1").await.unwrap().unwrap().user, bob);
+    for unknown in ["h-unknown", "", "a1"] {
+        assert_eq!(store.use_token(unknown).await.unwrap(), None, "{unknown:?}");
+    }
+    let listed = store.list_tokens(&alice).await.unwrap();
     assert_eq!(
-        store.user_for_token("hash-a1").await.unwrap(),
-        Some(alice.clone())
+        listed.iter().map(|t| t.id.as_str()).collect::<Vec<_>>(),
+        ["a1", "a2"]
     );
-    assert_eq!(store.user_for_token("hash-a2").await.unwrap(), Some(alice));
-    assert_eq!(store.user_for_token("hash-b").await.unwrap(), Some(bob));
-    assert_eq!(store.user_for_token("hash-unknown").await.unwrap(), None);
-    assert_eq!(store.user_for_token("").await.unwrap(), None);
+    assert_eq!(
+        listed[0].last_used_at,
+        Some(owner.now),
+        "the use is recorded"
+    );
+
+    // a2 runs out: neither found nor listed, and a1 is untouched.
+    let deadline = std::time::Instant::now() + PATIENCE;
+    while store.use_token("h-a2").await.unwrap().is_some() {
+        assert!(std::time::Instant::now() < deadline, "a2 never expired");
+        tokio::time::sleep(POLL).await;
+    }
+    let listed = store.list_tokens(&alice).await.unwrap();
+    assert_eq!(listed.len(), 1, "{listed:?}");
+    assert_eq!(listed[0].id, "a1");
+    assert!(store.list_tokens(&user("nobody")).await.unwrap().is_empty());
+}
+
+/// The per-user cap holds when many mints race, counts only live tokens,
+/// and is per user.
+pub async fn token_cap_holds_under_concurrent_mints(store: Arc<dyn Store>) {
+    let alice = user("alice");
+    let mints = (0..12).map(|i| {
+        let store = store.clone();
+        let alice = alice.clone();
+        tokio::spawn(async move {
+            let id = format!("race-{i}");
+            let hash = format!("h-{id}");
+            store
+                .mint_token(&NewToken {
+                    id: &id,
+                    user: &alice,
+                    token_hash: &hash,
+                    ttl: LONG,
+                    parent: None,
+                    max_live: 3,
+                })
+                .await
+                .unwrap()
+        })
+    });
+    let outcomes: Vec<MintOutcome> = futures_join(mints).await;
+    let minted = outcomes
+        .iter()
+        .filter(|o| matches!(o, MintOutcome::Minted(_)))
+        .count();
+    assert_eq!(minted, 3, "{outcomes:?}");
+    assert!(
+        outcomes
+            .iter()
+            .all(|o| matches!(o, MintOutcome::Minted(_) | MintOutcome::TooMany { live: 3 })),
+        "{outcomes:?}"
+    );
+    assert_eq!(store.list_tokens(&alice).await.unwrap().len(), 3);
+    // Another user has a cap of their own.
+    mint(store.as_ref(), &user("bob"), "b1", LONG, None).await;
+    // Revoking one makes room for one.
+    let first = store.list_tokens(&alice).await.unwrap()[0].id.clone();
+    assert_eq!(store.revoke_token(&alice, &first).await.unwrap(), [first]);
+    let again = |id: &'static str| {
+        let store = store.clone();
+        let alice = alice.clone();
+        async move {
+            store
+                .mint_token(&NewToken {
+                    id,
+                    user: &alice,
+                    token_hash: id,
+                    ttl: SHORT,
+                    parent: None,
+                    max_live: 3,
+                })
+                .await
+                .unwrap()
+        }
+    };
+    assert!(matches!(again("short").await, MintOutcome::Minted(_)));
+    assert_eq!(again("one-more").await, MintOutcome::TooMany { live: 3 });
+    // Expired tokens do not count.
+    let deadline = std::time::Instant::now() + PATIENCE;
+    while store.use_token("short").await.unwrap().is_some() {
+        assert!(std::time::Instant::now() < deadline, "never expired");
+        tokio::time::sleep(POLL).await;
+    }
+    assert!(matches!(
+        again("after-expiry").await,
+        MintOutcome::Minted(_)
+    ));
+}
+
+async fn futures_join<T: Send + 'static>(
+    tasks: impl Iterator<Item = tokio::task::JoinHandle<T>>,
+) -> Vec<T> {
+    let mut out = Vec::new();
+    for task in tasks.collect::<Vec<_>>() {
+        out.push(task.await.unwrap());
+    }
+    out
+}
+
+/// A token minted with another expires no later than it, and only a live
+/// token of the same user can be a parent.
+pub async fn child_tokens_never_outlive_their_parent(store: Arc<dyn Store>) {
+    let alice = user("alice");
+    let parent = mint(
+        store.as_ref(),
+        &alice,
+        "parent",
+        Duration::from_secs(60),
+        None,
+    )
+    .await;
+    let child = mint(store.as_ref(), &alice, "child", LONG, Some("parent")).await;
+    assert_eq!(child.parent.as_deref(), Some("parent"));
+    assert_eq!(child.expires_at, parent.expires_at, "bounded by the parent");
+    let short = mint(store.as_ref(), &alice, "short", SHORT, Some("parent")).await;
+    assert!(
+        short.expires_at < parent.expires_at,
+        "a shorter life is kept"
+    );
+    let grandchild = mint(store.as_ref(), &alice, "grandchild", LONG, Some("child")).await;
+    assert!(grandchild.expires_at <= child.expires_at);
+
+    let refused = |id: &'static str, who: UserId, parent: &'static str| {
+        let store = store.clone();
+        async move {
+            store
+                .mint_token(&NewToken {
+                    id,
+                    user: &who,
+                    token_hash: id,
+                    ttl: LONG,
+                    parent: Some(parent),
+                    max_live: 100,
+                })
+                .await
+                .unwrap()
+        }
+    };
+    assert_eq!(
+        refused("x1", alice.clone(), "nope").await,
+        MintOutcome::ParentGone
+    );
+    assert_eq!(
+        refused("x2", user("bob"), "parent").await,
+        MintOutcome::ParentGone
+    );
+    let deadline = std::time::Instant::now() + PATIENCE;
+    while store.use_token("h-short").await.unwrap().is_some() {
+        assert!(std::time::Instant::now() < deadline, "never expired");
+        tokio::time::sleep(POLL).await;
+    }
+    assert_eq!(
+        refused("x3", alice.clone(), "short").await,
+        MintOutcome::ParentGone
+    );
+    for id in ["x1", "x2", "x3"] {
+        assert_eq!(
+            store.use_token(id).await.unwrap(),
+            None,
+            "{id} was not minted"
+        );
+    }
+}
+
+/// Revoking a token deletes it and everything minted with it, at any
+/// depth, and nothing else; another user cannot revoke it.
+pub async fn revocation_takes_every_descendant_and_only_them(store: Arc<dyn Store>) {
+    let alice = user("alice");
+    mint(store.as_ref(), &alice, "root", LONG, None).await;
+    mint(store.as_ref(), &alice, "kid", LONG, Some("root")).await;
+    mint(store.as_ref(), &alice, "grandkid", LONG, Some("kid")).await;
+    mint(store.as_ref(), &alice, "sibling", LONG, None).await;
+    mint(store.as_ref(), &user("bob"), "bobs", LONG, None).await;
+
+    assert!(
+        store
+            .revoke_token(&user("bob"), "root")
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    assert!(store.revoke_token(&alice, "nope").await.unwrap().is_empty());
+    assert!(store.use_token("h-root").await.unwrap().is_some());
+
+    let mut revoked = store.revoke_token(&alice, "kid").await.unwrap();
+    revoked.sort();
+    assert_eq!(revoked, ["grandkid", "kid"]);
+    for (hash, live) in [
+        ("h-root", true),
+        ("h-kid", false),
+        ("h-grandkid", false),
+        ("h-sibling", true),
+        ("h-bobs", true),
+    ] {
+        assert_eq!(
+            store.use_token(hash).await.unwrap().is_some(),
+            live,
+            "{hash}"
+        );
+    }
+    let left: Vec<String> = store
+        .list_tokens(&alice)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|t| t.id)
+        .collect();
+    assert_eq!(left, ["root", "sibling"]);
+    assert!(
+        store.revoke_token(&alice, "kid").await.unwrap().is_empty(),
+        "already gone"
+    );
+}
+
+/// Admin sessions are found by hash until they expire or are ended.
+pub async fn sessions_live_until_they_expire_or_end(store: Arc<dyn Store>) {
+    let before = store.now().await.unwrap();
+    let long = store.create_session("s-long", LONG).await.unwrap();
+    assert!(long >= before + LONG.as_millis() as i64, "{long}");
+    store.create_session("s-short", SHORT).await.unwrap();
+    assert_eq!(store.session_expiry("s-long").await.unwrap(), Some(long));
+    assert_eq!(store.session_expiry("nope").await.unwrap(), None);
+    let deadline = std::time::Instant::now() + PATIENCE;
+    while store.session_expiry("s-short").await.unwrap().is_some() {
+        assert!(std::time::Instant::now() < deadline, "never expired");
+        tokio::time::sleep(POLL).await;
+    }
+    assert!(store.delete_session("s-long").await.unwrap());
+    assert!(!store.delete_session("s-long").await.unwrap());
+    assert_eq!(store.session_expiry("s-long").await.unwrap(), None);
+}
+
+fn slug(s: &str) -> Slug {
+    Slug::parse(s).unwrap()
+}
+
+/// The first record of a user's slug sticks: a store seeded with a slug
+/// (here the 8-hex-digit slug of an earlier berth) keeps it when asked to
+/// record another, so no data root moves.
+pub async fn user_slug_is_recorded_once_and_kept(store: Arc<dyn Store>) {
+    let odd = user("alice*{@(.:$*corp");
+    let plain = user("bob");
+    assert_eq!(store.user_slug(&odd).await.unwrap(), None);
+    let legacy = odd.legacy_slug();
+    assert_eq!(legacy.as_str(), "alice-corp---eb9ba467");
+    assert_eq!(store.record_user_slug(&odd, &legacy).await.unwrap(), legacy);
+    // Asked again with today's rule: the recorded slug wins.
+    assert_ne!(odd.slug(), legacy);
+    assert_eq!(
+        store.record_user_slug(&odd, &odd.slug()).await.unwrap(),
+        legacy
+    );
+    assert_eq!(store.user_slug(&odd).await.unwrap(), Some(legacy.clone()));
+    assert_eq!(
+        store.record_user_slug(&plain, &plain.slug()).await.unwrap(),
+        slug("bob")
+    );
+    assert_eq!(store.user_slug(&plain).await.unwrap(), Some(slug("bob")));
+    assert_eq!(store.user_slug(&user("carol")).await.unwrap(), None);
+}
+
+/// Two ids never share a slug: recording one user's slug for another is
+/// refused with a typed error, and changes nothing.
+pub async fn a_slug_recorded_for_one_user_is_refused_for_another(store: Arc<dyn Store>) {
+    let first = user("alice*{@(.:$*corp");
+    let second = user("alice<;|<@(:{corp");
+    let shared = first.legacy_slug();
+    assert_eq!(second.legacy_slug(), shared, "the collision of issue 9");
+    store.record_user_slug(&first, &shared).await.unwrap();
+    let err = store.record_user_slug(&second, &shared).await.unwrap_err();
+    match &err {
+        StoreError::SlugTaken { user, slug } => {
+            assert_eq!((user, slug.as_str()), (&second, shared.as_str()));
+        }
+        other => panic!("expected SlugTaken, got {other:?}"),
+    }
+    let msg = err.to_string();
+    assert!(
+        msg.contains("alice-corp---eb9ba467") && msg.contains("already recorded for another user"),
+        "{msg}"
+    );
+    assert_eq!(
+        store.user_slug(&second).await.unwrap(),
+        None,
+        "nothing recorded"
+    );
+    assert_eq!(store.user_slug(&first).await.unwrap(), Some(shared));
+    // The second user's own slug is free.
+    assert_eq!(
+        store
+            .record_user_slug(&second, &second.slug())
+            .await
+            .unwrap(),
+        second.slug()
+    );
+}
+
+/// Eight nodes recording one new user at once, each with a different
+/// candidate: all are told the same slug. Eight users racing for one slug:
+/// exactly one gets it, the others are refused.
+pub async fn concurrent_first_records_agree_on_one_slug(store: Arc<dyn Store>) {
+    let alice = user("alice");
+    let barrier = Arc::new(tokio::sync::Barrier::new(8));
+    let tasks: Vec<_> = (0..8)
+        .map(|i| {
+            let (store, alice, barrier) = (store.clone(), alice.clone(), barrier.clone());
+            tokio::spawn(async move {
+                barrier.wait().await;
+                store
+                    .record_user_slug(&alice, &slug(&format!("candidate-{i}")))
+                    .await
+                    .unwrap()
+            })
+        })
+        .collect();
+    let mut answers = Vec::new();
+    for t in tasks {
+        answers.push(t.await.unwrap());
+    }
+    let recorded = store.user_slug(&alice).await.unwrap().unwrap();
+    assert!(answers.iter().all(|a| *a == recorded), "{answers:?}");
+
+    let barrier = Arc::new(tokio::sync::Barrier::new(8));
+    let tasks: Vec<_> = (0..8)
+        .map(|i| {
+            let (store, barrier) = (store.clone(), barrier.clone());
+            tokio::spawn(async move {
+                let who = user(&format!("racer-{i}"));
+                barrier.wait().await;
+                (
+                    who.clone(),
+                    store.record_user_slug(&who, &slug("contested")).await,
+                )
+            })
+        })
+        .collect();
+    let mut winners = Vec::new();
+    for t in tasks {
+        match t.await.unwrap() {
+            (who, Ok(s)) => {
+                assert_eq!(s, slug("contested"));
+                winners.push(who);
+            }
+            (_, Err(StoreError::SlugTaken { .. })) => {}
+            (who, Err(e)) => panic!("{who}: {e}"),
+        }
+    }
+    assert_eq!(winners.len(), 1, "{winners:?}");
+    for i in 0..8 {
+        let who = user(&format!("racer-{i}"));
+        let expected = (who == winners[0]).then(|| slug("contested"));
+        assert_eq!(store.user_slug(&who).await.unwrap(), expected);
+    }
 }
 
 /// heartbeat inserts, then updates, a node's row and stamps it with the
@@ -1333,4 +1732,149 @@ pub async fn record_activity_never_lowers_last_active(store: Arc<dyn Store>) {
         .await
         .unwrap();
     assert_eq!(last_active("alice", Role::Main).await, 4_000);
+}
+
+const UIDS: UidRange = UidRange {
+    first: 200_000,
+    count: 100,
+};
+
+/// The first account gets the range's first uid, the next one the next;
+/// asking again returns the same uid, also under another range (a user's
+/// files must keep their owner), and `list_accounts` shows them all.
+pub async fn accounts_get_stable_unique_uids(store: Arc<dyn Store>) {
+    assert_eq!(store.account_uid("alice", UIDS).await.unwrap(), 200_000);
+    assert_eq!(store.account_uid("bob", UIDS).await.unwrap(), 200_001);
+    assert_eq!(store.account_uid("alice", UIDS).await.unwrap(), 200_000);
+    let moved = UidRange {
+        first: 500_000,
+        count: 10,
+    };
+    assert_eq!(store.account_uid("alice", moved).await.unwrap(), 200_000);
+    assert_eq!(store.account_uid("carol", moved).await.unwrap(), 500_000);
+    // Back in the old range, numbering continues after its highest uid.
+    assert_eq!(store.account_uid("dave", UIDS).await.unwrap(), 200_002);
+    assert_eq!(
+        store.list_accounts().await.unwrap(),
+        vec![
+            ("alice".to_owned(), 200_000),
+            ("bob".to_owned(), 200_001),
+            ("dave".to_owned(), 200_002),
+            ("carol".to_owned(), 500_000),
+        ]
+    );
+}
+
+/// A range with no uid left is a typed error naming the range, and records
+/// nothing; an empty or overflowing range is refused before any SQL.
+pub async fn accounts_refuse_a_full_range_and_change_nothing(store: Arc<dyn Store>) {
+    let two = UidRange {
+        first: 300_000,
+        count: 2,
+    };
+    store.account_uid("a", two).await.unwrap();
+    store.account_uid("b", two).await.unwrap();
+    let err = store.account_uid("c", two).await.unwrap_err();
+    assert!(
+        matches!(
+            err,
+            StoreError::UidsExhausted {
+                first: 300_000,
+                last: 300_001
+            }
+        ),
+        "{err:?}"
+    );
+    assert!(err.to_string().contains("300000-300001"), "{err}");
+    assert_eq!(store.list_accounts().await.unwrap().len(), 2);
+    // Existing accounts are still served from a full range.
+    assert_eq!(store.account_uid("b", two).await.unwrap(), 300_001);
+    for bad in [
+        UidRange {
+            first: 1000,
+            count: 0,
+        },
+        UidRange {
+            first: u32::MAX - 1,
+            count: 2,
+        },
+    ] {
+        let err = store.account_uid("d", bad).await.unwrap_err();
+        assert!(err.to_string().contains("empty"), "{err}");
+    }
+    assert_eq!(store.list_accounts().await.unwrap().len(), 2);
+}
+
+/// Many allocations at once (as many nodes would make them): distinct
+/// slugs get distinct, consecutive uids, and one slug asked for by many
+/// callers gets one uid.
+pub async fn concurrent_account_allocations_never_share_a_uid(store: Arc<dyn Store>) {
+    let mut tasks = Vec::new();
+    for i in 0..24 {
+        let store = store.clone();
+        // Every slug asked for twice at once.
+        let slug = format!("user-{}", i / 2);
+        tasks.push(tokio::spawn(async move {
+            let uid = store.account_uid(&slug, UIDS).await.unwrap();
+            (slug, uid)
+        }));
+    }
+    let mut got = std::collections::BTreeMap::new();
+    for task in tasks {
+        let (slug, uid) = task.await.unwrap();
+        let first = *got.entry(slug.clone()).or_insert(uid);
+        assert_eq!(first, uid, "{slug} got two uids");
+    }
+    let mut uids: Vec<u32> = got.values().copied().collect();
+    uids.sort_unstable();
+    let expected: Vec<u32> = (200_000..200_012).collect();
+    assert_eq!(uids, expected);
+    assert_eq!(store.list_accounts().await.unwrap().len(), 12);
+}
+
+/// A node id is claimed by one process at a time: a fresh or `down` row,
+/// one whose heartbeat is older than the TTL, or one last claimed from the
+/// same data dir (whose lock the claimer holds) may be taken; a live row
+/// claimed from another data dir may not. Heartbeats keep the identity.
+pub async fn node_claims_need_a_stale_row_or_the_same_data_dir(store: Arc<dyn Store>) {
+    let claim = |data_dir: &'static str, ttl: Duration| {
+        let store = store.clone();
+        async move { store.claim_node("node-1", data_dir, ttl).await.unwrap() }
+    };
+    let before = store.now().await.unwrap();
+    assert_eq!(claim("dir-a", LONG).await, NodeClaim::Claimed, "a new id");
+    let rows = store.list_nodes().await.unwrap();
+    assert_eq!(rows.len(), 1, "{rows:?}");
+    assert_eq!(rows[0].status, NodeStatus::Up);
+    assert!(
+        rows[0].heartbeat >= before,
+        "the claim stamps the heartbeat"
+    );
+    // The node heartbeats as usual; its identity stays.
+    store.heartbeat(&node("node-1")).await.unwrap();
+
+    // Another data dir meets the live row, and changes nothing.
+    let NodeClaim::Live(row) = claim("dir-b", LONG).await else {
+        panic!("a live row claimed from another data dir");
+    };
+    assert_eq!(row.id, "node-1");
+    assert_eq!(row.advertise_url, "http://node-1.internal:8080");
+    // The same data dir: its lock proves the last claimer gone.
+    assert_eq!(claim("dir-a", LONG).await, NodeClaim::Claimed);
+    assert!(matches!(claim("dir-b", LONG).await, NodeClaim::Live(_)));
+
+    // A node that said `down` may be replaced at once, from anywhere, and
+    // the row is `up` again.
+    let mut down = node("node-1");
+    down.status = NodeStatus::Down;
+    store.heartbeat(&down).await.unwrap();
+    assert_eq!(claim("dir-b", LONG).await, NodeClaim::Claimed);
+    assert_eq!(store.list_nodes().await.unwrap()[0].status, NodeStatus::Up);
+    // …and now dir-b's identity is the one recorded.
+    assert!(matches!(claim("dir-a", LONG).await, NodeClaim::Live(_)));
+
+    // A heartbeat older than the TTL is no longer live.
+    wait_until_heartbeat_older(&store, "node-1", SHORT).await;
+    assert_eq!(claim("dir-a", SHORT).await, NodeClaim::Claimed);
+    assert!(matches!(claim("dir-b", LONG).await, NodeClaim::Live(_)));
 }

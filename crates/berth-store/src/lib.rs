@@ -2,9 +2,14 @@
 //!
 //! * [`Store`]: the one trait every backend implements — instance records
 //!   (a main's fenced by its lease epoch), the fenced lease (design §3),
-//!   launch parameters, crash/breaker state, tokens and nodes;
+//!   launch parameters, crash/breaker state, user tokens, admin sessions,
+//!   nodes, the per-user accounts (host uids) of isolated instances, and
+//!   each user's recorded slug (design §9);
 //! * [`SqliteStore`]: the embedded single-node backend;
-//! * [`PgStore`]: the PostgreSQL backend a cluster of nodes shares;
+//! * [`PgStore`]: the PostgreSQL backend a cluster of nodes shares; both
+//!   are one implementation over SQL (`sql/`: the operations and their
+//!   statements written once), each adding only its dialect (clock, bulk
+//!   binds, locking) and how it opens its database;
 //! * [`lease`]: the validated lease settings and [`lease::LeaseKeeper`], the
 //!   node-side holder of leases that renews them in bulk and knows when to
 //!   fence itself;
@@ -18,11 +23,11 @@
 //! read-then-write, and expiry and liveness are measured with the store's
 //! own clock.
 
-mod common;
 #[cfg(feature = "contract-tests")]
 pub mod contract;
 pub mod lease;
 mod postgres;
+mod sql;
 mod sqlite;
 #[cfg(feature = "contract-tests")]
 pub mod testing;
@@ -31,7 +36,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use berth_core::policy::{CrashState, NodeState, NodeView};
-use berth_core::{Epoch, Instance, InstanceStatus, Role, UnixMillis, UserId};
+use berth_core::{Epoch, Instance, InstanceStatus, Role, Slug, UnixMillis, UserId};
 use serde::{Deserialize, Serialize};
 
 pub use postgres::{PgStore, PgStoreOptions, redact_url};
@@ -49,6 +54,12 @@ pub enum StoreError {
     /// A stored value could not be decoded.
     #[error("corrupt store record: {0}")]
     Corrupt(String),
+    /// Every uid of the account range is taken (see [`Store::account_uid`]).
+    #[error(
+        "no free uid for a new account in {first}-{last}: every one is taken; widen the range \
+         ([isolation] base_uid / uid_count)"
+    )]
+    UidsExhausted { first: u32, last: u32 },
     /// The store URL is not one this build understands.
     #[error("unsupported store URL {0:?}: expected sqlite://… or postgres://…")]
     UnsupportedUrl(String),
@@ -67,6 +78,10 @@ pub enum StoreError {
         current_epoch: Epoch,
         current_node: String,
     },
+    /// `slug` is already recorded for another user: two ids never share a
+    /// slug (design §9), so `user` was not given it. Nothing changed.
+    #[error("the slug {slug:?} is already recorded for another user; refused it for {user}")]
+    SlugTaken { user: UserId, slug: String },
 }
 
 impl StoreError {
@@ -123,6 +138,16 @@ pub enum ClaimOutcome {
     Busy { holder: String, expired: bool },
 }
 
+/// How a starting node's claim on its id came out ([`Store::claim_node`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum NodeClaim {
+    /// The id is this process's now.
+    Claimed,
+    /// Another process runs under this id, from another data dir (or on
+    /// another host), and has heartbeaten within the TTL: its row.
+    Live(NodeRecord),
+}
+
 /// One user's lease row, as reported to operators.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct LeaseRecord {
@@ -156,6 +181,71 @@ pub struct LaunchParams {
     /// for a launch without one.
     pub patch: Option<String>,
 }
+
+/// A user token as it is listed: everything but its secret (design §8.2).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TokenRecord {
+    /// The public handle, for listing and revoking.
+    pub id: String,
+    pub user: UserId,
+    /// The store's clock when it was minted.
+    pub created_at: UnixMillis,
+    /// By the store's clock; a lookup at or after it finds nothing.
+    pub expires_at: UnixMillis,
+    /// When a node last looked it up in the store. Nodes cache tokens, so
+    /// this is the last use give or take the cache's lifetime.
+    pub last_used_at: Option<UnixMillis>,
+    /// The token it was minted with; `None` when the admin minted it.
+    pub parent: Option<String>,
+}
+
+/// A token to mint with [`Store::mint_token`].
+#[derive(Debug, Clone, Copy)]
+pub struct NewToken<'a> {
+    /// A fresh public id (random; unique across all tokens).
+    pub id: &'a str,
+    pub user: &'a UserId,
+    /// The SHA-256 of the secret, lowercase hex.
+    pub token_hash: &'a str,
+    /// How long it lives, from the store's clock.
+    pub ttl: Duration,
+    /// The id of the user token it is minted with, if any: the new token
+    /// then expires no later than that one, and is refused if that one is
+    /// no longer live or belongs to another user.
+    pub parent: Option<&'a str>,
+    /// The most live tokens `user` may have; minting one more is refused.
+    pub max_live: u32,
+}
+
+/// What [`Store::mint_token`] did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum MintOutcome {
+    Minted(TokenRecord),
+    /// The user already has `live` live tokens, the cap; nothing changed.
+    TooMany {
+        live: u32,
+    },
+    /// The parent token is revoked, expired, or another user's.
+    ParentGone,
+}
+
+/// Who a live token belongs to, as [`Store::use_token`] finds it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TokenOwner {
+    pub user: UserId,
+    /// The token's public id.
+    pub id: String,
+    pub expires_at: UnixMillis,
+    /// The store's clock at the lookup, so that the caller can tell how
+    /// long the token has left by the store's clock.
+    pub now: UnixMillis,
+}
+pub use berth_core::UidRange;
+
+/// How often an account allocation retries after losing a race for a uid
+/// to another node. Each retry means another account was created, so this
+/// bounds only pathological contention.
+const ACCOUNT_ATTEMPTS: usize = 64;
 
 /// Which instance records to list.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -332,8 +422,47 @@ pub trait Store: Send + Sync + 'static {
 
     // --- user tokens (stored hashed; design §8.2) ---------------------------
 
-    async fn put_token(&self, user: &UserId, token_hash: &str) -> Result<(), StoreError>;
-    async fn user_for_token(&self, token_hash: &str) -> Result<Option<UserId>, StoreError>;
+    /// Records a new user token, as one atomic step across nodes: drops the
+    /// user's expired tokens, refuses when the user already has
+    /// [`NewToken::max_live`] live ones or the parent is gone, and bounds
+    /// the expiry by the parent's.
+    async fn mint_token(&self, new: &NewToken<'_>) -> Result<MintOutcome, StoreError>;
+    /// The owner of the live token with this hash, recording the use;
+    /// `None` for an unknown, expired or revoked token.
+    async fn use_token(&self, token_hash: &str) -> Result<Option<TokenOwner>, StoreError>;
+    /// `user`'s live tokens, oldest first.
+    async fn list_tokens(&self, user: &UserId) -> Result<Vec<TokenRecord>, StoreError>;
+    /// Deletes `user`'s token `id` and every token minted with it, directly
+    /// or not. Returns the ids deleted; empty when `user` has no token
+    /// `id`.
+    async fn revoke_token(&self, user: &UserId, id: &str) -> Result<Vec<String>, StoreError>;
+
+    // --- admin sessions (design §8.2) ----------------------------------------
+
+    /// Records a session by the hash of its secret; drops expired sessions.
+    /// Returns when it expires, by the store's clock.
+    async fn create_session(
+        &self,
+        secret_hash: &str,
+        ttl: Duration,
+    ) -> Result<UnixMillis, StoreError>;
+    /// When the live session with this hash expires; `None` if there is
+    /// none (unknown, expired or ended).
+    async fn session_expiry(&self, secret_hash: &str) -> Result<Option<UnixMillis>, StoreError>;
+    /// Ends a session. Returns whether there was one.
+    async fn delete_session(&self, secret_hash: &str) -> Result<bool, StoreError>;
+
+    // --- users and their slugs (design §9) ------------------------------------
+
+    /// The slug recorded for `user`, if one is.
+    async fn user_slug(&self, user: &UserId) -> Result<Option<Slug>, StoreError>;
+    /// Records `slug` for `user` unless a slug is recorded for them
+    /// already, and returns the user's recorded slug: the one recorded
+    /// before (whatever `slug` says: a user's slug never changes), else
+    /// `slug`. A slug recorded for another user is refused with
+    /// [`StoreError::SlugTaken`] and nothing changes. Atomic across nodes:
+    /// the table's two unique constraints decide every race.
+    async fn record_user_slug(&self, user: &UserId, slug: &Slug) -> Result<Slug, StoreError>;
 
     // --- nodes (design §8.1) -------------------------------------------------
 
@@ -344,6 +473,38 @@ pub trait Store: Send + Sync + 'static {
     /// [`NodeView`] with [`NodeRecord::view`], passing [`Store::now`]: a
     /// heartbeat's age is measured by the store's clock.
     async fn list_nodes(&self) -> Result<Vec<NodeRecord>, StoreError>;
+
+    /// Claims node id `node` for a starting process whose data dir has the
+    /// identity `data_dir_id`, as one conditional write: it succeeds when
+    /// the id has no row, when its row says `down`, when its heartbeat is
+    /// older than `ttl` by the store's clock, or when the row was last
+    /// claimed from the same data dir. The caller must hold that data dir's
+    /// lock (which a live process never gives up), so in the last case
+    /// whoever claimed the row before is dead: a node restarted after a
+    /// crash starts at once. A successful claim records `data_dir_id` and
+    /// stamps the heartbeat (an existing row keeps its URL, capacity and
+    /// load until the node's first heartbeat; a `down` row becomes `up`),
+    /// so a second process starting with another data dir at the same
+    /// moment is refused.
+    async fn claim_node(
+        &self,
+        node: &str,
+        data_dir_id: &str,
+        ttl: Duration,
+    ) -> Result<NodeClaim, StoreError>;
+
+    // --- accounts of isolated instances (design §6) --------------------------
+
+    /// The host uid of `slug`'s account, allocated on first use: the uid
+    /// after the highest one of `range` already taken (so uids are handed
+    /// out in order and never reused). An existing account keeps its uid
+    /// even if `range` no longer contains it: a user's files must keep
+    /// their owner. Concurrent callers, on any node, for the same slug get
+    /// the same uid, and for different slugs different ones.
+    /// [`StoreError::UidsExhausted`] when the range has no uid left.
+    async fn account_uid(&self, slug: &str, range: UidRange) -> Result<u32, StoreError>;
+    /// Every account, as `(slug, uid)`, ordered by uid.
+    async fn list_accounts(&self) -> Result<Vec<(String, u32)>, StoreError>;
 }
 
 /// Refuses a patch larger than design §9 allows before it reaches SQL; the
@@ -356,6 +517,18 @@ fn check_patch_size(user: &UserId, patch: Option<&str>) -> Result<(), StoreError
             berth_core::MAX_PATCH_BYTES
         ))),
         _ => Ok(()),
+    }
+}
+
+/// The range's first and last uid as the stores bind them; an empty range
+/// (or one past the largest uid) is refused before any SQL runs.
+fn account_bounds(range: UidRange) -> Result<(i64, i64), StoreError> {
+    match range.last() {
+        Some(last) => Ok((i64::from(range.first), i64::from(last))),
+        None => Err(StoreError::Query(format!(
+            "uid range of {} from {} is empty or passes the largest uid",
+            range.count, range.first
+        ))),
     }
 }
 

@@ -1,11 +1,14 @@
 //! PostgreSQL backend: the store a cluster of berth nodes shares.
 //!
-//! Same semantics as the SQLite backend, statement for statement: every
-//! lease decision is one conditional statement whose time comparisons use
-//! the database's clock (`clock_timestamp()`, see [`now_ms!`]), and success
-//! is judged by whether a row came back. Bulk operations (renew, activity)
-//! ship their lists as two parallel arrays and `unnest` them, so one tick is
-//! one statement however many leases a node holds.
+//! Same semantics as the SQLite backend, statement for statement: the store
+//! operations and their statements are shared (`sql/`), every lease decision
+//! is one conditional statement whose time comparisons use the database's
+//! clock (`clock_timestamp()`, see [`now_ms!`]), and success is judged by
+//! whether a row came back. This file connects and migrates, and says how
+//! PostgreSQL spells what the shared statements cannot: bulk operations
+//! (renew, activity) ship their lists as two parallel arrays and `unnest`
+//! them, so one tick is one statement however many leases a node holds;
+//! mints of one user take turns under an advisory lock.
 //!
 //! Errors that mean "the database cannot be used right now" (refused, DNS,
 //! timeout, shut down, pool exhausted) become [`StoreError::Unavailable`]
@@ -16,21 +19,13 @@ use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use async_trait::async_trait;
-use berth_core::policy::CrashState;
-use berth_core::{Epoch, Instance, InstanceStatus, Role, UnixMillis, UserId};
 use sqlx::Connection;
 use sqlx::migrate::Migrator;
-use sqlx::postgres::{PgConnectOptions, PgConnection, PgPool, PgPoolOptions};
+use sqlx::postgres::{PgConnectOptions, PgConnection, PgPoolOptions, PgQueryResult, Postgres};
 
-use crate::common::{
-    EmbeddedMigrations, get, instance_from_row, lease_from_row, node_from_row, node_status_str,
-    parse_user, ttl_ms, widen,
-};
-use crate::{
-    ClaimOutcome, InstanceFilter, LaunchParams, LeaseRecord, NodeRecord, Store, StoreError,
-    TakeoverPolicy, check_patch_size,
-};
+use crate::StoreError;
+use crate::sql::rows::{EmbeddedMigrations, embedded_migrations};
+use crate::sql::{Dialect, Query, SqlBackend, SqlDb};
 
 /// The store's clock in Unix milliseconds, as SQL text. `clock_timestamp()`
 /// is the time the expression is evaluated; `now()` would be the start of
@@ -45,23 +40,7 @@ macro_rules! now_ms {
 
 /// The PostgreSQL schema, embedded so a deployed binary needs no files
 /// beside it.
-static MIGRATIONS: &[(i64, &str, &str)] = &[
-    (
-        1,
-        "init",
-        include_str!("../migrations/postgres/0001_init.sql"),
-    ),
-    (
-        2,
-        "launch_params",
-        include_str!("../migrations/postgres/0002_launch_params.sql"),
-    ),
-    (
-        6,
-        "runtime_ref",
-        include_str!("../migrations/postgres/0006_runtime_ref.sql"),
-    ),
-];
+static MIGRATIONS: &[(i64, &str, &str)] = embedded_migrations!("postgres");
 
 /// Upper bound the server enforces on one statement of the pool. Lease
 /// statements touch a handful of indexed rows and take milliseconds; 5 s is
@@ -99,7 +78,7 @@ impl Default for PgStoreOptions {
 /// The store a cluster of nodes shares.
 #[derive(Debug, Clone)]
 pub struct PgStore {
-    pool: PgPool,
+    db: SqlDb<Postgres>,
     /// The server, as `postgres://user@host:port/db`, for error messages.
     target: Arc<str>,
     acquire_timeout: Duration,
@@ -173,7 +152,7 @@ impl PgStore {
                 format!("{}ms", STATEMENT_TIMEOUT.as_millis()),
             )]));
         Ok(Self {
-            pool,
+            db: SqlDb::new(pool),
             target,
             acquire_timeout: options.acquire_timeout,
         })
@@ -181,131 +160,7 @@ impl PgStore {
 
     /// Closes the pool, waiting for connections in use to come back.
     pub async fn close(&self) {
-        self.pool.close().await;
-    }
-
-    /// Maps a sqlx error onto the store's error kinds. Connection trouble
-    /// is `Unavailable` and names the server; decode failures mean a row
-    /// holds something berth never wrote.
-    fn err(&self, e: sqlx::Error) -> StoreError {
-        let unavailable = |e: &dyn std::fmt::Display| {
-            StoreError::Unavailable(format!("PostgreSQL at {}: {e}", self.target))
-        };
-        match &e {
-            sqlx::Error::Database(db) => match db.code().as_deref() {
-                Some(code) if unavailable_sqlstate(code) => unavailable(&e),
-                _ => StoreError::Query(e.to_string()),
-            },
-            sqlx::Error::PoolTimedOut => unavailable(&format_args!(
-                "no connection within {:?}: the server is unreachable or every connection is busy",
-                self.acquire_timeout
-            )),
-            sqlx::Error::Io(_)
-            | sqlx::Error::PoolClosed
-            | sqlx::Error::WorkerCrashed
-            | sqlx::Error::Tls(_)
-            | sqlx::Error::Protocol(_)
-            | sqlx::Error::Configuration(_) => unavailable(&e),
-            sqlx::Error::ColumnDecode { .. } | sqlx::Error::Decode(_) => {
-                StoreError::Corrupt(e.to_string())
-            }
-            _ => StoreError::Query(e.to_string()),
-        }
-    }
-
-    /// Reads the lease row after a failed claim, to say who holds it.
-    async fn busy_report(&self, user: &UserId) -> Result<ClaimOutcome, StoreError> {
-        match self.get_lease(user).await? {
-            Some(LeaseRecord {
-                holder: Some(holder),
-                expired,
-                ..
-            }) => Ok(ClaimOutcome::Busy { holder, expired }),
-            // Rows are never deleted and holders never cleared, so a claim
-            // that failed always leaves a holder to name.
-            _ => Err(StoreError::Query(format!(
-                "lease of {user} refused the claim but names no holder"
-            ))),
-        }
-    }
-
-    /// Runs the (fenced) upsert; whether it wrote a row.
-    async fn upsert_instance(&self, i: &Instance) -> Result<bool, StoreError> {
-        sqlx::query(INSTANCE_UPSERT_SQL)
-            .bind(i.user.as_str())
-            .bind(i.role.as_str())
-            .bind(&i.id)
-            .bind(i.status.as_str())
-            .bind(&i.node)
-            .bind(i.epoch)
-            .bind(i.port.map(i64::from))
-            .bind(i.pid.map(i64::from))
-            .bind(i.pid_start.map(|v| widen(v, "pid_start")).transpose()?)
-            .bind(&i.folder)
-            .bind(i.started_at)
-            .bind(i.ready)
-            .bind(i64::from(i.restarts))
-            .bind(i.last_error.as_deref())
-            .bind(i.exit_code.map(i64::from))
-            .bind(i.last_active)
-            .bind(i.runtime_ref.as_ref().map(|r| r.as_str()))
-            .execute(&self.pool)
-            .await
-            .map(|done| done.rows_affected() > 0)
-            .map_err(|e| match &e {
-                sqlx::Error::Database(db)
-                    if db.kind() == sqlx::error::ErrorKind::UniqueViolation =>
-                {
-                    StoreError::Query(format!(
-                        "port {} on node {:?} is already recorded for another live instance \
-                         (putting {} {}): {e}",
-                        i.port.map_or_else(|| "-".to_owned(), |p| p.to_string()),
-                        i.node,
-                        i.user,
-                        i.role
-                    ))
-                }
-                _ => self.err(e),
-            })
-    }
-
-    async fn ensure_lease_row(&self, user: &UserId) -> Result<(), StoreError> {
-        sqlx::query("INSERT INTO leases (user_id) VALUES ($1) ON CONFLICT (user_id) DO NOTHING")
-            .bind(user.as_str())
-            .execute(&self.pool)
-            .await
-            .map_err(|e| self.err(e))?;
-        Ok(())
-    }
-
-    /// Runs the claim or takeover update and reports who holds the lease
-    /// when no row came back.
-    async fn conditional_claim(
-        &self,
-        sql: &'static str,
-        user: &UserId,
-        node: &str,
-        ttl: Duration,
-        evidence: Option<bool>,
-    ) -> Result<ClaimOutcome, StoreError> {
-        self.ensure_lease_row(user).await?;
-        let mut query = sqlx::query(sql)
-            .bind(user.as_str())
-            .bind(node)
-            .bind(ttl_ms(ttl));
-        if let Some(evidence) = evidence {
-            query = query.bind(evidence);
-        }
-        let row = query
-            .fetch_optional(&self.pool)
-            .await
-            .map_err(|e| self.err(e))?;
-        match row {
-            Some(row) => Ok(ClaimOutcome::Claimed {
-                epoch: get(&row, "epoch")?,
-            }),
-            None => self.busy_report(user).await,
-        }
+        self.db.pool.close().await;
     }
 }
 
@@ -384,481 +239,86 @@ pub fn redact_url(url: &str) -> String {
     format!("{scheme}{authority}{tail}")
 }
 
-macro_rules! instance_columns {
-    () => {
-        "user_id, role, id, status, node, epoch, port, pid, pid_start, folder, started_at, \
-         ready, restarts, last_error, exit_code, last_active, runtime_ref"
-    };
+impl SqlBackend for PgStore {
+    type Db = Postgres;
+
+    fn db(&self) -> &SqlDb<Postgres> {
+        &self.db
+    }
+
+    /// Maps a sqlx error onto the store's error kinds. Connection trouble
+    /// is `Unavailable` and names the server; decode failures mean a row
+    /// holds something berth never wrote.
+    fn err(&self, e: sqlx::Error) -> StoreError {
+        let unavailable = |e: &dyn std::fmt::Display| {
+            StoreError::Unavailable(format!("PostgreSQL at {}: {e}", self.target))
+        };
+        match &e {
+            sqlx::Error::Database(db) => match db.code().as_deref() {
+                Some(code) if unavailable_sqlstate(code) => unavailable(&e),
+                _ => StoreError::Query(e.to_string()),
+            },
+            sqlx::Error::PoolTimedOut => unavailable(&format_args!(
+                "no connection within {:?}: the server is unreachable or every connection is busy",
+                self.acquire_timeout
+            )),
+            sqlx::Error::Io(_)
+            | sqlx::Error::PoolClosed
+            | sqlx::Error::WorkerCrashed
+            | sqlx::Error::Tls(_)
+            | sqlx::Error::Protocol(_)
+            | sqlx::Error::Configuration(_) => unavailable(&e),
+            sqlx::Error::ColumnDecode { .. } | sqlx::Error::Decode(_) => {
+                StoreError::Corrupt(e.to_string())
+            }
+            _ => StoreError::Query(e.to_string()),
+        }
+    }
 }
 
-/// Inserts or replaces a (user, role) record. An upsert on the primary key
-/// only: a clash on the live (node, port) index still fails.
-///
-/// A main's record is fenced: the update applies only over a record written
-/// under a lower epoch, or the same epoch by the same node. A refused update
-/// changes no row, which is how the caller tells.
-const INSTANCE_UPSERT_SQL: &str = concat!(
-    "INSERT INTO instances (",
-    instance_columns!(),
-    ") VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17) ",
-    "ON CONFLICT (user_id, role) DO UPDATE SET id = excluded.id, status = excluded.status, ",
-    "node = excluded.node, epoch = excluded.epoch, port = excluded.port, pid = excluded.pid, ",
-    "pid_start = excluded.pid_start, folder = excluded.folder, ",
-    "started_at = excluded.started_at, ready = excluded.ready, restarts = excluded.restarts, ",
-    "last_error = excluded.last_error, exit_code = excluded.exit_code, ",
-    "last_active = excluded.last_active, runtime_ref = excluded.runtime_ref ",
-    "WHERE excluded.role = 'watchdog' OR instances.epoch < excluded.epoch ",
-    "OR (instances.epoch = excluded.epoch AND instances.node = excluded.node)"
-);
+impl Dialect for Postgres {
+    const NOW_MS: &'static str = now_ms!();
 
-/// Deletes a main's record under the fencing rule of [`INSTANCE_UPSERT_SQL`].
-const INSTANCE_DELETE_FENCED_SQL: &str = "DELETE FROM instances \
-     WHERE user_id = $1 AND role = 'main' AND (epoch < $3 OR (epoch = $3 AND node = $2))";
+    /// `$3`/`$4` are the held users and their epochs as parallel arrays, so
+    /// 10 000 leases are one statement with four binds. The clock is read
+    /// once for the whole statement (a one-row join), so every renewed
+    /// lease gets the same `lease_until`.
+    const RENEW: &'static str = concat!(
+        "UPDATE leases SET lease_until = clock.now + $2 ",
+        "FROM (SELECT ",
+        now_ms!(),
+        " AS now) AS clock, ",
+        "unnest($3::text[], $4::bigint[]) AS held(user_id, epoch) ",
+        "WHERE leases.user_id = held.user_id AND leases.epoch = held.epoch ",
+        "AND leases.holder = $1 AND NOT leases.released ",
+        "RETURNING leases.user_id"
+    );
 
-const INSTANCE_GET_SQL: &str = concat!(
-    "SELECT ",
-    instance_columns!(),
-    " FROM instances WHERE user_id = $1 AND role = $2"
-);
+    /// `$1`/`$2` are users and times as parallel arrays. Grouping first
+    /// means a user named twice gets the larger time rather than whichever
+    /// row the join happened to pick.
+    const ACTIVITY: &'static str = "UPDATE instances SET last_active = activity.t \
+         FROM (SELECT u, max(t) AS t FROM unnest($1::text[], $2::bigint[]) AS a(u, t) GROUP BY u) \
+              AS activity \
+         WHERE instances.user_id = activity.u AND instances.role = 'main' \
+           AND activity.t > instances.last_active";
 
-const INSTANCE_LIST_SQL: &str = concat!(
-    "SELECT ",
-    instance_columns!(),
-    " FROM instances WHERE ($1::text IS NULL OR status = $1) ",
-    "AND ($2::text IS NULL OR node = $2) ",
-    "AND ($3::text IS NULL OR role = $3) ORDER BY user_id, role"
-);
+    /// Mints of one user take turns, whichever node they run on: under READ
+    /// COMMITTED two concurrent inserts would both see room under the cap.
+    /// Other users are not held up.
+    const LOCK_USER_TOKENS: Option<&'static str> =
+        Some("SELECT pg_advisory_xact_lock(hashtextextended('berth-tokens:' || $1, 0))");
 
-/// The lease columns up to `holder_alive`, which each query adds. `expired`
-/// is computed in SQL so it uses the store's clock.
-macro_rules! lease_columns {
-    () => {
-        concat!(
-            "SELECT user_id, holder, epoch, lease_until, released, ",
-            "COALESCE(holder IS NOT NULL AND NOT released AND lease_until < ",
-            now_ms!(),
-            ", false) AS expired, "
-        )
-    };
-}
-
-const LEASE_GET_SQL: &str = concat!(
-    lease_columns!(),
-    "NULL::boolean AS holder_alive FROM leases WHERE user_id = $1"
-);
-
-/// `$2` is the TTL that judges the holder alive: the same test as the
-/// claim's evidence clause in [`CLAIM_SQL`], so "expired and holder not
-/// alive" is exactly what an evidence claim with that TTL may take.
-const LEASE_LIST_SQL: &str = concat!(
-    lease_columns!(),
-    "CASE WHEN holder IS NULL THEN NULL ELSE EXISTS (SELECT 1 FROM nodes ",
-    "WHERE nodes.id = leases.holder AND nodes.heartbeat >= ",
-    now_ms!(),
-    " - $2) END AS holder_alive FROM leases",
-    " WHERE NOT $1 OR (holder IS NOT NULL AND NOT released AND lease_until < ",
-    now_ms!(),
-    ") ORDER BY user_id"
-);
-
-/// Live leases only: an expired one is no longer this node's to run, even
-/// if nobody has taken it yet; the node must claim it again.
-const LEASE_HELD_SQL: &str = concat!(
-    lease_columns!(),
-    "NULL::boolean AS holder_alive FROM leases",
-    " WHERE holder = $1 AND NOT released AND lease_until >= ",
-    now_ms!(),
-    " ORDER BY user_id"
-);
-
-/// The claim's conditional update (design §3, invariant 1). `$4` is true
-/// when expired leases may be taken from a holder whose heartbeat is older
-/// than one TTL (or which never registered a heartbeat at all).
-///
-/// Under READ COMMITTED a claimer that finds the row locked by a concurrent
-/// claim waits, then re-checks this WHERE against the row as committed, so
-/// of several simultaneous claimers exactly one gets a row back.
-const CLAIM_SQL: &str = concat!(
-    "UPDATE leases SET holder = $2, epoch = epoch + 1, lease_until = ",
-    now_ms!(),
-    " + $3, released = false ",
-    "WHERE user_id = $1 AND (",
-    "holder IS NULL OR holder = $2 OR released OR (",
-    "$4 AND lease_until < ",
-    now_ms!(),
-    " AND NOT EXISTS (SELECT 1 FROM nodes WHERE nodes.id = leases.holder AND nodes.heartbeat >= ",
-    now_ms!(),
-    " - $3))",
-    ") RETURNING epoch"
-);
-
-/// An operator's takeover: any free, released or expired lease, whoever held
-/// it. A released lease's `lease_until` is already in the past.
-const TAKE_OVER_SQL: &str = concat!(
-    "UPDATE leases SET holder = $2, epoch = epoch + 1, lease_until = ",
-    now_ms!(),
-    " + $3, released = false ",
-    "WHERE user_id = $1 AND (holder IS NULL OR released OR lease_until < ",
-    now_ms!(),
-    ") RETURNING epoch"
-);
-
-/// Bulk renew: `$3`/`$4` are the held users and their epochs as parallel
-/// arrays, so 10 000 leases are one statement with four binds. The clock is
-/// read once for the whole statement (a one-row join), so every renewed
-/// lease gets the same `lease_until`. Released leases are not revived:
-/// release ended them on purpose.
-const RENEW_SQL: &str = concat!(
-    "UPDATE leases SET lease_until = clock.now + $2 ",
-    "FROM (SELECT ",
-    now_ms!(),
-    " AS now) AS clock, ",
-    "unnest($3::text[], $4::bigint[]) AS held(user_id, epoch) ",
-    "WHERE leases.user_id = held.user_id AND leases.epoch = held.epoch ",
-    "AND leases.holder = $1 AND NOT leases.released ",
-    "RETURNING leases.user_id"
-);
-
-const RELEASE_SQL: &str = concat!(
-    "UPDATE leases SET lease_until = ",
-    now_ms!(),
-    " - 1, released = true ",
-    "WHERE user_id = $1 AND holder = $2 AND epoch = $3 AND NOT released ",
-    "RETURNING user_id"
-);
-
-/// `$1`/`$2` are users and times as parallel arrays. Grouping first means a
-/// user named twice gets the larger time rather than whichever row the join
-/// happened to pick.
-const ACTIVITY_SQL: &str = "UPDATE instances SET last_active = activity.t \
-     FROM (SELECT u, max(t) AS t FROM unnest($1::text[], $2::bigint[]) AS a(u, t) GROUP BY u) \
-          AS activity \
-     WHERE instances.user_id = activity.u AND instances.role = 'main' \
-       AND activity.t > instances.last_active";
-
-#[async_trait]
-impl Store for PgStore {
-    async fn now(&self) -> Result<UnixMillis, StoreError> {
-        let row = sqlx::query(concat!("SELECT ", now_ms!(), " AS now"))
-            .fetch_one(&self.pool)
-            .await
-            .map_err(|e| self.err(e))?;
-        get(&row, "now")
+    fn bind_pairs<'q>(
+        query: Query<'q, Self>,
+        pairs: Vec<(&'q str, i64)>,
+    ) -> Result<Query<'q, Self>, StoreError> {
+        let (texts, integers): (Vec<&str>, Vec<i64>) = pairs.into_iter().unzip();
+        Ok(query.bind(texts).bind(integers))
     }
 
-    async fn put_instance(&self, i: &Instance) -> Result<(), StoreError> {
-        // The upsert decides; the read only names the record that refused
-        // it. If that record vanished in between (deleted), nothing stands
-        // in the way any more and the write is tried once more.
-        for _ in 0..2 {
-            if self.upsert_instance(i).await? {
-                return Ok(());
-            }
-            if let Some(current) = self.get_instance(&i.user, i.role).await? {
-                return Err(StoreError::fenced(&i.user, i.epoch, &current));
-            }
-        }
-        Err(StoreError::Query(format!(
-            "the {} record of {} refused the write twice yet is not there",
-            i.role, i.user
-        )))
-    }
-
-    async fn get_instance(
-        &self,
-        user: &UserId,
-        role: Role,
-    ) -> Result<Option<Instance>, StoreError> {
-        let row = sqlx::query(INSTANCE_GET_SQL)
-            .bind(user.as_str())
-            .bind(role.as_str())
-            .fetch_optional(&self.pool)
-            .await
-            .map_err(|e| self.err(e))?;
-        row.as_ref().map(instance_from_row).transpose()
-    }
-
-    async fn list_instances(&self, filter: &InstanceFilter) -> Result<Vec<Instance>, StoreError> {
-        let rows = sqlx::query(INSTANCE_LIST_SQL)
-            .bind(filter.status.map(InstanceStatus::as_str))
-            .bind(filter.node.as_deref())
-            .bind(filter.role.map(Role::as_str))
-            .fetch_all(&self.pool)
-            .await
-            .map_err(|e| self.err(e))?;
-        rows.iter().map(instance_from_row).collect()
-    }
-
-    async fn delete_instance(&self, user: &UserId, role: Role) -> Result<(), StoreError> {
-        sqlx::query("DELETE FROM instances WHERE user_id = $1 AND role = $2")
-            .bind(user.as_str())
-            .bind(role.as_str())
-            .execute(&self.pool)
-            .await
-            .map_err(|e| self.err(e))?;
-        Ok(())
-    }
-
-    async fn delete_instance_fenced(
-        &self,
-        user: &UserId,
-        node: &str,
-        epoch: Epoch,
-    ) -> Result<(), StoreError> {
-        let deleted = sqlx::query(INSTANCE_DELETE_FENCED_SQL)
-            .bind(user.as_str())
-            .bind(node)
-            .bind(epoch)
-            .execute(&self.pool)
-            .await
-            .map_err(|e| self.err(e))?
-            .rows_affected();
-        if deleted > 0 {
-            return Ok(());
-        }
-        // Nothing deleted: either there is no record (fine) or it belongs
-        // to a newer lease, which the read names.
-        match self.get_instance(user, Role::Main).await? {
-            Some(current) => Err(StoreError::fenced(user, epoch, &current)),
-            None => Ok(()),
-        }
-    }
-
-    async fn record_activity(&self, activity: &[(UserId, UnixMillis)]) -> Result<(), StoreError> {
-        if activity.is_empty() {
-            return Ok(());
-        }
-        let (users, times): (Vec<&str>, Vec<UnixMillis>) =
-            activity.iter().map(|(u, t)| (u.as_str(), *t)).unzip();
-        sqlx::query(ACTIVITY_SQL)
-            .bind(users)
-            .bind(times)
-            .execute(&self.pool)
-            .await
-            .map_err(|e| self.err(e))?;
-        Ok(())
-    }
-
-    async fn claim_lease(
-        &self,
-        user: &UserId,
-        node: &str,
-        ttl: Duration,
-        takeover: TakeoverPolicy,
-    ) -> Result<ClaimOutcome, StoreError> {
-        let evidence = takeover == TakeoverPolicy::Evidence;
-        self.conditional_claim(CLAIM_SQL, user, node, ttl, Some(evidence))
-            .await
-    }
-
-    async fn take_over_lease(
-        &self,
-        user: &UserId,
-        node: &str,
-        ttl: Duration,
-    ) -> Result<ClaimOutcome, StoreError> {
-        self.conditional_claim(TAKE_OVER_SQL, user, node, ttl, None)
-            .await
-    }
-
-    async fn renew_leases(
-        &self,
-        node: &str,
-        held: &[(UserId, Epoch)],
-        ttl: Duration,
-    ) -> Result<Vec<UserId>, StoreError> {
-        if held.is_empty() {
-            return Ok(Vec::new());
-        }
-        let (users, epochs): (Vec<&str>, Vec<Epoch>) =
-            held.iter().map(|(u, e)| (u.as_str(), *e)).unzip();
-        let rows = sqlx::query(RENEW_SQL)
-            .bind(node)
-            .bind(ttl_ms(ttl))
-            .bind(users)
-            .bind(epochs)
-            .fetch_all(&self.pool)
-            .await
-            .map_err(|e| self.err(e))?;
-        rows.iter()
-            .map(|row| parse_user(get(row, "user_id")?))
-            .collect()
-    }
-
-    async fn release_lease(
-        &self,
-        user: &UserId,
-        node: &str,
-        epoch: Epoch,
-    ) -> Result<bool, StoreError> {
-        let row = sqlx::query(RELEASE_SQL)
-            .bind(user.as_str())
-            .bind(node)
-            .bind(epoch)
-            .fetch_optional(&self.pool)
-            .await
-            .map_err(|e| self.err(e))?;
-        Ok(row.is_some())
-    }
-
-    async fn get_lease(&self, user: &UserId) -> Result<Option<LeaseRecord>, StoreError> {
-        let row = sqlx::query(LEASE_GET_SQL)
-            .bind(user.as_str())
-            .fetch_optional(&self.pool)
-            .await
-            .map_err(|e| self.err(e))?;
-        row.as_ref().map(lease_from_row).transpose()
-    }
-
-    async fn list_leases(
-        &self,
-        expired_only: bool,
-        ttl: Duration,
-    ) -> Result<Vec<LeaseRecord>, StoreError> {
-        let rows = sqlx::query(LEASE_LIST_SQL)
-            .bind(expired_only)
-            .bind(ttl_ms(ttl))
-            .fetch_all(&self.pool)
-            .await
-            .map_err(|e| self.err(e))?;
-        rows.iter().map(lease_from_row).collect()
-    }
-
-    async fn leases_held_by(&self, node: &str) -> Result<Vec<LeaseRecord>, StoreError> {
-        let rows = sqlx::query(LEASE_HELD_SQL)
-            .bind(node)
-            .fetch_all(&self.pool)
-            .await
-            .map_err(|e| self.err(e))?;
-        rows.iter().map(lease_from_row).collect()
-    }
-
-    async fn put_launch_params(
-        &self,
-        user: &UserId,
-        folder: &str,
-        patch: Option<&str>,
-    ) -> Result<(), StoreError> {
-        check_patch_size(user, patch)?;
-        sqlx::query(concat!(
-            "INSERT INTO launch_params (user_id, folder, patch, updated_at) VALUES ($1, $2, $3, ",
-            now_ms!(),
-            ") ON CONFLICT (user_id) DO UPDATE SET folder = excluded.folder, ",
-            "patch = excluded.patch, updated_at = excluded.updated_at"
-        ))
-        .bind(user.as_str())
-        .bind(folder)
-        .bind(patch)
-        .execute(&self.pool)
-        .await
-        .map_err(|e| self.err(e))?;
-        Ok(())
-    }
-
-    async fn get_launch_params(&self, user: &UserId) -> Result<Option<LaunchParams>, StoreError> {
-        let row = sqlx::query("SELECT folder, patch FROM launch_params WHERE user_id = $1")
-            .bind(user.as_str())
-            .fetch_optional(&self.pool)
-            .await
-            .map_err(|e| self.err(e))?;
-        row.map(|row| {
-            Ok(LaunchParams {
-                folder: get(&row, "folder")?,
-                patch: get(&row, "patch")?,
-            })
-        })
-        .transpose()
-    }
-
-    async fn load_crash_state(&self, user: &UserId) -> Result<CrashState, StoreError> {
-        let row = sqlx::query("SELECT state FROM crash_state WHERE user_id = $1")
-            .bind(user.as_str())
-            .fetch_optional(&self.pool)
-            .await
-            .map_err(|e| self.err(e))?;
-        match row {
-            None => Ok(CrashState::default()),
-            Some(row) => {
-                let json: String = get(&row, "state")?;
-                serde_json::from_str(&json)
-                    .map_err(|e| StoreError::Corrupt(format!("crash state of {user}: {e}")))
-            }
-        }
-    }
-
-    async fn save_crash_state(&self, user: &UserId, state: &CrashState) -> Result<(), StoreError> {
-        if state.is_clear() {
-            sqlx::query("DELETE FROM crash_state WHERE user_id = $1")
-                .bind(user.as_str())
-                .execute(&self.pool)
-                .await
-                .map_err(|e| self.err(e))?;
-            return Ok(());
-        }
-        let json = serde_json::to_string(state).map_err(|e| StoreError::Query(e.to_string()))?;
-        sqlx::query(
-            "INSERT INTO crash_state (user_id, state) VALUES ($1, $2) \
-             ON CONFLICT (user_id) DO UPDATE SET state = excluded.state",
-        )
-        .bind(user.as_str())
-        .bind(json)
-        .execute(&self.pool)
-        .await
-        .map_err(|e| self.err(e))?;
-        Ok(())
-    }
-
-    async fn put_token(&self, user: &UserId, token_hash: &str) -> Result<(), StoreError> {
-        sqlx::query(concat!(
-            "INSERT INTO tokens (token_hash, user_id, created_at) VALUES ($1, $2, ",
-            now_ms!(),
-            ") ON CONFLICT (token_hash) DO UPDATE SET user_id = excluded.user_id"
-        ))
-        .bind(token_hash)
-        .bind(user.as_str())
-        .execute(&self.pool)
-        .await
-        .map_err(|e| self.err(e))?;
-        Ok(())
-    }
-
-    async fn user_for_token(&self, token_hash: &str) -> Result<Option<UserId>, StoreError> {
-        let row = sqlx::query("SELECT user_id FROM tokens WHERE token_hash = $1")
-            .bind(token_hash)
-            .fetch_optional(&self.pool)
-            .await
-            .map_err(|e| self.err(e))?;
-        row.map(|row| parse_user(get(&row, "user_id")?)).transpose()
-    }
-
-    async fn heartbeat(&self, node: &NodeRecord) -> Result<(), StoreError> {
-        sqlx::query(concat!(
-            "INSERT INTO nodes (id, advertise_url, capacity, load, status, heartbeat) ",
-            "VALUES ($1, $2, $3, $4, $5, ",
-            now_ms!(),
-            ") ON CONFLICT (id) DO UPDATE SET advertise_url = excluded.advertise_url, ",
-            "capacity = excluded.capacity, load = excluded.load, status = excluded.status, ",
-            "heartbeat = excluded.heartbeat"
-        ))
-        .bind(&node.id)
-        .bind(&node.advertise_url)
-        .bind(i64::from(node.capacity))
-        .bind(i64::from(node.load))
-        .bind(node_status_str(node.status))
-        .execute(&self.pool)
-        .await
-        .map_err(|e| self.err(e))?;
-        Ok(())
-    }
-
-    async fn list_nodes(&self) -> Result<Vec<NodeRecord>, StoreError> {
-        let rows = sqlx::query(
-            "SELECT id, advertise_url, capacity, load, status, heartbeat FROM nodes ORDER BY id",
-        )
-        .fetch_all(&self.pool)
-        .await
-        .map_err(|e| self.err(e))?;
-        rows.iter().map(node_from_row).collect()
+    fn rows_affected(done: &PgQueryResult) -> u64 {
+        done.rows_affected()
     }
 }
 
@@ -867,6 +327,7 @@ mod tests {
     use sqlx::Row;
 
     use super::*;
+    use crate::sql::test_support;
 
     #[test]
     fn redact_hides_passwords_and_keeps_the_rest() {
@@ -913,7 +374,7 @@ mod tests {
         let cluster = berth_testkit::PgCluster::shared().unwrap();
         let url = cluster.fresh_database().await;
         let store = PgStore::open(&url).await.unwrap();
-        let mut tx = store.pool.begin().await.unwrap();
+        let mut tx = store.db.pool.begin().await.unwrap();
         let read = concat!(
             "SELECT ",
             now_ms!(),
@@ -937,16 +398,40 @@ mod tests {
         let cluster = berth_testkit::PgCluster::shared().unwrap();
         let url = cluster.fresh_database().await;
         let store = PgStore::open(&url).await.unwrap();
-        let alice = UserId::parse("alice").unwrap();
-        store.put_token(&alice, "h").await.unwrap();
+        test_support::mint_a_token(&store).await;
         store.close().await;
         let store = PgStore::open(&url).await.unwrap();
-        assert_eq!(store.user_for_token("h").await.unwrap(), Some(alice));
+        test_support::check_token_kept(&store).await;
         let versions: Vec<i64> =
             sqlx::query_scalar("SELECT version FROM _sqlx_migrations ORDER BY version")
-                .fetch_all(&store.pool)
+                .fetch_all(&store.db.pool)
                 .await
                 .unwrap();
-        assert_eq!(versions, [1, 2, 6]);
+        // Every embedded migration, in order (also when versions are merged
+        // in from parallel work).
+        let embedded: Vec<i64> = MIGRATIONS.iter().map(|m| m.0).collect();
+        assert_eq!(versions, embedded);
+        assert!(embedded.contains(&4), "the accounts migration is applied");
+        assert!(embedded.contains(&3), "the users migration is applied");
+    }
+
+    /// Tokens minted before schema version 5 get an id (a prefix of their
+    /// hash) and expire 30 days after they were minted.
+    #[tokio::test]
+    async fn tokens_from_before_version_5_get_an_id_and_an_expiry() {
+        let cluster = berth_testkit::PgCluster::shared().unwrap();
+        let url = cluster.fresh_database().await;
+        let mut conn = PgConnection::connect(&url).await.unwrap();
+        Migrator::new(EmbeddedMigrations(&MIGRATIONS[..2]))
+            .await
+            .unwrap()
+            .run_direct(&mut conn)
+            .await
+            .unwrap();
+        let now = berth_core::unix_millis_now();
+        test_support::insert_old_tokens::<Postgres>(&mut conn, now).await;
+        conn.close().await.unwrap();
+        let store = PgStore::open(&url).await.unwrap();
+        test_support::check_old_tokens_upgraded(&store, now).await;
     }
 }

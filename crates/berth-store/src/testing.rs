@@ -6,11 +6,11 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use berth_core::policy::CrashState;
-use berth_core::{Epoch, Instance, Role, UnixMillis, UserId};
+use berth_core::{Epoch, Instance, Role, Slug, UnixMillis, UserId};
 
 use crate::{
-    ClaimOutcome, InstanceFilter, LaunchParams, LeaseRecord, NodeRecord, Store, StoreError,
-    TakeoverPolicy,
+    ClaimOutcome, InstanceFilter, LaunchParams, LeaseRecord, MintOutcome, NewToken, NodeClaim,
+    NodeRecord, Store, StoreError, TakeoverPolicy, TokenOwner, TokenRecord, UidRange,
 };
 
 /// What runs before every `renew_leases` of an [`InterceptRenew`]: it may
@@ -110,16 +110,46 @@ impl<H: RenewHook> Store for InterceptRenew<H> {
     async fn save_crash_state(&self, u: &UserId, s: &CrashState) -> Result<(), StoreError> {
         self.inner.save_crash_state(u, s).await
     }
-    async fn put_token(&self, u: &UserId, h: &str) -> Result<(), StoreError> {
-        self.inner.put_token(u, h).await
+    async fn mint_token(&self, t: &NewToken<'_>) -> Result<MintOutcome, StoreError> {
+        self.inner.mint_token(t).await
     }
-    async fn user_for_token(&self, h: &str) -> Result<Option<UserId>, StoreError> {
-        self.inner.user_for_token(h).await
+    async fn use_token(&self, h: &str) -> Result<Option<TokenOwner>, StoreError> {
+        self.inner.use_token(h).await
+    }
+    async fn list_tokens(&self, u: &UserId) -> Result<Vec<TokenRecord>, StoreError> {
+        self.inner.list_tokens(u).await
+    }
+    async fn revoke_token(&self, u: &UserId, id: &str) -> Result<Vec<String>, StoreError> {
+        self.inner.revoke_token(u, id).await
+    }
+    async fn create_session(&self, h: &str, ttl: Duration) -> Result<UnixMillis, StoreError> {
+        self.inner.create_session(h, ttl).await
+    }
+    async fn session_expiry(&self, h: &str) -> Result<Option<UnixMillis>, StoreError> {
+        self.inner.session_expiry(h).await
+    }
+    async fn delete_session(&self, h: &str) -> Result<bool, StoreError> {
+        self.inner.delete_session(h).await
+    }
+    async fn user_slug(&self, u: &UserId) -> Result<Option<Slug>, StoreError> {
+        self.inner.user_slug(u).await
+    }
+    async fn record_user_slug(&self, u: &UserId, s: &Slug) -> Result<Slug, StoreError> {
+        self.inner.record_user_slug(u, s).await
     }
     async fn heartbeat(&self, n: &NodeRecord) -> Result<(), StoreError> {
         self.inner.heartbeat(n).await
     }
     async fn list_nodes(&self) -> Result<Vec<NodeRecord>, StoreError> {
         self.inner.list_nodes().await
+    }
+    async fn account_uid(&self, s: &str, r: UidRange) -> Result<u32, StoreError> {
+        self.inner.account_uid(s, r).await
+    }
+    async fn list_accounts(&self) -> Result<Vec<(String, u32)>, StoreError> {
+        self.inner.list_accounts().await
+    }
+    async fn claim_node(&self, n: &str, d: &str, ttl: Duration) -> Result<NodeClaim, StoreError> {
+        self.inner.claim_node(n, d, ttl).await
     }
 }

@@ -1,5 +1,20 @@
 //! Test support for berth — never linked into the shipped binary.
 //!
+//! What every crate's tests share:
+//!
+//! * [`PgCluster`]: a PostgreSQL server to test against (below);
+//! * [`Berth`] and [`Node`]: a real `berth serve` on a loopback port with
+//!   its own data dir, single node or one node of a cluster
+//!   ([`cluster_config`]), killed with its instances when dropped. The
+//!   binary's path is passed in: only the `berth` crate's tests know it;
+//! * [`eventually`]: wait on a condition until a deadline, never a fixed
+//!   sleep;
+//! * process helpers over `/proc` ([`alive`], [`proc_state`],
+//!   [`instance_pids`], [`zygote_of`], [`rss_kib`], …) and
+//!   [`raw_request`] for HTTP a client library would not send.
+//!
+//! # PostgreSQL
+//!
 //! [`PgCluster`] gives tests and benchmarks a PostgreSQL server:
 //!
 //! * with `BERTH_TEST_PG_URL` set (`postgres://user:pw@host:port/db`), that
@@ -51,6 +66,21 @@ use std::sync::{Mutex, OnceLock};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use sqlx::Connection;
+
+mod http;
+mod node;
+mod process;
+mod wait;
+
+pub use http::raw_request;
+pub use node::{
+    Berth, CLUSTER_LEASE, Node, StartOptions, cluster_config, cluster_config_custom, config_with,
+    reachable_by_instances,
+};
+pub use process::{
+    alive, free_port, instance_pids, kill_instances_under, proc_state, rss_kib, signal, zygote_of,
+};
+pub use wait::eventually;
 
 /// Overrides the throwaway cluster with an existing server.
 pub const URL_ENV: &str = "BERTH_TEST_PG_URL";
@@ -342,7 +372,7 @@ impl Owned {
 
         let mut last = None;
         for _ in 0..START_ATTEMPTS {
-            owned.port = free_port()?;
+            owned.port = probe_port()?;
             match owned.start() {
                 Ok(()) => return Ok(owned),
                 Err(e) => last = Some(e),
@@ -578,7 +608,7 @@ fn reachable_by_others(dir: &Path) -> bool {
         .all(|d| std::fs::metadata(d).is_ok_and(|m| m.permissions().mode() & 0o001 != 0))
 }
 
-fn free_port() -> Result<u16, PgClusterError> {
+fn probe_port() -> Result<u16, PgClusterError> {
     TcpListener::bind((Ipv4Addr::LOCALHOST, 0))
         .and_then(|l| l.local_addr())
         .map(|a| a.port())

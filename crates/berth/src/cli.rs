@@ -68,7 +68,9 @@ pub enum Command {
     /// Show the last lines of a user's instance output.
     Logs {
         user: String,
-        /// Keep polling for new lines.
+        /// Keep following: print each new line as the instance writes it
+        /// (one streamed request to the node that runs the user), until
+        /// interrupted.
         #[arg(short, long)]
         follow: bool,
         #[arg(long, default_value_t = 100)]
@@ -111,9 +113,20 @@ pub enum Command {
         #[command(flatten)]
         client: ClientArgs,
     },
-    /// Mint a token for a user and print a URL that opens their instance.
+    /// Mint a token for a user and print a URL that opens their app (the
+    /// way for an admin to open it too); or list or revoke their tokens.
     Token {
         user: String,
+        /// List the user's live tokens: id, created, expires, last used.
+        #[arg(long, conflicts_with_all = ["revoke", "ttl"])]
+        list: bool,
+        /// Revoke the token with this id, and every token minted with it.
+        #[arg(long, value_name = "ID", conflicts_with = "ttl")]
+        revoke: Option<String>,
+        /// Let the new token live at most this many seconds (default and
+        /// upper bound: the server's [auth] user_token_ttl_s).
+        #[arg(long, value_name = "SECS", value_parser = clap::value_parser!(u64).range(1..))]
+        ttl: Option<u64>,
         #[command(flatten)]
         client: ClientArgs,
     },
@@ -127,7 +140,12 @@ pub enum Command {
 #[derive(Debug, Subcommand)]
 pub enum ConfigCommand {
     /// Parse and validate a config file (the environment is not consulted).
-    Check { file: PathBuf },
+    Check {
+        file: PathBuf,
+        /// Print `{"file", "ok", "error"?}` instead of a sentence.
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 /// `berth serve`. The flags' environment variables are read by the config
@@ -152,6 +170,10 @@ pub struct ServeArgs {
     /// How other nodes reach this one [env: BERTH_ADVERTISE_URL].
     #[arg(long, value_name = "URL")]
     pub advertise: Option<String>,
+    /// Log lines as text or as JSON objects, one per line
+    /// [env: BERTH_LOG_FORMAT] [default: text].
+    #[arg(long, value_name = "FORMAT", value_parser = ["text", "json"])]
+    pub log_format: Option<String>,
 }
 
 impl ServeArgs {
@@ -162,6 +184,7 @@ impl ServeArgs {
             store: self.store.clone(),
             node_id: self.node_id.clone(),
             advertise_url: self.advertise.clone(),
+            log_format: self.log_format.clone(),
         }
     }
 }
@@ -183,6 +206,15 @@ pub struct DemoAppArgs {
     /// Append "<BERTH_EPOCH> <counter>" to this file once a second.
     #[arg(long, value_name = "FILE")]
     pub journal: Option<PathBuf>,
+    /// Debugging aid: answer `GET …/echo` with the request line, the
+    /// request headers and the whole environment as JSON. Shows every
+    /// secret the program was given, so it is off unless asked for.
+    #[arg(long, env = "BERTH_DEMO_ECHO", value_parser = clap::builder::BoolishValueParser::new())]
+    pub echo: bool,
+    /// On SIGTERM, append one more journal line before exiting 0: a program
+    /// that flushes its state as it stops (for the fencing tests).
+    #[arg(long, requires = "journal")]
+    pub journal_on_term: bool,
 }
 
 /// Where the API is and how to authenticate to it.
@@ -197,6 +229,10 @@ pub struct ClientArgs {
     /// Where to find admin.token when no token is given.
     #[arg(long, env = "BERTH_DATA_DIR", default_value = "./berth-data")]
     pub data_dir: PathBuf,
+    /// Print the API's answer as JSON instead of a table or summary
+    /// (`logs -f`: one JSON string per line).
+    #[arg(long)]
+    pub json: bool,
 }
 
 #[cfg(test)]
@@ -207,5 +243,39 @@ mod tests {
     #[test]
     fn the_command_line_is_well_formed() {
         Cli::command().debug_assert();
+    }
+
+    /// Every command that prints an answer takes `--json`: the client
+    /// commands and `config check`. (`serve` has `--log-format json`;
+    /// `demo-app` prints for its own launcher.)
+    #[test]
+    fn every_command_takes_json() {
+        let cli = Cli::command();
+        let mut checked = 0;
+        let mut commands: Vec<&clap::Command> = cli.get_subcommands().collect();
+        while let Some(command) = commands.pop() {
+            if command.has_subcommands() {
+                commands.extend(command.get_subcommands());
+                continue;
+            }
+            if matches!(command.get_name(), "serve" | "demo-app") {
+                continue;
+            }
+            assert!(
+                command
+                    .get_arguments()
+                    .any(|a| a.get_long() == Some("json")),
+                "berth {} has no --json",
+                command.get_name()
+            );
+            checked += 1;
+        }
+        assert_eq!(checked, 13, "the twelve client commands and config check");
+        let serve = cli.find_subcommand("serve").unwrap();
+        assert!(
+            serve
+                .get_arguments()
+                .any(|a| a.get_long() == Some("log-format"))
+        );
     }
 }

@@ -1,18 +1,24 @@
 //! The client commands: thin calls to the HTTP API (design §8.4).
 //!
-//! Responses are printed as pretty JSON, lists as short tables. An API error
-//! becomes `berth: <code>: <message>` and exit code 1.
+//! Answers are shown for people ([`render`]: lists as aligned tables,
+//! coloured on a terminal; records as short summaries), or with `--json`
+//! as the API's JSON, unchanged. Long waits show their progress on a
+//! terminal ([`progress`]). An API error becomes `berth: <code>:
+//! <message>` and exit code 1.
 
-use std::fmt;
 use std::process::ExitCode;
 use std::time::Duration;
 
 use anyhow::{Context, anyhow, bail};
 use berth_core::UserId;
+use futures_util::{Stream, StreamExt};
 use reqwest::{Method, StatusCode, Url};
 use serde_json::{Map, Value};
 
 use crate::cli::{ClientArgs, Command};
+use crate::progress;
+use crate::render::{self, Palette};
+use crate::sse::STAGE_EVENT;
 
 /// An error answer from the API, displayed as `<code>: <message>`.
 #[derive(Debug, thiserror::Error)]
@@ -24,17 +30,19 @@ pub struct ApiError {
 }
 
 pub async fn run(command: Command) -> anyhow::Result<ExitCode> {
+    let now = berth_core::unix_millis_now;
     match command {
         Command::Status { user, client } => {
-            let api = Api::new(&client)?;
+            let (api, out) = Api::with_output(&client)?;
             match user {
                 Some(user) => {
                     let user = parse_user(&user)?;
-                    print_json(&api.get(&user_path(&user, &["instance"]), &[]).await?);
+                    let answer = api.get(&user_path(&user, &["instance"]), &[]).await?;
+                    out.show(&answer, |p| render::user_status(&answer, now(), p));
                 }
                 None => {
                     let body = api.get(&["instances"], &[]).await?;
-                    print_table(&body, "instances", INSTANCE_COLUMNS);
+                    out.table(&body, "instances", render::INSTANCE_COLUMNS);
                 }
             }
         }
@@ -60,42 +68,43 @@ pub async fn run(command: Command) -> anyhow::Result<ExitCode> {
                 body.insert("force".into(), Value::Bool(true));
             }
             let query: &[(&str, &str)] = if no_wait { &[("wait", "false")] } else { &[] };
-            let api = Api::new(&client)?;
-            let answer = api
-                .send(
-                    Method::POST,
-                    &user_path(&user, &["instance"]),
-                    query,
-                    Some(Value::Object(body)),
-                )
-                .await?;
-            print_json(&answer);
+            let (api, out) = Api::with_output(&client)?;
+            let path = user_path(&user, &["instance"]);
+            let launch = api.send(Method::POST, &path, query, Some(Value::Object(body)));
+            let label = format!("starting {}", user.as_str());
+            let show = !no_wait && progress::wanted();
+            let answer = progress::while_waiting(show, &label, launch, stages(&api, &user)).await?;
+            out.show(&answer, |p| render::launched(&answer, "started", p));
         }
         Command::Stop { user, client } => {
             let user = parse_user(&user)?;
-            let api = Api::new(&client)?;
-            let answer = api
-                .send(Method::DELETE, &user_path(&user, &["instance"]), &[], None)
+            let (api, out) = Api::with_output(&client)?;
+            api.send(Method::DELETE, &user_path(&user, &["instance"]), &[], None)
                 .await?;
-            if answer.is_null() {
-                println!("stopped {}", user.as_str());
-            } else {
-                print_json(&answer);
-            }
+            let answer = serde_json::json!({ "user": user.as_str(), "stopped": true });
+            out.show(&answer, |_| Some(format!("stopped {}\n", user.as_str())));
         }
         Command::Restart { user, client } => {
             let user = parse_user(&user)?;
-            let api = Api::new(&client)?;
-            print_json(
-                &api.post(&user_path(&user, &["instance", "restart"]))
-                    .await?,
-            );
+            let (api, out) = Api::with_output(&client)?;
+            let path = user_path(&user, &["instance", "restart"]);
+            let restart = api.post(&path);
+            let label = format!("restarting {}", user.as_str());
+            let answer =
+                progress::while_waiting(progress::wanted(), &label, restart, stages(&api, &user))
+                    .await?;
+            out.show(&answer, |p| render::launched(&answer, "restarted", p));
         }
         Command::Probe { user, client } => {
             let user = parse_user(&user)?;
-            let api = Api::new(&client)?;
-            let answer = api.post(&user_path(&user, &["instance", "probe"])).await?;
-            print_json(&answer);
+            let (api, out) = Api::with_output(&client)?;
+            let path = user_path(&user, &["instance", "probe"]);
+            let probe = api.post(&path);
+            let label = format!("probing {}", user.as_str());
+            let answer =
+                progress::while_waiting(progress::wanted(), &label, probe, stages(&api, &user))
+                    .await?;
+            out.show(&answer, |p| Some(render::probe(user.as_str(), &answer, p)));
             if answer.get("ok") == Some(&Value::Bool(false)) {
                 return Ok(ExitCode::FAILURE);
             }
@@ -107,15 +116,15 @@ pub async fn run(command: Command) -> anyhow::Result<ExitCode> {
             client,
         } => {
             let user = parse_user(&user)?;
-            let api = Api::new(&client)?;
-            logs(&api, &user, tail, follow).await?;
+            let (api, out) = Api::with_output(&client)?;
+            logs(&api, &user, tail, follow, out.json).await?;
         }
         Command::Ls {
             status,
             node,
             client,
         } => {
-            let api = Api::new(&client)?;
+            let (api, out) = Api::with_output(&client)?;
             let mut query = Vec::new();
             if let Some(status) = &status {
                 query.push(("status", status.as_str()));
@@ -124,28 +133,36 @@ pub async fn run(command: Command) -> anyhow::Result<ExitCode> {
                 query.push(("node", node.as_str()));
             }
             let body = api.get(&["instances"], &query).await?;
-            print_table(&body, "instances", INSTANCE_COLUMNS);
+            out.table(&body, "instances", render::INSTANCE_COLUMNS);
         }
         Command::Nodes { client } => {
-            let api = Api::new(&client)?;
+            let (api, out) = Api::with_output(&client)?;
             let body = api.get(&["nodes"], &[]).await?;
-            print_table(&body, "nodes", NODE_COLUMNS);
+            out.table(&body, "nodes", render::NODE_COLUMNS);
         }
         Command::Leases { expired, client } => {
-            let api = Api::new(&client)?;
+            let (api, out) = Api::with_output(&client)?;
             let query: &[(&str, &str)] = if expired { &[("expired", "true")] } else { &[] };
             let body = api.get(&["leases"], query).await?;
-            print_table(&body, "leases", LEASE_COLUMNS);
+            out.table(&body, "leases", render::LEASE_COLUMNS);
         }
         Command::Takeover { user, client } => {
             let user = parse_user(&user)?;
-            let api = Api::new(&client)?;
-            print_json(&api.post(&["leases", user.as_str(), "takeover"]).await?);
+            let (api, out) = Api::with_output(&client)?;
+            let answer = api.post(&["leases", user.as_str(), "takeover"]).await?;
+            out.show(&answer, |p| render::launched(&answer, "taken over", p));
         }
         Command::RestartAll { client } => {
-            let api = Api::new(&client)?;
-            let answer = api.post(&["instances", "restart-all"]).await?;
-            print_json(&answer);
+            let (api, out) = Api::with_output(&client)?;
+            let restart = api.post(&["instances", "restart-all"]);
+            let answer = progress::while_waiting(
+                progress::wanted(),
+                "restarting every instance",
+                restart,
+                cluster_counts(&api),
+            )
+            .await?;
+            out.show(&answer, |p| render::restart_all(&answer, p));
             let failed = answer
                 .get("results")
                 .and_then(Value::as_array)
@@ -158,26 +175,165 @@ pub async fn run(command: Command) -> anyhow::Result<ExitCode> {
                 return Ok(ExitCode::FAILURE);
             }
         }
-        Command::Token { user, client } => {
+        Command::Token {
+            user,
+            list,
+            revoke,
+            ttl,
+            client,
+        } => {
             let user = parse_user(&user)?;
-            let api = Api::new(&client)?;
-            let mut answer = api.post(&user_path(&user, &["tokens"])).await?;
-            let token = answer
-                .get("token")
-                .and_then(Value::as_str)
-                .ok_or_else(|| anyhow!("the API answered without a token: {answer}"))?
-                .to_owned();
-            let open = api.open_url(&user, &token);
-            if let Value::Object(map) = &mut answer {
-                map.insert("url".into(), Value::String(open.to_string()));
+            let (api, out) = Api::with_output(&client)?;
+            if list {
+                let body = api.get(&user_path(&user, &["tokens"]), &[]).await?;
+                out.table(&body, "tokens", render::TOKEN_COLUMNS);
+            } else if let Some(id) = revoke {
+                let answer = api
+                    .send(
+                        Method::DELETE,
+                        &user_path(&user, &["tokens", id.as_str()]),
+                        &[],
+                        None,
+                    )
+                    .await?;
+                out.show(&answer, |p| render::revoked(&answer, p));
+            } else {
+                let body = ttl.map(|secs| serde_json::json!({ "ttl_s": secs }));
+                let mut answer = api
+                    .send(Method::POST, &user_path(&user, &["tokens"]), &[], body)
+                    .await?;
+                let token = answer
+                    .get("token")
+                    .and_then(Value::as_str)
+                    .ok_or_else(|| anyhow!("the API answered without a token: {answer}"))?
+                    .to_owned();
+                // In path mode the link is this client's URL plus the base
+                // path (it may carry a prefix the server cannot know); in
+                // host mode only the server knows the user's host name.
+                if answer.get("routing").and_then(Value::as_str) != Some("host") {
+                    let open = api.open_url(&user, &token);
+                    if let Value::Object(map) = &mut answer {
+                        map.insert("url".into(), Value::String(open.to_string()));
+                    }
+                }
+                out.show(&answer, |_| render::minted(&answer, now()));
             }
-            print_json(&answer);
         }
         Command::Serve(_) | Command::DemoApp(_) | Command::Config { .. } => {
             bail!("internal: not a client command")
         }
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// How answers are printed: the API's JSON (`--json`), or for people.
+#[derive(Debug, Clone, Copy)]
+struct Output {
+    json: bool,
+    palette: Palette,
+}
+
+impl Output {
+    fn new(args: &ClientArgs) -> Self {
+        Self {
+            json: args.json,
+            palette: Palette::for_stdout(),
+        }
+    }
+
+    /// `answer` as JSON, or as `human` renders it (JSON when it cannot).
+    fn show(self, answer: &Value, human: impl FnOnce(Palette) -> Option<String>) {
+        if self.json {
+            return print_json(answer);
+        }
+        match human(self.palette) {
+            Some(text) => print!("{text}"),
+            None => print_json(answer),
+        }
+    }
+
+    /// A list answer as a table (or JSON).
+    fn table(self, body: &Value, field: &str, columns: &[render::Column]) {
+        self.show(body, |p| {
+            render::table(body, field, columns, berth_core::unix_millis_now(), p)
+        });
+    }
+}
+
+/// The stages of `user`'s instance as the progress stream reports them,
+/// as words for the progress line. The stream is opened again while the
+/// launch has not yet made a record (it then reports `none` and ends).
+fn stages<'a>(api: &'a Api, user: &'a UserId) -> impl Stream<Item = String> + 'a {
+    let path = user_path(user, &["instance", "progress"]);
+    futures_util::stream::unfold(None, move |events| {
+        let path = path.clone();
+        async move {
+            let mut events: Option<futures_util::stream::BoxStream<'static, _>> = events;
+            loop {
+                if let Some(stream) = events.as_mut() {
+                    match stream.next().await {
+                        Some(Ok(crate::sse::SseEvent { event, data })) if event == STAGE_EVENT => {
+                            let stage: Value = serde_json::from_str(&data).unwrap_or_default();
+                            if stage["status"] != "none" {
+                                return Some((stage_words(&stage), events));
+                            }
+                        }
+                        Some(Ok(_)) => continue,
+                        Some(Err(_)) | None => events = None,
+                    }
+                }
+                // Not yet launched, or the stream ended: look again shortly.
+                tokio::time::sleep(Duration::from_millis(300)).await;
+                if let Ok(response) = api.stream(&path, &[]).await {
+                    events = Some(crate::sse::events(response.bytes_stream()).boxed());
+                }
+            }
+        }
+    })
+}
+
+/// `starting`, `running, ready`, `crashed: <message>` …
+fn stage_words(stage: &Value) -> String {
+    let status = stage["status"].as_str().unwrap_or("unknown");
+    let mut words = match (status, stage["ready"].as_bool()) {
+        ("running", Some(true)) => "running, ready".to_owned(),
+        ("running", _) => "running, waiting for ready".to_owned(),
+        (other, _) => other.to_owned(),
+    };
+    if let Some(message) = stage["message"].as_str().filter(|m| !m.is_empty()) {
+        words.push_str(": ");
+        words.push_str(message);
+    }
+    words
+}
+
+/// How many mains of the cluster run and how many start, from the admin
+/// event stream (`/api/v1/events`), for restart-all's progress line. No
+/// news when the stream cannot be had.
+fn cluster_counts(api: &Api) -> impl Stream<Item = String> + '_ {
+    futures_util::stream::once(api.stream(&["events"], &[]))
+        .filter_map(|response| async move { response.ok() })
+        .flat_map(|response| crate::sse::events(response.bytes_stream()))
+        .filter_map(|event| async move {
+            let event = event.ok()?;
+            if event.event != "snapshot" {
+                return None;
+            }
+            let snapshot: Value = serde_json::from_str(&event.data).ok()?;
+            let mains = snapshot["instances"]
+                .as_array()?
+                .iter()
+                .filter(|i| i["role"] == "main");
+            let (mut ready, mut starting) = (0, 0);
+            for main in mains {
+                match (main["status"].as_str(), main["ready"].as_bool()) {
+                    (Some("running"), Some(true)) => ready += 1,
+                    (Some("starting" | "running" | "crashed"), _) => starting += 1,
+                    _ => {}
+                }
+            }
+            Some(format!("{ready} running, {starting} starting"))
+        })
 }
 
 fn parse_user(raw: &str) -> anyhow::Result<UserId> {
@@ -197,6 +353,11 @@ struct Api {
 }
 
 impl Api {
+    /// The client of `args`, and how to print its answers.
+    fn with_output(args: &ClientArgs) -> anyhow::Result<(Self, Output)> {
+        Ok((Self::new(args)?, Output::new(args)))
+    }
+
     fn new(args: &ClientArgs) -> anyhow::Result<Self> {
         let base =
             Url::parse(&args.url).with_context(|| format!("--url {:?} is not a URL", args.url))?;
@@ -243,6 +404,33 @@ impl Api {
 
     async fn post(&self, segments: &[&str]) -> anyhow::Result<Value> {
         self.send(Method::POST, segments, &[], None).await
+    }
+
+    /// A GET whose answer is read as it arrives (an event stream); an error
+    /// answer is the API's error.
+    async fn stream(
+        &self,
+        segments: &[&str],
+        query: &[(&str, &str)],
+    ) -> anyhow::Result<reqwest::Response> {
+        let mut url = self.api_url(segments);
+        url.query_pairs_mut().extend_pairs(query);
+        let response = self
+            .http
+            .get(url.clone())
+            .bearer_auth(&self.token)
+            .send()
+            .await
+            .map_err(|e| connection_error(&self.base, e))?;
+        let status = response.status();
+        if status.is_success() {
+            return Ok(response);
+        }
+        let text = response
+            .text()
+            .await
+            .map_err(|e| connection_error(&self.base, e))?;
+        Err(api_error(status, &text, &url))
     }
 
     /// One request. `Value::Null` for an empty answer (e.g. 204).
@@ -331,28 +519,46 @@ fn read_token_file(path: &std::path::Path) -> anyhow::Result<String> {
     Ok(token.to_owned())
 }
 
-async fn logs(api: &Api, user: &UserId, tail: usize, follow: bool) -> anyhow::Result<()> {
+async fn logs(
+    api: &Api,
+    user: &UserId,
+    tail: usize,
+    follow: bool,
+    json: bool,
+) -> anyhow::Result<()> {
     let tail_text = tail.to_string();
     let path = user_path(user, &["instance", "logs"]);
-    let query = [("tail", tail_text.as_str())];
-    let mut shown = log_lines(&api.get(&path, &query).await?);
-    for line in &shown {
-        println!("{line}");
-    }
     if !follow {
+        let answer = api.get(&path, &[("tail", tail_text.as_str())]).await?;
+        if json {
+            print_json(&answer);
+        } else {
+            for line in log_lines(&answer) {
+                println!("{line}");
+            }
+        }
         return Ok(());
     }
-    let mut tick = tokio::time::interval(Duration::from_secs(1));
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    tick.tick().await;
-    loop {
-        tick.tick().await;
-        let lines = log_lines(&api.get(&path, &query).await?);
-        for line in new_lines(&shown, &lines) {
-            println!("{line}");
+    // One request, streamed: the server (the node that runs the user)
+    // sends the last lines, then each new one as it is written.
+    let query = [("tail", tail_text.as_str()), ("follow", "true")];
+    let response = api.stream(&path, &query).await?;
+    let events = crate::sse::events(response.bytes_stream());
+    futures_util::pin_mut!(events);
+    while let Some(event) = events.next().await {
+        let event = event.map_err(|e| anyhow!("the log stream from {} broke: {e}", api.base))?;
+        if event.event != crate::sse::LOG_LINE_EVENT {
+            continue;
         }
-        shown = lines;
+        match (json, serde_json::from_str::<String>(&event.data)) {
+            // One JSON string per line (the data already is one).
+            (true, Ok(_)) => println!("{}", event.data),
+            (true, Err(_)) => println!("{}", Value::String(event.data)),
+            (false, Ok(line)) => println!("{line}"),
+            (false, Err(_)) => println!("{}", event.data),
+        }
     }
+    Ok(())
 }
 
 fn log_lines(body: &Value) -> Vec<String> {
@@ -375,20 +581,6 @@ fn log_lines(body: &Value) -> Vec<String> {
         .unwrap_or_default()
 }
 
-/// The lines of `now` not already in `before`: both are windows of the same
-/// log, so the new ones follow the longest suffix of `before` that is a
-/// prefix of `now`. Without overlap everything is new (lines may have been
-/// missed).
-fn new_lines<'a>(before: &[String], now: &'a [String]) -> &'a [String] {
-    let longest = before.len().min(now.len());
-    for overlap in (1..=longest).rev() {
-        if before[before.len() - overlap..] == now[..overlap] {
-            return &now[overlap..];
-        }
-    }
-    now
-}
-
 fn print_json(value: &Value) {
     match serde_json::to_string_pretty(value) {
         Ok(text) => println!("{text}"),
@@ -396,135 +588,9 @@ fn print_json(value: &Value) {
     }
 }
 
-/// A column: header, JSON field, how to show it.
-struct Column(&'static str, &'static str, Cell);
-
-#[derive(Clone, Copy)]
-enum Cell {
-    Plain,
-    /// Unix milliseconds, shown relative to now.
-    Time,
-}
-
-const INSTANCE_COLUMNS: &[Column] = &[
-    Column("USER", "user", Cell::Plain),
-    Column("ROLE", "role", Cell::Plain),
-    Column("STATUS", "status", Cell::Plain),
-    Column("READY", "ready", Cell::Plain),
-    Column("NODE", "node", Cell::Plain),
-    Column("PORT", "port", Cell::Plain),
-    Column("PID", "pid", Cell::Plain),
-    Column("EPOCH", "epoch", Cell::Plain),
-    Column("RESTARTS", "restarts", Cell::Plain),
-    Column("STARTED", "started_at", Cell::Time),
-    Column("ACTIVE", "last_active", Cell::Time),
-];
-
-const NODE_COLUMNS: &[Column] = &[
-    Column("ID", "id", Cell::Plain),
-    Column("STATUS", "status", Cell::Plain),
-    Column("LOAD", "load", Cell::Plain),
-    Column("CAPACITY", "capacity", Cell::Plain),
-    Column("URL", "advertise_url", Cell::Plain),
-    Column("HEARTBEAT", "heartbeat", Cell::Time),
-];
-
-const LEASE_COLUMNS: &[Column] = &[
-    Column("USER", "user", Cell::Plain),
-    Column("HOLDER", "holder", Cell::Plain),
-    Column("EPOCH", "epoch", Cell::Plain),
-    Column("UNTIL", "lease_until", Cell::Time),
-    Column("RELEASED", "released", Cell::Plain),
-    Column("EXPIRED", "expired", Cell::Plain),
-];
-
-/// Prints `body[field]` (or `body` itself when it is an array) as a table;
-/// anything else as JSON, so an unexpected answer is never hidden.
-fn print_table(body: &Value, field: &str, columns: &[Column]) {
-    let rows = match body {
-        Value::Array(rows) => rows,
-        Value::Object(map) => match map.get(field) {
-            Some(Value::Array(rows)) => rows,
-            _ => return print_json(body),
-        },
-        _ => return print_json(body),
-    };
-    if rows.is_empty() {
-        println!("no {field}");
-        return;
-    }
-    let now = berth_core::unix_millis_now();
-    print!("{}", render_table(rows, columns, now));
-}
-
-fn render_table(rows: &[Value], columns: &[Column], now: i64) -> String {
-    let mut cells: Vec<Vec<String>> = vec![columns.iter().map(|c| c.0.to_owned()).collect()];
-    for row in rows {
-        cells.push(
-            columns
-                .iter()
-                .map(|Column(_, field, kind)| render_cell(row.get(*field), *kind, now))
-                .collect(),
-        );
-    }
-    let widths: Vec<usize> = (0..columns.len())
-        .map(|i| {
-            cells
-                .iter()
-                .map(|r| r[i].chars().count())
-                .max()
-                .unwrap_or(0)
-        })
-        .collect();
-    let mut out = String::new();
-    for row in &cells {
-        let line: Vec<String> = row
-            .iter()
-            .zip(&widths)
-            .map(|(cell, width)| format!("{cell:<width$}"))
-            .collect();
-        out.push_str(line.join("  ").trim_end());
-        out.push('\n');
-    }
-    out
-}
-
-fn render_cell(value: Option<&Value>, kind: Cell, now: i64) -> String {
-    match (value, kind) {
-        (None | Some(Value::Null), _) => "-".to_owned(),
-        (Some(Value::Number(n)), Cell::Time) => match n.as_i64() {
-            Some(ms) => Relative(ms - now).to_string(),
-            None => n.to_string(),
-        },
-        (Some(Value::String(s)), _) => s.clone(),
-        (Some(other), _) => other.to_string(),
-    }
-}
-
-/// A time difference in milliseconds, as `5s ago` / `in 3m`.
-struct Relative(i64);
-
-impl fmt::Display for Relative {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let secs = self.0.unsigned_abs() / 1000;
-        let amount = match secs {
-            0..60 => format!("{secs}s"),
-            60..3600 => format!("{}m", secs / 60),
-            3600..86400 => format!("{}h", secs / 3600),
-            _ => format!("{}d", secs / 86400),
-        };
-        if self.0 < 0 {
-            write!(f, "{amount} ago")
-        } else {
-            write!(f, "in {amount}")
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use serde_json::json;
     use std::path::PathBuf;
 
     fn args(url: &str) -> ClientArgs {
@@ -532,6 +598,7 @@ mod tests {
             url: url.to_owned(),
             token: Some("t".to_owned()),
             data_dir: PathBuf::from("/nonexistent"),
+            json: false,
         }
     }
 
@@ -549,31 +616,6 @@ mod tests {
             open.as_str(),
             "http://h:8000/prefix/u/alice/?berth_token=tok"
         );
-    }
-
-    #[test]
-    fn follow_prints_only_new_lines() {
-        let s = |v: &[&str]| v.iter().map(|x| x.to_string()).collect::<Vec<_>>();
-        assert_eq!(
-            new_lines(&s(&["a", "b", "c"]), &s(&["b", "c", "d"])),
-            s(&["d"])
-        );
-        assert_eq!(new_lines(&s(&["a"]), &s(&["a"])), s(&[]));
-        assert_eq!(new_lines(&s(&[]), &s(&["x"])), s(&["x"]));
-        assert_eq!(new_lines(&s(&["a", "b"]), &s(&["x", "y"])), s(&["x", "y"]));
-    }
-
-    #[test]
-    fn tables_align_and_show_missing_as_dash() {
-        let rows = vec![
-            json!({"id": "node-a", "status": "up", "load": 3, "capacity": 10, "heartbeat": 9000}),
-            json!({"id": "b", "status": "draining", "heartbeat": null}),
-        ];
-        let out = render_table(&rows, NODE_COLUMNS, 10_000);
-        let lines: Vec<&str> = out.lines().collect();
-        assert_eq!(lines[0], "ID      STATUS    LOAD  CAPACITY  URL  HEARTBEAT");
-        assert_eq!(lines[1], "node-a  up        3     10        -    1s ago");
-        assert_eq!(lines[2], "b       draining  -     -         -    -");
     }
 
     #[test]

@@ -4,8 +4,18 @@
 //! Every route matches on the path's *suffix*, so the app works under its
 //! base path (`/u/<user>/`) whether or not the proxy strips that prefix:
 //! `…/ws` echoes WebSocket messages, `…/sse?n=N` streams N events,
-//! `…/bytes?n=N` streams N zero bytes, `POST …/upload` counts the body, and
-//! any other GET is the HTML page.
+//! `…/bytes?n=N` streams N zero bytes, `POST …/upload` counts the body,
+//! `…/headers` echoes the request's headers (what berth passed on),
+//! `…/set-cookie` plays a hostile app that tries to set berth's own cookies
+//! next to one of its own, and any other GET is the HTML page.
+//!
+//! With `--echo` (or `BERTH_DEMO_ECHO=1` in its environment, which an
+//! `[instance] env` entry can set), `GET …/echo` answers with what the
+//! program actually received: the request line, every request header in
+//! order, and its whole environment, as JSON. It is a debugging aid, and
+//! the evidence berth's tests use to show that berth's credentials and the
+//! cluster secret never reach a program. It shows every secret the
+//! program holds, so it is off by default (`…/echo` is then the page).
 
 use std::convert::Infallible;
 use std::io::Write;
@@ -36,6 +46,7 @@ struct Page {
     epoch: String,
     base_path: String,
     never_ready: bool,
+    echo: bool,
 }
 
 pub fn run(args: DemoAppArgs) -> anyhow::Result<()> {
@@ -59,6 +70,7 @@ async fn serve(args: DemoAppArgs) -> anyhow::Result<()> {
         epoch: env("BERTH_EPOCH", "0"),
         base_path,
         never_ready: args.never_ready,
+        echo: args.echo,
     });
 
     let listener = tokio::net::TcpListener::bind(("127.0.0.1", args.port))
@@ -67,26 +79,40 @@ async fn serve(args: DemoAppArgs) -> anyhow::Result<()> {
     let port = listener.local_addr()?.port();
 
     if let Some(path) = &args.journal {
-        let mut file = std::fs::OpenOptions::new()
+        let file = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
             .open(path)
             .with_context(|| format!("cannot open journal {}", path.display()))?;
-        let epoch = page.epoch.clone();
+        let journal = Arc::new(std::sync::Mutex::new(Journal {
+            file,
+            epoch: page.epoch.clone(),
+            counter: 0,
+        }));
+        if args.journal_on_term {
+            // Installed before the first line, so a SIGTERM never finds the
+            // default action (death without the last line) in place.
+            let mut term =
+                tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+                    .context("cannot watch SIGTERM")?;
+            let journal = journal.clone();
+            tokio::spawn(async move {
+                term.recv().await;
+                journal
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner)
+                    .append();
+                std::process::exit(0);
+            });
+        }
         tokio::spawn(async move {
             let mut tick = tokio::time::interval(Duration::from_secs(1));
-            for counter in 1u64.. {
+            loop {
                 tick.tick().await;
-                // One write per line, so that a reader never sees half of one.
-                let line = format!("{epoch} {counter}\n");
-                if file
-                    .write_all(line.as_bytes())
-                    .and_then(|()| file.flush())
-                    .is_err()
-                {
-                    eprintln!("berth-demo: cannot write the journal");
-                    std::process::exit(1);
-                }
+                journal
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner)
+                    .append();
             }
         });
     }
@@ -116,6 +142,32 @@ async fn serve(args: DemoAppArgs) -> anyhow::Result<()> {
         .context("the demo app's server failed")
 }
 
+/// The `--journal` file: `<epoch> <counter>` lines, the counter going up
+/// by one per line.
+struct Journal {
+    file: std::fs::File,
+    epoch: String,
+    counter: u64,
+}
+
+impl Journal {
+    /// Appends the next line, in one write so that a reader never sees half
+    /// of one; a journal that cannot be written ends the program.
+    fn append(&mut self) {
+        self.counter += 1;
+        let line = format!("{} {}\n", self.epoch, self.counter);
+        if self
+            .file
+            .write_all(line.as_bytes())
+            .and_then(|()| self.file.flush())
+            .is_err()
+        {
+            eprintln!("berth-demo: cannot write the journal");
+            std::process::exit(1);
+        }
+    }
+}
+
 fn random_token() -> anyhow::Result<String> {
     let mut bytes = [0u8; 16];
     getrandom::fill(&mut bytes).map_err(|e| anyhow::anyhow!("no randomness: {e}"))?;
@@ -133,6 +185,9 @@ async fn handle(page: Arc<Page>, req: Request) -> Response {
         (Method::GET, "sse") => sse(n.unwrap_or(10).min(MAX_SSE_EVENTS)),
         (Method::GET, "bytes") => zeros(n.unwrap_or(0)),
         (Method::POST, "upload") => upload(req).await,
+        (Method::GET, "echo") if page.echo => echo_request(&req),
+        (Method::GET, "headers") => echo_headers(&req),
+        (Method::GET, "set-cookie") => set_cookies(),
         (Method::GET | Method::HEAD, _) => Html(render_page(&page)).into_response(),
         _ => StatusCode::METHOD_NOT_ALLOWED.into_response(),
     }
@@ -217,6 +272,66 @@ fn zeros(n: u64) -> Response {
         .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response())
 }
 
+/// What the program received: the request line, the headers (in order,
+/// repeats kept, values lossily decoded) and the environment.
+fn echo_request(req: &Request) -> Response {
+    let headers: Vec<[String; 2]> = req
+        .headers()
+        .iter()
+        .map(|(name, value)| {
+            [
+                name.as_str().to_owned(),
+                String::from_utf8_lossy(value.as_bytes()).into_owned(),
+            ]
+        })
+        .collect();
+    let env: std::collections::BTreeMap<String, String> = std::env::vars_os()
+        .map(|(k, v)| {
+            (
+                k.to_string_lossy().into_owned(),
+                v.to_string_lossy().into_owned(),
+            )
+        })
+        .collect();
+    axum::Json(serde_json::json!({
+        "method": req.method().as_str(),
+        "uri": req.uri().to_string(),
+        "headers": headers,
+        "env": env,
+    }))
+    .into_response()
+}
+
+fn echo_headers(req: &Request) -> Response {
+    let mut text = String::new();
+    for (name, value) in req.headers() {
+        text.push_str(&format!(
+            "{name}: {}\n",
+            String::from_utf8_lossy(value.as_bytes())
+        ));
+    }
+    ([(header::CONTENT_TYPE, "text/plain; charset=utf-8")], text).into_response()
+}
+
+/// What an app that wants its user's berth cookie might send: berth drops
+/// every one of these but `demo=1`.
+fn set_cookies() -> Response {
+    let mut response = "cookies set\n".into_response();
+    for cookie in [
+        "berth_token=planted-by-the-app; Path=/u/",
+        "berth_token=planted-by-the-app; Path=/; Domain=example.test",
+        "__Host-berth_token=planted-by-the-app; Path=/; Secure",
+        "berth_session=planted-by-the-app; Path=/",
+        "=berth_token=planted-by-the-app",
+        "demo=1; Path=/",
+    ] {
+        response
+            .headers_mut()
+            .append(header::SET_COOKIE, header::HeaderValue::from_static(cookie));
+    }
+    response
+}
+
 async fn upload(req: Request) -> Response {
     let mut stream = req.into_body().into_data_stream();
     let mut total: u64 = 0;
@@ -283,6 +398,7 @@ mod tests {
             epoch: "3".into(),
             base_path: "/u/x/".into(),
             never_ready: false,
+            echo: false,
         };
         let html = render_page(&page);
         assert!(html.contains("&lt;b&gt;&amp;&quot;x&#39;"));

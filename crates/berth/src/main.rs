@@ -6,7 +6,10 @@ mod cli;
 mod client;
 mod config;
 mod demo_app;
+mod progress;
+mod render;
 mod serve;
+mod sse;
 
 use std::process::ExitCode;
 
@@ -39,12 +42,37 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Serve(args) => serve(&args).map(|()| ExitCode::SUCCESS),
         Command::DemoApp(args) => demo_app::run(args).map(|()| ExitCode::SUCCESS),
         Command::Config {
-            command: ConfigCommand::Check { file },
+            command: ConfigCommand::Check { file, json },
         } => {
-            let config = Config::from_file(&file)?;
-            config.validate()?;
-            println!("{}: ok", file.display());
-            Ok(ExitCode::SUCCESS)
+            let checked =
+                Config::from_file(&file).and_then(|config| config.validate().map(|()| config));
+            // A warning is not an error: on stderr, with the answer as usual.
+            if let Ok(config) = &checked {
+                if let Some(warning) =
+                    config.port_range_warning(crate::config::ephemeral_port_range())
+                {
+                    eprintln!("berth: warning: {warning}");
+                }
+            }
+            let checked = checked.map(drop);
+            if !json {
+                checked?;
+                println!("{}: ok", file.display());
+                return Ok(ExitCode::SUCCESS);
+            }
+            let mut answer = serde_json::json!({
+                "file": file.to_string_lossy(),
+                "ok": checked.is_ok(),
+            });
+            if let Err(e) = &checked {
+                answer["error"] = serde_json::Value::String(e.to_string());
+            }
+            println!("{answer:#}");
+            Ok(if checked.is_ok() {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::FAILURE
+            })
         }
         command => {
             // Client commands do a few sequential requests: one thread is
@@ -59,10 +87,20 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
 }
 
 fn serve(args: &ServeArgs) -> anyhow::Result<()> {
+    // Everything berth creates (database, WAL, token, logs, state files) is
+    // its own: 0600 and 0700 unless it says otherwise.
+    nix::sys::stat::umask(nix::sys::stat::Mode::from_bits_truncate(0o077));
     let mut config = Config::load(args.config.as_deref())?;
+    // Read into the config; from here on they need not be in the
+    // environment, where /proc/<pid>/environ would show them.
+    scrub_secrets_from_environment(&["BERTH_ADMIN_TOKEN", "BERTH_CLUSTER_SECRET"]);
     config.apply_overrides(&args.overrides());
     config.validate()?;
     init_tracing(&config.log_format)?;
+    if let Some(warning) = config.port_range_warning(crate::config::ephemeral_port_range()) {
+        tracing::warn!("{warning}");
+    }
+    raise_open_files_limit();
 
     let mut builder = tokio::runtime::Builder::new_multi_thread();
     // Only `#[tokio::main]` reads this variable; the builder does not.
@@ -74,6 +112,47 @@ fn serve(args: &ServeArgs) -> anyhow::Result<()> {
         .build()
         .context("cannot start the async runtime")?;
     runtime.block_on(serve::run(config))
+}
+
+/// Removes `names` from the environment and wipes their values from the
+/// memory that `/proc/<pid>/environ` reads (the process's initial
+/// environment block, which `unsetenv` only unlinks, never clears): so not
+/// even a process allowed to read berth's environ finds the secrets there.
+///
+/// Must run while the process is single-threaded (before any runtime).
+fn scrub_secrets_from_environment(names: &[&str]) {
+    use std::ffi::CStr;
+    use std::os::raw::c_char;
+
+    unsafe extern "C" {
+        static mut environ: *mut *mut c_char;
+    }
+    for name in names {
+        let prefix = format!("{name}=");
+        let mut found: Vec<(*mut c_char, usize)> = Vec::new();
+        // SAFETY: single-threaded (see above), so nothing changes `environ`
+        // while it is walked; it is a null-terminated array of pointers to
+        // NUL-terminated strings, as the C runtime maintains it.
+        unsafe {
+            let mut entry = environ;
+            while !entry.is_null() && !(*entry).is_null() {
+                let text = CStr::from_ptr(*entry).to_bytes();
+                if text.starts_with(prefix.as_bytes()) {
+                    found.push((*entry, text.len()));
+                }
+                entry = entry.add(1);
+            }
+        }
+        // SAFETY: single-threaded (see above), as `remove_var` requires.
+        unsafe { std::env::remove_var(name) };
+        for (value, len) in found {
+            // SAFETY: `value` points at a writable string of `len` bytes
+            // (the initial block is on the stack; a later `setenv` copy on
+            // the heap) that `unsetenv` left in place but no longer lists;
+            // only the bytes after the `=` are overwritten.
+            unsafe { std::ptr::write_bytes(value.add(prefix.len()), 0, len - prefix.len()) };
+        }
+    }
 }
 
 fn worker_threads_from_env() -> anyhow::Result<Option<usize>> {
@@ -94,8 +173,10 @@ fn init_tracing(log_format: &str) -> anyhow::Result<()> {
             .with_context(|| format!("RUST_LOG={spec:?} is not a valid filter"))?,
         _ => EnvFilter::new("info"),
     };
+    // Colours only for a terminal: a log file or journal gets plain text.
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_writer(std::io::stderr);
     let result = if log_format == "json" {
         builder.json().try_init()
@@ -103,4 +184,21 @@ fn init_tracing(log_format: &str) -> anyhow::Result<()> {
         builder.try_init()
     };
     result.map_err(|e| anyhow::anyhow!("cannot set up logging: {e}"))
+}
+
+/// berth holds a socket per instance (to its shim) besides its clients'
+/// connections and its upstream pool, so the usual soft limit of 1024
+/// open files would cap a node at a few hundred users. Like most servers,
+/// it raises its soft limit to the hard one (which it cannot exceed).
+fn raise_open_files_limit() {
+    use nix::sys::resource::{Resource, getrlimit, setrlimit};
+    match getrlimit(Resource::RLIMIT_NOFILE) {
+        Ok((soft, hard)) if soft < hard => {
+            if let Err(e) = setrlimit(Resource::RLIMIT_NOFILE, hard, hard) {
+                tracing::warn!(soft, hard, error = %e, "cannot raise the open-files limit");
+            }
+        }
+        Ok(_) => {}
+        Err(e) => tracing::warn!(error = %e, "cannot read the open-files limit"),
+    }
 }

@@ -4,29 +4,35 @@
 //! first question is "what is my token?"), then the store (migrated), then
 //! — in a cluster — the refusal of a node id that is already live, then the
 //! listener is bound (so the default advertised URL is the real address),
-//! then the spawner (which re-attaches to instances a previous berth left
-//! running), one heartbeat, and only then does the listener serve, so no
+//! then the runtime the config chooses and the controller over it (which
+//! adopts the instances a previous berth left running), one heartbeat, and only then does the listener serve, so no
 //! request sees a half-built node. One listener serves both:
 //! `berth_proxy`'s server sends user routes (`/u/<user>/…`,
 //! `<slug>.<base_domain>`) to the proxy and everything else to the API
 //! router. On SIGINT/SIGTERM berth stops listening, drains, stops the
-//! cluster tasks, tears the spawner down and marks the node `down`;
+//! cluster tasks, tears the controller down and marks the node `down`;
 //! instances keep running for the next start to adopt.
 
+mod admin;
 mod api;
 mod auth;
 mod cluster;
+mod data_lock;
+mod failover;
 mod metrics;
+mod ops;
 mod peer;
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
-use berth_core::Spawner;
-use berth_core::policy::duplicate_node;
-use berth_local::LocalSpawner;
-use berth_store::{NodeStatus, Store};
+use async_trait::async_trait;
+use berth_controller::Controller;
+use berth_core::runtime::Runtime;
+use berth_core::{Spawner, UidRange};
+use berth_local::{Accounts, Isolation, LocalRuntime};
+use berth_store::{NodeClaim, NodeStatus, Store};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
@@ -38,6 +44,10 @@ pub use auth::admin_token_path;
 pub async fn run(config: Config) -> anyhow::Result<()> {
     std::fs::create_dir_all(&config.data_dir)
         .with_context(|| format!("cannot create data dir {}", config.data_dir.display()))?;
+    // Held until this process ends: no other live process uses this data
+    // dir, and in a cluster it proves that whoever last claimed this node
+    // id from here is dead.
+    let data_lock = data_lock::DataDirLock::acquire(&config.data_dir)?;
     let admin_token =
         auth::load_or_create_admin_token(config.admin_token.as_deref(), &config.data_dir)?;
 
@@ -52,36 +62,45 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     let node_id = config.node_id()?;
     let lease_config = config.lease_config()?;
     if config.is_postgres() {
-        refuse_live_duplicate(store.as_ref(), &node_id, lease_config.ttl()).await?;
+        claim_node_id(
+            store.as_ref(),
+            &node_id,
+            data_lock.identity(),
+            lease_config.ttl(),
+        )
+        .await?;
     }
 
-    // Bound before the spawner starts: the heartbeat advertises the real
+    // Bound before the controller starts: the heartbeat advertises the real
     // address (port 0 included) unless `advertise_url` says otherwise.
     let listener = tokio::net::TcpListener::bind(&config.listen)
         .await
         .with_context(|| format!("cannot listen on {}", config.listen))?;
     let addr = listener.local_addr()?;
+    let metrics_listener = match &config.metrics.listen {
+        Some(listen) => {
+            let listener = tokio::net::TcpListener::bind(listen)
+                .await
+                .with_context(|| format!("cannot listen on {listen} ([metrics] listen)"))?;
+            tracing::info!(addr = %listener.local_addr()?, "serving /metrics without authentication");
+            Some(listener)
+        }
+        None => None,
+    };
     let public_url = config
         .advertise_url
         .clone()
         .unwrap_or_else(|| format!("http://{addr}"));
 
-    let shim_command = vec![
-        std::env::current_exe()
-            .context("cannot locate the berth executable to run shims")?
-            .to_string_lossy()
-            .into_owned(),
-        "shim".to_owned(),
-    ];
-    let mut local = config.local_config(&node_id, shim_command)?;
-    local.advertise_url.clone_from(&public_url);
-    let ready_timeout = local.ready_timeout;
-    let lease_ttl = local.lease.ttl();
-    let renew_every = local.lease.renew();
-    let spawner = LocalSpawner::start(local, store.clone())
+    let runtime = runtime(&config, store.clone()).await?;
+    let mut controller_config = config.controller_config(&node_id)?;
+    controller_config.advertise_url.clone_from(&public_url);
+    let ready_timeout = controller_config.ready_timeout;
+    let lease_ttl = controller_config.lease.ttl();
+    let renew_every = controller_config.lease.renew();
+    let spawner = Controller::start(runtime, store.clone(), controller_config)
         .await
-        .context("cannot start the local spawner")?;
-    spawner.set_capacity(config.capacity());
+        .context("cannot start the controller")?;
     // Registered (with capacity and URL) before serving: placement on other
     // nodes may choose this one as soon as it answers.
     spawner
@@ -90,77 +109,128 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         .context("cannot register this node (heartbeat)")?;
 
     let cluster_metrics = cluster::ClusterMetrics::default();
+    let proxy_metrics = berth_proxy::ProxyMetrics::default();
     let metrics = Arc::new(metrics::Metrics::new(|registry| {
         spawner.register_metrics(registry);
         cluster_metrics.register(registry);
+        proxy_metrics.register(registry);
     }));
 
     // Cluster mode: routing across nodes, node-to-node calls, failover.
     let tasks = TaskTracker::new();
     let cancel = CancellationToken::new();
+    let spawner_dyn = spawner.clone() as Arc<dyn Spawner>;
     let (cluster, cluster_secret) = if config.is_postgres() {
         let secret = berth_proxy::auth::ClusterSecret::new(
             config.cluster_secret.as_deref().unwrap_or_default(),
         )
         .context("cluster_secret")?;
-        let peers = peer::PeerClient::new(secret.clone(), ready_timeout)
+        let peers = peer::PeerClient::new(secret.clone())
             .context("cannot build the HTTP client for node-to-node calls")?;
         let cluster = Arc::new(cluster::Cluster::new(
             store.clone(),
-            spawner.clone() as Arc<dyn Spawner>,
             node_id.clone(),
             lease_ttl,
-            lease_config.takeover(),
             peers,
             cluster_metrics,
         ));
-        tasks.spawn(
-            cluster
-                .clone()
-                .run_failover(renew_every, cancel.child_token()),
-        );
+        let failover = Arc::new(failover::Failover::new(
+            store.clone(),
+            spawner_dyn.clone(),
+            cluster.clone(),
+            lease_config.takeover(),
+        ));
+        tasks.spawn(failover.run(renew_every, cancel.child_token()));
         (Some(cluster), Some(secret))
     } else {
         (None, None)
     };
+    // The use cases, for the API, the proxy and other nodes alike.
+    let ops = Arc::new(ops::Ops::new(
+        spawner_dyn.clone(),
+        store.clone(),
+        cluster.clone(),
+        node_id.clone(),
+        ops::Budgets {
+            ready_timeout,
+            stop_grace: Duration::from_secs(config.instance.stop_grace_s),
+        },
+    ));
 
-    let authenticator = auth::Authenticator::new(&admin_token, store.clone());
+    let path_routing = config.path_routing();
+    let authenticator = auth::Authenticator::new(
+        &admin_token,
+        store.clone(),
+        auth::AuthSettings {
+            user_token_ttl: Duration::from_secs(config.auth.user_token_ttl_s),
+            max_tokens_per_user: config.auth.max_tokens_per_user,
+            token_cache: Duration::from_secs(config.auth.token_cache_s),
+            session_ttl: Duration::from_secs(config.auth.session_ttl_s),
+            users_may_patch: config.auth.users_may_patch,
+            // A session cookie is only as safe as the API's origin is the
+            // admin page's alone.
+            sessions: !path_routing,
+        },
+    );
+    if path_routing {
+        tracing::warn!(
+            "path routing is on: every user's app is served under /u/<user>/ on the same origin as \
+             the API, so one user's app can act in another user's browser session. This suits \
+             only users who trust each other, or development; set [proxy] base_domain to give each \
+             app its own origin"
+        );
+    }
     let proxy_cluster = match (&cluster, &cluster_secret) {
-        (Some(cluster), Some(secret)) => Some(berth_proxy::ProxyCluster {
-            hook: cluster.clone() as Arc<dyn berth_proxy::ClusterHook>,
+        (Some(_), Some(secret)) => Some(berth_proxy::ProxyCluster {
+            hook: ops.clone() as Arc<dyn berth_proxy::ClusterHook>,
             secret: secret.clone(),
         }),
         _ => None,
     };
     let proxy = berth_proxy::Proxy::start_clustered(
-        proxy_config(&config, ready_timeout)?,
-        spawner.clone() as Arc<dyn Spawner>,
+        proxy_config(&config, ready_timeout, proxy_metrics)?,
+        spawner_dyn,
         authenticator.shared(),
         proxy_cluster,
     );
     let state = Arc::new(api::ApiState {
-        spawner: spawner.clone() as Arc<dyn Spawner>,
+        ops,
         store: store.clone(),
         auth: authenticator,
         metrics,
         public_url: public_url.clone(),
         node_id: node_id.clone(),
-        ready_timeout,
         lease_ttl,
         cluster,
         cluster_secret,
         node_control: spawner.clone() as Arc<dyn cluster::NodeControl>,
+        base_domain: Some(config.proxy.base_domain.clone()).filter(|d| !d.is_empty()),
+        path_routing,
+        event_streams: api::events::EventStreams::default(),
+        scrapers: api::scrape::Scrapers::new(config.metrics.token.as_deref())?,
+        streams: proxy.streams().clone(),
     });
+    if let Some(listener) = metrics_listener {
+        tasks.spawn(api::scrape::serve_unauthenticated(
+            listener,
+            state.metrics.clone(),
+            cancel.child_token(),
+        ));
+    }
     let app = api::router(state);
 
     tracing::info!(%addr, node = %node_id, data_dir = %config.data_dir.display(), "berth listening");
     // One plain line on stdout for people and scripts (e.g. with port 0).
     println!("berth: listening on {public_url}");
 
+    let p = &config.proxy;
     let server = berth_proxy::ServerConfig {
-        header_read_timeout: Duration::from_millis(config.proxy.header_timeout_ms.max(1)),
-        max_header_bytes: config.proxy.max_header_bytes,
+        header_read_timeout: Duration::from_millis(p.header_timeout_ms.max(1)),
+        max_header_bytes: p.max_header_bytes,
         shutdown_grace: SHUTDOWN_GRACE,
+        max_connections: p.max_connections,
+        max_connections_per_ip: p.max_connections_per_ip,
+        body_pace: config.body_pace(),
     };
     berth_proxy::serve(listener, server, proxy.clone(), app, shutdown_signal())
         .await
@@ -172,7 +242,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     proxy.shutdown().await;
     spawner.teardown().await;
     // A node that says `down` may be started again at once under the same
-    // id (see `duplicate_node`), and gets no new instances meanwhile.
+    // id (see `Store::claim_node`), and gets no new instances meanwhile.
     spawner.set_node_status(NodeStatus::Down);
     if let Err(e) = spawner.heartbeat().await {
         tracing::warn!(error = %e, "could not mark this node down");
@@ -180,34 +250,80 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Refuses to start a second live node under `node_id`: both would renew,
-/// and fence, the same leases. Liveness is the heartbeat's age by the
-/// store's clock, within one lease TTL.
-async fn refuse_live_duplicate(
+/// The runtime this node runs programs with: the one place the config
+/// chooses it. Only the local runtime (shims on this host) exists so far;
+/// a `[kubernetes]` section will select the Kubernetes runtime (design
+/// §8.6, §10).
+async fn runtime(config: &Config, store: Arc<dyn Store>) -> anyhow::Result<Arc<dyn Runtime>> {
+    let shim_command = vec![
+        std::env::current_exe()
+            .context("cannot locate the berth executable to run shims")?
+            .to_string_lossy()
+            .into_owned(),
+        "shim".to_owned(),
+    ];
+    let local = config.runtime_config(shim_command)?;
+    if local.isolation == Isolation::None {
+        tracing::warn!(
+            as_root = nix::unistd::geteuid().is_root(),
+            "isolation mode \"none\": instances run as berth's own user and are NOT isolated \
+             from berth or from each other (a program can read berth's files and signal its \
+             processes); use mode \"user\" or \"sandbox\" for users who do not trust each other"
+        );
+    } else {
+        tracing::info!(mode = %local.isolation, uids = ?local.uids, "instance isolation");
+    }
+    let accounts = Arc::new(StoreAccounts(store)) as Arc<dyn Accounts>;
+    let local = LocalRuntime::new(local, Some(accounts))
+        .await
+        .context("cannot start the local runtime")?;
+    Ok(local)
+}
+
+/// Users' accounts (their host uids) as the store allocates them: once per
+/// user, the same on every node.
+struct StoreAccounts(Arc<dyn Store>);
+
+#[async_trait]
+impl Accounts for StoreAccounts {
+    async fn uid(&self, slug: &str, range: UidRange) -> Result<u32, String> {
+        self.0
+            .account_uid(slug, range)
+            .await
+            .map_err(|e| e.to_string())
+    }
+}
+
+/// Claims `node_id` for this process, or refuses to start a second live
+/// node under it: both would renew, and fence, the same leases. The store
+/// grants the claim when the id's row is `down`, has not heartbeaten
+/// within one lease TTL (by the store's clock), or was last claimed from
+/// this very data dir, whose lock this process holds: then the process
+/// that claimed it before is dead, and a node restarted after a crash
+/// starts at once and adopts its instances.
+async fn claim_node_id(
     store: &dyn Store,
     node_id: &str,
+    data_dir_id: &str,
     ttl: Duration,
 ) -> anyhow::Result<()> {
-    let nodes = store
-        .list_nodes()
+    let claim = store
+        .claim_node(node_id, data_dir_id, ttl)
         .await
-        .context("cannot read the nodes table")?;
+        .context("cannot claim this node's id in the nodes table")?;
+    let live = match claim {
+        NodeClaim::Claimed => return Ok(()),
+        NodeClaim::Live(live) => live,
+    };
     let now = store.now().await.context("cannot read the store's clock")?;
-    let views: Vec<_> = nodes.iter().map(|n| n.view(now)).collect();
-    let ttl_ms = i64::try_from(ttl.as_millis()).unwrap_or(i64::MAX);
-    if let Some(live) = duplicate_node(node_id, &views, ttl_ms) {
-        let url = nodes
-            .iter()
-            .find(|n| n.id == live.id)
-            .map_or("", |n| n.advertise_url.as_str());
-        anyhow::bail!(
-            "node id {node_id:?} is already in use by a live node: its last heartbeat was {:.1} s ago (advertised at {url}); \
-             stop that node, wait {:.1} s for its heartbeat to expire, or start this one with another node_id",
-            live.heartbeat_age_ms.max(0) as f64 / 1000.0,
-            ttl.as_secs_f64()
-        );
-    }
-    Ok(())
+    anyhow::bail!(
+        "node id {node_id:?} is already in use by a live node from another data dir or host: its \
+         last heartbeat was {:.1} s ago (advertised at {}); stop that node, wait {:.1} s for its \
+         heartbeat to expire, or start this one with another node_id",
+        now.saturating_sub(live.heartbeat).max(0) as f64 / 1000.0,
+        live.advertise_url,
+        ttl.as_secs_f64()
+    );
 }
 
 /// How long in-flight requests may finish after SIGTERM. Long streams
@@ -217,18 +333,29 @@ const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
 fn proxy_config(
     config: &Config,
     ready_timeout: Duration,
+    metrics: berth_proxy::ProxyMetrics,
 ) -> anyhow::Result<berth_proxy::ProxyConfig> {
     let p = &config.proxy;
     Ok(berth_proxy::ProxyConfig {
         base_domain: Some(p.base_domain.clone()).filter(|d| !d.is_empty()),
+        path_routing: config.path_routing(),
         strip_prefix: p.strip_prefix,
         auth_mode: p.auth.parse().map_err(anyhow::Error::msg)?,
         trusted_proxies: berth_proxy::auth::TrustedProxies::parse(&p.trusted_proxies)?,
+        header_secret: p
+            .header_secret
+            .as_deref()
+            .map(berth_proxy::auth::SharedSecret::new)
+            .transpose()
+            .context("proxy.header_secret")?,
         ready_timeout,
         forward: berth_proxy::forward::ForwardConfig {
             max_upgrades: p.max_upgrades,
+            max_upgrades_per_user: p.max_upgrades_per_user,
+            body_pace: config.body_pace(),
             ..Default::default()
         },
+        metrics,
     })
 }
 

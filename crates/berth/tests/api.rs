@@ -230,13 +230,14 @@ async fn the_reaper_stops_idle_instances_and_keeps_their_data() {
 #[tokio::test(flavor = "multi_thread")]
 async fn the_watchdog_runs_once_after_a_crash() {
     let dir = tempfile::tempdir().unwrap();
-    let marker = dir.path().join("watchdog-runs");
+    // In the user's home: the watchdog runs as the user's account, which
+    // may write there and nowhere in the test's own directory.
     let config = format!(
-        "{}[watchdog]\ncommand = [\"sh\", \"-c\", \"echo \\\"$BERTH_ROLE $BERTH_HANDOFF\\\" >> {}\"]\n",
+        "{}[watchdog]\ncommand = [\"sh\", \"-c\", \"echo \\\"$BERTH_ROLE $BERTH_HANDOFF\\\" >> \\\"$HOME/watchdog-runs\\\"\"]\n",
         ports(6),
-        marker.display()
     );
     let node = Node::start(dir.path(), &config);
+    let marker = node.data_dir.join("users/fragile/home/watchdog-runs");
     let (_, body) = launch(&node, "fragile").await;
     let pid = body["instance"]["pid"].as_u64().unwrap();
     support::signal(pid as u32, nix::sys::signal::Signal::SIGKILL);
@@ -314,6 +315,68 @@ async fn bad_input_gets_a_clear_error_and_changes_nothing() {
     assert_eq!(wrong.status(), 401);
     let body: Value = wrong.json().await.unwrap();
     assert_eq!(body["error"], "unauthorized");
+
+    // Routes and queries that do not exist, with a valid token: clear
+    // JSON errors, and nothing launched.
+    for (method, path, status, code) in [
+        ("PUT", "/users/alice/instance", 404, "not_found"),
+        ("POST", "/users/alice/instance/nope", 404, "not_found"),
+        (
+            "GET",
+            "/users/alice/instance/logs?tail=many",
+            400,
+            "invalid_request",
+        ),
+        ("GET", "/users/a%00b/instance/logs", 400, "invalid_user"),
+    ] {
+        let r = node
+            .http
+            .request(method.parse().unwrap(), node.api(path))
+            .bearer_auth(&node.token)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status().as_u16(), status, "{method} {path}");
+        let body: Value = r.json().await.unwrap();
+        assert_eq!(body["error"], code, "{method} {path}: {body}");
+    }
+    assert!(node.main_of("alice").await.is_null(), "nothing recorded");
+}
+
+/// `restart-all` on one node: every running main gets a new process, and
+/// each result names its user, this node and the outcome.
+#[tokio::test(flavor = "multi_thread")]
+async fn restart_all_restarts_every_running_main() {
+    let dir = tempfile::tempdir().unwrap();
+    let node = Node::start(dir.path(), &ports(11));
+    let mut before = Vec::new();
+    for user in ["ann", "ben"] {
+        let (status, body) = launch(&node, user).await;
+        assert_eq!(status, 201, "{body}");
+        before.push(body["instance"]["pid"].as_u64().unwrap());
+    }
+    let (_, nodes) = node.get("/nodes").await;
+    let me = nodes["nodes"][0]["id"].as_str().unwrap().to_owned();
+    let (status, answer) = node.post("/instances/restart-all", json!({})).await;
+    assert_eq!(status, 200, "{answer}");
+    let mut results = answer["results"].as_array().unwrap().clone();
+    results.sort_by_key(|r| r["user"].as_str().unwrap().to_owned());
+    assert_eq!(
+        results,
+        [
+            json!({"user": "ann", "node": me, "ok": true}),
+            json!({"user": "ben", "node": me, "ok": true}),
+        ],
+        "{answer}"
+    );
+    for (user, pid) in ["ann", "ben"].iter().zip(before) {
+        let main = node.running_main(user, Some(pid)).await;
+        assert!(!alive(pid), "{user}: the old process is gone");
+        assert_eq!(
+            instance_pids(&node.data_dir, user, "main"),
+            [main["pid"].as_u64().unwrap() as u32]
+        );
+    }
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -391,7 +454,7 @@ async fn the_cli_drives_a_running_server_with_the_token_file() {
     ok(node.cli(&["restart", "carol"]));
     let restarted = node.running_main("carol", Some(pid)).await;
     let probe = ok(node.cli(&["probe", "carol"]));
-    assert!(probe.contains("true"), "{probe}");
+    assert!(probe.starts_with("probe carol: ok: ready"), "{probe}");
     ok(node.cli(&["stop", "carol"]));
     assert_eq!(node.status_of("carol").await, "stopped");
     assert!(!alive(restarted["pid"].as_u64().unwrap()));
@@ -414,4 +477,68 @@ async fn serve_runs_on_embedded_defaults() {
         .permissions()
         .mode();
     assert_eq!(mode & 0o777, 0o600);
+}
+
+/// berth authenticates before it reads a body (design §8.2): a client
+/// that sends headers and only half of its body gets its 401 at once,
+/// while the rest is still missing; an authenticated one gets 413 for a
+/// declared length over the limit, before it sends anything.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_body_is_read_only_after_authentication() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let dir = tempfile::tempdir().unwrap();
+    let node = Node::start(dir.path(), &ports(10));
+    let addr = node.url.trim_start_matches("http://").to_owned();
+    let half = vec![b'{'; 512 * 1024];
+    for (path, auth) in [
+        ("/api/v1/users/alice/instance", String::new()),
+        (
+            "/api/v1/users/alice/instance",
+            "Authorization: Bearer wrong\r\n".to_owned(),
+        ),
+        ("/internal/v1/users/alice/launch", String::new()),
+    ] {
+        let mut stream = tokio::net::TcpStream::connect(&addr).await.unwrap();
+        let head = format!(
+            "POST {path} HTTP/1.1\r\nHost: x\r\n{auth}Content-Type: application/json\r\n\
+             Content-Length: {}\r\n\r\n",
+            2 * half.len()
+        );
+        stream.write_all(head.as_bytes()).await.unwrap();
+        stream.write_all(&half).await.unwrap();
+        // The other half never comes: only an answer that did not wait for
+        // it arrives.
+        let mut answer = vec![0u8; 1024];
+        let n = tokio::time::timeout(Duration::from_secs(60), stream.read(&mut answer))
+            .await
+            .unwrap_or_else(|_| panic!("{path}: berth waited for the body"))
+            .unwrap();
+        let text = String::from_utf8_lossy(&answer[..n]);
+        let want = if path.starts_with("/internal") {
+            // Single node: node-to-node routes do not exist.
+            "HTTP/1.1 404"
+        } else {
+            "HTTP/1.1 401"
+        };
+        assert!(text.starts_with(want), "{path} {auth:?}: {text}");
+    }
+    assert!(node.main_of("alice").await.is_null(), "nothing launched");
+
+    let mut stream = tokio::net::TcpStream::connect(&addr).await.unwrap();
+    let head = format!(
+        "POST /api/v1/users/alice/instance HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {}\r\n\
+         Content-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+        node.token,
+        4 * 1024 * 1024
+    );
+    stream.write_all(head.as_bytes()).await.unwrap();
+    let mut answer = vec![0u8; 4096];
+    let n = tokio::time::timeout(Duration::from_secs(60), stream.read(&mut answer))
+        .await
+        .expect("413 without reading the body")
+        .unwrap();
+    let text = String::from_utf8_lossy(&answer[..n]);
+    assert!(text.starts_with("HTTP/1.1 413"), "{text}");
+    assert!(text.contains("payload_too_large"), "{text}");
+    assert!(node.main_of("alice").await.is_null(), "nothing launched");
 }

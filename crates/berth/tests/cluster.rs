@@ -14,7 +14,10 @@ use std::time::Duration;
 
 use berth_testkit::PgCluster;
 use serde_json::{Value, json};
-use support::{BERTH, Node, cluster_config, eventually, instance_pids};
+use support::{
+    BERTH, CLUSTER_LEASE, Node, alive, berth, cluster_config, eventually, instance_pids,
+    proc_state, signal,
+};
 
 const SECRET: &str = "cluster-secret-for-tests";
 
@@ -59,17 +62,67 @@ fn pids_everywhere(nodes: &[Node], user: &str) -> Vec<(usize, u32)> {
         .collect()
 }
 
-/// The state letter of a process (`R`, `S`, `T` stopped, …), if it exists.
-fn proc_state(pid: u32) -> Option<char> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    stat.rsplit_once(')')?.1.trim_start().chars().next()
+/// Starts nodes whose programs report what they received (`berth demo-app`
+/// with `BERTH_DEMO_ECHO=1`: `GET …/echo` shows the request headers and the
+/// environment). Each berth also has the cluster secret in its own
+/// environment, as the README's "Run a cluster" sets it, so the echo shows
+/// whether berth's environment leaks into programs.
+async fn start_echo_nodes(root: &Path, db: &str, ids: &[&str]) -> Vec<Node> {
+    let mut nodes = Vec::new();
+    for id in ids {
+        let dir = root.join(id);
+        let db = db.to_owned();
+        let id = (*id).to_owned();
+        let node = tokio::task::spawn_blocking(move || {
+            berth()
+                .env("BERTH_CLUSTER_SECRET", SECRET)
+                .start_cluster_custom(
+                    &dir,
+                    &db,
+                    &id,
+                    SECRET,
+                    CLUSTER_LEASE,
+                    "env = { BERTH_DEMO_ECHO = \"1\" }\n",
+                    "",
+                )
+        })
+        .await
+        .unwrap();
+        nodes.push(Node::from(node));
+    }
+    nodes
+}
+
+/// `GET <url>/u/alice/echo` with `headers`: the program's report of what it
+/// received, as JSON.
+async fn echo(http: &reqwest::Client, url: &str, headers: &[(&str, &str)]) -> Value {
+    let mut request = http.get(format!("{url}/u/alice/echo"));
+    for (name, value) in headers {
+        request = request.header(*name, *value);
+    }
+    let response = request.send().await.unwrap();
+    let status = response.status().as_u16();
+    let text = response.text().await.unwrap();
+    assert_eq!(status, 200, "via {url}: {text}");
+    serde_json::from_str(&text).unwrap_or_else(|e| panic!("not an echo ({e}): {text}"))
+}
+
+/// The values of header `name` in an echo.
+fn echoed_header<'a>(echo: &'a Value, name: &str) -> Vec<&'a str> {
+    echo["headers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|h| h[0].as_str().is_some_and(|n| n.eq_ignore_ascii_case(name)))
+        .filter_map(|h| h[1].as_str())
+        .collect()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn any_node_answers_for_a_user_running_on_another_node() {
     let db = fresh_db().await;
     let root = tempfile::tempdir().unwrap();
-    let nodes = start_nodes(root.path(), &db, &["node-a", "node-b", "node-c"], "").await;
+    let nodes = start_echo_nodes(root.path(), &db, &["node-a", "node-b", "node-c"]).await;
     let (status, body) = nodes[0].post("/users/alice/instance", json!({})).await;
     assert!(status == 201 || status == 200, "{status} {body}");
     let owner = body["instance"]["node"].as_str().unwrap().to_owned();
@@ -91,11 +144,62 @@ async fn any_node_answers_for_a_user_running_on_another_node() {
         assert_eq!(status, 200, "via {}: {page}", node.url);
         assert!(page.contains(r#"<b id="user">alice</b>"#), "{page}");
         assert!(page.contains(&format!("epoch <b>{epoch}</b>")), "{page}");
-        // berth's credentials and the cluster secret never reach the app.
-        assert!(!page.contains(SECRET));
+
+        // What the program received through this node (the owner itself,
+        // or another node forwarding with the cluster secret): the ordinary
+        // header the client sent, and none of berth's credentials, in the
+        // headers or in its environment.
+        let bearer = format!("Bearer {token}");
+        let seen = echo(
+            &node.http,
+            &node.url,
+            &[("authorization", &bearer), ("x-probe", &node.url)],
+        )
+        .await;
+        assert_eq!(
+            echoed_header(&seen, "x-probe"),
+            [node.url.as_str()],
+            "{seen}"
+        );
+        assert_eq!(seen["env"]["BERTH_USER"], "alice", "{seen}");
+        for name in [
+            "x-berth-cluster-secret",
+            "x-berth-forwarded-user",
+            "authorization",
+        ] {
+            assert!(
+                echoed_header(&seen, name).is_empty(),
+                "{name} reached the program via {}: {seen}",
+                node.url
+            );
+        }
+        assert!(seen["env"].get("BERTH_CLUSTER_SECRET").is_none(), "{seen}");
+        let text = seen.to_string();
+        for (what, secret) in [
+            ("the cluster secret", SECRET),
+            ("alice's token", token.as_str()),
+            ("the admin token", node.token.as_str()),
+        ] {
+            assert!(!text.contains(secret), "{what} reached the program: {text}");
+        }
     }
     // Served by the same process throughout: nothing was started elsewhere.
     assert_eq!(pids_everywhere(&nodes, "alice"), before, "owner {owner}");
+
+    // The echo would have shown the secret had it arrived: sent straight to
+    // the program, past berth, it is there.
+    let port = nodes[0].main_of("alice").await["port"].as_u64().unwrap();
+    let direct = echo(
+        &nodes[0].http,
+        &format!("http://127.0.0.1:{port}"),
+        &[("x-berth-cluster-secret", SECRET)],
+    )
+    .await;
+    assert_eq!(
+        echoed_header(&direct, "x-berth-cluster-secret"),
+        [SECRET],
+        "{direct}"
+    );
 
     // The API of any node launches through the owner: 200, same instance.
     for node in &nodes {
@@ -334,7 +438,8 @@ async fn a_draining_node_gets_no_new_instances() {
             .any(|n| n["id"] == "node-b" && n["status"] == "draining"),
         "{listed}"
     );
-    // Other nodes re-read the nodes table at most a second later.
+    // Other nodes re-read the nodes table at most a second later. Nothing
+    // observable marks that re-read, so the wait outlasts NODES_MAX_AGE.
     tokio::time::sleep(Duration::from_millis(1500)).await;
     for (i, user) in ["d1", "d2", "d3", "d4"].iter().enumerate() {
         let (status, body) = nodes[i % 2]
@@ -359,6 +464,7 @@ async fn a_draining_node_gets_no_new_instances() {
     let (status, body) = nodes[1].post("/node/undrain", json!({})).await;
     assert_eq!(status, 200, "{body}");
     assert_eq!(body["status"], "up");
+    // As above: outlast the other node's cached view of the nodes table.
     tokio::time::sleep(Duration::from_millis(1500)).await;
     // node-b is now the emptier node: new users go there.
     let (status, body) = nodes[0].post("/users/u6/instance", json!({})).await;
@@ -470,6 +576,11 @@ async fn with_evidence_a_dead_holders_users_are_relaunched_elsewhere() {
     assert_eq!(body["instance"]["node"], "node-a", "{body}");
     let old_epoch = body["instance"]["epoch"].as_i64().unwrap();
     let old_pid = instance_pids(&nodes[0].data_dir, "alice", "main")[0];
+    let uid_of = |pid: u32| {
+        std::os::unix::fs::MetadataExt::uid(&std::fs::metadata(format!("/proc/{pid}")).unwrap())
+    };
+    // As root, instances run under the user's account (level `user`).
+    let account = uid_of(old_pid);
 
     nodes[0].kill9();
     let b = &nodes[1];
@@ -489,7 +600,13 @@ async fn with_evidence_a_dead_holders_users_are_relaunched_elsewhere() {
     assert_eq!(patch, "k: v\n");
     // The old instance was frozen by its shim before anyone could claim.
     assert!(matches!(proc_state(old_pid), Some('T') | None));
-    assert_eq!(instance_pids(&b.data_dir, "alice", "main").len(), 1);
+    let new_pids = instance_pids(&b.data_dir, "alice", "main");
+    assert_eq!(new_pids.len(), 1);
+    // The account is the cluster's, not the node's: the same uid here.
+    assert_eq!(uid_of(new_pids[0]), account);
+    if nix::unistd::geteuid().is_root() {
+        assert_ne!(account, 0, "as root, the instance runs under an account");
+    }
     let text = b
         .http
         .get(format!("{}/metrics", b.url))
@@ -501,4 +618,961 @@ async fn with_evidence_a_dead_holders_users_are_relaunched_elsewhere() {
         .await
         .unwrap();
     assert!(text.contains("berth_failovers_total 1"), "{text}");
+}
+
+/// A GET of `user`'s app sent to `node` the way another node forwards it:
+/// the cluster secret and the forwarded user, no user token.
+async fn forwarded_get(node: &Node, user: &str) -> (u16, String) {
+    let r = node
+        .http
+        .get(format!("{}/u/{user}/", node.url))
+        .header("x-berth-cluster-secret", SECRET)
+        .header("x-berth-forwarded-user", user)
+        .send()
+        .await
+        .unwrap();
+    (r.status().as_u16(), r.text().await.unwrap())
+}
+
+/// A request another node forwarded is served where it lands, never
+/// forwarded again (design: "Cluster mode", Routing): nodes whose views
+/// differ for a moment cannot bounce a request between them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_forwarded_request_is_never_forwarded_again() {
+    let db = fresh_db().await;
+    let root = tempfile::tempdir().unwrap();
+    let nodes = start_nodes(root.path(), &db, &["node-a", "node-b"], "").await;
+    let (a, b) = (&nodes[0], &nodes[1]);
+
+    // alice runs on node-a (placement breaks the tie by the smaller id).
+    let (status, body) = a.post("/users/alice/instance", json!({})).await;
+    assert_eq!(status, 201, "{body}");
+    assert_eq!(body["instance"]["node"], "node-a", "{body}");
+    let alice = pids_everywhere(&nodes, "alice");
+    assert_eq!(alice.len(), 1, "{alice:?}");
+
+    // An ordinary request through node-b is forwarded to node-a…
+    let token = a.user_token("alice").await;
+    let r = b
+        .http
+        .get(format!("{}/u/alice/", b.url))
+        .bearer_auth(&token)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+    assert!(r.text().await.unwrap().contains("alice"));
+    // …but one that node-b received as forwarded is not: node-b wakes
+    // alice itself, and its claim meets node-a's live lease (a browser's
+    // navigation would get the starting page instead, whose reload is
+    // routed afresh: `a_browser_through_another_node_…`).
+    let (status, body) = forwarded_get(b, "alice").await;
+    assert_eq!(status, 409, "{body}");
+    let error: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(error["error"], "lease_busy", "{body}");
+    assert_eq!(pids_everywhere(&nodes, "alice"), alice, "alice untouched");
+
+    // bob last ran on node-a, so placement sends him there (sticky)…
+    let (status, body) = a.post("/users/bob/instance", json!({})).await;
+    assert_eq!(status, 201, "{body}");
+    assert_eq!(body["instance"]["node"], "node-a", "{body}");
+    assert_eq!(a.delete("/users/bob/instance").await, 204);
+    eventually(Duration::from_secs(30), "bob stopped", || async {
+        pids_everywhere(&nodes, "bob").is_empty().then_some(())
+    })
+    .await;
+    let bob_token = a.user_token("bob").await;
+    let r = b
+        .http
+        .get(format!("{}/u/bob/", b.url))
+        .bearer_auth(&bob_token)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+    assert_eq!(a.main_of("bob").await["node"], "node-a");
+    assert_eq!(a.delete("/users/bob/instance").await, 204);
+    eventually(Duration::from_secs(30), "bob stopped again", || async {
+        pids_everywhere(&nodes, "bob").is_empty().then_some(())
+    })
+    .await;
+    // …yet a request forwarded to node-b wakes him on node-b, where it
+    // landed.
+    let (status, page) = forwarded_get(b, "bob").await;
+    assert_eq!(status, 200, "{page}");
+    assert!(page.contains(r#"<b id="user">bob</b>"#), "{page}");
+    assert_eq!(b.main_of("bob").await["node"], "node-b");
+    let bob = pids_everywhere(&nodes, "bob");
+    assert_eq!(bob.len(), 1, "{bob:?}");
+    assert_eq!(bob[0].0, 1, "bob runs on node-b: {bob:?}");
+}
+
+/// `POST /internal/v1/users/{user}/fence` as another node sends it.
+async fn fence(node: &Node, user: &str, epoch: i64) -> Value {
+    let r = node
+        .http
+        .post(format!("{}/internal/v1/users/{user}/fence", node.url))
+        .header("x-berth-cluster-secret", SECRET)
+        .json(&json!({ "epoch": epoch }))
+        .send()
+        .await
+        .unwrap();
+    let status = r.status().as_u16();
+    let body: Value = r.json().await.unwrap();
+    assert_eq!(status, 200, "{body}");
+    body
+}
+
+/// A fence names the holder's epoch: an older one (a late fence from an
+/// earlier failover) or a newer one fences nothing and the instance runs
+/// on; only exactly the running epoch stops it, on the node that runs it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fence_acts_only_on_exactly_the_running_epoch() {
+    let db = fresh_db().await;
+    let root = tempfile::tempdir().unwrap();
+    let nodes = start_nodes(root.path(), &db, &["node-a", "node-b"], "").await;
+    let (a, b) = (&nodes[0], &nodes[1]);
+
+    // Two launches, so the running epoch has a real predecessor.
+    let (status, body) = a.post("/users/alice/instance", json!({})).await;
+    assert_eq!(status, 201, "{body}");
+    let first = body["instance"]["epoch"].as_i64().unwrap();
+    assert_eq!(a.delete("/users/alice/instance").await, 204);
+    let (status, body) = a.post("/users/alice/instance", json!({})).await;
+    assert_eq!(status, 201, "{body}");
+    assert_eq!(body["instance"]["node"], "node-a", "{body}");
+    let epoch = body["instance"]["epoch"].as_i64().unwrap();
+    assert!(epoch > first, "{first} then {epoch}");
+    let running = a.running_main("alice", None).await;
+    let pid = running["pid"].as_u64().unwrap();
+
+    let untouched = |what: &str| {
+        let what = what.to_owned();
+        async move {
+            assert!(alive(pid), "{what}: the instance is gone");
+            assert_ne!(proc_state(pid as u32), Some('T'), "{what}: frozen");
+            let main = a.main_of("alice").await;
+            assert_eq!(main["status"], "running", "{what}: {main}");
+            assert_eq!(main["pid"].as_u64(), Some(pid), "{what}: {main}");
+            assert_eq!(main["epoch"].as_i64(), Some(epoch), "{what}: {main}");
+        }
+    };
+    for (what, node, wrong) in [
+        ("an older epoch", a, first),
+        ("the epoch before", a, epoch - 1),
+        ("a newer epoch", a, epoch + 1),
+        ("the right epoch on the wrong node", b, epoch),
+    ] {
+        let answer = fence(node, "alice", wrong).await;
+        assert_eq!(answer["fenced"], false, "{what}: {answer}");
+        untouched(what).await;
+    }
+    // The instance still serves.
+    let token = a.user_token("alice").await;
+    let r = a
+        .http
+        .get(format!("{}/u/alice/", a.url))
+        .bearer_auth(&token)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+
+    // Exactly the running epoch, on its node: fenced, and gone.
+    let answer = fence(a, "alice", epoch).await;
+    assert_eq!(answer["fenced"], true, "{answer}");
+    eventually(
+        Duration::from_secs(30),
+        "the fenced instance gone",
+        || async { (!alive(pid)).then_some(()) },
+    )
+    .await;
+    let main = eventually(Duration::from_secs(30), "the record stopped", || async {
+        let main = a.main_of("alice").await;
+        (main["status"] == "stopped").then_some(main)
+    })
+    .await;
+    assert!(
+        main["last_error"].as_str().unwrap_or("").contains("fenced"),
+        "{main}"
+    );
+    assert!(pids_everywhere(&nodes, "alice").is_empty());
+}
+
+/// A revoked token gets 401 at once on every node: the node that revoked
+/// it empties the other nodes' token caches before it answers, so a node
+/// that had just accepted the token (and cached it) refuses it on the very
+/// next request, through the proxy and the API alike.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_revoked_token_gets_401_at_once_on_every_node() {
+    let db = fresh_db().await;
+    let root = tempfile::tempdir().unwrap();
+    let nodes = start_nodes(root.path(), &db, &["node-a", "node-b"], "").await;
+    let (status, body) = nodes[0].post("/users/alice/instance", json!({})).await;
+    assert!(status == 201 || status == 200, "{status} {body}");
+    let (status, minted) = nodes[0].post("/users/alice/tokens", json!({})).await;
+    assert_eq!(status, 201, "{minted}");
+    let token = minted["token"].as_str().unwrap().to_owned();
+    let id = minted["id"].as_str().unwrap().to_owned();
+
+    let app = |node: &Node| {
+        node.http
+            .get(format!("{}/u/alice/", node.url))
+            .bearer_auth(&token)
+            .send()
+    };
+    let api = |node: &Node| {
+        node.http
+            .get(node.api("/users/alice/instance"))
+            .bearer_auth(&token)
+            .send()
+    };
+    // Every node accepts (and caches) the token.
+    for node in &nodes {
+        assert_eq!(app(node).await.unwrap().status(), 200, "{}", node.url);
+        assert_eq!(api(node).await.unwrap().status(), 200, "{}", node.url);
+    }
+
+    // Revoked through node-a; node-b refuses it on the next request.
+    let status = nodes[0].delete(&format!("/users/alice/tokens/{id}")).await;
+    assert_eq!(status, 200);
+    for node in nodes.iter().rev() {
+        assert_eq!(app(node).await.unwrap().status(), 401, "{}", node.url);
+        assert_eq!(api(node).await.unwrap().status(), 401, "{}", node.url);
+    }
+
+    // And the other way round, with a token node-b minted.
+    let (_, minted) = nodes[1].post("/users/alice/tokens", json!({})).await;
+    let token = minted["token"].as_str().unwrap().to_owned();
+    let id = minted["id"].as_str().unwrap().to_owned();
+    let app = |node: &Node| {
+        node.http
+            .get(format!("{}/u/alice/", node.url))
+            .bearer_auth(&token)
+            .send()
+    };
+    for node in &nodes {
+        assert_eq!(app(node).await.unwrap().status(), 200, "{}", node.url);
+    }
+    let r = nodes[1]
+        .http
+        .delete(nodes[1].api(&format!("/users/alice/tokens/{id}")))
+        .bearer_auth(&nodes[1].token)
+        .send()
+        .await
+        .unwrap();
+    let answer: Value = r.json().await.unwrap();
+    assert_eq!(answer["unreached_nodes"], json!([]), "{answer}");
+    for node in &nodes {
+        assert_eq!(app(node).await.unwrap().status(), 401, "{}", node.url);
+    }
+}
+
+// --- node identity across restarts -------------------------------------------
+
+/// `config` listening on the address of `url` (a node that ran there
+/// before) instead of a free port: a restarted node answers where its
+/// predecessor did.
+fn config_on_same_address(config: &str, url: &str) -> String {
+    let addr = url.strip_prefix("http://").unwrap();
+    assert!(config.contains("listen = \"127.0.0.1:0\""), "{config}");
+    config.replacen(
+        "listen = \"127.0.0.1:0\"",
+        &format!("listen = \"{addr}\""),
+        1,
+    )
+}
+
+/// `berth serve` on `config` (written to `dir/other.toml`), expected to
+/// refuse to start: its stderr.
+async fn refused_start(dir: &Path, config: &str) -> String {
+    let path = dir.join("other.toml");
+    std::fs::write(&path, config).unwrap();
+    let output = tokio::task::spawn_blocking(move || {
+        std::process::Command::new(BERTH)
+            .args(["serve", "--config", path.to_str().unwrap()])
+            .output()
+            .unwrap()
+    })
+    .await
+    .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
+    assert!(!output.status.success(), "it started: {stderr}");
+    stderr
+}
+
+/// A node killed with `kill -9` and started again at once with the same
+/// node id and data dir proves its predecessor dead (the data dir's lock
+/// is free, and its row was claimed from this data dir): it answers within
+/// the acceptance bound of 2 s, not one lease TTL later, and adopts its
+/// instances, same pids. While it lives, a second process with its id is
+/// refused with a clear message, from its data dir or any other, and so
+/// it is while the first is paused (SIGSTOP): a paused process still
+/// holds its lock.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_restarted_after_kill_9_starts_at_once_and_adopts_its_instances() {
+    let db = fresh_db().await;
+    let root = tempfile::tempdir().unwrap();
+    // A TTL far longer than the acceptance bound: waiting for the old
+    // heartbeat to expire could not pass the 2 s deadline below.
+    let lease = "ttl_ms = 30000\nrenew_ms = 1000\nfence_after_ms = 20000\n";
+    let dir = root.path().join("node-a");
+    let db_ = db.clone();
+    let dir_ = dir.clone();
+    let mut first = tokio::task::spawn_blocking(move || {
+        Node::from(berth().start_cluster_custom(&dir_, &db_, "node-a", SECRET, lease, "", ""))
+    })
+    .await
+    .unwrap();
+    let mut before = Vec::new();
+    for user in ["alice", "bob"] {
+        let (status, body) = first
+            .post(&format!("/users/{user}/instance"), json!({}))
+            .await;
+        assert_eq!(status, 201, "{body}");
+        let main = first.running_main(user, None).await;
+        before.push((user, main["pid"].as_u64().unwrap(), main["epoch"].clone()));
+    }
+    let url = first.url.clone();
+    let original = std::fs::read_to_string(dir.join("berth.toml")).unwrap();
+    let same_address = config_on_same_address(&original, &url);
+
+    first.kill9();
+    // Nothing the dead berth started holds its lock: its shims and
+    // programs run on, yet the lock is free (close-on-exec).
+    let lock = std::fs::File::open(first.data_dir.join("node.lock")).unwrap();
+    let held = nix::fcntl::Flock::lock(lock, nix::fcntl::FlockArg::LockExclusiveNonblock)
+        .map_err(|(_, e)| e)
+        .expect("the dead berth's lock is free while its instances run");
+    drop(held);
+    for (user, pid, _) in &before {
+        assert!(alive(*pid), "{user} outlived berth");
+    }
+    let restart = {
+        let dir = dir.clone();
+        let config = same_address.clone();
+        tokio::task::spawn_blocking(move || Node::from(berth().start_with_config(&dir, &config)))
+    };
+    let http = reqwest::Client::new();
+    eventually(
+        Duration::from_secs(2),
+        "the restarted node's /healthz",
+        || {
+            let request = http.get(format!("{url}/healthz")).send();
+            async move {
+                let r = request.await.ok()?;
+                (r.status() == 200).then_some(())
+            }
+        },
+    )
+    .await;
+    let second = restart.await.unwrap();
+    assert_eq!(second.url, url);
+    for (user, pid, epoch) in &before {
+        let main = second.running_main(user, None).await;
+        assert_eq!(main["pid"].as_u64(), Some(*pid), "{user} adopted: {main}");
+        assert_eq!(&main["epoch"], epoch, "{user}: the same lease: {main}");
+        assert_eq!(main["node"], "node-a", "{main}");
+        assert!(alive(*pid), "{user}");
+        assert_ne!(proc_state(*pid as u32), Some('T'), "{user} thawed");
+    }
+    // It serves them.
+    let token = second.user_token("alice").await;
+    let r = http
+        .get(format!("{url}/u/alice/"))
+        .bearer_auth(&token)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+
+    // A second process under the same id and data dir, while the first
+    // lives: refused by the data dir's lock, naming the holder.
+    let pid = second.pid().unwrap();
+    let mut other = original.clone();
+    let stderr = refused_start(&dir, &other).await;
+    for part in [
+        "in use by another berth process",
+        &format!("(pid {pid})"),
+        "node.lock",
+    ] {
+        assert!(stderr.contains(part), "{part:?} missing from: {stderr}");
+    }
+    // Another data dir under the same id: refused by the live heartbeat.
+    other = other.replace(
+        &format!("data_dir = \"{}\"", second.data_dir.display()),
+        &format!("data_dir = \"{}\"", root.path().join("elsewhere").display()),
+    );
+    let stderr = refused_start(&dir, &other).await;
+    for part in ["\"node-a\"", "already in use", "heartbeat", &url] {
+        assert!(stderr.contains(part), "{part:?} missing from: {stderr}");
+    }
+
+    // Paused, the first still holds its lock: a second process is refused
+    // however long ago the first last heartbeat.
+    second.signal(nix::sys::signal::Signal::SIGSTOP);
+    let stderr = refused_start(&dir, &same_address).await;
+    assert!(
+        stderr.contains(&format!("in use by another berth process (pid {pid})")),
+        "{stderr}"
+    );
+    second.signal(nix::sys::signal::Signal::SIGCONT);
+    for (user, pid, _) in &before {
+        assert_eq!(
+            second.running_main(user, None).await["pid"].as_u64(),
+            Some(*pid),
+            "{user} untouched"
+        );
+    }
+}
+
+// --- every per-user operation reaches the owner node ----------------------------
+
+/// An instance command that waits while `$HOME/hold` exists, exits 3 at
+/// once while `$HOME/crash` exists, and otherwise is `berth demo-app`: the
+/// test holds a start (to watch its stages) or makes it crash (to open the
+/// breaker) by creating files in the user's home on its node.
+fn gated_instance() -> String {
+    format!(
+        "command = [\"sh\", \"-c\", 'while [ -e \"$HOME/hold\" ]; do sleep 0.05; done; \
+         if [ -e \"$HOME/crash\" ]; then exit 3; fi; exec {BERTH} demo-app --port \"$1\"', \
+         \"sh\", \"{{port}}\"]\n\
+         ready_token_regex = '{}'\n",
+        r"berth-demo: http://127\.0\.0\.1:\d+/\?token=([A-Za-z0-9_-]+)"
+    )
+}
+
+/// Nodes running [`gated_instance`], with a watchdog that notes its run in
+/// the user's home, and fast crash restarts.
+async fn start_gated_nodes(root: &Path, db: &str, ids: &[&str]) -> Vec<Node> {
+    let extra = "[watchdog]\ncommand = [\"sh\", \"-c\", 'echo \"$BERTH_ROLE\" >> \"$HOME/watchdog-ran\"']\n\
+                 [crash]\nbackoff_base_ms = 20\nbackoff_max_ms = 100\n";
+    let mut nodes = Vec::new();
+    for id in ids {
+        let (dir, db, id) = (root.join(id), db.to_owned(), (*id).to_owned());
+        let instance = gated_instance();
+        let node = tokio::task::spawn_blocking(move || {
+            berth().start_cluster_custom(&dir, &db, &id, SECRET, CLUSTER_LEASE, &instance, extra)
+        })
+        .await
+        .unwrap();
+        nodes.push(Node::from(node));
+    }
+    nodes
+}
+
+/// `user`'s home on `node` (where the gate files go).
+fn home_of(node: &Node, user: &str) -> std::path::PathBuf {
+    node.data_dir.join("users").join(user).join("home")
+}
+
+/// Server-Sent Events read off a streamed response.
+struct Events {
+    response: reqwest::Response,
+    buffer: String,
+}
+
+impl Events {
+    fn new(response: reqwest::Response) -> Self {
+        assert_eq!(response.status(), 200);
+        let kind = response.headers()["content-type"]
+            .to_str()
+            .unwrap()
+            .to_owned();
+        assert!(kind.starts_with("text/event-stream"), "{kind}");
+        Self {
+            response,
+            buffer: String::new(),
+        }
+    }
+
+    /// The next event's type and data; `None` once the stream has ended.
+    async fn next(&mut self) -> Option<(String, String)> {
+        let read = async {
+            loop {
+                while let Some(end) = self.buffer.find("\n\n") {
+                    let block: String = self.buffer.drain(..end + 2).collect();
+                    let mut event = "message".to_owned();
+                    let mut data = None;
+                    for line in block.lines() {
+                        if let Some(v) = line.strip_prefix("event:") {
+                            event = v.trim().to_owned();
+                        } else if let Some(v) = line.strip_prefix("data:") {
+                            data = Some(v.strip_prefix(' ').unwrap_or(v).to_owned());
+                        }
+                    }
+                    if let Some(data) = data {
+                        return Some((event, data));
+                    }
+                }
+                match self.response.chunk().await {
+                    Ok(Some(chunk)) => self.buffer.push_str(&String::from_utf8_lossy(&chunk)),
+                    _ => return None,
+                }
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(60), read)
+            .await
+            .expect("an event, or the end of the stream")
+    }
+}
+
+/// Launches `user` on `node` itself, the way another node asks it to.
+async fn launch_on(node: &Node, user: &str) -> Value {
+    let r = node
+        .http
+        .post(format!("{}/internal/v1/users/{user}/launch", node.url))
+        .header("x-berth-cluster-secret", SECRET)
+        .json(&json!({}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    r.json().await.unwrap()
+}
+
+/// The launch token in an `{instance, url}` answer.
+fn token_of(answer: &Value) -> String {
+    let url = answer["url"].as_str().unwrap();
+    url.split_once("?token=").unwrap().1.to_owned()
+}
+
+/// Issue 10's acceptance: alice runs on node-a, bob on node-b, and every
+/// request below goes through node-b. Each operation acts on node-a, where
+/// alice runs: her logs (and a followed log, streamed), restart (a new pid
+/// on node-a), probe, watchdog, restart-all (both nodes, each user with its
+/// node), stop (the process is gone when the answer comes, the record is
+/// stopped), her stages streamed live, and a breaker reset. node-b never
+/// runs anything of alice's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_operation_through_another_node_acts_on_the_owner() {
+    let db = fresh_db().await;
+    let root = tempfile::tempdir().unwrap();
+    let nodes = start_gated_nodes(root.path(), &db, &["node-a", "node-b"]).await;
+    let (a, b) = (&nodes[0], &nodes[1]);
+    let (status, body) = a.post("/users/alice/instance", json!({})).await;
+    assert_eq!(status, 201, "{body}");
+    assert_eq!(body["instance"]["node"], "node-a", "{body}");
+    // bob on node-b: asked of node-b the way another node asks (placement
+    // would break the tie between two empty nodes towards node-a).
+    let body = launch_on(b, "bob").await;
+    assert_eq!(body["instance"]["node"], "node-b", "{body}");
+    let mut alice = a.running_main("alice", None).await;
+    let token = a.user_token("alice").await;
+    let only_on_a = |pid: u64, what: &str| {
+        assert_eq!(
+            instance_pids(&a.data_dir, "alice", "main"),
+            [pid as u32],
+            "{what}: alice on node-a"
+        );
+        assert!(
+            instance_pids(&b.data_dir, "alice", "main").is_empty(),
+            "{what}: nothing of alice's on node-b"
+        );
+    };
+    only_on_a(alice["pid"].as_u64().unwrap(), "launched");
+
+    // logs: node-a's file (node-b has none), with her port on node-a.
+    let (status, logs) = b.get("/users/alice/instance/logs?tail=10").await;
+    assert_eq!(status, 200, "{logs}");
+    let port = alice["port"].as_u64().unwrap();
+    let lines = logs["lines"].as_array().unwrap();
+    assert!(
+        lines.iter().any(|l| l
+            .as_str()
+            .unwrap()
+            .contains(&format!("berth-demo: http://127.0.0.1:{port}/"))),
+        "{logs}"
+    );
+
+    // logs, followed: one streamed answer through node-b; a restart
+    // through node-b (a new pid, on node-a) writes its new token line
+    // into it.
+    let followed = b
+        .http
+        .get(b.api("/users/alice/instance/logs?tail=1&follow=true"))
+        .bearer_auth(&b.token)
+        .send()
+        .await
+        .unwrap();
+    let mut lines = Events::new(followed);
+    let (event, first) = lines.next().await.unwrap();
+    assert_eq!(event, "line");
+    assert!(first.contains("berth-demo: "), "{first}");
+    let (status, restarted) = b.post("/users/alice/instance/restart", json!({})).await;
+    assert_eq!(status, 200, "{restarted}");
+    assert_eq!(restarted["instance"]["node"], "node-a", "{restarted}");
+    let pid = restarted["instance"]["pid"].as_u64().unwrap();
+    assert_ne!(Some(pid), alice["pid"].as_u64(), "a new process");
+    assert!(
+        !alive(alice["pid"].as_u64().unwrap()),
+        "the old one is gone"
+    );
+    only_on_a(pid, "restarted");
+    let new_token = token_of(&restarted);
+    loop {
+        let (event, line) = lines.next().await.expect("the stream goes on");
+        assert_eq!(event, "line");
+        let line: String = serde_json::from_str(&line).unwrap();
+        if line.contains(&new_token) {
+            break;
+        }
+    }
+    drop(lines);
+
+    // The CLI follows the same stream: `berth logs alice -f` against node-b
+    // prints the last line, then the next start's line when a probe
+    // through node-b restarts her on node-a.
+    let mut cli = berth()
+        .command()
+        .args(["logs", "alice", "-f", "--tail", "1"])
+        .env("BERTH_URL", &b.url)
+        .env("BERTH_TOKEN", &b.token)
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let (seen, printed) = std::sync::mpsc::channel();
+    let stdout = cli.stdout.take().unwrap();
+    std::thread::spawn(move || {
+        use std::io::BufRead;
+        for line in std::io::BufReader::new(stdout).lines() {
+            let Ok(line) = line else { break };
+            if seen.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    let next_printed = |printed: &std::sync::mpsc::Receiver<String>| {
+        printed
+            .recv_timeout(Duration::from_secs(60))
+            .expect("berth logs -f prints a line")
+    };
+    let line = next_printed(&printed);
+    assert!(line.contains(&new_token), "{line}");
+    let (status, report) = b.post("/users/alice/instance/probe", json!({})).await;
+    assert_eq!(status, 200, "{report}");
+    assert_eq!(report["ok"], true, "{report}");
+    alice = a.running_main("alice", Some(pid)).await;
+    assert_eq!(alice["node"], "node-a", "{alice}");
+    only_on_a(alice["pid"].as_u64().unwrap(), "probed");
+    loop {
+        let line = next_printed(&printed);
+        if line.contains("berth-demo: ") && !line.contains(&new_token) {
+            break;
+        }
+    }
+    let _ = cli.kill();
+    let _ = cli.wait();
+
+    // watchdog: started on node-a, in alice's home there.
+    let (status, watchdog) = b.post("/users/alice/watchdog", json!({})).await;
+    assert_eq!(status, 201, "{watchdog}");
+    assert_eq!(watchdog["node"], "node-a", "{watchdog}");
+    eventually(Duration::from_secs(30), "the watchdog's run", || async {
+        std::fs::read_to_string(home_of(a, "alice").join("watchdog-ran"))
+            .ok()
+            .filter(|runs| runs.contains("watchdog"))
+    })
+    .await;
+    assert!(!home_of(b, "alice").exists(), "alice has no home on node-b");
+
+    // restart-all: both nodes, each user with its node, each restarted
+    // where it runs.
+    let bob = b.running_main("bob", None).await;
+    let (status, all) = b.post("/instances/restart-all", json!({})).await;
+    assert_eq!(status, 200, "{all}");
+    let mut results: Vec<(String, String, bool)> = all["results"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| {
+            (
+                r["user"].as_str().unwrap().to_owned(),
+                r["node"].as_str().unwrap().to_owned(),
+                r["ok"].as_bool().unwrap(),
+            )
+        })
+        .collect();
+    results.sort();
+    assert_eq!(
+        results,
+        [
+            ("alice".to_owned(), "node-a".to_owned(), true),
+            ("bob".to_owned(), "node-b".to_owned(), true)
+        ],
+        "{all}"
+    );
+    let restarted_bob = b.running_main("bob", bob["pid"].as_u64()).await;
+    assert_eq!(restarted_bob["node"], "node-b");
+    assert_eq!(instance_pids(&b.data_dir, "bob", "main").len(), 1);
+    let old = alice["pid"].as_u64();
+    alice = a.running_main("alice", old).await;
+    only_on_a(alice["pid"].as_u64().unwrap(), "restarted by restart-all");
+
+    // stop: when node-b answers, alice's process is gone and her record
+    // says stopped.
+    let pid = alice["pid"].as_u64().unwrap();
+    assert_eq!(b.delete("/users/alice/instance").await, 204);
+    assert!(
+        !alive(pid),
+        "the instance outlived a stop that answered done"
+    );
+    assert!(instance_pids(&a.data_dir, "alice", "main").is_empty());
+    for node in [a, b] {
+        assert_eq!(node.status_of("alice").await, "stopped", "via {}", node.url);
+    }
+
+    // progress: alice's next start is held on node-a; her stages stream
+    // through node-b as they happen, and the stream ends once she is ready.
+    std::fs::write(home_of(a, "alice").join("hold"), "").unwrap();
+    let (status, body) = b.post("/users/alice/instance?wait=false", json!({})).await;
+    assert_eq!(status, 201, "{body}");
+    assert_eq!(body["instance"]["node"], "node-a", "sticky: {body}");
+    let progress = b
+        .http
+        .get(b.api("/users/alice/instance/progress"))
+        .bearer_auth(&token)
+        .send()
+        .await
+        .unwrap();
+    let mut stages = Events::new(progress);
+    let (event, first) = stages.next().await.unwrap();
+    assert_eq!(event, "status");
+    let first: Value = serde_json::from_str(&first).unwrap();
+    assert_eq!(
+        (
+            first["user"].as_str(),
+            first["status"].as_str(),
+            first["ready"].as_bool()
+        ),
+        (Some("alice"), Some("starting"), Some(false)),
+        "{first}"
+    );
+    std::fs::remove_file(home_of(a, "alice").join("hold")).unwrap();
+    let mut last = first;
+    while let Some((event, data)) = stages.next().await {
+        assert_eq!(event, "status");
+        last = serde_json::from_str(&data).unwrap();
+    }
+    assert_eq!(
+        (last["status"].as_str(), last["ready"].as_bool()),
+        (Some("running"), Some(true)),
+        "the stream ends when she is ready: {last}"
+    );
+    alice = a.running_main("alice", None).await;
+    only_on_a(alice["pid"].as_u64().unwrap(), "relaunched");
+
+    // breaker/reset: a crash loop on node-a opens alice's breaker; a reset
+    // through node-b clears it.
+    std::fs::write(home_of(a, "alice").join("crash"), "").unwrap();
+    signal(
+        alice["pid"].as_u64().unwrap() as u32,
+        nix::sys::signal::Signal::SIGKILL,
+    );
+    eventually(Duration::from_secs(60), "alice's breaker open", || async {
+        let (_, state) = b.get("/users/alice/instance").await;
+        (!state["breaker"].is_null() && state["main"]["status"] == "failed").then_some(())
+    })
+    .await;
+    let r = b
+        .http
+        .post(b.api("/users/alice/breaker/reset"))
+        .bearer_auth(&b.token)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 204);
+    for node in [a, b] {
+        let (_, state) = node.get("/users/alice/instance").await;
+        assert!(state["breaker"].is_null(), "via {}: {state}", node.url);
+    }
+    std::fs::remove_file(home_of(a, "alice").join("crash")).unwrap();
+    let (status, body) = b.post("/users/alice/instance", json!({})).await;
+    assert_eq!(status, 201, "a launch without force: {body}");
+    assert_eq!(body["instance"]["node"], "node-a", "{body}");
+    assert!(instance_pids(&b.data_dir, "alice", "main").is_empty());
+
+    // status: dave ran on node-b, stopped, and runs on node-a now; node-b,
+    // which remembers him stopped, answers what node-a knows.
+    assert_eq!(launch_on(b, "dave").await["instance"]["node"], "node-b");
+    assert_eq!(b.delete("/users/dave/instance").await, 204);
+    assert_eq!(launch_on(a, "dave").await["instance"]["node"], "node-a");
+    let main = b.main_of("dave").await;
+    assert_eq!(
+        (main["node"].as_str(), main["status"].as_str()),
+        (Some("node-a"), Some("running")),
+        "{main}"
+    );
+}
+
+/// A browser opening alice's app through a node that does not run her sees
+/// the starting page at once, while her start on node-a takes its time,
+/// then her app once she is ready. A request another node forwarded is
+/// still never forwarded again: a navigation that lands, forwarded, on a
+/// node that does not hold the lease gets the starting page too (its
+/// reload is routed afresh), any other request `409 lease_busy`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_browser_through_another_node_sees_the_starting_page_at_once() {
+    let db = fresh_db().await;
+    let root = tempfile::tempdir().unwrap();
+    let nodes = start_gated_nodes(root.path(), &db, &["node-a", "node-b"]).await;
+    let (a, b) = (&nodes[0], &nodes[1]);
+    // carol has run on node-a: her next start is placed there (sticky),
+    // and held.
+    let (status, body) = a.post("/users/carol/instance", json!({})).await;
+    assert_eq!(status, 201, "{body}");
+    assert_eq!(body["instance"]["node"], "node-a", "{body}");
+    assert_eq!(a.delete("/users/carol/instance").await, 204);
+    std::fs::write(home_of(a, "carol").join("hold"), "").unwrap();
+
+    let token = a.user_token("carol").await;
+    let navigate = |node: &Node| {
+        node.http
+            .get(format!("{}/u/carol/", node.url))
+            .bearer_auth(&token)
+            .header("accept", "text/html")
+            .header("sec-fetch-mode", "navigate")
+            .send()
+    };
+    let r = navigate(b).await.unwrap();
+    assert_eq!(r.status(), 202);
+    let page = r.text().await.unwrap();
+    assert!(page.contains("Starting the workspace of carol"), "{page}");
+    // The page came while carol was still starting, on node-a.
+    let main = a.main_of("carol").await;
+    assert_eq!(
+        (main["node"].as_str(), main["status"].as_str()),
+        (Some("node-a"), Some("starting")),
+        "{main}"
+    );
+    assert!(instance_pids(&b.data_dir, "carol", "main").is_empty());
+
+    // Released, she becomes ready; the page's reload shows her app.
+    std::fs::remove_file(home_of(a, "carol").join("hold")).unwrap();
+    a.running_main("carol", None).await;
+    let page = eventually(Duration::from_secs(30), "carol's app", || async {
+        let page = navigate(b).await.ok()?.text().await.ok()?;
+        page.contains(r#"<b id="user">carol</b>"#).then_some(page)
+    })
+    .await;
+    assert!(!page.contains("Starting the workspace"), "{page}");
+
+    // Forwarded to node-b, which does not hold carol's lease: a navigation
+    // gets the starting page, anything else 409; nothing starts on node-b.
+    let forwarded = |navigation: bool| {
+        let mut request = b
+            .http
+            .get(format!("{}/u/carol/", b.url))
+            .header("x-berth-cluster-secret", SECRET)
+            .header("x-berth-forwarded-user", "carol");
+        if navigation {
+            request = request.header("accept", "text/html");
+        }
+        request.send()
+    };
+    let r = forwarded(true).await.unwrap();
+    assert_eq!(r.status(), 202);
+    let page = r.text().await.unwrap();
+    assert!(page.contains("Starting the workspace of carol"), "{page}");
+    let r = forwarded(false).await.unwrap();
+    assert_eq!(r.status(), 409);
+    let body: Value = r.json().await.unwrap();
+    assert_eq!(body["error"], "lease_busy", "{body}");
+    assert!(instance_pids(&b.data_dir, "carol", "main").is_empty());
+    assert_eq!(instance_pids(&a.data_dir, "carol", "main").len(), 1);
+}
+
+/// `GET …/users/<user>/instance/logs?follow=true` on `node`, as the admin:
+/// the response once its head is in (the stream stays open while it lives).
+async fn follow_logs(node: &Node, user: &str) -> reqwest::Response {
+    node.http
+        .get(node.api(&format!("/users/{user}/instance/logs?tail=1&follow=true")))
+        .bearer_auth(&node.token)
+        .send()
+        .await
+        .unwrap()
+}
+
+/// Issue 9's per-user stream cap holds on the node that runs a user however
+/// many nodes relay the user's streams: a followed log asked of node-b
+/// holds a slot on node-b and one on node-a, alice's owner. With
+/// `max_upgrades_per_user = 2`, two streams held on node-a stop a third
+/// relayed through node-b (node-a's `429 too_many_streams` comes back
+/// through node-b with its code), and two relayed through node-b stop a
+/// third asked of node-a directly, and one more asked of node-b. Closed
+/// streams give their slots back on both nodes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relayed_stream_holds_a_slot_on_both_nodes() {
+    let db = fresh_db().await;
+    let root = tempfile::tempdir().unwrap();
+    let mut nodes = Vec::new();
+    for id in ["node-a", "node-b"] {
+        let (dir, db) = (root.path().join(id), db.clone());
+        let node = tokio::task::spawn_blocking(move || {
+            Node::start_cluster_with_lease(
+                &dir,
+                &db,
+                id,
+                SECRET,
+                "",
+                "[proxy]\nmax_upgrades_per_user = 2\n",
+            )
+        })
+        .await
+        .unwrap();
+        nodes.push(node);
+    }
+    let (a, b) = (&nodes[0], &nodes[1]);
+    let (status, body) = a.post("/users/alice/instance", json!({})).await;
+    assert_eq!(status, 201, "{body}");
+    assert_eq!(body["instance"]["node"], "node-a", "{body}");
+    a.running_main("alice", None).await;
+    let refused = |r: reqwest::Response, what: &'static str| async move {
+        assert_eq!(r.status(), 429, "{what}");
+        let body: Value = r.json().await.unwrap();
+        assert_eq!(body["error"], "too_many_streams", "{what}: {body}");
+        assert!(
+            body["message"]
+                .as_str()
+                .unwrap()
+                .contains("max_upgrades_per_user"),
+            "{what}: {body}"
+        );
+    };
+
+    // Two held on node-a: node-b admits a third, node-a refuses it.
+    let mut direct = Vec::new();
+    for _ in 0..2 {
+        direct.push(Events::new(follow_logs(a, "alice").await));
+    }
+    refused(follow_logs(b, "alice").await, "a third, through node-b").await;
+
+    // Those closed, two through node-b: each a live stream of alice's log.
+    drop(direct);
+    let mut relayed = Vec::new();
+    for n in 0..2 {
+        let r = eventually(Duration::from_secs(60), "node-a's slots back", || async {
+            let r = follow_logs(b, "alice").await;
+            (r.status() == 200).then_some(r)
+        })
+        .await;
+        let mut lines = Events::new(r);
+        let (event, first) = lines.next().await.expect("a line");
+        assert_eq!(event, "line", "relayed stream {n}");
+        assert!(first.contains("berth-demo: "), "{first}");
+        relayed.push(lines);
+    }
+    refused(follow_logs(a, "alice").await, "a third, on node-a itself").await;
+    refused(follow_logs(b, "alice").await, "a third, through node-b").await;
+
+    drop(relayed);
+    eventually(
+        Duration::from_secs(60),
+        "both nodes' slots back",
+        || async {
+            let r = follow_logs(a, "alice").await;
+            (r.status() == 200).then_some(())
+        },
+    )
+    .await;
 }

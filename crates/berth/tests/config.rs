@@ -169,12 +169,15 @@ fn bad_values_name_the_key() {
 }
 
 #[test]
-fn unsupported_isolation_is_refused_clearly() {
-    let (stderr, _path, _dir) = check_failing("[isolation]\nmode = \"user\"\n");
+fn an_unknown_isolation_mode_is_refused_clearly() {
+    let (stderr, _path, _dir) = check_failing("[isolation]\nmode = \"jail\"\n");
     assert!(
-        stderr.contains("isolation mode \"user\" is not supported yet"),
+        stderr.contains(
+            "isolation.mode: unknown isolation mode \"jail\" (expected \"none\", \"user\" or \"sandbox\")"
+        ),
         "{stderr}"
     );
+    assert!(stderr.contains("line 2"), "{stderr}");
 }
 
 #[test]
@@ -191,4 +194,33 @@ fn usage_errors_exit_2() {
     assert_eq!(out.status.code(), Some(2));
     let out = berth(&["no-such-command"]);
     assert_eq!(out.status.code(), Some(2));
+}
+
+/// `config check` warns (and still accepts) a port range that overlaps the
+/// kernel's ephemeral range, where any outgoing connection may take an
+/// instance's port.
+#[test]
+fn a_port_range_in_the_ephemeral_range_is_warned_about() {
+    let text = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range").unwrap();
+    let low: u16 = text.split_whitespace().next().unwrap().parse().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("berth.toml");
+    for (range, warned) in [([low, low + 9], true), ([low - 10, low - 1], false)] {
+        std::fs::write(
+            &path,
+            format!("[instance]\nport_range = [{}, {}]\n", range[0], range[1]),
+        )
+        .unwrap();
+        let out = check(&path);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{stderr}");
+        assert_eq!(
+            stderr.contains("berth: warning: instance.port_range"),
+            warned,
+            "{range:?}: {stderr}"
+        );
+        if warned {
+            assert!(stderr.contains("ip_local_port_range"), "{stderr}");
+        }
+    }
 }

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use berth_controller::{BreakerHook, Controller, ControllerConfig};
 use berth_core::policy::{CrashPolicy, ReapPolicy};
 use berth_core::{InstanceStatus, LaunchRequest, SpawnError, Spawner, UserId};
-use berth_local::{Isolation, LocalRuntime, LocalRuntimeConfig, Readiness};
+use berth_local::{Isolation, Limits, LocalRuntime, LocalRuntimeConfig, Readiness, UidRange};
 use berth_store::lease::LeaseConfig;
 use berth_store::testing::{InterceptRenew, RenewHook};
 use berth_store::{Store, StoreError};
@@ -75,6 +75,12 @@ impl Env {
             patch_ext: "toml".into(),
             watchdog_command: None,
             isolation: Isolation::None,
+            uids: UidRange {
+                first: 200_000,
+                count: 1000,
+            },
+            limits: Limits::default(),
+            nft: None,
             shim_command: vec![BERTH.into(), "shim".into()],
         };
         let controller = ControllerConfig {
@@ -105,7 +111,7 @@ impl Env {
     }
 
     async fn start_on(&self, setup: Setup, store: Arc<dyn Store>) -> Arc<Controller> {
-        let runtime = LocalRuntime::new(setup.runtime).unwrap();
+        let runtime = LocalRuntime::new(setup.runtime, None).await.unwrap();
         Controller::start(runtime, store, setup.controller)
             .await
             .unwrap()
@@ -626,7 +632,9 @@ async fn a_full_port_range_refuses_the_next_user() {
     assert_eq!(
         full.unwrap_err(),
         SpawnError::CapacityExhausted(
-            "node test-node runs or starts 2 instances, its capacity".into()
+            "node test-node runs or starts 2 instances, its capacity (the local runtime's: \
+             one per port of 21060-21061)"
+                .into()
         )
     );
     assert_eq!(
@@ -957,7 +965,7 @@ async fn a_data_dir_too_long_for_sockets_is_refused() {
     let env = Env::new().await;
     let mut config = env.config(21130, demo(), Readiness::Tcp);
     config.runtime.data_dir = Path::new("/tmp").join("d".repeat(80));
-    let err = match LocalRuntime::new(config.runtime) {
+    let err = match LocalRuntime::new(config.runtime, None).await {
         Err(e) => e,
         Ok(_) => panic!("a too-long data dir was accepted"),
     };
@@ -1033,17 +1041,13 @@ impl RenewHook for FailingRenews {
     }
 }
 
-/// A main that crashes while renews have failed for longer than
-/// `fence_after` is not restarted until a renew proves the lease again:
-/// another node may hold it by then.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_crash_is_not_restarted_while_the_lease_is_unproven() {
-    let env = Env::new().await;
-    let mut config = env.config(
-        21150,
-        sh("echo ready; exec sleep 1000"),
-        token_regex("^ready$"),
-    );
+/// Starts a cluster-mode controller (fencing on; TTL 2 s, renew 100 ms,
+/// fence after 600 ms) whose lease renews fail once the returned hook is
+/// switched on.
+async fn start_with_failable_renews(
+    env: &Env,
+    mut config: Setup,
+) -> (Arc<Controller>, Arc<InterceptRenew<FailingRenews>>) {
     config.controller.fencing = true;
     config.controller.lease = LeaseConfig::new(
         Duration::from_secs(2),
@@ -1056,7 +1060,21 @@ async fn a_crash_is_not_restarted_while_the_lease_is_unproven() {
         inner: env.store.clone(),
         hook: FailingRenews::default(),
     });
-    let spawner = env.start_on(config, flaky.clone()).await;
+    (env.start_on(config, flaky.clone()).await, flaky)
+}
+
+/// A main that crashes while renews have failed for longer than
+/// `fence_after` is not restarted until a renew proves the lease again:
+/// another node may hold it by then.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crash_is_not_restarted_while_the_lease_is_unproven() {
+    let env = Env::new().await;
+    let config = env.config(
+        21150,
+        sh("echo ready; exec sleep 1000"),
+        token_regex("^ready$"),
+    );
+    let (spawner, flaky) = start_with_failable_renews(&env, config).await;
     let rita = user("rita");
     spawner
         .launch(&rita, LaunchRequest::default())
@@ -1066,8 +1084,12 @@ async fn a_crash_is_not_restarted_while_the_lease_is_unproven() {
     let first_pid = running.pid.unwrap();
 
     flaky.hook.0.store(true, Ordering::SeqCst);
-    // Past fence_after without a good renew: the lease is unproven.
-    tokio::time::sleep(Duration::from_millis(900)).await;
+    // Past fence_after without a good renew the lease is unproven, and the
+    // spawner freezes the instance: wait for that.
+    eventually("the instance frozen once the lease is unproven", || async {
+        (berth_testkit::proc_state(first_pid) == Some('T')).then_some(())
+    })
+    .await;
     nix::sys::signal::kill(
         nix::unistd::Pid::from_raw(first_pid as i32),
         nix::sys::signal::Signal::SIGKILL,
@@ -1077,7 +1099,8 @@ async fn a_crash_is_not_restarted_while_the_lease_is_unproven() {
         (!alive(first_pid)).then_some(())
     })
     .await;
-    // Well past the backoff (≤ 200 ms): still no new program.
+    // Well past the backoff (≤ 200 ms): still no new program. The sleep is
+    // the test: nothing may happen during it.
     tokio::time::sleep(Duration::from_millis(1000)).await;
     let held = main_of(&spawner, &rita).await.unwrap();
     assert_eq!(held.status, InstanceStatus::Crashed, "{held:?}");
@@ -1092,12 +1115,6 @@ async fn a_crash_is_not_restarted_while_the_lease_is_unproven() {
     assert_ne!(again.pid, Some(first_pid));
     spawner.stop(&rita).await.unwrap();
     spawner.teardown().await;
-}
-
-/// The state letter of `pid` in `/proc/<pid>/stat` (`T`: stopped).
-fn proc_state(pid: u32) -> Option<char> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    stat.rsplit(')').next()?.trim_start().chars().next()
 }
 
 /// Launch robustness (issue 10): another socket takes a launch's port just
@@ -1131,7 +1148,13 @@ async fn a_port_taken_before_the_program_binds_it_is_replaced_uncharged() {
     let thief = std::net::TcpListener::bind(("127.0.0.1", taken)).unwrap();
     std::fs::write(home.join("go"), "").unwrap();
 
-    let running = wait_status(&spawner, &sam, InstanceStatus::Running).await;
+    // Ready as the proxy sees it: routed.
+    let running = spawner
+        .wait_for_ready(&sam, WAIT)
+        .await
+        .unwrap()
+        .expect("a record");
+    assert_eq!(running.status, InstanceStatus::Running, "{running:?}");
     assert_eq!(
         running.restarts, 0,
         "the lost port was charged: {running:?}"
@@ -1176,7 +1199,7 @@ async fn the_node_capacity_refuses_launches_past_it() {
     assert_eq!(
         full.unwrap_err(),
         SpawnError::CapacityExhausted(
-            "node test-node runs or starts 1 instances, its capacity".into()
+            "node test-node runs or starts 1 instances, its capacity (as configured)".into()
         )
     );
     assert_eq!(env.store.get_lease(&uma).await.unwrap(), None);
@@ -1298,20 +1321,8 @@ async fn logs_are_followed_as_they_grow() {
 async fn a_frozen_main_is_stopped_without_running_again() {
     let env = Env::new().await;
     let script = r#"trap 'echo flushed >> "$HOME/term"; exit 0' TERM; echo ready; while :; do sleep 0.05; done"#;
-    let mut config = env.config(21200, sh(script), token_regex("^ready$"));
-    config.controller.fencing = true;
-    config.controller.lease = LeaseConfig::new(
-        Duration::from_secs(2),
-        Duration::from_millis(100),
-        Duration::from_millis(600),
-        berth_store::TakeoverPolicy::Evidence,
-    )
-    .unwrap();
-    let flaky = Arc::new(InterceptRenew {
-        inner: env.store.clone(),
-        hook: FailingRenews::default(),
-    });
-    let spawner = env.start_on(config, flaky.clone()).await;
+    let config = env.config(21200, sh(script), token_regex("^ready$"));
+    let (spawner, flaky) = start_with_failable_renews(&env, config).await;
     let (xia, yan) = (user("xia"), user("yan"));
 
     // Not frozen, the handler runs on a stop: the check below can fail.
@@ -1333,7 +1344,7 @@ async fn a_frozen_main_is_stopped_without_running_again() {
         .unwrap();
     flaky.hook.0.store(true, Ordering::SeqCst);
     eventually("the instance to be frozen", || async {
-        (proc_state(pid) == Some('T')).then_some(())
+        (berth_testkit::proc_state(pid) == Some('T')).then_some(())
     })
     .await;
     spawner.stop(&yan).await.unwrap();

@@ -43,6 +43,7 @@ fn start(args: &[&str], env: &[(&str, &str)]) -> Demo {
         .env_remove("BERTH_EPOCH")
         .env_remove("BERTH_BASE_PATH")
         .env_remove("BERTH_USER")
+        .env_remove("BERTH_DEMO_ECHO")
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit());
@@ -205,6 +206,57 @@ async fn sse_bytes_and_upload_stream() {
     assert_eq!(json, serde_json::json!({ "bytes": 123_457 }));
 }
 
+/// `…/echo` reports exactly what the program received — here a header the
+/// test sent and a variable of its environment — and only when asked for.
+#[tokio::test]
+async fn echo_reports_headers_and_environment_only_when_enabled() {
+    let probe = |demo: &Demo| {
+        reqwest::Client::new()
+            .get(format!("{}/u/carol/echo?x=1", demo.base()))
+            .header("x-probe", "seen-by-the-app")
+            .header("x-probe", "twice")
+            .send()
+    };
+    for enable in [
+        (vec!["--echo"], vec![]),
+        (vec![], vec![("BERTH_DEMO_ECHO", "1")]),
+    ] {
+        let (args, mut env) = enable;
+        env.extend([
+            ("BERTH_BASE_PATH", "/u/carol/"),
+            ("DEMO_ECHO_PROBE", "env-probe"),
+        ]);
+        let mut demo = start(&args, &env);
+        demo.ready_line();
+        let response = probe(&demo).await.unwrap();
+        assert_eq!(response.status(), 200, "{args:?} {env:?}");
+        let echo: serde_json::Value = response.json().await.unwrap();
+        assert_eq!(echo["method"], "GET", "{echo}");
+        assert_eq!(echo["uri"], "/u/carol/echo?x=1", "{echo}");
+        let probes: Vec<&serde_json::Value> = echo["headers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|h| h[0] == "x-probe")
+            .map(|h| &h[1])
+            .collect();
+        assert_eq!(probes, ["seen-by-the-app", "twice"], "{echo}");
+        assert_eq!(echo["env"]["DEMO_ECHO_PROBE"], "env-probe", "{echo}");
+        assert_eq!(echo["env"]["BERTH_BASE_PATH"], "/u/carol/", "{echo}");
+    }
+
+    // Off by default, and off when the variable says so: the page.
+    for env in [vec![], vec![("BERTH_DEMO_ECHO", "0")]] {
+        let mut demo = start(&[], &env);
+        demo.ready_line();
+        let response = probe(&demo).await.unwrap();
+        assert_eq!(response.status(), 200);
+        let body = response.text().await.unwrap();
+        assert!(body.contains("berth demo app"), "{env:?}: {body}");
+        assert!(!body.contains("seen-by-the-app"), "{env:?}: {body}");
+    }
+}
+
 #[test]
 fn crash_after_ms_exits_with_the_exit_code() {
     let mut demo = start(&["--crash-after-ms", "200", "--exit-code", "3"], &[]);
@@ -237,6 +289,38 @@ fn journal_appends_epoch_and_counter() {
     );
     let lines = wait_for_lines(&journal, 3);
     assert_eq!(lines[..3], ["old line", "7 1", "7 2"]);
+}
+
+/// With `--journal-on-term`, SIGTERM appends one more line, then the app
+/// exits 0; without it, SIGTERM ends the app with no line (the default
+/// action), so the fencing tests can tell the handler ran.
+#[test]
+fn journal_on_term_writes_a_last_line() {
+    let dir = tempfile::tempdir().unwrap();
+    for (flag, last) in [(true, Some(0)), (false, None)] {
+        let journal = dir.path().join(format!("journal-{flag}.txt"));
+        let path = journal.to_str().unwrap();
+        let mut args = vec!["--journal", path];
+        if flag {
+            args.push("--journal-on-term");
+        }
+        let mut demo = start(&args, &[("BERTH_EPOCH", "4")]);
+        let before = wait_for_lines(&journal, 1);
+        nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(demo.child.id() as i32),
+            nix::sys::signal::Signal::SIGTERM,
+        )
+        .unwrap();
+        let status = demo.child.wait().unwrap();
+        assert_eq!(status.code(), last, "{status:?}");
+        let after = wait_for_lines(&journal, before.len());
+        if flag {
+            // At least the handler's line (a tick may have come first), and
+            // the counter goes on.
+            assert!(after.len() > before.len(), "{after:?}");
+            assert_eq!(after.last().unwrap(), &format!("4 {}", after.len()));
+        }
+    }
 }
 
 fn wait_for_lines(path: &Path, n: usize) -> Vec<String> {

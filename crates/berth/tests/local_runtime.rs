@@ -15,10 +15,12 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU16, Ordering};
 
 use async_trait::async_trait;
-use berth_core::runtime::{InstanceSpec, Patch, Runtime, RuntimeError, RuntimeEvent, RuntimeRef};
+use berth_core::runtime::{
+    Capacity, InstanceSpec, Patch, Runtime, RuntimeError, RuntimeEvent, RuntimeRef,
+};
 use berth_core::runtime_contract::{self, Harness, Program, TOKEN};
 use berth_core::{Role, UserId};
-use berth_local::{Isolation, LocalRuntime, LocalRuntimeConfig, Readiness};
+use berth_local::{Isolation, Limits, LocalRuntime, LocalRuntimeConfig, Readiness, UidRange};
 
 const BERTH: &str = env!("CARGO_BIN_EXE_berth");
 
@@ -60,12 +62,18 @@ impl LocalHarness {
             patch_ext: "toml".into(),
             watchdog_command: None,
             isolation: Isolation::None,
+            uids: UidRange {
+                first: 200_000,
+                count: 1000,
+            },
+            limits: Limits::default(),
+            nft: None,
             shim_command: vec![BERTH.into(), "shim".into()],
         }
     }
 
-    fn local(&self, config: LocalRuntimeConfig) -> Arc<LocalRuntime> {
-        LocalRuntime::new(config).unwrap()
+    async fn local(&self, config: LocalRuntimeConfig) -> Arc<LocalRuntime> {
+        LocalRuntime::new(config, None).await.unwrap()
     }
 }
 
@@ -92,55 +100,17 @@ impl Harness for LocalHarness {
             }
             Program::Missing { name } => vec![name.clone()],
         };
-        self.local(self.config(command, token_regex()))
+        self.local(self.config(command, token_regex())).await
     }
 
     async fn running(&self, _runtime_ref: &RuntimeRef, pid: Option<u32>) -> bool {
-        pid.is_some_and(alive)
+        pid.is_some_and(|pid| berth_testkit::alive(u64::from(pid)))
     }
 }
 
 impl Drop for LocalHarness {
     fn drop(&mut self) {
-        kill_leftovers(&self.data());
-    }
-}
-
-/// Kills every program and shim the state files under `data` name.
-fn kill_leftovers(data: &std::path::Path) {
-    let Ok(dirs) = std::fs::read_dir(data.join("run")) else {
-        return;
-    };
-    for dir in dirs.flatten() {
-        for role in ["main", "watchdog"] {
-            let Ok(text) = std::fs::read_to_string(dir.path().join(format!("{role}.json"))) else {
-                continue;
-            };
-            let Ok(state) = serde_json::from_str::<serde_json::Value>(&text) else {
-                continue;
-            };
-            for (key, group) in [("pid", true), ("shim_pid", false)] {
-                if let Some(pid) = state[key].as_i64().and_then(|p| i32::try_from(p).ok()) {
-                    let pid = nix::unistd::Pid::from_raw(pid);
-                    let _ = if group {
-                        nix::sys::signal::killpg(pid, nix::sys::signal::Signal::SIGKILL)
-                    } else {
-                        nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL)
-                    };
-                }
-            }
-        }
-    }
-}
-
-fn alive(pid: u32) -> bool {
-    // A zombie still answers kill(0); /proc's state tells them apart.
-    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
-        Ok(stat) => !stat
-            .rsplit(')')
-            .next()
-            .is_some_and(|rest| rest.trim_start().starts_with('Z')),
-        Err(_) => false,
+        berth_testkit::kill_instances_under(&self.data());
     }
 }
 
@@ -166,7 +136,7 @@ async fn exited(started: &mut berth_core::runtime::Started) -> berth_core::runti
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ports_are_kept_across_runs_until_released() {
     let h = LocalHarness::new();
-    let runtime = h.local(h.config(ready_line(), token_regex()));
+    let runtime = h.local(h.config(ready_line(), token_regex())).await;
     let alice = user("alice");
     let mut first = runtime
         .start(runtime_contract::spec(&alice, "a-1"))
@@ -232,7 +202,13 @@ async fn ports_are_kept_across_runs_until_released() {
         !h.data().join("users/late").exists(),
         "a refused start leaves nothing on disk"
     );
-    assert_eq!(runtime.capacity(), Some(10));
+    assert_eq!(
+        runtime.capacity(),
+        Some(Capacity {
+            instances: 10,
+            reason: format!("one per port of {}-{}", r.start(), r.end())
+        })
+    );
     others.push(other);
     for mut s in others {
         runtime.kill(&s.runtime_ref).await.unwrap();
@@ -256,7 +232,7 @@ async fn an_exit_with_the_port_held_by_another_process_is_told_apart() {
     let demo = Readiness::TokenRegex(
         regex::Regex::new(r"berth-demo: http://127\.0\.0\.1:\d+/\?token=(\S+)").unwrap(),
     );
-    let runtime = h.local(h.config(sh(&script), demo));
+    let runtime = h.local(h.config(sh(&script), demo)).await;
     let mut started = runtime
         .start(runtime_contract::spec(&user("carl"), "c-1"))
         .await
@@ -286,7 +262,9 @@ async fn an_exit_with_the_port_held_by_another_process_is_told_apart() {
     drop(thief);
 
     // Failing for its own reasons, with its port free, is a plain exit.
-    let runtime = h.local(h.config(sh("echo no >&2; exit 1"), token_regex()));
+    let runtime = h
+        .local(h.config(sh("echo no >&2; exit 1"), token_regex()))
+        .await;
     let mut started = runtime
         .start(runtime_contract::spec(&user("dora"), "d-1"))
         .await
@@ -307,7 +285,7 @@ async fn a_watchdog_gets_the_handoff_the_patch_and_its_mains_port() {
     if let Some(c) = config.watchdog_command.as_mut() {
         c.extend(["sh".into(), "{patch}".into()]);
     }
-    let runtime = h.local(config);
+    let runtime = h.local(config).await;
     let eve = user("eve");
     let mut spec = runtime_contract::spec(&eve, "e-1");
     spec.patch = Patch::Set(Some("answer = 42".into()));
@@ -339,7 +317,7 @@ async fn a_watchdog_gets_the_handoff_the_patch_and_its_mains_port() {
     exited(&mut main).await;
 
     // Without a watchdog command, none starts.
-    let plain = h.local(h.config(ready_line(), token_regex()));
+    let plain = h.local(h.config(ready_line(), token_regex())).await;
     let err = plain
         .start(InstanceSpec {
             role: Role::Watchdog,

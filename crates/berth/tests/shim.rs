@@ -6,6 +6,8 @@ use std::path::Path;
 use std::time::Duration;
 
 use berth_core::Role;
+use berth_local::Limits;
+use berth_local::isolation::IsolationSpec;
 use berth_local::shim::{
     ExitInfo, ShimCommand, ShimError, ShimEvent, ShimHandle, ShimLauncher, ShimSpec, ShimState,
 };
@@ -29,6 +31,8 @@ fn spec(dir: &Path, argv: &[&str]) -> ShimSpec {
         socket_path: dir.join("run/main.sock"),
         ready_regex: None,
         fence_ms: None,
+        user_root: None,
+        isolation: None,
         port: None,
     }
 }
@@ -174,28 +178,62 @@ async fn ready_token_is_captured_and_recorded() {
         exit,
         ExitInfo {
             code: None,
-            signal: Some(9)
+            signal: Some(9),
+            oom_limit_mb: None,
         }
     );
     poll_until("socket removed", || !spec.socket_path.exists()).await;
 }
 
-/// A ready line without a capture group, printed before berth connects,
-/// must still be known: the state file records `ready` for late clients.
+/// A ready line printed before a client connects is still known to one
+/// that attaches later: the state file records `ready` and the token the
+/// regex's capture group took from that line.
 #[tokio::test]
-async fn a_ready_line_before_connect_is_recorded_without_a_token() {
+async fn a_ready_line_before_connect_is_recorded_with_its_token() {
     let dir = tempfile::tempdir().unwrap();
-    let mut spec = spec(dir.path(), &sh("echo listening now; exec sleep 1000"));
-    spec.ready_regex = Some("^listening".to_owned());
+    let mut spec = spec(
+        dir.path(),
+        &sh("echo 'listening on http://127.0.0.1:1/?token=early42'; exec sleep 1000"),
+    );
+    spec.ready_regex = Some(r"^listening on .*\?token=(\w+)".to_owned());
     let (handle, state, _reaper) = spawn(&spec).await.unwrap();
     poll_until("ready recorded", || {
         ShimHandle::read_state(&spec.state_path).is_ok_and(|s| s.ready)
     })
     .await;
+    let recorded = ShimHandle::read_state(&spec.state_path).unwrap();
+    assert_eq!(recorded.token.as_deref(), Some("early42"), "{recorded:?}");
     let (_late, hello) = ShimHandle::attach(&spec.state_path).await.unwrap();
     assert!(hello.ready, "a client attaching later learns it is ready");
-    assert_eq!(hello.token, None);
-    assert!(!state.ready || state.token.is_none());
+    assert_eq!(hello.token.as_deref(), Some("early42"), "{hello:?}");
+    // The first client may or may not have seen the line in its own hello;
+    // if it did, it saw the same token.
+    if state.ready {
+        assert_eq!(state.token.as_deref(), Some("early42"), "{state:?}");
+    }
+    send(&handle, ShimCommand::Kill).await;
+}
+
+/// A ready regex without a capture group marks the program ready and
+/// records no token: readiness is the line itself (`^listening`).
+#[tokio::test]
+async fn a_ready_regex_without_a_capture_group_records_no_token() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut spec = spec(
+        dir.path(),
+        &sh("echo 'listening on http://127.0.0.1:1/?token=unseen'; exec sleep 1000"),
+    );
+    spec.ready_regex = Some("^listening".to_owned());
+    let (handle, _state, _reaper) = spawn(&spec).await.unwrap();
+    poll_until("ready recorded", || {
+        ShimHandle::read_state(&spec.state_path).is_ok_and(|s| s.ready)
+    })
+    .await;
+    let recorded = ShimHandle::read_state(&spec.state_path).unwrap();
+    assert_eq!(recorded.token, None, "{recorded:?}");
+    let (_late, hello) = ShimHandle::attach(&spec.state_path).await.unwrap();
+    assert!(hello.ready);
+    assert_eq!(hello.token, None, "{hello:?}");
     send(&handle, ShimCommand::Kill).await;
 }
 
@@ -218,7 +256,8 @@ async fn exit_code_stderr_tail_and_log_are_recorded() {
         exit,
         ExitInfo {
             code: Some(3),
-            signal: None
+            signal: None,
+            oom_limit_mb: None,
         }
     );
     assert_eq!(tail.chars().count(), 500);
@@ -316,7 +355,8 @@ async fn stop_sends_term_then_kills_the_group_after_grace() {
         exit,
         ExitInfo {
             code: None,
-            signal: Some(9)
+            signal: Some(9),
+            oom_limit_mb: None,
         }
     );
     poll_until("grandchild gone", || !alive(grandchild, grandchild_start)).await;
@@ -370,8 +410,13 @@ async fn a_stop_of_a_frozen_program_kills_it_without_a_thaw() {
     );
     let mut spec = spec(dir.path(), &sh(&script));
     spec.ready_regex = Some("^up$".to_owned());
+    // Ready means the TERM handler is in place; the shim may have seen the
+    // line before this connection (then its Hello says so, and no event
+    // follows).
     let (mut handle, state, _reaper) = spawn(&spec).await.unwrap();
-    expect_event(&mut handle, |e| matches!(e, ShimEvent::Ready { .. })).await;
+    if !state.ready {
+        expect_event(&mut handle, |e| matches!(e, ShimEvent::Ready { .. })).await;
+    }
 
     send(&handle, ShimCommand::Freeze).await;
     expect_event(&mut handle, |e| *e == ShimEvent::Frozen).await;
@@ -387,8 +432,10 @@ async fn a_stop_of_a_frozen_program_kills_it_without_a_thaw() {
 
     // The same program, not frozen, does get to run its handler: the
     // check above can fail.
-    let (mut handle, _state, _reaper) = spawn(&spec).await.unwrap();
-    expect_event(&mut handle, |e| matches!(e, ShimEvent::Ready { .. })).await;
+    let (mut handle, state, _reaper) = spawn(&spec).await.unwrap();
+    if !state.ready {
+        expect_event(&mut handle, |e| matches!(e, ShimEvent::Ready { .. })).await;
+    }
     send(&handle, ShimCommand::Stop { grace_ms: 600_000 }).await;
     let (exit, _) = exit_of(&mut handle, &spec.state_path).await;
     assert_eq!(exit.code, Some(0), "{exit:?}");
@@ -640,6 +687,8 @@ fn fake_state(spec: &ShimSpec, socket: &Path, shim_pid: u32) -> ShimState {
         exit: None,
         stderr_tail: String::new(),
         frozen: false,
+        uid: None,
+        cgroup: Vec::new(),
         port: None,
     }
 }
@@ -868,4 +917,146 @@ async fn a_shim_whose_report_nobody_reads_stops_its_program() {
         zygote.wait().unwrap().success(),
         "the zygote exits cleanly at end of stream"
     );
+}
+
+/// A spec for a program isolated at level `user` as `uid`.
+fn isolated(dir: &Path, argv: &[&str], uid: u32) -> ShimSpec {
+    ShimSpec {
+        isolation: Some(IsolationSpec {
+            uid,
+            gid: uid,
+            name: "nobody-test".to_owned(),
+            limits: Limits {
+                memory_max_mb: 64,
+                pids_max: 32,
+                cpu_max_percent: 0,
+            },
+            sandbox: None,
+        }),
+        ..spec(dir, argv)
+    }
+}
+
+fn root() -> bool {
+    let root = nix::unistd::geteuid().is_root();
+    if !root {
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "CI runs as root; this test needs it"
+        );
+        println!("SKIPPED: needs root");
+    }
+    root
+}
+
+/// The child side of isolation (`isolation::child`, between fork and exec):
+/// the program runs as the account, with no groups, no capabilities at all,
+/// no_new_privs and the rlimits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_isolated_program_runs_as_its_account_with_nothing_more() {
+    if !root() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let script = "id -u; id -g; id -G; grep -E '^(Cap|NoNewPrivs)' /proc/self/status; \
+                  grep -E '^Max (processes|core)' /proc/self/limits; pwd; echo done";
+    let spec = isolated(dir.path(), &sh(script), 65_534);
+    let (mut handle, state, _reaper) = spawn(&spec).await.unwrap();
+    assert_eq!(state.uid, Some(65_534));
+    let (exit, _) = exit_of(&mut handle, &spec.state_path).await;
+    assert_eq!(
+        exit.code,
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&read_log(&spec))
+    );
+    let log = String::from_utf8_lossy(&read_log(&spec)).into_owned();
+    let lines: Vec<&str> = log.lines().collect();
+    assert_eq!(&lines[..3], ["65534", "65534", "65534"], "{log}");
+    for cap in ["CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb"] {
+        assert!(
+            log.contains(&format!("{cap}:\t0000000000000000")),
+            "{cap}: {log}"
+        );
+    }
+    assert!(log.contains("NoNewPrivs:\t1"), "{log}");
+    let limit = |name: &str| {
+        log.lines()
+            .find(|l| l.starts_with(name))
+            .map(|l| l.split_whitespace().collect::<Vec<_>>())
+            .unwrap_or_default()
+    };
+    assert_eq!(limit("Max processes")[2..4], ["32", "32"], "{log}");
+    assert_eq!(limit("Max core file size")[4..6], ["0", "0"], "{log}");
+    assert!(log.contains(dir.path().to_str().unwrap()), "{log}");
+}
+
+/// A failing step of the child's setup is named in the error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failing_isolation_step_is_named() {
+    if !root() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let private = dir.path().join("private");
+    std::fs::create_dir(&private).unwrap();
+    std::fs::set_permissions(&private, std::fs::Permissions::from_mode(0o700)).unwrap();
+    let mut spec = isolated(dir.path(), &sh("echo never"), 65_534);
+    spec.cwd = private;
+    let err = spawn(&spec).await.map(drop).unwrap_err().to_string();
+    assert!(
+        err.contains("isolation setup failed (chdir): Permission denied"),
+        "{err}"
+    );
+}
+
+/// The control socket takes commands from its own uid (berth's) only: a
+/// process of another uid that reaches it (the directory and the socket
+/// are opened up here on purpose; normally they are berth's alone) gets no
+/// greeting, and its `kill` does nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_control_socket_refuses_every_other_uid() {
+    if !root() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let spec = spec(dir.path(), &sh("echo up; exec sleep 1000"));
+    let (_handle, state, _reaper) = spawn(&spec).await.unwrap();
+    for (path, mode) in [
+        (dir.path().to_owned(), 0o755),
+        (dir.path().join("run"), 0o755),
+        (spec.socket_path.clone(), 0o777),
+    ] {
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(mode)).unwrap();
+    }
+    let socket = spec.socket_path.clone();
+    let answer = std::thread::spawn(move || {
+        use std::io::{Read, Write};
+        // SAFETY: setresuid(2) as a raw system call changes the credentials
+        // of the calling thread only (the glibc wrapper would change every
+        // thread's); this thread ends with the closure.
+        let ret = unsafe { nix::libc::syscall(nix::libc::SYS_setresuid, 65_534, 65_534, 65_534) };
+        assert_eq!(ret, 0, "{}", std::io::Error::last_os_error());
+        let mut stream = std::os::unix::net::UnixStream::connect(&socket).expect("reachable");
+        let _ = stream.write_all(b"{\"cmd\":\"kill\"}\n{\"cmd\":\"freeze\"}\n");
+        stream
+            .set_read_timeout(Some(Duration::from_secs(10)))
+            .unwrap();
+        let mut answer = Vec::new();
+        let _ = stream.read_to_end(&mut answer);
+        answer
+    })
+    .join()
+    .unwrap();
+    assert!(
+        answer.is_empty(),
+        "greeted: {}",
+        String::from_utf8_lossy(&answer)
+    );
+    // Still running, not frozen; berth (this uid) is still greeted.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(alive(state.pid, state.pid_start));
+    assert_ne!(stat(state.pid).map(|s| s.0), Some('T'));
+    let (_again, hello) = ShimHandle::attach(&spec.state_path).await.unwrap();
+    assert_eq!(hello.pid, state.pid);
 }

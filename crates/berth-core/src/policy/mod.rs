@@ -11,5 +11,5 @@ mod reap;
 pub mod supervision;
 
 pub use crash::{CrashDecision, CrashPolicy, CrashState, LaunchKind};
-pub use placement::{NodeState, NodeView, duplicate_node, place};
+pub use placement::{NodeState, NodeView, place};
 pub use reap::{ReapPolicy, select_for_reaping};

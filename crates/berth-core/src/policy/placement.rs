@@ -77,18 +77,6 @@ pub fn place(sticky: Option<&str>, nodes: &[NodeView], ttl_ms: i64) -> Option<St
         .map(|n| n.id.clone())
 }
 
-/// A live node already registered under `me`: starting a second node with
-/// that id must be refused, or two nodes would renew, and fence, each
-/// other's leases.
-///
-/// A row that says `down` does not count even when its heartbeat is fresh:
-/// the node declared itself gone, so restarting it right away is allowed.
-pub fn duplicate_node<'a>(me: &str, nodes: &'a [NodeView], ttl_ms: i64) -> Option<&'a NodeView> {
-    nodes
-        .iter()
-        .find(|n| n.id == me && n.status != NodeState::Down && n.is_alive(ttl_ms))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -237,51 +225,6 @@ mod tests {
             let mut reversed = nodes.clone();
             reversed.reverse();
             assert_eq!(place(None, &reversed, TTL).as_deref(), Some("n1"));
-        }
-    }
-
-    #[test]
-    fn duplicate_node_table() {
-        use NodeState::{Down, Draining, Up};
-        let cases: &[(&str, Vec<NodeView>, bool)] = &[
-            (
-                "fresh duplicate is found",
-                vec![up("b", 1, 0), up("me", 1, 0)],
-                true,
-            ),
-            (
-                "draining duplicate is still a live node",
-                vec![node("me", Draining, 1, 0, 0)],
-                true,
-            ),
-            (
-                "heartbeat exactly one ttl old still counts",
-                vec![node("me", Up, 1, 0, TTL)],
-                true,
-            ),
-            (
-                "stale duplicate is not",
-                vec![node("me", Up, 1, 0, TTL + 1)],
-                false,
-            ),
-            (
-                "a node that declared itself down is not",
-                vec![node("me", Down, 1, 0, 0)],
-                false,
-            ),
-            (
-                "other ids do not count",
-                vec![up("me-2", 1, 0), up("m", 1, 0)],
-                false,
-            ),
-            ("empty table", vec![], false),
-        ];
-        for (name, nodes, found) in cases {
-            let dup = duplicate_node("me", nodes, TTL);
-            assert_eq!(dup.is_some(), *found, "{name}: {nodes:?}");
-            if let Some(n) = dup {
-                assert_eq!(n.id, "me");
-            }
         }
     }
 }

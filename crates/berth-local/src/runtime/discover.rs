@@ -4,7 +4,7 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use berth_core::runtime::{Discovered, ExitStatus, RuntimeRef};
+use berth_core::runtime::{Discovered, ExitStatus, OutOfMemory, RuntimeRef};
 use berth_core::{Role, UserId};
 
 use crate::shim::{ShimCommand, ShimHandle, ShimState};
@@ -98,7 +98,7 @@ impl FoundShim {
                 code: exit.code,
                 signal: exit.signal,
                 stderr_tail: state.stderr_tail.clone(),
-                out_of_memory: None,
+                out_of_memory: exit.oom_limit_mb.map(|limit_mb| OutOfMemory { limit_mb }),
                 port_in_use: false,
             }),
         }

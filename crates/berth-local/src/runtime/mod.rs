@@ -14,10 +14,12 @@
 //! Ports are reserved per *instance id*, from its first start until the
 //! controller [`releases`](Runtime::release) it, so a crash restart (same
 //! id) can keep the user's endpoint and no other instance is handed the
-//! port meanwhile.
+//! port meanwhile. At levels `user` and `sandbox` each reserved port is
+//! also granted, in the port guard, to the account of the user it is
+//! reserved for, and to nobody else.
 
+mod accounts;
 mod discover;
-mod follow;
 mod run;
 mod spec;
 
@@ -29,19 +31,22 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use berth_core::runtime::{
-    Capabilities, Discovered, EVENT_BUFFER, InstanceSpec, Runtime, RuntimeError, RuntimeRef,
-    Started,
+    Capabilities, Capacity, Discovered, EVENT_BUFFER, InstanceSpec, Runtime, RuntimeError,
+    RuntimeRef, Started,
 };
 use berth_core::{Endpoint, Role, Slug};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
+use crate::isolation::{Account, Isolator, Limits, UidRange};
 use crate::paths::{UserPaths, check_socket_room, create_private_dir};
 use crate::ports::{PortPool, bind_free};
 use crate::shim::{ShimCommand, ShimError, ShimHandle, ShimLauncher};
 use crate::{Isolation, LocalError, Readiness};
 
+pub use self::accounts::Accounts;
+use self::accounts::Isolated;
 use self::discover::FoundShim;
 use self::run::{Follow, Run, Runs};
 
@@ -68,7 +73,15 @@ pub struct LocalRuntimeConfig {
     pub patch_ext: String,
     /// The watchdog program (design §4.4), same placeholders.
     pub watchdog_command: Option<Vec<String>>,
+    /// How instances are isolated (design §6).
     pub isolation: Isolation,
+    /// The host uids of instance accounts (levels `user` and `sandbox`).
+    pub uids: UidRange,
+    /// Per-instance limits: rlimits at `user`, cgroups at `sandbox`.
+    pub limits: Limits,
+    /// The `nft` program of the guards; `None`: looked up in `PATH`,
+    /// `/usr/sbin` and `/sbin`.
+    pub nft: Option<PathBuf>,
     /// The executable and leading arguments that run the shim zygote (which
     /// forks every shim); normally `current_exe()` and `["shim"]`.
     pub shim_command: Vec<String>,
@@ -93,8 +106,17 @@ impl LocalRuntimeConfig {
                 self.port_range.end()
             ));
         }
-        check_socket_room(&self.data_dir).map_err(LocalError::Config)
+        Ok(())
     }
+}
+
+/// What [`LocalRuntime::reserve_port`] gave a start.
+struct Reserved {
+    port: u16,
+    /// Reserved just now (to be given back if the start fails).
+    new: bool,
+    /// Ports given up on the way, whose guard grants go too.
+    given_up: Vec<u16>,
 }
 
 /// A port kept for one instance id across its runs.
@@ -118,6 +140,8 @@ pub struct LocalRuntime {
     /// What the last [`Runtime::discover`] found and has not been adopted
     /// or removed yet.
     found: Mutex<HashMap<RuntimeRef, FoundShim>>,
+    /// Accounts and the port guard; `None` at level `none`.
+    isolated: Option<Isolated>,
     tracker: TaskTracker,
     cancel: CancellationToken,
 }
@@ -140,15 +164,63 @@ fn spawn_failed(e: ShimError) -> RuntimeError {
 }
 
 impl LocalRuntime {
-    /// Checks the settings and prepares the data dir. Starts nothing: the
-    /// shim zygote is started on the first launch.
-    pub fn new(config: LocalRuntimeConfig) -> Result<Arc<LocalRuntime>, LocalError> {
+    /// Checks the settings, prepares the data dir and, at levels `user`
+    /// and `sandbox`, the host (the guards' table, the cgroup parents: see
+    /// [`crate::isolation`]); `accounts` gives each user's uid there.
+    /// Starts no program: the shim zygote is started on the first launch.
+    pub async fn new(
+        mut config: LocalRuntimeConfig,
+        accounts: Option<Arc<dyn Accounts>>,
+    ) -> Result<Arc<LocalRuntime>, LocalError> {
         config.check()?;
-        for dir in [config.data_dir.join("users"), config.data_dir.join("run")] {
-            create_private_dir(&dir).map_err(|source| LocalError::Io {
-                path: dir.clone(),
-                source,
-            })?;
+        let io = |path: &std::path::Path| {
+            let path = path.to_owned();
+            move |source| LocalError::Io { path, source }
+        };
+        std::fs::create_dir_all(&config.data_dir).map_err(io(&config.data_dir))?;
+        // Absolute from here on: a sandbox mounts over these paths.
+        config.data_dir = std::fs::canonicalize(&config.data_dir).map_err(io(&config.data_dir))?;
+        check_socket_room(&config.data_dir).map_err(LocalError::Config)?;
+        let isolator = Isolator::prepare(
+            config.isolation,
+            &config.data_dir,
+            config.uids,
+            &config.port_range,
+            config.nft.as_deref(),
+        )
+        .await?;
+        let isolated = match (isolator, accounts) {
+            (None, _) => {
+                tracing::debug!("instances are not isolated (level none)");
+                None
+            }
+            (Some(isolator), Some(accounts)) => {
+                tracing::info!(level = %isolator.level,
+                    table = %format!("inet {}", isolator.guard.table()),
+                    cgroups = ?isolator.cgroups.as_ref().map(|p| p.dirs()),
+                    "instances are isolated");
+                Some(Isolated::new(isolator, accounts, config.uids))
+            }
+            (Some(isolator), None) => {
+                return Err(LocalError::Config(format!(
+                    "isolation level {} needs the accounts of users, and none were given",
+                    isolator.level
+                )));
+            }
+        };
+        // Private to berth; at levels with accounts, others may pass
+        // through (not list) the data dir and `users/` to reach their own
+        // roots, which are theirs and 0700.
+        let shared = if isolated.is_some() { 0o711 } else { 0o700 };
+        for (dir, mode) in [
+            (config.data_dir.clone(), shared),
+            (config.data_dir.join("users"), shared),
+            (config.data_dir.join("run"), 0o700),
+        ] {
+            use std::os::unix::fs::PermissionsExt;
+            create_private_dir(&dir).map_err(io(&dir))?;
+            std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(mode))
+                .map_err(io(&dir))?;
         }
         let shims = {
             let mut parts = config.shim_command.iter().cloned();
@@ -162,6 +234,7 @@ impl LocalRuntime {
             reservations: Mutex::new(HashMap::new()),
             runs: Runs::default(),
             found: Mutex::new(HashMap::new()),
+            isolated,
             tracker: TaskTracker::new(),
             cancel: CancellationToken::new(),
         }))
@@ -178,8 +251,10 @@ impl LocalRuntime {
 
     /// The port `spec` (a main) runs on, and whether it was reserved just
     /// now (to be given back if the start fails). A crash restart keeps its
-    /// instance's port when its hint names it and it is still free.
-    fn reserve_port(&self, spec: &InstanceSpec) -> Result<(u16, bool), RuntimeError> {
+    /// instance's port when its hint names it and it is still free. Ports
+    /// given up on the way (stale, or replaced) are returned, for their
+    /// guard grants to be taken back.
+    fn reserve_port(&self, spec: &InstanceSpec) -> Result<Reserved, RuntimeError> {
         let mut reservations = lock(&self.reservations);
         // One main per user on this node: a reservation left by another
         // instance of the same user is stale (that instance was replaced).
@@ -188,52 +263,68 @@ impl LocalRuntime {
             .filter(|(id, r)| r.slug == spec.slug.as_str() && **id != spec.instance_id)
             .map(|(id, _)| id.clone())
             .collect();
+        let mut given_up = Vec::new();
         for id in stale {
             if let Some(r) = reservations.remove(&id) {
                 self.ports.release(r.port);
+                given_up.push(r.port);
             }
         }
-        let none = BTreeSet::new();
-        match reservations.get(&spec.instance_id).map(|r| r.port) {
-            Some(own) if spec.port_hint == Some(own) && bind_free(own) => Ok((own, false)),
-            Some(own) => {
-                // Its port is held by some other process now, or a fresh
-                // one was asked for.
-                let hint = spec.port_hint.filter(|p| *p != own);
-                let port = self
-                    .ports
-                    .allocate(hint, &none)
-                    .ok_or_else(|| self.no_free_port())?;
-                self.ports.release(own);
-                reservations.insert(
-                    spec.instance_id.clone(),
-                    Reservation {
-                        slug: spec.slug.as_str().to_owned(),
-                        port,
-                    },
-                );
-                Ok((port, false))
-            }
-            None => {
-                let port = self
-                    .ports
-                    .allocate(spec.port_hint, &none)
-                    .ok_or_else(|| self.no_free_port())?;
-                reservations.insert(
-                    spec.instance_id.clone(),
-                    Reservation {
-                        slug: spec.slug.as_str().to_owned(),
-                        port,
-                    },
-                );
-                Ok((port, true))
+        let own = reservations.get(&spec.instance_id).map(|r| r.port);
+        if let Some(own) = own.filter(|p| spec.port_hint == Some(*p) && bind_free(*p)) {
+            return Ok(Reserved {
+                port: own,
+                new: false,
+                given_up,
+            });
+        }
+        // A new instance, or one whose port is held by some other process
+        // now, or which asked for a fresh one.
+        let hint = spec.port_hint.filter(|p| Some(*p) != own);
+        let port = self
+            .ports
+            .allocate(hint, &BTreeSet::new())
+            .ok_or_else(|| self.no_free_port())?;
+        if let Some(own) = own {
+            self.ports.release(own);
+            given_up.push(own);
+        }
+        reservations.insert(
+            spec.instance_id.clone(),
+            Reservation {
+                slug: spec.slug.as_str().to_owned(),
+                port,
+            },
+        );
+        Ok(Reserved {
+            port,
+            new: own.is_none(),
+            given_up,
+        })
+    }
+
+    /// Gives `instance_id`'s port up, and its guard grant.
+    async fn unreserve(&self, instance_id: &str) {
+        let released = lock(&self.reservations).remove(instance_id);
+        if let Some(r) = released {
+            self.ports.release(r.port);
+            self.revoke(&[r.port]).await;
+        }
+    }
+
+    async fn revoke(&self, ports: &[u16]) {
+        if let Some(isolated) = &self.isolated {
+            for port in ports {
+                isolated.revoke(*port).await;
             }
         }
     }
 
-    fn unreserve(&self, instance_id: &str) {
-        if let Some(r) = lock(&self.reservations).remove(instance_id) {
-            self.ports.release(r.port);
+    /// The account `slug`'s programs run under; `None` at level `none`.
+    async fn account(&self, slug: &Slug) -> Result<Option<Account>, RuntimeError> {
+        match &self.isolated {
+            Some(isolated) => isolated.account(slug).await.map(Some),
+            None => Ok(None),
         }
     }
 
@@ -292,11 +383,42 @@ impl LocalRuntime {
         &self,
         spec: &InstanceSpec,
         port: Option<u16>,
+        account: Option<&Account>,
     ) -> Result<Started, RuntimeError> {
         let paths = self.paths(&spec.slug);
         let var_port = port.or_else(|| self.main_port_of(&spec.slug)).unwrap_or(0);
-        let patch = spec::prepare(&paths, &self.config.patch_ext, spec).await?;
-        let shim_spec = spec::shim_spec(&self.config, spec, &paths, var_port, port, patch)?;
+        let prepare = spec::prepare(&paths, &self.config.patch_ext, spec, account);
+        // The port grant (an `nft` run) goes alongside the preparation, and
+        // is done before the program runs, so it can always reach its own
+        // port.
+        let grant = async {
+            match (&self.isolated, account, port) {
+                (Some(isolated), Some(account), Some(port)) => isolated.grant(account, port).await,
+                _ => Ok(()),
+            }
+        };
+        let (granted, patch) = tokio::join!(grant, prepare);
+        granted?;
+        let patch = patch?;
+        let isolation = self
+            .isolated
+            .as_ref()
+            .zip(account)
+            .map(|(isolated, account)| {
+                spec::isolation_spec(&isolated.isolator, &self.config, &paths, account)
+            });
+        let shim_spec = spec::shim_spec(
+            &self.config,
+            spec,
+            &paths,
+            spec::Placement {
+                var_port,
+                own_port: port,
+                patch,
+                account,
+                isolation,
+            },
+        )?;
         let (handle, state) = self.shims.spawn(&shim_spec).await.map_err(spawn_failed)?;
         let runtime_ref = ref_of(state.pid, state.pid_start);
         let by_regex = shim_spec.ready_regex.is_some();
@@ -347,6 +469,25 @@ impl LocalRuntime {
     }
 }
 
+impl LocalRuntime {
+    /// Sends a command that ends the run; a shim that does not take it has
+    /// the run killed directly (by pid and start time, never a reused pid).
+    async fn ending(
+        &self,
+        instance: &RuntimeRef,
+        command: ShimCommand,
+    ) -> Result<(), RuntimeError> {
+        match self.command(instance, command).await {
+            Err(RuntimeError::Failed(why)) => {
+                tracing::warn!(%instance, %why, "the shim did not take the command; killing directly");
+                self.run_of(instance)?.kill_directly();
+                Ok(())
+            }
+            other => other,
+        }
+    }
+}
+
 fn local_endpoint(port: u16) -> Endpoint {
     Endpoint {
         host: "127.0.0.1".into(),
@@ -371,8 +512,12 @@ impl Runtime for LocalRuntime {
         }
     }
 
-    fn capacity(&self) -> Option<u32> {
-        Some(self.ports.capacity())
+    fn capacity(&self) -> Option<Capacity> {
+        let r = self.ports.range();
+        Some(Capacity {
+            instances: self.ports.capacity(),
+            reason: format!("one per port of {}-{}", r.start(), r.end()),
+        })
     }
 
     async fn start(&self, spec: InstanceSpec) -> Result<Started, RuntimeError> {
@@ -387,38 +532,30 @@ impl Runtime for LocalRuntime {
                 spec.folder
             )));
         }
-        let port = match spec.role {
+        let account = self.account(&spec.slug).await?;
+        let reserved = match spec.role {
             Role::Main => Some(self.reserve_port(&spec)?),
             Role::Watchdog => None,
         };
-        let started = self.start_reserved(&spec, port.map(|(p, _)| p)).await;
-        if started.is_err() && port.is_some_and(|(_, new)| new) {
-            self.unreserve(&spec.instance_id);
+        if let Some(reserved) = &reserved {
+            self.revoke(&reserved.given_up).await;
+        }
+        let started = self
+            .start_reserved(&spec, reserved.as_ref().map(|r| r.port), account.as_ref())
+            .await;
+        if started.is_err() && reserved.is_some_and(|r| r.new) {
+            self.unreserve(&spec.instance_id).await;
         }
         started
     }
 
     async fn stop(&self, instance: &RuntimeRef, grace: Duration) -> Result<(), RuntimeError> {
         let grace_ms = millis(grace);
-        match self.command(instance, ShimCommand::Stop { grace_ms }).await {
-            Err(RuntimeError::Failed(why)) => {
-                tracing::warn!(%instance, %why, "stopping through the shim failed; killing directly");
-                self.run_of(instance)?.kill_directly();
-                Ok(())
-            }
-            other => other,
-        }
+        self.ending(instance, ShimCommand::Stop { grace_ms }).await
     }
 
     async fn kill(&self, instance: &RuntimeRef) -> Result<(), RuntimeError> {
-        match self.command(instance, ShimCommand::Kill).await {
-            Err(RuntimeError::Failed(why)) => {
-                tracing::warn!(%instance, %why, "killing through the shim failed; killing directly");
-                self.run_of(instance)?.kill_directly();
-                Ok(())
-            }
-            other => other,
-        }
+        self.ending(instance, ShimCommand::Kill).await
     }
 
     async fn freeze(&self, instance: &RuntimeRef) -> Result<(), RuntimeError> {
@@ -439,11 +576,37 @@ impl Runtime for LocalRuntime {
     }
 
     async fn release(&self, instance_id: &str) {
-        self.unreserve(instance_id);
+        self.unreserve(instance_id).await;
+    }
+
+    async fn has_data(&self, slug: &Slug) -> bool {
+        // A link there is not a data root: they are never reached through
+        // links.
+        tokio::fs::symlink_metadata(&self.paths(slug).root)
+            .await
+            .is_ok_and(|m| m.is_dir())
     }
 
     async fn discover(&self) -> Result<Vec<Discovered>, RuntimeError> {
         let shims = discover::scan(&self.config.data_dir.join("run")).await;
+        // Instance cgroups no running shim uses are left by shims killed
+        // before they could remove them.
+        if let Some(parents) = self
+            .isolated
+            .as_ref()
+            .and_then(|i| i.isolator.cgroups.as_ref())
+        {
+            let keep: Vec<String> = shims
+                .iter()
+                .filter(|s| s.handle.is_some())
+                .filter_map(|s| s.state.as_ref())
+                .flat_map(|state| state.cgroup.iter())
+                .filter_map(|d| Some(d.file_name()?.to_string_lossy().into_owned()))
+                .collect();
+            for (dir, e) in crate::isolation::cgroup::remove_stale(parents, &keep) {
+                tracing::warn!(dir = %dir.display(), error = %e, "a stale instance cgroup remains");
+            }
+        }
         let mut found = lock(&self.found);
         let mut out = Vec::with_capacity(shims.len());
         for shim in shims {
@@ -480,6 +643,17 @@ impl Runtime for LocalRuntime {
         let by_regex =
             state.role == Role::Main && matches!(self.config.readiness, Readiness::TokenRegex(_));
         let port = state.port.filter(|_| state.role == Role::Main);
+        // The guard's table was made afresh at start: the adopted instance
+        // gets its own port back.
+        if let (Some(isolated), Some(port), Some(user)) = (&self.isolated, port, &found.user) {
+            let granted = match isolated.account(&user.slug()).await {
+                Ok(account) => isolated.grant(&account, port).await,
+                Err(e) => Err(e),
+            };
+            if let Err(e) = granted {
+                tracing::warn!(%user, error = %e, "could not give an adopted instance its port back");
+            }
+        }
         let run = Run {
             control: handle.control(),
             pid: state.pid,
@@ -517,7 +691,7 @@ impl Runtime for LocalRuntime {
                 .get(&state.instance_id)
                 .is_some_and(|r| r.slug == shim.dir_slug)
             {
-                self.unreserve(&state.instance_id);
+                self.unreserve(&state.instance_id).await;
             }
         }
         shim.remove().await;
@@ -530,8 +704,17 @@ impl Runtime for LocalRuntime {
         role: Role,
         tail: usize,
     ) -> Result<Vec<String>, RuntimeError> {
-        let path = self.paths(slug).log(role);
-        follow::tail(path, tail).await
+        // Read as root from the user's own root: never through a link the
+        // user put there (it could point at any file of the host's).
+        let paths = self.paths(slug);
+        let read = tokio::task::spawn_blocking(move || match paths.open_log(role) {
+            Ok(mut file) => crate::logs::tail_lines(&mut file, tail),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Vec::new()),
+            Err(e) => Err(e),
+        })
+        .await
+        .map_err(|e| RuntimeError::Failed(format!("the log reader failed: {e}")))?;
+        read.map_err(|e| RuntimeError::Failed(format!("cannot read the log: {e}")))
     }
 
     async fn follow_logs(
@@ -540,12 +723,12 @@ impl Runtime for LocalRuntime {
         role: Role,
         tail: usize,
     ) -> Result<mpsc::Receiver<String>, RuntimeError> {
-        let path = self.paths(slug).log(role);
-        let (tx, rx) = mpsc::channel(follow::LINE_BUFFER);
-        let cancel = self.cancel.child_token();
-        self.tracker
-            .spawn(async move { follow::follow(path, tail, tx, cancel).await });
-        Ok(rx)
+        // Like `logs`: never through a link the user put in their root.
+        let paths = self.paths(slug);
+        let open: crate::follow::Opener = Arc::new(move || paths.open_log(role));
+        crate::follow::follow(open, tail, &self.tracker, self.cancel.child_token())
+            .await
+            .map_err(|e| RuntimeError::Failed(format!("cannot read the log: {e}")))
     }
 
     async fn shutdown(&self) {

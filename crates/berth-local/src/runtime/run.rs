@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use berth_core::runtime::{ExitStatus, RuntimeEvent, RuntimeRef};
+use berth_core::runtime::{ExitStatus, OutOfMemory, RuntimeEvent, RuntimeRef};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
@@ -156,7 +156,9 @@ pub(super) async fn pump(
         } else {
             stderr_tail
         },
-        out_of_memory: None,
+        out_of_memory: exit
+            .and_then(|e| e.oom_limit_mb)
+            .map(|limit_mb| OutOfMemory { limit_mb }),
         port_in_use,
     };
     let _ = tx.send(RuntimeEvent::Exited(status)).await;

@@ -1,5 +1,6 @@
 //! From an [`InstanceSpec`] to a [`ShimSpec`]: the user's directories, the
-//! materialised patch and handoff, the command line and the environment.
+//! materialised patch and handoff, the command line, the environment and
+//! the isolation the shim sets up.
 
 use std::path::{Path, PathBuf};
 
@@ -8,7 +9,10 @@ use berth_core::runtime::{InstanceSpec, Patch, RuntimeError};
 
 use super::LocalRuntimeConfig;
 use crate::Readiness;
-use crate::paths::{UserPaths, create_private_dir};
+use crate::isolation::cgroup::CgroupSpec;
+use crate::isolation::fsafe::Owner;
+use crate::isolation::{Account, IsolationSpec, Isolator, SandboxSpec};
+use crate::paths::UserPaths;
 use crate::shim::ShimSpec;
 use crate::template::{self, Vars};
 
@@ -16,46 +20,63 @@ fn path_string(p: &Path) -> String {
     p.to_string_lossy().into_owned()
 }
 
-fn io_error(what: &str, path: &Path, e: std::io::Error) -> RuntimeError {
-    RuntimeError::Failed(format!("cannot {what} {}: {e}", path.display()))
+fn owner_of(account: &Account) -> Owner {
+    Owner {
+        uid: account.uid,
+        gid: account.gid,
+    }
 }
 
-/// Creates the user's directories and working folder, materialises the
-/// patch (or removes it) and, for a watchdog, the handoff file. Returns the
-/// patch file the program is given, if any. mkdir and chmod block, for long
-/// on a busy disk (a new user needs seven directories): on the runtime's
-/// few worker threads, a burst of launches would hold up every other
-/// request and event meanwhile, so this runs on the blocking pool.
+/// Creates the user's directories and working folder (owned by the
+/// account, never through a link the user planted: see `paths.rs`),
+/// materialises the patch and, for a watchdog, the handoff
+/// file. Returns the patch file the program is given, if any. mkdir and
+/// chmod block, for long on a busy disk (a new user needs seven
+/// directories): on the runtime's few worker threads, a burst of launches
+/// would hold up every other request and event meanwhile, so this runs on
+/// the blocking pool.
 pub(super) async fn prepare(
     paths: &UserPaths,
     patch_ext: &str,
     spec: &InstanceSpec,
+    account: Option<&Account>,
 ) -> Result<Option<PathBuf>, RuntimeError> {
     let paths = paths.clone();
-    let cwd = paths.workdir(&spec.folder);
+    let folder = spec.folder.clone();
     let patch_file = paths.patch_file(patch_ext);
     let patch = spec.patch.clone();
     let handoff = spec.handoff.clone();
+    let owner = account.map(owner_of);
     tokio::task::spawn_blocking(move || {
-        paths
-            .prepare()
-            .map_err(|e| io_error("create", &paths.root, e))?;
-        create_private_dir(&cwd).map_err(|e| io_error("create", &cwd, e))?;
+        paths.prepare(&folder, owner).map_err(|e| {
+            // A link on the way to the folder is the request's problem.
+            if e.kind() == std::io::ErrorKind::InvalidInput {
+                RuntimeError::SpawnFailed(e.to_string())
+            } else {
+                RuntimeError::Failed(format!("cannot prepare the user's directories: {e}"))
+            }
+        })?;
+        let write = |dir: Option<&str>, name: &str, bytes: &[u8]| {
+            paths
+                .write_file(dir, name, bytes, owner)
+                .map_err(|e| RuntimeError::Failed(format!("cannot write {name}: {e}")))
+        };
         if let Some(handoff) = handoff {
-            let file = paths.handoff();
-            std::fs::write(&file, handoff).map_err(|e| io_error("write", &file, e))?;
+            write(None, "handoff.json", handoff.as_bytes())?;
         }
+        let name = patch_file
+            .file_name()
+            .and_then(|n| n.to_str())
+            .unwrap_or("main")
+            .to_owned();
         match patch {
             Patch::Set(Some(content)) => {
-                std::fs::write(&patch_file, content)
-                    .map_err(|e| io_error("write", &patch_file, e))?;
+                write(Some("patches"), &name, content.as_bytes())?;
                 Ok(Some(patch_file))
             }
-            Patch::Set(None) => match std::fs::remove_file(&patch_file) {
-                Ok(()) => Ok(None),
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
-                Err(e) => Err(io_error("remove", &patch_file, e)),
-            },
+            // A previous patch stays on disk (berth deletes nothing in a
+            // user's root), but the program is given none.
+            Patch::Set(None) => Ok(None),
             Patch::Unchanged => Ok(patch_file.exists().then_some(patch_file)),
         }
     })
@@ -63,17 +84,57 @@ pub(super) async fn prepare(
     .map_err(|e| RuntimeError::Failed(format!("preparing the directories failed: {e}")))?
 }
 
-/// The shim spec that runs `spec`. `var_port` is what `{port}` and
-/// `BERTH_PORT` say (a watchdog gets its main's); `own_port` is the port
-/// the instance itself holds (mains only).
+/// The isolation part of a shim spec, at levels `user` and `sandbox`.
+pub(super) fn isolation_spec(
+    isolator: &Isolator,
+    config: &LocalRuntimeConfig,
+    paths: &UserPaths,
+    account: &Account,
+) -> IsolationSpec {
+    let limits = config.limits;
+    IsolationSpec {
+        uid: account.uid,
+        gid: account.gid,
+        name: account.name.clone(),
+        limits,
+        sandbox: isolator.cgroups.as_ref().map(|parents| SandboxSpec {
+            cgroup: CgroupSpec {
+                parents: parents.clone(),
+                limits,
+            },
+            data_dir: config.data_dir.clone(),
+            user_root: paths.root.clone(),
+            home: paths.home(),
+        }),
+    }
+}
+
+/// Where and as whom one start of an instance runs.
+pub(super) struct Placement<'a> {
+    /// What `{port}` and `BERTH_PORT` say (a watchdog gets its main's).
+    pub var_port: u16,
+    /// The port the instance itself holds (mains only).
+    pub own_port: Option<u16>,
+    /// The materialised patch, if any.
+    pub patch: Option<PathBuf>,
+    pub account: Option<&'a Account>,
+    pub isolation: Option<IsolationSpec>,
+}
+
+/// The shim spec that runs `spec`.
 pub(super) fn shim_spec(
     config: &LocalRuntimeConfig,
     spec: &InstanceSpec,
     paths: &UserPaths,
-    var_port: u16,
-    own_port: Option<u16>,
-    patch: Option<PathBuf>,
+    placement: Placement<'_>,
 ) -> Result<ShimSpec, RuntimeError> {
+    let Placement {
+        var_port,
+        own_port,
+        patch,
+        account,
+        isolation,
+    } = placement;
     let (command, extra): (&[String], Vec<(String, String)>) = match spec.role {
         Role::Main => (&config.command, Vec::new()),
         Role::Watchdog => (
@@ -107,6 +168,12 @@ pub(super) fn shim_spec(
     ]
     .into_iter()
     .map(|(k, v)| (k.to_owned(), v))
+    .chain(account.into_iter().flat_map(|a| {
+        [
+            ("USER".to_owned(), a.name.clone()),
+            ("LOGNAME".to_owned(), a.name.clone()),
+        ]
+    }))
     .chain(extra)
     .chain(spec.env.iter().cloned());
     let env = template::build_env(
@@ -136,6 +203,8 @@ pub(super) fn shim_spec(
         socket_path: paths.socket(spec.role),
         ready_regex,
         fence_ms,
+        user_root: Some(paths.root.clone()),
+        isolation,
         port: own_port,
     })
 }

@@ -203,6 +203,11 @@ impl Zygote {
             .map_err(|e| cannot("fcntl", &e))?;
         let process = tokio::process::Command::new(exe)
             .args(args)
+            // Nothing of berth's environment (its secrets among it) reaches
+            // the zygote, its shims or, through them, a program: a shim
+            // gives its program exactly the spec's environment.
+            .env_clear()
+            .envs(std::env::vars_os().filter(|(k, _)| k == "RUST_BACKTRACE"))
             .stdin(Stdio::from(theirs))
             .stdout(Stdio::null())
             // Its diagnostics, and each shim's until it has detached.

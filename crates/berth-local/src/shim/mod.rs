@@ -13,6 +13,12 @@
 //!   (a parent-death signal fires when the spawning *thread* exits);
 //! * spawns the program in its own process group with `PR_SET_PDEATHSIG =
 //!   SIGKILL`, so the instance dies with its shim and is never unfenced;
+//!   at isolation levels `user` and `sandbox` ([`ShimSpec::isolation`]) it
+//!   first creates the instance's cgroup and pid namespace, and the forked
+//!   child drops to the user's account (and enters the sandbox) before it
+//!   executes the program (`crate::isolation::child`); in a sandbox the
+//!   shim's child is the pid namespace's init, which reports the program's
+//!   exit, and an OOM kill is reported with the memory limit;
 //! * appends the program's stdout and stderr to [`ShimSpec::log_path`],
 //!   matches [`ShimSpec::ready_regex`] against each line and keeps the first
 //!   capture as the launch token, and keeps the last 500 characters of
@@ -22,8 +28,10 @@
 //!   exit status survives when no berth is listening;
 //! * enforces the fence deadline when [`ShimSpec::fence_ms`] is set: if berth
 //!   does not extend it in time the program's group is frozen (SIGSTOP);
+//! * takes commands only from its own uid, berth's (`SO_PEERCRED`);
 //! * when the program exits, kills what is left of its process group,
-//!   records the exit in the state file, tells connected clients, and exits.
+//!   removes its cgroup, records the exit in the state file, tells
+//!   connected clients, and exits.
 
 /// A diagnostic line for the shim's own log (`<state_path>.shim.log` once
 /// it has detached), stamped so it can be lined up with berth's logs.

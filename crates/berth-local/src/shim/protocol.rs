@@ -5,6 +5,8 @@ use std::path::PathBuf;
 use berth_core::{Epoch, Role};
 use serde::{Deserialize, Serialize};
 
+use crate::isolation::IsolationSpec;
+
 /// Everything a shim needs to run one instance.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ShimSpec {
@@ -31,6 +33,15 @@ pub struct ShimSpec {
     /// Fence deadline in ms from start, extended by [`ShimCommand::Extend`].
     /// `None` switches fencing off (single node).
     pub fence_ms: Option<u64>,
+    /// The user's data root, which the user's programs can change: the
+    /// shim opens [`ShimSpec::log_path`] below it without following any
+    /// symbolic link. `None`: the log path is trusted as it is.
+    #[serde(default)]
+    pub user_root: Option<PathBuf>,
+    /// How the program is isolated; `None` at level `none` (it runs as the
+    /// shim's own user).
+    #[serde(default)]
+    pub isolation: Option<IsolationSpec>,
     /// The port the program was given, recorded in the state file so a
     /// restarted berth knows which port an adopted instance holds.
     #[serde(default)]
@@ -53,6 +64,10 @@ pub enum SpawnReport {
 pub struct ExitInfo {
     pub code: Option<i32>,
     pub signal: Option<i32>,
+    /// Set when the kernel killed the program for going over its cgroup's
+    /// memory limit: the limit, in MiB.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub oom_limit_mb: Option<u64>,
 }
 
 /// What the shim records about itself, in its state file.
@@ -79,6 +94,12 @@ pub struct ShimState {
     /// The last ≤ 500 characters of stderr.
     pub stderr_tail: String,
     pub frozen: bool,
+    /// The uid the program runs as, when isolated.
+    #[serde(default)]
+    pub uid: Option<u32>,
+    /// The program's cgroup directories (level `sandbox`).
+    #[serde(default)]
+    pub cgroup: Vec<PathBuf>,
     /// [`ShimSpec::port`].
     #[serde(default)]
     pub port: Option<u16>,

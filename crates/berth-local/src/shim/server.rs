@@ -24,6 +24,10 @@ use tokio::time::Instant;
 use super::output::{self, StderrTail, Stream};
 use super::protocol::{ExitInfo, ShimCommand, ShimEvent, ShimSpec, ShimState, SpawnReport};
 use super::{procfs, state_file};
+use crate::isolation::access::may_execute;
+use crate::isolation::cgroup::InstanceCgroup;
+use crate::isolation::child::{self, ChildPlan, ShimEnds};
+use crate::isolation::fsafe;
 
 /// `sun_path` is 108 bytes on Linux, including the terminating NUL.
 const MAX_SOCKET_PATH: usize = 108;
@@ -155,6 +159,12 @@ struct Started {
     listener: UnixListener,
     log: tokio::fs::File,
     ready_regex: Option<Regex>,
+    /// The program's cgroup (level `sandbox`), removed once it has ended.
+    cgroup: Option<InstanceCgroup>,
+    /// The shim's ends of the isolation setup's pipes.
+    ends: Option<ShimEnds>,
+    /// The memory limit in MiB, to report an OOM kill with.
+    memory_max_mb: Option<u64>,
 }
 
 /// Everything up to a running program, a listening socket and a state
@@ -169,7 +179,18 @@ fn start(spec: &ShimSpec, compiled: Option<Regex>) -> Result<Started, String> {
                 .map_err(|e| format!("invalid ready regex for program {name:?}: {e}"))?,
         ),
     };
+    let isolation = spec.isolation.as_ref();
     let program = resolve_program(spec)?;
+    if let Some(sandbox) = isolation.and_then(|i| i.sandbox.as_ref()) {
+        if let Some(hidden) = hidden_in_sandbox(&program, &sandbox.data_dir, &sandbox.user_root) {
+            return Err(format!(
+                "cannot start program {name:?}: {} lies under {}, which the sandbox replaces \
+                 with a private one; install the program elsewhere",
+                program.display(),
+                hidden.display()
+            ));
+        }
+    }
     match fs::metadata(&spec.cwd) {
         Ok(meta) if meta.is_dir() => {}
         Ok(_) => {
@@ -186,7 +207,7 @@ fn start(spec: &ShimSpec, compiled: Option<Regex>) -> Result<Started, String> {
             ));
         }
     }
-    let log = open_log(&spec.log_path).map_err(|e| {
+    let log = open_log(&spec.log_path, spec.user_root.as_deref()).map_err(|e| {
         format!(
             "cannot open log {:?} for program {name:?}: {}",
             spec.log_path,
@@ -194,6 +215,25 @@ fn start(spec: &ShimSpec, compiled: Option<Regex>) -> Result<Started, String> {
         )
     })?;
     let listener = bind(&spec.socket_path)?;
+    let cgroup = match isolation.and_then(|i| i.sandbox.as_ref()) {
+        Some(sandbox) => {
+            let cgroup = InstanceCgroup::new(
+                sandbox.cgroup.parents.clone(),
+                format!(
+                    "{}.{}.{}",
+                    spec.instance_id,
+                    spec.role.as_str(),
+                    std::process::id()
+                ),
+            );
+            if let Err(e) = cgroup.create(&sandbox.cgroup.limits) {
+                let _ = fs::remove_file(&spec.socket_path);
+                return Err(format!("cannot start program {name:?}: {e}"));
+            }
+            Some(cgroup)
+        }
+        None => None,
+    };
     let cleanup = |child: Option<&mut Child>| {
         if let Some(child) = child {
             if let Some(pid) = child.id() {
@@ -201,12 +241,45 @@ fn start(spec: &ShimSpec, compiled: Option<Regex>) -> Result<Started, String> {
             }
         }
         let _ = fs::remove_file(&spec.socket_path);
+        if let Some(cgroup) = &cgroup {
+            cgroup.remove();
+        }
     };
-    let mut child = match spawn_program(spec, &program) {
+    let plan = match isolation {
+        Some(isolation) => match prepare_isolation(isolation, &spec.cwd, cgroup.as_ref()) {
+            Ok(plan) => Some(plan),
+            Err(e) => {
+                cleanup(None);
+                return Err(format!("cannot start program {name:?}: {e}"));
+            }
+        },
+        None => None,
+    };
+    let (plan, mut ends) = match plan {
+        Some((plan, ends)) => (Some(plan), Some(ends)),
+        None => (None, None),
+    };
+    let spawned = spawn_program(spec, &program, plan);
+    // The child has its copies (or failed); the shim must not keep them
+    // open, or a pipe would never report the end of its writer.
+    if let Some(ends) = ends.as_mut() {
+        ends.child_only.clear();
+    }
+    let mut child = match spawned {
         Ok(child) => child,
         Err(e) => {
             cleanup(None);
-            return Err(format!("cannot execute {:?}: {}", program, describe(&e)));
+            let step = ends
+                .as_ref()
+                .map(|ends| String::from_utf8_lossy(&child::read_pipe(&ends.diag)).into_owned())
+                .filter(|s| !s.is_empty());
+            return Err(match step {
+                Some(step) => format!(
+                    "cannot start program {name:?}: isolation setup failed ({step}): {}",
+                    describe(&e)
+                ),
+                None => format!("cannot execute {:?}: {}", program, describe(&e)),
+            });
         }
     };
     let Some(pid) = child.id() else {
@@ -237,6 +310,11 @@ fn start(spec: &ShimSpec, compiled: Option<Regex>) -> Result<Started, String> {
         exit: None,
         stderr_tail: String::new(),
         frozen: false,
+        uid: isolation.map(|i| i.uid),
+        cgroup: cgroup
+            .as_ref()
+            .map(InstanceCgroup::dirs)
+            .unwrap_or_default(),
         port: spec.port,
     };
     // In place before the report, so a berth that restarts right after it
@@ -254,7 +332,47 @@ fn start(spec: &ShimSpec, compiled: Option<Regex>) -> Result<Started, String> {
         listener,
         log,
         ready_regex,
+        cgroup,
+        ends,
+        memory_max_mb: isolation
+            .and_then(|i| i.sandbox.as_ref())
+            .map(|s| s.cgroup.limits.memory_max_mb),
     })
+}
+
+/// The plan of the isolated child, made in the shim. For a sandbox the
+/// shim first gives its next child a pid namespace of its own (the child
+/// becomes its init).
+fn prepare_isolation(
+    isolation: &crate::isolation::IsolationSpec,
+    cwd: &Path,
+    cgroup: Option<&InstanceCgroup>,
+) -> Result<(ChildPlan, ShimEnds), String> {
+    let planned = ChildPlan::build(isolation, cwd, cgroup)?;
+    if isolation.sandbox.is_some() {
+        // SAFETY: unshare(2) with one flag; CLONE_NEWPID changes only the
+        // namespace of this thread's future children (this single-threaded
+        // runtime spawns the program on this very thread).
+        if unsafe { nix::libc::unshare(nix::libc::CLONE_NEWPID) } != 0 {
+            return Err(format!(
+                "cannot create a pid namespace: {}",
+                describe(&io::Error::last_os_error())
+            ));
+        }
+    }
+    Ok(planned)
+}
+
+/// The directory that hides `program` inside a sandbox (a private `/tmp`
+/// or `/dev/shm`, or berth's data dir but the user's root), if any.
+fn hidden_in_sandbox(program: &Path, data_dir: &Path, user_root: &Path) -> Option<PathBuf> {
+    let real = fs::canonicalize(program).unwrap_or_else(|_| program.to_owned());
+    for private in ["/tmp", "/dev/shm"] {
+        if real.starts_with(private) {
+            return Some(PathBuf::from(private));
+        }
+    }
+    (real.starts_with(data_dir) && !real.starts_with(user_root)).then(|| data_dir.to_owned())
 }
 
 /// Finds the file to execute, the way `execvp` would but with the
@@ -267,10 +385,17 @@ fn resolve_program(spec: &ShimSpec) -> Result<PathBuf, String> {
     if argv0.is_empty() {
         return Err("no program given (argv[0] is empty)".to_owned());
     }
+    let account = spec.isolation.as_ref().map(|i| (i.uid, i.gid));
     if argv0.contains('/') {
         let path = spec.cwd.join(argv0);
         return match fs::metadata(&path) {
-            Ok(_) => Ok(path),
+            Ok(_) => match account {
+                Some((uid, gid)) => match may_execute(&path, uid, gid) {
+                    Ok(()) => Ok(path),
+                    Err(why) => Err(format!("cannot execute {path:?} as uid {uid}: {why}")),
+                },
+                None => Ok(path),
+            },
             Err(e) => Err(format!("program {argv0:?} not found: {}", describe(&e))),
         };
     }
@@ -294,13 +419,23 @@ fn resolve_program(spec: &ShimSpec) -> Result<PathBuf, String> {
         if !fs::metadata(&candidate).is_ok_and(|m| m.is_file()) {
             continue;
         }
-        if nix::unistd::access(&candidate, AccessFlags::X_OK).is_ok() {
-            return Ok(candidate);
+        // Like execvp, a file the program's user may not execute is passed
+        // over for a later one it may.
+        let allowed = match account {
+            Some((uid, gid)) => may_execute(&candidate, uid, gid)
+                .map_err(|why| format!("cannot execute {candidate:?} as uid {uid}: {why}")),
+            None => nix::unistd::access(&candidate, AccessFlags::X_OK)
+                .map_err(|_| format!("cannot execute {candidate:?}: Permission denied")),
+        };
+        match allowed {
+            Ok(()) => return Ok(candidate),
+            Err(why) => {
+                denied.get_or_insert(why);
+            }
         }
-        denied.get_or_insert(candidate);
     }
     match denied {
-        Some(path) => Err(format!("cannot execute {path:?}: Permission denied")),
+        Some(why) => Err(why),
         None => Err(format!("program {argv0:?} not found in PATH")),
     }
 }
@@ -313,15 +448,34 @@ fn describe(e: &io::Error) -> String {
     }
 }
 
-fn open_log(path: &Path) -> io::Result<tokio::fs::File> {
-    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-        state_file::create_private_dir(dir)?;
-    }
-    let file = fs::OpenOptions::new()
-        .append(true)
-        .create(true)
-        .mode(0o600)
-        .open(path)?;
+/// Opens the program's log for appending. Below `user_root` (which the
+/// user's programs can change) nothing is followed through a link: the
+/// shim runs as root.
+fn open_log(path: &Path, user_root: Option<&Path>) -> io::Result<tokio::fs::File> {
+    let file = match user_root.and_then(|root| Some((root, path.strip_prefix(root).ok()?))) {
+        Some((root, relative)) => {
+            let root = fsafe::Dir::open(root)?;
+            let dir = match relative.parent().and_then(Path::to_str) {
+                Some(parent) => root.walk(parent, None, fsafe::OnLink::Replace)?,
+                None => root,
+            };
+            let name = relative
+                .file_name()
+                .and_then(|n| n.to_str())
+                .ok_or_else(|| io::Error::other("the log path has no file name"))?;
+            dir.open_append(name)?
+        }
+        None => {
+            if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+                state_file::create_private_dir(dir)?;
+            }
+            fs::OpenOptions::new()
+                .append(true)
+                .create(true)
+                .mode(0o600)
+                .open(path)?
+        }
+    };
     Ok(tokio::fs::File::from_std(file))
 }
 
@@ -358,13 +512,30 @@ fn bind(path: &Path) -> Result<UnixListener, String> {
     Ok(listener)
 }
 
-fn spawn_program(spec: &ShimSpec, program: &Path) -> io::Result<Child> {
+fn spawn_program(spec: &ShimSpec, program: &Path, plan: Option<ChildPlan>) -> io::Result<Child> {
     let mut cmd = tokio::process::Command::new(program);
     cmd.arg0(program_name(spec))
         .args(spec.argv.iter().skip(1))
         .env_clear()
-        .envs(spec.env.iter().map(|(k, v)| (k, v)))
-        .current_dir(&spec.cwd)
+        .envs(spec.env.iter().map(|(k, v)| (k, v)));
+    if let Some(plan) = plan {
+        // The plan enters the working directory itself, after the mounts
+        // and as the account.
+        cmd.stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .process_group(0)
+            .kill_on_drop(false);
+        // SAFETY: `enter` runs between fork and exec and is written for
+        // exactly that: raw system calls on data the plan prepared, no
+        // allocation, no lock (see `isolation::child`). The closure owns
+        // the plan, so its strings and descriptors live until exec.
+        unsafe {
+            cmd.pre_exec(move || plan.enter());
+        }
+        return cmd.spawn();
+    }
+    cmd.current_dir(&spec.cwd)
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -534,11 +705,33 @@ fn exit_info(status: &io::Result<ExitStatus>) -> ExitInfo {
         Ok(status) => ExitInfo {
             code: status.code(),
             signal: status.signal(),
+            oom_limit_mb: None,
         },
         Err(_) => ExitInfo {
             code: None,
             signal: None,
+            oom_limit_mb: None,
         },
+    }
+}
+
+/// Whether the peer of a control connection runs as the shim's own uid
+/// (berth's), by its kernel-given credentials (`SO_PEERCRED`).
+fn from_own_uid(stream: &UnixStream) -> bool {
+    match stream.peer_cred() {
+        Ok(cred) if cred.uid() == nix::unistd::geteuid().as_raw() => true,
+        Ok(cred) => {
+            diag!(
+                "refused a control connection from uid {} (pid {:?})",
+                cred.uid(),
+                cred.pid()
+            );
+            false
+        }
+        Err(e) => {
+            diag!("refused a control connection with unknown credentials: {e}");
+            false
+        }
     }
 }
 
@@ -549,6 +742,9 @@ async fn supervise(spec: ShimSpec, started: Started) -> i32 {
         listener,
         log,
         ready_regex,
+        cgroup,
+        ends,
+        memory_max_mb,
     } = started;
     let tail = Arc::new(Mutex::new(StderrTail::default()));
     let (piece_tx, piece_rx) = mpsc::channel(64);
@@ -592,6 +788,11 @@ async fn supervise(spec: ShimSpec, started: Started) -> i32 {
                 }
             }
             accepted = listener.accept() => match accepted {
+                Ok((stream, _)) if !from_own_uid(&stream) => {
+                    // Only berth (the shim's own uid) may command it: a
+                    // program must not kill, freeze or extend any instance.
+                    drop(stream);
+                }
                 Ok((stream, _)) => {
                     // Subscribing and taking the Hello snapshot in one step
                     // means the client misses no event and sees none twice.
@@ -638,7 +839,24 @@ async fn supervise(spec: ShimSpec, started: Started) -> i32 {
             shim.ready(token);
         }
     }
-    let exit = exit_info(&status);
+    let mut exit = exit_info(&status);
+    // In a sandbox the shim's child is the namespace's init, which reports
+    // how the program itself ended.
+    if let Some(status_pipe) = ends.as_ref().and_then(|e| e.status.as_ref()) {
+        if let Some((code, signal)) = child::decode_status(&child::read_pipe(status_pipe)) {
+            exit.code = code;
+            exit.signal = signal;
+        }
+    }
+    if let Some(cgroup) = &cgroup {
+        if exit.signal == Some(nix::libc::SIGKILL) && cgroup.oom_kills().unwrap_or(0) > 0 {
+            exit.oom_limit_mb = memory_max_mb;
+        }
+        for (dir, e) in cgroup.remove() {
+            diag!("cannot remove cgroup {}: {e}", dir.display());
+        }
+    }
+    drop(ends);
     if let Err(e) = &status {
         diag!("waiting for the program: {e}");
     }

@@ -15,7 +15,7 @@ use berth_core::{
     BreakerInfo, Endpoint, Instance, InstanceEvent, InstanceStatus, LaunchRequest, ProbeReport,
     RestartResult, Role, SpawnError, Spawner, UserId, UserStatus, unix_millis_now,
 };
-use berth_proxy::auth::{AuthError, Authenticator, TokenHash, TokenStore};
+use berth_proxy::auth::{AuthError, Authenticator, TokenHash, TokenStore, UserTokenInfo};
 use berth_proxy::{Proxy, ProxyConfig, ServerConfig};
 use bytes::Bytes;
 use futures_util::{SinkExt, StreamExt};
@@ -58,8 +58,9 @@ where
 
 // --- the Spawner test double ------------------------------------------------
 
-/// Test double: routes to a fixed upstream; the real LocalSpawner is
-/// exercised in crates/berth/tests/proxy.rs.
+/// Test double: routes to a fixed upstream; the real controller (over
+/// the local runtime) is exercised in crates/berth/tests/proxy.rs and
+/// proxy_e2e.rs.
 ///
 /// `launch` marks the user starting and, after `start_delay`, running on
 /// the configured upstream, publishing events like the real spawner.
@@ -147,7 +148,6 @@ impl SpawnerState {
             epoch: 1,
             port: endpoint.as_ref().map(|e| e.port),
             pid: None,
-            pid_start: None,
             runtime_ref: None,
             folder: String::new(),
             started_at: unix_millis_now(),
@@ -196,6 +196,7 @@ impl Spawner for StaticSpawner {
         let owned = user.clone();
         let delay = *self.inner.start_delay.lock().unwrap();
         tokio::spawn(async move {
+            // The double's start-up time (`start_delay`), as a test sets it.
             tokio::time::sleep(delay).await;
             let ep = state.upstream.lock().unwrap().clone();
             state.set(&owned, InstanceStatus::Running, Some(ep));
@@ -305,11 +306,15 @@ pub struct Tokens;
 
 #[async_trait]
 impl TokenStore for Tokens {
-    async fn user_for_token_hash(&self, hash: &str) -> Result<Option<UserId>, AuthError> {
+    async fn lookup(&self, hash: &str) -> Result<Option<UserTokenInfo>, AuthError> {
         Ok([(ALICE, "alice"), (BOB, "bob")]
             .iter()
             .find(|(t, _)| TokenHash::of(t).to_hex() == hash)
-            .map(|(_, u)| user(u)))
+            .map(|(_, u)| UserTokenInfo {
+                user: user(u),
+                id: format!("{u}-token"),
+                expires_in: Duration::from_secs(3600),
+            }))
     }
 }
 
@@ -416,6 +421,15 @@ async fn upstream_handle(
                 .map(|c| Ok::<_, Infallible>(Frame::data(Bytes::from_static(c.as_bytes())))),
         );
         Response::new(boxed(StreamBody::new(chunks)))
+    } else if path.ends_with("/set-cookie") {
+        // A program trying to set berth's cookies, and one of its own.
+        Response::builder()
+            .header("set-cookie", "berth_token=planted; Path=/u/")
+            .header("set-cookie", "app=kept; Path=/")
+            .header("set-cookie", "__Host-berth_token=planted; Path=/; Secure")
+            .header("set-cookie", "=berth_session=planted")
+            .body(boxed(Full::new(Bytes::from_static(b"cookies set"))))
+            .unwrap()
     } else if path.ends_with("/echo") {
         Response::new(boxed(req.into_body()))
     } else if path.ends_with("/abort") {
@@ -452,7 +466,7 @@ async fn upstream_handle(
 #[derive(Clone)]
 pub struct Fallback;
 
-impl tower_service::Service<Request<Incoming>> for Fallback {
+impl tower_service::Service<Request<berth_proxy::RequestBody>> for Fallback {
     type Response = Response<Full<Bytes>>;
     type Error = Infallible;
     type Future = std::future::Ready<Result<Self::Response, Infallible>>;
@@ -462,7 +476,7 @@ impl tower_service::Service<Request<Incoming>> for Fallback {
     ) -> std::task::Poll<Result<(), Infallible>> {
         std::task::Poll::Ready(Ok(()))
     }
-    fn call(&mut self, req: Request<Incoming>) -> Self::Future {
+    fn call(&mut self, req: Request<berth_proxy::RequestBody>) -> Self::Future {
         let body = format!("fallback {}", req.uri().path());
         std::future::ready(Ok(Response::new(Full::new(Bytes::from(body)))))
     }
@@ -558,6 +572,18 @@ impl RawResponse {
             let (k, v) = line.split_once(':')?;
             k.eq_ignore_ascii_case(name).then(|| v.trim())
         })
+    }
+
+    /// Every value of header `name` (lowercase), in order.
+    pub fn headers(&self, name: &str) -> Vec<&str> {
+        self.head
+            .lines()
+            .skip(1)
+            .filter_map(|line| {
+                let (k, v) = line.split_once(':')?;
+                k.eq_ignore_ascii_case(name).then(|| v.trim())
+            })
+            .collect()
     }
 }
 

@@ -1,25 +1,44 @@
-//! Who is calling (design §8.2).
+//! Who is calling the API, and the credentials berth mints (design §8.2).
 //!
-//! Tokens are secrets the caller shows as `Authorization: Bearer …` or as
-//! the `berth_token` cookie. berth keeps only their SHA-256: the admin
-//! token's in memory, user tokens' in the store. Comparisons of the admin
-//! hash are constant-time; user tokens are looked up by hash, so the secret
-//! itself never meets a timing-dependent comparison. The checking itself is
-//! `berth_proxy::auth`, shared with the proxy (same rules, same cache); this
-//! module adds what only the binary knows: the store and the admin token
-//! file.
+//! The API accepts two credentials and nothing else:
+//!
+//! * `Authorization: Bearer <token>`: the admin token or a user token,
+//!   checked by `berth_proxy::auth` (shared with the proxy: same rules, same
+//!   cache);
+//! * the admin page's **session cookie** ([`SESSION_COOKIE`]), made by
+//!   `POST /api/v1/session` from the admin token. For any method but GET and
+//!   HEAD it counts only with an `Origin` naming the berth host and the
+//!   session's CSRF token in `X-Berth-CSRF`, which a page on another origin
+//!   (a user's app on a sibling subdomain included) can neither send
+//!   without a preflight nor know. Sessions exist only when no app shares
+//!   the API's origin (path routing off): a same-origin app could read and
+//!   send whatever the admin page can.
+//!
+//! The user cookie (`berth_token`) is the proxy's, for one user's app, and
+//! is never accepted here.
+//!
+//! Secrets are stored as SHA-256 hashes: the admin token's in memory, user
+//! tokens' and sessions' in the store. A session's CSRF token is derived
+//! from its secret, so it needs no storage of its own.
 
 use std::io::Write;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::time::Duration;
 
 use anyhow::Context;
 use async_trait::async_trait;
-use axum::http::HeaderMap;
-use berth_core::UserId;
-use berth_proxy::auth::{AuthError, TokenHash, TokenStore};
-use berth_store::{Store, StoreError};
+use axum::http::{HeaderMap, Method, header};
+use berth_core::{UnixMillis, UserId};
+use berth_proxy::auth::{
+    AuthError, CSRF_HEADER, SESSION_COOKIE, SESSION_COOKIE_HOST, TokenHash, TokenStore,
+    UserTokenInfo, bearer, berth_cookies,
+};
+use berth_store::{MintOutcome, NewToken, Store, StoreError, TokenRecord};
+use cookie::{Cookie, SameSite};
+use sha2::{Digest, Sha256};
+use subtle::ConstantTimeEq;
 
 // One implementation for API and proxy: token extraction, the constant-time
 // admin compare and the cached user-token lookup live in berth_proxy.
@@ -28,34 +47,98 @@ pub use berth_proxy::auth::Caller;
 /// The name of the admin token file inside the data dir.
 pub const ADMIN_TOKEN_FILE: &str = "admin.token";
 
-/// User token hashes, looked up in the store (only on a cache miss).
+/// User tokens, looked up in the store (only on a cache miss).
 struct StoreTokens(Arc<dyn Store>);
 
 #[async_trait]
 impl TokenStore for StoreTokens {
-    async fn user_for_token_hash(&self, hash_hex: &str) -> Result<Option<UserId>, AuthError> {
-        self.0
-            .user_for_token(hash_hex)
+    async fn lookup(&self, hash_hex: &str) -> Result<Option<UserTokenInfo>, AuthError> {
+        let owner = self
+            .0
+            .use_token(hash_hex)
             .await
-            .map_err(|e| AuthError::Store(e.to_string()))
+            .map_err(|e| AuthError::Store(e.to_string()))?;
+        Ok(owner.map(|o| UserTokenInfo {
+            // Measured by the store's clock, then counted down locally.
+            expires_in: Duration::from_millis(
+                u64::try_from(o.expires_at.saturating_sub(o.now)).unwrap_or(0),
+            ),
+            user: o.user,
+            id: o.id,
+        }))
     }
 }
 
-/// Checks presented tokens and mints user tokens.
+/// The `[auth]` settings, plus whether sessions may exist.
+#[derive(Debug, Clone)]
+pub struct AuthSettings {
+    pub user_token_ttl: Duration,
+    pub max_tokens_per_user: u32,
+    pub token_cache: Duration,
+    pub session_ttl: Duration,
+    pub users_may_patch: bool,
+    /// False while path routing puts apps on the API's origin.
+    pub sessions: bool,
+}
+
+/// Why the API refuses a caller.
+#[derive(Debug, thiserror::Error)]
+pub enum Refusal {
+    /// 401: no valid credential.
+    #[error("{0}")]
+    Unauthenticated(String),
+    /// 403: a valid credential that may not do this here.
+    #[error("{0}")]
+    Forbidden(String),
+    /// 400: a request that cannot be judged (two session cookies).
+    #[error("{0}")]
+    BadRequest(String),
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
+impl From<AuthError> for Refusal {
+    fn from(AuthError::Store(message): AuthError) -> Self {
+        Refusal::Store(StoreError::Unavailable(message))
+    }
+}
+
+/// What `POST /api/v1/session` made.
+#[derive(Debug, Clone)]
+pub struct NewSession {
+    /// The `Set-Cookie` value.
+    pub cookie: String,
+    pub csrf_token: String,
+    pub expires_at: UnixMillis,
+}
+
+/// A live session, found by the cookie a request carries.
+#[derive(Debug, Clone)]
+pub struct Session {
+    secret_hash: String,
+    pub csrf_token: String,
+    pub expires_at: UnixMillis,
+}
+
+/// Checks credentials, mints user tokens and sessions.
 #[derive(Clone)]
 pub struct Authenticator {
     shared: berth_proxy::auth::Authenticator,
     store: Arc<dyn Store>,
+    settings: AuthSettings,
 }
 
 impl Authenticator {
-    pub fn new(admin_token: &str, store: Arc<dyn Store>) -> Self {
+    pub fn new(admin_token: &str, store: Arc<dyn Store>, settings: AuthSettings) -> Self {
         Self {
-            shared: berth_proxy::auth::Authenticator::new(
+            shared: berth_proxy::auth::Authenticator::with_cache(
                 admin_token,
                 Arc::new(StoreTokens(store.clone())),
+                berth_proxy::auth::DEFAULT_CACHE_ENTRIES,
+                settings.token_cache,
             ),
             store,
+            settings,
         }
     }
 
@@ -64,28 +147,227 @@ impl Authenticator {
         self.shared.clone()
     }
 
-    /// Identifies the caller from its headers; `None` if no valid token.
-    pub async fn identify(&self, headers: &HeaderMap) -> Result<Option<Caller>, StoreError> {
-        self.shared
-            .identify_headers(headers)
-            .await
-            .map_err(|AuthError::Store(message)| StoreError::Unavailable(message))
+    pub fn settings(&self) -> &AuthSettings {
+        &self.settings
     }
 
-    /// Mints a new token for `user` and stores its hash.
-    pub async fn mint_user_token(&self, user: &UserId) -> anyhow::Result<String> {
-        let token = random_token()?;
-        self.store
-            .put_token(user, &TokenHash::of(&token).to_hex())
-            .await?;
-        Ok(token)
+    /// Forgets this node's cached user tokens (after a revocation).
+    pub fn purge_cache(&self) {
+        self.shared.purge();
     }
+
+    /// The caller of an API request (design §8.2): a Bearer token, else
+    /// the admin session cookie under the same-origin and CSRF rules.
+    pub async fn caller(&self, method: &Method, headers: &HeaderMap) -> Result<Caller, Refusal> {
+        if let Some(token) = bearer(headers) {
+            // An explicit token decides alone: a wrong one is not rescued
+            // by a cookie the browser happened to send along.
+            return self.shared.identify(token).await?.ok_or_else(|| {
+                Refusal::Unauthenticated(
+                    "the Bearer token is not valid (unknown, expired or revoked)".into(),
+                )
+            });
+        }
+        let cookies = berth_cookies(headers).map_err(|e| Refusal::BadRequest(e.to_string()))?;
+        if cookies.session_token().is_some() {
+            self.session(method, headers).await?;
+            return Ok(Caller::Admin);
+        }
+        if cookies.user_token().is_some() {
+            return Err(Refusal::Unauthenticated(
+                "the API does not accept the berth_token cookie (it opens one user's app, nothing \
+                 else); send Authorization: Bearer <token>"
+                    .into(),
+            ));
+        }
+        Err(Refusal::Unauthenticated(
+            "a valid token is required: Authorization: Bearer <token>".into(),
+        ))
+    }
+
+    /// The live session of the request's session cookie, checked for
+    /// `method`: any `Origin` must be the berth host, and a method other
+    /// than GET/HEAD needs that `Origin` and the CSRF header.
+    pub async fn session(&self, method: &Method, headers: &HeaderMap) -> Result<Session, Refusal> {
+        if !self.settings.sessions {
+            return Err(Refusal::Unauthenticated(SESSIONS_OFF.into()));
+        }
+        let cookies = berth_cookies(headers).map_err(|e| Refusal::BadRequest(e.to_string()))?;
+        let Some(secret) = cookies.session_token() else {
+            return Err(Refusal::Unauthenticated("no session cookie".into()));
+        };
+        let secret_hash = TokenHash::of(secret).to_hex();
+        let Some(expires_at) = self.store.session_expiry(&secret_hash).await? else {
+            return Err(Refusal::Unauthenticated(
+                "the session has ended; sign in again".into(),
+            ));
+        };
+        let csrf_token = csrf_token_for(secret);
+        let safe = matches!(*method, Method::GET | Method::HEAD);
+        match origin_matches_host(headers) {
+            Some(true) => {}
+            None if safe => {}
+            Some(false) | None => {
+                return Err(Refusal::Forbidden(
+                    "the session cookie counts only on requests from the berth host's own pages \
+                     (Origin must be this host)"
+                        .into(),
+                ));
+            }
+        }
+        if !safe {
+            let presented = headers
+                .get(&CSRF_HEADER)
+                .map(|v| v.as_bytes())
+                .unwrap_or_default();
+            if !bool::from(presented.ct_eq(csrf_token.as_bytes())) {
+                return Err(Refusal::Forbidden(
+                    "the session cookie needs the session's CSRF token in X-Berth-CSRF for this \
+                     method"
+                        .into(),
+                ));
+            }
+        }
+        Ok(Session {
+            secret_hash,
+            csrf_token,
+            expires_at,
+        })
+    }
+
+    /// Starts an admin session: a random secret for the cookie (its hash
+    /// in the store) and the CSRF token derived from it.
+    pub async fn start_session(&self, https: bool) -> Result<NewSession, Refusal> {
+        if !self.settings.sessions {
+            return Err(Refusal::Forbidden(SESSIONS_OFF.into()));
+        }
+        let secret =
+            random_token().map_err(|e| Refusal::Store(StoreError::Query(e.to_string())))?;
+        let expires_at = self
+            .store
+            .create_session(&TokenHash::of(&secret).to_hex(), self.settings.session_ttl)
+            .await?;
+        let max_age = time_secs(self.settings.session_ttl);
+        let cookie = Cookie::build((session_cookie_name(https), secret.clone()))
+            .path("/")
+            .http_only(true)
+            .same_site(SameSite::Strict)
+            .secure(https)
+            .max_age(max_age)
+            .build();
+        Ok(NewSession {
+            cookie: cookie.to_string(),
+            csrf_token: csrf_token_for(&secret),
+            expires_at,
+        })
+    }
+
+    /// Ends `session`; returns the `Set-Cookie` value that deletes it.
+    pub async fn end_session(&self, session: &Session, https: bool) -> Result<String, Refusal> {
+        self.store.delete_session(&session.secret_hash).await?;
+        let mut cookie = Cookie::build((session_cookie_name(https), ""))
+            .path("/")
+            .http_only(true)
+            .same_site(SameSite::Strict)
+            .secure(https)
+            .build();
+        cookie.make_removal();
+        Ok(cookie.to_string())
+    }
+
+    /// Mints a token for `user`. Minted with a user token (`parent`), it
+    /// expires no later than that one. `ttl` shortens the configured life.
+    pub async fn mint_user_token(
+        &self,
+        user: &UserId,
+        parent: Option<&str>,
+        ttl: Option<Duration>,
+    ) -> Result<Minted, StoreError> {
+        let token = random_token().map_err(|e| StoreError::Query(e.to_string()))?;
+        let id = random_id().map_err(|e| StoreError::Query(e.to_string()))?;
+        let ttl = ttl.map_or(self.settings.user_token_ttl, |t| {
+            t.min(self.settings.user_token_ttl)
+        });
+        let outcome = self
+            .store
+            .mint_token(&NewToken {
+                id: &id,
+                user,
+                token_hash: &TokenHash::of(&token).to_hex(),
+                ttl,
+                parent,
+                max_live: self.settings.max_tokens_per_user,
+            })
+            .await?;
+        Ok(match outcome {
+            MintOutcome::Minted(record) => Minted::Token { token, record },
+            MintOutcome::TooMany { live } => Minted::TooMany { live },
+            MintOutcome::ParentGone => Minted::ParentGone,
+        })
+    }
+}
+
+/// What a mint produced.
+#[derive(Debug)]
+pub enum Minted {
+    Token { token: String, record: TokenRecord },
+    TooMany { live: u32 },
+    ParentGone,
+}
+
+const SESSIONS_OFF: &str = "admin sessions need every app on its own origin: with path routing \
+     on, apps share the API's origin and could use the session. Set [proxy] base_domain (and \
+     leave path_routing = \"auto\" or \"off\"), or use Authorization: Bearer";
+
+fn session_cookie_name(https: bool) -> &'static str {
+    if https {
+        SESSION_COOKIE_HOST
+    } else {
+        SESSION_COOKIE
+    }
+}
+
+fn time_secs(d: Duration) -> cookie::time::Duration {
+    cookie::time::Duration::seconds(i64::try_from(d.as_secs()).unwrap_or(i64::MAX))
+}
+
+/// The CSRF token of a session: a one-way function of its secret, so a
+/// page that learns it (the admin page keeps it in script) learns nothing
+/// that opens the cookie.
+pub fn csrf_token_for(session_secret: &str) -> String {
+    let mut h = Sha256::new();
+    h.update(b"berth-csrf\0");
+    h.update(session_secret.as_bytes());
+    hex::encode(h.finalize())
+}
+
+/// Whether the request's `Origin` names the host it was sent to: `None`
+/// without an `Origin`, `Some(false)` for another or an opaque (`null`)
+/// origin. Schemes are not compared: berth sees plain HTTP behind a TLS
+/// proxy, and no other page can be served from the berth host's name.
+pub fn origin_matches_host(headers: &HeaderMap) -> Option<bool> {
+    let origin = headers.get(header::ORIGIN)?.to_str().ok();
+    let host = headers.get(header::HOST).and_then(|v| v.to_str().ok());
+    let (Some(origin), Some(host)) = (origin, host) else {
+        return Some(false);
+    };
+    let authority = origin
+        .strip_prefix("https://")
+        .or_else(|| origin.strip_prefix("http://"));
+    Some(authority.is_some_and(|a| !a.is_empty() && a.eq_ignore_ascii_case(host.trim())))
 }
 
 /// 32 random bytes, hex-encoded: URL-, header- and cookie-safe.
 pub fn random_token() -> anyhow::Result<String> {
     let mut bytes = [0u8; 32];
     getrandom::fill(&mut bytes).map_err(|e| anyhow::anyhow!("no randomness for a token: {e}"))?;
+    Ok(hex::encode(bytes))
+}
+
+/// A token's public id: 8 random bytes, hex.
+fn random_id() -> anyhow::Result<String> {
+    let mut bytes = [0u8; 8];
+    getrandom::fill(&mut bytes).map_err(|e| anyhow::anyhow!("no randomness for an id: {e}"))?;
     Ok(hex::encode(bytes))
 }
 
@@ -123,6 +405,7 @@ pub fn admin_token_path(data_dir: &Path) -> PathBuf {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use axum::http::HeaderValue;
 
     #[test]
     fn admin_token_file_is_created_once_with_mode_0600() {
@@ -141,5 +424,45 @@ mod tests {
             load_or_create_admin_token(Some("given"), dir.path()).unwrap(),
             "given"
         );
+    }
+
+    #[test]
+    fn origins_must_name_the_host() {
+        let judge = |origin: Option<&'static str>, host: &'static str| {
+            let mut h = HeaderMap::new();
+            h.insert(header::HOST, HeaderValue::from_static(host));
+            if let Some(o) = origin {
+                h.insert(header::ORIGIN, HeaderValue::from_static(o));
+            }
+            origin_matches_host(&h)
+        };
+        assert_eq!(judge(None, "berth.example"), None);
+        assert_eq!(
+            judge(Some("https://berth.example"), "berth.example"),
+            Some(true)
+        );
+        assert_eq!(
+            judge(Some("http://Berth.Example:8000"), "berth.example:8000"),
+            Some(true)
+        );
+        for other in [
+            "https://alice.berth.example",
+            "https://berth.example.evil",
+            "null",
+            "https://",
+            "berth.example",
+            "https://berth.example:8443",
+        ] {
+            assert_eq!(judge(Some(other), "berth.example"), Some(false), "{other}");
+        }
+    }
+
+    #[test]
+    fn csrf_tokens_are_bound_to_their_session() {
+        let a = csrf_token_for("secret-a");
+        assert_eq!(a, csrf_token_for("secret-a"));
+        assert_ne!(a, csrf_token_for("secret-b"));
+        assert!(!a.contains("secret"));
+        assert_eq!(a.len(), 64);
     }
 }

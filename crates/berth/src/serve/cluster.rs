@@ -1,15 +1,15 @@
-//! Cluster mode at runtime (design §3, §7.3, §8.1, §8.3): the one place
-//! that decides where a user's instance runs when several nodes share a
+//! Cluster mode (design §3, §7.3, §8.1, §8.3): where a user's instance
+//! runs, and where each operation on it goes, when several nodes share a
 //! PostgreSQL store.
 //!
-//! * [`decide`] (pure): a live lease names the owner; otherwise placement
-//!   picks a node (sticky to the last holder).
-//! * [`Cluster`] feeds it from the store (the lease row, and the nodes'
-//!   rows cached for at most [`NODES_MAX_AGE`]) and acts on it for the
-//!   proxy ([`berth_proxy::ClusterHook`]) and the API (launch anywhere).
-//! * [`plan_failovers`] (pure) and [`Cluster::run_failover`]: the scan of
-//!   expired leases that relaunches users whose holder is gone (with
-//!   evidence), or reports them for an operator.
+//! * [`decide`] (pure): where a launch goes. A live lease names the owner;
+//!   otherwise placement picks a node (sticky to the last holder).
+//! * [`home`] (pure): where every other per-user operation goes: the
+//!   lease's holder, else the last holder while it lives, else here.
+//! * [`Cluster`] feeds them from the store (the lease row, and the nodes'
+//!   rows cached for at most [`NODES_MAX_AGE`]) and holds the client for
+//!   node-to-node calls. The use cases (`ops`) act on its answers; the
+//!   failover scan (`failover`) uses its views.
 //!
 //! The lease stays the only guarantee of "one live main per user": every
 //! decision here may be stale, and a wrong one ends in a refused claim
@@ -21,17 +21,15 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use axum::http::uri::Authority;
-use berth_core::policy::{NodeView, place};
-use berth_core::{Epoch, InstanceStatus, LaunchRequest, Role, SpawnError, Spawner, UserId};
-use berth_proxy::{ClusterHook, Locate};
-use berth_store::{LeaseRecord, NodeRecord, Store, StoreError, TakeoverPolicy};
-use futures_util::StreamExt;
+use berth_core::policy::{NodeState, NodeView, place};
+use berth_core::{Epoch, SpawnError, UserId};
+use berth_proxy::Locate;
+use berth_store::{LeaseRecord, NodeRecord, NodeStatus, Store, StoreError};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
-use tokio_util::sync::CancellationToken;
 
-use super::peer::{PeerAnswer, PeerClient};
+use super::peer::{PeerClient, PeerNode};
 
 /// The nodes' rows are read again when older than this: placement and
 /// routing tolerate a second of staleness (the lease catches races), and
@@ -41,11 +39,6 @@ pub const NODES_MAX_AGE: Duration = Duration::from_secs(1);
 const OWNER_MAX_AGE: Duration = Duration::from_secs(1);
 /// Bound of the remote-owner cache.
 const OWNER_CACHE_ENTRIES: usize = 10_000;
-/// A launch that meets `lease_busy` follows the named holder this many
-/// times at most (nodes' views differ for a moment; they never loop long).
-const MAX_HOPS: usize = 3;
-/// Relaunches of one failover scan run this many at a time.
-const FAILOVER_CONCURRENCY: usize = 8;
 
 // --- pure decisions ---------------------------------------------------------
 
@@ -55,17 +48,32 @@ pub struct LeaseView {
     pub holder: Option<String>,
     /// Held, not released, and not past its end by the store's clock.
     pub live: bool,
+    /// Held and not released: live, or expired while its holder may still
+    /// run the instance (fencing itself). Released leases keep their holder
+    /// only as a hint.
+    pub held: bool,
 }
 
 impl LeaseView {
     pub fn of(record: &LeaseRecord) -> Self {
+        let held = record.holder.is_some() && !record.released;
         Self {
             holder: record.holder.clone(),
-            live: record.holder.is_some()
-                && record.lease_until.is_some()
-                && !record.released
-                && !record.expired,
+            live: held && record.lease_until.is_some() && !record.expired,
+            held,
         }
+    }
+
+    /// The node other than `me` that holds this lease (live or expired),
+    /// as the `lease_busy` error a call that reached the wrong node
+    /// answers with.
+    pub fn held_elsewhere(&self, me: &str, user: &UserId) -> Option<SpawnError> {
+        let holder = self.holder.as_deref().filter(|h| self.held && *h != me)?;
+        Some(SpawnError::LeaseBusy {
+            user: user.clone(),
+            holder: holder.to_owned(),
+            expired: !self.live,
+        })
     }
 }
 
@@ -100,93 +108,29 @@ pub fn decide(me: &str, lease: Option<&LeaseView>, nodes: &[NodeView], ttl_ms: i
     }
 }
 
-/// One expired lease, with what the failover scan needs to judge it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Expired {
-    pub user: UserId,
-    pub holder: String,
-    pub epoch: Epoch,
-    /// Whether the holder heartbeat within one TTL (`None`: unknown).
-    pub holder_alive: Option<bool>,
-    /// The status of the user's main record, if there is one.
-    pub main: Option<InstanceStatus>,
-}
-
-/// What the failover scan does about one expired lease.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum FailoverStep {
-    /// Relaunch the user here, then fence the old holder's epoch.
-    Relaunch {
-        user: UserId,
-        old_holder: String,
-        old_epoch: Epoch,
-    },
-    /// Leave it to an operator (`berth takeover`), and say why.
-    Report {
-        user: UserId,
-        holder: String,
-        reason: &'static str,
-    },
-}
-
-/// Design §3 "No silent takeover": decides, for every expired lease of a
-/// main that was live, whether this node relaunches it.
-///
-/// * holder alive, or liveness unknown → report (no evidence it is gone);
-/// * `manual` → report;
-/// * otherwise placement among live `up` nodes, sticky to the dead holder
-///   (so in effect the most free): only the chosen node relaunches. Each
-///   choice counts against the chosen node's room for the rest of the
-///   scan, so every node, iterating the same rows in the same order,
-///   spreads a dead node's users the same way.
-///
-/// Leases this node held are not failovers: its own renew tick deals
-/// with them.
-pub fn plan_failovers(
-    me: &str,
-    expired: &[Expired],
-    nodes: &[NodeView],
-    ttl_ms: i64,
-    policy: TakeoverPolicy,
-) -> Vec<FailoverStep> {
-    let mut nodes = nodes.to_vec();
-    let mut steps = Vec::new();
-    for e in expired {
-        if e.holder == me || !e.main.is_some_and(InstanceStatus::is_live) {
-            continue;
-        }
-        let report = |reason| FailoverStep::Report {
-            user: e.user.clone(),
-            holder: e.holder.clone(),
-            reason,
-        };
-        if e.holder_alive != Some(false) {
-            steps.push(report(
-                "the holder is still alive (no evidence it is gone): take it over explicitly",
-            ));
-            continue;
-        }
-        if policy == TakeoverPolicy::Manual {
-            steps.push(report("takeover = \"manual\": take it over explicitly"));
-            continue;
-        }
-        match place(Some(&e.holder), &nodes, ttl_ms) {
-            Some(chosen) => {
-                if chosen == me {
-                    steps.push(FailoverStep::Relaunch {
-                        user: e.user.clone(),
-                        old_holder: e.holder.clone(),
-                        old_epoch: e.epoch,
-                    });
-                }
-                if let Some(n) = nodes.iter_mut().find(|n| n.id == chosen) {
-                    n.load = n.load.saturating_add(1);
-                }
-            }
-            None => steps.push(report("no live node has room for it")),
-        }
+/// Where a user's operations other than a launch run (stop, restart,
+/// logs, watchdog, breaker reset, progress): on the node that holds the
+/// lease, live or expired (an expired holder may still run the instance);
+/// with a released lease, on its last holder while that node is alive and
+/// not `down` (the user's data and logs are on its disk); otherwise here.
+/// Never [`Decision::Place`] or [`Decision::NoCapacity`].
+pub fn home(me: &str, lease: Option<&LeaseView>, nodes: &[NodeView], ttl_ms: i64) -> Decision {
+    let Some(lease) = lease else {
+        return Decision::Local;
+    };
+    let Some(holder) = lease.holder.as_deref().filter(|h| *h != me) else {
+        return Decision::Local;
+    };
+    let last_holder_alive = || {
+        nodes
+            .iter()
+            .any(|n| n.id == holder && n.status != NodeState::Down && n.is_alive(ttl_ms))
+    };
+    if lease.held || last_holder_alive() {
+        Decision::Owner(holder.to_owned())
+    } else {
+        Decision::Local
     }
-    steps
 }
 
 /// `host:port` of an advertised `http://host:port` URL.
@@ -213,7 +157,7 @@ pub trait NodeControl: Send + Sync + 'static {
 }
 
 #[async_trait]
-impl NodeControl for berth_local::LocalSpawner {
+impl NodeControl for berth_controller::Controller {
     fn set_draining(&self, draining: bool) {
         self.set_node_status(if draining {
             berth_store::NodeStatus::Draining
@@ -270,59 +214,63 @@ impl NodesSnapshot {
         self.nodes.iter().map(|n| n.view(now)).collect()
     }
 
-    fn url_of(&self, node: &str) -> Option<String> {
+    fn peer(&self, node: &str) -> Option<PeerNode> {
         self.nodes
             .iter()
             .find(|n| n.id == node)
-            .map(|n| n.advertise_url.clone())
-            .filter(|u| !u.is_empty())
+            .filter(|n| !n.advertise_url.is_empty())
+            .map(|n| PeerNode {
+                id: n.id.clone(),
+                url: n.advertise_url.clone(),
+            })
     }
 }
 
-/// Cluster routing, remote launches and failover for one node.
+/// This node's view of the cluster: the lease and node rows behind every
+/// routing decision, cached where a second of staleness is harmless, and
+/// the client that calls other nodes.
 pub struct Cluster {
     store: Arc<dyn Store>,
-    spawner: Arc<dyn Spawner>,
     node_id: String,
     ttl: Duration,
-    takeover: TakeoverPolicy,
     peers: PeerClient,
     nodes: Mutex<Option<Arc<NodesSnapshot>>>,
     /// One refresh at a time; others wait for it rather than all querying.
     refresh: tokio::sync::Mutex<()>,
     owners: Mutex<HashMap<UserId, (Instant, Locate)>>,
-    /// Reported expired leases, so each is logged once per epoch.
-    reported: Mutex<HashSet<(UserId, Epoch)>>,
     pub metrics: ClusterMetrics,
 }
 
 impl Cluster {
     pub fn new(
         store: Arc<dyn Store>,
-        spawner: Arc<dyn Spawner>,
         node_id: String,
         ttl: Duration,
-        takeover: TakeoverPolicy,
         peers: PeerClient,
         metrics: ClusterMetrics,
     ) -> Self {
         Self {
             store,
-            spawner,
             node_id,
             ttl,
-            takeover,
             peers,
             nodes: Mutex::new(None),
             refresh: tokio::sync::Mutex::new(()),
             owners: Mutex::new(HashMap::new()),
-            reported: Mutex::new(HashSet::new()),
             metrics,
         }
     }
 
     pub fn node_id(&self) -> &str {
         &self.node_id
+    }
+
+    pub fn ttl(&self) -> Duration {
+        self.ttl
+    }
+
+    pub fn peers(&self) -> &PeerClient {
+        &self.peers
     }
 
     fn ttl_ms(&self) -> i64 {
@@ -360,16 +308,22 @@ impl Cluster {
         *self.nodes.lock().unwrap_or_else(|e| e.into_inner()) = None;
     }
 
-    /// The advertised URL of `node`.
-    async fn url_of(&self, node: &str) -> Result<String, SpawnError> {
+    /// Fresh views of every node (for decisions that must not be stale:
+    /// the failover scan, restart-all).
+    pub async fn fresh_views(&self) -> Result<Vec<NodeView>, SpawnError> {
+        Ok(self.snapshot(Duration::ZERO).await?.views())
+    }
+
+    /// `node` and its advertised URL.
+    pub async fn peer(&self, node: &str) -> Result<PeerNode, SpawnError> {
         let snapshot = self.snapshot(NODES_MAX_AGE).await?;
-        if let Some(url) = snapshot.url_of(node) {
-            return Ok(url);
+        if let Some(peer) = snapshot.peer(node) {
+            return Ok(peer);
         }
         // A node that registered within the last second.
         self.snapshot(Duration::ZERO)
             .await?
-            .url_of(node)
+            .peer(node)
             .ok_or_else(|| {
                 SpawnError::Internal(format!(
                     "node {node} has no advertised URL in the nodes table"
@@ -377,28 +331,102 @@ impl Cluster {
             })
     }
 
-    /// Where `user`'s main should be served from, now.
+    /// `user`'s lease as routing sees it.
+    pub async fn lease(&self, user: &UserId) -> Result<Option<LeaseView>, SpawnError> {
+        Ok(self
+            .store
+            .get_lease(user)
+            .await?
+            .as_ref()
+            .map(LeaseView::of))
+    }
+
+    /// Where `user`'s main should be launched from, now ([`decide`]).
     pub async fn decide(&self, user: &UserId) -> Result<Decision, SpawnError> {
-        let lease = self.store.get_lease(user).await?;
+        let lease = self.lease(user).await?;
         let snapshot = self.snapshot(NODES_MAX_AGE).await?;
         Ok(decide(
             &self.node_id,
-            lease.as_ref().map(LeaseView::of).as_ref(),
+            lease.as_ref(),
             &snapshot.views(),
             self.ttl_ms(),
         ))
     }
 
-    /// Launches on `node` through its internal API.
-    pub async fn launch_on(
-        &self,
-        node: &str,
-        user: &UserId,
-        request: &LaunchRequest,
-        wait: bool,
-    ) -> Result<PeerAnswer, SpawnError> {
-        let url = self.url_of(node).await?;
-        self.peers.launch(&url, node, user, request, wait).await
+    /// Where `user`'s other operations run, now ([`home`]).
+    pub async fn home(&self, user: &UserId) -> Result<Decision, SpawnError> {
+        let lease = self.lease(user).await?;
+        let snapshot = self.snapshot(NODES_MAX_AGE).await?;
+        Ok(home(
+            &self.node_id,
+            lease.as_ref(),
+            &snapshot.views(),
+            self.ttl_ms(),
+        ))
+    }
+
+    /// Every node other than this one that may run instances: alive and
+    /// not `down`, or holding a lease that is not released. The rest run
+    /// nothing a cluster-wide operation could reach.
+    pub async fn other_nodes(&self) -> Result<Vec<PeerNode>, SpawnError> {
+        let snapshot = self.snapshot(Duration::ZERO).await?;
+        let holders: HashSet<String> = self
+            .store
+            .list_leases(false, self.ttl)
+            .await?
+            .into_iter()
+            .filter(|l| !l.released)
+            .filter_map(|l| l.holder)
+            .collect();
+        let ttl_ms = self.ttl_ms();
+        let views = snapshot.views();
+        let mut ids: Vec<String> = views
+            .iter()
+            .filter(|n| n.status != NodeState::Down && n.is_alive(ttl_ms))
+            .map(|n| n.id.clone())
+            .chain(holders)
+            .filter(|id| *id != self.node_id)
+            .collect();
+        ids.sort();
+        ids.dedup();
+        Ok(ids
+            .into_iter()
+            .map(|id| {
+                snapshot.peer(&id).unwrap_or(PeerNode {
+                    url: String::new(),
+                    id,
+                })
+            })
+            .collect())
+    }
+
+    /// Tells every other node that is not `down` to forget its cached user
+    /// tokens (after a revocation), all at once, and waits for the answers.
+    /// Returns the nodes that could not be told, with why; they drop the
+    /// token when their cache entries expire (`[auth] token_cache_s`).
+    pub async fn purge_token_caches(&self) -> Vec<String> {
+        let nodes = match self.store.list_nodes().await {
+            Ok(nodes) => nodes,
+            Err(e) => return vec![format!("every node (cannot list them: {e})")],
+        };
+        let calls = nodes
+            .into_iter()
+            .filter(|n| n.id != self.node_id && n.status != NodeStatus::Down)
+            .map(|n| async move {
+                let peer = PeerNode {
+                    id: n.id,
+                    url: n.advertise_url,
+                };
+                match self.peers.purge_tokens(&peer).await {
+                    Ok(()) => None,
+                    Err(e) => Some(format!("{} ({e})", peer.id)),
+                }
+            });
+        futures_util::future::join_all(calls)
+            .await
+            .into_iter()
+            .flatten()
+            .collect()
     }
 
     /// Asks `node` to fence `user`'s instance if it still runs under
@@ -408,8 +436,8 @@ impl Cluster {
         if node == self.node_id {
             return;
         }
-        let result = match self.url_of(node).await {
-            Ok(url) => self.peers.fence(&url, node, user, epoch).await,
+        let result = match self.peer(node).await {
+            Ok(peer) => self.peers.fence(&peer, user, epoch).await,
             Err(e) => Err(e),
         };
         match result {
@@ -422,7 +450,8 @@ impl Cluster {
         }
     }
 
-    fn cached_owner(&self, user: &UserId) -> Option<Locate> {
+    /// The proxy's remembered answer for `user`, if recent.
+    pub fn cached_owner(&self, user: &UserId) -> Option<Locate> {
         let owners = self.owners.lock().unwrap_or_else(|e| e.into_inner());
         owners
             .get(user)
@@ -430,7 +459,8 @@ impl Cluster {
             .map(|(_, l)| l.clone())
     }
 
-    fn remember_owner(&self, user: &UserId, locate: &Locate) {
+    /// Remembers, for a second, that `user` is served elsewhere.
+    pub fn remember_owner(&self, user: &UserId, locate: &Locate) {
         let mut owners = self.owners.lock().unwrap_or_else(|e| e.into_inner());
         if owners.len() >= OWNER_CACHE_ENTRIES {
             owners.retain(|_, (at, _)| at.elapsed() <= OWNER_MAX_AGE);
@@ -440,184 +470,20 @@ impl Cluster {
         }
         owners.insert(user.clone(), (Instant::now(), locate.clone()));
     }
+}
 
-    async fn remote(&self, node: String) -> Result<Locate, SpawnError> {
-        let url = self.url_of(&node).await?;
-        let endpoint = authority_of_url(&url).ok_or_else(|| {
-            SpawnError::Internal(format!(
-                "node {node} advertises {url:?}, which is not an http://host:port URL"
-            ))
-        })?;
-        Ok(Locate::Remote { endpoint, node })
-    }
-
-    /// The proxy's question: serve `user` here, or forward to which node?
-    /// A node placement chose is asked to launch (and waited for) first.
-    async fn locate_uncached(&self, user: &UserId) -> Result<Locate, SpawnError> {
-        let mut decision = self.decide(user).await?;
-        for _ in 0..MAX_HOPS {
-            let node = match decision {
-                Decision::Local => return Ok(Locate::Local),
-                Decision::Owner(node) => return self.remote(node).await,
-                Decision::NoCapacity => return Err(no_capacity()),
-                Decision::Place(node) => node,
-            };
-            let answer = self
-                .launch_on(&node, user, &LaunchRequest::default(), true)
-                .await?;
-            match answer.error(user) {
-                None => return self.remote(node).await,
-                // Somebody else won the claim meanwhile: go to them.
-                Some(SpawnError::LeaseBusy {
-                    holder,
-                    expired: false,
-                    ..
-                }) if !holder.is_empty() => {
-                    decision = if holder == self.node_id {
-                        Decision::Local
-                    } else {
-                        Decision::Owner(holder)
-                    };
-                }
-                Some(e) => return Err(e),
-            }
-        }
-        Err(SpawnError::Starting {
-            user: user.clone(),
-            retry_after_ms: 1000,
-        })
-    }
-
-    // --- failover -----------------------------------------------------------
-
-    /// Scans for expired leases every `interval` until `cancel` fires.
-    pub async fn run_failover(self: Arc<Self>, interval: Duration, cancel: CancellationToken) {
-        let mut tick = tokio::time::interval(interval);
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        loop {
-            tokio::select! {
-                () = cancel.cancelled() => return,
-                _ = tick.tick() => {}
-            }
-            let scan = self.failover_scan();
-            tokio::select! {
-                () = cancel.cancelled() => return,
-                result = scan => if let Err(e) = result {
-                    tracing::warn!(error = %e, "failover scan failed");
-                },
-            }
-        }
-    }
-
-    /// One scan: read the expired leases, plan, relaunch what falls to this
-    /// node, report the rest once.
-    pub async fn failover_scan(&self) -> Result<(), SpawnError> {
-        let leases = self.store.list_leases(true, self.ttl).await?;
-        self.metrics
-            .expired_leases
-            .set(i64::try_from(leases.len()).unwrap_or(i64::MAX));
-        let mut expired = Vec::new();
-        for lease in leases {
-            let Some(holder) = lease.holder.clone() else {
-                continue;
-            };
-            if holder == self.node_id {
-                continue;
-            }
-            let main = self
-                .store
-                .get_instance(&lease.user, Role::Main)
-                .await?
-                .map(|i| i.status);
-            expired.push(Expired {
-                user: lease.user,
-                holder,
-                epoch: lease.epoch,
-                holder_alive: lease.holder_alive,
-                main,
-            });
-        }
-        // A lease no longer expired (taken over, renewed, released) will
-        // not be reported again under that epoch: forget it, so the set
-        // stays as small as the current expired set.
-        self.reported
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .retain(|(user, epoch)| expired.iter().any(|e| e.user == *user && e.epoch == *epoch));
-        if expired.is_empty() {
-            return Ok(());
-        }
-        // Liveness must be as fresh as the lease rows it is judged with.
-        let snapshot = self.snapshot(Duration::ZERO).await?;
-        let steps = plan_failovers(
-            &self.node_id,
-            &expired,
-            &snapshot.views(),
-            self.ttl_ms(),
-            self.takeover,
-        );
-        let mut relaunches = Vec::new();
-        for step in steps {
-            match step {
-                FailoverStep::Report {
-                    user,
-                    holder,
-                    reason,
-                } => {
-                    let epoch = expired
-                        .iter()
-                        .find(|e| e.user == user)
-                        .map_or(0, |e| e.epoch);
-                    let first = self
-                        .reported
-                        .lock()
-                        .unwrap_or_else(|e| e.into_inner())
-                        .insert((user.clone(), epoch));
-                    if first {
-                        tracing::warn!(%user, %holder, epoch, "expired lease not taken over: {reason}");
-                    }
-                }
-                FailoverStep::Relaunch {
-                    user,
-                    old_holder,
-                    old_epoch,
-                } => relaunches.push((user, old_holder, old_epoch)),
-            }
-        }
-        futures_util::stream::iter(relaunches)
-            .for_each_concurrent(FAILOVER_CONCURRENCY, |(user, holder, epoch)| async move {
-                self.fail_over(&user, &holder, epoch).await;
-            })
-            .await;
-        Ok(())
-    }
-
-    /// Relaunches `user` here with their launch parameters. The spawner's
-    /// claim succeeds only with the store's evidence that the holder is
-    /// gone; afterwards the old holder is told to fence the old epoch.
-    async fn fail_over(&self, user: &UserId, old_holder: &str, old_epoch: Epoch) {
-        tracing::warn!(%user, %old_holder, old_epoch, "lease holder is gone; relaunching here");
-        let request = match super::api::launch_request_from_store(self.store.as_ref(), user).await {
-            Ok(r) => r,
-            Err(e) => {
-                tracing::warn!(%user, error = %e, "failover: cannot read the launch parameters");
-                return;
-            }
-        };
-        match self.spawner.launch(user, request).await {
-            Ok(instance) => {
-                self.metrics.failovers.inc();
-                tracing::warn!(%user, %old_holder, epoch = instance.epoch, "failed over to this node");
-                self.fence_remote(old_holder, user, old_epoch).await;
-            }
-            // Another node was faster, or the user was relaunched already.
-            Err(SpawnError::LeaseBusy { holder, .. }) => {
-                tracing::info!(%user, %holder, "failover: another node holds the lease now");
-            }
-            Err(SpawnError::AlreadyRunning { .. }) => {}
-            Err(e) => tracing::warn!(%user, error = %e, "failover launch failed"),
-        }
-    }
+/// Where the proxy forwards a request for a user `node` runs.
+pub fn remote_locate(node: &PeerNode) -> Result<Locate, SpawnError> {
+    let endpoint = authority_of_url(&node.url).ok_or_else(|| {
+        SpawnError::Internal(format!(
+            "node {} advertises {:?}, which is not an http://host:port URL",
+            node.id, node.url
+        ))
+    })?;
+    Ok(Locate::Remote {
+        endpoint,
+        node: node.id.clone(),
+    })
 }
 
 /// The error a [`Decision::NoCapacity`] is answered with.
@@ -627,28 +493,15 @@ pub(crate) fn no_capacity() -> SpawnError {
     )
 }
 
-#[async_trait]
-impl ClusterHook for Cluster {
-    async fn locate(&self, user: &UserId) -> Result<Locate, SpawnError> {
-        if let Some(cached) = self.cached_owner(user) {
-            return Ok(cached);
-        }
-        let locate = self.locate_uncached(user).await?;
-        if matches!(locate, Locate::Remote { .. }) {
-            self.remember_owner(user, &locate);
-        }
-        Ok(locate)
-    }
-}
-
+/// Node views for the decision tables (here and in `failover`).
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use berth_core::policy::NodeState;
+pub(super) mod fixtures {
+    use berth_core::policy::{NodeState, NodeView};
 
-    const TTL: i64 = 3000;
+    pub const TTL: i64 = 3000;
 
-    fn up(id: &str, capacity: u32, load: u32) -> NodeView {
+    /// Alive and `up`, with `load` of `capacity` taken.
+    pub fn up(id: &str, capacity: u32, load: u32) -> NodeView {
         NodeView {
             id: id.into(),
             status: NodeState::Up,
@@ -658,18 +511,111 @@ mod tests {
         }
     }
 
-    fn dead(id: &str) -> NodeView {
+    /// Heartbeat older than the TTL.
+    pub fn dead(id: &str) -> NodeView {
         NodeView {
             heartbeat_age_ms: TTL + 1,
             ..up(id, 10, 0)
         }
     }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::fixtures::{TTL, dead, up};
+    use super::*;
 
     fn lease(holder: Option<&str>, live: bool) -> LeaseView {
         LeaseView {
             holder: holder.map(str::to_owned),
             live,
+            held: live,
         }
+    }
+
+    fn expired(holder: &str) -> LeaseView {
+        LeaseView {
+            holder: Some(holder.into()),
+            live: false,
+            held: true,
+        }
+    }
+
+    #[test]
+    fn home_table() {
+        let down = NodeView {
+            status: NodeState::Down,
+            ..up("c", 10, 0)
+        };
+        let nodes = vec![up("a", 10, 5), up("b", 10, 1), down, dead("d")];
+        type Case<'a> = (&'a str, Option<LeaseView>, Decision);
+        let cases: &[Case] = &[
+            ("no lease: here", None, Decision::Local),
+            (
+                "live lease here",
+                Some(lease(Some("a"), true)),
+                Decision::Local,
+            ),
+            (
+                "live lease elsewhere",
+                Some(lease(Some("b"), true)),
+                Decision::Owner("b".into()),
+            ),
+            (
+                "expired, unreleased: its holder may still run it, even if it looks dead",
+                Some(expired("d")),
+                Decision::Owner("d".into()),
+            ),
+            (
+                "released: the last holder, alive and up, keeps the user's data",
+                Some(lease(Some("b"), false)),
+                Decision::Owner("b".into()),
+            ),
+            (
+                "released, last holder down: here",
+                Some(lease(Some("c"), false)),
+                Decision::Local,
+            ),
+            (
+                "released, last holder dead: here",
+                Some(lease(Some("d"), false)),
+                Decision::Local,
+            ),
+            (
+                "released, last holder unknown: here",
+                Some(lease(Some("zz"), false)),
+                Decision::Local,
+            ),
+            ("never held", Some(lease(None, false)), Decision::Local),
+        ];
+        for (name, lease, want) in cases {
+            assert_eq!(&home("a", lease.as_ref(), &nodes, TTL), want, "{name}");
+        }
+    }
+
+    #[test]
+    fn a_lease_held_elsewhere_is_lease_busy() {
+        let alice = UserId::parse("alice").unwrap();
+        let busy = |l: LeaseView| l.held_elsewhere("a", &alice).map(|e| e.to_string());
+        assert_eq!(busy(lease(Some("a"), true)), None, "mine");
+        assert_eq!(busy(lease(Some("b"), false)), None, "released");
+        assert_eq!(busy(lease(None, false)), None, "never held");
+        assert_eq!(
+            lease(Some("b"), true).held_elsewhere("a", &alice),
+            Some(SpawnError::LeaseBusy {
+                user: alice.clone(),
+                holder: "b".into(),
+                expired: false
+            })
+        );
+        assert_eq!(
+            expired("b").held_elsewhere("a", &alice),
+            Some(SpawnError::LeaseBusy {
+                user: alice.clone(),
+                holder: "b".into(),
+                expired: true
+            })
+        );
     }
 
     #[test]
@@ -757,6 +703,12 @@ mod tests {
             holder_alive: None,
         };
         assert!(LeaseView::of(&base).live);
+        assert!(LeaseView::of(&base).held);
+        let expired = LeaseView::of(&LeaseRecord {
+            expired: true,
+            ..base.clone()
+        });
+        assert!(expired.held && !expired.live, "{expired:?}");
         for record in [
             LeaseRecord {
                 released: true,
@@ -777,145 +729,6 @@ mod tests {
         ] {
             assert!(!LeaseView::of(&record).live, "{record:?}");
         }
-    }
-
-    fn expired(
-        user: &str,
-        holder: &str,
-        alive: Option<bool>,
-        main: Option<InstanceStatus>,
-    ) -> Expired {
-        Expired {
-            user: UserId::parse(user).unwrap(),
-            holder: holder.into(),
-            epoch: 7,
-            holder_alive: alive,
-            main,
-        }
-    }
-
-    fn relaunch(user: &str, holder: &str) -> FailoverStep {
-        FailoverStep::Relaunch {
-            user: UserId::parse(user).unwrap(),
-            old_holder: holder.into(),
-            old_epoch: 7,
-        }
-    }
-
-    fn kinds(steps: &[FailoverStep]) -> Vec<String> {
-        steps
-            .iter()
-            .map(|s| match s {
-                FailoverStep::Relaunch { user, .. } => format!("relaunch {user}"),
-                FailoverStep::Report { user, .. } => format!("report {user}"),
-            })
-            .collect()
-    }
-
-    #[test]
-    fn failover_table() {
-        use InstanceStatus::{Crashed, Failed, Running, Starting, Stopped};
-        let nodes = vec![up("a", 10, 0), up("b", 10, 5), dead("x")];
-        type Case<'a> = (&'a str, Expired, TakeoverPolicy, Vec<&'a str>);
-        let ev = TakeoverPolicy::Evidence;
-        let cases: Vec<Case> = vec![
-            (
-                "dead holder, running main, evidence: the most free node relaunches",
-                expired("u", "x", Some(false), Some(Running)),
-                ev,
-                vec!["relaunch u"],
-            ),
-            (
-                "starting and crashed mains count as live",
-                expired("u", "x", Some(false), Some(Starting)),
-                ev,
-                vec!["relaunch u"],
-            ),
-            (
-                "crashed",
-                expired("u", "x", Some(false), Some(Crashed)),
-                ev,
-                vec!["relaunch u"],
-            ),
-            (
-                "stopped main: nothing to do",
-                expired("u", "x", Some(false), Some(Stopped)),
-                ev,
-                vec![],
-            ),
-            (
-                "failed main: nothing to do",
-                expired("u", "x", Some(false), Some(Failed)),
-                ev,
-                vec![],
-            ),
-            (
-                "no main record: nothing to do",
-                expired("u", "x", Some(false), None),
-                ev,
-                vec![],
-            ),
-            (
-                "holder alive: no evidence, report",
-                expired("u", "b", Some(true), Some(Running)),
-                ev,
-                vec!["report u"],
-            ),
-            (
-                "liveness unknown: report",
-                expired("u", "x", None, Some(Running)),
-                ev,
-                vec!["report u"],
-            ),
-            (
-                "manual: report even with evidence",
-                expired("u", "x", Some(false), Some(Running)),
-                TakeoverPolicy::Manual,
-                vec!["report u"],
-            ),
-            (
-                "own lease: the renew tick's business",
-                expired("u", "a", Some(false), Some(Running)),
-                ev,
-                vec![],
-            ),
-        ];
-        for (name, e, policy, want) in cases {
-            let steps = plan_failovers("a", &[e], &nodes, TTL, policy);
-            assert_eq!(kinds(&steps), want, "{name}");
-        }
-        // Another node is the most free: it relaunches, this node does not.
-        let steps = plan_failovers(
-            "b",
-            &[expired("u", "x", Some(false), Some(Running))],
-            &nodes,
-            TTL,
-            TakeoverPolicy::Evidence,
-        );
-        assert!(steps.is_empty(), "{steps:?}");
-        // Nobody has room: reported.
-        let full = vec![up("a", 1, 1), dead("x")];
-        let steps = plan_failovers(
-            "a",
-            &[expired("u", "x", Some(false), Some(Running))],
-            &full,
-            TTL,
-            TakeoverPolicy::Evidence,
-        );
-        assert_eq!(kinds(&steps), vec!["report u"]);
-    }
-
-    #[test]
-    fn failovers_spread_over_the_nodes_in_one_scan() {
-        let nodes = vec![up("a", 10, 0), up("b", 10, 0), dead("x")];
-        let users: Vec<Expired> = ["u1", "u2", "u3", "u4"]
-            .iter()
-            .map(|u| expired(u, "x", Some(false), Some(InstanceStatus::Running)))
-            .collect();
-        let on_a = plan_failovers("a", &users, &nodes, TTL, TakeoverPolicy::Evidence);
-        let on_b = plan_failovers("b", &users, &nodes, TTL, TakeoverPolicy::Evidence);
-        assert_eq!(on_a, vec![relaunch("u1", "x"), relaunch("u3", "x")]);
-        assert_eq!(on_b, vec![relaunch("u2", "x"), relaunch("u4", "x")]);
     }
 
     #[test]

@@ -1,41 +1,102 @@
-//! Calls from one node to another (design §7.3, §8.2): launch a user's
-//! instance on the node placement chose, and fence a user's instance on its
-//! old holder. Every call carries the cluster secret in
-//! `X-Berth-Cluster-Secret`; the answer is the callee's API answer, whose
-//! error JSON maps back to the [`SpawnError`] it came from, so an error
-//! keeps its code and HTTP meaning across nodes.
+//! Calls from one node to another (design §7.3, §8.2): the transport of
+//! the use cases that run on the node owning a user (`ops`), the fence of
+//! an old holder, and the token-cache purge. Every call carries the
+//! cluster secret in `X-Berth-Cluster-Secret`; an error answer's JSON maps
+//! back to the [`SpawnError`] it came from, so an error keeps its code and
+//! HTTP meaning across nodes (a `lease_busy` from the callee is followed
+//! by the caller's hop loop).
 
 use std::time::Duration;
 
-use berth_core::{Epoch, LaunchRequest, SpawnError, UserId, unix_millis_now};
+use berth_core::{Epoch, SpawnError, UserId, unix_millis_now};
 use berth_proxy::auth::{CLUSTER_SECRET, ClusterSecret};
+use futures_util::StreamExt;
+use futures_util::stream::BoxStream;
+use reqwest::Method;
+use serde::de::DeserializeOwned;
 use serde_json::{Value, json};
+
+use crate::sse::{self, SseEvent};
 
 /// How long a peer may take to accept a connection. Peers are in the same
 /// network; a node that does not answer this fast is as good as gone.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 /// Budget of a fence call: the callee kills at once and waits for the exit.
 const FENCE_TIMEOUT: Duration = Duration::from_secs(5);
-/// Added to the callee's ready timeout for a launch that waits for ready.
-const LAUNCH_MARGIN: Duration = Duration::from_secs(5);
+/// Budget of a token purge: the callee clears a map and answers.
+const PURGE_TIMEOUT: Duration = Duration::from_secs(3);
+/// How long a relayed event stream may stay silent: three of the API's
+/// keep-alive intervals (15 s). A stream from a node that went away
+/// without closing its connections ends after this.
+const STREAM_SILENCE: Duration = Duration::from_secs(45);
+/// Keep-alive probes on idle connections to peers, so a peer that
+/// vanished is noticed by the kernel too.
+const TCP_KEEPALIVE: Duration = Duration::from_secs(30);
+
+/// A node to call: its id (for messages) and advertised URL.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PeerNode {
+    pub id: String,
+    pub url: String,
+}
+
+/// One call about a user: `<method> /internal/v1/users/<user>/<op>?<query>`
+/// with an optional JSON body, within `budget`.
+#[derive(Debug, Clone)]
+pub struct UserCall<'a> {
+    pub method: Method,
+    pub op: &'a str,
+    pub query: Vec<(&'static str, String)>,
+    pub body: Option<Value>,
+    pub budget: Duration,
+}
+
+impl<'a> UserCall<'a> {
+    pub fn post(op: &'a str, budget: Duration) -> Self {
+        Self {
+            method: Method::POST,
+            op,
+            query: Vec::new(),
+            body: None,
+            budget,
+        }
+    }
+
+    pub fn get(op: &'a str, budget: Duration) -> Self {
+        Self {
+            method: Method::GET,
+            ..Self::post(op, budget)
+        }
+    }
+
+    #[must_use]
+    pub fn query(mut self, key: &'static str, value: impl ToString) -> Self {
+        self.query.push((key, value.to_string()));
+        self
+    }
+
+    #[must_use]
+    pub fn body(mut self, body: Value) -> Self {
+        self.body = Some(body);
+        self
+    }
+}
 
 /// An HTTP client for node-to-node calls.
 #[derive(Clone)]
 pub struct PeerClient {
+    /// Calls with an answer: each has its own budget.
     http: reqwest::Client,
+    /// Event streams: no budget in all, but a bound on silence.
+    streams: reqwest::Client,
     secret: ClusterSecret,
-    /// How long a launch waits on the callee (its `ready_timeout`).
-    ready_timeout: Duration,
 }
 
-/// A peer's answer to a launch, as it came: passed through verbatim by the
-/// API, turned back into an error by the proxy.
+/// A peer's answer, as it came.
 #[derive(Debug, Clone, PartialEq)]
 pub struct PeerAnswer {
     pub status: u16,
     pub body: Value,
-    /// The `Retry-After` header, seconds.
-    pub retry_after: Option<String>,
 }
 
 impl PeerAnswer {
@@ -47,109 +108,169 @@ impl PeerAnswer {
             Err(error_from_json(user, self.status, &self.body))
         }
     }
-
-    /// The error this answer stands for, if it is one.
-    pub fn error(&self, user: &UserId) -> Option<SpawnError> {
-        (!(200..300).contains(&self.status)).then(|| error_from_json(user, self.status, &self.body))
-    }
 }
 
 impl PeerClient {
-    pub fn new(secret: ClusterSecret, ready_timeout: Duration) -> Result<Self, reqwest::Error> {
-        let http = reqwest::Client::builder()
-            .connect_timeout(CONNECT_TIMEOUT)
-            // Peers may be many; idle connections to each are kept briefly.
-            .pool_idle_timeout(Duration::from_secs(30))
-            .build()?;
+    pub fn new(secret: ClusterSecret) -> Result<Self, reqwest::Error> {
+        let builder = || {
+            reqwest::Client::builder()
+                .connect_timeout(CONNECT_TIMEOUT)
+                .tcp_keepalive(TCP_KEEPALIVE)
+                // Peers may be many; idle connections to each are kept
+                // briefly.
+                .pool_idle_timeout(Duration::from_secs(30))
+        };
         Ok(Self {
-            http,
+            http: builder().build()?,
+            streams: builder().read_timeout(STREAM_SILENCE).build()?,
             secret,
-            ready_timeout,
         })
     }
 
-    fn url(base: &str, user: &UserId, action: &str) -> String {
+    /// `<url>/internal/v1/users/<user>/<op>`.
+    fn user_url(node: &PeerNode, user: &UserId, op: &str) -> String {
         format!(
-            "{}/internal/v1/users/{}/{action}",
-            base.trim_end_matches('/'),
+            "{}/internal/v1/users/{}/{op}",
+            node.url.trim_end_matches('/'),
             user.path_segment()
         )
     }
 
-    /// `POST /internal/v1/users/{user}/launch` on the node at `base`: a
-    /// local launch there (waiting for ready with `wait`). A transport
-    /// failure is an error; any HTTP answer is returned as it came.
-    pub async fn launch(
-        &self,
-        base: &str,
-        node: &str,
-        user: &UserId,
-        request: &LaunchRequest,
-        wait: bool,
-    ) -> Result<PeerAnswer, SpawnError> {
-        let url = format!("{}?wait={wait}", Self::url(base, user, "launch"));
-        let timeout = if wait {
-            self.ready_timeout + LAUNCH_MARGIN
-        } else {
-            LAUNCH_MARGIN * 2
-        };
-        let response = self
-            .http
-            .post(&url)
+    fn request(&self, method: Method, url: &str) -> reqwest::RequestBuilder {
+        self.http
+            .request(method, url)
             .header(&CLUSTER_SECRET, self.secret.header_value().clone())
-            .json(request)
-            .timeout(timeout)
+    }
+
+    fn stream_request(&self, url: &str) -> reqwest::RequestBuilder {
+        self.streams
+            .get(url)
+            .header(&CLUSTER_SECRET, self.secret.header_value().clone())
+    }
+
+    /// Sends `request` and reads its JSON answer (any status). A transport
+    /// failure is an error naming the node.
+    async fn answer(
+        node: &PeerNode,
+        request: reqwest::RequestBuilder,
+    ) -> Result<PeerAnswer, SpawnError> {
+        let response = request
             .send()
             .await
-            .map_err(|e| unreachable_peer(node, base, &e))?;
+            .map_err(|e| unreachable_peer(&node.id, &node.url, &e))?;
         let status = response.status().as_u16();
-        let retry_after = response
-            .headers()
-            .get(reqwest::header::RETRY_AFTER)
-            .and_then(|v| v.to_str().ok())
-            .map(str::to_owned);
-        let body = response
-            .json::<Value>()
+        let text = response
+            .text()
             .await
-            .map_err(|e| unreachable_peer(node, base, &e))?;
-        Ok(PeerAnswer {
-            status,
-            body,
-            retry_after,
+            .map_err(|e| unreachable_peer(&node.id, &node.url, &e))?;
+        // An empty answer (e.g. 204) is `null`.
+        let body = serde_json::from_str(&text).unwrap_or(Value::Null);
+        Ok(PeerAnswer { status, body })
+    }
+
+    /// `call` about `user` on `node`: the answer's JSON as `T`, or the
+    /// error the callee answered with.
+    pub async fn user_call<T: DeserializeOwned>(
+        &self,
+        node: &PeerNode,
+        user: &UserId,
+        call: UserCall<'_>,
+    ) -> Result<T, SpawnError> {
+        let mut request = self
+            .request(call.method, &Self::user_url(node, user, call.op))
+            .query(&call.query)
+            .timeout(call.budget);
+        if let Some(body) = call.body {
+            request = request.json(&body);
+        }
+        let value = Self::answer(node, request).await?.into_result(user)?;
+        serde_json::from_value(value).map_err(|e| {
+            SpawnError::Internal(format!(
+                "node {} answered {} for {user} with something unexpected: {e}",
+                node.id, call.op
+            ))
         })
     }
 
+    /// `GET /internal/v1/users/<user>/<op>?<query>`, an event stream: its
+    /// events until the callee ends it (or the connection breaks, which
+    /// ends it here too). An error answer is the error it stands for.
+    pub async fn user_events(
+        &self,
+        node: &PeerNode,
+        user: &UserId,
+        op: &str,
+        query: &[(&str, String)],
+    ) -> Result<BoxStream<'static, SseEvent>, SpawnError> {
+        let response = self
+            .stream_request(&Self::user_url(node, user, op))
+            .query(query)
+            .send()
+            .await
+            .map_err(|e| unreachable_peer(&node.id, &node.url, &e))?;
+        let status = response.status().as_u16();
+        if !(200..300).contains(&status) {
+            let body = response.json::<Value>().await.unwrap_or(Value::Null);
+            return Err(error_from_json(user, status, &body));
+        }
+        let node_id = node.id.clone();
+        let events = sse::events(response.bytes_stream()).filter_map(move |event| {
+            let event = match event {
+                Ok(event) => Some(event),
+                Err(e) => {
+                    tracing::info!(node = %node_id, error = %e, "a relayed stream ended");
+                    None
+                }
+            };
+            std::future::ready(event)
+        });
+        Ok(events.boxed())
+    }
+
+    /// `POST /internal/v1/<path>` (not about one user) within `timeout`:
+    /// the 2xx answer's JSON as `T`.
+    pub async fn node_call<T: DeserializeOwned>(
+        &self,
+        node: &PeerNode,
+        path: &str,
+        timeout: Duration,
+    ) -> Result<T, SpawnError> {
+        let url = format!("{}/internal/v1/{path}", node.url.trim_end_matches('/'));
+        let answer = Self::answer(node, self.request(Method::POST, &url).timeout(timeout)).await?;
+        if !(200..300).contains(&answer.status) {
+            return Err(SpawnError::Internal(format!(
+                "node {} at {} answered {} to {path}: {}",
+                node.id, node.url, answer.status, answer.body
+            )));
+        }
+        serde_json::from_value(answer.body).map_err(|e| {
+            SpawnError::Internal(format!(
+                "node {} answered {path} with something unexpected: {e}",
+                node.id
+            ))
+        })
+    }
+
+    /// `POST /internal/v1/tokens/purge` on `node`: it forgets its cached
+    /// user tokens.
+    pub async fn purge_tokens(&self, node: &PeerNode) -> Result<(), SpawnError> {
+        self.node_call::<Value>(node, "tokens/purge", PURGE_TIMEOUT)
+            .await
+            .map(drop)
+    }
+
     /// `POST /internal/v1/users/{user}/fence` with `{"epoch": epoch}`:
-    /// whether the node at `base` fenced an instance of `user` running under
-    /// exactly that epoch.
+    /// whether `node` fenced an instance of `user` running under exactly
+    /// that epoch.
     pub async fn fence(
         &self,
-        base: &str,
-        node: &str,
+        node: &PeerNode,
         user: &UserId,
         epoch: Epoch,
     ) -> Result<bool, SpawnError> {
-        let response = self
-            .http
-            .post(Self::url(base, user, "fence"))
-            .header(&CLUSTER_SECRET, self.secret.header_value().clone())
-            .json(&json!({ "epoch": epoch }))
-            .timeout(FENCE_TIMEOUT)
-            .send()
-            .await
-            .map_err(|e| unreachable_peer(node, base, &e))?;
-        let status = response.status().as_u16();
-        let body = response
-            .json::<Value>()
-            .await
-            .map_err(|e| unreachable_peer(node, base, &e))?;
-        let answer = PeerAnswer {
-            status,
-            body,
-            retry_after: None,
-        };
-        let body = answer.into_result(user)?;
-        Ok(body["fenced"].as_bool().unwrap_or(false))
+        let call = UserCall::post("fence", FENCE_TIMEOUT).body(json!({ "epoch": epoch }));
+        let answer: Value = self.user_call(node, user, call).await?;
+        Ok(answer["fenced"].as_bool().unwrap_or(false))
     }
 }
 
@@ -205,6 +326,9 @@ pub fn error_from_json(user: &UserId, status: u16, body: &Value) -> SpawnError {
         }
         "store_unavailable" => {
             SpawnError::StoreUnavailable(strip_prefix(&message, "store unavailable: "))
+        }
+        "too_many_streams" => {
+            SpawnError::TooManyStreams(strip_prefix(&message, "too many streams: "))
         }
         "unauthorized" | "forbidden" => SpawnError::Internal(format!(
             "another node refused this node's cluster call ({code}): are the cluster secrets the same?"
@@ -281,6 +405,11 @@ mod tests {
                 json!({"error": "store_unavailable", "message": "store unavailable: down"}),
                 ErrorCode::StoreUnavailable,
             ),
+            (
+                429,
+                json!({"error": "too_many_streams", "message": "too many streams: alice has 5"}),
+                ErrorCode::TooManyStreams,
+            ),
             (401, json!({"error": "unauthorized"}), ErrorCode::Internal),
             (502, json!({"error": "bad_gateway"}), ErrorCode::Internal),
             (500, Value::Null, ErrorCode::Internal),
@@ -335,18 +464,15 @@ mod tests {
         let ok = PeerAnswer {
             status: 201,
             body: json!({"instance": {}}),
-            retry_after: None,
         };
-        assert!(ok.error(&alice()).is_none());
         assert!(ok.into_result(&alice()).is_ok());
         let busy = PeerAnswer {
             status: 409,
             body: json!({"error": "lease_busy", "holder": "c", "expired": false}),
-            retry_after: None,
         };
         assert_eq!(
-            busy.error(&alice()).map(|e| e.code()),
-            Some(ErrorCode::LeaseBusy)
+            busy.into_result(&alice()).map_err(|e| e.code()),
+            Err(ErrorCode::LeaseBusy)
         );
     }
 }

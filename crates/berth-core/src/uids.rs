@@ -1,0 +1,25 @@
+//! The host uids instance accounts are allocated from (design §6): plain
+//! data shared by the store, which allocates them, and the local runtime,
+//! which runs programs under them.
+
+/// The host uids instance accounts are allocated from: `first`, `first +
+/// 1`, … `first + count - 1`. The gid of an account is its uid.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct UidRange {
+    pub first: u32,
+    pub count: u32,
+}
+
+impl UidRange {
+    /// The last uid of the range; `None` when the range is empty or runs
+    /// past the largest valid uid (`u32::MAX - 1`; `-1` means "no uid").
+    pub fn last(&self) -> Option<u32> {
+        let last = self.first.checked_add(self.count.checked_sub(1)?)?;
+        (last < u32::MAX).then_some(last)
+    }
+
+    pub fn contains(&self, uid: u32) -> bool {
+        self.last()
+            .is_some_and(|last| (self.first..=last).contains(&uid))
+    }
+}

@@ -1,0 +1,793 @@
+//! cgroup limits of sandboxed instances, on either hierarchy.
+//!
+//! * **v1** (one mount per controller, as on this project's CI machines):
+//!   the `memory`, `pids` and `cpu` controllers each get a directory
+//!   `<mount><berth's own cgroup>/berth-<id>/<instance>`.
+//! * **v2** (the unified hierarchy of most production hosts): one directory
+//!   `<mount><berth's own cgroup>/berth-<id>/<instance>`. v2 lets only
+//!   leaves hold processes, so berth first moves itself into
+//!   `<own>/berth-supervisor` (the way a systemd unit with `Delegate=yes`
+//!   is meant to be used), then enables the controllers below `<own>`.
+//!
+//! Which one is used is decided at start from `/proc/self/mountinfo`,
+//! `/proc/self/cgroup` and the v2 root's `cgroup.controllers`: v1 when the
+//! memory controller is mounted as v1, else v2 when its root offers all
+//! three controllers. A missing controller is an error that names it.
+//!
+//! Everything that decides (parsing, paths, the values written) is pure
+//! and tested without I/O; the writers take the directories to write in,
+//! so the v2 one is tested against a fake tree where no real v2 controllers
+//! exist.
+
+use std::fs;
+use std::io::{self, Write};
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use super::Limits;
+
+/// The CFS period berth uses for CPU limits, in microseconds.
+const CPU_PERIOD_US: u64 = 100_000;
+
+/// Why cgroups cannot be used; every message names what is missing.
+#[derive(Debug, thiserror::Error)]
+pub enum CgroupError {
+    #[error(
+        "cgroup {0} controller not mounted (neither as cgroup v1 nor in the cgroup v2 \
+         hierarchy); isolation mode \"sandbox\" needs the memory, pids and cpu controllers"
+    )]
+    ControllerMissing(&'static str),
+    #[error("cannot read {path}: {source}")]
+    Read { path: PathBuf, source: io::Error },
+    #[error("cgroup {what} {path}: {source}")]
+    Write {
+        what: &'static str,
+        path: PathBuf,
+        source: io::Error,
+    },
+    #[error(
+        "cannot enable the memory, pids and cpu controllers below {path}: {source}; in cgroup v2 \
+         berth needs a cgroup of its own that holds no other processes (systemd: run it as a \
+         service with Delegate=yes)"
+    )]
+    Delegation { path: PathBuf, source: io::Error },
+    #[error("berth's own cgroup is not listed in /proc/self/cgroup for {0}")]
+    OwnUnknown(&'static str),
+}
+
+/// The controllers berth limits.
+pub const CONTROLLERS: [&str; 3] = ["memory", "pids", "cpu"];
+
+/// Where the controllers are on this host, and berth's own place in them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Layout {
+    /// One directory per controller: the controller's mount point joined
+    /// with berth's own cgroup in that hierarchy.
+    V1 {
+        memory: PathBuf,
+        pids: PathBuf,
+        cpu: PathBuf,
+    },
+    /// The unified hierarchy's mount point and berth's own cgroup in it
+    /// (`/` at the root).
+    V2 { mount: PathBuf, own: String },
+}
+
+/// Where one berth's instance cgroups go (the parents), per hierarchy.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "version", rename_all = "lowercase")]
+pub enum Parents {
+    V1 {
+        memory: PathBuf,
+        pids: PathBuf,
+        cpu: PathBuf,
+    },
+    V2 {
+        parent: PathBuf,
+    },
+}
+
+/// What the shim needs to give one instance its cgroup.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CgroupSpec {
+    pub parents: Parents,
+    pub limits: Limits,
+}
+
+/// One instance's cgroup: a directory per controller (v1) or one (v2).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct InstanceCgroup {
+    pub parents: Parents,
+    pub leaf: String,
+}
+
+/// A mount from `/proc/self/mountinfo`: mount point, its root inside the
+/// filesystem, type and super options.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Mount {
+    root: String,
+    point: PathBuf,
+    fstype: String,
+    super_options: String,
+}
+
+fn parse_mountinfo(text: &str) -> Vec<Mount> {
+    text.lines()
+        .filter_map(|line| {
+            let (head, tail) = line.split_once(" - ")?;
+            let head: Vec<&str> = head.split(' ').collect();
+            let mut tail = tail.split(' ');
+            let fstype = tail.next()?.to_owned();
+            let _source = tail.next()?;
+            let super_options = tail.next().unwrap_or("").to_owned();
+            Some(Mount {
+                root: unescape_mountinfo(head.get(3)?),
+                point: PathBuf::from(unescape_mountinfo(head.get(4)?)),
+                fstype,
+                super_options,
+            })
+        })
+        .collect()
+}
+
+/// mountinfo escapes space, tab, newline and backslash as `\ooo`.
+fn unescape_mountinfo(field: &str) -> String {
+    let bytes = field.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'\\' && i + 4 <= bytes.len() {
+            let octal = std::str::from_utf8(&bytes[i + 1..i + 4]).ok();
+            if let Some(b) = octal.and_then(|o| u8::from_str_radix(o, 8).ok()) {
+                out.push(b);
+                i += 4;
+                continue;
+            }
+        }
+        out.push(bytes[i]);
+        i += 1;
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// berth's own cgroup per v1 controller and in v2, from
+/// `/proc/self/cgroup` (`id:controllers:path`).
+fn own_paths(self_cgroup: &str) -> (Vec<(Vec<String>, String)>, Option<String>) {
+    let mut v1 = Vec::new();
+    let mut v2 = None;
+    for line in self_cgroup.lines() {
+        let mut parts = line.splitn(3, ':');
+        let (Some(id), Some(controllers), Some(path)) = (parts.next(), parts.next(), parts.next())
+        else {
+            continue;
+        };
+        if id == "0" && controllers.is_empty() {
+            v2 = Some(path.to_owned());
+        } else {
+            v1.push((
+                controllers.split(',').map(str::to_owned).collect(),
+                path.to_owned(),
+            ));
+        }
+    }
+    (v1, v2)
+}
+
+/// `mount point + own path`, with the mount's own root taken off the path
+/// (a cgroup namespace or a bind mount shows a subtree).
+fn join_own(point: &Path, mount_root: &str, own: &str) -> PathBuf {
+    let relative = own
+        .strip_prefix(mount_root)
+        .filter(|_| mount_root != "/")
+        .unwrap_or(own);
+    let relative = relative.trim_start_matches('/');
+    if relative.is_empty() {
+        point.to_owned()
+    } else {
+        point.join(relative)
+    }
+}
+
+/// Decides the layout from `/proc/self/mountinfo`, `/proc/self/cgroup`
+/// and `v2_controllers` (the v2 root's `cgroup.controllers`, given its
+/// mount point).
+pub fn detect(
+    mountinfo: &str,
+    self_cgroup: &str,
+    v2_controllers: impl Fn(&Path) -> Option<String>,
+) -> Result<Layout, CgroupError> {
+    let mounts = parse_mountinfo(mountinfo);
+    let (v1_own, v2_own) = own_paths(self_cgroup);
+    let v1_mount = |controller: &str| {
+        mounts
+            .iter()
+            .find(|m| m.fstype == "cgroup" && m.super_options.split(',').any(|o| o == controller))
+    };
+    if v1_mount("memory").is_some() {
+        let mut dirs = Vec::new();
+        for controller in CONTROLLERS {
+            let mount = v1_mount(controller).ok_or(CgroupError::ControllerMissing(controller))?;
+            let own = v1_own
+                .iter()
+                .find(|(names, _)| names.iter().any(|n| n == controller))
+                .map(|(_, path)| path.as_str())
+                .ok_or(CgroupError::OwnUnknown(controller))?;
+            dirs.push(join_own(&mount.point, &mount.root, own));
+        }
+        let [memory, pids, cpu]: [PathBuf; 3] = dirs
+            .try_into()
+            .map_err(|_| CgroupError::ControllerMissing("memory"))?;
+        return Ok(Layout::V1 { memory, pids, cpu });
+    }
+    let v2 = mounts
+        .iter()
+        .find(|m| m.fstype == "cgroup2")
+        .ok_or(CgroupError::ControllerMissing("memory"))?;
+    let available = v2_controllers(&v2.point).unwrap_or_default();
+    for controller in CONTROLLERS {
+        if !available.split_whitespace().any(|c| c == controller) {
+            return Err(CgroupError::ControllerMissing(controller));
+        }
+    }
+    let own = v2_own.ok_or(CgroupError::OwnUnknown("the unified hierarchy"))?;
+    let own = join_own(Path::new("/"), &v2.root, &own);
+    Ok(Layout::V2 {
+        mount: v2.point.clone(),
+        own: own.to_string_lossy().into_owned(),
+    })
+}
+
+/// Reads the real layout of this host.
+pub fn detect_host() -> Result<Layout, CgroupError> {
+    let read = |path: &str| {
+        fs::read_to_string(path).map_err(|source| CgroupError::Read {
+            path: path.into(),
+            source,
+        })
+    };
+    let mountinfo = read("/proc/self/mountinfo")?;
+    let self_cgroup = read("/proc/self/cgroup")?;
+    detect(&mountinfo, &self_cgroup, |mount| {
+        fs::read_to_string(mount.join("cgroup.controllers")).ok()
+    })
+}
+
+impl Layout {
+    /// The parents of this berth's instance cgroups; `id` tells berths on
+    /// one host apart (their data dirs differ).
+    pub fn parents(&self, id: &str) -> Parents {
+        let dir = format!("berth-{id}");
+        match self {
+            Layout::V1 { memory, pids, cpu } => Parents::V1 {
+                memory: memory.join(&dir),
+                pids: pids.join(&dir),
+                cpu: cpu.join(&dir),
+            },
+            Layout::V2 { mount, own } => Parents::V2 {
+                parent: join_own(mount, "/", own).join(dir),
+            },
+        }
+    }
+
+    pub fn version(&self) -> u8 {
+        match self {
+            Layout::V1 { .. } => 1,
+            Layout::V2 { .. } => 2,
+        }
+    }
+}
+
+impl Parents {
+    /// Every parent directory.
+    pub fn dirs(&self) -> Vec<&Path> {
+        match self {
+            Parents::V1 { memory, pids, cpu } => vec![memory, pids, cpu],
+            Parents::V2 { parent } => vec![parent],
+        }
+    }
+}
+
+/// The files and values that give a v1 cgroup `limits`, per controller
+/// directory (`memory`, `pids`, `cpu`), in the order they must be written.
+/// `optional` files may be absent (swap accounting is a boot option).
+pub fn v1_limit_files(limits: &Limits) -> Vec<(&'static str, &'static str, String, bool)> {
+    let bytes = limits.memory_max_mb.saturating_mul(1024 * 1024).to_string();
+    vec![
+        ("memory", "memory.limit_in_bytes", bytes.clone(), false),
+        // Must not be below the memory limit, so it comes second.
+        ("memory", "memory.memsw.limit_in_bytes", bytes, true),
+        ("pids", "pids.max", limits.pids_max.to_string(), false),
+        ("cpu", "cpu.cfs_period_us", CPU_PERIOD_US.to_string(), false),
+        (
+            "cpu",
+            "cpu.cfs_quota_us",
+            v1_quota(limits.cpu_max_percent),
+            false,
+        ),
+    ]
+}
+
+fn v1_quota(percent: u32) -> String {
+    if percent == 0 {
+        "-1".to_owned()
+    } else {
+        (u64::from(percent) * CPU_PERIOD_US / 100).to_string()
+    }
+}
+
+/// The files and values that give a v2 cgroup `limits`, in order.
+pub fn v2_limit_files(limits: &Limits) -> Vec<(&'static str, String, bool)> {
+    let quota = if limits.cpu_max_percent == 0 {
+        "max".to_owned()
+    } else {
+        (u64::from(limits.cpu_max_percent) * CPU_PERIOD_US / 100).to_string()
+    };
+    vec![
+        (
+            "memory.max",
+            limits.memory_max_mb.saturating_mul(1024 * 1024).to_string(),
+            false,
+        ),
+        // No swapping past the limit; absent without swap accounting.
+        ("memory.swap.max", "0".to_owned(), true),
+        // An OOM kill takes the whole instance, not one of its processes.
+        ("memory.oom.group", "1".to_owned(), true),
+        ("pids.max", limits.pids_max.to_string(), false),
+        ("cpu.max", format!("{quota} {CPU_PERIOD_US}"), false),
+    ]
+}
+
+/// The `oom_kill` counter of a v1 `memory.oom_control` or a v2
+/// `memory.events` file.
+pub fn oom_kills(text: &str) -> Option<u64> {
+    text.lines()
+        .find_map(|line| line.strip_prefix("oom_kill "))
+        .and_then(|n| n.trim().parse().ok())
+}
+
+fn write_file(path: &Path, value: &str, what: &'static str) -> Result<(), CgroupError> {
+    let mut file = fs::OpenOptions::new()
+        .write(true)
+        .open(path)
+        .map_err(|source| CgroupError::Write {
+            what,
+            path: path.to_owned(),
+            source,
+        })?;
+    file.write_all(value.as_bytes())
+        .map_err(|source| CgroupError::Write {
+            what,
+            path: path.to_owned(),
+            source,
+        })
+}
+
+fn mkdir(path: &Path) -> Result<(), CgroupError> {
+    match fs::create_dir(path) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == io::ErrorKind::AlreadyExists => Ok(()),
+        Err(source) => Err(CgroupError::Write {
+            what: "directory",
+            path: path.to_owned(),
+            source,
+        }),
+    }
+}
+
+/// Makes the parents exist, once at start. On v2 this also moves berth
+/// (`pid`) into `<own>/berth-supervisor` unless it sits at the root, and
+/// enables the three controllers down to the parent. The layout's mount
+/// is the real one in production, a fake tree in tests.
+pub fn prepare_parents(layout: &Layout, parents: &Parents, pid: u32) -> Result<(), CgroupError> {
+    match (layout, parents) {
+        (Layout::V1 { .. }, Parents::V1 { memory, pids, cpu }) => {
+            for dir in [memory, pids, cpu] {
+                mkdir(dir)?;
+            }
+            Ok(())
+        }
+        (Layout::V2 { mount, own }, Parents::V2 { parent }) => {
+            let own_dir = join_own(mount, "/", own);
+            if own_dir != *mount {
+                let supervisor = own_dir.join("berth-supervisor");
+                mkdir(&supervisor)?;
+                write_file(
+                    &supervisor.join("cgroup.procs"),
+                    &pid.to_string(),
+                    "cgroup.procs",
+                )?;
+            }
+            let enable = CONTROLLERS.map(|c| format!("+{c}")).join(" ");
+            write_file(
+                &own_dir.join("cgroup.subtree_control"),
+                &enable,
+                "cgroup.subtree_control",
+            )
+            .map_err(|e| match e {
+                CgroupError::Write { path, source, .. } => CgroupError::Delegation {
+                    path: path.parent().map(Path::to_owned).unwrap_or(path),
+                    source,
+                },
+                other => other,
+            })?;
+            mkdir(parent)?;
+            write_file(
+                &parent.join("cgroup.subtree_control"),
+                &enable,
+                "cgroup.subtree_control",
+            )
+        }
+        _ => Err(CgroupError::ControllerMissing("memory")),
+    }
+}
+
+impl InstanceCgroup {
+    pub fn new(parents: Parents, leaf: String) -> InstanceCgroup {
+        InstanceCgroup { parents, leaf }
+    }
+
+    /// The instance's directories, one per v1 controller or one in v2.
+    pub fn dirs(&self) -> Vec<PathBuf> {
+        self.parents
+            .dirs()
+            .into_iter()
+            .map(|p| p.join(&self.leaf))
+            .collect()
+    }
+
+    /// The `cgroup.procs` files a process writes `0` to, to join.
+    pub fn procs_files(&self) -> Vec<PathBuf> {
+        self.dirs()
+            .into_iter()
+            .map(|d| d.join("cgroup.procs"))
+            .collect()
+    }
+
+    /// Creates the directories and writes the limits.
+    pub fn create(&self, limits: &Limits) -> Result<(), CgroupError> {
+        let created = self.create_unchecked(limits);
+        if created.is_err() {
+            self.remove();
+        }
+        created
+    }
+
+    fn create_unchecked(&self, limits: &Limits) -> Result<(), CgroupError> {
+        for dir in self.dirs() {
+            mkdir(&dir)?;
+        }
+        match &self.parents {
+            Parents::V1 { memory, pids, cpu } => {
+                for (controller, file, value, optional) in v1_limit_files(limits) {
+                    let parent = match controller {
+                        "memory" => memory,
+                        "pids" => pids,
+                        _ => cpu,
+                    };
+                    let path = parent.join(&self.leaf).join(file);
+                    if optional && !path.exists() {
+                        continue;
+                    }
+                    write_file(&path, &value, file)?;
+                }
+            }
+            Parents::V2 { parent } => {
+                for (file, value, optional) in v2_limit_files(limits) {
+                    let path = parent.join(&self.leaf).join(file);
+                    if optional && !path.exists() {
+                        continue;
+                    }
+                    write_file(&path, &value, file)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The OOM kills counted in the cgroup so far (`None`: unreadable).
+    pub fn oom_kills(&self) -> Option<u64> {
+        let path = match &self.parents {
+            Parents::V1 { memory, .. } => memory.join(&self.leaf).join("memory.oom_control"),
+            Parents::V2 { parent } => parent.join(&self.leaf).join("memory.events"),
+        };
+        oom_kills(&fs::read_to_string(path).ok()?)
+    }
+
+    /// Removes the directories. A cgroup whose last process has just died
+    /// may stay busy for a moment, so each removal is retried briefly.
+    /// Returns the ones that could not be removed.
+    pub fn remove(&self) -> Vec<(PathBuf, io::Error)> {
+        let mut failed = Vec::new();
+        for dir in self.dirs() {
+            let mut attempt = 0;
+            loop {
+                match fs::remove_dir(&dir) {
+                    Ok(()) => break,
+                    Err(e) if e.kind() == io::ErrorKind::NotFound => break,
+                    Err(e) if e.raw_os_error() == Some(nix::libc::EBUSY) && attempt < 100 => {
+                        attempt += 1;
+                        std::thread::sleep(std::time::Duration::from_millis(10));
+                    }
+                    Err(e) => {
+                        failed.push((dir.clone(), e));
+                        break;
+                    }
+                }
+            }
+        }
+        failed
+    }
+}
+
+/// Removes the instance cgroups under `parents` that are not in `keep`
+/// (leaf names): those of shims killed before they could clean up. A
+/// cgroup that still holds processes cannot be removed and is reported.
+pub fn remove_stale(parents: &Parents, keep: &[String]) -> Vec<(PathBuf, io::Error)> {
+    let mut failed = Vec::new();
+    for parent in parents.dirs() {
+        let Ok(entries) = fs::read_dir(parent) else {
+            continue;
+        };
+        for entry in entries.flatten() {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            if keep.contains(&name) || !entry.file_type().is_ok_and(|t| t.is_dir()) {
+                continue;
+            }
+            if let Err(e) = fs::remove_dir(entry.path()) {
+                failed.push((entry.path(), e));
+            }
+        }
+    }
+    failed
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const V1_MOUNTINFO: &str = "\
+22 1 0:21 / /sys rw,nosuid,nodev,noexec,relatime shared:7 - sysfs sysfs rw
+30 22 0:26 / /sys/fs/cgroup ro,nosuid - tmpfs tmpfs ro,mode=755
+31 30 0:27 / /sys/fs/cgroup/unified rw,nosuid - cgroup2 cgroup2 rw
+33 30 0:29 / /sys/fs/cgroup/cpu,cpuacct rw,nosuid - cgroup cgroup rw,cpu,cpuacct
+34 30 0:30 / /sys/fs/cgroup/memory rw,nosuid - cgroup cgroup rw,memory
+35 30 0:31 / /sys/fs/cgroup/pids rw,nosuid - cgroup cgroup rw,pids
+";
+    const V1_SELF: &str = "\
+9:name=systemd:/
+8:pids:/
+4:memory:/process_api/abc
+1:cpu,cpuacct:/
+0::/
+";
+
+    #[test]
+    fn v1_is_chosen_when_memory_is_a_v1_controller() {
+        let layout = detect(V1_MOUNTINFO, V1_SELF, |_| Some(String::new())).unwrap();
+        assert_eq!(
+            layout,
+            Layout::V1 {
+                memory: "/sys/fs/cgroup/memory/process_api/abc".into(),
+                pids: "/sys/fs/cgroup/pids".into(),
+                cpu: "/sys/fs/cgroup/cpu,cpuacct".into(),
+            }
+        );
+        assert_eq!(
+            layout.parents("0123abcd"),
+            Parents::V1 {
+                memory: "/sys/fs/cgroup/memory/process_api/abc/berth-0123abcd".into(),
+                pids: "/sys/fs/cgroup/pids/berth-0123abcd".into(),
+                cpu: "/sys/fs/cgroup/cpu,cpuacct/berth-0123abcd".into(),
+            }
+        );
+    }
+
+    #[test]
+    fn v2_is_chosen_on_a_unified_host_with_its_controllers() {
+        let mountinfo = "\
+25 1 0:23 / /sys/fs/cgroup rw,nosuid,nodev,noexec,relatime shared:4 - cgroup2 cgroup2 rw,nsdelegate
+";
+        let own = "0::/system.slice/berth.service\n";
+        let controllers = |p: &Path| {
+            assert_eq!(p, Path::new("/sys/fs/cgroup"));
+            Some("cpuset cpu io memory hugetlb pids rdma misc\n".to_owned())
+        };
+        let layout = detect(mountinfo, own, controllers).unwrap();
+        assert_eq!(
+            layout,
+            Layout::V2 {
+                mount: "/sys/fs/cgroup".into(),
+                own: "/system.slice/berth.service".into()
+            }
+        );
+        assert_eq!(
+            layout.parents("x"),
+            Parents::V2 {
+                parent: "/sys/fs/cgroup/system.slice/berth.service/berth-x".into()
+            }
+        );
+        // Inside a cgroup namespace the mount's root is a subtree.
+        let nsed = "25 1 0:23 /kubepods/pod1 /sys/fs/cgroup rw - cgroup2 cgroup2 rw\n";
+        let layout = detect(nsed, "0::/kubepods/pod1/c1\n", |_| {
+            Some("memory pids cpu".into())
+        })
+        .unwrap();
+        assert_eq!(
+            layout.parents("x"),
+            Parents::V2 {
+                parent: "/sys/fs/cgroup/c1/berth-x".into()
+            }
+        );
+    }
+
+    #[test]
+    fn a_missing_controller_is_named() {
+        // The hybrid layout of the CI machines, without a v1 pids mount.
+        let no_pids: String = V1_MOUNTINFO
+            .lines()
+            .filter(|l| !l.contains("pids"))
+            .map(|l| format!("{l}\n"))
+            .collect();
+        let err = detect(&no_pids, V1_SELF, |_| None).unwrap_err();
+        assert_eq!(
+            err.to_string().split(" (").next().unwrap(),
+            "cgroup pids controller not mounted"
+        );
+        // A v2 host whose memory controller is not offered.
+        let v2 = "25 1 0:23 / /sys/fs/cgroup rw - cgroup2 cgroup2 rw\n";
+        let err = detect(v2, "0::/\n", |_| Some("cpu pids io".into())).unwrap_err();
+        assert!(
+            err.to_string()
+                .starts_with("cgroup memory controller not mounted"),
+            "{err}"
+        );
+        // No cgroup file system at all.
+        let err = detect("", "", |_| None).unwrap_err();
+        assert!(err.to_string().contains("memory controller not mounted"));
+    }
+
+    #[test]
+    fn mountinfo_escapes_are_undone() {
+        let mounts = parse_mountinfo(
+            "40 30 0:30 / /mnt/with\\040space rw - cgroup cgroup rw,memory\nnot a mount line\n",
+        );
+        assert_eq!(mounts.len(), 1);
+        assert_eq!(mounts[0].point, Path::new("/mnt/with space"));
+    }
+
+    #[test]
+    fn limit_values_for_both_hierarchies() {
+        let limits = Limits {
+            memory_max_mb: 64,
+            pids_max: 32,
+            cpu_max_percent: 150,
+        };
+        let v1 = v1_limit_files(&limits);
+        assert_eq!(
+            v1[0],
+            (
+                "memory",
+                "memory.limit_in_bytes",
+                "67108864".to_owned(),
+                false
+            )
+        );
+        assert_eq!(v1[1].1, "memory.memsw.limit_in_bytes");
+        assert!(v1[1].3, "memsw is optional");
+        assert_eq!(v1[2], ("pids", "pids.max", "32".to_owned(), false));
+        assert_eq!(v1[4].2, "150000");
+        let v2 = v2_limit_files(&limits);
+        assert_eq!(v2[0], ("memory.max", "67108864".to_owned(), false));
+        assert_eq!(v2[3], ("pids.max", "32".to_owned(), false));
+        assert_eq!(v2[4], ("cpu.max", "150000 100000".to_owned(), false));
+        let unlimited_cpu = Limits {
+            cpu_max_percent: 0,
+            ..limits
+        };
+        assert_eq!(v1_limit_files(&unlimited_cpu)[4].2, "-1");
+        assert_eq!(v2_limit_files(&unlimited_cpu)[4].1, "max 100000");
+    }
+
+    #[test]
+    fn oom_counters_parse() {
+        let v1 = "oom_kill_disable 0\nunder_oom 0\noom_kill 2\n";
+        assert_eq!(oom_kills(v1), Some(2));
+        let v2 = "low 0\nhigh 0\nmax 17\noom 1\noom_kill 1\noom_group_kill 0\n";
+        assert_eq!(oom_kills(v2), Some(1));
+        assert_eq!(oom_kills("under_oom 0\n"), None);
+    }
+
+    /// A fake cgroup v2 tree: what the kernel would put in each directory
+    /// is created by hand, then the writers run against it.
+    #[test]
+    fn the_v2_writer_against_a_fake_tree() {
+        let tmp = tempfile::tempdir().unwrap();
+        let mount = tmp.path().join("cgroup");
+        let own_dir = mount.join("system.slice/berth.service");
+        fs::create_dir_all(&own_dir).unwrap();
+        for file in ["cgroup.subtree_control", "cgroup.procs"] {
+            fs::write(own_dir.join(file), "").unwrap();
+        }
+        let layout = Layout::V2 {
+            mount: mount.clone(),
+            own: "/system.slice/berth.service".into(),
+        };
+        let parents = layout.parents("id1");
+        let Parents::V2 { parent } = &parents else {
+            panic!("{parents:?}")
+        };
+        // The kernel creates these in every new directory.
+        let kernel_files = |dir: &Path| {
+            fs::create_dir_all(dir).unwrap();
+            for file in [
+                "cgroup.subtree_control",
+                "cgroup.procs",
+                "memory.max",
+                "memory.oom.group",
+                "pids.max",
+                "cpu.max",
+                "memory.events",
+            ] {
+                fs::write(dir.join(file), "").unwrap();
+            }
+        };
+        kernel_files(&own_dir.join("berth-supervisor"));
+        kernel_files(parent);
+        prepare_parents(&layout, &parents, 4242).unwrap();
+        let read = |p: PathBuf| fs::read_to_string(p).unwrap();
+        assert_eq!(read(own_dir.join("berth-supervisor/cgroup.procs")), "4242");
+        assert_eq!(
+            read(own_dir.join("cgroup.subtree_control")),
+            "+memory +pids +cpu"
+        );
+        assert_eq!(
+            read(parent.join("cgroup.subtree_control")),
+            "+memory +pids +cpu"
+        );
+
+        let cgroup = InstanceCgroup::new(parents.clone(), "alice.main.77".into());
+        let leaf = parent.join("alice.main.77");
+        kernel_files(&leaf);
+        let limits = Limits {
+            memory_max_mb: 16,
+            pids_max: 8,
+            cpu_max_percent: 50,
+        };
+        cgroup.create(&limits).unwrap();
+        assert_eq!(read(leaf.join("memory.max")), "16777216");
+        assert_eq!(read(leaf.join("memory.oom.group")), "1");
+        assert_eq!(read(leaf.join("pids.max")), "8");
+        assert_eq!(read(leaf.join("cpu.max")), "50000 100000");
+        assert!(!leaf.join("memory.swap.max").exists(), "optional, skipped");
+        assert_eq!(cgroup.procs_files(), vec![leaf.join("cgroup.procs")]);
+        fs::write(leaf.join("memory.events"), "oom 1\noom_kill 1\n").unwrap();
+        assert_eq!(cgroup.oom_kills(), Some(1));
+
+        // A real cgroup directory is removable once empty; the fake one has
+        // files, so removal reports it instead of deleting anything.
+        let failed = cgroup.remove();
+        assert_eq!(failed.len(), 1);
+        assert!(leaf.join("memory.max").exists());
+    }
+
+    #[test]
+    fn a_v2_host_without_delegation_gets_a_named_error() {
+        let tmp = tempfile::tempdir().unwrap();
+        let mount = tmp.path().to_owned();
+        // No cgroup.subtree_control under the own cgroup: not delegated.
+        fs::create_dir_all(mount.join("user.slice/berth-supervisor")).unwrap();
+        fs::write(mount.join("user.slice/berth-supervisor/cgroup.procs"), "").unwrap();
+        let layout = Layout::V2 {
+            mount,
+            own: "/user.slice".into(),
+        };
+        let err = prepare_parents(&layout, &layout.parents("i"), 1).unwrap_err();
+        let msg = err.to_string();
+        assert!(
+            msg.contains("cannot enable the memory, pids and cpu controllers"),
+            "{msg}"
+        );
+        assert!(msg.contains("Delegate=yes"), "{msg}");
+    }
+}

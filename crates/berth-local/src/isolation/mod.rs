@@ -1,0 +1,400 @@
+//! Isolation of instances from berth and from each other (design §6).
+//!
+//! Three levels:
+//!
+//! * `none`: the program runs as berth's own user. For development only.
+//! * `user`: every user's instances run under a uid and gid of their own
+//!   (allocated once, recorded in the store's `accounts`), with no
+//!   supplementary groups, every capability dropped, `no_new_privs` and
+//!   rlimits; the data root belongs to that uid. nftables rules in berth's
+//!   own table (`guard`) keep instance uids off other instances' ports
+//!   and off cloud metadata and the host's own addresses.
+//! * `sandbox`: `user`, plus a mount namespace (system read-only, private
+//!   `/tmp`, a minimal `/etc` with a passwd and group entry for the user,
+//!   berth's data dir hidden but for the user's own root), a pid namespace,
+//!   and cgroup limits on memory, pids and CPU ([`cgroup`], v1 or v2).
+//!
+//! berth decides (this module, on plain data); the shim carries it out
+//! just before it executes the program (`child`), so the privileged work
+//! happens in one small process per instance and never in berth's async
+//! code. `fsafe` is how berth and the shim touch a user's root without
+//! ever following a symbolic link the user planted there.
+
+pub(crate) mod access;
+pub mod cgroup;
+pub(crate) mod child;
+pub(crate) mod etc;
+pub(crate) mod fsafe;
+pub(crate) mod guard;
+
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+pub use berth_core::UidRange;
+pub use guard::table_name as nft_table_name;
+
+/// Isolation level (design §6).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Isolation {
+    /// Instances run as berth's own user: not isolated from berth or from
+    /// each other.
+    #[default]
+    None,
+    /// A uid per user, no capabilities, port and egress guards.
+    User,
+    /// `user` plus mount and pid namespaces and cgroup limits.
+    Sandbox,
+}
+
+impl Isolation {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Isolation::None => "none",
+            Isolation::User => "user",
+            Isolation::Sandbox => "sandbox",
+        }
+    }
+
+    /// Whether instances run under their users' own uids.
+    pub fn per_user_uid(self) -> bool {
+        self != Isolation::None
+    }
+}
+
+impl std::fmt::Display for Isolation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl std::str::FromStr for Isolation {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "none" => Ok(Isolation::None),
+            "user" => Ok(Isolation::User),
+            "sandbox" => Ok(Isolation::Sandbox),
+            other => Err(format!(
+                "unknown isolation mode {other:?} (expected \"none\", \"user\" or \"sandbox\")"
+            )),
+        }
+    }
+}
+
+/// Resource limits of one instance. `pids_max` also caps the uid's
+/// processes (`RLIMIT_NPROC`) at level `user`; the cgroup limits apply in
+/// `sandbox`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Limits {
+    /// Memory (and, where the kernel accounts it, memory plus swap) in MiB.
+    pub memory_max_mb: u64,
+    /// Processes and threads.
+    pub pids_max: u64,
+    /// CPU time as a percentage of one CPU (200 = two CPUs); 0 = no limit.
+    pub cpu_max_percent: u32,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            memory_max_mb: 1024,
+            pids_max: 256,
+            cpu_max_percent: 100,
+        }
+    }
+}
+
+/// The open-files limit of an isolated program (soft and hard).
+pub(crate) const NOFILE: u64 = 65_536;
+
+/// The account a user's instances run under.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Account {
+    pub uid: u32,
+    /// The same number as the uid: every account has its own group.
+    pub gid: u32,
+    /// `USER`, `LOGNAME` and the passwd entry's name: the slug.
+    pub name: String,
+}
+
+/// The isolation part of a shim spec: what the shim sets up before it
+/// executes the program.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct IsolationSpec {
+    pub uid: u32,
+    pub gid: u32,
+    /// The account name (passwd entry, `USER`, `LOGNAME`).
+    pub name: String,
+    pub limits: Limits,
+    /// Present at level `sandbox`.
+    pub sandbox: Option<SandboxSpec>,
+}
+
+/// What `sandbox` adds to `user`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SandboxSpec {
+    /// Where the instance's cgroup goes, and its limits.
+    pub cgroup: cgroup::CgroupSpec,
+    /// berth's data dir: covered by an empty tmpfs in the sandbox...
+    pub data_dir: PathBuf,
+    /// ...into which only the user's own root is mounted back, at its
+    /// usual path, writable.
+    pub user_root: PathBuf,
+    /// The user's home (the passwd entry's).
+    pub home: PathBuf,
+}
+
+/// berth's side of isolation at levels `user` and `sandbox`, made at start
+/// by [`Isolator::prepare`].
+pub(crate) struct Isolator {
+    pub level: Isolation,
+    /// The port and egress guards.
+    pub guard: guard::Guard,
+    /// Where instance cgroups go (level `sandbox`).
+    pub cgroups: Option<cgroup::Parents>,
+}
+
+impl Isolator {
+    /// Checks that this host can isolate at `level` and sets it up: the
+    /// guard's table (made afresh) and, for a sandbox, the cgroup parents.
+    /// `data_dir` is canonical. At level `none` it returns `None`, after
+    /// removing a table an earlier run at another level may have left.
+    pub async fn prepare(
+        level: Isolation,
+        data_dir: &Path,
+        uids: UidRange,
+        ports: &std::ops::RangeInclusive<u16>,
+        nft: Option<&Path>,
+    ) -> Result<Option<Isolator>, HostError> {
+        let looked = match nft {
+            Some(path) => format!("at {}", path.display()),
+            None => "in PATH, /usr/sbin and /sbin".to_owned(),
+        };
+        let nft = match nft {
+            Some(path) => path.is_file().then(|| path.to_owned()),
+            None => guard::find_nft(std::env::var("PATH").ok().as_deref()),
+        };
+        let table = guard::table_name(data_dir);
+        if level == Isolation::None {
+            if let Some(nft) = nft.filter(|_| nix::unistd::geteuid().is_root()) {
+                // Usually there is none: refused quietly.
+                let _ = guard::Guard::remove_table(&nft, &table).await;
+            }
+            return Ok(None);
+        }
+        if !nix::unistd::geteuid().is_root() {
+            return Err(HostError::NotRoot(level));
+        }
+        if uids.last().is_none() || uids.first == 0 {
+            return Err(HostError::Config(format!(
+                "the account uid range {}+{} is empty, passes the largest uid or includes root",
+                uids.first, uids.count
+            )));
+        }
+        let passwd = std::fs::read_to_string("/etc/passwd").unwrap_or_default();
+        let clashes = host_accounts_in(&passwd, uids);
+        if !clashes.is_empty() {
+            let names: Vec<String> = clashes.iter().map(|(n, u)| format!("{n} ({u})")).collect();
+            return Err(HostError::Config(format!(
+                "the account uid range {}-{} includes accounts of this host: {}; instances must                  never share a uid with them; choose another [isolation] base_uid",
+                uids.first,
+                uids.last().unwrap_or(uids.first),
+                names.join(", ")
+            )));
+        }
+        if let Some(parent) = data_dir.parent() {
+            let mode_of = |p: &Path| {
+                use std::os::unix::fs::MetadataExt;
+                std::fs::metadata(p).map(|m| m.mode())
+            };
+            let blocked =
+                unsearchable_ancestor(parent, mode_of).map_err(|source| HostError::Io {
+                    what: "cannot inspect",
+                    path: parent.to_owned(),
+                    source,
+                })?;
+            if let Some((blocker, mode)) = blocked {
+                return Err(HostError::DataDirUnreachable {
+                    level,
+                    data_dir: data_dir.to_owned(),
+                    blocker,
+                    mode,
+                });
+            }
+        }
+        let cgroups = if level == Isolation::Sandbox {
+            check_mount_setattr()?;
+            let layout = cgroup::detect_host()?;
+            let id = table.trim_start_matches("berth_");
+            let parents = layout.parents(id);
+            cgroup::prepare_parents(&layout, &parents, std::process::id())?;
+            tracing::info!(version = layout.version(), parents = ?parents.dirs(),
+                "instance cgroups");
+            Some(parents)
+        } else {
+            None
+        };
+        let nft = nft.ok_or(HostError::NoNft { level, looked })?;
+        let guard = guard::Guard::new(nft, table, uids, ports.clone());
+        guard.install().await?;
+        Ok(Some(Isolator {
+            level,
+            guard,
+            cgroups,
+        }))
+    }
+}
+
+/// The sandbox makes the system read-only with mount_setattr(2) (Linux
+/// 5.12): a kernel without it is named at start, not at the first launch.
+fn check_mount_setattr() -> Result<(), HostError> {
+    // SAFETY: an invalid descriptor and a null attribute pointer make the
+    // call fail without touching memory; only ENOSYS matters here.
+    let ret = unsafe {
+        nix::libc::syscall(
+            nix::libc::SYS_mount_setattr,
+            -1,
+            c"".as_ptr(),
+            0,
+            std::ptr::null::<u8>(),
+            0usize,
+        )
+    };
+    if ret < 0 && std::io::Error::last_os_error().raw_os_error() == Some(nix::libc::ENOSYS) {
+        return Err(HostError::Kernel(
+            "the kernel lacks mount_setattr(2), which isolation mode \"sandbox\" needs \
+             (Linux 5.12 or later)"
+                .to_owned(),
+        ));
+    }
+    Ok(())
+}
+
+/// Why the host cannot isolate instances at the configured level: each
+/// names what is missing.
+#[derive(Debug, thiserror::Error)]
+pub enum HostError {
+    #[error(
+        "isolation mode \"{0}\" needs berth to run as root: it runs every user's instances under \
+         a uid of their own; run berth as root, or set [isolation] mode = \"none\" (instances \
+         are then not isolated)"
+    )]
+    NotRoot(Isolation),
+    #[error(
+        "isolation mode \"{level}\" needs nftables for its port and egress guards, but the `nft` \
+         program was not found (looked {looked}); install the nftables package"
+    )]
+    NoNft { level: Isolation, looked: String },
+    #[error("{0}")]
+    Guard(#[from] guard::GuardError),
+    #[error("{0}")]
+    Cgroup(#[from] cgroup::CgroupError),
+    #[error("{0}")]
+    Kernel(String),
+    #[error("{0}")]
+    Config(String),
+    #[error(
+        "isolation mode \"{level}\": instances could not reach their data under {data_dir}: \
+         {blocker} is not searchable by other users (mode {mode:04o}); make it searchable \
+         (chmod o+x {blocker}) or choose a data_dir elsewhere"
+    )]
+    DataDirUnreachable {
+        level: Isolation,
+        data_dir: PathBuf,
+        blocker: PathBuf,
+        mode: u32,
+    },
+    #[error("{what} {path}: {source}")]
+    Io {
+        what: &'static str,
+        path: PathBuf,
+        source: std::io::Error,
+    },
+}
+
+/// The first ancestor of `dir` (itself included) that other users cannot
+/// search, with its mode: an instance uid could not get through it to its
+/// root. `mode_of` is `std::fs::metadata` in production.
+pub(crate) fn unsearchable_ancestor(
+    dir: &Path,
+    mode_of: impl Fn(&Path) -> std::io::Result<u32>,
+) -> std::io::Result<Option<(PathBuf, u32)>> {
+    for ancestor in dir.ancestors() {
+        if ancestor.as_os_str().is_empty() {
+            continue;
+        }
+        let mode = mode_of(ancestor)?;
+        if mode & 0o001 == 0 {
+            return Ok(Some((ancestor.to_owned(), mode & 0o7777)));
+        }
+    }
+    Ok(None)
+}
+
+/// Whether `uid` lies in no account range but is a real account of the
+/// host (`/etc/passwd`), as `(name, uid)`: instances must never share a
+/// uid with a real account.
+pub(crate) fn host_accounts_in(passwd: &str, range: UidRange) -> Vec<(String, u32)> {
+    passwd
+        .lines()
+        .filter_map(|line| {
+            let mut fields = line.split(':');
+            let name = fields.next()?;
+            let uid: u32 = fields.nth(1)?.parse().ok()?;
+            range.contains(uid).then(|| (name.to_owned(), uid))
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn levels_parse_and_print() {
+        for level in [Isolation::None, Isolation::User, Isolation::Sandbox] {
+            assert_eq!(level.as_str().parse::<Isolation>(), Ok(level));
+        }
+        let err = "jail".parse::<Isolation>().unwrap_err();
+        assert!(err.contains("unknown isolation mode \"jail\""), "{err}");
+        assert!(!Isolation::None.per_user_uid());
+        assert!(Isolation::Sandbox.per_user_uid());
+    }
+
+    #[test]
+    fn the_first_private_ancestor_is_named() {
+        let modes = |p: &Path| -> std::io::Result<u32> {
+            Ok(match p.to_str().unwrap() {
+                "/tmp/.tmpX" => 0o40700,
+                "/tmp" => 0o41777,
+                _ => 0o40755,
+            })
+        };
+        assert_eq!(
+            unsearchable_ancestor(Path::new("/tmp/.tmpX/data"), modes).unwrap(),
+            Some((PathBuf::from("/tmp/.tmpX"), 0o700))
+        );
+        assert_eq!(
+            unsearchable_ancestor(Path::new("/var/lib/berth"), modes).unwrap(),
+            None
+        );
+    }
+
+    #[test]
+    fn real_accounts_inside_the_range_are_found() {
+        let passwd = "root:x:0:0:root:/root:/bin/bash\n\
+                      svc:x:200005:200005::/srv:/bin/false\n\
+                      broken line\n\
+                      nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n";
+        let range = UidRange {
+            first: 200_000,
+            count: 100,
+        };
+        assert_eq!(
+            host_accounts_in(passwd, range),
+            vec![("svc".to_owned(), 200_005)]
+        );
+    }
+}

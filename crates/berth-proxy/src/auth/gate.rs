@@ -1,0 +1,258 @@
+//! The proxy's auth layer: whether a request may reach a user, and the
+//! exchange of a `?berth_token=` link for the user cookie.
+
+use berth_core::{ErrorCode, UserId};
+use hyper::header::{self, HeaderMap, HeaderValue};
+use hyper::{Response, StatusCode, Uri};
+
+use super::caller::{Access, Credential};
+use super::cookies::CookieScope;
+use super::extract::{DuplicateCookie, bearer, berth_cookies};
+use super::link::{QueryToken, is_cookie_safe, query_token, same_host_location};
+use super::secret::{CLUSTER_SECRET, CLUSTER_USER, ClusterSecret, SharedSecret};
+use super::tokens::{AuthError, Authenticator};
+use super::trusted::{AuthMode, FORWARDED_USER, PROXY_SECRET, TrustedProxies, is_https};
+use crate::forward::ConnInfo;
+use crate::respond::{self, ProxyBody};
+
+/// What the gate decided about a request it lets through.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Pass {
+    pub credential: Credential,
+    /// Pass `X-Forwarded-User` on to the program: it came from the trusted
+    /// SSO proxy (header mode).
+    pub keep_forwarded_user: bool,
+}
+
+/// The proxy's auth layer: decides whether a request may reach `user`.
+#[derive(Debug, Clone)]
+pub struct Gate {
+    auth: Authenticator,
+    mode: AuthMode,
+    trusted: TrustedProxies,
+    cluster: Option<ClusterSecret>,
+    header_secret: Option<SharedSecret>,
+    /// The base domain of host routing, for deleting planted cookies.
+    base_domain: Option<String>,
+}
+
+impl Gate {
+    pub fn new(auth: Authenticator, mode: AuthMode, trusted: TrustedProxies) -> Self {
+        Self {
+            auth,
+            mode,
+            trusted,
+            cluster: None,
+            header_secret: None,
+            base_domain: None,
+        }
+    }
+
+    /// The base domain apps live under (host routing), if any.
+    pub fn with_base_domain(mut self, base_domain: Option<&str>) -> Self {
+        self.base_domain = base_domain.map(str::to_owned);
+        self
+    }
+
+    /// Also accepts requests forwarded by another node: a valid cluster
+    /// secret plus [`CLUSTER_USER`] naming the target user.
+    pub fn with_cluster(mut self, secret: ClusterSecret) -> Self {
+        self.cluster = Some(secret);
+        self
+    }
+
+    /// In header mode, believes `X-Forwarded-User` only next to this secret
+    /// in [`PROXY_SECRET`], so that another process on a trusted address
+    /// cannot name a user.
+    pub fn with_header_secret(mut self, secret: Option<SharedSecret>) -> Self {
+        self.header_secret = secret;
+        self
+    }
+
+    pub fn trusted(&self) -> &TrustedProxies {
+        &self.trusted
+    }
+
+    /// The `X-Forwarded-User` header, if it is to be believed: header mode,
+    /// a trusted peer, and the proxy secret when one is configured.
+    fn forwarded_user<'h>(
+        &self,
+        headers: &'h HeaderMap,
+        conn: &ConnInfo,
+    ) -> Option<&'h HeaderValue> {
+        if self.mode != AuthMode::Header || !conn.trusted {
+            return None;
+        }
+        if let Some(secret) = &self.header_secret {
+            if !secret.verify_in(headers, &PROXY_SECRET) {
+                return None;
+            }
+        }
+        headers.get(&FORWARDED_USER)
+    }
+
+    /// `Ok` lets the request through and says which credential did; `Err`
+    /// is the answer instead: a 400, 401 or 403, or the redirect that
+    /// turns `?berth_token=` into the user cookie of `scope`.
+    ///
+    /// A Bearer token that is not a berth token may belong to the app, so
+    /// the cookie is tried next.
+    pub async fn check(
+        &self,
+        headers: &HeaderMap,
+        uri: &Uri,
+        conn: &ConnInfo,
+        user: &UserId,
+        scope: &CookieScope<'_>,
+    ) -> Result<Pass, Response<ProxyBody>> {
+        let navigation = respond::is_navigation(headers);
+        if headers.get_all(&FORWARDED_USER).iter().nth(1).is_some() {
+            // Which of two names would the app believe? Refuse instead.
+            return Err(respond::code_error(
+                ErrorCode::InvalidRequest,
+                "the request carries two X-Forwarded-User headers",
+            ));
+        }
+        let pass = |credential| Pass {
+            credential,
+            keep_forwarded_user: self.forwarded_user(headers, conn).is_some(),
+        };
+        if let Some(secret) = &self.cluster {
+            if let Some(presented) = headers.get(&CLUSTER_SECRET) {
+                // Whoever sends the header claims to be a node: it alone
+                // decides, so a wrong secret is a 401 even next to a token.
+                if !secret.matches(presented.as_bytes()) {
+                    return Err(respond::unauthorized(navigation));
+                }
+                return match headers.get(&CLUSTER_USER) {
+                    Some(name) if name.as_bytes() == user.as_str().as_bytes() => {
+                        Ok(pass(Credential::Cluster))
+                    }
+                    _ => Err(respond::forbidden(navigation)),
+                };
+            }
+        }
+        let cookies = match berth_cookies(headers) {
+            Ok(cookies) => cookies,
+            Err(duplicate) => {
+                let parent = self.base_domain.as_deref();
+                return Err(duplicate_cookie(&duplicate, scope, parent, headers, conn));
+            }
+        };
+        if let Some(q) = uri.query().and_then(query_token) {
+            return Err(self
+                .exchange_query_token(q, uri, conn, headers, user, scope, navigation)
+                .await);
+        }
+        if let Some(token) = bearer(headers) {
+            match self.auth.access(token, user).await {
+                // API clients (and berth's own tests) send the admin token
+                // as a header; a browser never does on its own.
+                Ok(Access::Admin | Access::Allowed) => return Ok(pass(Credential::Bearer)),
+                Ok(Access::Forbidden) => return Err(respond::forbidden(navigation)),
+                Ok(Access::Unauthenticated) => {}
+                Err(e) => return Err(store_unavailable(&e)),
+            }
+        }
+        if let Some(token) = cookies.user_token() {
+            match self.auth.access(token, user).await {
+                Ok(Access::Allowed) => return Ok(pass(Credential::Cookie)),
+                Ok(Access::Forbidden) => return Err(respond::forbidden(navigation)),
+                // The admin token never counts from a cookie: any page the
+                // browser opens could ride on it.
+                Ok(Access::Admin | Access::Unauthenticated) => {}
+                Err(e) => return Err(store_unavailable(&e)),
+            }
+        }
+        if let Some(name) = self.forwarded_user(headers, conn) {
+            return if name.as_bytes() == user.as_str().as_bytes() {
+                Ok(pass(Credential::ForwardedUser))
+            } else {
+                Err(respond::forbidden(navigation))
+            };
+        }
+        Err(respond::unauthorized(navigation))
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    async fn exchange_query_token(
+        &self,
+        q: QueryToken,
+        uri: &Uri,
+        conn: &ConnInfo,
+        headers: &HeaderMap,
+        user: &UserId,
+        scope: &CookieScope<'_>,
+        navigation: bool,
+    ) -> Response<ProxyBody> {
+        match self.auth.access(&q.token, user).await {
+            Ok(Access::Allowed) => {}
+            Ok(Access::Admin) => {
+                return respond::forbidden_because(
+                    navigation,
+                    "The admin token cannot open an app in a browser: it would become a cookie \
+                     that this app's pages could use. Open a link scoped to this user instead \
+                     (berth token USER).",
+                );
+            }
+            Ok(Access::Forbidden) => return respond::forbidden(navigation),
+            Ok(Access::Unauthenticated) => return respond::unauthorized(navigation),
+            Err(e) => return store_unavailable(&e),
+        }
+        if !is_cookie_safe(&q.token) {
+            return respond::json_error(
+                StatusCode::BAD_REQUEST,
+                ErrorCode::InvalidRequest.as_str(),
+                "this token cannot be stored in a cookie; send it as Authorization: Bearer",
+                &[],
+            );
+        }
+        let https = is_https(headers, conn);
+        let cookie = scope.user_cookie(&q.token, https).to_string();
+        let location = same_host_location(uri.path(), &q.rest);
+        match (
+            HeaderValue::try_from(location),
+            HeaderValue::try_from(cookie),
+        ) {
+            (Ok(location), Ok(cookie)) => {
+                respond::redirect(StatusCode::SEE_OTHER, location, Some(cookie))
+            }
+            _ => respond::json_error(
+                StatusCode::BAD_REQUEST,
+                ErrorCode::InvalidRequest.as_str(),
+                "cannot redirect to this URL",
+                &[],
+            ),
+        }
+    }
+}
+
+/// 400 for two cookies of one berth name, deleting the user cookie under
+/// each name and path berth uses here so that the next link works.
+fn duplicate_cookie(
+    duplicate: &DuplicateCookie,
+    scope: &CookieScope<'_>,
+    parent_domain: Option<&str>,
+    headers: &HeaderMap,
+    conn: &ConnInfo,
+) -> Response<ProxyBody> {
+    let mut response = respond::code_error(
+        ErrorCode::InvalidRequest,
+        &format!(
+            "{duplicate}; berth has deleted its cookies here: open your link (with ?berth_token=) again"
+        ),
+    );
+    for removal in scope.user_cookie_removals(is_https(headers, conn), parent_domain) {
+        if let Ok(value) = HeaderValue::try_from(removal.to_string()) {
+            response.headers_mut().append(header::SET_COOKIE, value);
+        }
+    }
+    response
+}
+
+fn store_unavailable(e: &AuthError) -> Response<ProxyBody> {
+    tracing::warn!(error = %e, "cannot check a token");
+    let mut response = respond::code_error(ErrorCode::StoreUnavailable, &e.to_string());
+    respond::set_retry_after(&mut response, 1000);
+    response
+}

@@ -1,0 +1,11 @@
+-- berth's SQLite schema, version 7: the identity of the data dir a
+-- node id was last claimed from (design §8.1, "Node identity across
+-- restarts"). A starting node holds its data dir's lock for its whole
+-- life; finding its own data dir's identity in the row proves that the
+-- process that claimed the row before is dead, so a node restarted after
+-- a crash need not wait for its old heartbeat to expire. It mirrors
+-- migrations/postgres/0007_node_identity.sql.
+--
+-- NULL for rows written before this version: they prove nothing, and the
+-- heartbeat's age decides as it did.
+ALTER TABLE nodes ADD COLUMN data_dir_id TEXT;

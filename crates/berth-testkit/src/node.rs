@@ -1,0 +1,510 @@
+//! A real `berth serve` for end-to-end tests: started on a loopback port
+//! with its own data dir, driven over HTTP, and cleaned up when dropped.
+//!
+//! The `berth` binary is passed in ([`Berth::new`]): only the `berth`
+//! crate's own tests know where cargo built it (`CARGO_BIN_EXE_berth`),
+//! and this crate must not depend on that binary crate.
+//!
+//! Every instance a [`Node`] started is killed when the node is dropped,
+//! through the shims' state files, so no test leaves a process behind.
+
+use std::ffi::OsString;
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use nix::sys::signal::Signal;
+use serde_json::Value;
+
+use crate::process::{alive, kill_instances_under, signal};
+use crate::wait::eventually;
+
+/// A config file body with the test's listen address (a free loopback
+/// port) and data dir filled in, plus `extra` TOML.
+pub fn config_with(data_dir: &Path, extra: &str) -> String {
+    format!(
+        "listen = \"127.0.0.1:0\"\ndata_dir = \"{}\"\n{extra}\n",
+        data_dir.display()
+    )
+}
+
+/// Lease timings short enough for tests to see expiry and failover in
+/// seconds (TTL > 2 × renew, fence_after < TTL).
+pub const CLUSTER_LEASE: &str = "ttl_ms = 3000\nrenew_ms = 1000\nfence_after_ms = 2000\n";
+
+/// A config body for one node of a cluster on `pg_url`: its own data dir
+/// under `dir`, a port range of its own (nodes on one host must not race
+/// for ports), short lease timings plus `lease_extra` (e.g. `takeover =
+/// "manual"`), and `extra` TOML (top-level keys or whole tables, but not
+/// `[lease]` or `[instance]`).
+pub fn cluster_config(
+    dir: &Path,
+    pg_url: &str,
+    node_id: &str,
+    secret: &str,
+    lease_extra: &str,
+    extra: &str,
+) -> String {
+    use std::sync::atomic::{AtomicU16, Ordering};
+    // Blocks of 150 ports per node, distinct within this test process.
+    static NEXT_BLOCK: AtomicU16 = AtomicU16::new(0);
+    let block = NEXT_BLOCK.fetch_add(1, Ordering::Relaxed) % 200;
+    let first = 30_000 + block * 150;
+    let last = first + 149;
+    format!(
+        "store = \"{pg_url}\"\nnode_id = \"{node_id}\"\ncluster_secret = \"{secret}\"\n{}\n\
+         [instance]\nport_range = [{first}, {last}]\n\n[lease]\n{CLUSTER_LEASE}{lease_extra}\n",
+        config_with(&dir.join("data"), extra)
+    )
+}
+
+/// [`cluster_config`] with its `[lease]` timings replaced by `lease` (whole
+/// `key = value` lines, e.g. a longer TTL) and `instance` lines added to
+/// its `[instance]` table (e.g. a `command`). The port block still comes
+/// from [`cluster_config`], so nodes made either way never share ports.
+///
+/// # Panics
+///
+/// When `extra` holds an `[instance]` table of its own.
+pub fn cluster_config_custom(
+    dir: &Path,
+    pg_url: &str,
+    node_id: &str,
+    secret: &str,
+    lease: &str,
+    instance: &str,
+    extra: &str,
+) -> String {
+    let base = cluster_config(dir, pg_url, node_id, secret, "", extra);
+    assert_eq!(
+        base.matches(CLUSTER_LEASE).count(),
+        1,
+        "cluster_config changed shape: {base}"
+    );
+    assert_eq!(
+        base.matches("[instance]\n").count(),
+        1,
+        "`extra` must not hold an [instance] table: {extra}"
+    );
+    base.replacen(CLUSTER_LEASE, lease, 1).replacen(
+        "[instance]\n",
+        &format!("[instance]\n{instance}"),
+        1,
+    )
+}
+
+/// How to run the `berth` binary: its path, and environment variables to
+/// add to every process started through it.
+#[derive(Debug, Clone)]
+pub struct Berth {
+    bin: PathBuf,
+    env: Vec<(OsString, OsString)>,
+}
+
+impl Berth {
+    /// `bin` is the `berth` executable (`env!("CARGO_BIN_EXE_berth")` in
+    /// the `berth` crate's tests).
+    pub fn new(bin: impl Into<PathBuf>) -> Self {
+        Self {
+            bin: bin.into(),
+            env: Vec::new(),
+        }
+    }
+
+    /// Adds `key=value` to the environment of every process started
+    /// through this value (nodes, and their client commands).
+    #[must_use]
+    pub fn env(mut self, key: impl Into<OsString>, value: impl Into<OsString>) -> Self {
+        self.env.push((key.into(), value.into()));
+        self
+    }
+
+    pub fn bin(&self) -> &Path {
+        &self.bin
+    }
+
+    /// A command running the binary, with this value's environment.
+    pub fn command(&self) -> Command {
+        let mut command = Command::new(&self.bin);
+        command.envs(self.env.iter().map(|(k, v)| (k, v)));
+        command
+    }
+
+    /// Starts `berth serve` in `dir` with `extra` TOML appended to the base
+    /// config ([`config_with`]); its data dir is `dir/data`.
+    pub fn start(&self, dir: &Path, extra: &str) -> Node {
+        self.start_with_config(dir, &config_with(&dir.join("data"), extra))
+    }
+
+    /// Writes `config` to `dir/berth.toml` and runs `berth serve` on it;
+    /// its data dir must be `dir/data`.
+    pub fn start_with_config(&self, dir: &Path, config: &str) -> Node {
+        self.start_configured(dir, config, &StartOptions::default())
+    }
+
+    /// Starts `berth <args>` in `dir` and waits for its "listening" line;
+    /// `data_dir` is where it keeps its `admin.token`.
+    ///
+    /// # Panics
+    ///
+    /// When berth cannot start, or exits before it listens.
+    pub fn start_with_args(&self, dir: &Path, args: &[&str], data_dir: &Path) -> Node {
+        self.start_with_options(dir, args, data_dir, &StartOptions::default())
+    }
+
+    /// Writes `config` to `dir/berth.toml` and runs `berth serve` on it
+    /// with `options`; its data dir must be `dir/data`.
+    pub fn start_configured(&self, dir: &Path, config: &str, options: &StartOptions) -> Node {
+        std::fs::create_dir_all(dir).expect("cannot create the node's directory");
+        let path = dir.join("berth.toml");
+        std::fs::write(&path, config).expect("cannot write the node's config");
+        let path = path.to_str().expect("a UTF-8 config path");
+        self.start_with_options(
+            dir,
+            &["serve", "--config", path],
+            &dir.join("data"),
+            options,
+        )
+    }
+
+    /// [`Berth::start_with_args`] with `options`.
+    ///
+    /// # Panics
+    ///
+    /// When berth cannot start, or exits before it listens.
+    pub fn start_with_options(
+        &self,
+        dir: &Path,
+        args: &[&str],
+        data_dir: &Path,
+        options: &StartOptions,
+    ) -> Node {
+        // Run as root, berth gives every user's instances a uid of their
+        // own (isolation level `user`), which must be able to pass through
+        // the test's private temporary directory to its data root.
+        reachable_by_instances(dir);
+        let mut command = match options.wrapper.split_first() {
+            Some((program, rest)) => {
+                let mut c = Command::new(program);
+                c.args(rest).arg(&self.bin);
+                c.envs(self.env.iter().map(|(k, v)| (k, v)));
+                c
+            }
+            None => self.command(),
+        };
+        command
+            .args(args)
+            .current_dir(dir)
+            .env("RUST_LOG", "info,berth=debug")
+            .envs(options.env.iter().map(|(k, v)| (k, v)))
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped());
+        match &options.stderr {
+            Some(path) => command.stderr(std::fs::File::create(path).expect("a stderr file")),
+            None => command.stderr(Stdio::inherit()),
+        };
+        if let Some(uid) = options.run_as {
+            use std::os::unix::process::CommandExt;
+            command.uid(uid).gid(uid);
+        }
+        let mut child = command.spawn().expect("berth starts");
+        let stdout = child.stdout.take().expect("a piped stdout");
+        let mut lines = BufReader::new(stdout).lines();
+        let url = loop {
+            match lines.next() {
+                Some(Ok(line)) => {
+                    if let Some(url) = line.strip_prefix("berth: listening on ") {
+                        break url.trim().to_owned();
+                    }
+                }
+                _ => panic!("berth exited before listening: {:?}", child.wait()),
+            }
+        };
+        // Keep draining stdout so berth never blocks on a full pipe.
+        std::thread::spawn(move || for _ in lines {});
+        let token = match options.env.iter().find(|(k, _)| k == "BERTH_ADMIN_TOKEN") {
+            Some((_, token)) => token.clone(),
+            None => std::fs::read_to_string(data_dir.join("admin.token"))
+                .expect("berth wrote its admin token")
+                .trim()
+                .to_owned(),
+        };
+        Node {
+            child: Some(child),
+            berth: self.clone(),
+            url,
+            token,
+            dir: dir.to_owned(),
+            data_dir: data_dir.to_owned(),
+            http: reqwest::Client::new(),
+        }
+    }
+
+    /// Starts a cluster node (PostgreSQL store) in `dir`; see
+    /// [`cluster_config`].
+    pub fn start_cluster(
+        &self,
+        dir: &Path,
+        pg_url: &str,
+        node_id: &str,
+        secret: &str,
+        extra: &str,
+    ) -> Node {
+        self.start_cluster_with_lease(dir, pg_url, node_id, secret, "", extra)
+    }
+
+    /// [`Berth::start_cluster`] with extra `[lease]` keys.
+    pub fn start_cluster_with_lease(
+        &self,
+        dir: &Path,
+        pg_url: &str,
+        node_id: &str,
+        secret: &str,
+        lease_extra: &str,
+        extra: &str,
+    ) -> Node {
+        self.start_with_config(
+            dir,
+            &cluster_config(dir, pg_url, node_id, secret, lease_extra, extra),
+        )
+    }
+
+    /// A cluster node configured by [`cluster_config_custom`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn start_cluster_custom(
+        &self,
+        dir: &Path,
+        pg_url: &str,
+        node_id: &str,
+        secret: &str,
+        lease: &str,
+        instance: &str,
+        extra: &str,
+    ) -> Node {
+        self.start_with_config(
+            dir,
+            &cluster_config_custom(dir, pg_url, node_id, secret, lease, instance, extra),
+        )
+    }
+}
+
+/// How [`Berth::start_with_options`] runs berth, beyond its arguments.
+#[derive(Debug, Clone, Default)]
+pub struct StartOptions {
+    /// Extra environment.
+    pub env: Vec<(String, String)>,
+    /// Where berth's stderr (its log) goes; inherited when `None`.
+    pub stderr: Option<PathBuf>,
+    /// A command berth runs under, e.g. `ip netns exec NAME`.
+    pub wrapper: Vec<String>,
+    /// Run berth as this uid (and gid) instead of the test's.
+    pub run_as: Option<u32>,
+}
+
+/// Lets other users search (not list) `dir`, as instance accounts must to
+/// reach their data roots below it (tempfile makes its directories 0700).
+pub fn reachable_by_instances(dir: &Path) {
+    use std::os::unix::fs::PermissionsExt;
+    let Ok(meta) = std::fs::metadata(dir) else {
+        return;
+    };
+    let mode = meta.permissions().mode();
+    if mode & 0o001 == 0 {
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(mode | 0o011))
+            .expect("cannot open the test directory to instance accounts");
+    }
+}
+
+/// A running `berth serve` and its data dir. Dropping it kills berth
+/// (`kill -9`) and every instance under its data dir.
+pub struct Node {
+    child: Option<Child>,
+    berth: Berth,
+    pub url: String,
+    /// The admin token.
+    pub token: String,
+    pub dir: PathBuf,
+    pub data_dir: PathBuf,
+    pub http: reqwest::Client,
+}
+
+impl std::fmt::Debug for Node {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Node")
+            .field("url", &self.url)
+            .field("data_dir", &self.data_dir)
+            .field("pid", &self.pid())
+            .finish_non_exhaustive()
+    }
+}
+
+/// Generous bound for an instance to come up; only a hang reaches it.
+const RUNNING_PATIENCE: Duration = Duration::from_secs(30);
+
+impl Node {
+    /// `<url>/api/v1<path>`.
+    pub fn api(&self, path: &str) -> String {
+        format!("{}/api/v1{path}", self.url)
+    }
+
+    /// GET an API path as admin: status and JSON body (`Null` if none).
+    ///
+    /// # Panics
+    ///
+    /// When berth cannot be reached at all.
+    pub async fn get(&self, path: &str) -> (u16, Value) {
+        let r = self
+            .http
+            .get(self.api(path))
+            .bearer_auth(&self.token)
+            .send()
+            .await
+            .expect("berth answers");
+        (r.status().as_u16(), r.json().await.unwrap_or(Value::Null))
+    }
+
+    /// POST JSON to an API path as admin: status and JSON body.
+    ///
+    /// # Panics
+    ///
+    /// When berth cannot be reached at all.
+    pub async fn post(&self, path: &str, body: Value) -> (u16, Value) {
+        let r = self
+            .http
+            .post(self.api(path))
+            .bearer_auth(&self.token)
+            .json(&body)
+            .send()
+            .await
+            .expect("berth answers");
+        (r.status().as_u16(), r.json().await.unwrap_or(Value::Null))
+    }
+
+    /// DELETE an API path as admin: the status.
+    ///
+    /// # Panics
+    ///
+    /// When berth cannot be reached at all.
+    pub async fn delete(&self, path: &str) -> u16 {
+        self.http
+            .delete(self.api(path))
+            .bearer_auth(&self.token)
+            .send()
+            .await
+            .expect("berth answers")
+            .status()
+            .as_u16()
+    }
+
+    /// The user's main record, or `Null`.
+    pub async fn main_of(&self, user: &str) -> Value {
+        self.get(&format!("/users/{user}/instance")).await.1["main"].clone()
+    }
+
+    /// Polls until the user's main is running and ready with a pid other
+    /// than `not_pid`, and returns the record.
+    pub async fn running_main(&self, user: &str, not_pid: Option<u64>) -> Value {
+        eventually(RUNNING_PATIENCE, &format!("{user} running"), || async {
+            let main = self.main_of(user).await;
+            let fresh = main["pid"].as_u64().is_some() && main["pid"].as_u64() != not_pid;
+            (main["status"] == "running" && main["ready"] == true && fresh).then_some(main)
+        })
+        .await
+    }
+
+    /// The status of the user's main, or `"none"`.
+    pub async fn status_of(&self, user: &str) -> String {
+        self.main_of(user).await["status"]
+            .as_str()
+            .unwrap_or("none")
+            .to_owned()
+    }
+
+    /// Mints a user token through the API.
+    ///
+    /// # Panics
+    ///
+    /// When the API refuses.
+    pub async fn user_token(&self, user: &str) -> String {
+        let (status, body) = self
+            .post(&format!("/users/{user}/tokens"), serde_json::json!({}))
+            .await;
+        assert_eq!(status, 201, "{body}");
+        body["token"].as_str().expect("a token").to_owned()
+    }
+
+    /// Runs a client command of the same binary against this node (its
+    /// URL and data dir in the environment, no `BERTH_TOKEN`).
+    ///
+    /// # Panics
+    ///
+    /// When the binary cannot be run.
+    pub fn cli(&self, args: &[&str]) -> std::process::Output {
+        self.berth
+            .command()
+            .args(args)
+            .env("BERTH_URL", &self.url)
+            .env("BERTH_DATA_DIR", &self.data_dir)
+            .env_remove("BERTH_TOKEN")
+            .output()
+            .expect("the berth client runs")
+    }
+
+    /// The pid of `berth serve` itself, while this value owns it.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
+    /// True while `berth serve` itself runs (an exited one is a zombie until
+    /// reaped, which [`alive`] does not count).
+    pub fn is_running(&self) -> bool {
+        self.pid().is_some_and(|pid| alive(u64::from(pid)))
+    }
+
+    /// `kill -9` of berth itself; its instances keep running.
+    pub fn kill9(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// SIGTERM and wait: a graceful stop.
+    ///
+    /// # Panics
+    ///
+    /// When berth was already stopped or killed.
+    pub fn terminate(&mut self) -> std::process::ExitStatus {
+        let mut child = self.child.take().expect("running");
+        signal(child.id(), Signal::SIGTERM);
+        child.wait().expect("berth can be waited for")
+    }
+
+    /// Sends `sig` to `berth serve` itself, without waiting.
+    pub fn signal(&self, sig: Signal) {
+        if let Some(pid) = self.pid() {
+            signal(pid, sig);
+        }
+    }
+
+    /// How `berth serve` ended, once it has (reaping it); `None` while it
+    /// runs or after this value stopped owning it.
+    pub fn exit_status(&mut self) -> Option<std::process::ExitStatus> {
+        let status = self.child.as_mut()?.try_wait().ok()??;
+        self.child = None;
+        Some(status)
+    }
+
+    /// Kills every shim (and with it every instance) under this data dir.
+    pub fn kill_instances(&self) {
+        kill_instances_under(&self.data_dir);
+    }
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        self.kill9();
+        self.kill_instances();
+    }
+}

@@ -1,0 +1,144 @@
+//! Processes as `/proc` shows them: liveness, scheduler state, memory, and
+//! the instances berth started (found by their environment), plus killing
+//! what a test left behind.
+
+use std::path::Path;
+
+use nix::sys::signal::Signal;
+use nix::unistd::Pid;
+use serde_json::Value;
+
+/// Sends `sig` to `pid`, ignoring a process that is already gone.
+pub fn signal(pid: u32, sig: Signal) {
+    let Ok(raw) = i32::try_from(pid) else {
+        return;
+    };
+    let _ = nix::sys::signal::kill(Pid::from_raw(raw), sig);
+}
+
+/// True while a process with this pid exists and is not a zombie.
+pub fn alive(pid: u64) -> bool {
+    proc_state_of(pid).is_some_and(|state| state != 'Z' && state != 'X')
+}
+
+/// The scheduler state letter of a process (`R`, `S`, `T` stopped, `Z`
+/// zombie, …), if it exists.
+pub fn proc_state(pid: u32) -> Option<char> {
+    proc_state_of(u64::from(pid))
+}
+
+fn proc_state_of(pid: u64) -> Option<char> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name may hold spaces and parentheses: the fields start
+    // after the last `)`.
+    stat.rsplit_once(')')?.1.trim_start().chars().next()
+}
+
+/// Resident memory of a process in KiB (`VmRSS` in /proc/<pid>/status).
+pub fn rss_kib(pid: u32) -> Option<u64> {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()?
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+}
+
+/// Pids of live processes whose environment has `BERTH_USER=<user>` and
+/// `BERTH_ROLE=<role>`, and whose `HOME` is under `data_dir`: the
+/// instances one berth started for that user, whoever their parent is.
+pub fn instance_pids(data_dir: &Path, user: &str, role: &str) -> Vec<u32> {
+    let want_user = format!("BERTH_USER={user}");
+    let want_role = format!("BERTH_ROLE={role}");
+    let data_dir = data_dir
+        .canonicalize()
+        .unwrap_or_else(|_| data_dir.to_owned());
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    let mut pids = Vec::new();
+    for entry in entries.flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let Ok(environ) = std::fs::read(format!("/proc/{pid}/environ")) else {
+            continue;
+        };
+        let vars: Vec<&[u8]> = environ.split(|b| *b == 0).collect();
+        let has = |want: &str| vars.contains(&want.as_bytes());
+        let home_under = vars.iter().any(|v| {
+            v.strip_prefix(b"HOME=").is_some_and(|h| {
+                Path::new(std::str::from_utf8(h).unwrap_or("")).starts_with(&data_dir)
+            })
+        });
+        if has(&want_user) && has(&want_role) && home_under && alive(u64::from(pid)) {
+            pids.push(pid);
+        }
+    }
+    pids
+}
+
+/// Kills the shim and the program group of every state file under
+/// `<data_dir>/run`: what a test's berth left running.
+pub fn kill_instances_under(data_dir: &Path) {
+    let Ok(slugs) = std::fs::read_dir(data_dir.join("run")) else {
+        return;
+    };
+    for slug in slugs.flatten() {
+        let Ok(files) = std::fs::read_dir(slug.path()) else {
+            continue;
+        };
+        for file in files.flatten() {
+            let path = file.path();
+            if path.extension().is_none_or(|e| e != "json") {
+                continue;
+            }
+            let Ok(state) = std::fs::read_to_string(&path) else {
+                continue;
+            };
+            let Ok(state) = serde_json::from_str::<Value>(&state) else {
+                continue;
+            };
+            if let Some(pid) = state["pid"].as_i64().and_then(|p| i32::try_from(p).ok()) {
+                let _ = nix::sys::signal::killpg(Pid::from_raw(pid), Signal::SIGKILL);
+            }
+            if let Some(pid) = state["shim_pid"]
+                .as_u64()
+                .and_then(|p| u32::try_from(p).ok())
+            {
+                signal(pid, Signal::SIGKILL);
+            }
+        }
+    }
+}
+
+/// The shim zygote (`berth shim`) that the `berth serve` with pid `berth`
+/// started, if it runs.
+pub fn zygote_of(berth: u32) -> Option<u32> {
+    std::fs::read_dir("/proc").ok()?.find_map(|entry| {
+        let pid: u32 = entry.ok()?.file_name().to_str()?.parse().ok()?;
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+        let ppid: u32 = stat
+            .rsplit_once(')')?
+            .1
+            .split_whitespace()
+            .nth(1)?
+            .parse()
+            .ok()?;
+        let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+        let is_shim = cmdline.split(|&b| b == 0).nth(1) == Some(b"shim".as_slice());
+        (ppid == berth && is_shim && alive(u64::from(pid))).then_some(pid)
+    })
+}
+
+/// A loopback TCP port nobody listens on right now (another process may
+/// take it before the caller binds it).
+///
+/// # Panics
+///
+/// When no port can be bound at all.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("no free loopback port")
+}

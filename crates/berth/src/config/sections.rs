@@ -1,0 +1,409 @@
+//! The file format: [`Config`] and its sections, one struct per TOML
+//! table, with the defaults of design §8.6.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+use berth_local::Limits;
+use berth_store::TakeoverPolicy;
+use serde::{Deserialize, Serialize};
+
+use super::provenance::Provenance;
+
+/// The whole configuration. Field names are the TOML keys.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Config {
+    pub listen: String,
+    pub data_dir: PathBuf,
+    /// `sqlite://…` or `postgres://…`; default `sqlite://<data_dir>/berth.db`.
+    pub store: Option<String>,
+    /// Default: the host name.
+    pub node_id: Option<String>,
+    pub advertise_url: Option<String>,
+    pub cluster_secret: Option<String>,
+    /// Default: read or generate `<data_dir>/admin.token`.
+    pub admin_token: Option<String>,
+    /// `"text"` or `"json"`.
+    pub log_format: String,
+    pub instance: InstanceConfig,
+    pub watchdog: WatchdogConfig,
+    pub crash: CrashConfig,
+    pub reap: ReapConfig,
+    pub lease: LeaseSection,
+    pub isolation: IsolationConfig,
+    pub proxy: ProxyConfig,
+    pub auth: AuthSection,
+    pub cluster: ClusterSection,
+    pub metrics: MetricsSection,
+    /// Accepted so that a Kubernetes config is refused with a clear message
+    /// rather than as an unknown key; the backend does not exist yet.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kubernetes: Option<toml::Table>,
+    /// Where each value came from, for error messages.
+    #[serde(skip)]
+    pub(crate) provenance: Provenance,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct InstanceConfig {
+    /// Default: `[<this binary>, "demo-app", "--port", "{port}"]`.
+    pub command: Option<Vec<String>>,
+    pub env: BTreeMap<String, String>,
+    /// berth's own environment variables passed to instances.
+    pub env_allowlist: Vec<String>,
+    pub ready_token_regex: Option<String>,
+    pub ready_http_path: Option<String>,
+    /// Neither regex nor HTTP path: wait for a TCP connect.
+    pub ready_tcp: bool,
+    pub ready_timeout_s: u64,
+    pub port_range: [u16; 2],
+    pub stop_grace_s: u64,
+    pub patch_ext: String,
+    pub no_restart_exit_codes: Vec<i32>,
+    pub on_breaker_open: Option<Vec<String>>,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct WatchdogConfig {
+    pub command: Option<Vec<String>>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct CrashConfig {
+    pub backoff_base_ms: u64,
+    pub backoff_max_ms: u64,
+    pub max_restarts_in_window: u32,
+    pub window_s: u64,
+    pub stable_s: u64,
+    pub cooldown_s: u64,
+    pub max_cooldown_s: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ReapConfig {
+    pub interval_s: u64,
+    /// 0 = never.
+    pub idle_ttl_s: u64,
+    /// 0 = no cap.
+    pub max_idle: usize,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LeaseSection {
+    pub ttl_ms: u64,
+    pub renew_ms: u64,
+    pub fence_after_ms: u64,
+    /// `"evidence"` or `"manual"`.
+    pub takeover: berth_store::TakeoverPolicy,
+}
+
+/// `[auth]`: user tokens and admin sessions (design §8.2).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct AuthSection {
+    /// How long a user token lives. A token minted with a user token lives
+    /// no longer than that one.
+    pub user_token_ttl_s: u64,
+    /// Whether a user token may launch with `patch`, `folder` or `force`,
+    /// and reset its breaker. Off: only the admin may.
+    pub users_may_patch: bool,
+    /// The most live tokens one user may have; minting one more is refused
+    /// (409 `too_many_tokens`) until one is revoked or expires.
+    pub max_tokens_per_user: u32,
+    /// How long a node trusts a user token it looked up without asking
+    /// the store again. A revocation clears every reachable node at once;
+    /// this bounds how long a node it could not reach may accept the token.
+    /// 0: every use asks the store.
+    pub token_cache_s: u64,
+    /// How long an admin page session lasts.
+    pub session_ttl_s: u64,
+}
+
+impl Default for AuthSection {
+    fn default() -> Self {
+        Self {
+            user_token_ttl_s: 30 * 24 * 3600,
+            users_may_patch: false,
+            max_tokens_per_user: 20,
+            token_cache_s: 10,
+            session_ttl_s: 12 * 3600,
+        }
+    }
+}
+
+/// `[cluster]`: this node's part in a cluster (PostgreSQL store).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ClusterSection {
+    /// How many mains this node offers to run; placement sends new
+    /// instances to the node with the most room. Default: the size of
+    /// `instance.port_range` (one port per instance).
+    pub capacity: Option<u32>,
+}
+
+/// `[metrics]`: who may read `/metrics` besides the admin (design §11).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct MetricsSection {
+    /// A read-only token for a Prometheus scraper: as Bearer, it opens
+    /// `GET /metrics` and nothing else.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub token: Option<String>,
+    /// Also serve `/metrics`, without authentication, on this address
+    /// (e.g. `127.0.0.1:9464`), for a scraper that holds no token. Only
+    /// `/metrics` is served there.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub listen: Option<String>,
+}
+
+/// `[isolation]` (design §6).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct IsolationConfig {
+    /// `"none"`, `"user"` or `"sandbox"`; unset: `user` when berth runs as
+    /// root, `none` otherwise.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub mode: Option<String>,
+    /// Memory of one instance (cgroup limit, level `sandbox`).
+    pub memory_max_mb: u64,
+    /// Processes of one instance: cgroup limit (`sandbox`) and the
+    /// account's `RLIMIT_NPROC` (`user` and `sandbox`).
+    pub pids_max: u64,
+    /// CPU of one instance in percent of one CPU (`sandbox`); 0 = no limit.
+    pub cpu_max_percent: u32,
+    /// The first host uid of instance accounts; each user gets the next
+    /// free one, once, recorded in the store.
+    pub base_uid: u32,
+    /// How many uids the account range holds.
+    pub uid_count: u32,
+    /// The `nft` program of the port and egress guards; default: looked up
+    /// in `PATH`, `/usr/sbin` and `/sbin`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub nft: Option<PathBuf>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ProxyConfig {
+    pub base_domain: String,
+    /// `/u/<user>/` on the berth host: `"auto"` (on unless `base_domain`
+    /// is set), `"on"` or `"off"`. On, every app shares the API's origin.
+    pub path_routing: String,
+    pub strip_prefix: bool,
+    /// `"token"` or `"header"`.
+    pub auth: String,
+    pub trusted_proxies: Vec<String>,
+    /// `auth = "header"`: `X-Forwarded-User` counts only next to this
+    /// secret in `X-Berth-Proxy-Secret`, proving the request came through
+    /// the SSO proxy rather than another process on a trusted address.
+    pub header_secret: Option<String>,
+    /// A client must send its request head within this time (slowloris).
+    pub header_timeout_ms: u64,
+    /// Largest request head in bytes; larger gets `431`.
+    pub max_header_bytes: usize,
+    /// Concurrent long-lived streams on this node: WebSockets (and other
+    /// upgrades) and API progress streams; more get `503`.
+    pub max_upgrades: usize,
+
+    // --- exhaustion limits (issue 9) -----------------------------------------
+    /// Open client connections at most; more are closed at once.
+    pub max_connections: usize,
+    /// Open connections at most from one client address (an IPv4 address
+    /// or an IPv6 /64); `trusted_proxies`, and connections that carry the
+    /// cluster secret (other nodes), count only towards the total.
+    pub max_connections_per_ip: usize,
+    /// Concurrent long-lived streams of one user (WebSockets to their app,
+    /// progress streams of their instance); more get `429`.
+    pub max_upgrades_per_user: usize,
+    /// Request bodies must arrive at this average rate at least…
+    pub body_min_bytes_per_s: u64,
+    /// …and may stall (or fall behind the rate) by at most this long; then
+    /// the request fails (`408`) and its connection closes. 0: no bound.
+    pub body_grace_ms: u64,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            listen: "127.0.0.1:8000".to_owned(),
+            data_dir: PathBuf::from("./berth-data"),
+            store: None,
+            node_id: None,
+            advertise_url: None,
+            cluster_secret: None,
+            admin_token: None,
+            log_format: "text".to_owned(),
+            instance: InstanceConfig::default(),
+            watchdog: WatchdogConfig::default(),
+            crash: CrashConfig::default(),
+            reap: ReapConfig::default(),
+            lease: LeaseSection::default(),
+            isolation: IsolationConfig::default(),
+            proxy: ProxyConfig::default(),
+            auth: AuthSection::default(),
+            cluster: ClusterSection::default(),
+            metrics: MetricsSection::default(),
+            kubernetes: None,
+            provenance: Provenance::default(),
+        }
+    }
+}
+
+impl Default for InstanceConfig {
+    fn default() -> Self {
+        Self {
+            command: None,
+            env: BTreeMap::new(),
+            env_allowlist: ["PATH", "LANG", "LC_ALL", "TZ"]
+                .into_iter()
+                .map(str::to_owned)
+                .collect(),
+            ready_token_regex: None,
+            ready_http_path: None,
+            ready_tcp: false,
+            ready_timeout_s: 60,
+            port_range: [20000, 29999],
+            stop_grace_s: 5,
+            patch_ext: "yaml".to_owned(),
+            no_restart_exit_codes: Vec::new(),
+            on_breaker_open: None,
+        }
+    }
+}
+
+impl Default for CrashConfig {
+    fn default() -> Self {
+        Self {
+            backoff_base_ms: 1000,
+            backoff_max_ms: 30_000,
+            max_restarts_in_window: 5,
+            window_s: 600,
+            stable_s: 60,
+            cooldown_s: 600,
+            max_cooldown_s: 21_600,
+        }
+    }
+}
+
+impl Default for ReapConfig {
+    fn default() -> Self {
+        Self {
+            interval_s: 60,
+            idle_ttl_s: 3600,
+            max_idle: 0,
+        }
+    }
+}
+
+impl Default for LeaseSection {
+    fn default() -> Self {
+        Self {
+            ttl_ms: 30_000,
+            renew_ms: 10_000,
+            fence_after_ms: 20_000,
+            takeover: TakeoverPolicy::Evidence,
+        }
+    }
+}
+
+impl Default for IsolationConfig {
+    fn default() -> Self {
+        let limits = Limits::default();
+        Self {
+            mode: None,
+            memory_max_mb: limits.memory_max_mb,
+            pids_max: limits.pids_max,
+            cpu_max_percent: limits.cpu_max_percent,
+            base_uid: 200_000,
+            uid_count: 100_000,
+            nft: None,
+        }
+    }
+}
+
+impl Default for ProxyConfig {
+    fn default() -> Self {
+        Self {
+            base_domain: String::new(),
+            path_routing: "auto".to_owned(),
+            strip_prefix: false,
+            auth: "token".to_owned(),
+            trusted_proxies: Vec::new(),
+            header_secret: None,
+            header_timeout_ms: 10_000,
+            max_header_bytes: 64 * 1024,
+            max_upgrades: 10_000,
+            max_connections: 10_000,
+            max_connections_per_ip: 1000,
+            max_upgrades_per_user: 100,
+            body_min_bytes_per_s: 1024,
+            body_grace_ms: 10_000,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::test_support::parse;
+    use berth_core::policy::{CrashPolicy, ReapPolicy};
+    use berth_local::{Isolation, UidRange};
+
+    #[test]
+    fn defaults_match_the_design() {
+        let c = Config::default();
+        assert_eq!(c.listen, "127.0.0.1:8000");
+        assert_eq!(c.data_dir, PathBuf::from("./berth-data"));
+        assert_eq!(c.store_url(), "sqlite://./berth-data/berth.db");
+        assert!(!c.is_postgres());
+        assert_eq!(c.log_format, "text");
+        assert_eq!(c.instance.port_range, [20000, 29999]);
+        assert_eq!(c.instance.ready_timeout_s, 60);
+        assert_eq!(c.instance.stop_grace_s, 5);
+        assert_eq!(c.instance.patch_ext, "yaml");
+        assert_eq!(
+            c.instance.env_allowlist,
+            vec!["PATH", "LANG", "LC_ALL", "TZ"]
+        );
+        assert_eq!(c.crash_policy(), CrashPolicy::default());
+        assert_eq!(c.reap_policy(), ReapPolicy::default());
+        assert_eq!(
+            (c.lease.ttl_ms, c.lease.renew_ms, c.lease.fence_after_ms),
+            (30_000, 10_000, 20_000)
+        );
+        assert_eq!(c.lease.takeover, TakeoverPolicy::Evidence);
+        assert_eq!(c.isolation.mode, None);
+        assert_eq!(c.isolation_level(true).unwrap(), Isolation::User);
+        assert_eq!(c.isolation_level(false).unwrap(), Isolation::None);
+        assert_eq!(
+            (c.isolation.memory_max_mb, c.isolation.pids_max),
+            (1024, 256)
+        );
+        assert_eq!(
+            c.uid_range(),
+            UidRange {
+                first: 200_000,
+                count: 100_000
+            }
+        );
+        assert_eq!(c.proxy.auth, "token");
+        assert!(!c.proxy.strip_prefix);
+        assert!(c.proxy.base_domain.is_empty());
+        assert_eq!(c.proxy.path_routing, "auto");
+        assert!(c.path_routing(), "no domain: path routing");
+        assert_eq!(c.auth.user_token_ttl_s, 2_592_000);
+        assert!(!c.auth.users_may_patch);
+    }
+
+    #[test]
+    fn empty_file_is_the_defaults() {
+        assert_eq!(parse("").unwrap(), Config::default());
+        assert_eq!(parse("# nothing\n").unwrap(), Config::default());
+    }
+}

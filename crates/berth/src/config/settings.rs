@@ -1,0 +1,381 @@
+//! What the configuration means for each part of berth: the store URL,
+//! the node's identity and capacity, the proxy's routing, and the
+//! conversions into each crate's settings (crash and reap policies, the
+//! lease, readiness, [`LocalConfig`], the pace of request bodies).
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use berth_controller::{BreakerHook, ControllerConfig};
+use berth_core::policy::{CrashPolicy, ReapPolicy};
+use berth_local::{Isolation, Limits, LocalRuntimeConfig, Readiness, UidRange};
+use berth_store::lease::LeaseConfig;
+
+use super::error::ConfigError;
+use super::sections::Config;
+
+/// Matches the line `berth demo-app` prints once it listens; the capture is
+/// the launch token.
+pub const DEMO_READY_REGEX: &str = r"berth-demo: http://127\.0\.0\.1:\d+/\?token=([A-Za-z0-9_-]+)";
+
+impl Config {
+    /// The store URL: configured, or `sqlite://<data_dir>/berth.db`.
+    pub fn store_url(&self) -> String {
+        match &self.store {
+            Some(url) => url.clone(),
+            None => format!("sqlite://{}", self.data_dir.join("berth.db").display()),
+        }
+    }
+
+    /// True when the store is PostgreSQL, i.e. berth runs as a cluster.
+    pub fn is_postgres(&self) -> bool {
+        let url = self.store_url();
+        url.starts_with("postgres://") || url.starts_with("postgresql://")
+    }
+
+    /// This node's id: configured, or the host name.
+    pub fn node_id(&self) -> Result<String, ConfigError> {
+        if let Some(id) = &self.node_id {
+            return Ok(id.clone());
+        }
+        let name = nix::unistd::gethostname().map_err(|e| ConfigError::Hostname(e.to_string()))?;
+        match name.into_string() {
+            Ok(name) if !name.is_empty() => Ok(name),
+            Ok(_) => Err(ConfigError::Hostname("it is empty".to_owned())),
+            Err(_) => Err(ConfigError::Hostname("it is not UTF-8".to_owned())),
+        }
+    }
+
+    /// Whether `/u/<user>/` is routed on the berth host: `[proxy]
+    /// path_routing`, where `"auto"` means on unless a base domain is set.
+    pub fn path_routing(&self) -> bool {
+        match self.proxy.path_routing.as_str() {
+            "on" => true,
+            "off" => false,
+            _ => self.proxy.base_domain.is_empty(),
+        }
+    }
+
+    /// The parsed listen address.
+    pub fn listen_addr(&self) -> Result<SocketAddr, ConfigError> {
+        self.listen.parse().map_err(|_| {
+            self.invalid(
+                "listen",
+                format!(
+                    "{:?} is not a socket address (expected e.g. \"127.0.0.1:8000\")",
+                    self.listen
+                ),
+            )
+        })
+    }
+
+    pub fn crash_policy(&self) -> CrashPolicy {
+        let c = &self.crash;
+        CrashPolicy {
+            backoff_base: Duration::from_millis(c.backoff_base_ms),
+            backoff_max: Duration::from_millis(c.backoff_max_ms),
+            max_restarts_in_window: c.max_restarts_in_window,
+            window: Duration::from_secs(c.window_s),
+            stable: Duration::from_secs(c.stable_s),
+            cooldown: Duration::from_secs(c.cooldown_s),
+            max_cooldown: Duration::from_secs(c.max_cooldown_s),
+        }
+    }
+
+    pub fn reap_policy(&self) -> ReapPolicy {
+        let r = &self.reap;
+        ReapPolicy {
+            idle_ttl: (r.idle_ttl_s > 0).then(|| Duration::from_secs(r.idle_ttl_s)),
+            max_idle: r.max_idle,
+            interval: Duration::from_secs(r.interval_s),
+        }
+    }
+
+    /// The lease timing, checked. The rules live in `LeaseConfig::new`;
+    /// this only names the key (and its line) that each refusal is about.
+    pub fn lease_config(&self) -> Result<LeaseConfig, ConfigError> {
+        use berth_store::lease::LeaseConfigError as E;
+        let l = &self.lease;
+        LeaseConfig::new(
+            Duration::from_millis(l.ttl_ms),
+            Duration::from_millis(l.renew_ms),
+            Duration::from_millis(l.fence_after_ms),
+            l.takeover,
+        )
+        .map_err(|e| {
+            let key = match e {
+                E::ZeroRenew => "lease.renew_ms",
+                E::TtlTooShort { .. } | E::TtlTooLong { .. } => "lease.ttl_ms",
+                E::FenceAfterTooLong { .. } => "lease.fence_after_ms",
+            };
+            self.invalid(key, e.to_string())
+        })
+    }
+
+    /// The instance command: configured, or this binary's `demo-app`.
+    pub fn instance_command(&self) -> Result<Vec<String>, ConfigError> {
+        if let Some(command) = &self.instance.command {
+            return Ok(command.clone());
+        }
+        let exe = std::env::current_exe().map_err(|e| ConfigError::CurrentExe(e.to_string()))?;
+        let exe = exe
+            .into_os_string()
+            .into_string()
+            .map_err(|_| ConfigError::CurrentExe("its path is not UTF-8".to_owned()))?;
+        Ok(vec![
+            exe,
+            "demo-app".into(),
+            "--port".into(),
+            "{port}".into(),
+        ])
+    }
+
+    /// How instances are judged ready (design §4.2). A configured regex or
+    /// HTTP path wins; the default command gets the demo-app's token line;
+    /// any other command is ready when `GET /` answers.
+    pub fn readiness(&self) -> Result<Readiness, ConfigError> {
+        let i = &self.instance;
+        if let Some(pattern) = &i.ready_token_regex {
+            return Ok(Readiness::TokenRegex(self.compile_ready_regex(pattern)?));
+        }
+        if let Some(path) = &i.ready_http_path {
+            return Ok(Readiness::Http { path: path.clone() });
+        }
+        if i.ready_tcp {
+            return Ok(Readiness::Tcp);
+        }
+        if i.command.is_none() {
+            return Ok(Readiness::TokenRegex(
+                self.compile_ready_regex(DEMO_READY_REGEX)?,
+            ));
+        }
+        Ok(Readiness::Http {
+            path: "/".to_owned(),
+        })
+    }
+
+    pub(super) fn compile_ready_regex(&self, pattern: &str) -> Result<regex::Regex, ConfigError> {
+        regex::Regex::new(pattern).map_err(|e| {
+            // The regex error is multi-line (pattern, caret, reason); keep
+            // it readable on one line.
+            let reason = e.to_string().replace('\n', " ");
+            self.invalid(
+                "instance.ready_token_regex",
+                format!("not a valid regular expression: {reason}"),
+            )
+        })
+    }
+
+    /// The local runtime's settings: how, where and on which ports the
+    /// program runs. `shim_command` runs the shim zygote (normally this
+    /// executable and `shim`).
+    pub fn runtime_config(
+        &self,
+        shim_command: Vec<String>,
+    ) -> Result<LocalRuntimeConfig, ConfigError> {
+        let i = &self.instance;
+        Ok(LocalRuntimeConfig {
+            data_dir: self.data_dir.clone(),
+            command: self.instance_command()?,
+            env: i.env.clone(),
+            env_allowlist: i.env_allowlist.clone(),
+            readiness: self.readiness()?,
+            port_range: i.port_range[0]..=i.port_range[1],
+            patch_ext: i.patch_ext.clone(),
+            watchdog_command: self.watchdog.command.clone(),
+            isolation: self.isolation_level(nix::unistd::geteuid().is_root())?,
+            uids: self.uid_range(),
+            limits: Limits {
+                memory_max_mb: self.isolation.memory_max_mb,
+                pids_max: self.isolation.pids_max,
+                cpu_max_percent: self.isolation.cpu_max_percent,
+            },
+            nft: self.isolation.nft.clone(),
+            shim_command,
+        })
+    }
+
+    /// The controller's settings for node `node_id`.
+    pub fn controller_config(
+        &self,
+        node_id: impl Into<String>,
+    ) -> Result<ControllerConfig, ConfigError> {
+        let i = &self.instance;
+        Ok(ControllerConfig {
+            node_id: node_id.into(),
+            // Empty when unset: serve.rs knows the bound address and may
+            // fill in a default.
+            advertise_url: self.advertise_url.clone().unwrap_or_default(),
+            ready_timeout: Duration::from_secs(i.ready_timeout_s),
+            stop_grace: Duration::from_secs(i.stop_grace_s),
+            crash: self.crash_policy(),
+            no_restart_exit_codes: i.no_restart_exit_codes.clone(),
+            on_breaker_open: i.on_breaker_open.clone().map(|command| BreakerHook {
+                command,
+                env: self.hook_env(),
+            }),
+            reap: self.reap_policy(),
+            lease: self.lease_config()?,
+            fencing: self.is_postgres(),
+            watchdog: self.watchdog.command.is_some(),
+            capacity: self.cluster.capacity,
+            probe_settle: Duration::from_millis(2500),
+            probe_budget: Duration::from_secs(60),
+            restart_all_concurrency: 4,
+        })
+    }
+
+    /// The environment of the `on_breaker_open` hook: the allowlisted part
+    /// of berth's own, then `[instance] env` (the controller adds the
+    /// breaker's variables). Nothing else of berth's reaches it.
+    fn hook_env(&self) -> Vec<(String, String)> {
+        let allow = &self.instance.env_allowlist;
+        let mut env: BTreeMap<String, String> = std::env::vars_os()
+            .filter_map(|(k, v)| Some((k.into_string().ok()?, v.into_string().ok()?)))
+            .filter(|(k, _)| allow.contains(k))
+            .collect();
+        env.extend(self.instance.env.clone());
+        env.into_iter().collect()
+    }
+
+    /// A warning when `[instance] port_range` overlaps `ephemeral`, the
+    /// kernel's range for the local ports of outgoing connections: any
+    /// connection on the host may take an instance's port between berth's
+    /// check and the program's bind. berth then starts the program again
+    /// on another port, but a range outside the ephemeral one avoids the
+    /// race (and the restart) altogether.
+    pub fn port_range_warning(&self, ephemeral: Option<(u16, u16)>) -> Option<String> {
+        let (low, high) = ephemeral?;
+        let [start, end] = self.instance.port_range;
+        let (from, to) = (start.max(low), end.min(high));
+        (from <= to).then(|| {
+            format!(
+                "instance.port_range {start}-{end} overlaps the kernel's ephemeral port range \
+                 {low}-{high} (net.ipv4.ip_local_port_range) in {from}-{to}: outgoing connections \
+                 may take an instance's port just before it binds (berth then restarts it on \
+                 another port); choose a range outside it, or narrow the kernel's"
+            )
+        })
+    }
+
+    /// `[proxy] body_min_bytes_per_s` and `body_grace_ms` (a grace of 0: no
+    /// bound), for the API's bodies and for the bodies the proxy forwards
+    /// alike.
+    pub fn body_pace(&self) -> Option<berth_proxy::BodyPace> {
+        let p = &self.proxy;
+        (p.body_grace_ms > 0).then(|| berth_proxy::BodyPace {
+            min_bytes_per_s: p.body_min_bytes_per_s,
+            grace: Duration::from_millis(p.body_grace_ms),
+        })
+    }
+
+    /// The isolation level: the configured one, else `user` when berth runs
+    /// as root (`root`) and `none` otherwise.
+    pub fn isolation_level(&self, root: bool) -> Result<Isolation, ConfigError> {
+        match &self.isolation.mode {
+            Some(mode) => mode
+                .parse()
+                .map_err(|reason: String| self.invalid("isolation.mode", reason)),
+            None if root => Ok(Isolation::User),
+            None => Ok(Isolation::None),
+        }
+    }
+
+    /// The host uids of instance accounts.
+    pub fn uid_range(&self) -> UidRange {
+        UidRange {
+            first: self.isolation.base_uid,
+            count: self.isolation.uid_count,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::test_support::parse;
+
+    #[test]
+    fn default_command_is_demo_app_with_its_token_regex() {
+        let c = Config::default();
+        let command = c.instance_command().unwrap();
+        assert_eq!(&command[1..], ["demo-app", "--port", "{port}"]);
+        match c.readiness().unwrap() {
+            Readiness::TokenRegex(re) => {
+                let line = "berth-demo: http://127.0.0.1:20001/?token=abc_D-9";
+                let caps = re.captures(line).unwrap();
+                assert_eq!(&caps[1], "abc_D-9");
+            }
+            other => panic!("unexpected readiness {other:?}"),
+        }
+    }
+
+    #[test]
+    fn custom_command_defaults_to_http_readiness() {
+        let c = parse("[instance]\ncommand = [\"x\", \"{port}\"]\n").unwrap();
+        match c.readiness().unwrap() {
+            Readiness::Http { path } => assert_eq!(path, "/"),
+            other => panic!("unexpected readiness {other:?}"),
+        }
+        let c = parse("[instance]\ncommand = [\"x\"]\nready_tcp = true\n").unwrap();
+        assert!(matches!(c.readiness().unwrap(), Readiness::Tcp));
+    }
+
+    #[test]
+    fn a_port_range_inside_the_ephemeral_range_is_warned_about() {
+        let c = parse("[instance]\nport_range = [20000, 29999]\n").unwrap();
+        assert_eq!(c.port_range_warning(Some((32768, 60999))), None);
+        assert_eq!(c.port_range_warning(None), None);
+        let warning = c.port_range_warning(Some((29000, 40000))).unwrap();
+        assert!(
+            warning.contains("20000-29999") && warning.contains("in 29000-29999"),
+            "{warning}"
+        );
+        let inside = parse("[instance]\nport_range = [40000, 40009]\n").unwrap();
+        assert!(inside.port_range_warning(Some((32768, 60999))).is_some());
+        assert_eq!(
+            parse("[instance]\nport_range = [29999, 29999]\n")
+                .unwrap()
+                .port_range_warning(Some((30000, 30001))),
+            None
+        );
+    }
+
+    #[test]
+    fn body_pace_is_the_two_keys_and_a_zero_grace_turns_it_off() {
+        let c = parse("[proxy]\nbody_min_bytes_per_s = 100\nbody_grace_ms = 3000\n").unwrap();
+        assert_eq!(
+            c.body_pace(),
+            Some(berth_proxy::BodyPace {
+                min_bytes_per_s: 100,
+                grace: Duration::from_secs(3),
+            })
+        );
+        let c = parse("[proxy]\nbody_grace_ms = 0\n").unwrap();
+        assert_eq!(c.body_pace(), None);
+    }
+
+    #[test]
+    fn path_routing_follows_the_domain_unless_told() {
+        let on = |text: &str| parse(text).unwrap().path_routing();
+        assert!(on(""));
+        assert!(!on("[proxy]\nbase_domain = \"b.example\"\n"));
+        assert!(on(
+            "[proxy]\nbase_domain = \"b.example\"\npath_routing = \"on\"\n"
+        ));
+        assert!(!on(
+            "[proxy]\nbase_domain = \"b.example\"\npath_routing = \"off\"\n"
+        ));
+        for bad in [
+            "[proxy]\npath_routing = \"off\"\n",
+            "[proxy]\npath_routing = \"sometimes\"\n",
+        ] {
+            let err = parse(bad).unwrap().validate().unwrap_err().to_string();
+            assert!(
+                err.contains("proxy.path_routing") && err.contains("line 2"),
+                "{err}"
+            );
+        }
+    }
+}

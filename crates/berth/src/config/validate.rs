@@ -1,0 +1,682 @@
+//! Everything parsing cannot check: addresses, ranges, choices and
+//! combinations, each refusal naming its key and where it was set.
+
+use super::error::ConfigError;
+use super::sections::Config;
+
+impl Config {
+    fn validate_isolation(&self) -> Result<(), ConfigError> {
+        let i = &self.isolation;
+        self.isolation_level(false)?;
+        if i.base_uid == 0 {
+            return Err(self.invalid(
+                "isolation.base_uid",
+                "must not be 0: instances must never run as root",
+            ));
+        }
+        if self.uid_range().last().is_none() {
+            return Err(self.invalid(
+                "isolation.uid_count",
+                format!(
+                    "{} uids from {} is empty or passes the largest uid (4294967294)",
+                    i.uid_count, i.base_uid
+                ),
+            ));
+        }
+        if i.memory_max_mb == 0 {
+            return Err(self.invalid("isolation.memory_max_mb", "must be at least 1"));
+        }
+        if i.pids_max == 0 {
+            return Err(self.invalid("isolation.pids_max", "must be at least 1"));
+        }
+        Ok(())
+    }
+
+    /// Checks everything that parsing cannot: addresses, ranges, choices and
+    /// combinations. Reports the first problem.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        self.listen_addr()?;
+        if self.data_dir.as_os_str().is_empty() {
+            return Err(self.invalid("data_dir", "must not be empty"));
+        }
+        if let Some(store) = &self.store
+            && !(store.starts_with("sqlite:")
+                || store.starts_with("postgres://")
+                || store.starts_with("postgresql://"))
+        {
+            // The value is not echoed: it may carry a password.
+            return Err(self.invalid("store", "must be a sqlite:// or postgres:// URL"));
+        }
+        if let Some(id) = &self.node_id
+            && (id.is_empty() || id.chars().any(|c| c.is_whitespace() || c.is_control()))
+        {
+            return Err(self.invalid(
+                "node_id",
+                format!("{id:?} must be non-empty, without spaces or control characters"),
+            ));
+        }
+        if let Some(url) = &self.advertise_url {
+            let ok = reqwest::Url::parse(url)
+                .is_ok_and(|u| matches!(u.scheme(), "http" | "https") && u.host().is_some());
+            if !ok {
+                return Err(self.invalid(
+                    "advertise_url",
+                    format!("{url:?} is not an http:// or https:// URL"),
+                ));
+            }
+        }
+        if self
+            .cluster_secret
+            .as_ref()
+            .is_some_and(|s| s.trim().is_empty())
+        {
+            return Err(self.invalid("cluster_secret", "must not be empty"));
+        }
+        if self.is_postgres() && self.cluster_secret.is_none() {
+            return Err(self.invalid(
+                "cluster_secret",
+                "required when the store is PostgreSQL (cluster mode): nodes authenticate each other with it; set cluster_secret or BERTH_CLUSTER_SECRET",
+            ));
+        }
+        if let Some(token) = &self.admin_token
+            && (token.is_empty() || token.chars().any(|c| c.is_whitespace() || c.is_control()))
+        {
+            return Err(self.invalid(
+                "admin_token",
+                "must be non-empty, without spaces or control characters",
+            ));
+        }
+        if !matches!(self.log_format.as_str(), "text" | "json") {
+            return Err(self.invalid(
+                "log_format",
+                format!(
+                    "{:?} is not a log format (expected \"text\" or \"json\")",
+                    self.log_format
+                ),
+            ));
+        }
+        self.validate_instance()?;
+        if let Some(command) = &self.watchdog.command {
+            self.check_command("watchdog.command", command)?;
+        }
+        self.validate_policies()?;
+        self.validate_isolation()?;
+        self.validate_proxy()?;
+        self.validate_metrics()?;
+        if self.kubernetes.is_some() {
+            return Err(self.invalid(
+                "kubernetes",
+                "the Kubernetes backend is not supported yet; remove the [kubernetes] table",
+            ));
+        }
+        // Last: the store crate's own checks of the lease timing.
+        self.lease_config()?;
+        Ok(())
+    }
+
+    fn validate_metrics(&self) -> Result<(), ConfigError> {
+        let m = &self.metrics;
+        if let Some(token) = &m.token {
+            if berth_proxy::auth::SharedSecret::new(token).is_err() {
+                return Err(self.invalid(
+                    "metrics.token",
+                    "must be visible ASCII without spaces (it is sent as a Bearer token)",
+                ));
+            }
+            if self.admin_token.as_deref() == Some(token.trim()) {
+                return Err(self.invalid(
+                    "metrics.token",
+                    "must differ from the admin token: it is the scraper's, and opens only /metrics",
+                ));
+            }
+        }
+        if let Some(listen) = &m.listen {
+            let Ok(addr) = listen.parse::<std::net::SocketAddr>() else {
+                return Err(self.invalid(
+                    "metrics.listen",
+                    format!(
+                        "{listen:?} is not a socket address (expected e.g. \"127.0.0.1:9464\")"
+                    ),
+                ));
+            };
+            if addr.port() != 0 && self.listen_addr().is_ok_and(|main| main == addr) {
+                return Err(self.invalid(
+                    "metrics.listen",
+                    format!("{listen:?} is the main listen address; give /metrics its own"),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    fn validate_instance(&self) -> Result<(), ConfigError> {
+        let i = &self.instance;
+        if let Some(command) = &i.command {
+            self.check_command("instance.command", command)?;
+        }
+        if let Some(command) = &i.on_breaker_open {
+            self.check_command("instance.on_breaker_open", command)?;
+        }
+        for (name, value) in &i.env {
+            if name.is_empty() || name.contains('=') || name.contains('\0') {
+                return Err(self.invalid(
+                    &format!("instance.env.{name}"),
+                    format!("{name:?} is not a valid environment variable name"),
+                ));
+            }
+            if value.contains('\0') {
+                return Err(self.invalid(
+                    &format!("instance.env.{name}"),
+                    "the value contains a NUL byte",
+                ));
+            }
+        }
+        if let Some(name) = i
+            .env_allowlist
+            .iter()
+            .find(|n| n.is_empty() || n.contains('=') || n.contains('\0'))
+        {
+            return Err(self.invalid(
+                "instance.env_allowlist",
+                format!("{name:?} is not a valid environment variable name"),
+            ));
+        }
+        let readiness_given = [
+            i.ready_token_regex.is_some(),
+            i.ready_http_path.is_some(),
+            i.ready_tcp,
+        ];
+        if readiness_given.iter().filter(|&&b| b).count() > 1 {
+            let key = if i.ready_token_regex.is_some() {
+                "instance.ready_token_regex"
+            } else {
+                "instance.ready_http_path"
+            };
+            return Err(self.invalid(
+                key,
+                "set at most one of ready_token_regex, ready_http_path and ready_tcp",
+            ));
+        }
+        if let Some(pattern) = &i.ready_token_regex {
+            self.compile_ready_regex(pattern)?;
+        }
+        if let Some(path) = &i.ready_http_path
+            && !path.starts_with('/')
+        {
+            return Err(self.invalid(
+                "instance.ready_http_path",
+                format!("{path:?} must start with '/'"),
+            ));
+        }
+        if i.ready_timeout_s == 0 {
+            return Err(self.invalid("instance.ready_timeout_s", "must be at least 1"));
+        }
+        let [first, last] = i.port_range;
+        if first == 0 {
+            return Err(self.invalid("instance.port_range", "port 0 is not a usable port"));
+        }
+        if first > last {
+            return Err(self.invalid(
+                "instance.port_range",
+                format!("[{first}, {last}] is reversed: the first port must not exceed the last"),
+            ));
+        }
+        if i.patch_ext.is_empty()
+            || i.patch_ext.starts_with('.')
+            || !i
+                .patch_ext
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '-' | '_'))
+        {
+            return Err(self.invalid(
+                "instance.patch_ext",
+                format!(
+                    "{:?} is not a file extension (letters, digits, '.', '-', '_'; no leading dot)",
+                    i.patch_ext
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    fn check_command(&self, key: &str, command: &[String]) -> Result<(), ConfigError> {
+        match command.first() {
+            None => Err(self.invalid(key, "must name a program (the list is empty)")),
+            Some(program) if program.is_empty() => {
+                Err(self.invalid(key, "the program name is empty"))
+            }
+            Some(_) if command.iter().any(|a| a.contains('\0')) => {
+                Err(self.invalid(key, "an argument contains a NUL byte"))
+            }
+            Some(_) => Ok(()),
+        }
+    }
+
+    fn validate_policies(&self) -> Result<(), ConfigError> {
+        let c = &self.crash;
+        if c.backoff_base_ms > c.backoff_max_ms {
+            return Err(self.invalid(
+                "crash.backoff_base_ms",
+                format!(
+                    "{} exceeds crash.backoff_max_ms ({})",
+                    c.backoff_base_ms, c.backoff_max_ms
+                ),
+            ));
+        }
+        if c.window_s == 0 {
+            return Err(self.invalid("crash.window_s", "must be at least 1"));
+        }
+        if c.cooldown_s > c.max_cooldown_s {
+            return Err(self.invalid(
+                "crash.cooldown_s",
+                format!(
+                    "{} exceeds crash.max_cooldown_s ({})",
+                    c.cooldown_s, c.max_cooldown_s
+                ),
+            ));
+        }
+        if self.reap.interval_s == 0 {
+            return Err(self.invalid("reap.interval_s", "must be at least 1"));
+        }
+        self.check_lease_numbers()
+    }
+
+    /// The lease invariants ([`Config::lease_config`]), refused naming
+    /// the key and its line.
+    pub(super) fn check_lease_numbers(&self) -> Result<(), ConfigError> {
+        self.lease_config().map(drop)
+    }
+
+    fn validate_proxy(&self) -> Result<(), ConfigError> {
+        let p = &self.proxy;
+        let domain = &p.base_domain;
+        if !domain.is_empty()
+            && (domain.starts_with('.')
+                || domain.ends_with('.')
+                || !domain
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '-')))
+        {
+            return Err(self.invalid(
+                "proxy.base_domain",
+                format!("{domain:?} is not a DNS name (e.g. \"berth.example.com\")"),
+            ));
+        }
+        match p.auth.as_str() {
+            "token" => {}
+            "header" if p.trusted_proxies.is_empty() => {
+                return Err(self.invalid(
+                    "proxy.trusted_proxies",
+                    "auth = \"header\" needs the addresses of the trusted proxies, or every request is refused",
+                ));
+            }
+            "header" => {}
+            other => {
+                return Err(self.invalid(
+                    "proxy.auth",
+                    format!("{other:?} is not an auth mode (expected \"token\" or \"header\")"),
+                ));
+            }
+        }
+        if let Some(bad) = p.trusted_proxies.iter().find(|a| !is_ip_or_cidr(a)) {
+            return Err(self.invalid(
+                "proxy.trusted_proxies",
+                format!("{bad:?} is not an IP address or CIDR block"),
+            ));
+        }
+        match p.path_routing.as_str() {
+            "auto" | "on" => {}
+            "off" if domain.is_empty() => {
+                return Err(self.invalid(
+                    "proxy.path_routing",
+                    "\"off\" needs a base_domain: without one, no app could be reached",
+                ));
+            }
+            "off" => {}
+            other => {
+                return Err(self.invalid(
+                    "proxy.path_routing",
+                    format!("{other:?} is not a choice (expected \"auto\", \"on\" or \"off\")"),
+                ));
+            }
+        }
+        for (key, value) in [
+            ("proxy.max_connections", p.max_connections),
+            ("proxy.max_connections_per_ip", p.max_connections_per_ip),
+            ("proxy.max_upgrades", p.max_upgrades),
+            ("proxy.max_upgrades_per_user", p.max_upgrades_per_user),
+        ] {
+            if value == 0 {
+                return Err(self.invalid(key, "must be at least 1 (0 would refuse everything)"));
+            }
+        }
+        if p.max_connections_per_ip > p.max_connections {
+            return Err(self.invalid(
+                "proxy.max_connections_per_ip",
+                format!(
+                    "{} is more than max_connections ({})",
+                    p.max_connections_per_ip, p.max_connections
+                ),
+            ));
+        }
+        if let Some(secret) = &p.header_secret {
+            if p.auth != "header" {
+                return Err(
+                    self.invalid("proxy.header_secret", "is used only with auth = \"header\"")
+                );
+            }
+            if berth_proxy::auth::SharedSecret::new(secret).is_err() {
+                return Err(self.invalid(
+                    "proxy.header_secret",
+                    "must be visible ASCII without spaces (it is sent as an HTTP header)",
+                ));
+            }
+        }
+        self.validate_auth()
+    }
+
+    fn validate_auth(&self) -> Result<(), ConfigError> {
+        let a = &self.auth;
+        if a.user_token_ttl_s == 0 {
+            return Err(self.invalid("auth.user_token_ttl_s", "must be at least 1"));
+        }
+        // The store caps every TTL at ten years.
+        if a.user_token_ttl_s > 10 * 365 * 24 * 3600 {
+            return Err(self.invalid("auth.user_token_ttl_s", "must be at most ten years"));
+        }
+        if a.max_tokens_per_user == 0 {
+            return Err(self.invalid("auth.max_tokens_per_user", "must be at least 1"));
+        }
+        if a.token_cache_s > 3600 {
+            return Err(self.invalid(
+                "auth.token_cache_s",
+                "must be at most 3600: it bounds how long a revoked token may still work on a node the revocation could not reach",
+            ));
+        }
+        if a.session_ttl_s == 0 || a.session_ttl_s > 30 * 24 * 3600 {
+            return Err(self.invalid(
+                "auth.session_ttl_s",
+                "must be between 1 and 2592000 (30 days)",
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// The proxy's own parser (`ipnet`), so that config check and start-up
+/// agree on what a `trusted_proxies` entry is.
+fn is_ip_or_cidr(s: &str) -> bool {
+    berth_proxy::auth::TrustedProxies::parse(&[s]).is_ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Overrides;
+    use crate::config::test_support::parse;
+
+    #[test]
+    fn validate_names_key_and_line() {
+        let c = parse("# x\n[instance]\nport_range = [30000, 20000]\n").unwrap();
+        let msg = c.validate().unwrap_err().to_string();
+        assert!(msg.contains("instance.port_range"), "{msg}");
+        assert!(msg.contains("line 3"), "{msg}");
+
+        let c = parse("listen = \"nowhere\"\n").unwrap();
+        let msg = c.validate().unwrap_err().to_string();
+        assert!(msg.contains("listen") && msg.contains("line 1"), "{msg}");
+    }
+
+    #[test]
+    fn validate_names_the_flag_that_set_a_value() {
+        let mut c = parse("listen = \"127.0.0.1:1\"\n").unwrap();
+        c.apply_overrides(&Overrides {
+            listen: Some("bad".into()),
+            ..Overrides::default()
+        });
+        let msg = c.validate().unwrap_err().to_string();
+        assert!(msg.contains("--listen"), "{msg}");
+        assert!(!msg.contains("line 1"), "{msg}");
+    }
+
+    #[test]
+    fn readiness_settings_are_exclusive() {
+        let c =
+            parse("[instance]\nready_token_regex = 'x(.*)'\nready_http_path = \"/\"\n").unwrap();
+        assert!(c.validate().is_err());
+        let c = parse("[instance]\nready_token_regex = 'x(('\n").unwrap();
+        let msg = c.validate().unwrap_err().to_string();
+        assert!(msg.contains("ready_token_regex"), "{msg}");
+    }
+
+    #[test]
+    fn isolation_modes_and_numbers_are_checked() {
+        for mode in ["none", "user", "sandbox"] {
+            let c = parse(&format!("[isolation]\nmode = \"{mode}\"\n")).unwrap();
+            c.validate().unwrap();
+            // A configured mode wins over the default of either user.
+            assert_eq!(c.isolation_level(false).unwrap().as_str(), mode);
+            assert_eq!(c.isolation_level(true).unwrap().as_str(), mode);
+        }
+        let c = parse("[isolation]\nmode = \"jail\"\n").unwrap();
+        let msg = c.validate().unwrap_err().to_string();
+        assert!(msg.contains("unknown isolation mode \"jail\""), "{msg}");
+        assert!(msg.contains("line 2"), "{msg}");
+        for (text, key) in [
+            ("base_uid = 0", "isolation.base_uid"),
+            (
+                "base_uid = 4294967000\nuid_count = 1000",
+                "isolation.uid_count",
+            ),
+            ("uid_count = 0", "isolation.uid_count"),
+            ("memory_max_mb = 0", "isolation.memory_max_mb"),
+            ("pids_max = 0", "isolation.pids_max"),
+        ] {
+            let c = parse(&format!("[isolation]\n{text}\n")).unwrap();
+            let msg = c.validate().unwrap_err().to_string();
+            assert!(msg.contains(key), "{text}: {msg}");
+        }
+    }
+
+    #[test]
+    fn lease_numbers_are_checked() {
+        let c = parse("[lease]\nttl_ms = 15000\nrenew_ms = 10000\n").unwrap();
+        let msg = c.check_lease_numbers().unwrap_err().to_string();
+        assert!(
+            msg.contains("lease.ttl_ms") && msg.contains("line 2"),
+            "{msg}"
+        );
+        let c = parse("[lease]\nfence_after_ms = 30000\n").unwrap();
+        assert!(c.check_lease_numbers().is_err());
+        let c = parse("[lease]\nrenew_ms = 0\n").unwrap();
+        assert!(c.check_lease_numbers().is_err());
+        assert!(Config::default().check_lease_numbers().is_ok());
+    }
+
+    #[test]
+    fn a_huge_lease_ttl_is_refused_naming_the_key() {
+        // Beyond TOML's i64: refused while parsing, naming key and line.
+        let msg = parse("[lease]\nttl_ms = 18446744073709551615\n")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            msg.contains("lease.ttl_ms") && msg.contains("line 2"),
+            "{msg}"
+        );
+        // The largest TOML integer parses, and LeaseConfig's bound refuses it
+        // (instead of an Instant overflow panicking the renew task later).
+        let c = parse("[lease]\nttl_ms = 9223372036854775807\n").unwrap();
+        let msg = c.check_lease_numbers().unwrap_err().to_string();
+        assert!(
+            msg.contains("lease.ttl_ms") && msg.contains("line 2") && msg.contains("at most"),
+            "{msg}"
+        );
+        assert!(c.lease_config().is_err());
+    }
+
+    #[test]
+    fn postgres_needs_a_cluster_secret() {
+        let c = Config {
+            store: Some("postgres://db/berth".into()),
+            ..Config::default()
+        };
+        assert!(c.is_postgres());
+        let msg = c.validate().unwrap_err().to_string();
+        assert!(msg.contains("cluster_secret"), "{msg}");
+    }
+
+    #[test]
+    fn auth_settings_are_checked() {
+        for (text, key) in [
+            ("[auth]\nuser_token_ttl_s = 0\n", "auth.user_token_ttl_s"),
+            (
+                "[auth]\nmax_tokens_per_user = 0\n",
+                "auth.max_tokens_per_user",
+            ),
+            ("[auth]\ntoken_cache_s = 86400\n", "auth.token_cache_s"),
+            ("[auth]\nsession_ttl_s = 0\n", "auth.session_ttl_s"),
+            ("[proxy]\nheader_secret = \"s\"\n", "proxy.header_secret"),
+            (
+                "[proxy]\nauth = \"header\"\ntrusted_proxies = [\"127.0.0.1\"]\nheader_secret = \"a b\"\n",
+                "proxy.header_secret",
+            ),
+        ] {
+            let err = parse(text).unwrap().validate().unwrap_err().to_string();
+            assert!(err.contains(key), "{text}: {err}");
+        }
+        let ok = "[auth]\nuser_token_ttl_s = 60\nusers_may_patch = true\ntoken_cache_s = 0\n\
+                  [proxy]\nauth = \"header\"\ntrusted_proxies = [\"127.0.0.1\"]\nheader_secret = \"s3\"\n";
+        parse(ok).unwrap().validate().unwrap();
+    }
+
+    #[test]
+    fn metrics_settings_are_checked() {
+        for (text, key, why) in [
+            (
+                "[metrics]\ntoken = \"a b\"\n",
+                "metrics.token",
+                "visible ASCII",
+            ),
+            (
+                "admin_token = \"same\"\n[metrics]\ntoken = \"same\"\n",
+                "metrics.token",
+                "differ from the admin token",
+            ),
+            (
+                "[metrics]\nlisten = \"localhost\"\n",
+                "metrics.listen",
+                "not a socket address",
+            ),
+            (
+                "listen = \"127.0.0.1:8000\"\n[metrics]\nlisten = \"127.0.0.1:8000\"\n",
+                "metrics.listen",
+                "main listen address",
+            ),
+        ] {
+            let err = parse(text).unwrap().validate().unwrap_err().to_string();
+            assert!(err.contains(key) && err.contains(why), "{text}: {err}");
+        }
+        let ok = "[metrics]\ntoken = \"scrape-me\"\nlisten = \"127.0.0.1:9464\"\n";
+        parse(ok).unwrap().validate().unwrap();
+    }
+
+    #[test]
+    fn exhaustion_limits_are_read_and_checked_naming_key_and_line() {
+        let c = parse(
+            "[proxy]
+max_connections = 100
+max_connections_per_ip = 10
+             max_upgrades_per_user = 5
+body_min_bytes_per_s = 100
+body_grace_ms = 3000
+",
+        )
+        .unwrap();
+        assert!(c.validate_proxy().is_ok());
+        let p = &c.proxy;
+        assert_eq!(
+            (
+                p.max_connections,
+                p.max_connections_per_ip,
+                p.max_upgrades_per_user,
+                p.body_min_bytes_per_s,
+                p.body_grace_ms
+            ),
+            (100, 10, 5, 100, 3000)
+        );
+        let d = Config::default().proxy;
+        assert_eq!(
+            (
+                d.max_connections,
+                d.max_connections_per_ip,
+                d.max_upgrades_per_user
+            ),
+            (10_000, 1000, 100)
+        );
+        assert_eq!((d.body_min_bytes_per_s, d.body_grace_ms), (1024, 10_000));
+        for (text, key) in [
+            (
+                "[proxy]
+max_connections_per_ip = 0
+",
+                "proxy.max_connections_per_ip",
+            ),
+            (
+                "[proxy]
+max_upgrades_per_user = 0
+",
+                "proxy.max_upgrades_per_user",
+            ),
+            (
+                "[proxy]
+max_connections = 0
+",
+                "proxy.max_connections",
+            ),
+        ] {
+            let msg = parse(text)
+                .unwrap()
+                .validate_proxy()
+                .unwrap_err()
+                .to_string();
+            assert!(
+                msg.contains(key) && msg.contains("line 2") && msg.contains("at least 1"),
+                "{msg}"
+            );
+        }
+        let msg = parse(
+            "[proxy]
+max_connections = 10
+max_connections_per_ip = 20
+",
+        )
+        .unwrap()
+        .validate_proxy()
+        .unwrap_err()
+        .to_string();
+        assert!(
+            msg.contains("proxy.max_connections_per_ip")
+                && msg.contains("more than max_connections"),
+            "{msg}"
+        );
+        let msg = parse(
+            "[proxy]
+max_upgrades_per_user = -1
+",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(msg.contains("proxy.max_upgrades_per_user"), "{msg}");
+    }
+
+    #[test]
+    fn header_auth_needs_trusted_proxies() {
+        let c = parse("[proxy]\nauth = \"header\"\n").unwrap();
+        assert!(c.validate_proxy().is_err());
+        let c = parse("[proxy]\nauth = \"header\"\ntrusted_proxies = [\"10.0.0.0/8\", \"::1\"]\n")
+            .unwrap();
+        assert!(c.validate_proxy().is_ok());
+        let c = parse("[proxy]\ntrusted_proxies = [\"10.0.0.0/33\"]\n").unwrap();
+        assert!(c.validate_proxy().is_err());
+    }
+}

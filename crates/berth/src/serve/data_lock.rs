@@ -1,0 +1,180 @@
+//! The data dir's lock: proof that no other live process uses this data
+//! dir, and the data dir's identity that a node records in its row
+//! (ARCHITECTURE.md, "Node identity across restarts").
+//!
+//! `berth serve` takes an exclusive `flock` on `<data_dir>/node.lock` before
+//! anything else and holds it for its whole life. The kernel drops the lock
+//! when the process dies, however it dies, and never earlier: a paused
+//! (SIGSTOP) process still holds it. The descriptor is close-on-exec, so no
+//! program berth starts inherits it (and the zygote closes every stray
+//! descriptor anyway): a shim or a user's program that outlives berth
+//! never keeps a dead berth's lock.
+//!
+//! The file also holds the data dir's identity, a random id made once, and
+//! the pid of the holder (for the refusal message). The identity is
+//! prefixed with the host name, so a data dir copied to another host is
+//! another data dir.
+
+use std::fs::File;
+use std::io::{Read, Seek, SeekFrom, Write};
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+
+use nix::errno::Errno;
+use nix::fcntl::{Flock, FlockArg};
+
+/// The lock file's name inside the data dir.
+pub const LOCK_FILE: &str = "node.lock";
+
+/// The held lock. Dropping it (or dying) releases it.
+#[derive(Debug)]
+pub struct DataDirLock {
+    _file: Flock<File>,
+    identity: String,
+}
+
+/// Why the data dir could not be locked.
+#[derive(Debug, thiserror::Error)]
+pub enum LockError {
+    #[error(
+        "the data dir {dir} is in use by another berth process{holder}: it holds the lock \
+         {lock}. One data dir (and one node id) belongs to one live process; a paused process \
+         still counts. Stop that process first, or start this one with its own data_dir"
+    )]
+    Busy {
+        dir: PathBuf,
+        lock: PathBuf,
+        /// ` (pid N)` when the file names it.
+        holder: String,
+    },
+    #[error("cannot use the lock file {path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+impl DataDirLock {
+    /// Locks `data_dir` (which must exist) for this process, without
+    /// waiting: a lock another process holds is [`LockError::Busy`].
+    pub fn acquire(data_dir: &Path) -> Result<Self, LockError> {
+        let path = data_dir.join(LOCK_FILE);
+        let io = |source| LockError::Io {
+            path: path.clone(),
+            source,
+        };
+        // std opens every file close-on-exec.
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .mode(0o600)
+            .open(&path)
+            .map_err(io)?;
+        let mut file = match Flock::lock(file, FlockArg::LockExclusiveNonblock) {
+            Ok(locked) => locked,
+            Err((mut file, Errno::EWOULDBLOCK)) => {
+                let holder = read_contents(&mut file)
+                    .ok()
+                    .and_then(|(_, pid)| pid)
+                    .map(|pid| format!(" (pid {pid})"))
+                    .unwrap_or_default();
+                return Err(LockError::Busy {
+                    dir: data_dir.to_owned(),
+                    lock: path,
+                    holder,
+                });
+            }
+            Err((_, errno)) => return Err(io(std::io::Error::from(errno))),
+        };
+        let (id, _) = read_contents(&mut file).map_err(io)?;
+        let id = match id {
+            Some(id) => id,
+            None => new_id().map_err(io)?,
+        };
+        // Rewritten under the lock: the id stays, the pid is ours.
+        file.set_len(0).map_err(io)?;
+        file.seek(SeekFrom::Start(0)).map_err(io)?;
+        write!(file, "{id}\n{}\n", std::process::id()).map_err(io)?;
+        file.flush().map_err(io)?;
+        let host = nix::unistd::gethostname()
+            .ok()
+            .and_then(|h| h.into_string().ok())
+            .unwrap_or_default();
+        Ok(Self {
+            _file: file,
+            identity: format!("{host}/{id}"),
+        })
+    }
+
+    /// The data dir's identity on this host: what a node records in its
+    /// row when it claims its id.
+    pub fn identity(&self) -> &str {
+        &self.identity
+    }
+}
+
+/// The id (first line, 32 hex digits) and the pid (second line) in the
+/// file, each if well-formed.
+fn read_contents(file: &mut File) -> std::io::Result<(Option<String>, Option<u32>)> {
+    let mut text = String::new();
+    file.seek(SeekFrom::Start(0))?;
+    file.take(4096).read_to_string(&mut text)?;
+    let mut lines = text.lines();
+    let id = lines
+        .next()
+        .map(str::trim)
+        .filter(|id| id.len() == 32 && id.bytes().all(|b| b.is_ascii_hexdigit()))
+        .map(str::to_owned);
+    let pid = lines.next().and_then(|p| p.trim().parse().ok());
+    Ok((id, pid))
+}
+
+fn new_id() -> std::io::Result<String> {
+    let mut bytes = [0u8; 16];
+    getrandom::fill(&mut bytes).map_err(|e| std::io::Error::other(e.to_string()))?;
+    Ok(hex::encode(bytes))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn one_holder_at_a_time_and_the_identity_stays() {
+        let dir = tempfile::tempdir().unwrap();
+        let first = DataDirLock::acquire(dir.path()).unwrap();
+        let identity = first.identity().to_owned();
+        // A second open file description is refused, naming the holder,
+        // even within one process.
+        let err = DataDirLock::acquire(dir.path()).unwrap_err();
+        let message = err.to_string();
+        assert!(matches!(err, LockError::Busy { .. }), "{message}");
+        assert!(
+            message.contains(&format!("(pid {})", std::process::id())),
+            "{message}"
+        );
+        assert!(message.contains("node.lock"), "{message}");
+        drop(first);
+        let again = DataDirLock::acquire(dir.path()).unwrap();
+        assert_eq!(again.identity(), identity, "the data dir keeps its id");
+
+        // Another data dir is another identity.
+        let other = tempfile::tempdir().unwrap();
+        let other = DataDirLock::acquire(other.path()).unwrap();
+        assert_ne!(other.identity(), identity);
+    }
+
+    #[test]
+    fn a_damaged_file_gets_a_new_identity() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join(LOCK_FILE), "not an id\n").unwrap();
+        let lock = DataDirLock::acquire(dir.path()).unwrap();
+        let (_, id) = lock.identity().split_once('/').unwrap();
+        assert_eq!(id.len(), 32, "{}", lock.identity());
+        let text = std::fs::read_to_string(dir.path().join(LOCK_FILE)).unwrap();
+        assert_eq!(text, format!("{id}\n{}\n", std::process::id()));
+    }
+}

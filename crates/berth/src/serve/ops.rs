@@ -1,0 +1,908 @@
+//! The use cases: every per-user operation, written once, for every caller
+//! (design §5: "every per-user operation runs on the node that owns the
+//! user").
+//!
+//! The public API, the node-to-node API, the proxy (through its cluster
+//! hook) and the failover scan all call [`Ops`]: [`Ops::ensure_running`],
+//! [`Ops::stop`], [`Ops::restart`], [`Ops::probe`], [`Ops::logs`] and
+//! [`Ops::follow_logs`], [`Ops::watchdog`], [`Ops::reset_breaker`],
+//! [`Ops::progress`], and the cluster-wide [`Ops::restart_all`]. Each is a
+//! [`UserOp`]: what it does on this node (over the node-local surface, the
+//! `Spawner`) and how it is asked of another node (`/internal/v1/users/
+//! {user}/<op>` with the cluster secret, through [`PeerClient`]).
+//!
+//! They share one hop loop ([`Ops::hop`]): decide the node from the lease
+//! (a launch or probe by [`decide`], which may place a new instance; the
+//! rest by [`home`]); run here, or call that node; a `lease_busy` answer
+//! names the holder, which is followed, at most [`MAX_HOPS`] calls in all.
+//! A call that arrived from another node ([`Via::Peer`]) is never
+//! forwarded again: it runs here, after checking that no other node holds
+//! the lease (else it answers `lease_busy`, and the caller follows). So a
+//! stop that reaches a node which does not run the user never answers
+//! "done" while the instance lives on elsewhere.
+//!
+//! The readiness of a launched or restarted instance maps to errors in one
+//! place, [`berth_core::wait_ready`], which the proxy's wake uses too.
+//!
+//! [`decide`]: super::cluster::decide
+//! [`home`]: super::cluster::home
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use berth_core::{
+    BreakerInfo, Instance, InstanceEvent, InstanceStatus, LaunchRequest, ProbeReport, Role,
+    SpawnError, Spawner, UserId, UserStatus,
+};
+use berth_proxy::{ClusterHook, Locate};
+use berth_store::Store;
+use futures_util::StreamExt;
+use futures_util::stream::{self, BoxStream};
+use serde::de::IgnoredAny;
+use serde::{Deserialize, Serialize};
+use serde_json::{Value, json};
+
+use super::cluster::{Cluster, Decision, no_capacity, remote_locate};
+use super::peer::{PeerClient, PeerNode, UserCall};
+use crate::sse::{LOG_LINE_EVENT, STAGE_EVENT};
+
+/// Calls to other nodes per operation, in all: a `lease_busy` answer is
+/// followed to the holder it names, twice at most (nodes' views differ
+/// for a moment; they never loop long).
+pub const MAX_HOPS: usize = 3;
+/// Added to a remote call's budget for the network and the callee's own
+/// bookkeeping.
+const MARGIN: Duration = Duration::from_secs(10);
+/// What a probe may take on the node that runs it: its restart budget
+/// and settle time (design §4.6).
+const PROBE_BUDGET: Duration = Duration::from_millis(62_500);
+/// What a remote restart-all may take: every main of a node, restarted a
+/// few at a time.
+const RESTART_ALL_BUDGET: Duration = Duration::from_secs(600);
+/// How soon a client retries when the hops ran out.
+const HOPS_EXHAUSTED_RETRY_MS: u64 = 1000;
+
+/// Where a call comes from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Via {
+    /// A client of this node (the public API, the proxy): may be sent on to
+    /// the node that owns the user.
+    Client,
+    /// Another node, which decided this node should act: acts here, never
+    /// forwards again.
+    Peer,
+}
+
+/// What a launch or restart produced, on whichever node ran it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Launched {
+    /// A new instance (201), or the one already running (200).
+    pub created: bool,
+    pub instance: Instance,
+    /// The launch token the program printed, if any (for the app's URL).
+    pub launch_token: Option<String>,
+}
+
+/// One user's outcome of a restart-all, with the node that ran it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NodeRestart {
+    pub user: UserId,
+    pub node: String,
+    pub ok: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
+/// The answer of `/internal/v1/instances/restart-all` (and of the public
+/// route, cluster-wide).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct RestartAll {
+    pub results: Vec<NodeRestart>,
+}
+
+/// A user's records and open breaker (`GET …/instance`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct UserState {
+    pub main: Option<Instance>,
+    pub watchdog: Option<Instance>,
+    pub breaker: Option<BreakerInfo>,
+}
+
+/// The answer of a logs call.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct LogLines {
+    pub user: UserId,
+    pub lines: Vec<String>,
+}
+
+/// Which rule decides the node an operation runs on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Route {
+    /// [`decide`](super::cluster::decide): the live lease's holder, else
+    /// placement. For what may start an instance.
+    Launch,
+    /// [`home`](super::cluster::home): the lease's holder, else the last
+    /// one while it lives, else here.
+    Home,
+}
+
+/// Where an operation is sent: its node, and whether placement just chose
+/// it (no instance runs there yet).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Target {
+    pub node: PeerNode,
+    pub placed: bool,
+}
+
+/// One per-user operation: how it runs here, and how it is asked of the
+/// node that owns the user.
+#[async_trait]
+pub trait UserOp: Sync {
+    type Output: Send;
+    const ROUTE: Route;
+    /// Whether a call that arrived from another node first checks that no
+    /// other node holds the lease. Not for a launch, whose lease claim is
+    /// that check (and whose evidence rules decide about expired leases).
+    const GUARDED: bool = true;
+    async fn local(&self, ops: &Ops, user: &UserId) -> Result<Self::Output, SpawnError>;
+    async fn remote(
+        &self,
+        ops: &Ops,
+        target: &Target,
+        user: &UserId,
+    ) -> Result<Self::Output, SpawnError>;
+}
+
+/// How long a call to another node may take.
+#[derive(Debug, Clone, Copy)]
+pub struct Budgets {
+    pub ready_timeout: Duration,
+    pub stop_grace: Duration,
+}
+
+/// The use cases of one node.
+pub struct Ops {
+    spawner: Arc<dyn Spawner>,
+    store: Arc<dyn Store>,
+    cluster: Option<Arc<Cluster>>,
+    node_id: String,
+    budgets: Budgets,
+}
+
+impl Ops {
+    /// `cluster` is `None` on a single node: everything runs here.
+    pub fn new(
+        spawner: Arc<dyn Spawner>,
+        store: Arc<dyn Store>,
+        cluster: Option<Arc<Cluster>>,
+        node_id: String,
+        budgets: Budgets,
+    ) -> Self {
+        Self {
+            spawner,
+            store,
+            cluster,
+            node_id,
+            budgets,
+        }
+    }
+
+    /// This node's instance changes, as they happen (the admin page's
+    /// live view).
+    pub fn instance_events(&self) -> tokio::sync::broadcast::Receiver<InstanceEvent> {
+        self.spawner.subscribe()
+    }
+
+    fn peers(&self) -> Result<&PeerClient, SpawnError> {
+        self.cluster
+            .as_deref()
+            .map(Cluster::peers)
+            .ok_or_else(|| SpawnError::Internal("a node-to-node call on a single node".into()))
+    }
+
+    /// The hop loop every per-user operation goes through (module docs).
+    pub async fn hop<O: UserOp>(
+        &self,
+        user: &UserId,
+        via: Via,
+        op: &O,
+    ) -> Result<O::Output, SpawnError> {
+        let Some(cluster) = self.cluster.as_deref() else {
+            return op.local(self, user).await;
+        };
+        if via == Via::Peer {
+            if O::GUARDED {
+                if let Some(busy) = cluster
+                    .lease(user)
+                    .await?
+                    .and_then(|l| l.held_elsewhere(cluster.node_id(), user))
+                {
+                    return Err(busy);
+                }
+            }
+            return op.local(self, user).await;
+        }
+        let me = cluster.node_id();
+        let mut decision = match O::ROUTE {
+            Route::Launch => cluster.decide(user).await?,
+            Route::Home => cluster.home(user).await?,
+        };
+        for _ in 0..MAX_HOPS {
+            let (result, tried) = match &decision {
+                Decision::Local => (op.local(self, user).await, me.to_owned()),
+                Decision::NoCapacity => return Err(no_capacity()),
+                Decision::Owner(node) | Decision::Place(node) => {
+                    let target = Target {
+                        node: cluster.peer(node).await?,
+                        placed: matches!(decision, Decision::Place(_)),
+                    };
+                    (op.remote(self, &target, user).await, node.clone())
+                }
+            };
+            match result {
+                // Another node won the claim, or holds the lease by now:
+                // follow it.
+                Err(SpawnError::LeaseBusy {
+                    holder,
+                    expired: false,
+                    ..
+                }) if !holder.is_empty() && holder != tried => {
+                    decision = if holder == me {
+                        Decision::Local
+                    } else {
+                        Decision::Owner(holder)
+                    };
+                }
+                other => return other,
+            }
+        }
+        Err(SpawnError::Starting {
+            user: user.clone(),
+            retry_after_ms: HOPS_EXHAUSTED_RETRY_MS,
+        })
+    }
+
+    // --- the use cases ------------------------------------------------------
+
+    /// Starts `user`'s main where the lease and placement say (or finds
+    /// the running one), waiting for ready with `wait`.
+    pub async fn ensure_running(
+        &self,
+        user: &UserId,
+        request: LaunchRequest,
+        wait: bool,
+        via: Via,
+    ) -> Result<Launched, SpawnError> {
+        self.hop(user, via, &Launch { request, wait }).await
+    }
+
+    /// Stops `user`'s main and watchdog where they run; returns once they
+    /// are gone.
+    ///
+    /// A node cut off from the store cannot ask it who owns the user, but
+    /// if it runs the user's main itself, it stops it here: ending what
+    /// runs here needs no lease to be safe, and a node whose instance is
+    /// frozen for want of the database must still be able to end it (it is
+    /// killed while frozen, never thawed: ARCHITECTURE.md, invariant 3).
+    pub async fn stop(&self, user: &UserId, via: Via) -> Result<(), SpawnError> {
+        match self.hop(user, via, &Stop).await {
+            Err(SpawnError::StoreUnavailable(why)) if self.runs_here(user).await => {
+                tracing::warn!(%user, %why, "the store is unavailable; stopping the instance this node runs");
+                Stop.local(self, user).await
+            }
+            other => other,
+        }
+    }
+
+    /// Whether this node runs a live main of `user`, as far as it knows
+    /// without the store.
+    async fn runs_here(&self, user: &UserId) -> bool {
+        self.spawner
+            .status(user)
+            .await
+            .ok()
+            .and_then(|s| s.main)
+            .is_some_and(|m| m.status.is_live() && m.node == self.node_id)
+    }
+
+    /// Restarts `user`'s live main (resetting its crash budget) and waits
+    /// for it to be ready.
+    pub async fn restart(&self, user: &UserId, via: Via) -> Result<Launched, SpawnError> {
+        self.hop(user, via, &Restart).await
+    }
+
+    /// Restarts (or force-launches) `user`'s main and reports whether it
+    /// stays up (design §4.6).
+    pub async fn probe(&self, user: &UserId, via: Via) -> Result<ProbeReport, SpawnError> {
+        self.hop(user, via, &Probe).await
+    }
+
+    /// The last `tail` lines of `user`'s main output.
+    pub async fn logs(
+        &self,
+        user: &UserId,
+        tail: usize,
+        via: Via,
+    ) -> Result<Vec<String>, SpawnError> {
+        self.hop(user, via, &Logs { tail }).await
+    }
+
+    /// The last `tail` lines of `user`'s main output, then each new line as
+    /// it is written, until the stream is dropped.
+    pub async fn follow_logs(
+        &self,
+        user: &UserId,
+        tail: usize,
+        via: Via,
+    ) -> Result<BoxStream<'static, String>, SpawnError> {
+        self.hop(user, via, &FollowLogs { tail }).await
+    }
+
+    /// Starts `user`'s one-shot repair job where the user lives.
+    pub async fn watchdog(&self, user: &UserId, via: Via) -> Result<Instance, SpawnError> {
+        self.hop(user, via, &Watchdog).await
+    }
+
+    /// Clears `user`'s breaker and crash counters.
+    pub async fn reset_breaker(&self, user: &UserId, via: Via) -> Result<(), SpawnError> {
+        self.hop(user, via, &ResetBreaker).await
+    }
+
+    /// `user`'s stages (each a JSON status object) from now until the main
+    /// is ready or has ended, from the node that runs it.
+    pub async fn progress(
+        &self,
+        user: &UserId,
+        via: Via,
+    ) -> Result<BoxStream<'static, Value>, SpawnError> {
+        self.hop(user, via, &Progress).await
+    }
+
+    /// `user`'s records and open breaker, as the node that runs the user
+    /// knows them. A read: when that node cannot be asked, this node
+    /// answers from what it knows (the store's records, which every
+    /// node writes through).
+    pub async fn status(&self, user: &UserId, via: Via) -> Result<UserState, SpawnError> {
+        match self.hop(user, via, &Status).await {
+            Err(SpawnError::Internal(e)) if via == Via::Client => {
+                tracing::info!(%user, error = %e, "status: the owner did not answer; reading here");
+                Status.local(self, user).await
+            }
+            other => other,
+        }
+    }
+
+    /// Kills `user`'s main here if it runs under exactly `epoch` (a fence
+    /// from the node that took the lease over).
+    pub async fn fence(&self, user: &UserId, epoch: berth_core::Epoch) -> Result<bool, SpawnError> {
+        self.spawner.fence(user, epoch).await
+    }
+
+    /// An operator's takeover onto this node: claims `user`'s expired
+    /// lease, relaunches with the stored launch parameters, and fences the
+    /// old holder's epoch.
+    pub async fn take_over(&self, user: &UserId) -> Result<Launched, SpawnError> {
+        // Read before the claim: the fence must name the old holder and the
+        // old epoch, never whoever holds the row afterwards.
+        let before = self.store.get_lease(user).await?;
+        let request = stored_launch_request(self.store.as_ref(), user).await?;
+        // The spawner claims and launches as one step under the user's
+        // lifecycle lock, through its lease keeper: claiming here directly
+        // would leave the keeper unaware of the new epoch. A lease that is
+        // not expired comes back as `lease_busy`.
+        let instance = match self.spawner.take_over(user, request).await {
+            Ok(instance) => instance,
+            // Nothing was claimed: a main already runs here, so the old
+            // holder is not fenced on its account.
+            Err(SpawnError::AlreadyRunning { .. }) => {
+                return Ok(Launched {
+                    created: false,
+                    instance: self.current_main(user).await?,
+                    launch_token: self.spawner.launch_token(user),
+                });
+            }
+            Err(e) => return Err(e),
+        };
+        // The lease has moved past the old epoch: tell the old holder to
+        // stop whatever still runs under exactly that epoch (best effort;
+        // its next renew would find the lease lost anyway).
+        if let (Some(cluster), Some(old)) = (&self.cluster, &before) {
+            if let Some(holder) = old.holder.as_deref() {
+                cluster.fence_remote(holder, user, old.epoch).await;
+            }
+        }
+        Ok(Launched {
+            created: false,
+            instance,
+            launch_token: self.spawner.launch_token(user),
+        })
+    }
+
+    /// Restarts every running main: this node's, and with [`Via::Client`]
+    /// in a cluster every other node's (asked all at once). One result per
+    /// user with its node; a node that cannot be asked is reported against
+    /// each user whose lease it holds, so no failure is silent.
+    pub async fn restart_all(&self, via: Via) -> Result<Vec<NodeRestart>, SpawnError> {
+        let here = async {
+            self.spawner
+                .restart_all_mains()
+                .await
+                .into_iter()
+                .map(|r| NodeRestart {
+                    user: r.user,
+                    node: self.node_id.clone(),
+                    ok: r.ok,
+                    error: r.error,
+                })
+                .collect::<Vec<_>>()
+        };
+        let Some(cluster) = self.cluster.as_deref().filter(|_| via == Via::Client) else {
+            return Ok(here.await);
+        };
+        let others = cluster.other_nodes().await?;
+        let there = others.iter().map(|node| async move {
+            let call = cluster.peers().node_call::<RestartAll>(
+                node,
+                "instances/restart-all",
+                RESTART_ALL_BUDGET,
+            );
+            match call.await {
+                Ok(answer) => Ok(answer.results),
+                Err(e) => self.unreached(cluster, node, &e).await,
+            }
+        });
+        let (mut results, there) = futures_util::join!(here, futures_util::future::join_all(there));
+        for answer in there {
+            results.extend(answer?);
+        }
+        results.sort_by(|a, b| (&a.node, &a.user).cmp(&(&b.node, &b.user)));
+        Ok(results)
+    }
+
+    /// A failed result for every user whose unreleased lease `node` holds.
+    async fn unreached(
+        &self,
+        cluster: &Cluster,
+        node: &PeerNode,
+        error: &SpawnError,
+    ) -> Result<Vec<NodeRestart>, SpawnError> {
+        tracing::warn!(node = %node.id, %error, "restart-all: a node could not be asked");
+        Ok(self
+            .store
+            .list_leases(false, cluster.ttl())
+            .await?
+            .into_iter()
+            .filter(|l| !l.released && l.holder.as_deref() == Some(node.id.as_str()))
+            .map(|l| NodeRestart {
+                user: l.user,
+                node: node.id.clone(),
+                ok: false,
+                error: Some(format!("node {} was not restarted: {error}", node.id)),
+            })
+            .collect())
+    }
+
+    async fn current_main(&self, user: &UserId) -> Result<Instance, SpawnError> {
+        self.spawner
+            .status(user)
+            .await?
+            .main
+            .ok_or_else(|| SpawnError::Internal("instance vanished during launch".into()))
+    }
+
+    /// `instance`, or once ready ([`berth_core::wait_ready`]) with `wait`.
+    async fn ready(
+        &self,
+        user: &UserId,
+        instance: Instance,
+        wait: bool,
+    ) -> Result<Instance, SpawnError> {
+        if !wait || instance.ready {
+            return Ok(instance);
+        }
+        berth_core::wait_ready(self.spawner.as_ref(), user, self.budgets.ready_timeout).await
+    }
+
+    fn launched(&self, user: &UserId, created: bool, instance: Instance) -> Launched {
+        Launched {
+            created,
+            instance,
+            launch_token: self.spawner.launch_token(user),
+        }
+    }
+}
+
+/// The request that relaunches `user` as they were last launched (folder
+/// and patch kept in the store), e.g. on another node after a failover.
+pub(crate) async fn stored_launch_request(
+    store: &dyn Store,
+    user: &UserId,
+) -> Result<LaunchRequest, SpawnError> {
+    Ok(match store.get_launch_params(user).await? {
+        Some(p) => LaunchRequest {
+            folder: Some(p.folder).filter(|f| !f.is_empty()),
+            patch: p.patch,
+            force: false,
+        },
+        None => LaunchRequest::default(),
+    })
+}
+
+// --- the operations -----------------------------------------------------------
+
+struct Launch {
+    request: LaunchRequest,
+    wait: bool,
+}
+
+#[async_trait]
+impl UserOp for Launch {
+    type Output = Launched;
+    const ROUTE: Route = Route::Launch;
+    const GUARDED: bool = false;
+
+    async fn local(&self, ops: &Ops, user: &UserId) -> Result<Launched, SpawnError> {
+        let (created, instance) = match ops.spawner.launch(user, self.request.clone()).await {
+            Ok(instance) => (true, instance),
+            Err(SpawnError::AlreadyRunning { .. }) => (false, ops.current_main(user).await?),
+            Err(e) => return Err(e),
+        };
+        let instance = ops.ready(user, instance, self.wait).await?;
+        Ok(ops.launched(user, created, instance))
+    }
+
+    async fn remote(&self, ops: &Ops, to: &Target, user: &UserId) -> Result<Launched, SpawnError> {
+        let budget = if self.wait {
+            ops.budgets.ready_timeout + MARGIN
+        } else {
+            MARGIN
+        };
+        let body = serde_json::to_value(&self.request)
+            .map_err(|e| SpawnError::Internal(format!("cannot encode a launch: {e}")))?;
+        let call = UserCall::post("launch", budget)
+            .query("wait", self.wait)
+            .body(body);
+        ops.peers()?.user_call(&to.node, user, call).await
+    }
+}
+
+struct Status;
+
+#[async_trait]
+impl UserOp for Status {
+    type Output = UserState;
+    const ROUTE: Route = Route::Home;
+
+    async fn local(&self, ops: &Ops, user: &UserId) -> Result<UserState, SpawnError> {
+        let UserStatus { main, watchdog } = ops.spawner.status(user).await?;
+        let breaker = ops.spawner.breaker_info(user).await?;
+        Ok(UserState {
+            main,
+            watchdog,
+            breaker,
+        })
+    }
+
+    async fn remote(&self, ops: &Ops, to: &Target, user: &UserId) -> Result<UserState, SpawnError> {
+        ops.peers()?
+            .user_call(&to.node, user, UserCall::get("status", MARGIN))
+            .await
+    }
+}
+
+struct Stop;
+
+#[async_trait]
+impl UserOp for Stop {
+    type Output = ();
+    const ROUTE: Route = Route::Home;
+
+    async fn local(&self, ops: &Ops, user: &UserId) -> Result<(), SpawnError> {
+        ops.spawner.stop(user).await
+    }
+
+    async fn remote(&self, ops: &Ops, to: &Target, user: &UserId) -> Result<(), SpawnError> {
+        let budget = ops.budgets.stop_grace + MARGIN;
+        ops.peers()?
+            .user_call::<IgnoredAny>(&to.node, user, UserCall::post("stop", budget))
+            .await
+            .map(drop)
+    }
+}
+
+struct Restart;
+
+#[async_trait]
+impl UserOp for Restart {
+    type Output = Launched;
+    const ROUTE: Route = Route::Home;
+
+    async fn local(&self, ops: &Ops, user: &UserId) -> Result<Launched, SpawnError> {
+        let instance = ops.spawner.restart_main(user).await?;
+        let instance = ops.ready(user, instance, true).await?;
+        Ok(ops.launched(user, false, instance))
+    }
+
+    async fn remote(&self, ops: &Ops, to: &Target, user: &UserId) -> Result<Launched, SpawnError> {
+        let budget = ops.budgets.stop_grace + ops.budgets.ready_timeout + MARGIN;
+        ops.peers()?
+            .user_call(&to.node, user, UserCall::post("restart", budget))
+            .await
+    }
+}
+
+struct Probe;
+
+#[async_trait]
+impl UserOp for Probe {
+    type Output = ProbeReport;
+    // A probe may launch the user: where a launch would go.
+    const ROUTE: Route = Route::Launch;
+
+    async fn local(&self, ops: &Ops, user: &UserId) -> Result<ProbeReport, SpawnError> {
+        Ok(ops.spawner.restart_and_probe(user).await)
+    }
+
+    async fn remote(
+        &self,
+        ops: &Ops,
+        to: &Target,
+        user: &UserId,
+    ) -> Result<ProbeReport, SpawnError> {
+        let budget = ops.budgets.stop_grace + PROBE_BUDGET + MARGIN;
+        ops.peers()?
+            .user_call(&to.node, user, UserCall::post("probe", budget))
+            .await
+    }
+}
+
+struct Logs {
+    tail: usize,
+}
+
+#[async_trait]
+impl UserOp for Logs {
+    type Output = Vec<String>;
+    const ROUTE: Route = Route::Home;
+
+    async fn local(&self, ops: &Ops, user: &UserId) -> Result<Vec<String>, SpawnError> {
+        ops.spawner.logs(user, self.tail).await
+    }
+
+    async fn remote(
+        &self,
+        ops: &Ops,
+        to: &Target,
+        user: &UserId,
+    ) -> Result<Vec<String>, SpawnError> {
+        let call = UserCall::get("logs", MARGIN).query("tail", self.tail);
+        let answer: LogLines = ops.peers()?.user_call(&to.node, user, call).await?;
+        Ok(answer.lines)
+    }
+}
+
+struct FollowLogs {
+    tail: usize,
+}
+
+#[async_trait]
+impl UserOp for FollowLogs {
+    type Output = BoxStream<'static, String>;
+    const ROUTE: Route = Route::Home;
+
+    async fn local(
+        &self,
+        ops: &Ops,
+        user: &UserId,
+    ) -> Result<BoxStream<'static, String>, SpawnError> {
+        let lines = ops.spawner.follow_logs(user, self.tail).await?;
+        Ok(stream::unfold(lines, |mut lines| async move {
+            lines.recv().await.map(|line| (line, lines))
+        })
+        .boxed())
+    }
+
+    async fn remote(
+        &self,
+        ops: &Ops,
+        to: &Target,
+        user: &UserId,
+    ) -> Result<BoxStream<'static, String>, SpawnError> {
+        let query = [
+            ("tail", self.tail.to_string()),
+            ("follow", "true".to_owned()),
+        ];
+        let events = ops
+            .peers()?
+            .user_events(&to.node, user, "logs", &query)
+            .await?;
+        Ok(events
+            .filter_map(|e| {
+                let line = (e.event == LOG_LINE_EVENT)
+                    .then(|| serde_json::from_str::<String>(&e.data).ok())
+                    .flatten();
+                std::future::ready(line)
+            })
+            .boxed())
+    }
+}
+
+struct Watchdog;
+
+#[async_trait]
+impl UserOp for Watchdog {
+    type Output = Instance;
+    const ROUTE: Route = Route::Home;
+
+    async fn local(&self, ops: &Ops, user: &UserId) -> Result<Instance, SpawnError> {
+        ops.spawner.spawn_watchdog(user).await
+    }
+
+    async fn remote(&self, ops: &Ops, to: &Target, user: &UserId) -> Result<Instance, SpawnError> {
+        ops.peers()?
+            .user_call(&to.node, user, UserCall::post("watchdog", MARGIN))
+            .await
+    }
+}
+
+struct ResetBreaker;
+
+#[async_trait]
+impl UserOp for ResetBreaker {
+    type Output = ();
+    const ROUTE: Route = Route::Home;
+
+    async fn local(&self, ops: &Ops, user: &UserId) -> Result<(), SpawnError> {
+        ops.spawner.reset_breaker(user).await
+    }
+
+    async fn remote(&self, ops: &Ops, to: &Target, user: &UserId) -> Result<(), SpawnError> {
+        ops.peers()?
+            .user_call::<IgnoredAny>(&to.node, user, UserCall::post("breaker/reset", MARGIN))
+            .await
+            .map(drop)
+    }
+}
+
+struct Progress;
+
+#[async_trait]
+impl UserOp for Progress {
+    type Output = BoxStream<'static, Value>;
+    const ROUTE: Route = Route::Home;
+
+    async fn local(
+        &self,
+        ops: &Ops,
+        user: &UserId,
+    ) -> Result<BoxStream<'static, Value>, SpawnError> {
+        // Subscribe before reading the status so no change falls in between.
+        let events = ops.spawner.subscribe();
+        let main = ops.spawner.status(user).await?.main;
+        let first = main.as_ref().map(|m| InstanceEvent {
+            user: user.clone(),
+            role: m.role,
+            status: m.status,
+            ready: m.ready,
+            endpoint: None,
+            message: m.last_error.clone(),
+        });
+        // Another node's record (no one holds the lease, so it was routed
+        // here): its events are not published here, so only its state now.
+        let foreign = main.as_ref().is_some_and(|m| m.node != ops.node_id);
+        let done = foreign || first.as_ref().is_none_or(is_final);
+        let first = first.map_or_else(|| json!({ "status": "none" }), |e| stage(&e));
+        struct Follow {
+            events: tokio::sync::broadcast::Receiver<InstanceEvent>,
+            user: UserId,
+            done: bool,
+        }
+        let follow = stream::unfold(
+            Follow {
+                events,
+                user: user.clone(),
+                done,
+            },
+            |mut f| async move {
+                loop {
+                    if f.done {
+                        return None;
+                    }
+                    match f.events.recv().await {
+                        Ok(e) if e.user == f.user && e.role == Role::Main => {
+                            f.done = is_final(&e);
+                            return Some((stage(&e), f));
+                        }
+                        Ok(_) | Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => {}
+                        Err(tokio::sync::broadcast::error::RecvError::Closed) => return None,
+                    }
+                }
+            },
+        );
+        Ok(stream::once(async move { first }).chain(follow).boxed())
+    }
+
+    async fn remote(
+        &self,
+        ops: &Ops,
+        to: &Target,
+        user: &UserId,
+    ) -> Result<BoxStream<'static, Value>, SpawnError> {
+        let events = ops
+            .peers()?
+            .user_events(&to.node, user, "progress", &[])
+            .await?;
+        Ok(events
+            .filter_map(|e| {
+                let stage = (e.event == STAGE_EVENT)
+                    .then(|| serde_json::from_str::<Value>(&e.data).ok())
+                    .flatten();
+                std::future::ready(stage)
+            })
+            .boxed())
+    }
+}
+
+fn is_final(e: &InstanceEvent) -> bool {
+    (e.status == InstanceStatus::Running && e.ready) || e.status.is_terminal()
+}
+
+fn stage(e: &InstanceEvent) -> Value {
+    serde_json::to_value(e).unwrap_or_else(|_| json!({ "status": e.status }))
+}
+
+/// The proxy's question on a local route miss: serve here, or forward to
+/// which node? A node placement chose is asked to launch first, and
+/// waited on only with `wait` (a browser's navigation is not: the owner
+/// shows it the starting page).
+struct LocateOp {
+    wait: bool,
+}
+
+#[async_trait]
+impl UserOp for LocateOp {
+    type Output = Locate;
+    const ROUTE: Route = Route::Launch;
+
+    async fn local(&self, _ops: &Ops, _user: &UserId) -> Result<Locate, SpawnError> {
+        // The proxy's own wake launches here.
+        Ok(Locate::Local)
+    }
+
+    async fn remote(&self, ops: &Ops, to: &Target, user: &UserId) -> Result<Locate, SpawnError> {
+        if to.placed {
+            let launch = Launch {
+                request: LaunchRequest::default(),
+                wait: self.wait,
+            };
+            launch.remote(ops, to, user).await?;
+        }
+        remote_locate(&to.node)
+    }
+}
+
+#[async_trait]
+impl ClusterHook for Ops {
+    async fn locate(&self, user: &UserId, wait_for_ready: bool) -> Result<Locate, SpawnError> {
+        let Some(cluster) = self.cluster.as_deref() else {
+            return Ok(Locate::Local);
+        };
+        if let Some(cached) = cluster.cached_owner(user) {
+            return Ok(cached);
+        }
+        let locate = self
+            .hop(
+                user,
+                Via::Client,
+                &LocateOp {
+                    wait: wait_for_ready,
+                },
+            )
+            .await?;
+        if matches!(locate, Locate::Remote { .. }) {
+            cluster.remember_owner(user, &locate);
+        }
+        Ok(locate)
+    }
+}

@@ -1,0 +1,1225 @@
+//! Isolation (issue 8), proven by attack: every boundary is crossed, or
+//! rather tried, from inside a program berth started, the hostile program
+//! of `support/breach.py`, driven by the test through berth's own proxy.
+//!
+//! These tests need root (berth gives each user's instances a uid of their
+//! own) and nftables; CI runs them as root. Run elsewhere without root,
+//! they say so and pass without testing anything; with `CI` set they fail.
+
+mod support;
+
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::atomic::{AtomicU16, Ordering};
+use std::time::Duration;
+
+use serde_json::{Value, json};
+use support::{Node, StartOptions, alive, eventually, instance_pids, proc_state, zygote_of};
+
+const BREACH: &str = include_str!("support/breach.py");
+const PATIENCE: Duration = Duration::from_secs(60);
+
+/// Whether this test can run here: root and `nft`. In CI both are a must.
+fn privileged(test: &str) -> bool {
+    let root = nix::unistd::geteuid().is_root();
+    let nft = ["/usr/sbin/nft", "/sbin/nft", "/usr/bin/nft"]
+        .iter()
+        .any(|p| Path::new(p).is_file());
+    if root && nft {
+        return true;
+    }
+    assert!(
+        std::env::var_os("CI").is_none(),
+        "{test} needs root and nftables (scripts/test installs nftables; CI runs as root)"
+    );
+    println!("SKIPPED {test}: needs root and nftables");
+    false
+}
+
+/// A port block and an account range of the test's own, so tests running
+/// at once never share a port or a uid.
+struct Slot {
+    ports: u16,
+    base_uid: u32,
+}
+
+fn slot() -> Slot {
+    static NEXT: AtomicU16 = AtomicU16::new(0);
+    let n = NEXT.fetch_add(1, Ordering::Relaxed);
+    Slot {
+        ports: 27_000 + n * 40,
+        base_uid: 400_000 + u32::from(n) * 1000,
+    }
+}
+
+/// A config running the breach program at `mode`, with `extra` lines for
+/// `[isolation]` and `tail` appended (other tables).
+fn breach_config(dir: &Path, slot: &Slot, mode: &str, isolation: &str, tail: &str) -> String {
+    let script = serde_json::to_string(BREACH).unwrap();
+    format!(
+        "listen = \"127.0.0.1:0\"\ndata_dir = \"{data}\"\n\n\
+         [instance]\ncommand = [\"python3\", \"-c\", {script}, \"{{port}}\"]\n\
+         ready_http_path = \"/ping\"\nready_timeout_s = 30\nstop_grace_s = 2\n\
+         port_range = [{first}, {last}]\n\n\
+         [crash]\nbackoff_base_ms = 100\nbackoff_max_ms = 400\n\n\
+         [isolation]\nmode = \"{mode}\"\nbase_uid = {uid}\nuid_count = 1000\n{isolation}\n\
+         {tail}\n",
+        data = dir.join("data").display(),
+        first = slot.ports,
+        last = slot.ports + 39,
+        uid = slot.base_uid,
+    )
+}
+
+fn start(dir: &Path, config: &str) -> Node {
+    Node::start_configured(dir, config, &StartOptions::default())
+}
+
+async fn launch(node: &Node, user: &str) -> Value {
+    let (status, body) = node
+        .post(&format!("/users/{user}/instance"), json!({}))
+        .await;
+    assert_eq!(status, 201, "{user}: {body}");
+    body["instance"].clone()
+}
+
+/// Asks `user`'s instance, through berth's proxy, to run `probe`.
+async fn probe(node: &Node, user: &str, probe: &str, query: &[(&str, &str)]) -> Value {
+    let r = node
+        .http
+        .get(format!("{}/u/{user}/{probe}", node.url))
+        .query(query)
+        .bearer_auth(&node.token)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200, "{user} {probe} {query:?}");
+    r.json().await.unwrap()
+}
+
+fn refused(outcome: &Value, errnos: &[&str]) -> bool {
+    outcome["ok"] == false && errnos.contains(&outcome["errno"].as_str().unwrap_or(""))
+}
+
+fn path_str(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+fn uid_of_process(pid: u32) -> Option<u32> {
+    std::fs::metadata(format!("/proc/{pid}"))
+        .ok()
+        .map(|m| m.uid())
+}
+
+/// Every task (thread) of every process run by `uid`.
+fn tasks_of(uid: u32) -> usize {
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|&pid| uid_of_process(pid) == Some(uid))
+        .map(|pid| std::fs::read_dir(format!("/proc/{pid}/task")).map_or(0, |d| d.count()))
+        .sum()
+}
+
+/// Live processes run by a uid of `[first, first + 1000)`.
+fn processes_in_range(first: u32) -> Vec<u32> {
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|&pid| {
+            uid_of_process(pid).is_some_and(|u| (first..first + 1000).contains(&u))
+                && alive(u64::from(pid))
+        })
+        .collect()
+}
+
+/// The pairs in the port guard's set of the berth on `data_dir`.
+fn own_ports_elements(data_dir: &Path) -> Vec<Value> {
+    let table = berth_local::isolation::nft_table_name(&data_dir.canonicalize().unwrap());
+    let out = Command::new("nft")
+        .args(["-j", "list", "set", "inet", &table, "own_ports"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let listed: Value = serde_json::from_slice(&out.stdout).unwrap();
+    listed["nftables"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find_map(|item| item["set"]["elem"].as_array().cloned())
+        .unwrap_or_default()
+}
+
+/// The shim state of `user`'s main.
+fn state_of(node: &Node, user: &str) -> Value {
+    let path = node.data_dir.join(format!("run/{user}/main.json"));
+    serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+}
+
+// --- filesystem -----------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread")]
+async fn at_level_user_an_instance_runs_as_its_own_account_and_reaches_nothing_of_others() {
+    if !privileged("filesystem, user") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let slot = slot();
+    let node = start(
+        dir.path(),
+        &breach_config(dir.path(), &slot, "user", "", ""),
+    );
+    launch(&node, "alice").await;
+    launch(&node, "bob").await;
+
+    let me = probe(&node, "alice", "whoami", &[]).await;
+    let uid = me["uid"].as_u64().unwrap() as u32;
+    let bob_uid = probe(&node, "bob", "whoami", &[]).await["uid"]
+        .as_u64()
+        .unwrap() as u32;
+    assert!((slot.base_uid..slot.base_uid + 1000).contains(&uid), "{me}");
+    assert_ne!(uid, bob_uid, "two users never share a uid");
+    assert_eq!(me["euid"], uid);
+    assert_eq!(me["gid"], uid, "gid = uid");
+    assert_eq!(me["groups"], json!([]), "no supplementary groups");
+    for cap in ["CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb"] {
+        assert_eq!(me["status"][cap], "0000000000000000", "{cap}: {me}");
+    }
+    assert_eq!(me["status"]["NoNewPrivs"], "1");
+    let home = node.data_dir.join("users/alice/home");
+    assert_eq!(me["env"]["HOME"], path_str(&home));
+    assert_eq!(me["env"]["USER"], "alice");
+    assert_eq!(me["env"]["LOGNAME"], "alice");
+    // The data root belongs to the account, 0700.
+    let root = std::fs::metadata(node.data_dir.join("users/alice")).unwrap();
+    assert_eq!(
+        (root.uid(), root.gid(), root.mode() & 0o7777),
+        (uid, uid, 0o700)
+    );
+
+    // Nothing of bob's, nothing of berth's.
+    let bob_root = node.data_dir.join("users/bob");
+    for target in [
+        bob_root.clone(),
+        bob_root.join("home"),
+        node.data_dir.join("run"),
+    ] {
+        let listed = probe(&node, "alice", "list", &[("path", path_str(&target))]).await;
+        assert!(refused(&listed, &["EACCES"]), "{target:?}: {listed}");
+    }
+    for target in [
+        node.data_dir.join("admin.token"),
+        node.data_dir.join("berth.db"),
+        node.data_dir.join("berth.db-wal"),
+        bob_root.join("logs/main.log"),
+    ] {
+        let read = probe(&node, "alice", "read", &[("path", path_str(&target))]).await;
+        assert!(refused(&read, &["EACCES"]), "{target:?}: {read}");
+    }
+    // berth's own files are 0600, its data dir only passable.
+    for file in ["admin.token", "berth.db"] {
+        let mode = std::fs::metadata(node.data_dir.join(file)).unwrap().mode() & 0o777;
+        assert_eq!(mode, 0o600, "{file}");
+    }
+    let mode = std::fs::metadata(&node.data_dir).unwrap().mode() & 0o777;
+    assert_eq!(mode, 0o711);
+    // No writing to the system.
+    for target in ["/usr/berth-breach", "/etc/berth-breach"] {
+        let wrote = probe(&node, "alice", "write", &[("path", target)]).await;
+        assert!(refused(&wrote, &["EACCES"]), "{target}: {wrote}");
+        assert!(!Path::new(target).exists());
+    }
+    // It can still use what is its own (the probes are not just broken).
+    let own = home.join("notes");
+    let wrote = probe(&node, "alice", "write", &[("path", path_str(&own))]).await;
+    assert_eq!(wrote["ok"], true, "{wrote}");
+    assert_eq!(std::fs::metadata(&own).unwrap().uid(), uid);
+    node.kill_instances();
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn in_a_sandbox_the_system_is_read_only_and_only_own_processes_are_seen() {
+    if !privileged("filesystem, sandbox") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let slot = slot();
+    let node = start(
+        dir.path(),
+        &breach_config(dir.path(), &slot, "sandbox", "", ""),
+    );
+    launch(&node, "alice").await;
+    launch(&node, "bob").await;
+    let me = probe(&node, "alice", "whoami", &[]).await;
+    let uid = me["uid"].as_u64().unwrap() as u32;
+    // The synthesized passwd entry: programs that look themselves up work.
+    assert_eq!(me["passwd_name"], "alice", "{me}");
+    assert_eq!(me["status"]["CapEff"], "0000000000000000");
+
+    // Only its own processes: the pid namespace's init and the program.
+    let seen = probe(&node, "alice", "processes", &[]).await;
+    let seen = seen.as_array().unwrap();
+    assert!(!seen.is_empty() && seen.len() < 10, "{seen:?}");
+    for entry in seen {
+        assert_eq!(
+            entry[1], uid,
+            "a process of another user is visible: {seen:?}"
+        );
+    }
+    assert!(
+        seen.iter().any(|e| e[0] == 1),
+        "its init is pid 1: {seen:?}"
+    );
+
+    // Others' data and berth's are not even there.
+    for target in [
+        node.data_dir.join("users/bob"),
+        node.data_dir.join("admin.token"),
+        node.data_dir.join("berth.db"),
+        node.data_dir.join("run/alice/main.json"),
+        PathBuf::from("/etc/shadow"),
+    ] {
+        let read = probe(&node, "alice", "read", &[("path", path_str(&target))]).await;
+        assert!(
+            refused(&read, &["ENOENT", "EACCES", "EISDIR"]),
+            "{target:?}: {read}"
+        );
+        assert_ne!(read["errno"], "EISDIR", "{target:?} is visible: {read}");
+    }
+    // A read-only system, a private /tmp, and its own root writable.
+    for target in [
+        "/usr/berth-breach",
+        "/etc/berth-breach",
+        "/var/berth-breach",
+    ] {
+        let wrote = probe(&node, "alice", "write", &[("path", target)]).await;
+        assert!(refused(&wrote, &["EROFS", "EACCES"]), "{target}: {wrote}");
+        assert!(!Path::new(target).exists());
+    }
+    let in_tmp = probe(&node, "alice", "write", &[("path", "/tmp/alice-was-here")]).await;
+    assert_eq!(in_tmp["ok"], true, "{in_tmp}");
+    assert!(
+        !Path::new("/tmp/alice-was-here").exists(),
+        "/tmp is private"
+    );
+    let home = node.data_dir.join("users/alice/home/notes");
+    let wrote = probe(&node, "alice", "write", &[("path", path_str(&home))]).await;
+    assert_eq!(wrote["ok"], true, "{wrote}");
+    assert!(home.exists(), "the user's root is the real one");
+    node.kill_instances();
+}
+
+// --- secrets ---------------------------------------------------------------
+
+async fn secrets_stay_out_of_reach(mode: &str) {
+    let dir = tempfile::tempdir().unwrap();
+    let slot = slot();
+    let token = format!("admintok{}", std::process::id());
+    let secret = format!("clustersecret{}", slot.base_uid);
+    let options = StartOptions {
+        env: vec![
+            ("BERTH_ADMIN_TOKEN".into(), token.clone()),
+            ("BERTH_CLUSTER_SECRET".into(), secret.clone()),
+        ],
+        ..StartOptions::default()
+    };
+    let node = Node::start_configured(
+        dir.path(),
+        &breach_config(dir.path(), &slot, mode, "", ""),
+        &options,
+    );
+    let alice = launch(&node, "alice").await;
+    let bob = launch(&node, "bob").await;
+
+    // From inside: every environ the program may read.
+    let needles = [("needle", token.as_str()), ("needle", secret.as_str())];
+    let scan = probe(&node, "alice", "environ", &needles).await;
+    assert!(
+        scan["readable"].as_u64().unwrap() >= 1,
+        "it reads its own: {scan}"
+    );
+    assert_eq!(scan["leaks"], json!([]), "{scan}");
+
+    // And as root, every process of berth's: berth, its zygote, the shims
+    // and the programs.
+    let berth = node.pid().unwrap();
+    let zygote = zygote_of(berth).expect("the zygote runs");
+    let mut checked = vec![berth, zygote];
+    for user in ["alice", "bob"] {
+        let state = state_of(&node, user);
+        checked.push(state["shim_pid"].as_u64().unwrap() as u32);
+        checked.extend(instance_pids(&node.data_dir, user, "main"));
+    }
+    for pid in &checked {
+        let environ = std::fs::read(format!("/proc/{pid}/environ")).unwrap();
+        let text = String::from_utf8_lossy(&environ);
+        assert!(
+            !text.contains(&token) && !text.contains(&secret),
+            "pid {pid} shows a secret"
+        );
+    }
+
+    // The program cannot command its own shim, nor bob's.
+    for user in ["alice", "bob"] {
+        let socket = node.data_dir.join(format!("run/{user}/main.sock"));
+        for command in [
+            json!({"cmd": "kill"}),
+            json!({"cmd": "freeze"}),
+            json!({"cmd": "extend", "ms": 999_999_999u64}),
+        ] {
+            let tried = probe(
+                &node,
+                "alice",
+                "shim",
+                &[
+                    ("path", path_str(&socket)),
+                    ("command", &command.to_string()),
+                ],
+            )
+            .await;
+            let greeted = tried["ok"] == true && tried["value"]["greeted"] == true;
+            assert!(!greeted, "{user} {command}: {tried}");
+            assert!(
+                refused(&tried, &["EACCES", "ENOENT"]),
+                "{user} {command}: {tried}"
+            );
+        }
+    }
+    // Both keep running, unfrozen, as the same processes.
+    for (user, before) in [("alice", &alice), ("bob", &bob)] {
+        let main = node.main_of(user).await;
+        assert_eq!(main["status"], "running", "{main}");
+        assert_eq!(main["pid"], before["pid"], "{main}");
+        let pid = main["pid"].as_u64().unwrap() as u32;
+        assert_ne!(proc_state(pid), Some('T'), "{user} was frozen");
+        assert_eq!(probe(&node, user, "ping", &[]).await["ok"], true);
+    }
+    node.kill_instances();
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn no_secret_reaches_a_program_and_no_program_commands_a_shim_at_level_user() {
+    if privileged("secrets, user") {
+        secrets_stay_out_of_reach("user").await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn no_secret_reaches_a_program_and_no_program_commands_a_shim_in_a_sandbox() {
+    if privileged("secrets, sandbox") {
+        secrets_stay_out_of_reach("sandbox").await;
+    }
+}
+
+/// Program output in berth's log is escaped: a program cannot forge a
+/// line of berth's or put terminal control codes in it.
+#[tokio::test(flavor = "multi_thread")]
+async fn program_output_cannot_forge_berths_log() {
+    if !privileged("log escaping") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let slot = slot();
+    let log = dir.path().join("berth.log");
+    let options = StartOptions {
+        stderr: Some(log.clone()),
+        ..StartOptions::default()
+    };
+    let node = Node::start_configured(
+        dir.path(),
+        &breach_config(dir.path(), &slot, "user", "", ""),
+        &options,
+    );
+    let first = launch(&node, "alice").await;
+    // The program writes its forgery to stderr and exits: a crash.
+    let _ = node
+        .http
+        .get(format!("{}/u/alice/forge", node.url))
+        .bearer_auth(&node.token)
+        .send()
+        .await;
+    let pid = first["pid"].as_u64();
+    node.running_main("alice", pid).await;
+    let text = eventually(PATIENCE, "the crash in berth's log", || async {
+        let text = std::fs::read_to_string(&log).unwrap_or_default();
+        text.contains("FORGED").then_some(text)
+    })
+    .await;
+    // berth colours its log only on a terminal, so any escape would be
+    // the program's.
+    assert!(
+        !text.contains('\u{1b}'),
+        "an escape code reached berth's log"
+    );
+    assert!(
+        !text.contains('\u{7}'),
+        "a control code reached berth's log"
+    );
+    for line in text.lines() {
+        assert!(
+            !line.starts_with("2030-01-01T00:00:00"),
+            "a forged line: {line}"
+        );
+    }
+    node.kill_instances();
+}
+
+// --- symlinks ----------------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread")]
+async fn links_planted_in_a_root_never_lead_berth_outside_it() {
+    if !privileged("symlinks") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let slot = slot();
+    let node = start(
+        dir.path(),
+        &breach_config(dir.path(), &slot, "user", "", ""),
+    );
+    // What a hostile user would aim at: a directory of root's.
+    let victim = dir.path().join("victim");
+    std::fs::create_dir(&victim).unwrap();
+    std::fs::write(victim.join("keep"), "original").unwrap();
+    std::fs::set_permissions(&victim, std::fs::Permissions::from_mode(0o750)).unwrap();
+
+    launch(&node, "alice").await;
+    // Reading goes through no link either: the log berth serves alice
+    // would otherwise be any file of root's.
+    let secret = dir.path().join("secret");
+    std::fs::write(&secret, "root's secret").unwrap();
+    std::fs::set_permissions(&secret, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let log = node.data_dir.join("users/alice/logs/main.log");
+    let linked = probe(
+        &node,
+        "alice",
+        "filelink",
+        &[("path", path_str(&log)), ("target", path_str(&secret))],
+    )
+    .await;
+    assert_eq!(linked["ok"], true, "{linked}");
+    let r = node
+        .http
+        .get(node.api("/users/alice/instance/logs?tail=10"))
+        .bearer_auth(&node.token)
+        .send()
+        .await
+        .unwrap();
+    let body = r.text().await.unwrap();
+    assert!(!body.contains("root's secret"), "{body}");
+    for name in ["tmp", "patches", "logs"] {
+        let linked = probe(
+            &node,
+            "alice",
+            "link",
+            &[("name", name), ("target", path_str(&victim))],
+        )
+        .await;
+        assert_eq!(linked["ok"], true, "{name}: {linked}");
+        assert!(
+            std::fs::symlink_metadata(node.data_dir.join("users/alice").join(name))
+                .unwrap()
+                .is_symlink()
+        );
+    }
+    // Relaunch with a patch: berth chmods, chowns and writes in the root.
+    assert_eq!(node.delete("/users/alice/instance").await, 204);
+    let (status, body) = node
+        .post("/users/alice/instance", json!({"patch": "planted: no"}))
+        .await;
+    assert_eq!(status, 201, "{body}");
+    probe(&node, "alice", "ping", &[]).await;
+
+    let meta = std::fs::metadata(&victim).unwrap();
+    assert_eq!(
+        (meta.mode() & 0o7777, meta.uid(), meta.gid()),
+        (0o750, 0, 0),
+        "the target's mode and owner"
+    );
+    let entries: Vec<_> = std::fs::read_dir(&victim)
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert_eq!(entries, vec!["keep"], "nothing written into the target");
+    assert_eq!(
+        std::fs::read_to_string(victim.join("keep")).unwrap(),
+        "original"
+    );
+    // The root got real directories back, with the patch in its place.
+    for name in ["tmp", "patches", "logs"] {
+        let meta = std::fs::symlink_metadata(node.data_dir.join("users/alice").join(name)).unwrap();
+        assert!(meta.is_dir() && !meta.is_symlink(), "{name}");
+    }
+    assert_eq!(
+        std::fs::read_to_string(node.data_dir.join("users/alice/patches/main.yaml")).unwrap(),
+        "planted: no"
+    );
+    node.kill_instances();
+}
+
+// --- resources ---------------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_instance_past_its_memory_limit_is_killed_reported_and_restarted() {
+    if !privileged("memory") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let slot = slot();
+    let node = start(
+        dir.path(),
+        &breach_config(dir.path(), &slot, "sandbox", "memory_max_mb = 64\n", ""),
+    );
+    let alice = launch(&node, "alice").await;
+    launch(&node, "bob").await;
+    let pid = alice["pid"].as_u64();
+    // The request dies with the program.
+    let _ = node
+        .http
+        .get(format!("{}/u/alice/alloc?mb=256", node.url))
+        .bearer_auth(&node.token)
+        .send()
+        .await;
+    let crashed = eventually(PATIENCE, "alice's OOM kill recorded", || async {
+        let main = node.main_of("alice").await;
+        (main["restarts"].as_u64() >= Some(1)).then_some(main)
+    })
+    .await;
+    assert_eq!(
+        crashed["last_error"], "out of memory (limit 64 MiB)",
+        "{crashed}"
+    );
+    // Restarted under the crash policy, and the others never noticed.
+    node.running_main("alice", pid).await;
+    assert_eq!(probe(&node, "bob", "ping", &[]).await["ok"], true);
+    let health = node
+        .http
+        .get(format!("{}/healthz", node.url))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(health.status(), 200);
+    let main = node.main_of("alice").await;
+    assert_eq!(main["last_error"], "out of memory (limit 64 MiB)", "{main}");
+    node.kill_instances();
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_fork_bomb_is_capped_by_pids_max() {
+    if !privileged("fork bomb") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let slot = slot();
+    let pids_max = 40;
+    let node = start(
+        dir.path(),
+        &breach_config(
+            dir.path(),
+            &slot,
+            "sandbox",
+            &format!("pids_max = {pids_max}\n"),
+            "",
+        ),
+    );
+    launch(&node, "alice").await;
+    launch(&node, "bob").await;
+    let uid = probe(&node, "alice", "whoami", &[]).await["uid"]
+        .as_u64()
+        .unwrap() as u32;
+    let cgroups = state_of(&node, "alice")["cgroup"].clone();
+    let pids_cgroup = cgroups
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| PathBuf::from(d.as_str().unwrap()))
+        .find(|d| d.join("pids.max").exists())
+        .expect("a pids cgroup");
+    assert_eq!(
+        std::fs::read_to_string(pids_cgroup.join("pids.max"))
+            .unwrap()
+            .trim(),
+        pids_max.to_string()
+    );
+    // The other two limits, at their defaults: 1024 MiB and one CPU.
+    let dirs: Vec<PathBuf> = cgroups
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| PathBuf::from(d.as_str().unwrap()))
+        .collect();
+    let read_in = |file: &str| {
+        dirs.iter()
+            .find_map(|d| std::fs::read_to_string(d.join(file)).ok())
+            .unwrap_or_else(|| panic!("no {file} in {dirs:?}"))
+    };
+    if dirs
+        .iter()
+        .any(|d| d.join("memory.limit_in_bytes").exists())
+    {
+        assert_eq!(
+            read_in("memory.limit_in_bytes").trim(),
+            (1024u64 << 20).to_string()
+        );
+        assert_eq!(read_in("cpu.cfs_quota_us").trim(), "100000");
+    } else {
+        assert_eq!(read_in("memory.max").trim(), (1024u64 << 20).to_string());
+        assert_eq!(read_in("cpu.max").trim(), "100000 100000");
+    }
+    assert_eq!(probe(&node, "alice", "forkbomb", &[]).await, true);
+    // The bomb fills the instance up to the cap (the account's
+    // RLIMIT_NPROC and the cgroup's pids.max are both pids_max)...
+    eventually(PATIENCE, "the bomb to reach the cap", || async {
+        (tasks_of(uid) + 2 >= pids_max).then_some(())
+    })
+    .await;
+    // ...and never past it.
+    for _ in 0..20 {
+        let tasks = tasks_of(uid);
+        assert!(tasks <= pids_max, "{tasks} tasks of alice's uid");
+        let current: usize = std::fs::read_to_string(pids_cgroup.join("pids.current"))
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap();
+        assert!(current <= pids_max, "pids.current {current}");
+        // berth and bob answer meanwhile.
+        let health = node
+            .http
+            .get(format!("{}/healthz", node.url))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(health.status(), 200);
+        assert_eq!(probe(&node, "bob", "ping", &[]).await["ok"], true);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // Stopping alice takes the whole bomb with it.
+    assert_eq!(node.delete("/users/alice/instance").await, 204);
+    eventually(PATIENCE, "alice's processes gone", || async {
+        (tasks_of(uid) == 0).then_some(())
+    })
+    .await;
+    node.kill_instances();
+}
+
+// --- guards -------------------------------------------------------------------
+
+async fn the_port_guard_holds(mode: &str) {
+    let dir = tempfile::tempdir().unwrap();
+    let slot = slot();
+    let node = start(dir.path(), &breach_config(dir.path(), &slot, mode, "", ""));
+    let alice = launch(&node, "alice").await;
+    let bob = launch(&node, "bob").await;
+    let alice_port = alice["port"].as_u64().unwrap().to_string();
+    let bob_port = bob["port"].as_u64().unwrap().to_string();
+    let to_bob = probe(
+        &node,
+        "alice",
+        "connect",
+        &[("host", "127.0.0.1"), ("port", &bob_port)],
+    )
+    .await;
+    assert!(
+        refused(&to_bob, &["ECONNREFUSED"]),
+        "alice reached bob: {to_bob}"
+    );
+    // Not "block everything": her own port answers her.
+    let to_self = probe(
+        &node,
+        "alice",
+        "connect",
+        &[("host", "127.0.0.1"), ("port", &alice_port)],
+    )
+    .await;
+    assert_eq!(to_self["ok"], true, "{to_self}");
+    // berth's proxy reaches both, and so does root.
+    for user in ["alice", "bob"] {
+        assert_eq!(probe(&node, user, "ping", &[]).await["ok"], true);
+    }
+    std::net::TcpStream::connect(("127.0.0.1", bob["port"].as_u64().unwrap() as u16))
+        .expect("root reaches bob's port");
+    node.kill_instances();
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_port_guard_keeps_instances_off_each_others_ports_at_level_user() {
+    if privileged("port guard, user") {
+        the_port_guard_holds("user").await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_port_guard_keeps_instances_off_each_others_ports_in_a_sandbox() {
+    if privileged("port guard, sandbox") {
+        the_port_guard_holds("sandbox").await;
+    }
+}
+
+/// Two network namespaces: `host` (where berth runs, with a non-loopback
+/// address of its own) and `outside`, reached through a veth pair, which
+/// holds the cloud metadata addresses and an ordinary outside address.
+/// Nothing of the real host's network is touched.
+struct Netns {
+    host: String,
+    outside: String,
+}
+
+const HOST_ADDR: &str = "10.231.0.1";
+const OUTSIDE_ADDR: &str = "198.51.100.7";
+
+impl Netns {
+    fn ip(args: &[&str]) {
+        let out = Command::new("ip").args(args).output().expect("ip runs");
+        assert!(
+            out.status.success(),
+            "ip {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+
+    fn create() -> Netns {
+        let tag = std::process::id();
+        let ns = Netns {
+            host: format!("berth-eg-h{tag}"),
+            outside: format!("berth-eg-o{tag}"),
+        };
+        let (h, o) = (ns.host.as_str(), ns.outside.as_str());
+        Self::ip(&["netns", "add", h]);
+        Self::ip(&["netns", "add", o]);
+        let veth_h = format!("bv{tag}h");
+        let veth_o = format!("bv{tag}o");
+        Self::ip(&[
+            "-n", h, "link", "add", &veth_h, "type", "veth", "peer", "name", &veth_o, "netns", o,
+        ]);
+        for (n, cmd) in [
+            (h, vec!["link", "set", "lo", "up"]),
+            (o, vec!["link", "set", "lo", "up"]),
+            (h, vec!["addr", "add", "10.231.0.1/24", "dev", &veth_h]),
+            (o, vec!["addr", "add", "10.231.0.2/24", "dev", &veth_o]),
+            (h, vec!["link", "set", &veth_h, "up"]),
+            (o, vec!["link", "set", &veth_o, "up"]),
+            (o, vec!["addr", "add", "169.254.169.254/32", "dev", "lo"]),
+            (o, vec!["addr", "add", "100.100.100.200/32", "dev", "lo"]),
+            (o, vec!["addr", "add", "198.51.100.7/32", "dev", "lo"]),
+            (h, vec!["route", "add", "default", "via", "10.231.0.2"]),
+        ] {
+            let mut args = vec!["-n", n];
+            args.extend(cmd);
+            Self::ip(&args);
+        }
+        ns
+    }
+
+    /// Runs `f` on a thread that has entered namespace `name`.
+    fn run_in<T: Send + 'static>(
+        name: &str,
+        f: impl FnOnce() -> T + Send + 'static,
+    ) -> std::thread::JoinHandle<T> {
+        let path = format!("/run/netns/{name}");
+        std::thread::spawn(move || {
+            let ns = std::fs::File::open(&path).unwrap();
+            // SAFETY: setns(2) with a namespace descriptor that lives for
+            // the call; it moves only this thread (network namespaces are
+            // per thread), so the rest of the test process stays put.
+            let ret = unsafe {
+                nix::libc::setns(
+                    std::os::fd::AsRawFd::as_raw_fd(&ns),
+                    nix::libc::CLONE_NEWNET,
+                )
+            };
+            assert_eq!(ret, 0, "setns: {}", std::io::Error::last_os_error());
+            f()
+        })
+    }
+
+    /// An HTTP-ish listener on `addr` inside `name`, answering every
+    /// connection, for the rest of the test process.
+    fn listen(name: &str, addr: &'static str, port: u16) {
+        let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+        Self::run_in(name, move || {
+            let listener = std::net::TcpListener::bind((addr, port)).unwrap();
+            ready_tx.send(()).unwrap();
+            for stream in listener.incoming().flatten() {
+                use std::io::Write;
+                let mut stream = stream;
+                let _ = stream.write_all(b"HTTP/1.0 200 OK\r\n\r\n");
+            }
+        });
+        ready_rx
+            .recv_timeout(Duration::from_secs(10))
+            .expect("listener up");
+    }
+}
+
+impl Drop for Netns {
+    fn drop(&mut self) {
+        for name in [&self.host, &self.outside] {
+            let _ = Command::new("ip").args(["netns", "del", name]).status();
+        }
+    }
+}
+
+#[test]
+fn the_egress_guard_blocks_metadata_and_the_hosts_addresses_but_not_the_outside() {
+    if !privileged("egress guard") {
+        return;
+    }
+    if Command::new("ip").arg("-V").output().is_err() {
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "scripts/test installs iproute2"
+        );
+        println!("SKIPPED egress guard: needs `ip` (iproute2)");
+        return;
+    }
+    let ns = Netns::create();
+    for addr in ["169.254.169.254", "100.100.100.200", OUTSIDE_ADDR] {
+        Netns::listen(&ns.outside, addr, 80);
+    }
+    Netns::listen(&ns.host, HOST_ADDR, 8080);
+    let host = ns.host.clone();
+    Netns::run_in(&ns.host, move || {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        runtime.block_on(async move {
+            let dir = tempfile::tempdir().unwrap();
+            let slot = slot();
+            let options = StartOptions {
+                wrapper: vec!["ip".into(), "netns".into(), "exec".into(), host],
+                ..StartOptions::default()
+            };
+            let node = Node::start_configured(
+                dir.path(),
+                &breach_config(dir.path(), &slot, "user", "", ""),
+                &options,
+            );
+            launch(&node, "alice").await;
+            let targets = [
+                ("169.254.169.254", "80", false),
+                ("100.100.100.200", "80", false),
+                (HOST_ADDR, "8080", false),
+                (OUTSIDE_ADDR, "80", true),
+            ];
+            for (host, port, allowed) in targets {
+                // berth's own uid reaches every one of them...
+                let addr = format!("{host}:{port}");
+                std::net::TcpStream::connect_timeout(
+                    &addr.parse().unwrap(),
+                    Duration::from_secs(5),
+                )
+                .unwrap_or_else(|e| panic!("root cannot reach {addr}: {e}"));
+                // ...the instance only the outside one.
+                let tried =
+                    probe(&node, "alice", "connect", &[("host", host), ("port", port)]).await;
+                if allowed {
+                    assert_eq!(tried["ok"], true, "{addr}: {tried}");
+                } else {
+                    assert!(
+                        refused(&tried, &["ECONNREFUSED", "EHOSTUNREACH", "ENETUNREACH"]),
+                        "the instance reached {addr}: {tried}"
+                    );
+                }
+            }
+            node.kill_instances();
+        });
+    })
+    .join()
+    .unwrap();
+}
+
+// --- capacity ------------------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread")]
+async fn past_the_nodes_capacity_a_launch_gets_503_and_starts_nothing() {
+    if !privileged("capacity") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let slot = slot();
+    // No mode configured: as root, instances run at level `user`.
+    let node = Node::start(
+        dir.path(),
+        &format!(
+            "[instance]\nport_range = [{}, {}]\n\n[cluster]\ncapacity = 3\n\n\
+             [isolation]\nbase_uid = {}\nuid_count = 1000\n",
+            slot.ports,
+            slot.ports + 39,
+            slot.base_uid
+        ),
+    );
+    for user in ["c1", "c2", "c3"] {
+        let instance = launch(&node, user).await;
+        let pid = instance["pid"].as_u64().unwrap() as u32;
+        let uid = uid_of_process(pid).unwrap();
+        assert!(
+            (slot.base_uid..slot.base_uid + 1000).contains(&uid),
+            "the default level as root is `user`: {user} runs as {uid}"
+        );
+    }
+    let (status, body) = node.post("/users/c4/instance", json!({})).await;
+    assert_eq!(
+        (status, body["error"].as_str()),
+        (503, Some("capacity_exhausted")),
+        "{body}"
+    );
+    assert!(
+        body["message"].as_str().unwrap().contains("capacity"),
+        "{body}"
+    );
+    assert!(node.main_of("c4").await.is_null(), "nothing recorded");
+    assert!(instance_pids(&node.data_dir, "c4", "main").is_empty());
+    assert!(
+        !node.data_dir.join("run/c4").exists(),
+        "no shim was started"
+    );
+    assert!(!node.data_dir.join("users/c4").exists(), "no root was made");
+    // A place freed is a place taken.
+    assert_eq!(node.delete("/users/c1/instance").await, 204);
+    launch(&node, "c4").await;
+    node.kill_instances();
+}
+
+// --- cleanup and survival ---------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_hundred_start_stop_cycles_leave_nothing_behind() {
+    if !privileged("no leaks") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let slot = slot();
+    // The built-in demo app: quick to start, so the cycles are many.
+    let node = Node::start(
+        dir.path(),
+        &format!(
+            "[instance]\nport_range = [{}, {}]\n\n\
+             [isolation]\nmode = \"sandbox\"\nbase_uid = {}\nuid_count = 1000\n",
+            slot.ports,
+            slot.ports + 39,
+            slot.base_uid
+        ),
+    );
+    let berth = node.pid().unwrap();
+    let mounts = || std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+    let mounts_under_data = || {
+        mounts()
+            .lines()
+            .filter(|l| l.contains(node.data_dir.to_str().unwrap()))
+            .count()
+    };
+    // One cycle first, to learn where the cgroups go.
+    launch(&node, "cycler").await;
+    let parents: Vec<PathBuf> = state_of(&node, "cycler")["cgroup"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| Path::new(d.as_str().unwrap()).parent().unwrap().to_owned())
+        .collect();
+    assert_eq!(parents.len(), 3, "memory, pids and cpu (cgroup v1 here)");
+    assert_eq!(own_ports_elements(&node.data_dir).len(), 1);
+    assert_eq!(node.delete("/users/cycler/instance").await, 204);
+    let cgroups = || -> usize {
+        parents
+            .iter()
+            .map(|p| {
+                std::fs::read_dir(p)
+                    .unwrap()
+                    .flatten()
+                    .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
+                    .count()
+            })
+            .sum()
+    };
+    let zygote = zygote_of(berth).expect("the zygote runs");
+    let shims = || -> usize {
+        std::fs::read_dir("/proc")
+            .unwrap()
+            .flatten()
+            .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+            .filter(|pid| {
+                std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| {
+                    s.rsplit_once(')')
+                        .and_then(|(_, rest)| rest.split_whitespace().nth(1))
+                        == Some(&zygote.to_string())
+                })
+            })
+            .count()
+    };
+    let before = (
+        cgroups(),
+        own_ports_elements(&node.data_dir).len(),
+        mounts_under_data(),
+        processes_in_range(slot.base_uid).len(),
+        shims(),
+    );
+    assert_eq!(before, (0, 0, 0, 0, 0));
+    for i in 0..100 {
+        let user = format!("cycle{}", i % 7);
+        launch(&node, &user).await;
+        assert_eq!(node.delete(&format!("/users/{user}/instance")).await, 204);
+    }
+    let after = (
+        cgroups(),
+        own_ports_elements(&node.data_dir).len(),
+        mounts_under_data(),
+        processes_in_range(slot.base_uid).len(),
+        shims(),
+    );
+    assert_eq!(
+        after, before,
+        "(cgroups, port-guard pairs, mounts, instance processes, shims)"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn adopted_instances_stay_confined_and_keep_their_limits_after_a_restart() {
+    if !privileged("survival") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let slot = slot();
+    let config = breach_config(dir.path(), &slot, "sandbox", "memory_max_mb = 64\n", "");
+    let mut node = start(dir.path(), &config);
+    let alice = launch(&node, "alice").await;
+    let bob = launch(&node, "bob").await;
+    let uid = probe(&node, "alice", "whoami", &[]).await["uid"].clone();
+
+    node.kill9();
+    let node = start(dir.path(), &config);
+    let main = node.running_main("alice", None).await;
+    assert_eq!(main["pid"], alice["pid"], "adopted, not restarted");
+
+    // Same account, same pid namespace, same guard.
+    assert_eq!(probe(&node, "alice", "whoami", &[]).await["uid"], uid);
+    let seen = probe(&node, "alice", "processes", &[]).await;
+    assert!(
+        seen.as_array().unwrap().iter().all(|e| e[1] == uid),
+        "{seen}"
+    );
+    let bob_port = bob["port"].as_u64().unwrap().to_string();
+    let alice_port = alice["port"].as_u64().unwrap().to_string();
+    let to_bob = probe(
+        &node,
+        "alice",
+        "connect",
+        &[("host", "127.0.0.1"), ("port", &bob_port)],
+    )
+    .await;
+    assert!(refused(&to_bob, &["ECONNREFUSED"]), "{to_bob}");
+    let to_self = probe(
+        &node,
+        "alice",
+        "connect",
+        &[("host", "127.0.0.1"), ("port", &alice_port)],
+    )
+    .await;
+    assert_eq!(
+        to_self["ok"], true,
+        "its own port was given back: {to_self}"
+    );
+    // Same memory limit, enforced and reported by the new berth.
+    let _ = node
+        .http
+        .get(format!("{}/u/alice/alloc?mb=256", node.url))
+        .bearer_auth(&node.token)
+        .send()
+        .await;
+    let crashed = eventually(PATIENCE, "alice's OOM kill recorded", || async {
+        let main = node.main_of("alice").await;
+        (main["restarts"].as_u64() >= Some(1)).then_some(main)
+    })
+    .await;
+    assert_eq!(
+        crashed["last_error"], "out of memory (limit 64 MiB)",
+        "{crashed}"
+    );
+    assert_eq!(probe(&node, "bob", "ping", &[]).await["ok"], true);
+    node.kill_instances();
+}
+
+// --- clear errors ---------------------------------------------------------------------
+
+fn berth_fails(dir: &Path, config: &str, uid: Option<u32>) -> String {
+    std::fs::write(dir.join("berth.toml"), config).unwrap();
+    let mut command = Command::new(support::BERTH);
+    command
+        .args(["serve", "--config"])
+        .arg(dir.join("berth.toml"))
+        .current_dir(dir);
+    if let Some(uid) = uid {
+        use std::os::unix::process::CommandExt;
+        command.uid(uid).gid(uid);
+    }
+    let out = command.output().unwrap();
+    assert_eq!(out.status.code(), Some(1), "berth must refuse to start");
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+#[test]
+fn user_and_sandbox_without_root_or_nft_are_startup_errors_that_say_so() {
+    if !privileged("startup errors") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    std::fs::create_dir(&data).unwrap();
+    for path in [dir.path(), data.as_path()] {
+        nix::unistd::chown(path, Some(65_534.into()), Some(65_534.into())).unwrap();
+    }
+    for mode in ["user", "sandbox"] {
+        let config = format!(
+            "listen = \"127.0.0.1:0\"\ndata_dir = \"{}\"\n[isolation]\nmode = \"{mode}\"\n",
+            data.display()
+        );
+        let stderr = berth_fails(dir.path(), &config, Some(65_534));
+        assert!(
+            stderr.contains(&format!(
+                "isolation mode \"{mode}\" needs berth to run as root"
+            )),
+            "{stderr}"
+        );
+    }
+    let config = format!(
+        "listen = \"127.0.0.1:0\"\ndata_dir = \"{}\"\n[isolation]\nmode = \"user\"\nnft = \"/nonexistent/nft\"\n",
+        data.display()
+    );
+    let stderr = berth_fails(dir.path(), &config, None);
+    assert!(
+        stderr.contains("needs nftables") && stderr.contains("/nonexistent/nft"),
+        "{stderr}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn level_none_warns_that_instances_are_not_isolated() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("berth.log");
+    let options = StartOptions {
+        stderr: Some(log.clone()),
+        ..StartOptions::default()
+    };
+    let node = Node::start_configured(
+        dir.path(),
+        &format!(
+            "listen = \"127.0.0.1:0\"\ndata_dir = \"{}\"\n[isolation]\nmode = \"none\"\n",
+            dir.path().join("data").display()
+        ),
+        &options,
+    );
+    let text = std::fs::read_to_string(&log).unwrap();
+    assert!(
+        text.contains("WARN") && text.contains("NOT isolated from berth or from each other"),
+        "{text}"
+    );
+    drop(node);
+}

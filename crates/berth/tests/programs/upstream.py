@@ -1,0 +1,112 @@
+#!/usr/bin/env python3
+"""A small HTTP/1.1 program for berth's end-to-end proxy tests
+(crates/berth/tests/proxy_e2e.rs), for the parts `berth demo-app` cannot
+play. berth runs it as a user's instance:
+
+    upstream.py PORT                  serve on 127.0.0.1:PORT
+    upstream.py PORT --refuse         print the ready line, never listen
+    upstream.py PORT --listen-late MS print the ready line, listen MS later
+
+Every response carries a body and its Content-Length, so connections stay
+open (keep-alive) unless the client asks otherwise.
+
+* GET/POST .../echo: the request line and headers as JSON, answered with
+  hop-by-hop headers of its own (Connection naming X-Up-Secret,
+  X-Up-Secret, Keep-Alive, Proxy-Authenticate) next to X-App: yes.
+* GET/POST .../flaky: answered, after which this connection drops the
+  next request it reads without answering, as a server whose keep-alive
+  timeout fires at that moment does. Each drop is logged on stdout
+  ("upstream: dropped <METHOD>"), which berth writes to the user's log.
+"""
+
+import http.server
+import json
+import signal
+import socketserver
+import sys
+import time
+
+
+def log(line):
+    print(f"upstream: {line}", flush=True)
+
+
+class Handler(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *args):
+        pass
+
+    def answer(self, body, extra=()):
+        data = json.dumps(body).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        for name, value in extra:
+            self.send_header(name, value)
+        self.end_headers()
+        self.wfile.write(data)
+
+    def handle_any(self):
+        if getattr(self, "drop_next", False):
+            # Read nothing more and answer nothing: the connection closes.
+            log(f"dropped {self.command}")
+            self.close_connection = True
+            return
+        length = int(self.headers.get("Content-Length") or 0)
+        body = self.rfile.read(length) if length else b""
+        seen = {
+            "method": self.command,
+            "path": self.path,
+            "headers": [[k.lower(), v] for k, v in self.headers.items()],
+            "body_bytes": len(body),
+        }
+        if self.path.split("?")[0].endswith("/flaky"):
+            self.drop_next = True
+            self.answer(seen)
+        elif self.path.split("?")[0].endswith("/echo"):
+            self.answer(
+                seen,
+                [
+                    ("Connection", "X-Up-Secret"),
+                    ("X-Up-Secret", "1"),
+                    ("Keep-Alive", "timeout=5"),
+                    ("Proxy-Authenticate", 'Basic realm="upstream"'),
+                    ("X-App", "yes"),
+                ],
+            )
+        else:
+            self.answer(seen)
+
+    do_GET = handle_any
+    do_POST = handle_any
+
+
+class Server(socketserver.ThreadingMixIn, http.server.HTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+
+def main():
+    port = int(sys.argv[1])
+    if "--refuse" in sys.argv[2:]:
+        log(f"listening on {port}")
+        while True:
+            signal.pause()
+    args = sys.argv[2:]
+    if "--listen-late" in args:
+        # The ready line comes first, as with programs that announce their
+        # URL a moment before they bind (Jupyter Server does).
+        late_ms = int(args[args.index("--listen-late") + 1])
+        log(f"listening on {port}")
+        time.sleep(late_ms / 1000)
+        server = Server(("127.0.0.1", port), Handler)
+        log("bound at last")
+    else:
+        server = Server(("127.0.0.1", port), Handler)
+        log(f"listening on {port}")
+    server.serve_forever()
+
+
+if __name__ == "__main__":
+    main()

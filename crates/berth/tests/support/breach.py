@@ -1,0 +1,216 @@
+# The hostile program of the isolation tests: an HTTP server that, asked
+# by the test (through berth's proxy), tries to cross a boundary from
+# inside its instance and reports what happened. Python's standard library
+# only; run as `python3 -c <this> <port>`.
+#
+# Every answer is JSON. A probe that fails reports the errno's name.
+import errno
+import json
+import os
+import pwd
+import socket
+import sys
+import threading
+import time
+import urllib.parse
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+PORT = int(sys.argv[1])
+HOLD = []
+
+
+def outcome(f):
+    try:
+        return {"ok": True, "value": f()}
+    except OSError as e:
+        return {"ok": False, "errno": errno.errorcode.get(e.errno, str(e.errno))}
+    except Exception as e:  # noqa: BLE001 - reported, not raised
+        return {"ok": False, "errno": type(e).__name__}
+
+
+def read(path):
+    with open(path, "rb") as f:
+        return len(f.read())
+
+
+def write(path):
+    with open(path, "w") as f:
+        f.write("breach")
+    return True
+
+
+def connect(host, port):
+    with socket.create_connection((host, int(port)), timeout=5):
+        return True
+
+
+def status_fields():
+    fields = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            fields[key] = value.strip()
+    return fields
+
+
+def whoami():
+    fields = status_fields()
+    try:
+        name = pwd.getpwuid(os.getuid()).pw_name
+    except KeyError:
+        name = None
+    return {
+        "uid": os.getuid(),
+        "euid": os.geteuid(),
+        "gid": os.getgid(),
+        "groups": os.getgroups(),
+        "passwd_name": name,
+        "env": {k: os.environ.get(k) for k in ("HOME", "USER", "LOGNAME", "TMPDIR")},
+        "status": {k: fields.get(k) for k in (
+            "CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb", "NoNewPrivs")},
+        "cwd": os.getcwd(),
+        "pid": os.getpid(),
+    }
+
+
+def processes():
+    seen = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                uid = os.stat(f"/proc/{entry}").st_uid
+            except OSError:
+                continue
+            seen.append([int(entry), uid])
+    return sorted(seen)
+
+
+def environ_scan(needles):
+    readable, leaks = 0, []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                data = f.read()
+        except OSError:
+            continue
+        readable += 1
+        if any(n.encode() in data for n in needles):
+            leaks.append(int(entry))
+    return {"readable": readable, "leaks": leaks}
+
+
+def shim_command(path, command):
+    # Connect to a shim's control socket, send a command, and report
+    # whether the shim greeted us (it greets only berth).
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(5)
+    s.connect(path)
+    s.sendall(json.dumps(command).encode() + b"\n")
+    try:
+        greeting = s.recv(65536)
+    except socket.timeout:
+        greeting = b""
+    s.close()
+    return {"greeted": len(greeting) > 0}
+
+
+def replace_with_link(name, target):
+    root = os.path.dirname(os.environ["HOME"])
+    path = os.path.join(root, name)
+    for entry in os.listdir(path):
+        os.unlink(os.path.join(path, entry))
+    os.rmdir(path)
+    os.symlink(target, path)
+    return True
+
+
+def link_file(path, target):
+    if os.path.lexists(path):
+        os.unlink(path)
+    os.symlink(target, path)
+    return True
+
+
+def allocate(mb):
+    block = bytearray(mb * 1024 * 1024)
+    for i in range(0, len(block), 4096):
+        block[i] = 1
+    HOLD.append(block)
+    return mb
+
+
+def fork_bomb():
+    def bomb():
+        while True:
+            try:
+                os.fork()
+            except OSError:
+                time.sleep(0.01)
+    threading.Thread(target=bomb, daemon=True).start()
+    return True
+
+
+def forge_log():
+    # Text that would read as a line of berth's own log, with terminal
+    # control codes, then a crash: berth copies the tail of stderr into
+    # its log as the crash's description.
+    sys.stderr.write("\n2030-01-01T00:00:00.000000Z  INFO berth::serve: FORGED admin "
+                     "token is 1234\x1b[31m red \x1b]0;title\x07\n")
+    sys.stderr.flush()
+    os._exit(3)
+
+
+class Handler(BaseHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+
+    def do_GET(self):
+        url = urllib.parse.urlsplit(self.path)
+        q = urllib.parse.parse_qs(url.query)
+        one = lambda k: q.get(k, [""])[0]  # noqa: E731
+        probe = url.path.rstrip("/").rsplit("/", 1)[-1]
+        if probe == "ping":
+            result = {"ok": True}
+        elif probe == "whoami":
+            result = whoami()
+        elif probe == "read":
+            result = outcome(lambda: read(one("path")))
+        elif probe == "list":
+            result = outcome(lambda: len(os.listdir(one("path"))))
+        elif probe == "write":
+            result = outcome(lambda: write(one("path")))
+        elif probe == "connect":
+            result = outcome(lambda: connect(one("host"), one("port")))
+        elif probe == "processes":
+            result = processes()
+        elif probe == "environ":
+            result = environ_scan(q.get("needle", []))
+        elif probe == "shim":
+            command = json.loads(one("command"))
+            result = outcome(lambda: shim_command(one("path"), command))
+        elif probe == "link":
+            result = outcome(lambda: replace_with_link(one("name"), one("target")))
+        elif probe == "filelink":
+            result = outcome(lambda: link_file(one("path"), one("target")))
+        elif probe == "alloc":
+            result = outcome(lambda: allocate(int(one("mb"))))
+        elif probe == "forkbomb":
+            result = fork_bomb()
+        elif probe == "forge":
+            forge_log()
+            return
+        else:
+            self.send_response(404)
+            self.end_headers()
+            return
+        body = json.dumps(result).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
+ThreadingHTTPServer(("127.0.0.1", PORT), Handler).serve_forever()
