@@ -3,11 +3,12 @@
 //! value before any object is made, and each error names its key.
 
 use std::collections::BTreeMap;
+use std::path::PathBuf;
 use std::time::Duration;
 
 use ipnet::IpNet;
 use k8s_openapi::api::core::v1::Toleration;
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use crate::names::is_dns_label;
@@ -28,9 +29,15 @@ fn bad(key: impl Into<String>, reason: impl Into<String>) -> ConfigError {
 }
 
 /// The `[kubernetes]` table. Its presence selects this runtime.
-#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct KubernetesConfig {
+    /// The kubeconfig file berth connects with; unset: `KUBECONFIG`,
+    /// `~/.kube/config`, or the pod's service account when berth runs in
+    /// the cluster (kube's inference).
+    pub kubeconfig: Option<PathBuf>,
+    /// The kubeconfig's context to use; its current one when unset.
+    pub context: Option<String>,
     /// Where every object of every user goes.
     #[serde(default = "default_namespace")]
     pub namespace: String,
@@ -74,6 +81,25 @@ pub struct KubernetesConfig {
     /// The cluster's DNS domain, for the Service's name.
     #[serde(default = "default_cluster_domain")]
     pub cluster_domain: String,
+    /// How the proxy reaches a user's pod.
+    #[serde(default)]
+    pub endpoint: EndpointMode,
+}
+
+/// How the proxy reaches a user's pod.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum EndpointMode {
+    /// The headless Service's cluster DNS name
+    /// (`berth-<slug>.<namespace>.svc.<cluster_domain>`), which resolves
+    /// to the pod's address: for berth running inside the cluster.
+    #[default]
+    ServiceDns,
+    /// The address and port the Service's EndpointSlice lists for the
+    /// pod, read from the API server: for berth on the pod network
+    /// without the cluster's DNS (and how tests reach pods through the
+    /// API-server double, whose slices map a Service to a local port).
+    EndpointSlice,
 }
 
 fn default_namespace() -> String {
@@ -91,7 +117,7 @@ fn default_cluster_domain() -> String {
 
 /// Container resources: quantities by resource name (`cpu = "500m"`,
 /// `memory = "1Gi"`).
-#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Resources {
     #[serde(default)]
@@ -101,7 +127,7 @@ pub struct Resources {
 }
 
 /// Where a user's data lives.
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Storage {
     #[serde(default)]
@@ -138,7 +164,7 @@ fn default_mount_path() -> String {
     "/home/berth".into()
 }
 
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum StorageMode {
     /// A PersistentVolumeClaim `berth-<slug>` per user, never deleted by
@@ -153,7 +179,7 @@ pub enum StorageMode {
 /// Who the program runs as. Pods always run non-root, with every
 /// capability dropped, the runtime's default seccomp profile and no
 /// service-account token.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Security {
     #[serde(default = "default_uid")]
@@ -191,7 +217,7 @@ impl Security {
 }
 
 /// The user's NetworkPolicy.
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Network {
     /// Labels of berth's own pods: the only ones that may connect to a
@@ -241,7 +267,7 @@ fn yes() -> bool {
 /// The optional file-service sidecar (design §5's `ensure_file_service`):
 /// a second container with the user's volume, reachable through the
 /// user's Service on port `port` (named `files`).
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct FileService {
     pub image: String,
@@ -281,6 +307,8 @@ impl KubernetesConfig {
     /// A config with every default and this image.
     pub fn with_image(image: impl Into<String>) -> Self {
         Self {
+            kubeconfig: None,
+            context: None,
             namespace: default_namespace(),
             image: image.into(),
             image_pull_policy: None,
@@ -297,6 +325,7 @@ impl KubernetesConfig {
             file_service: None,
             start_timeout_s: default_start_timeout(),
             cluster_domain: default_cluster_domain(),
+            endpoint: EndpointMode::default(),
         }
     }
 
@@ -306,6 +335,16 @@ impl KubernetesConfig {
 
     /// Checks every value; the first problem, naming its key.
     pub fn validate(&self) -> Result<(), ConfigError> {
+        if self
+            .kubeconfig
+            .as_ref()
+            .is_some_and(|p| p.as_os_str().is_empty())
+        {
+            return Err(bad("kubeconfig", "must not be empty"));
+        }
+        if self.context.as_ref().is_some_and(|c| c.trim().is_empty()) {
+            return Err(bad("context", "must not be empty"));
+        }
         if !is_dns_label(&self.namespace) {
             return Err(bad(
                 "namespace",

@@ -52,8 +52,8 @@ pub mod testing;
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-pub use config::{ConfigError, KubernetesConfig};
-pub use runtime::{EndpointResolver, K8sRuntime, ServiceDns};
+pub use config::{ConfigError, EndpointMode, KubernetesConfig};
+pub use runtime::{EndpointResolver, K8sRuntime, ServiceDns, connect};
 
 /// How the runtime tells that an instance is ready (design §4.2), besides
 /// the pod's own `Ready` condition.

@@ -25,9 +25,11 @@ use berth_core::{Endpoint, Epoch, Role, Slug, UserId};
 use futures_util::io::AsyncBufReadExt;
 use futures_util::{StreamExt, TryStreamExt};
 use k8s_openapi::api::core::v1::{ConfigMap, PersistentVolumeClaim, Pod, Service};
+use k8s_openapi::api::discovery::v1::EndpointSlice;
 use k8s_openapi::api::networking::v1::NetworkPolicy;
 use kube::api::{
-    Api, DeleteParams, LogParams, Patch as KubePatch, PatchParams, PostParams, Preconditions,
+    Api, DeleteParams, ListParams, LogParams, Patch as KubePatch, PatchParams, PostParams,
+    Preconditions,
 };
 use kube::runtime::WatchStreamExt;
 use kube::runtime::watcher::{self, Event};
@@ -39,6 +41,7 @@ use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
+use crate::config::EndpointMode;
 use crate::manifest::{self, MAIN_CONTAINER, PodInput};
 use crate::names;
 use crate::observe::{self, PodView, StartOutcome, Step, Tracker};
@@ -55,6 +58,12 @@ const SYNC_TIMEOUT: Duration = Duration::from_secs(60);
 const TOKEN_SCAN_BYTES: i64 = 1 << 20;
 /// Lines buffered for one `follow_logs` reader.
 const FOLLOW_BUFFER: usize = 256;
+/// How often a start looks again for its pod in the Service's
+/// EndpointSlices (`endpoint = "endpoint_slice"`): the cluster's
+/// EndpointSlice controller lists a pod a moment after it has an address.
+const SLICE_POLL: Duration = Duration::from_millis(200);
+/// The label Kubernetes puts on a Service's EndpointSlices.
+const SLICE_SERVICE_LABEL: &str = "kubernetes.io/service-name";
 
 /// Where the proxy reaches a user's Service.
 pub trait EndpointResolver: Send + Sync + 'static {
@@ -89,6 +98,7 @@ struct Inner {
     config_maps: Api<ConfigMap>,
     policies: Api<NetworkPolicy>,
     claims: Api<PersistentVolumeClaim>,
+    slices: Api<EndpointSlice>,
     state: Mutex<State>,
     /// Bumped after every change of the cache.
     changes: watch::Sender<u64>,
@@ -182,6 +192,34 @@ fn owned_fields<K: Serialize>(object: &K) -> Value {
     value
 }
 
+/// kube's client for `[kubernetes]`: from `kubeconfig` (and `context`)
+/// when set, else as kube infers it (`KUBECONFIG`, `~/.kube/config`, or
+/// the service account of the pod berth runs in).
+pub async fn connect(config: &crate::KubernetesConfig) -> Result<Client, RuntimeError> {
+    use kube::config::{KubeConfigOptions, Kubeconfig};
+    let options = KubeConfigOptions {
+        context: config.context.clone(),
+        ..KubeConfigOptions::default()
+    };
+    let client_config = match (&config.kubeconfig, &config.context) {
+        (Some(path), _) => {
+            let file = Kubeconfig::read_from(path).map_err(|e| {
+                failed(&format!("cannot read the kubeconfig {}", path.display()), e)
+            })?;
+            kube::Config::from_custom_kubeconfig(file, &options)
+                .await
+                .map_err(|e| failed(&format!("kubeconfig {}", path.display()), e))?
+        }
+        (None, Some(_)) => kube::Config::from_kubeconfig(&options)
+            .await
+            .map_err(|e| failed("kubeconfig", e))?,
+        (None, None) => kube::Config::infer()
+            .await
+            .map_err(|e| failed("cannot find a Kubernetes configuration", e))?,
+    };
+    Client::try_from(client_config).map_err(|e| failed("cannot build the Kubernetes client", e))
+}
+
 impl K8sRuntime {
     /// A runtime over `client`, answering endpoints with the Service's DNS
     /// name. Starts the watch (so it must be called within a Tokio
@@ -210,7 +248,8 @@ impl K8sRuntime {
             services: Api::namespaced(client.clone(), &ns),
             config_maps: Api::namespaced(client.clone(), &ns),
             policies: Api::namespaced(client.clone(), &ns),
-            claims: Api::namespaced(client, &ns),
+            claims: Api::namespaced(client.clone(), &ns),
+            slices: Api::namespaced(client, &ns),
             config,
             resolver,
             state: Mutex::new(State::default()),
@@ -962,6 +1001,68 @@ impl Inner {
             self.config.kubernetes.port,
         )
     }
+
+    /// Where the proxy reaches pod `uid` of user `slug`: the Service's DNS
+    /// name, or (`endpoint = "endpoint_slice"`) the address and port the
+    /// Service's EndpointSlice lists for that very pod, waited for until
+    /// `deadline`.
+    async fn endpoint_of(
+        &self,
+        slug: &str,
+        uid: &str,
+        deadline: tokio::time::Instant,
+    ) -> Result<Endpoint, RuntimeError> {
+        if self.config.kubernetes.endpoint == EndpointMode::ServiceDns {
+            return Ok(self.endpoint(slug));
+        }
+        let service = names::user_object(slug);
+        let params = ListParams::default().labels(&format!("{SLICE_SERVICE_LABEL}={service}"));
+        loop {
+            let last_error = match self.slices.list(&params).await {
+                Ok(list) => match slice_endpoint(&list.items, uid) {
+                    Some(endpoint) => return Ok(endpoint),
+                    None => None,
+                },
+                Err(e) => Some(e),
+            };
+            if tokio::time::Instant::now() >= deadline {
+                return Err(match last_error {
+                    Some(e) => failed("cannot list the Service's EndpointSlices", e),
+                    None => RuntimeError::SpawnFailed(format!(
+                        "no EndpointSlice of Service {service} lists pod {uid} with an address"
+                    )),
+                });
+            }
+            tokio::select! {
+                () = tokio::time::sleep(SLICE_POLL) => {}
+                () = self.cancel.cancelled() => {
+                    return Err(RuntimeError::Failed("the runtime is shutting down".into()));
+                }
+            }
+        }
+    }
+}
+
+/// The address and `http` port that `slices` list for pod `uid`.
+fn slice_endpoint(slices: &[EndpointSlice], uid: &str) -> Option<Endpoint> {
+    slices.iter().find_map(|slice| {
+        let port = slice
+            .ports
+            .as_ref()?
+            .iter()
+            .find(|p| p.name.as_deref() == Some("http"))?
+            .port?;
+        let address = slice
+            .endpoints
+            .iter()
+            .find(|e| e.target_ref.as_ref().and_then(|r| r.uid.as_deref()) == Some(uid))?
+            .addresses
+            .first()?;
+        Some(Endpoint {
+            host: address.clone(),
+            port: u16::try_from(port).ok()?,
+        })
+    })
 }
 
 /// The launch token in `line`: the regex's first group, or the match.
@@ -1021,11 +1122,21 @@ impl Runtime for K8sRuntime {
         let name = pod.name_any();
         let uid = inner.create_pod(&pod, &spec, &patch_hash, deadline).await?;
         inner.wait_started(&name, &uid, deadline).await?;
+        let endpoint = match spec.role {
+            Role::Main => match inner.endpoint_of(spec.slug.as_str(), &uid, deadline).await {
+                Ok(endpoint) => Some(endpoint),
+                Err(e) => {
+                    inner.abandon(&name, &uid).await;
+                    return Err(e);
+                }
+            },
+            Role::Watchdog => None,
+        };
         let events = inner.follow(&name, &uid, inner.tracker(&uid, spec.epoch));
         Ok(Started {
             runtime_ref: observe::format_ref(&name, &uid, spec.epoch),
             pid: None,
-            endpoint: (spec.role == Role::Main).then(|| inner.endpoint(spec.slug.as_str())),
+            endpoint,
             events,
         })
     }
@@ -1117,11 +1228,23 @@ impl Runtime for K8sRuntime {
                 tracker.token_found(token, &view);
             }
         }
+        let endpoint = match found.role {
+            Role::Main => {
+                let deadline =
+                    tokio::time::Instant::now() + inner.config.kubernetes.start_timeout();
+                Some(
+                    inner
+                        .endpoint_of(found.slug.as_str(), uid, deadline)
+                        .await?,
+                )
+            }
+            Role::Watchdog => None,
+        };
         let events = inner.follow(name, uid, tracker);
         Ok(Started {
             runtime_ref: r.clone(),
             pid: None,
-            endpoint: (found.role == Role::Main).then(|| inner.endpoint(found.slug.as_str())),
+            endpoint,
             events,
         })
     }
@@ -1273,5 +1396,44 @@ mod tests {
         assert_eq!(token_of(&with_group, "nothing"), None);
         let plain = regex::Regex::new(r"ready").unwrap();
         assert_eq!(token_of(&plain, "is ready").as_deref(), Some("ready"));
+    }
+
+    #[test]
+    fn a_slice_endpoint_is_the_pods_own_address_on_the_http_port() {
+        let slice = |pod_uid: &str, address: &str, port_name: &str| -> EndpointSlice {
+            serde_json::from_value(json!({
+                "metadata": { "name": "s" },
+                "addressType": "IPv4",
+                "endpoints": [{
+                    "addresses": [address],
+                    "targetRef": { "kind": "Pod", "uid": pod_uid },
+                }],
+                "ports": [{ "name": "files", "port": 8081 }, { "name": port_name, "port": 8080 }],
+            }))
+            .unwrap()
+        };
+        let slices = [
+            slice("old", "10.0.0.1", "http"),
+            slice("new", "10.0.0.2", "http"),
+        ];
+        assert_eq!(
+            slice_endpoint(&slices, "new"),
+            Some(Endpoint {
+                host: "10.0.0.2".into(),
+                port: 8080
+            })
+        );
+        assert_eq!(
+            slice_endpoint(&slices, "other"),
+            None,
+            "another pod's address"
+        );
+        assert_eq!(
+            slice_endpoint(&[slice("new", "10.0.0.2", "web")], "new"),
+            None,
+            "no http port"
+        );
+        let v6 = slice_endpoint(&[slice("new", "fd00::2", "http")], "new").unwrap();
+        assert_eq!(v6.authority(), "[fd00::2]:8080");
     }
 }

@@ -67,6 +67,10 @@ pub fn router(shared: Arc<Shared>) -> Router {
             "/apis/networking.k8s.io/v1/namespaces/{ns}/{resource}/{name}",
             item,
         )
+        .route(
+            "/apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices",
+            get(endpoint_slices),
+        )
         .with_state(shared)
 }
 
@@ -245,6 +249,33 @@ async fn list_or_watch(
             "kind": format!("{}List", kind.name()),
             "apiVersion": kind.api_version(),
             "metadata": { "resourceVersion": world.store.rv().to_string() },
+            "items": items,
+        }),
+    )
+}
+
+/// EndpointSlices, read-only and listed only: the double makes them from
+/// its Services and the kubelet's ports (`super::endpoint_slices`).
+async fn endpoint_slices(
+    State(shared): State<Arc<Shared>>,
+    Path(ns): Path<String>,
+    Query(params): Params,
+) -> Response {
+    if matches!(params.get("watch").map(String::as_str), Some("true" | "1")) {
+        return bad_request("the double does not watch endpointslices");
+    }
+    let selector = match Selector::parse(params.get("labelSelector").map_or("", String::as_str)) {
+        Ok(s) => s,
+        Err(e) => return bad_request(&e),
+    };
+    let items = super::endpoint_slices(&shared, &ns, &selector);
+    let rv = lock(&shared.world).store.rv().to_string();
+    answer(
+        200,
+        json!({
+            "kind": "EndpointSliceList",
+            "apiVersion": "discovery.k8s.io/v1",
+            "metadata": { "resourceVersion": rv },
             "items": items,
         }),
     )
