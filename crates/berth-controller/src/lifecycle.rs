@@ -22,13 +22,13 @@ use crate::users::{Entry, Slot};
 /// Checks a request before anything is touched: a refused request leaves
 /// no trace on disk or in the store. Returns the normalised folder.
 pub(crate) fn validate(folder: Option<&str>, patch: Option<&str>) -> Result<String, SpawnError> {
-    if let Some(patch) = patch {
-        if patch.len() > MAX_PATCH_BYTES {
-            return Err(SpawnError::PayloadTooLarge {
-                size: patch.len(),
-                limit: MAX_PATCH_BYTES,
-            });
-        }
+    if let Some(patch) = patch
+        && patch.len() > MAX_PATCH_BYTES
+    {
+        return Err(SpawnError::PayloadTooLarge {
+            size: patch.len(),
+            limit: MAX_PATCH_BYTES,
+        });
     }
     normalize_folder(folder).map_err(SpawnError::InvalidRequest)
 }

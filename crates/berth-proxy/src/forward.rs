@@ -606,10 +606,10 @@ fn is_refused(error: &hyper_util::client::legacy::Error) -> bool {
     }
     let mut source = std::error::Error::source(error);
     while let Some(e) = source {
-        if let Some(io) = e.downcast_ref::<io::Error>() {
-            if io.kind() == io::ErrorKind::ConnectionRefused {
-                return true;
-            }
+        if let Some(io) = e.downcast_ref::<io::Error>()
+            && io.kind() == io::ErrorKind::ConnectionRefused
+        {
+            return true;
         }
         source = e.source();
     }
@@ -634,21 +634,21 @@ fn is_stale_hyper(error: &hyper::Error) -> bool {
 fn is_stale_cause(error: &(dyn std::error::Error + 'static)) -> bool {
     let mut source = Some(error);
     while let Some(e) = source {
-        if let Some(h) = e.downcast_ref::<hyper::Error>() {
-            if h.is_incomplete_message() || h.is_canceled() {
-                return true;
-            }
+        if let Some(h) = e.downcast_ref::<hyper::Error>()
+            && (h.is_incomplete_message() || h.is_canceled())
+        {
+            return true;
         }
-        if let Some(io) = e.downcast_ref::<io::Error>() {
-            if matches!(
+        if let Some(io) = e.downcast_ref::<io::Error>()
+            && matches!(
                 io.kind(),
                 io::ErrorKind::ConnectionReset
                     | io::ErrorKind::ConnectionAborted
                     | io::ErrorKind::BrokenPipe
                     | io::ErrorKind::UnexpectedEof
-            ) {
-                return true;
-            }
+            )
+        {
+            return true;
         }
         source = e.source();
     }
