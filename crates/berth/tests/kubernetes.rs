@@ -219,16 +219,30 @@ async fn two_replicas_share_a_pod_and_a_takeover_keeps_it_running() {
     );
     assert_eq!(double.creates(Kind::Pod), 1, "no pod was created");
 
-    // The survivor's proxy reaches the pod itself now.
+    // The survivor's proxy reaches the pod itself now, and its log (the
+    // pod log API) is the program's, from its start before the takeover.
     let (status, page) = through_proxy(b, "/u/alice/", &b.token).await;
     assert_eq!(status, 200, "{page}");
     assert!(page.contains("alice"), "{page}");
+    let (status, logs) = b.get("/users/alice/instance/logs").await;
+    assert_eq!(status, 200, "{logs}");
+    let ready_lines = logs["lines"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|l| {
+            l.as_str()
+                .is_some_and(|l| l.starts_with("berth-demo: http://"))
+        })
+        .count();
+    assert_eq!(ready_lines, 1, "one start of the program: {logs}");
 }
 
 /// A request for a user with no pod wakes one, as it wakes a local
 /// instance, and is answered by the pod's program in one round trip; a
-/// stopped user's pod is gone and the next request wakes a new one. A
-/// restarted berth adopts the running pod and creates nothing.
+/// browser gets the starting page until the pod answers; a restarted
+/// berth adopts the running pods and creates nothing; a stopped user's
+/// pod is gone and the next request wakes a new one.
 #[tokio::test(flavor = "multi_thread")]
 async fn the_proxy_wakes_a_pod_and_reaches_it_through_its_service() {
     let double = ApiServerDouble::start().await;
@@ -262,7 +276,35 @@ async fn the_proxy_wakes_a_pod_and_reaches_it_through_its_service() {
         .unwrap();
     assert!(direct.contains("bob"), "{direct}");
 
-    // A restarted berth adopts the pod: nothing is created, bob is still
+    // A browser that navigates to a user with no pod gets the starting
+    // page, which reloads until the app answers, as for a local instance.
+    let carol = node.user_token("carol").await;
+    let navigate = || {
+        node.http
+            .get(format!("{}/u/carol/", node.url))
+            .header("Cookie", format!("berth_token={carol}"))
+            .header("Accept", "text/html")
+            .header("Sec-Fetch-Mode", "navigate")
+            .send()
+    };
+    let r = navigate().await.unwrap();
+    assert_eq!(r.status(), 202);
+    let page = r.text().await.unwrap();
+    assert!(page.contains("Starting the workspace of carol"), "{page}");
+    let page = eventually(PATIENCE, "carol's app after reloads", || async {
+        let r = navigate().await.unwrap();
+        if r.status() == 200 {
+            return Some(r.text().await.unwrap());
+        }
+        assert_eq!(r.status(), 202, "only the starting page in between");
+        None
+    })
+    .await;
+    assert!(page.contains("carol"), "{page}");
+    assert!(pod(&double, "berth-carol").is_some());
+    assert_eq!(double.creates(Kind::Pod), 2);
+
+    // A restarted berth adopts the pods: nothing is created, bob is still
     // served, by the same pod.
     node.kill9();
     drop(node);
@@ -272,7 +314,7 @@ async fn the_proxy_wakes_a_pod_and_reaches_it_through_its_service() {
     assert!(page.contains("bob"), "{page}");
     let adopted = pod(&double, "berth-bob").expect("bob's pod");
     assert_eq!(uid(&adopted), uid(&first));
-    assert_eq!(double.creates(Kind::Pod), 1, "adoption created a pod");
+    assert_eq!(double.creates(Kind::Pod), 2, "adoption created a pod");
 
     // Stopped: the pod goes; the next request wakes a new one.
     assert_eq!(node.delete("/users/bob/instance").await, 204);
@@ -285,5 +327,5 @@ async fn the_proxy_wakes_a_pod_and_reaches_it_through_its_service() {
     assert!(page.contains("bob"), "{page}");
     let second = pod(&double, "berth-bob").expect("bob's new pod");
     assert_ne!(uid(&second), uid(&first));
-    assert_eq!(double.creates(Kind::Pod), 2);
+    assert_eq!(double.creates(Kind::Pod), 3);
 }
