@@ -286,13 +286,12 @@ impl MainDriver {
             }
             Action::MarkReady => self.mark_ready().await,
             Action::Stop { grace } => {
-                if let Some(r) = self.current_ref() {
-                    if let Err(e) = shared.runtime.stop(&r, grace).await {
-                        if !matches!(e, berth_core::runtime::RuntimeError::Gone(_)) {
-                            tracing::warn!(%user, error = %e, "could not stop the instance; killing it");
-                            self.kill(&r).await;
-                        }
-                    }
+                if let Some(r) = self.current_ref()
+                    && let Err(e) = shared.runtime.stop(&r, grace).await
+                    && !matches!(e, berth_core::runtime::RuntimeError::Gone(_))
+                {
+                    tracing::warn!(%user, error = %e, "could not stop the instance; killing it");
+                    self.kill(&r).await;
                 }
             }
             Action::Kill => {

@@ -134,10 +134,10 @@ impl Shared {
         slot.set_hibernated(false);
         if self.fencer.is_fenced(user) {
             tracing::info!(%user, "resume asked while fenced: the instance thaws once a renew proves its lease");
-        } else if let Some(run) = run {
-            if let Err(e) = self.runtime.thaw(&run).await {
-                tracing::warn!(%user, error = %e, "could not thaw the instance");
-            }
+        } else if let Some(run) = run
+            && let Err(e) = self.runtime.thaw(&run).await
+        {
+            tracing::warn!(%user, error = %e, "could not thaw the instance");
         }
         let metrics = &self.metrics.hibernation;
         metrics.resumes.inc();

@@ -244,10 +244,10 @@ impl Shared {
     }
 
     fn on_store_refusal(&self, user: &UserId, stored: &Result<(), StoreError>) {
-        if let Err(StoreError::Fenced { current_node, .. }) = stored {
-            if current_node != self.node_id() {
-                self.fence_lost(user);
-            }
+        if let Err(StoreError::Fenced { current_node, .. }) = stored
+            && current_node != self.node_id()
+        {
+            self.fence_lost(user);
         }
     }
 

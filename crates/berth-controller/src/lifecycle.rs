@@ -22,13 +22,13 @@ use crate::users::{Entry, Slot};
 /// Checks a request before anything is touched: a refused request leaves
 /// no trace on disk or in the store. Returns the normalised folder.
 pub(crate) fn validate(folder: Option<&str>, patch: Option<&str>) -> Result<String, SpawnError> {
-    if let Some(patch) = patch {
-        if patch.len() > MAX_PATCH_BYTES {
-            return Err(SpawnError::PayloadTooLarge {
-                size: patch.len(),
-                limit: MAX_PATCH_BYTES,
-            });
-        }
+    if let Some(patch) = patch
+        && patch.len() > MAX_PATCH_BYTES
+    {
+        return Err(SpawnError::PayloadTooLarge {
+            size: patch.len(),
+            limit: MAX_PATCH_BYTES,
+        });
     }
     normalize_folder(folder).map_err(SpawnError::InvalidRequest)
 }
@@ -223,11 +223,12 @@ impl Shared {
                 (e.instance.status == InstanceStatus::Running && e.instance.ready)
                     .then(|| e.endpoint.clone())
             });
-            if let Some(endpoint) = running {
-                if !slot.is_hibernated() && !self.fencer.is_fenced(&slot.user) {
-                    self.run_hook("pre_stop", hook, slot, endpoint.as_ref())
-                        .await;
-                }
+            if let Some(endpoint) = running
+                && !slot.is_hibernated()
+                && !self.fencer.is_fenced(&slot.user)
+            {
+                self.run_hook("pre_stop", hook, slot, endpoint.as_ref())
+                    .await;
             }
         }
         for role in [Role::Main, Role::Watchdog] {

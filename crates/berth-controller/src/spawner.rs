@@ -50,11 +50,11 @@ impl Controller {
     /// The record of `role`: memory first (it is this node's truth), else
     /// the store.
     async fn record(&self, user: &UserId, role: Role) -> Result<Option<Instance>, SpawnError> {
-        if let Some(slot) = self.shared.users.existing(user) {
-            if let Some(mut instance) = slot.record(role) {
-                instance.last_active = instance.last_active.max(slot.last_active());
-                return Ok(Some(instance));
-            }
+        if let Some(slot) = self.shared.users.existing(user)
+            && let Some(mut instance) = slot.record(role)
+        {
+            instance.last_active = instance.last_active.max(slot.last_active());
+            return Ok(Some(instance));
         }
         Ok(self.shared.store.get_instance(user, role).await?)
     }
@@ -240,14 +240,14 @@ impl Spawner for Controller {
         // A user whose main this node supervises has its watchdog here too,
         // if any: memory answers both, and a node cut off from the store
         // still knows what it runs.
-        if let Some(slot) = self.shared.users.existing(user) {
-            if slot.record(Role::Main).is_some() {
-                return Ok(UserStatus {
-                    main: self.record(user, Role::Main).await?,
-                    watchdog: slot.record(Role::Watchdog),
-                    idle_action: Some(self.shared.idle_action().as_str().to_owned()),
-                });
-            }
+        if let Some(slot) = self.shared.users.existing(user)
+            && slot.record(Role::Main).is_some()
+        {
+            return Ok(UserStatus {
+                main: self.record(user, Role::Main).await?,
+                watchdog: slot.record(Role::Watchdog),
+                idle_action: Some(self.shared.idle_action().as_str().to_owned()),
+            });
         }
         Ok(UserStatus {
             main: self.record(user, Role::Main).await?,
@@ -263,10 +263,10 @@ impl Spawner for Controller {
         };
         let mut list = self.shared.store.list_instances(&filter).await?;
         for instance in &mut list {
-            if let Some(slot) = self.shared.users.existing(&instance.user) {
-                if let Some(current) = slot.record(instance.role) {
-                    *instance = current;
-                }
+            if let Some(slot) = self.shared.users.existing(&instance.user)
+                && let Some(current) = slot.record(instance.role)
+            {
+                *instance = current;
             }
         }
         Ok(list)

@@ -441,11 +441,10 @@ mod tests {
             a in "[a-zA-Z0-9._@+-]{1,40}",
             b in "[a-zA-Z0-9._@+-]{1,40}",
         ) {
-            if let (Ok(ua), Ok(ub)) = (UserId::parse(&a), UserId::parse(&b)) {
-                if a != b {
+            if let (Ok(ua), Ok(ub)) = (UserId::parse(&a), UserId::parse(&b))
+                && a != b {
                     prop_assert_ne!(ua.slug(), ub.slug());
                 }
-            }
         }
 
         #[test]

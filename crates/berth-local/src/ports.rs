@@ -16,10 +16,12 @@ pub(crate) fn choose_port(
     cursor: u16,
     mut is_free: impl FnMut(u16) -> bool,
 ) -> Option<u16> {
-    if let Some(port) = preferred {
-        if range.contains(&port) && !taken.contains(&port) && is_free(port) {
-            return Some(port);
-        }
+    if let Some(port) = preferred
+        && range.contains(&port)
+        && !taken.contains(&port)
+        && is_free(port)
+    {
+        return Some(port);
     }
     let start = if range.contains(&cursor) {
         cursor

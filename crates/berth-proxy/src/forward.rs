@@ -316,10 +316,10 @@ impl Forwarder {
         // After the touch (see the controller's `Slot::hibernated`): a
         // hibernated instance is thawed before its request goes out, with
         // no store on the way.
-        if self.spawner.is_hibernated(&to.user) {
-            if let Err(e) = self.spawner.resume(&to.user).await {
-                tracing::warn!(user = %to.user, error = %e, "could not resume the instance");
-            }
+        if self.spawner.is_hibernated(&to.user)
+            && let Err(e) = self.spawner.resume(&to.user).await
+        {
+            tracing::warn!(user = %to.user, error = %e, "could not resume the instance");
         }
         let upgrade = wants_upgrade(req.headers());
         let mut upgrade_slot = None;
@@ -641,10 +641,10 @@ fn is_refused(error: &hyper_util::client::legacy::Error) -> bool {
     }
     let mut source = std::error::Error::source(error);
     while let Some(e) = source {
-        if let Some(io) = e.downcast_ref::<io::Error>() {
-            if io.kind() == io::ErrorKind::ConnectionRefused {
-                return true;
-            }
+        if let Some(io) = e.downcast_ref::<io::Error>()
+            && io.kind() == io::ErrorKind::ConnectionRefused
+        {
+            return true;
         }
         source = e.source();
     }
@@ -669,21 +669,21 @@ fn is_stale_hyper(error: &hyper::Error) -> bool {
 fn is_stale_cause(error: &(dyn std::error::Error + 'static)) -> bool {
     let mut source = Some(error);
     while let Some(e) = source {
-        if let Some(h) = e.downcast_ref::<hyper::Error>() {
-            if h.is_incomplete_message() || h.is_canceled() {
-                return true;
-            }
+        if let Some(h) = e.downcast_ref::<hyper::Error>()
+            && (h.is_incomplete_message() || h.is_canceled())
+        {
+            return true;
         }
-        if let Some(io) = e.downcast_ref::<io::Error>() {
-            if matches!(
+        if let Some(io) = e.downcast_ref::<io::Error>()
+            && matches!(
                 io.kind(),
                 io::ErrorKind::ConnectionReset
                     | io::ErrorKind::ConnectionAborted
                     | io::ErrorKind::BrokenPipe
                     | io::ErrorKind::UnexpectedEof
-            ) {
-                return true;
-            }
+            )
+        {
+            return true;
         }
         source = e.source();
     }
@@ -890,15 +890,15 @@ impl<T> Touching<T> {
         }
         self.last_touch = Some(now);
         self.spawner.touch(&self.user);
-        if let Reads::Wake(tasks) = &self.reads {
-            if self.spawner.is_hibernated(&self.user) {
-                let (spawner, user) = (self.spawner.clone(), self.user.clone());
-                tasks.spawn(async move {
-                    if let Err(e) = spawner.resume(&user).await {
-                        tracing::warn!(%user, error = %e, "could not resume the instance");
-                    }
-                });
-            }
+        if let Reads::Wake(tasks) = &self.reads
+            && self.spawner.is_hibernated(&self.user)
+        {
+            let (spawner, user) = (self.spawner.clone(), self.user.clone());
+            tasks.spawn(async move {
+                if let Err(e) = spawner.resume(&user).await {
+                    tracing::warn!(%user, error = %e, "could not resume the instance");
+                }
+            });
         }
     }
 }

@@ -247,10 +247,10 @@ impl Router {
         uri: &'a Uri,
     ) -> Result<Option<Target<'a>>, RouteError> {
         let host = host_name(headers, uri)?;
-        if let Some(base) = &self.base_domain {
-            if let Some(label) = host_label(host, base) {
-                return Ok(Some(Target::Host { label }));
-            }
+        if let Some(base) = &self.base_domain
+            && let Some(label) = host_label(host, base)
+        {
+            return Ok(Some(Target::Host { label }));
         }
         if !self.path_routing {
             return Ok(None);
@@ -341,10 +341,10 @@ pub fn host_name<'a>(headers: &'a HeaderMap, uri: &'a Uri) -> Result<&'a str, Ro
     let host = match (values.next(), values.next()) {
         (Some(v), None) => {
             let host = std::str::from_utf8(v.as_bytes()).map_err(|_| RouteError::BadHost)?;
-            if let Some(authority) = uri.authority() {
-                if !authority.as_str().eq_ignore_ascii_case(host) {
-                    return Err(RouteError::HostMismatch);
-                }
+            if let Some(authority) = uri.authority()
+                && !authority.as_str().eq_ignore_ascii_case(host)
+            {
+                return Err(RouteError::HostMismatch);
             }
             host
         }

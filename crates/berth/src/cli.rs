@@ -203,9 +203,14 @@ impl ServeArgs {
 
 #[derive(Debug, Args)]
 pub struct DemoAppArgs {
-    /// Port to listen on, on 127.0.0.1.
+    /// Port to listen on.
     #[arg(long)]
     pub port: u16,
+    /// Address to listen on: loopback on a host (berth proxies from the
+    /// same machine), `0.0.0.0` in a pod (berth reaches it over the pod
+    /// network).
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: std::net::IpAddr,
     /// Exit after this many milliseconds (for crash tests).
     #[arg(long, value_name = "MS")]
     pub crash_after_ms: Option<u64>,

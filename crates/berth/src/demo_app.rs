@@ -80,10 +80,14 @@ async fn serve(args: DemoAppArgs) -> anyhow::Result<()> {
         counter: std::sync::atomic::AtomicU64::new(0),
     });
 
-    let listener = tokio::net::TcpListener::bind(("127.0.0.1", args.port))
+    let listener = tokio::net::TcpListener::bind((args.host, args.port))
         .await
-        .with_context(|| format!("cannot listen on 127.0.0.1:{}", args.port))?;
+        .with_context(|| format!("cannot listen on {}:{}", args.host, args.port))?;
     let port = listener.local_addr()?.port();
+    let host = match args.host {
+        std::net::IpAddr::V6(v6) => format!("[{v6}]"),
+        v4 => v4.to_string(),
+    };
 
     if let Some(path) = &args.journal {
         let file = std::fs::OpenOptions::new()
@@ -138,7 +142,7 @@ async fn serve(args: DemoAppArgs) -> anyhow::Result<()> {
         let mut stdout = std::io::stdout().lock();
         // Readiness is judged on this exact line, so it must leave the pipe
         // now rather than when a buffer fills.
-        writeln!(stdout, "berth-demo: http://127.0.0.1:{port}/?token={token}")
+        writeln!(stdout, "berth-demo: http://{host}:{port}/?token={token}")
             .and_then(|()| stdout.flush())
             .context("cannot write the ready line")?;
     }

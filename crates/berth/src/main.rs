@@ -47,12 +47,11 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             let checked =
                 Config::from_file(&file).and_then(|config| config.validate().map(|()| config));
             // A warning is not an error: on stderr, with the answer as usual.
-            if let Ok(config) = &checked {
-                if let Some(warning) =
+            if let Ok(config) = &checked
+                && let Some(warning) =
                     config.port_range_warning(crate::config::ephemeral_port_range())
-                {
-                    eprintln!("berth: warning: {warning}");
-                }
+            {
+                eprintln!("berth: warning: {warning}");
             }
             let checked = checked.map(drop);
             if !json {

@@ -92,7 +92,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         .clone()
         .unwrap_or_else(|| format!("http://{addr}"));
 
-    let runtime = runtime(&config, store.clone()).await?;
+    let runtime = runtime(&config, &node_id, store.clone()).await?;
     let mut controller_config = config.controller_config(&node_id)?;
     controller_config.advertise_url.clone_from(&public_url);
     let ready_timeout = controller_config.ready_timeout;
@@ -252,10 +252,28 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
 }
 
 /// The runtime this node runs programs with: the one place the config
-/// chooses it. Only the local runtime (shims on this host) exists so far;
-/// a `[kubernetes]` section will select the Kubernetes runtime (design
-/// §8.6, §10).
-async fn runtime(config: &Config, store: Arc<dyn Store>) -> anyhow::Result<Arc<dyn Runtime>> {
+/// chooses it. A `[kubernetes]` table selects the Kubernetes runtime (a
+/// pod per user, design §10); otherwise programs run on this host under
+/// shims.
+async fn runtime(
+    config: &Config,
+    node_id: &str,
+    store: Arc<dyn Store>,
+) -> anyhow::Result<Arc<dyn Runtime>> {
+    if let Some(k8s) = config.k8s_runtime_config(node_id)? {
+        let client = berth_k8s::connect(&k8s.kubernetes)
+            .await
+            .context("cannot connect to Kubernetes ([kubernetes])")?;
+        tracing::info!(
+            namespace = %k8s.kubernetes.namespace,
+            image = %k8s.kubernetes.image,
+            endpoint = ?k8s.kubernetes.endpoint,
+            "instances run as Kubernetes pods"
+        );
+        let runtime = berth_k8s::K8sRuntime::new(client, k8s)
+            .context("cannot start the Kubernetes runtime")?;
+        return Ok(runtime);
+    }
     let shim_command = vec![
         std::env::current_exe()
             .context("cannot locate the berth executable to run shims")?

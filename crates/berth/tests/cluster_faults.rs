@@ -1131,7 +1131,7 @@ async fn a_postgres_restart_under_load_leaves_one_running_instance_per_user() {
                 for (u, user) in users.iter().enumerate() {
                     let (url, token) = &targets[(u + round) % targets.len()];
                     let path = format!("{url}/api/v1/users/{user}/instance");
-                    let request = if round % 2 == 0 {
+                    let request = if round.is_multiple_of(2) {
                         http.get(&path)
                     } else {
                         http.post(&path).json(&json!({}))

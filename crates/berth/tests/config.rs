@@ -184,6 +184,100 @@ fn bad_values_name_the_key() {
     }
 }
 
+/// The shipped Kubernetes example is a complete `[kubernetes]` table: it
+/// names every section the runtime has, so it documents them all.
+#[test]
+fn the_kubernetes_example_sets_every_section() {
+    let text = std::fs::read_to_string(examples_dir().join("kubernetes.toml")).unwrap();
+    let value: toml::Table = toml::from_str(&text).unwrap();
+    let k8s = value["kubernetes"].as_table().unwrap();
+    for key in [
+        "namespace",
+        "image",
+        "command",
+        "resources",
+        "storage",
+        "security",
+        "network",
+        "node_selector",
+        "tolerations",
+        "service_account",
+        "pod_spec",
+        "endpoint",
+    ] {
+        assert!(
+            k8s.contains_key(key),
+            "examples/kubernetes.toml lacks {key}"
+        );
+    }
+}
+
+/// Every refusal of a `[kubernetes]` value names the key, the file and the
+/// line, with a reason an operator can act on.
+#[test]
+fn kubernetes_values_are_refused_with_key_and_line() {
+    let base = "[kubernetes]\nimage = \"example/app:1\"\ncommand = [\"app\"]\n";
+    let cases = [
+        (
+            format!("{base}\n[kubernetes.storage]\nmode = \"shared\"\n"),
+            "line 5: kubernetes.storage.claim: mode = \"shared\" needs a claim name",
+        ),
+        (
+            "[kubernetes]\nimage = \"x\"\n".to_owned(),
+            "line 1: kubernetes.command: a pod needs a command: set kubernetes.command (or [instance] command)",
+        ),
+        (
+            format!("{base}imag = \"y\"\n"),
+            "line 4: kubernetes.imag: unknown field `imag`",
+        ),
+        (
+            "[kubernetes]\ncommand = [\"app\"]\n".to_owned(),
+            "line 1: kubernetes: missing field `image`",
+        ),
+        (
+            format!(
+                "{base}tolerations = [\n  {{ key = \"gpu\", operator = \"Exists\", efect = \"NoSchedule\" }},\n]\n"
+            ),
+            "line 4: kubernetes.tolerations[0].efect: is not a field Kubernetes knows here",
+        ),
+        (
+            format!("{base}endpoint = \"pod_ip\"\n"),
+            "line 4: kubernetes.endpoint: unknown variant `pod_ip`, expected `service_dns` or `endpoint_slice`",
+        ),
+        (
+            format!("{base}namespace = \"Berth\"\n"),
+            "line 4: kubernetes.namespace: \"Berth\" is not a DNS label",
+        ),
+        (
+            "[kubernetes]\nimage = \"x\"\ncommand = []\n".to_owned(),
+            "line 3: kubernetes.command: must name a program (the list is empty)",
+        ),
+        (
+            format!("{base}[kubernetes.resources]\nlimits = {{ memory = \"lots\" }}\n"),
+            "line 5: kubernetes.resources.limits.memory: \"lots\" is not a Kubernetes quantity",
+        ),
+        (
+            format!("{base}pod_spec = {{ hostNetwork = true }}\n"),
+            "line 4: kubernetes.pod_spec.hostNetwork: berth sets this field itself",
+        ),
+        (
+            format!("{base}[kubernetes.security]\nrun_as_user = 0\n"),
+            "line 5: kubernetes.security.run_as_user: 0 is not a non-root id",
+        ),
+        (
+            format!("{base}context = \" \"\n"),
+            "line 4: kubernetes.context: must not be empty",
+        ),
+    ];
+    for (text, want) in cases {
+        let (stderr, path, _dir) = check_failing(&text);
+        assert!(
+            stderr.starts_with(&format!("berth: config file {}, {want}", path.display())),
+            "want {want:?}, got: {stderr}"
+        );
+    }
+}
+
 #[test]
 fn an_unknown_isolation_mode_is_refused_clearly() {
     let (stderr, _path, _dir) = check_failing("[isolation]\nmode = \"jail\"\n");

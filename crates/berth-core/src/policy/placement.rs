@@ -63,10 +63,10 @@ impl NodeView {
 /// Draining, down, dead and full nodes never get new instances; `None` when
 /// no node can take it.
 pub fn place(sticky: Option<&str>, nodes: &[NodeView], ttl_ms: i64) -> Option<String> {
-    if let Some(node) = sticky.and_then(|id| nodes.iter().find(|n| n.id == id)) {
-        if node.can_take(ttl_ms) {
-            return Some(node.id.clone());
-        }
+    if let Some(node) = sticky.and_then(|id| nodes.iter().find(|n| n.id == id))
+        && node.can_take(ttl_ms)
+    {
+        return Some(node.id.clone());
     }
     nodes
         .iter()

@@ -166,15 +166,15 @@ impl Dir {
     /// and only when they differ (a chown clears nothing else).
     pub fn set_private(&self, owner: Option<Owner>) -> io::Result<()> {
         let stat = fstat(self.raw()).map_err(|e| context(&self.path, "inspect", e))?;
-        if let Some(owner) = owner {
-            if stat.st_uid != owner.uid || stat.st_gid != owner.gid {
-                fchown(
-                    self.raw(),
-                    Some(Uid::from_raw(owner.uid)),
-                    Some(Gid::from_raw(owner.gid)),
-                )
-                .map_err(|e| context(&self.path, "chown", e))?;
-            }
+        if let Some(owner) = owner
+            && (stat.st_uid != owner.uid || stat.st_gid != owner.gid)
+        {
+            fchown(
+                self.raw(),
+                Some(Uid::from_raw(owner.uid)),
+                Some(Gid::from_raw(owner.gid)),
+            )
+            .map_err(|e| context(&self.path, "chown", e))?;
         }
         if stat.st_mode & 0o7777 != 0o700 {
             fchmod(self.raw(), Mode::from_bits_truncate(0o700))

@@ -611,10 +611,10 @@ impl Runtime for LocalRuntime {
         let mut out = Vec::with_capacity(shims.len());
         for shim in shims {
             let discovered = shim.describe();
-            if let Some(state) = &shim.state {
-                if let Some(port) = state.port.filter(|_| state.role == Role::Main) {
-                    self.reserve_found(&state.instance_id, &shim.dir_slug, port);
-                }
+            if let Some(state) = &shim.state
+                && let Some(port) = state.port.filter(|_| state.role == Role::Main)
+            {
+                self.reserve_found(&state.instance_id, &shim.dir_slug, port);
             }
             found.insert(discovered.runtime_ref.clone(), shim);
             out.push(discovered);
@@ -686,13 +686,12 @@ impl Runtime for LocalRuntime {
         let Some(shim) = shim else {
             return Err(RuntimeError::Gone(found.runtime_ref.clone()));
         };
-        if let Some(state) = &shim.state {
-            if lock(&self.reservations)
+        if let Some(state) = &shim.state
+            && lock(&self.reservations)
                 .get(&state.instance_id)
                 .is_some_and(|r| r.slug == shim.dir_slug)
-            {
-                self.unreserve(&state.instance_id).await;
-            }
+        {
+            self.unreserve(&state.instance_id).await;
         }
         shim.remove().await;
         Ok(())

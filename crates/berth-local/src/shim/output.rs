@@ -150,10 +150,10 @@ pub(crate) async fn log_writer(
                 log_ok = false;
             }
         }
-        if piece.stream == Stream::Stderr {
-            if let Ok(mut tail) = tail.lock() {
-                tail.push(&piece.bytes);
-            }
+        if piece.stream == Stream::Stderr
+            && let Ok(mut tail) = tail.lock()
+        {
+            tail.push(&piece.bytes);
         }
         if let Some((re, _)) = &ready {
             let line = piece.bytes.strip_suffix(b"\n").unwrap_or(&piece.bytes);
@@ -174,10 +174,8 @@ pub(crate) async fn log_writer(
             }
         }
     }
-    if log_ok {
-        if let Err(e) = log.flush().await {
-            diag!("flushing {}: {e}", log_path.display());
-        }
+    if log_ok && let Err(e) = log.flush().await {
+        diag!("flushing {}: {e}", log_path.display());
     }
 }
 

@@ -181,15 +181,15 @@ fn start(spec: &ShimSpec, compiled: Option<Regex>) -> Result<Started, String> {
     };
     let isolation = spec.isolation.as_ref();
     let program = resolve_program(spec)?;
-    if let Some(sandbox) = isolation.and_then(|i| i.sandbox.as_ref()) {
-        if let Some(hidden) = hidden_in_sandbox(&program, &sandbox.data_dir, &sandbox.user_root) {
-            return Err(format!(
-                "cannot start program {name:?}: {} lies under {}, which the sandbox replaces \
+    if let Some(sandbox) = isolation.and_then(|i| i.sandbox.as_ref())
+        && let Some(hidden) = hidden_in_sandbox(&program, &sandbox.data_dir, &sandbox.user_root)
+    {
+        return Err(format!(
+            "cannot start program {name:?}: {} lies under {}, which the sandbox replaces \
                  with a private one; install the program elsewhere",
-                program.display(),
-                hidden.display()
-            ));
-        }
+            program.display(),
+            hidden.display()
+        ));
     }
     match fs::metadata(&spec.cwd) {
         Ok(meta) if meta.is_dir() => {}
@@ -235,10 +235,10 @@ fn start(spec: &ShimSpec, compiled: Option<Regex>) -> Result<Started, String> {
         None => None,
     };
     let cleanup = |child: Option<&mut Child>| {
-        if let Some(child) = child {
-            if let Some(pid) = child.id() {
-                let _ = signal::killpg(pid_of(pid), Signal::SIGKILL);
-            }
+        if let Some(child) = child
+            && let Some(pid) = child.id()
+        {
+            let _ = signal::killpg(pid_of(pid), Signal::SIGKILL);
         }
         let _ = fs::remove_file(&spec.socket_path);
         if let Some(cgroup) = &cgroup {
@@ -834,19 +834,17 @@ async fn supervise(spec: ShimSpec, started: Started) -> i32 {
         pumps.abort_all();
         logger.abort();
     }
-    if awaiting_ready {
-        if let Ok(token) = ready_rx.try_recv() {
-            shim.ready(token);
-        }
+    if awaiting_ready && let Ok(token) = ready_rx.try_recv() {
+        shim.ready(token);
     }
     let mut exit = exit_info(&status);
     // In a sandbox the shim's child is the namespace's init, which reports
     // how the program itself ended.
-    if let Some(status_pipe) = ends.as_ref().and_then(|e| e.status.as_ref()) {
-        if let Some((code, signal)) = child::decode_status(&child::read_pipe(status_pipe)) {
-            exit.code = code;
-            exit.signal = signal;
-        }
+    if let Some(status_pipe) = ends.as_ref().and_then(|e| e.status.as_ref())
+        && let Some((code, signal)) = child::decode_status(&child::read_pipe(status_pipe))
+    {
+        exit.code = code;
+        exit.signal = signal;
     }
     if let Some(cgroup) = &cgroup {
         if exit.signal == Some(nix::libc::SIGKILL) && cgroup.oom_kills().unwrap_or(0) > 0 {

@@ -83,10 +83,10 @@ impl Gate {
         if self.mode != AuthMode::Header || !conn.trusted {
             return None;
         }
-        if let Some(secret) = &self.header_secret {
-            if !secret.verify_in(headers, &PROXY_SECRET) {
-                return None;
-            }
+        if let Some(secret) = &self.header_secret
+            && !secret.verify_in(headers, &PROXY_SECRET)
+        {
+            return None;
         }
         headers.get(&FORWARDED_USER)
     }
@@ -117,20 +117,20 @@ impl Gate {
             credential,
             keep_forwarded_user: self.forwarded_user(headers, conn).is_some(),
         };
-        if let Some(secret) = &self.cluster {
-            if let Some(presented) = headers.get(&CLUSTER_SECRET) {
-                // Whoever sends the header claims to be a node: it alone
-                // decides, so a wrong secret is a 401 even next to a token.
-                if !secret.matches(presented.as_bytes()) {
-                    return Err(respond::unauthorized(navigation));
-                }
-                return match headers.get(&CLUSTER_USER) {
-                    Some(name) if name.as_bytes() == user.as_str().as_bytes() => {
-                        Ok(pass(Credential::Cluster))
-                    }
-                    _ => Err(respond::forbidden(navigation)),
-                };
+        if let Some(secret) = &self.cluster
+            && let Some(presented) = headers.get(&CLUSTER_SECRET)
+        {
+            // Whoever sends the header claims to be a node: it alone
+            // decides, so a wrong secret is a 401 even next to a token.
+            if !secret.matches(presented.as_bytes()) {
+                return Err(respond::unauthorized(navigation));
             }
+            return match headers.get(&CLUSTER_USER) {
+                Some(name) if name.as_bytes() == user.as_str().as_bytes() => {
+                    Ok(pass(Credential::Cluster))
+                }
+                _ => Err(respond::forbidden(navigation)),
+            };
         }
         let cookies = match berth_cookies(headers) {
             Ok(cookies) => cookies,

@@ -46,10 +46,10 @@ pub fn strip_credentials(headers: &mut HeaderMap, used: Credential) {
         .map(str::to_owned)
         .collect();
     headers.remove(header::COOKIE);
-    if let Ok(value) = HeaderValue::try_from(kept.join("; ")) {
-        if !value.is_empty() {
-            headers.insert(header::COOKIE, value);
-        }
+    if let Ok(value) = HeaderValue::try_from(kept.join("; "))
+        && !value.is_empty()
+    {
+        headers.insert(header::COOKIE, value);
     }
 }
 

@@ -36,10 +36,10 @@ pub struct Config {
     pub auth: AuthSection,
     pub cluster: ClusterSection,
     pub metrics: MetricsSection,
-    /// Accepted so that a Kubernetes config is refused with a clear message
-    /// rather than as an unknown key; the backend does not exist yet.
+    /// `[kubernetes]`: its presence runs every instance as a pod
+    /// (`berth-k8s`) instead of a local process (design §10).
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub kubernetes: Option<toml::Table>,
+    pub kubernetes: Option<berth_k8s::KubernetesConfig>,
     /// Where each value came from, for error messages.
     #[serde(skip)]
     pub(crate) provenance: Provenance,

@@ -204,6 +204,70 @@ impl Config {
         })
     }
 
+    /// The Kubernetes runtime's settings (`[kubernetes]`, with the
+    /// `[instance]` and `[watchdog]` keys that apply to pods), for node
+    /// `node_id`; `None` without a `[kubernetes]` table. Every refusal
+    /// names its key (`kubernetes.…`) and the line that set it.
+    pub fn k8s_runtime_config(
+        &self,
+        node_id: &str,
+    ) -> Result<Option<berth_k8s::K8sRuntimeConfig>, ConfigError> {
+        let Some(kubernetes) = &self.kubernetes else {
+            return Ok(None);
+        };
+        let i = &self.instance;
+        // The default instance command runs this host's berth binary,
+        // which no image holds at that path: a pod's command is explicit.
+        let command = match (&kubernetes.command, &i.command) {
+            (Some(_), _) => Vec::new(),
+            (None, Some(command)) => command.clone(),
+            (None, None) => {
+                return Err(self.invalid(
+                    "kubernetes.command",
+                    "a pod needs a command: set kubernetes.command (or [instance] command)",
+                ));
+            }
+        };
+        if let Some(command) = &kubernetes.command {
+            self.check_command("kubernetes.command", command)?;
+        }
+        let readiness = match self.readiness()? {
+            // Without a regex, HTTP path or TCP, the local default is the
+            // demo app's token line, which only the default command prints.
+            Readiness::TokenRegex(_) if i.ready_token_regex.is_none() => {
+                berth_k8s::Readiness::Http {
+                    path: "/".to_owned(),
+                }
+            }
+            Readiness::TokenRegex(regex) => berth_k8s::Readiness::TokenRegex(regex),
+            Readiness::Http { path } => berth_k8s::Readiness::Http { path },
+            Readiness::Tcp => berth_k8s::Readiness::Tcp,
+        };
+        let config = berth_k8s::K8sRuntimeConfig {
+            kubernetes: kubernetes.clone(),
+            node: node_id.to_owned(),
+            command,
+            env: i.env.clone(),
+            readiness,
+            watchdog_command: self.watchdog.command.clone(),
+            patch_ext: i.patch_ext.clone(),
+            stop_grace: Duration::from_secs(i.stop_grace_s),
+        };
+        config.validate().map_err(|e| {
+            let key = format!("kubernetes.{}", e.key);
+            // `tolerations[0].effect` is located by `tolerations`' line.
+            let at = self
+                .provenance
+                .locate(key.split('[').next().unwrap_or(&key));
+            ConfigError::Invalid {
+                at,
+                key,
+                reason: e.reason,
+            }
+        })?;
+        Ok(Some(config))
+    }
+
     /// The controller's settings for node `node_id`.
     pub fn controller_config(
         &self,
@@ -339,6 +403,50 @@ mod tests {
         }
         let c = parse("[instance]\ncommand = [\"x\"]\nready_tcp = true\n").unwrap();
         assert!(matches!(c.readiness().unwrap(), Readiness::Tcp));
+    }
+
+    #[test]
+    fn kubernetes_takes_its_command_and_readiness_from_the_config() {
+        assert!(
+            parse("")
+                .unwrap()
+                .k8s_runtime_config("n")
+                .unwrap()
+                .is_none()
+        );
+        let base = "[kubernetes]\nimage = \"app:1\"\ncommand = [\"app\", \"{port}\"]\n";
+        let k8s = parse(base)
+            .unwrap()
+            .k8s_runtime_config("node-a")
+            .unwrap()
+            .unwrap();
+        assert_eq!(k8s.node, "node-a");
+        assert!(k8s.command.is_empty(), "kubernetes.command is the pod's");
+        // Not the demo app's token line: the pod runs another program.
+        assert!(
+            matches!(&k8s.readiness, berth_k8s::Readiness::Http { path } if path == "/"),
+            "{:?}",
+            k8s.readiness
+        );
+        let text =
+            format!("[instance]\nready_token_regex = 'tok=(\\w+)'\nstop_grace_s = 7\n{base}");
+        let k8s = parse(&text)
+            .unwrap()
+            .k8s_runtime_config("n")
+            .unwrap()
+            .unwrap();
+        assert!(matches!(k8s.readiness, berth_k8s::Readiness::TokenRegex(_)));
+        assert_eq!(k8s.stop_grace, Duration::from_secs(7));
+        // [instance] command serves when the table has none.
+        let text =
+            "[instance]\ncommand = [\"x\"]\nready_tcp = true\n[kubernetes]\nimage = \"app:1\"\n";
+        let k8s = parse(text)
+            .unwrap()
+            .k8s_runtime_config("n")
+            .unwrap()
+            .unwrap();
+        assert_eq!(k8s.command, ["x"]);
+        assert!(matches!(k8s.readiness, berth_k8s::Readiness::Tcp));
     }
 
     #[test]

@@ -217,14 +217,13 @@ impl Ops {
             return op.local(self, user).await;
         };
         if via == Via::Peer {
-            if O::GUARDED {
-                if let Some(busy) = cluster
+            if O::GUARDED
+                && let Some(busy) = cluster
                     .lease(user)
                     .await?
                     .and_then(|l| l.held_elsewhere(cluster.node_id(), user))
-                {
-                    return Err(busy);
-                }
+            {
+                return Err(busy);
             }
             return op.local(self, user).await;
         }
@@ -426,10 +425,10 @@ impl Ops {
         // The lease has moved past the old epoch: tell the old holder to
         // stop whatever still runs under exactly that epoch (best effort;
         // its next renew would find the lease lost anyway).
-        if let (Some(cluster), Some(old)) = (&self.cluster, &before) {
-            if let Some(holder) = old.holder.as_deref() {
-                cluster.fence_remote(holder, user, old.epoch).await;
-            }
+        if let (Some(cluster), Some(old)) = (&self.cluster, &before)
+            && let Some(holder) = old.holder.as_deref()
+        {
+            cluster.fence_remote(holder, user, old.epoch).await;
         }
         Ok(Launched {
             created: false,

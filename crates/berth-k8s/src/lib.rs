@@ -1,0 +1,102 @@
+//! berth's Kubernetes runtime (design §5, §10): each user's instance is a
+//! Pod, with a headless Service (its endpoint), a ConfigMap (its patch), a
+//! NetworkPolicy (ingress only from berth; no egress to private ranges or
+//! metadata services unless configured) and storage (a claim per user, or
+//! a `subPath` of one shared claim).
+//!
+//! [`K8sRuntime`] implements [`berth_core::runtime::Runtime`], so the
+//! controller's lease, crash policy, breaker and reaper apply unchanged. It
+//! talks to the API server with `kube` and the typed objects of
+//! `k8s-openapi`, compiled for **Kubernetes API 1.33** (k8s-openapi's
+//! feature `v1_33`); every generated manifest is validated against the
+//! official schemas of 1.33 and 1.37, the range berth supports.
+//!
+//! * [`config`]: the `[kubernetes]` table, validated key by key;
+//! * [`names`]: object names (`berth-<slug>`), labels and annotations;
+//! * [`manifest`]: the objects, as pure functions of config and plain data;
+//! * [`observe`]: what a pod's status means for a run (ready, exited, …),
+//!   as a pure state machine;
+//! * [`K8sRuntime`]: the I/O — create-or-replace, one watch over every
+//!   berth pod, logs, adoption;
+//! * `testing` (feature `test-double`): a **double** of the Kubernetes API
+//!   server for tests, with a stand-in kubelet that runs each pod's command
+//!   as a local process.
+//!
+//! # Crashes
+//!
+//! Pods run with `restartPolicy: Never`: a container that ends ends its
+//! pod, and the runtime reports the exit. berth's crash policy and breaker
+//! then decide, exactly as for local instances — backoff, the breaker's
+//! window and cooldown, `no_restart_exit_codes`, the watchdog — instead of
+//! the kubelet's CrashLoopBackOff, which knows none of these, would hide
+//! exits from the breaker, and would restart a program the breaker has
+//! given up on. A restart the kubelet makes anyway (an admission webhook
+//! that changes the policy) is reported as the exit it was, and that pod is
+//! deleted, so the controller's decision is the only one.
+//!
+//! # No freeze, no fence deadline
+//!
+//! Kubernetes cannot pause a container or stop it on a deadline of its
+//! own, so [`K8sRuntime::capabilities`] declares neither; one instance per
+//! user rests on the API server's one object per name instead (see
+//! `ARCHITECTURE.md`, "Kubernetes").
+
+pub mod config;
+pub mod manifest;
+pub mod names;
+pub mod observe;
+mod runtime;
+#[cfg(feature = "test-double")]
+pub mod testing;
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+pub use config::{ConfigError, EndpointMode, KubernetesConfig};
+pub use runtime::{EndpointResolver, K8sRuntime, ServiceDns, connect};
+
+/// How the runtime tells that an instance is ready (design §4.2), besides
+/// the pod's own `Ready` condition.
+#[derive(Debug, Clone)]
+pub enum Readiness {
+    /// Ready once the pod is, and a line of its log matches; the first
+    /// capture group is the launch token. The pod has no readiness probe.
+    TokenRegex(regex::Regex),
+    /// The pod's readiness probe GETs this path (an answer below 400).
+    Http { path: String },
+    /// The pod's readiness probe connects to the port.
+    Tcp,
+}
+
+/// Everything the runtime needs: the `[kubernetes]` table and what it
+/// shares with every runtime.
+#[derive(Debug, Clone)]
+pub struct K8sRuntimeConfig {
+    pub kubernetes: KubernetesConfig,
+    /// This replica's node id: the pods it manages carry it, and it
+    /// discovers only those.
+    pub node: String,
+    /// `[instance] command`, unless `kubernetes.command` is set.
+    pub command: Vec<String>,
+    pub env: BTreeMap<String, String>,
+    pub readiness: Readiness,
+    pub watchdog_command: Option<Vec<String>>,
+    /// The patch file's extension.
+    pub patch_ext: String,
+    /// The pods' termination grace period (a stop passes its own).
+    pub stop_grace: Duration,
+}
+
+impl K8sRuntimeConfig {
+    /// Checks the `[kubernetes]` table and the rest.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        self.kubernetes.validate()?;
+        if self.kubernetes.command.is_none() && self.command.is_empty() {
+            return Err(ConfigError {
+                key: "command".into(),
+                reason: "no command: set kubernetes.command or [instance] command".into(),
+            });
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,593 @@
+//! The objects of one user (design §10), as pure functions of the config
+//! and plain per-instance data: a Pod per role, a headless Service, a
+//! ConfigMap for the patch (and one for a watchdog's handoff), a
+//! NetworkPolicy, and a PersistentVolumeClaim in `per_user` storage mode.
+//!
+//! Each builder writes the object as JSON and converts it to its
+//! k8s-openapi type with [`strict`](crate::config::strict), so a field
+//! name Kubernetes does not know fails the build (and the tests) instead
+//! of vanishing. `tests/schema.rs` validates every object against the
+//! official JSON schemas of the oldest and newest supported API version.
+
+use std::collections::BTreeMap;
+
+use berth_core::{Epoch, Role, Slug, UserId};
+use k8s_openapi::api::core::v1::{ConfigMap, PersistentVolumeClaim, Pod, PodSpec, Service};
+use k8s_openapi::api::networking::v1::NetworkPolicy;
+use serde_json::{Map, Value, json};
+use sha2::{Digest, Sha256};
+
+use crate::config::{ConfigError, KubernetesConfig, StorageMode, strict};
+use crate::names::{self, EPOCH_ANNOTATION, INSTANCE_ANNOTATION, NODE_ANNOTATION};
+use crate::{K8sRuntimeConfig, Readiness};
+
+/// Where the patch ConfigMap is mounted.
+pub const PATCH_DIR: &str = "/berth/patch";
+/// Where a watchdog's handoff ConfigMap is mounted.
+pub const HANDOFF_DIR: &str = "/berth/handoff";
+/// The handoff's key (and file name).
+pub const HANDOFF_KEY: &str = "handoff.json";
+/// The program's container.
+pub const MAIN_CONTAINER: &str = "main";
+/// The file-service sidecar's container.
+pub const FILES_CONTAINER: &str = "files";
+
+/// What one pod is made for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PodInput<'a> {
+    pub user: &'a UserId,
+    pub slug: &'a Slug,
+    pub role: Role,
+    pub instance_id: &'a str,
+    pub epoch: Epoch,
+    /// Relative to the user's volume (validated by the controller).
+    pub folder: &'a str,
+    /// The replica that manages the pod.
+    pub node: &'a str,
+    /// A hash of the patch it starts with (see [`patch_hash`]).
+    pub patch_hash: &'a str,
+    /// Extra environment from the controller.
+    pub env: &'a [(String, String)],
+}
+
+fn meta(config: &KubernetesConfig, name: &str, user: &UserId, slug: &Slug) -> Value {
+    json!({
+        "name": name,
+        "namespace": config.namespace,
+        "labels": names::user_labels(slug),
+        "annotations": { names::USER_ANNOTATION: user.as_str() },
+    })
+}
+
+/// The file name of the patch inside [`PATCH_DIR`].
+pub fn patch_file(patch_ext: &str) -> String {
+    format!("main.{patch_ext}")
+}
+
+/// A hash of patch content (or its absence), recorded on the pod.
+pub fn patch_hash(content: Option<&str>) -> String {
+    let mut hasher = Sha256::new();
+    match content {
+        Some(text) => {
+            hasher.update(b"set:");
+            hasher.update(text.as_bytes());
+        }
+        None => hasher.update(b"none"),
+    }
+    hex::encode(&hasher.finalize()[..12])
+}
+
+/// Replaces the `{name}` placeholders of a configured argument by the
+/// kubelet's `$(VAR)` references to berth's variables, in one pass (so no
+/// value is ever pasted into the command line, and none is expanded
+/// twice). Unknown `{…}` text is kept.
+pub fn template_arg(arg: &str) -> String {
+    let var = |name: &str| -> Option<&'static str> {
+        Some(match name {
+            "user" => "BERTH_USER",
+            "slug" => "BERTH_SLUG",
+            "port" => "BERTH_PORT",
+            "home" => "HOME",
+            "folder" => "BERTH_FOLDER",
+            "patch" => "BERTH_PATCH",
+            "base_path" => "BERTH_BASE_PATH",
+            _ => return None,
+        })
+    };
+    let mut out = String::with_capacity(arg.len());
+    let mut rest = arg;
+    while let Some(open) = rest.find('{') {
+        out.push_str(&rest[..open]);
+        let after = &rest[open + 1..];
+        match after
+            .find('}')
+            .and_then(|close| var(&after[..close]).map(|v| (close, v)))
+        {
+            Some((close, v)) => {
+                out.push_str("$(");
+                out.push_str(v);
+                out.push(')');
+                rest = &after[close + 1..];
+            }
+            None => {
+                out.push('{');
+                rest = after;
+            }
+        }
+    }
+    out.push_str(rest);
+    out
+}
+
+fn env_value(name: &str, value: &str) -> Value {
+    json!({ "name": name, "value": value })
+}
+
+fn env_annotation(name: &str, annotation: &str) -> Value {
+    json!({
+        "name": name,
+        "valueFrom": { "fieldRef": { "fieldPath": format!("metadata.annotations['{annotation}']") } },
+    })
+}
+
+/// The working directory: `folder` inside the user's volume.
+fn working_dir(mount_path: &str, folder: &str) -> String {
+    let folder = folder.trim_matches('/');
+    if folder.is_empty() {
+        mount_path.to_owned()
+    } else {
+        format!("{}/{folder}", mount_path.trim_end_matches('/'))
+    }
+}
+
+fn container_security(config: &KubernetesConfig) -> Value {
+    json!({
+        "allowPrivilegeEscalation": false,
+        "capabilities": { "drop": ["ALL"] },
+        "runAsNonRoot": true,
+        "readOnlyRootFilesystem": config.security.read_only_root_filesystem,
+    })
+}
+
+fn data_mount(config: &KubernetesConfig, slug: &Slug) -> Value {
+    let mut mount = json!({ "name": "data", "mountPath": config.storage.mount_path });
+    if config.storage.mode == StorageMode::Shared {
+        mount["subPath"] = json!(format!("users/{slug}"));
+    }
+    mount
+}
+
+fn quantities(map: &BTreeMap<String, String>) -> Value {
+    Value::Object(
+        map.iter()
+            .map(|(k, v)| (k.clone(), Value::String(v.clone())))
+            .collect(),
+    )
+}
+
+/// The extra `pod_spec` fields as a JSON object, checked to be pod-spec
+/// fields.
+pub(crate) fn extra_pod_spec(config: &KubernetesConfig) -> Result<Map<String, Value>, ConfigError> {
+    let extra: Map<String, Value> = config
+        .pod_spec
+        .iter()
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    // Checked on a minimal spec, so only the extra fields can be dropped.
+    let mut probe = extra.clone();
+    probe.insert("containers".into(), json!([{ "name": "probe" }]));
+    strict::<PodSpec>(&Value::Object(probe), "pod_spec")?;
+    Ok(extra)
+}
+
+/// The pod of `input.role`. `None` when no command is configured for the
+/// role (a watchdog without `[watchdog] command`).
+pub fn pod(config: &K8sRuntimeConfig, input: &PodInput<'_>) -> Result<Option<Pod>, ConfigError> {
+    let k = &config.kubernetes;
+    let command = match input.role {
+        Role::Main => k.command.as_ref().unwrap_or(&config.command),
+        Role::Watchdog => match &config.watchdog_command {
+            Some(command) => command,
+            None => return Ok(None),
+        },
+    };
+    let name = names::pod(input.slug, input.role);
+    let mut metadata = meta(k, &name, input.user, input.slug);
+    metadata["labels"] = json!(names::pod_labels(input.slug, input.role));
+    metadata["annotations"] = json!({
+        names::USER_ANNOTATION: input.user.as_str(),
+        INSTANCE_ANNOTATION: input.instance_id,
+        EPOCH_ANNOTATION: input.epoch.to_string(),
+        NODE_ANNOTATION: input.node,
+        names::PATCH_ANNOTATION: input.patch_hash,
+    });
+    metadata["finalizers"] = json!([names::FINALIZER]);
+
+    // Configured variables first, then the controller's, then berth's own,
+    // which win (a config cannot spoof BERTH_USER). The epoch and instance
+    // id come from the pod's annotations, so the template does not change
+    // with them.
+    let mut env: BTreeMap<String, Value> = BTreeMap::new();
+    for (key, value) in config
+        .env
+        .iter()
+        .chain(input.env.iter().map(|(k, v)| (k, v)))
+    {
+        env.insert(key.clone(), env_value(key, value));
+    }
+    let patch_path = format!("{PATCH_DIR}/{}", patch_file(&config.patch_ext));
+    let own = [
+        ("BERTH_USER", input.user.as_str().to_owned()),
+        ("BERTH_SLUG", input.slug.as_str().to_owned()),
+        ("BERTH_PORT", k.port.to_string()),
+        ("BERTH_BASE_PATH", input.user.base_path()),
+        ("BERTH_ROLE", input.role.as_str().to_owned()),
+        ("BERTH_FOLDER", input.folder.to_owned()),
+        ("BERTH_PATCH", patch_path),
+        ("HOME", k.storage.mount_path.clone()),
+    ];
+    for (key, value) in own {
+        env.insert(key.to_owned(), env_value(key, &value));
+    }
+    env.insert(
+        "BERTH_EPOCH".into(),
+        env_annotation("BERTH_EPOCH", EPOCH_ANNOTATION),
+    );
+    env.insert(
+        "BERTH_INSTANCE_ID".into(),
+        env_annotation("BERTH_INSTANCE_ID", INSTANCE_ANNOTATION),
+    );
+    if input.role == Role::Watchdog {
+        let path = format!("{HANDOFF_DIR}/{HANDOFF_KEY}");
+        env.insert("BERTH_HANDOFF".into(), env_value("BERTH_HANDOFF", &path));
+    }
+
+    let mut mounts = vec![
+        data_mount(k, input.slug),
+        json!({ "name": "patch", "mountPath": PATCH_DIR, "readOnly": true }),
+    ];
+    let mut volumes = vec![
+        match k.storage.mode {
+            StorageMode::PerUser => json!({
+                "name": "data",
+                "persistentVolumeClaim": { "claimName": names::user_object(input.slug) },
+            }),
+            StorageMode::Shared => json!({
+                "name": "data",
+                "persistentVolumeClaim": { "claimName": k.storage.claim },
+            }),
+        },
+        json!({
+            "name": "patch",
+            "configMap": { "name": names::user_object(input.slug), "optional": true },
+        }),
+    ];
+    if input.role == Role::Watchdog {
+        mounts.push(json!({ "name": "handoff", "mountPath": HANDOFF_DIR, "readOnly": true }));
+        volumes.push(json!({
+            "name": "handoff",
+            "configMap": { "name": names::watchdog_config_map(input.slug), "optional": true },
+        }));
+    }
+    if k.security.read_only_root_filesystem {
+        mounts.push(json!({ "name": "tmp", "mountPath": "/tmp" }));
+        volumes.push(json!({ "name": "tmp", "emptyDir": {} }));
+    }
+
+    let mut main = json!({
+        "name": MAIN_CONTAINER,
+        "image": k.image,
+        "command": command.iter().map(|a| template_arg(a)).collect::<Vec<_>>(),
+        "env": env.into_values().collect::<Vec<_>>(),
+        "workingDir": working_dir(&k.storage.mount_path, input.folder),
+        "volumeMounts": mounts,
+        "securityContext": container_security(k),
+        // Kubernetes cannot tell stderr from stdout; on a failure its last
+        // lines become the exit's message, berth's stderr tail.
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+    });
+    if let Some(policy) = &k.image_pull_policy {
+        main["imagePullPolicy"] = json!(policy);
+    }
+    if !k.resources.requests.is_empty() || !k.resources.limits.is_empty() {
+        let mut resources = Map::new();
+        if !k.resources.requests.is_empty() {
+            resources.insert("requests".into(), quantities(&k.resources.requests));
+        }
+        if !k.resources.limits.is_empty() {
+            resources.insert("limits".into(), quantities(&k.resources.limits));
+        }
+        main["resources"] = Value::Object(resources);
+    }
+    if input.role == Role::Main {
+        main["ports"] = json!([{ "name": "http", "containerPort": k.port }]);
+        let probe = match &config.readiness {
+            Readiness::TokenRegex(_) => None,
+            Readiness::Http { path } => {
+                Some(json!({ "httpGet": { "path": path, "port": "http" } }))
+            }
+            Readiness::Tcp => Some(json!({ "tcpSocket": { "port": "http" } })),
+        };
+        if let Some(mut probe) = probe {
+            probe["periodSeconds"] = json!(1);
+            probe["failureThreshold"] = json!(1);
+            main["readinessProbe"] = probe;
+        }
+    }
+    let mut containers = vec![main];
+    if let (Role::Main, Some(files)) = (input.role, &k.file_service) {
+        let mut sidecar = json!({
+            "name": FILES_CONTAINER,
+            "image": files.image,
+            "env": [
+                env_value("BERTH_USER", input.user.as_str()),
+                env_value("BERTH_SLUG", input.slug.as_str()),
+                env_value("BERTH_PORT", &files.port.to_string()),
+                env_value("HOME", &k.storage.mount_path),
+            ],
+            "ports": [{ "name": "files", "containerPort": files.port }],
+            "volumeMounts": [data_mount(k, input.slug)],
+            "securityContext": container_security(k),
+        });
+        if let Some(command) = &files.command {
+            sidecar["command"] = json!(command.iter().map(|a| template_arg(a)).collect::<Vec<_>>());
+        }
+        containers.push(sidecar);
+    }
+
+    let mut spec = extra_pod_spec(k)?;
+    let own = json!({
+        "containers": containers,
+        "volumes": volumes,
+        // berth's crash policy and breaker decide restarts (see the crate
+        // docs), so the kubelet never restarts a container itself.
+        "restartPolicy": "Never",
+        "automountServiceAccountToken": false,
+        "enableServiceLinks": false,
+        "terminationGracePeriodSeconds": config.stop_grace.as_secs().max(1),
+        "securityContext": {
+            "runAsNonRoot": true,
+            "runAsUser": k.security.run_as_user,
+            "runAsGroup": k.security.group(),
+            "fsGroup": k.security.fs_group(),
+            "seccompProfile": { "type": "RuntimeDefault" },
+        },
+    });
+    if let Value::Object(own) = own {
+        spec.extend(own);
+    }
+    if let Some(account) = &k.service_account {
+        spec.insert("serviceAccountName".into(), json!(account));
+    }
+    if !k.node_selector.is_empty() {
+        spec.insert("nodeSelector".into(), json!(k.node_selector));
+    }
+    if !k.tolerations.is_empty() {
+        spec.insert("tolerations".into(), json!(k.tolerations));
+    }
+    let pod = json!({
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": metadata,
+        "spec": spec,
+    });
+    let mut pod: Pod = strict(&pod, "pod")?;
+    let hash = template_hash(&pod);
+    pod.metadata
+        .annotations
+        .get_or_insert_with(BTreeMap::new)
+        .insert(names::TEMPLATE_ANNOTATION.into(), hash);
+    Ok(Some(pod))
+}
+
+/// A hash of what a pod is made from: its spec, labels and user, not the
+/// annotations that change when another replica or epoch takes it over.
+pub fn template_hash(pod: &Pod) -> String {
+    let mut hasher = Sha256::new();
+    let labels = serde_json::to_vec(&pod.metadata.labels).unwrap_or_default();
+    let spec = serde_json::to_vec(&pod.spec).unwrap_or_default();
+    let user = pod
+        .metadata
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get(names::USER_ANNOTATION))
+        .map(String::as_bytes)
+        .unwrap_or_default();
+    for part in [&labels[..], &spec[..], user] {
+        hasher.update((part.len() as u64).to_le_bytes());
+        hasher.update(part);
+    }
+    hex::encode(&hasher.finalize()[..12])
+}
+
+/// The user's headless Service: its DNS name resolves to the main pod
+/// once it is ready.
+pub fn service(
+    config: &KubernetesConfig,
+    user: &UserId,
+    slug: &Slug,
+) -> Result<Service, ConfigError> {
+    let mut ports = vec![json!({ "name": "http", "port": config.port, "targetPort": "http" })];
+    if let Some(files) = &config.file_service {
+        ports.push(json!({ "name": "files", "port": files.port, "targetPort": "files" }));
+    }
+    strict(
+        &json!({
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": meta(config, &names::user_object(slug), user, slug),
+            "spec": {
+                "clusterIP": "None",
+                "selector": names::pod_labels(slug, Role::Main),
+                "ports": ports,
+            },
+        }),
+        "service",
+    )
+}
+
+/// The user's patch, as the file [`patch_file`] in [`PATCH_DIR`]; no key
+/// when there is none.
+pub fn patch_config_map(
+    config: &KubernetesConfig,
+    user: &UserId,
+    slug: &Slug,
+    patch_ext: &str,
+    content: Option<&str>,
+) -> Result<ConfigMap, ConfigError> {
+    let data: BTreeMap<String, &str> = content
+        .map(|text| (patch_file(patch_ext), text))
+        .into_iter()
+        .collect();
+    strict(
+        &json!({
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": meta(config, &names::user_object(slug), user, slug),
+            "data": data,
+        }),
+        "configmap",
+    )
+}
+
+/// A watchdog's handoff (the crashed main's record).
+pub fn handoff_config_map(
+    config: &KubernetesConfig,
+    user: &UserId,
+    slug: &Slug,
+    handoff: &str,
+) -> Result<ConfigMap, ConfigError> {
+    strict(
+        &json!({
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": meta(config, &names::watchdog_config_map(slug), user, slug),
+            "data": { HANDOFF_KEY: handoff },
+        }),
+        "configmap",
+    )
+}
+
+/// IPv4 ranges a program may not reach unless allowed: RFC 1918, shared
+/// address space (100.64/10, where 100.100.100.200 answers on Alibaba
+/// Cloud) and link-local (169.254/16, the metadata address of most
+/// clouds).
+pub const PRIVATE_V4: &[&str] = &[
+    "10.0.0.0/8",
+    "172.16.0.0/12",
+    "192.168.0.0/16",
+    "100.64.0.0/10",
+    "169.254.0.0/16",
+];
+/// IPv6 unique-local (fd00:ec2::254 is AWS's metadata) and link-local.
+pub const PRIVATE_V6: &[&str] = &["fc00::/7", "fe80::/10"];
+/// The cloud metadata services.
+pub const METADATA_V4: &[&str] = &["169.254.169.254/32", "100.100.100.200/32"];
+pub const METADATA_V6: &[&str] = &["fd00:ec2::254/128"];
+
+fn ip_block(cidr: &str, except: &[&str]) -> Value {
+    if except.is_empty() {
+        json!({ "ipBlock": { "cidr": cidr } })
+    } else {
+        json!({ "ipBlock": { "cidr": cidr, "except": except } })
+    }
+}
+
+/// The user's NetworkPolicy: ingress only from berth's pods, on the
+/// Service's ports; egress to the internet but not to private ranges or
+/// metadata services unless configured, plus the cluster's DNS and any
+/// extra destinations configured.
+pub fn network_policy(
+    config: &KubernetesConfig,
+    user: &UserId,
+    slug: &Slug,
+) -> Result<NetworkPolicy, ConfigError> {
+    let n = &config.network;
+    let mut from = json!({ "podSelector": { "matchLabels": n.berth_pod_labels } });
+    if let Some(ns) = &n.berth_namespace {
+        from["namespaceSelector"] = json!({ "matchLabels": { "kubernetes.io/metadata.name": ns } });
+    }
+    let mut ports = vec![json!({ "protocol": "TCP", "port": config.port })];
+    if let Some(files) = &config.file_service {
+        ports.push(json!({ "protocol": "TCP", "port": files.port }));
+    }
+    let (except_v4, except_v6): (&[&str], &[&str]) =
+        match (n.allow_private_egress, n.allow_metadata_egress) {
+            (false, _) => (PRIVATE_V4, PRIVATE_V6),
+            (true, false) => (METADATA_V4, METADATA_V6),
+            (true, true) => (&[], &[]),
+        };
+    let mut to = vec![
+        ip_block("0.0.0.0/0", except_v4),
+        ip_block("::/0", except_v6),
+    ];
+    if !n.allow_private_egress && n.allow_metadata_egress {
+        to.extend(
+            METADATA_V4
+                .iter()
+                .chain(METADATA_V6)
+                .map(|c| ip_block(c, &[])),
+        );
+    }
+    to.extend(
+        n.egress_allow
+            .iter()
+            .map(|net| ip_block(&net.to_string(), &[])),
+    );
+    let mut egress = vec![json!({ "to": to })];
+    if n.allow_dns {
+        egress.push(json!({
+            "to": [{
+                "namespaceSelector": { "matchLabels": { "kubernetes.io/metadata.name": "kube-system" } },
+                "podSelector": { "matchLabels": { "k8s-app": "kube-dns" } },
+            }],
+            "ports": [{ "protocol": "UDP", "port": 53 }, { "protocol": "TCP", "port": 53 }],
+        }));
+    }
+    strict(
+        &json!({
+            "apiVersion": "networking.k8s.io/v1",
+            "kind": "NetworkPolicy",
+            "metadata": meta(config, &names::user_object(slug), user, slug),
+            "spec": {
+                "podSelector": { "matchLabels": names::user_labels(slug) },
+                "policyTypes": ["Ingress", "Egress"],
+                "ingress": [{ "from": [from], "ports": ports }],
+                "egress": egress,
+            },
+        }),
+        "networkpolicy",
+    )
+}
+
+/// The user's own claim (`per_user` storage); `None` in `shared` mode,
+/// whose claim the operator made.
+pub fn claim(
+    config: &KubernetesConfig,
+    user: &UserId,
+    slug: &Slug,
+) -> Result<Option<PersistentVolumeClaim>, ConfigError> {
+    if config.storage.mode != StorageMode::PerUser {
+        return Ok(None);
+    }
+    let mut spec = json!({
+        "accessModes": ["ReadWriteOnce"],
+        "resources": { "requests": { "storage": config.storage.size } },
+    });
+    if let Some(class) = &config.storage.storage_class {
+        spec["storageClassName"] = json!(class);
+    }
+    strict(
+        &json!({
+            "apiVersion": "v1",
+            "kind": "PersistentVolumeClaim",
+            "metadata": meta(config, &names::user_object(slug), user, slug),
+            "spec": spec,
+        }),
+        "persistentvolumeclaim",
+    )
+    .map(Some)
+}
+
+#[cfg(test)]
+mod tests;

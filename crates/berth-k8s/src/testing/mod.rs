@@ -1,0 +1,372 @@
+//! A **test double** of the Kubernetes API server (feature `test-double`),
+//! for tests on machines where no cluster can run. It is not Kubernetes:
+//! it serves the parts berth uses, over real HTTP, to kube's real client.
+//!
+//! * pods, services, configmaps, persistentvolumeclaims and
+//!   networkpolicies: create, get, list, replace, merge patch, delete;
+//! * watch streams resumable by `resourceVersion`, with 410 Gone (as an
+//!   `ERROR` event) once history is compacted, and label selectors;
+//! * 404 `NotFound`, 409 `AlreadyExists` and `Conflict` (preconditions,
+//!   stale `resourceVersion`s), graceful pod deletion and finalizers;
+//! * pod logs, plain and followed;
+//! * a stand-in kubelet (`kubelet.rs`) that runs each pod's `main`
+//!   container as a real local process, so the programs, signals, exit
+//!   codes and logs a test sees are real;
+//! * controls a test uses to do what a cluster does behind berth's back:
+//!   force readiness, restart a container, evict a pod, delete an object
+//!   outright, cut and compact watches, refuse to schedule, count creates,
+//!   and map a Service to the local port its pod listens on
+//!   ([`ApiServerDouble::resolver`]).
+
+mod kubelet;
+mod server;
+mod store;
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+
+use berth_core::Endpoint;
+use serde_json::{Value, json};
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+pub use store::Kind;
+use store::{Key, Selector, Store};
+
+use crate::EndpointResolver;
+
+pub(crate) struct World {
+    pub store: Store,
+    /// The kubelet's pods, by UID.
+    pub runs: HashMap<String, kubelet::PodRun>,
+    pub gone_served: usize,
+    pub unschedulable: bool,
+}
+
+pub(crate) struct Shared {
+    pub world: Mutex<World>,
+    /// Where volumes and pods' files live.
+    pub root: PathBuf,
+    pub cancel: CancellationToken,
+    pub tasks: TaskTracker,
+    /// True while new watches are held back.
+    pub gate: watch::Sender<bool>,
+}
+
+pub(crate) fn lock(m: &Mutex<World>) -> MutexGuard<'_, World> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// The double. Dropping it kills every program it runs.
+pub struct ApiServerDouble {
+    shared: Arc<Shared>,
+    addr: SocketAddr,
+    _root: tempfile::TempDir,
+}
+
+impl ApiServerDouble {
+    /// Serves on a free local port.
+    ///
+    /// # Panics
+    ///
+    /// When no temporary directory or local port can be had: it is test
+    /// support, and a test cannot go on without it.
+    pub async fn start() -> ApiServerDouble {
+        let root = tempfile::tempdir().expect("a temporary directory for the double");
+        let shared = Arc::new(Shared {
+            world: Mutex::new(World {
+                store: Store::default(),
+                runs: HashMap::new(),
+                gone_served: 0,
+                unschedulable: false,
+            }),
+            root: root.path().to_owned(),
+            cancel: CancellationToken::new(),
+            tasks: TaskTracker::new(),
+            gate: watch::Sender::new(false),
+        });
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("a local port for the double");
+        let addr = listener.local_addr().expect("the double's address");
+        let app = server::router(shared.clone());
+        let cancel = shared.cancel.clone();
+        shared.tasks.spawn(async move {
+            let _ = axum::serve(listener, app)
+                .with_graceful_shutdown(async move { cancel.cancelled().await })
+                .await;
+        });
+        ApiServerDouble {
+            shared,
+            addr,
+            _root: root,
+        }
+    }
+
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// kube's client, pointed at the double.
+    pub fn client(&self) -> kube::Client {
+        let uri: http::Uri = self.url().parse().expect("the double's URL");
+        let config = kube::Config::new(uri);
+        kube::Client::try_from(config).expect("a kube client for the double")
+    }
+
+    /// Answers a Service's endpoint with the local port of the pod it
+    /// selects (`127.0.0.1:<port>`), as cluster DNS would with the pod's
+    /// address.
+    pub fn resolver(&self) -> Arc<dyn EndpointResolver> {
+        Arc::new(DoubleEndpoints {
+            shared: self.shared.clone(),
+        })
+    }
+
+    /// Where a Service's pod listens, if it has a pod with a program.
+    pub fn endpoint(&self, namespace: &str, service: &str) -> Option<SocketAddr> {
+        local_endpoint(&self.shared, namespace, service)
+    }
+
+    /// How many create calls of `kind` the double has answered
+    /// successfully.
+    pub fn creates(&self, kind: Kind) -> usize {
+        lock(&self.shared.world)
+            .store
+            .creates
+            .get(&kind)
+            .copied()
+            .unwrap_or(0)
+    }
+
+    pub fn object(&self, kind: Kind, namespace: &str, name: &str) -> Option<Value> {
+        let key: Key = (kind, namespace.to_owned(), name.to_owned());
+        lock(&self.shared.world).store.objects.get(&key).cloned()
+    }
+
+    pub fn objects(&self, kind: Kind) -> Vec<Value> {
+        lock(&self.shared.world)
+            .store
+            .objects
+            .iter()
+            .filter(|((k, _, _), _)| *k == kind)
+            .map(|(_, o)| o.clone())
+            .collect()
+    }
+
+    /// Whether the program of the pod with `uid` runs.
+    pub fn running(&self, uid: &str) -> bool {
+        lock(&self.shared.world)
+            .runs
+            .get(uid)
+            .is_some_and(|r| r.pgid.is_some())
+    }
+
+    fn pod_uid(&self, namespace: &str, name: &str) -> Option<(Key, String)> {
+        let key: Key = (Kind::Pod, namespace.to_owned(), name.to_owned());
+        let uid = lock(&self.shared.world).store.objects.get(&key)?["metadata"]["uid"]
+            .as_str()?
+            .to_owned();
+        Some((key, uid))
+    }
+
+    /// Forces pod `name`'s `Ready` condition (`None`: back to its probe).
+    pub fn set_ready(&self, namespace: &str, name: &str, ready: Option<bool>) {
+        if let Some((_, uid)) = self.pod_uid(namespace, name)
+            && let Some(run) = lock(&self.shared.world).runs.get_mut(&uid)
+        {
+            run.ready_override = ready;
+        }
+    }
+
+    /// The kubelet restarts pod `name`'s container, as it would under
+    /// `restartPolicy: Always`: the program is killed and started again
+    /// in the same pod, and the restart count rises.
+    pub fn restart_container(&self, namespace: &str, name: &str) {
+        let Some((_, uid)) = self.pod_uid(namespace, name) else {
+            return;
+        };
+        let pgid = {
+            let mut world = lock(&self.shared.world);
+            let Some(run) = world.runs.get_mut(&uid) else {
+                return;
+            };
+            run.restarts += 1;
+            run.pgid
+        };
+        if let Some(pgid) = pgid {
+            let _ = nix::sys::signal::killpg(
+                nix::unistd::Pid::from_raw(pgid),
+                nix::sys::signal::Signal::SIGKILL,
+            );
+        }
+    }
+
+    /// The kubelet evicts pod `name`: its program is killed and the pod
+    /// fails with reason `Evicted`.
+    pub fn evict(&self, namespace: &str, name: &str) {
+        let Some((key, uid)) = self.pod_uid(namespace, name) else {
+            return;
+        };
+        kubelet::terminate(&self.shared, &uid, 0);
+        kubelet::update(&self.shared, &key, &uid, |pod| {
+            pod["status"]["phase"] = json!("Failed");
+            pod["status"]["reason"] = json!("Evicted");
+            pod["status"]["message"] = json!("The node was low on resource: memory.");
+        });
+    }
+
+    /// Removes an object outright, finalizers or not, as an operator's
+    /// force delete plus a finalizer removal would; a pod's program is
+    /// killed.
+    pub fn delete_behind_back(&self, kind: Kind, namespace: &str, name: &str) {
+        let key: Key = (kind, namespace.to_owned(), name.to_owned());
+        let removed = lock(&self.shared.world).store.remove(&key);
+        if let (Kind::Pod, Some(object)) = (kind, removed)
+            && let Some(uid) = object["metadata"]["uid"].as_str()
+        {
+            kubelet::terminate(&self.shared, uid, 0);
+        }
+    }
+
+    /// New watches wait until [`ApiServerDouble::release_watches`].
+    pub fn hold_watches(&self) {
+        self.shared.gate.send_replace(true);
+    }
+
+    pub fn release_watches(&self) {
+        self.shared.gate.send_replace(false);
+    }
+
+    /// Ends every open watch stream (clients resume from their last
+    /// resourceVersion).
+    pub fn close_watches(&self) {
+        lock(&self.shared.world).store.close_watches();
+    }
+
+    /// Forgets the event history: a watch resuming from before now gets
+    /// 410 Gone and must list again.
+    pub fn compact(&self) {
+        lock(&self.shared.world).store.compact();
+    }
+
+    /// How many watches were answered 410 Gone.
+    pub fn gone_served(&self) -> usize {
+        lock(&self.shared.world).gone_served
+    }
+
+    /// New pods stay Pending, unschedulable.
+    pub fn set_unschedulable(&self, unschedulable: bool) {
+        lock(&self.shared.world).unschedulable = unschedulable;
+    }
+
+    /// The directory a claim's data is kept in.
+    pub fn claim_dir(&self, claim: &str) -> PathBuf {
+        kubelet::claim_dir(&self.shared.root, claim)
+    }
+}
+
+impl Drop for ApiServerDouble {
+    fn drop(&mut self) {
+        kubelet::kill_all(&self.shared);
+        self.shared.cancel.cancel();
+    }
+}
+
+fn local_endpoint(shared: &Shared, namespace: &str, service: &str) -> Option<SocketAddr> {
+    let world = lock(&shared.world);
+    let key: Key = (Kind::Service, namespace.to_owned(), service.to_owned());
+    let selector = world.store.objects.get(&key)?["spec"]["selector"]
+        .as_object()
+        .map(Selector::of_map)?;
+    world
+        .store
+        .objects
+        .iter()
+        .filter(|((k, ns, _), pod)| {
+            *k == Kind::Pod && ns == namespace && selector.matches(&pod["metadata"]["labels"])
+        })
+        .filter_map(|(_, pod)| world.runs.get(pod["metadata"]["uid"].as_str()?))
+        .map(|run| SocketAddr::from(([127, 0, 0, 1], run.port)))
+        .next()
+}
+
+/// The EndpointSlices of the Services in `namespace` whose labels match
+/// `selector`, as the cluster's EndpointSlice controller would keep them:
+/// one per Service and pod it selects, which lists the pod (with its
+/// `Ready` condition) at the local address and port its program listens
+/// on, under the Service's `http` port name. Made on each read; the
+/// double serves them for lists, not watches.
+pub(crate) fn endpoint_slices(shared: &Shared, namespace: &str, selector: &Selector) -> Vec<Value> {
+    let world = lock(&shared.world);
+    let mut slices = Vec::new();
+    for ((kind, ns, service), object) in &world.store.objects {
+        if *kind != Kind::Service || ns != namespace {
+            continue;
+        }
+        let labels = json!({ "kubernetes.io/service-name": service });
+        if !selector.matches(&labels) {
+            continue;
+        }
+        let Some(pod_selector) = object["spec"]["selector"].as_object().map(Selector::of_map)
+        else {
+            continue;
+        };
+        for ((k, pod_ns, pod_name), pod) in &world.store.objects {
+            if *k != Kind::Pod
+                || pod_ns != namespace
+                || !pod_selector.matches(&pod["metadata"]["labels"])
+            {
+                continue;
+            }
+            let uid = pod["metadata"]["uid"].as_str().unwrap_or_default();
+            let Some(run) = world.runs.get(uid) else {
+                continue;
+            };
+            let ready = pod["status"]["conditions"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .any(|c| c["type"] == "Ready" && c["status"] == "True");
+            slices.push(json!({
+                "apiVersion": "discovery.k8s.io/v1",
+                "kind": "EndpointSlice",
+                "metadata": {
+                    "name": format!("{service}-{}", &uid[..uid.len().min(8)]),
+                    "namespace": namespace,
+                    "labels": labels,
+                },
+                "addressType": "IPv4",
+                "endpoints": [{
+                    "addresses": ["127.0.0.1"],
+                    "conditions": { "ready": ready },
+                    "targetRef": { "kind": "Pod", "namespace": namespace, "name": pod_name, "uid": uid },
+                }],
+                "ports": [{ "name": "http", "port": run.port, "protocol": "TCP" }],
+            }));
+        }
+    }
+    slices
+}
+
+struct DoubleEndpoints {
+    shared: Arc<Shared>,
+}
+
+impl EndpointResolver for DoubleEndpoints {
+    fn endpoint(&self, namespace: &str, service: &str, port: u16) -> Endpoint {
+        match local_endpoint(&self.shared, namespace, service) {
+            Some(addr) => Endpoint {
+                host: addr.ip().to_string(),
+                port: addr.port(),
+            },
+            None => Endpoint {
+                host: format!("{service}.{namespace}.svc.double.invalid"),
+                port,
+            },
+        }
+    }
+}

@@ -1,0 +1,47 @@
+//! The runtime contract suite (`berth_core::runtime_contract`, the one the
+//! local runtime runs) against the Kubernetes runtime, on the API server
+//! **double**. Each case gets its own double; the programs are real `sh`
+//! scripts that the double's stand-in kubelet runs as pods.
+
+mod support;
+
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use berth_core::runtime::{Runtime, RuntimeRef};
+use berth_core::runtime_contract::{Harness, Program};
+use berth_k8s::testing::ApiServerDouble;
+use support::{config, present, serving, sh, token_regex};
+
+struct DoubleHarness {
+    double: ApiServerDouble,
+}
+
+impl DoubleHarness {
+    async fn new() -> DoubleHarness {
+        DoubleHarness {
+            double: ApiServerDouble::start().await,
+        }
+    }
+}
+
+#[async_trait]
+impl Harness for DoubleHarness {
+    async fn runtime(&self, program: &Program) -> Arc<dyn Runtime> {
+        let command = match program {
+            Program::Serve => serving("'exit 0'"),
+            Program::IgnoresTerm => serving("''"),
+            Program::Exits { code, stderr } => {
+                sh(&format!("printf '%s\\n' '{stderr}' >&2; exit {code}"))
+            }
+            Program::Missing { name } => vec![name.clone()],
+        };
+        support::runtime(&self.double, config(command, token_regex(), "node-a"))
+    }
+
+    async fn running(&self, runtime_ref: &RuntimeRef, _pid: Option<u32>) -> bool {
+        present(&self.double, runtime_ref)
+    }
+}
+
+berth_core::runtime_contract_tests!(DoubleHarness::new().await);
