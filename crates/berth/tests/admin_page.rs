@@ -392,6 +392,19 @@ async fn admin_flow(mode: Mode, n: u16) {
     wait_status(c, "bob", "running").await;
     assert_eq!(node.status_of("bob").await, "running");
 
+    // Hibernate bob from the page, then resume him: the same process.
+    let pid = node.main_of("bob").await["pid"].clone();
+    click_action(c, "bob", "hibernate").await;
+    wait_status(c, "bob", "hibernated").await;
+    assert_eq!(node.status_of("bob").await, "hibernated");
+    click_action(c, "bob", "resume").await;
+    wait_status(c, "bob", "running").await;
+    assert_eq!(
+        node.main_of("bob").await["pid"],
+        pid,
+        "resumed, not restarted"
+    );
+
     // bob's log: its last lines, then what it writes next (a restart's
     // new ready line), in the open view.
     click_action(c, "bob", "logs").await;

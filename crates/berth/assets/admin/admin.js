@@ -304,7 +304,7 @@
     return badge(text, kind);
   }
 
-  const LIVE = new Set(['starting', 'running', 'crashed']);
+  const LIVE = new Set(['starting', 'running', 'hibernated', 'crashed']);
 
   // Nodes whose heartbeat is older than a lease TTL (or that are down).
   function staleNodeIds() {
@@ -343,7 +343,7 @@
         ['Actions', 'actions', actionsFor(row, i, live, breaker), 'actions'],
       ]);
       setClock(row.cells[4], live ? i.started_at : null, 'since');
-      setClock(row.cells[6], i.status === 'running' ? i.last_active : null, 'since');
+      setClock(row.cells[6], i.status === 'running' || i.status === 'hibernated' ? i.last_active : null, 'since');
       row.title = i.last_error ? 'last error: ' + i.last_error : '';
     });
   }
@@ -364,6 +364,9 @@
     let actions = [];
     if (i.role === 'main') {
       actions = live ? ['stop', 'restart', 'probe'] : ['start', 'probe'];
+      // Frozen with its memory intact: it wakes by hand or on its next request.
+      if (i.status === 'running' && i.ready) actions.push('hibernate');
+      if (i.status === 'hibernated') actions.push('resume');
       if (breaker) actions.push('reset');
       actions.push('logs', 'open');
     }
@@ -481,6 +484,16 @@
         if (!await confirmAction('Reset ' + user + "'s crash breaker? A crashing program may start looping again.", 'Reset')) return;
         act(user, 'resetting…', () => api('POST', userPath(user) + '/breaker/reset'), () => user + ': breaker reset');
       },
+    },
+    hibernate: {
+      label: 'Hibernate',
+      run: (user) => act(user, 'hibernating…', () => api('POST', userPath(user) + '/instance/hibernate'),
+        () => user + ': hibernated'),
+    },
+    resume: {
+      label: 'Resume',
+      run: (user) => act(user, 'resuming…', () => api('POST', userPath(user) + '/instance/resume'),
+        () => user + ': resumed'),
     },
     logs: { label: 'Logs', run: (user) => openLogs(user) },
     open: { label: 'Open', run: (user) => openApp(user) },
