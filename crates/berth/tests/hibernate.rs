@@ -2,7 +2,9 @@
 //! intact and resumed by the next request, end to end with the real
 //! binary, real instances and real sockets. Frozen means stopped by the
 //! kernel: every process of the instance shows state `T` in
-//! `/proc/<pid>/stat`, and the same pids run again after the resume.
+//! `/proc/<pid>/stat` (these run at level `none`, frozen by SIGSTOP to the
+//! program's group), and the same pids run again after the resume. The
+//! cgroup freezer of level `sandbox` is tested in `isolation.rs`.
 
 mod support;
 

@@ -989,6 +989,190 @@ async fn past_the_nodes_capacity_a_launch_gets_503_and_starts_nothing() {
     node.kill_instances();
 }
 
+// --- freezing ------------------------------------------------------------------
+
+/// A heartbeat that escapes the program's session: a double fork with a
+/// `setsid` between, then a counter written to `$HOME/beat` every 50 ms.
+const ESCAPEE: &str = "\
+import os, time
+if os.fork():
+    os._exit(0)
+os.setsid()
+if os.fork():
+    os._exit(0)
+beat = os.path.join(os.environ['HOME'], 'beat')
+i = 0
+while True:
+    i += 1
+    with open(beat + '.tmp', 'w') as f:
+        f.write(str(i))
+    os.replace(beat + '.tmp', beat)
+    time.sleep(0.05)
+";
+
+/// The demo app at level `sandbox`, started by a shell that first lets
+/// [`ESCAPEE`] loose; hibernation only by hand.
+fn escapee_config(slot: &Slot) -> String {
+    let script = serde_json::to_string(ESCAPEE).unwrap();
+    let berth = serde_json::to_string(support::BERTH).unwrap();
+    format!(
+        "[instance]\nport_range = [{first}, {last}]\n\
+         command = [\"/bin/sh\", \"-c\", 'python3 -c \"$2\" & exec \"$0\" demo-app --port \"$1\"', {berth}, \"{{port}}\", {script}]\n\
+         ready_token_regex = 'berth-demo: http://127\\.0\\.0\\.1:\\d+/\\?token=([A-Za-z0-9_-]+)'\n\n\
+         [reap]\nhibernate_after_s = 0\n\n\
+         [isolation]\nmode = \"sandbox\"\nbase_uid = {uid}\nuid_count = 1000\n",
+        first = slot.ports,
+        last = slot.ports + 39,
+        uid = slot.base_uid,
+    )
+}
+
+/// The session id of a process (`/proc/<pid>/stat`, field 6).
+fn session_of(pid: u32) -> Option<u32> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    stat.rsplit_once(')')?
+        .1
+        .split_whitespace()
+        .nth(3)?
+        .parse()
+        .ok()
+}
+
+/// The freezer of `user`'s instance cgroup, from its shim's state file:
+/// its directory under the v1 `freezer` controller, else (v2) its one
+/// directory.
+fn freezer_of(node: &Node, user: &str) -> berth_local::isolation::cgroup::CgroupFreezer {
+    use berth_local::isolation::cgroup::{CgroupFreezer, FreezerKind};
+    let dirs: Vec<PathBuf> = state_of(node, user)["cgroup"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| PathBuf::from(d.as_str().unwrap()))
+        .collect();
+    match dirs.iter().find(|d| d.join("freezer.state").exists()) {
+        Some(dir) => CgroupFreezer {
+            kind: FreezerKind::V1,
+            dir: dir.clone(),
+        },
+        None => {
+            assert_eq!(dirs.len(), 1, "one v2 directory, or a v1 freezer: {dirs:?}");
+            CgroupFreezer {
+                kind: FreezerKind::V2,
+                dir: dirs[0].clone(),
+            }
+        }
+    }
+}
+
+/// The escapee's count.
+fn beat(node: &Node, user: &str) -> Option<u64> {
+    std::fs::read_to_string(node.data_dir.join(format!("users/{user}/home/beat")))
+        .ok()?
+        .trim()
+        .parse()
+        .ok()
+}
+
+/// Waits until the escapee's count goes past `after`.
+async fn beats_past(node: &Node, user: &str, after: u64) -> u64 {
+    eventually(PATIENCE, "the escapee's heartbeat", || async {
+        beat(node, user).filter(|b| *b > after)
+    })
+    .await
+}
+
+/// Every process of `user`'s instance, the escaped session included, is in
+/// its frozen cgroup, and the escapee's count stands still.
+async fn assert_all_frozen(
+    node: &Node,
+    user: &str,
+    freezer: &berth_local::isolation::cgroup::CgroupFreezer,
+    pids: &[u32],
+) {
+    eventually(PATIENCE, "the instance's cgroup frozen", || async {
+        freezer.is_frozen().unwrap().then_some(())
+    })
+    .await;
+    let members = freezer.tasks().unwrap();
+    assert!(
+        pids.iter().all(|p| members.contains(p)),
+        "{pids:?} all in {members:?}"
+    );
+    for pid in pids {
+        assert_ne!(proc_state(*pid), Some('R'), "{pid} is frozen");
+    }
+    // Nothing to wait for: a frozen heartbeat is one that stays the same
+    // over twenty of its periods.
+    let frozen_at = beat(node, user);
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(beat(node, user), frozen_at, "the escapee made no progress");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn in_a_sandbox_hibernation_freezes_processes_that_left_the_session() {
+    if !privileged("freezing, sandbox") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let slot = slot();
+    let config = escapee_config(&slot);
+    let mut node = Node::start(dir.path(), &config);
+    let main = launch(&node, "alice").await;
+    let program = u32::try_from(main["pid"].as_u64().unwrap()).unwrap();
+    let first = beats_past(&node, "alice", 0).await;
+    let mut pids = instance_pids(&node.data_dir, "alice", "main");
+    pids.sort_unstable();
+    let escaped: Vec<u32> = pids
+        .iter()
+        .copied()
+        .filter(|p| session_of(*p) != session_of(program))
+        .collect();
+    assert_eq!(escaped.len(), 1, "the escapee left the session: {pids:?}");
+    let freezer = freezer_of(&node, "alice");
+
+    let out = node.cli(&["hibernate", "alice"]);
+    assert!(out.status.success(), "{out:?}");
+    assert_all_frozen(&node, "alice", &freezer, &pids).await;
+
+    // A restart of berth adopts alice as hibernated, still frozen.
+    node.kill9();
+    let node = Node::start(dir.path(), &config);
+    eventually(PATIENCE, "alice adopted as hibernated", || async {
+        (node.status_of("alice").await == "hibernated").then_some(())
+    })
+    .await;
+    assert_all_frozen(&node, "alice", &freezer, &pids).await;
+
+    // A resume thaws every process, the escapee too, with the same pids.
+    let out = node.cli(&["resume", "alice"]);
+    assert!(out.status.success(), "{out:?}");
+    let frozen_at = beat(&node, "alice").unwrap_or(first);
+    beats_past(&node, "alice", frozen_at).await;
+    assert!(!freezer.is_frozen().unwrap());
+    let mut after = instance_pids(&node.data_dir, "alice", "main");
+    after.sort_unstable();
+    assert_eq!(after, pids, "the same processes run again");
+    assert_eq!(node.main_of("alice").await["restarts"], 0);
+
+    // Frozen again, then stopped: killed while frozen, never thawed to run;
+    // nothing of the instance is left, its cgroups neither.
+    let out = node.cli(&["hibernate", "alice"]);
+    assert!(out.status.success(), "{out:?}");
+    assert_all_frozen(&node, "alice", &freezer, &pids).await;
+    let stopped_at = beat(&node, "alice");
+    assert_eq!(node.delete("/users/alice/instance").await, 204);
+    eventually(PATIENCE, "every process of alice gone", || async {
+        pids.iter().all(|p| !alive(u64::from(*p))).then_some(())
+    })
+    .await;
+    assert_eq!(beat(&node, "alice"), stopped_at, "no beat after the kill");
+    eventually(PATIENCE, "alice's cgroups removed", || async {
+        (!freezer.dir.exists()).then_some(())
+    })
+    .await;
+    node.kill_instances();
+}
+
 // --- cleanup and survival ---------------------------------------------------------
 
 #[tokio::test(flavor = "multi_thread")]
@@ -1025,7 +1209,11 @@ async fn a_hundred_start_stop_cycles_leave_nothing_behind() {
         .iter()
         .map(|d| Path::new(d.as_str().unwrap()).parent().unwrap().to_owned())
         .collect();
-    assert_eq!(parents.len(), 3, "memory, pids and cpu (cgroup v1 here)");
+    assert_eq!(
+        parents.len(),
+        4,
+        "memory, pids, cpu and freezer (cgroup v1 here)"
+    );
     assert_eq!(own_ports_elements(&node.data_dir).len(), 1);
     assert_eq!(node.delete("/users/cycler/instance").await, 204);
     let cgroups = || -> usize {

@@ -18,6 +18,14 @@
 //! and tested without I/O; the writers take the directories to write in,
 //! so the v2 one is tested against a fake tree where no real v2 controllers
 //! exist.
+//!
+//! **Freezing.** An instance with a cgroup is frozen through it
+//! ([`CgroupFreezer`]): v2's `cgroup.freeze` in its own directory, or, on
+//! v1, `freezer.state` in a directory of its own under the `freezer`
+//! controller (optional: a v1 host without it freezes by signal, and berth
+//! says so at start). The cgroup holds every process of the instance
+//! whatever its session or process group, so a program that calls `setsid`
+//! cannot escape the freeze the way it escapes a SIGSTOP to its group.
 
 use std::fs;
 use std::io::{self, Write};
@@ -68,6 +76,8 @@ pub enum Layout {
         memory: PathBuf,
         pids: PathBuf,
         cpu: PathBuf,
+        /// The `freezer` controller's directory, when it is mounted.
+        freezer: Option<PathBuf>,
     },
     /// The unified hierarchy's mount point and berth's own cgroup in it
     /// (`/` at the root).
@@ -82,6 +92,8 @@ pub enum Parents {
         memory: PathBuf,
         pids: PathBuf,
         cpu: PathBuf,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        freezer: Option<PathBuf>,
     },
     V2 {
         parent: PathBuf,
@@ -218,7 +230,19 @@ pub fn detect(
         let [memory, pids, cpu]: [PathBuf; 3] = dirs
             .try_into()
             .map_err(|_| CgroupError::ControllerMissing("memory"))?;
-        return Ok(Layout::V1 { memory, pids, cpu });
+        // Optional: without it instances are frozen by signal.
+        let freezer = v1_mount("freezer").and_then(|mount| {
+            let own = v1_own
+                .iter()
+                .find(|(names, _)| names.iter().any(|n| n == "freezer"))?;
+            Some(join_own(&mount.point, &mount.root, &own.1))
+        });
+        return Ok(Layout::V1 {
+            memory,
+            pids,
+            cpu,
+            freezer,
+        });
     }
     let v2 = mounts
         .iter()
@@ -259,10 +283,16 @@ impl Layout {
     pub fn parents(&self, id: &str) -> Parents {
         let dir = format!("berth-{id}");
         match self {
-            Layout::V1 { memory, pids, cpu } => Parents::V1 {
+            Layout::V1 {
+                memory,
+                pids,
+                cpu,
+                freezer,
+            } => Parents::V1 {
                 memory: memory.join(&dir),
                 pids: pids.join(&dir),
                 cpu: cpu.join(&dir),
+                freezer: freezer.as_ref().map(|f| f.join(&dir)),
             },
             Layout::V2 { mount, own } => Parents::V2 {
                 parent: join_own(mount, "/", own).join(dir),
@@ -276,13 +306,28 @@ impl Layout {
             Layout::V2 { .. } => 2,
         }
     }
+
+    /// Whether instances can be frozen through their cgroups (v2 always;
+    /// v1 when the `freezer` controller is mounted).
+    pub fn can_freeze(&self) -> bool {
+        !matches!(self, Layout::V1 { freezer: None, .. })
+    }
 }
 
 impl Parents {
     /// Every parent directory.
     pub fn dirs(&self) -> Vec<&Path> {
         match self {
-            Parents::V1 { memory, pids, cpu } => vec![memory, pids, cpu],
+            Parents::V1 {
+                memory,
+                pids,
+                cpu,
+                freezer,
+            } => {
+                let mut dirs: Vec<&Path> = vec![memory, pids, cpu];
+                dirs.extend(freezer.as_deref());
+                dirs
+            }
             Parents::V2 { parent } => vec![parent],
         }
     }
@@ -381,8 +426,8 @@ fn mkdir(path: &Path) -> Result<(), CgroupError> {
 /// is the real one in production, a fake tree in tests.
 pub fn prepare_parents(layout: &Layout, parents: &Parents, pid: u32) -> Result<(), CgroupError> {
     match (layout, parents) {
-        (Layout::V1 { .. }, Parents::V1 { memory, pids, cpu }) => {
-            for dir in [memory, pids, cpu] {
+        (Layout::V1 { .. }, Parents::V1 { .. }) => {
+            for dir in parents.dirs() {
                 mkdir(dir)?;
             }
             Ok(())
@@ -458,7 +503,9 @@ impl InstanceCgroup {
             mkdir(&dir)?;
         }
         match &self.parents {
-            Parents::V1 { memory, pids, cpu } => {
+            Parents::V1 {
+                memory, pids, cpu, ..
+            } => {
                 for (controller, file, value, optional) in v1_limit_files(limits) {
                     let parent = match controller {
                         "memory" => memory,
@@ -483,6 +530,25 @@ impl InstanceCgroup {
             }
         }
         Ok(())
+    }
+
+    /// The instance's freezer: its own v2 directory, or its directory
+    /// under the v1 `freezer` controller when that is mounted.
+    pub fn freezer(&self) -> Option<CgroupFreezer> {
+        match &self.parents {
+            Parents::V1 {
+                freezer: Some(freezer),
+                ..
+            } => Some(CgroupFreezer {
+                kind: FreezerKind::V1,
+                dir: freezer.join(&self.leaf),
+            }),
+            Parents::V1 { freezer: None, .. } => None,
+            Parents::V2 { parent } => Some(CgroupFreezer {
+                kind: FreezerKind::V2,
+                dir: parent.join(&self.leaf),
+            }),
+        }
     }
 
     /// The OOM kills counted in the cgroup so far (`None`: unreadable).
@@ -520,26 +586,218 @@ impl InstanceCgroup {
     }
 }
 
+/// The shim pid in an instance cgroup's leaf name
+/// (`<instance>.<role>.<shim pid>`, see the shim's `start`).
+pub fn shim_pid_of_leaf(leaf: &str) -> Option<u32> {
+    leaf.rsplit_once('.')?.1.parse().ok()
+}
+
 /// Removes the instance cgroups under `parents` that are not in `keep`
-/// (leaf names): those of shims killed before they could clean up. A
-/// cgroup that still holds processes cannot be removed and is reported.
-pub fn remove_stale(parents: &Parents, keep: &[String]) -> Vec<(PathBuf, io::Error)> {
-    let mut failed = Vec::new();
+/// (leaf names): those of shims killed before they could clean up. The
+/// processes of such a leaf whose shim is gone (`shim_alive` says no) are
+/// killed first: the shim's death sends its program SIGKILL, but a
+/// program frozen in a v1 freezer receives it only once thawed, so it
+/// would otherwise stay frozen for ever. A cgroup that still holds
+/// processes cannot be removed and is reported.
+pub fn remove_stale(
+    parents: &Parents,
+    keep: &[String],
+    shim_alive: impl Fn(u32) -> bool,
+) -> Vec<(PathBuf, io::Error)> {
+    let mut stale: Vec<String> = Vec::new();
     for parent in parents.dirs() {
         let Ok(entries) = fs::read_dir(parent) else {
             continue;
         };
         for entry in entries.flatten() {
             let name = entry.file_name().to_string_lossy().into_owned();
-            if keep.contains(&name) || !entry.file_type().is_ok_and(|t| t.is_dir()) {
+            if keep.contains(&name)
+                || stale.contains(&name)
+                || !entry.file_type().is_ok_and(|t| t.is_dir())
+            {
                 continue;
             }
-            if let Err(e) = fs::remove_dir(entry.path()) {
-                failed.push((entry.path(), e));
+            stale.push(name);
+        }
+    }
+    let mut failed = Vec::new();
+    for leaf in stale {
+        let cgroup = InstanceCgroup::new(parents.clone(), leaf.clone());
+        let orphaned = shim_pid_of_leaf(&leaf).is_some_and(|pid| !shim_alive(pid));
+        match cgroup.freezer().filter(|f| orphaned && f.dir.is_dir()) {
+            Some(freezer) => match freezer.kill_all() {
+                // Dying processes keep a cgroup busy for a moment.
+                Ok(()) => failed.extend(cgroup.remove()),
+                Err(e) => failed.push((freezer.dir.clone(), io::Error::other(e.to_string()))),
+            },
+            None => {
+                for dir in cgroup.dirs() {
+                    match fs::remove_dir(&dir) {
+                        Err(e) if e.kind() != io::ErrorKind::NotFound => failed.push((dir, e)),
+                        _ => {}
+                    }
+                }
             }
         }
     }
     failed
+}
+
+/// How an instance is frozen.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum FreezeMechanism {
+    /// Through its cgroup: every process in it, whatever its session.
+    Cgroup(CgroupFreezer),
+    /// SIGSTOP and SIGCONT to the program's process group: an instance
+    /// without a cgroup (levels `none` and `user`), or in one on a v1 host
+    /// without the `freezer` controller. A process that left the group
+    /// (`setsid`, `setpgid`) is not frozen.
+    ProcessGroupSignal,
+}
+
+impl FreezeMechanism {
+    /// The mechanism for an instance with `cgroup` (level `sandbox`) or
+    /// none.
+    pub fn for_instance(cgroup: Option<&InstanceCgroup>) -> FreezeMechanism {
+        cgroup
+            .and_then(InstanceCgroup::freezer)
+            .map_or(FreezeMechanism::ProcessGroupSignal, FreezeMechanism::Cgroup)
+    }
+}
+
+/// Which cgroup freezer interface.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FreezerKind {
+    /// v1 `freezer.state`: `FROZEN`/`THAWED`, reads `FREEZING` until every
+    /// task is frozen. A frozen task takes no signal, SIGKILL included,
+    /// until it is thawed.
+    V1,
+    /// v2 `cgroup.freeze`: `1`/`0`, confirmed by `frozen 1` in
+    /// `cgroup.events`. A fatal signal reaches a frozen task.
+    V2,
+}
+
+impl FreezerKind {
+    /// The file a request is written to, and the value that asks for
+    /// `frozen`.
+    pub fn request(self, frozen: bool) -> (&'static str, &'static str) {
+        match (self, frozen) {
+            (FreezerKind::V1, true) => ("freezer.state", "FROZEN"),
+            (FreezerKind::V1, false) => ("freezer.state", "THAWED"),
+            (FreezerKind::V2, true) => ("cgroup.freeze", "1"),
+            (FreezerKind::V2, false) => ("cgroup.freeze", "0"),
+        }
+    }
+
+    /// The file that says whether the cgroup is frozen.
+    pub fn status_file(self) -> &'static str {
+        match self {
+            FreezerKind::V1 => "freezer.state",
+            FreezerKind::V2 => "cgroup.events",
+        }
+    }
+
+    /// Whether `text`, read from [`FreezerKind::status_file`], says that
+    /// every task of the cgroup is frozen.
+    pub fn says_frozen(self, text: &str) -> bool {
+        match self {
+            FreezerKind::V1 => text.trim() == "FROZEN",
+            FreezerKind::V2 => text.lines().any(|l| l.trim() == "frozen 1"),
+        }
+    }
+
+    /// Whether a SIGKILL reaches a frozen task only once it is thawed.
+    pub fn kill_needs_thaw(self) -> bool {
+        self == FreezerKind::V1
+    }
+}
+
+/// A freezer file could not be written or read.
+#[derive(Debug, thiserror::Error)]
+pub enum FreezeError {
+    #[error("cannot write {value:?} to the cgroup freezer {path}: {source}")]
+    Write {
+        path: PathBuf,
+        value: &'static str,
+        source: io::Error,
+    },
+    #[error("cannot read the cgroup freezer {path}: {source}")]
+    Read { path: PathBuf, source: io::Error },
+}
+
+/// The freezer of one instance's cgroup.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CgroupFreezer {
+    pub kind: FreezerKind,
+    /// The instance's directory in the hierarchy that freezes.
+    pub dir: PathBuf,
+}
+
+/// The pids listed in a `cgroup.procs` file.
+pub fn parse_procs(text: &str) -> Vec<u32> {
+    text.split_whitespace()
+        .filter_map(|p| p.parse().ok())
+        .collect()
+}
+
+impl CgroupFreezer {
+    /// Asks the kernel to freeze (`true`) or thaw the cgroup. Freezing is
+    /// asynchronous: [`CgroupFreezer::is_frozen`] says when it is done.
+    pub fn request(&self, frozen: bool) -> Result<(), FreezeError> {
+        let (file, value) = self.kind.request(frozen);
+        let path = self.dir.join(file);
+        fs::OpenOptions::new()
+            .write(true)
+            .open(&path)
+            .and_then(|mut f| f.write_all(value.as_bytes()))
+            .map_err(|source| FreezeError::Write {
+                path,
+                value,
+                source,
+            })
+    }
+
+    /// Whether every task of the cgroup is frozen now.
+    pub fn is_frozen(&self) -> Result<bool, FreezeError> {
+        let path = self.dir.join(self.kind.status_file());
+        let text =
+            fs::read_to_string(&path).map_err(|source| FreezeError::Read { path, source })?;
+        Ok(self.kind.says_frozen(&text))
+    }
+
+    /// The processes in the cgroup.
+    pub fn tasks(&self) -> Result<Vec<u32>, FreezeError> {
+        let path = self.dir.join("cgroup.procs");
+        let text =
+            fs::read_to_string(&path).map_err(|source| FreezeError::Read { path, source })?;
+        Ok(parse_procs(&text))
+    }
+
+    /// SIGKILLs every process in the cgroup, frozen or not, so that none
+    /// runs another instruction of its own. On v2 a fatal signal reaches a
+    /// frozen task and nothing else is needed. On v1 it is held until the
+    /// task is thawed, so the cgroup is thawed *after* every task has its
+    /// SIGKILL pending: a task leaves the freezer inside the kernel, and a
+    /// pending SIGKILL is acted on before any return to user space, so it
+    /// dies without running. Frozen tasks cannot fork, so the list read
+    /// is all there is; should a task still be freezing (v1 `FREEZING`)
+    /// and fork in between, its child is in the instance's pid namespace,
+    /// which the kernel empties once its init (the program) is dead.
+    pub fn kill_all(&self) -> Result<(), FreezeError> {
+        for pid in self.tasks()? {
+            if let Ok(pid) = i32::try_from(pid) {
+                // Gone already is fine.
+                let _ = nix::sys::signal::kill(
+                    nix::unistd::Pid::from_raw(pid),
+                    nix::sys::signal::Signal::SIGKILL,
+                );
+            }
+        }
+        if self.kind.kill_needs_thaw() {
+            self.request(false)?;
+        }
+        Ok(())
+    }
 }
 
 #[cfg(test)]
@@ -571,15 +829,204 @@ mod tests {
                 memory: "/sys/fs/cgroup/memory/process_api/abc".into(),
                 pids: "/sys/fs/cgroup/pids".into(),
                 cpu: "/sys/fs/cgroup/cpu,cpuacct".into(),
+                freezer: None,
             }
         );
+        assert!(!layout.can_freeze(), "no v1 freezer mounted");
         assert_eq!(
             layout.parents("0123abcd"),
             Parents::V1 {
                 memory: "/sys/fs/cgroup/memory/process_api/abc/berth-0123abcd".into(),
                 pids: "/sys/fs/cgroup/pids/berth-0123abcd".into(),
                 cpu: "/sys/fs/cgroup/cpu,cpuacct/berth-0123abcd".into(),
+                freezer: None,
             }
+        );
+    }
+
+    #[test]
+    fn the_v1_freezer_is_used_when_mounted() {
+        let mountinfo = format!(
+            "{V1_MOUNTINFO}36 30 0:32 / /sys/fs/cgroup/freezer rw,nosuid - cgroup cgroup rw,freezer\n"
+        );
+        let own = format!("6:freezer:/ci\n{V1_SELF}");
+        let layout = detect(&mountinfo, &own, |_| None).unwrap();
+        assert!(layout.can_freeze());
+        let parents = layout.parents("id");
+        let Parents::V1 { freezer, .. } = &parents else {
+            panic!("{parents:?}")
+        };
+        assert_eq!(
+            freezer.as_deref(),
+            Some(Path::new("/sys/fs/cgroup/freezer/ci/berth-id"))
+        );
+        // The instance joins the freezer too, and leaves it on removal.
+        let cgroup = InstanceCgroup::new(parents.clone(), "alice.main.9".into());
+        assert_eq!(cgroup.dirs().len(), 4);
+        assert!(
+            cgroup
+                .procs_files()
+                .contains(&"/sys/fs/cgroup/freezer/ci/berth-id/alice.main.9/cgroup.procs".into())
+        );
+        // Specs written before the freezer existed still read.
+        let old: Parents =
+            serde_json::from_str(r#"{"version":"v1","memory":"/m","pids":"/p","cpu":"/c"}"#)
+                .unwrap();
+        assert_eq!(old.dirs().len(), 3);
+    }
+
+    #[test]
+    fn the_freeze_mechanism_follows_the_cgroup() {
+        // No cgroup (levels none and user): the process group.
+        assert_eq!(
+            FreezeMechanism::for_instance(None),
+            FreezeMechanism::ProcessGroupSignal
+        );
+        let v1 = |freezer: Option<&str>| Parents::V1 {
+            memory: "/m".into(),
+            pids: "/p".into(),
+            cpu: "/c".into(),
+            freezer: freezer.map(PathBuf::from),
+        };
+        let leaf = |parents| InstanceCgroup::new(parents, "a.main.1".into());
+        assert_eq!(
+            FreezeMechanism::for_instance(Some(&leaf(v1(None)))),
+            FreezeMechanism::ProcessGroupSignal,
+            "a v1 host without the freezer controller"
+        );
+        assert_eq!(
+            FreezeMechanism::for_instance(Some(&leaf(v1(Some("/f"))))),
+            FreezeMechanism::Cgroup(CgroupFreezer {
+                kind: FreezerKind::V1,
+                dir: "/f/a.main.1".into()
+            })
+        );
+        assert_eq!(
+            FreezeMechanism::for_instance(Some(&leaf(Parents::V2 {
+                parent: "/u/berth-x".into()
+            }))),
+            FreezeMechanism::Cgroup(CgroupFreezer {
+                kind: FreezerKind::V2,
+                dir: "/u/berth-x/a.main.1".into()
+            })
+        );
+    }
+
+    #[test]
+    fn freezer_files_and_states_per_version() {
+        use FreezerKind::{V1, V2};
+        assert_eq!(V1.request(true), ("freezer.state", "FROZEN"));
+        assert_eq!(V1.request(false), ("freezer.state", "THAWED"));
+        assert_eq!(V2.request(true), ("cgroup.freeze", "1"));
+        assert_eq!(V2.request(false), ("cgroup.freeze", "0"));
+        assert!(V1.says_frozen("FROZEN\n"));
+        assert!(!V1.says_frozen("FREEZING\n"), "some tasks still run");
+        assert!(!V1.says_frozen("THAWED\n"));
+        assert!(V2.says_frozen("populated 1\nfrozen 1\n"));
+        assert!(!V2.says_frozen("populated 1\nfrozen 0\n"));
+        assert!(V1.kill_needs_thaw() && !V2.kill_needs_thaw());
+        assert_eq!(parse_procs("12\n345\n\n"), vec![12, 345]);
+        assert_eq!(shim_pid_of_leaf("alice.main.4242"), Some(4242));
+        assert_eq!(shim_pid_of_leaf("u.x.main.77"), Some(77));
+        assert_eq!(shim_pid_of_leaf("berth-supervisor"), None);
+    }
+
+    /// The real v2 freezer, where this host has one (root, a cgroup2
+    /// mount): a frozen task is confirmed frozen, and `kill_all` ends it
+    /// without a thaw.
+    #[test]
+    fn the_real_v2_freezer_freezes_and_kills_a_frozen_task() {
+        let mountinfo = fs::read_to_string("/proc/self/mountinfo").unwrap();
+        let v2 = parse_mountinfo(&mountinfo)
+            .into_iter()
+            .find(|m| m.fstype == "cgroup2");
+        let Some(v2) = v2.filter(|_| nix::unistd::geteuid().is_root()) else {
+            println!("SKIPPED: needs root and a cgroup2 mount");
+            return;
+        };
+        let dir = v2
+            .point
+            .join(format!("berth-freezer-test-{}", std::process::id()));
+        fs::create_dir(&dir).unwrap();
+        let freezer = CgroupFreezer {
+            kind: FreezerKind::V2,
+            dir: dir.clone(),
+        };
+        let mut child = std::process::Command::new("sleep")
+            .arg("1000")
+            .spawn()
+            .unwrap();
+        fs::write(dir.join("cgroup.procs"), child.id().to_string()).unwrap();
+        assert_eq!(freezer.tasks().unwrap(), vec![child.id()]);
+        freezer.request(true).unwrap();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while !freezer.is_frozen().unwrap() {
+            assert!(std::time::Instant::now() < deadline, "never frozen");
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        freezer.kill_all().unwrap();
+        let status = loop {
+            if let Some(status) = child.try_wait().unwrap() {
+                break status;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "a frozen task outlived SIGKILL"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        };
+        use std::os::unix::process::ExitStatusExt;
+        assert_eq!(status.signal(), Some(nix::libc::SIGKILL));
+        assert_eq!(
+            fs::read_to_string(dir.join("cgroup.freeze"))
+                .unwrap()
+                .trim(),
+            "1",
+            "killed, never thawed"
+        );
+        let failed = InstanceCgroup::new(
+            Parents::V2 {
+                parent: v2.point.clone(),
+            },
+            dir.file_name().unwrap().to_string_lossy().into_owned(),
+        )
+        .remove();
+        assert!(failed.is_empty(), "{failed:?}");
+    }
+
+    /// The v2 freezer against a fake tree: the files it writes and reads,
+    /// and the typed error when the freezer file cannot be written.
+    #[test]
+    fn the_v2_freezer_against_a_fake_tree() {
+        let tmp = tempfile::tempdir().unwrap();
+        let freezer = CgroupFreezer {
+            kind: FreezerKind::V2,
+            dir: tmp.path().join("leaf"),
+        };
+        let err = freezer.request(true).unwrap_err();
+        assert!(matches!(err, FreezeError::Write { .. }));
+        assert!(
+            err.to_string().starts_with(&format!(
+                "cannot write \"1\" to the cgroup freezer {}/cgroup.freeze: ",
+                freezer.dir.display()
+            )),
+            "{err}"
+        );
+        fs::create_dir(&freezer.dir).unwrap();
+        fs::write(freezer.dir.join("cgroup.freeze"), "0").unwrap();
+        fs::write(freezer.dir.join("cgroup.events"), "populated 1\nfrozen 0\n").unwrap();
+        freezer.request(true).unwrap();
+        assert_eq!(
+            fs::read_to_string(freezer.dir.join("cgroup.freeze")).unwrap(),
+            "1"
+        );
+        assert!(!freezer.is_frozen().unwrap());
+        fs::write(freezer.dir.join("cgroup.events"), "populated 1\nfrozen 1\n").unwrap();
+        assert!(freezer.is_frozen().unwrap());
+        freezer.request(false).unwrap();
+        assert_eq!(
+            fs::read_to_string(freezer.dir.join("cgroup.freeze")).unwrap(),
+            "0"
         );
     }
 

@@ -232,6 +232,13 @@ impl Isolator {
             cgroup::prepare_parents(&layout, &parents, std::process::id())?;
             tracing::info!(version = layout.version(), parents = ?parents.dirs(),
                 "instance cgroups");
+            if !layout.can_freeze() {
+                tracing::warn!(
+                    "the cgroup v1 freezer controller is not mounted: sandboxed instances are \
+                     frozen (hibernation, fencing) by SIGSTOP to their process group, which a \
+                     process that leaves the group escapes"
+                );
+            }
             Some(parents)
         } else {
             None

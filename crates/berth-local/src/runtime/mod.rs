@@ -25,7 +25,7 @@ mod spec;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::ops::RangeInclusive;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
@@ -603,7 +603,14 @@ impl Runtime for LocalRuntime {
                 .flat_map(|state| state.cgroup.iter())
                 .filter_map(|d| Some(d.file_name()?.to_string_lossy().into_owned()))
                 .collect();
-            for (dir, e) in crate::isolation::cgroup::remove_stale(parents, &keep) {
+            let parents = parents.clone();
+            // A shim's pid, read from its cgroup's name: a pid reused since
+            // counts as alive, which only leaves its cgroup in place.
+            let shim_alive = |pid: u32| Path::new(&format!("/proc/{pid}")).exists();
+            let removal = tokio::task::spawn_blocking(move || {
+                crate::isolation::cgroup::remove_stale(&parents, &keep, shim_alive)
+            });
+            for (dir, e) in removal.await.unwrap_or_default() {
                 tracing::warn!(dir = %dir.display(), error = %e, "a stale instance cgroup remains");
             }
         }

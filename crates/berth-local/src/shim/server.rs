@@ -25,7 +25,7 @@ use super::output::{self, StderrTail, Stream};
 use super::protocol::{ExitInfo, ShimCommand, ShimEvent, ShimSpec, ShimState, SpawnReport};
 use super::{procfs, state_file};
 use crate::isolation::access::may_execute;
-use crate::isolation::cgroup::InstanceCgroup;
+use crate::isolation::cgroup::{FreezeMechanism, InstanceCgroup};
 use crate::isolation::child::{self, ChildPlan, ShimEnds};
 use crate::isolation::fsafe;
 
@@ -41,6 +41,13 @@ const FAREWELL_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// Events a slow client may fall behind by before it is disconnected.
 const EVENT_BACKLOG: usize = 256;
+
+/// How long a freeze waits for the cgroup to say every task is frozen
+/// before it reports `Frozen` anyway (the request stays in place).
+const FREEZE_CONFIRM: Duration = Duration::from_secs(1);
+
+/// How often the cgroup's freezer state is read while a freeze settles.
+const FREEZE_POLL: Duration = Duration::from_millis(2);
 
 /// Runs one shim in a process the zygote has just forked, whose stdout is
 /// the pipe berth reads the [`SpawnReport`] from. `ready_regex` is
@@ -593,6 +600,11 @@ struct Shim {
     fencing: bool,
     state: ShimState,
     pgid: Pid,
+    /// The cgroup freezer where the program has one, else its group.
+    freeze_by: FreezeMechanism,
+    /// Whether the group was sent SIGSTOP by the last freeze (the cgroup
+    /// freezer could not be written), so the thaw sends SIGCONT.
+    stopped_by_signal: bool,
     events: broadcast::Sender<Arc<str>>,
     tail: Arc<Mutex<StderrTail>>,
 }
@@ -632,18 +644,79 @@ impl Shim {
         }
     }
 
-    fn freeze(&mut self) {
-        self.signal_group(Signal::SIGSTOP);
+    /// Freezes the program: through its cgroup where it has one (every
+    /// process of the instance, whatever its session or group), else by
+    /// SIGSTOP to its process group. `Frozen` is reported once the cgroup
+    /// says so, or after [`FREEZE_CONFIRM`]: the request stays in place,
+    /// and a task not frozen yet (in an uninterruptible sleep) freezes
+    /// before it returns to user space.
+    async fn freeze(&mut self) {
+        self.stopped_by_signal = false;
+        match &self.freeze_by {
+            FreezeMechanism::Cgroup(freezer) => match freezer.request(true) {
+                Ok(()) => {
+                    let deadline = Instant::now() + FREEZE_CONFIRM;
+                    loop {
+                        match freezer.is_frozen() {
+                            Ok(true) => break,
+                            Ok(false) if Instant::now() < deadline => {
+                                tokio::time::sleep(FREEZE_POLL).await;
+                            }
+                            Ok(false) => {
+                                diag!("cgroup not frozen after {FREEZE_CONFIRM:?}; still freezing");
+                                break;
+                            }
+                            Err(e) => {
+                                diag!("{e}");
+                                break;
+                            }
+                        }
+                    }
+                }
+                Err(e) => {
+                    // Never less than a freeze by signal.
+                    diag!("{e}; freezing the process group with SIGSTOP instead");
+                    self.signal_group(Signal::SIGSTOP);
+                    self.stopped_by_signal = true;
+                }
+            },
+            FreezeMechanism::ProcessGroupSignal => {
+                self.signal_group(Signal::SIGSTOP);
+                self.stopped_by_signal = true;
+            }
+        }
         self.state.frozen = true;
         self.save();
         self.emit(&ShimEvent::Frozen);
     }
 
     fn thaw(&mut self) {
-        self.signal_group(Signal::SIGCONT);
+        if let FreezeMechanism::Cgroup(freezer) = &self.freeze_by
+            && let Err(e) = freezer.request(false)
+        {
+            diag!("{e}");
+        }
+        if self.stopped_by_signal || matches!(self.freeze_by, FreezeMechanism::ProcessGroupSignal) {
+            self.signal_group(Signal::SIGCONT);
+        }
+        self.stopped_by_signal = false;
         self.state.frozen = false;
         self.save();
         self.emit(&ShimEvent::Thawed);
+    }
+
+    /// SIGKILL to the program's group and, where it has a cgroup, to every
+    /// process in it: a stopped group dies of SIGKILL, and so does a
+    /// frozen cgroup (on v1 only once thawed, which `kill_all` does after
+    /// the kills, so nothing runs in between). A frozen program is killed,
+    /// never thawed to be stopped.
+    fn kill_all(&self) {
+        self.signal_group(Signal::SIGKILL);
+        if let FreezeMechanism::Cgroup(freezer) = &self.freeze_by
+            && let Err(e) = freezer.kill_all()
+        {
+            diag!("{e}");
+        }
     }
 
     fn ready(&mut self, token: Option<String>) {
@@ -653,7 +726,7 @@ impl Shim {
         self.emit(&ShimEvent::Ready { token });
     }
 
-    fn command(
+    async fn command(
         &mut self,
         command: ShimCommand,
         fence: &mut Option<Instant>,
@@ -666,15 +739,15 @@ impl Shim {
                 // that flushes on SIGTERM would write as a stale holder.
                 // SIGKILL ends a stopped group without running it.
                 diag!("stop of a frozen program: killing it without a thaw");
-                self.signal_group(Signal::SIGKILL);
+                self.kill_all();
             }
             ShimCommand::Stop { grace_ms } => {
                 self.signal_group(Signal::SIGTERM);
                 let at = deadline_after(grace_ms);
                 *kill_at = Some(kill_at.map_or(at, |k| k.min(at)));
             }
-            ShimCommand::Kill => self.signal_group(Signal::SIGKILL),
-            ShimCommand::Freeze => self.freeze(),
+            ShimCommand::Kill => self.kill_all(),
+            ShimCommand::Freeze => self.freeze().await,
             ShimCommand::Thaw => self.thaw(),
             ShimCommand::Extend { ms } => {
                 // Deliberately no thaw: only berth knows whether the lease
@@ -768,6 +841,8 @@ async fn supervise(spec: ShimSpec, started: Started) -> i32 {
         state_path: spec.state_path.clone(),
         fencing: spec.fence_ms.is_some(),
         pgid: pid_of(state.pid),
+        freeze_by: FreezeMechanism::for_instance(cgroup.as_ref()),
+        stopped_by_signal: false,
         state,
         events,
         tail,
@@ -807,17 +882,17 @@ async fn supervise(spec: ShimSpec, started: Started) -> i32 {
                     tokio::time::sleep(Duration::from_millis(100)).await;
                 }
             },
-            Some(command) = cmd_rx.recv() => shim.command(command, &mut fence, &mut kill_at),
+            Some(command) = cmd_rx.recv() => shim.command(command, &mut fence, &mut kill_at).await,
             () = sleep_until_opt(fence) => {
                 fence = None;
                 diag!("fence deadline passed; freezing the program");
                 if !shim.state.frozen {
-                    shim.freeze();
+                    shim.freeze().await;
                 }
             }
             () = sleep_until_opt(kill_at) => {
                 kill_at = None;
-                shim.signal_group(Signal::SIGKILL);
+                shim.kill_all();
             }
             Some(_) = clients.join_next(), if !clients.is_empty() => {}
         }
@@ -825,7 +900,7 @@ async fn supervise(spec: ShimSpec, started: Started) -> i32 {
 
     // Never leave orphans: whatever the program started goes with it. Its
     // pid is reaped, but the group id cannot be reused while members live.
-    shim.signal_group(Signal::SIGKILL);
+    shim.kill_all();
     if tokio::time::timeout(DRAIN_TIMEOUT, &mut logger)
         .await
         .is_err()

@@ -149,6 +149,25 @@ pub fn remove_isolation_leftovers(data_dir: &Path) {
     let Ok(own) = std::fs::read_to_string("/proc/self/cgroup") else {
         return;
     };
+    // A program frozen by the v1 freezer takes the SIGKILL of its shim's
+    // death only once thawed: kill and thaw every leaf before removing any.
+    if let Some(path) = own
+        .lines()
+        .find_map(|l| l.split_once(":freezer:").map(|(_, p)| p))
+    {
+        let dir = Path::new("/sys/fs/cgroup/freezer")
+            .join(path.trim_start_matches('/'))
+            .join(&parent);
+        for leaf in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
+            let freezer = berth_local::isolation::cgroup::CgroupFreezer {
+                kind: berth_local::isolation::cgroup::FreezerKind::V1,
+                dir: leaf.path(),
+            };
+            if leaf.file_type().is_ok_and(|t| t.is_dir()) {
+                let _ = freezer.kill_all();
+            }
+        }
+    }
     for line in own.lines() {
         let mut fields = line.splitn(3, ':');
         let (Some(_), Some(controllers), Some(path)) =
