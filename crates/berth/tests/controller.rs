@@ -1326,11 +1326,15 @@ async fn logs_are_followed_as_they_grow() {
 /// The fencing hole (issue 10): a main frozen because its lease could not
 /// be proven is never thawed to be stopped. Its TERM handler, which
 /// "flushes state", must not run: the lease may be another node's by then.
-/// Asked to stop, it is killed while frozen.
+/// Asked to stop, it is killed while frozen. The shell only waits once
+/// ready: one that keeps starting commands may be frozen mid-`vfork` and
+/// then waits in state `D`, not `T`, until the thaw (see
+/// `tests/shim.rs`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_frozen_main_is_stopped_without_running_again() {
     let env = Env::new().await;
-    let script = r#"trap 'echo flushed >> "$HOME/term"; exit 0' TERM; echo ready; while :; do sleep 0.05; done"#;
+    let script =
+        r#"trap 'echo flushed >> "$HOME/term"; exit 0' TERM; sleep 1000 & echo ready; wait"#;
     let config = env.config(21200, sh(script), token_regex("^ready$"));
     let (spawner, flaky) = start_with_failable_renews(&env, config).await;
     let (xia, yan) = (user("xia"), user("yan"));
