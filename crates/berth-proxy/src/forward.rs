@@ -19,7 +19,10 @@
 //!   a raw byte tunnel once both sides have switched protocols; at most
 //!   `max_upgrades` long-lived streams exist at a time, and at most
 //!   `max_upgrades_per_user` for one user ([`StreamLimits`], which the
-//!   API's progress and log streams share).
+//!   API's progress and log streams share). What the client sends through
+//!   a WebSocket is activity only in data frames ([`ClientFrames`]: a
+//!   browser's automatic pongs are not the user's); through any other
+//!   upgrade, every byte is.
 //! * A request body that falls behind its pace ([`crate::pace`]) fails the
 //!   exchange with `408 request_timeout`, and the client connection closes.
 
@@ -49,6 +52,7 @@ use crate::limits::{StreamLimits, StreamPermit, StreamRefused};
 use crate::pace::{BodyPace, BodyTooSlow, PacedBody};
 use crate::pool::{Conn, ForwardedBody, Pool};
 use crate::respond::{self, ProxyBody};
+use crate::ws_activity::ClientFrames;
 
 /// The body sent upstream: the client's as it is (no body to read, as for
 /// a GET), the client's paced ([`crate::pace`]; boxed, so that the common
@@ -374,7 +378,15 @@ impl Forwarder {
         if let (true, Some(client_upgrade), Some(permit)) = (switched, client_upgrade, upgrade_slot)
         {
             let upstream_upgrade = hyper::upgrade::on(&mut response);
-            self.spawn_tunnel(client_upgrade, upstream_upgrade, permit, to.user.clone());
+            // The protocol switched to is the one the answer names.
+            let websocket = upgrades_to_websocket(response.headers());
+            self.spawn_tunnel(
+                client_upgrade,
+                upstream_upgrade,
+                permit,
+                to.user.clone(),
+                websocket,
+            );
         }
         strip_hop_by_hop(response.headers_mut(), switched);
         if switched {
@@ -535,6 +547,7 @@ impl Forwarder {
         upstream: hyper::upgrade::OnUpgrade,
         permit: StreamPermit,
         user: Arc<UserId>,
+        websocket: bool,
     ) {
         let spawner = self.spawner.clone();
         let cancel = self.cancel.clone();
@@ -551,14 +564,18 @@ impl Forwarder {
                     }
                 };
                 // What the client sends is activity, and wakes a hibernated
-                // instance; what the instance sends counts only if so
-                // configured (design §4.5).
+                // instance (on a WebSocket, its data frames only); what the
+                // instance sends counts only if so configured (design
+                // §4.5).
                 let mut client = Touching::new(
                     TokioIo::new(client),
                     spawner.clone(),
                     user.clone(),
                     Reads::Wake(tasks),
                 );
+                if websocket {
+                    client.frames = Some(ClientFrames::new());
+                }
                 let upstream_reads = if server_counts {
                     Reads::Touch
                 } else {
@@ -716,6 +733,16 @@ pub fn wants_upgrade(headers: &HeaderMap) -> bool {
             .any(|t| t.trim().eq_ignore_ascii_case("upgrade"))
 }
 
+/// `Upgrade: websocket` (a token of the list, in any case).
+pub fn upgrades_to_websocket(headers: &HeaderMap) -> bool {
+    headers
+        .get_all(header::UPGRADE)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .any(|t| t.trim().eq_ignore_ascii_case("websocket"))
+}
+
 /// Removes hop-by-hop headers: the fixed set and every header `Connection`
 /// names. With `keep_upgrade`, `Upgrade` survives (the caller sets
 /// `Connection: upgrade` again).
@@ -866,6 +893,9 @@ struct Touching<T> {
     user: Arc<UserId>,
     reads: Reads,
     last_touch: Option<Instant>,
+    /// A WebSocket client's frames: only reads that carry data frames are
+    /// activity. `None`: every read is.
+    frames: Option<ClientFrames>,
 }
 
 impl<T> Touching<T> {
@@ -876,6 +906,7 @@ impl<T> Touching<T> {
             user,
             reads,
             last_touch: None,
+            frames: None,
         }
     }
 
@@ -913,7 +944,20 @@ impl<T: AsyncRead + Unpin> AsyncRead for Touching<T> {
         let before = buf.filled().len();
         let result = Pin::new(&mut this.io).poll_read(cx, buf);
         if matches!(result, Poll::Ready(Ok(()))) && buf.filled().len() > before {
-            this.report();
+            let active = match &mut this.frames {
+                Some(frames) => {
+                    let was_opaque = frames.is_opaque();
+                    let active = frames.feed(&buf.filled()[before..]);
+                    if frames.is_opaque() && !was_opaque {
+                        tracing::debug!(user = %this.user, "unreadable WebSocket frames; every byte is activity now");
+                    }
+                    active
+                }
+                None => true,
+            };
+            if active {
+                this.report();
+            }
         }
         result
     }
@@ -1011,6 +1055,22 @@ mod tests {
         assert_eq!(h[header::CONNECTION], "upgrade");
         assert!(!wants_upgrade(&headers(&[("upgrade", "websocket")])));
         assert!(!wants_upgrade(&headers(&[("connection", "upgrade")])));
+    }
+
+    #[test]
+    fn websocket_upgrades_are_told_from_others() {
+        assert!(upgrades_to_websocket(&headers(&[("upgrade", "websocket")])));
+        assert!(upgrades_to_websocket(&headers(&[("upgrade", "WebSocket")])));
+        assert!(upgrades_to_websocket(&headers(&[(
+            "upgrade",
+            "foo, websocket"
+        )])));
+        assert!(!upgrades_to_websocket(&headers(&[("upgrade", "h2c")])));
+        assert!(!upgrades_to_websocket(&headers(&[(
+            "upgrade",
+            "websockets"
+        )])));
+        assert!(!upgrades_to_websocket(&headers(&[])));
     }
 
     #[test]

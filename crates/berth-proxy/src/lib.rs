@@ -12,7 +12,8 @@
 //! 3. [`wake`] starts a missing instance and waits for it (or shows a
 //!    browser the "starting" page);
 //! 4. [`forward`] streams the request to the instance and the answer back,
-//!    tunnelling WebSockets.
+//!    tunnelling WebSockets (of which only the client's data frames are
+//!    activity: [`ws_activity`]).
 //!
 //! [`server::serve`] accepts connections, applies connection-level limits
 //! ([`limits`]: connections per client address and in all; [`pace`]: how
@@ -69,6 +70,7 @@ pub mod respond;
 pub mod route;
 pub mod server;
 pub mod wake;
+pub mod ws_activity;
 
 pub use metrics::ProxyMetrics;
 pub use pace::{BodyPace, BodyTooSlow, PacedBody};

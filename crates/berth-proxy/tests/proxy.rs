@@ -625,6 +625,55 @@ async fn websockets_are_tunnelled_and_capped() {
     assert_eq!(again.next().await.unwrap().unwrap(), Message::text("again"));
 }
 
+/// Touches of alice while an open WebSocket through the proxy sends
+/// `frames` (after its handshake, which is activity of its own).
+async fn touches_for(h: &Harness, frames: Vec<Message>) -> usize {
+    let free = h.proxy.free_upgrades();
+    let mut ws = websocket(h.addr, "/u/alice/ws", ALICE).await.unwrap();
+    let before = h.spawner.touches("alice");
+    for frame in frames {
+        ws.send(frame).await.unwrap();
+    }
+    // The answer to a ping sent last: by then the tunnel has read (and
+    // counted) everything sent before it.
+    ws.send(Message::Ping("sync".into())).await.unwrap();
+    loop {
+        match ws.next().await.unwrap().unwrap() {
+            Message::Pong(sync) if sync.as_ref() == b"sync" => break,
+            _ => {}
+        }
+    }
+    let touches = h.spawner.touches("alice") - before;
+    ws.close(None).await.unwrap();
+    while let Some(Ok(_)) = ws.next().await {}
+    drop(ws);
+    eventually("the tunnel ended", || async {
+        (h.proxy.free_upgrades() == free).then_some(())
+    })
+    .await;
+    touches
+}
+
+#[tokio::test]
+async fn a_websocket_clients_pongs_and_pings_are_not_activity_its_messages_are() {
+    let h = Harness::start(|_, _| {}).await;
+    h.spawner.run("alice");
+    // What a browser sends on its own in a tab that only receives.
+    let pongs = (0..20)
+        .map(|i| Message::Pong(format!("{i}").into_bytes().into()))
+        .collect();
+    assert_eq!(touches_for(&h, pongs).await, 0, "pongs are not activity");
+    assert_eq!(touches_for(&h, vec![]).await, 0, "nor is a ping");
+    // Data frames are, text or binary (one touch a second at most).
+    let text = vec![Message::text("typed")];
+    assert!(touches_for(&h, text).await >= 1, "a message is activity");
+    let binary = vec![
+        Message::Pong(Vec::new().into()),
+        Message::binary(vec![7u8; 70_000]),
+    ];
+    assert!(touches_for(&h, binary).await >= 1, "so is a binary one");
+}
+
 async fn websocket(
     addr: SocketAddr,
     path: &str,

@@ -10,7 +10,9 @@
 //! next to one of its own, `…/counter` counts the requests it has
 //! answered in memory (`{"count": N, "pid": P}`: state that a hibernation
 //! keeps and a restart loses), `…/ticks` is a WebSocket on which the app
-//! sends a message every 200 ms (a tab that only receives), and any other
+//! sends a message every 200 ms (a tab that only receives; with
+//! `?ping_ms=M` it also pings every M ms, as Jupyter Server does, and each
+//! tick says how many pongs came back: `tick N pongs P`), and any other
 //! GET is the HTML page.
 //!
 //! With `--echo` (or `BERTH_DEMO_ECHO=1` in its environment, which an
@@ -189,11 +191,15 @@ async fn handle(page: Arc<Page>, req: Request) -> Response {
     if page.never_ready {
         return (StatusCode::SERVICE_UNAVAILABLE, "not ready\n").into_response();
     }
-    let n = query_n(req.uri().query());
+    let n = query_u64(req.uri().query(), "n");
     let last = last_segment(req.uri().path(), &page.base_path).to_owned();
     match (req.method().clone(), last.as_str()) {
         (Method::GET, "ws") => websocket(req, echo).await,
-        (Method::GET, "ticks") => websocket(req, ticks).await,
+        (Method::GET, "ticks") => {
+            let ping_every =
+                query_u64(req.uri().query(), "ping_ms").map(|ms| Duration::from_millis(ms.max(1)));
+            websocket(req, move |socket| ticks(socket, ping_every)).await
+        }
         (Method::GET | Method::POST, "counter") => {
             let count = page
                 .counter
@@ -226,10 +232,11 @@ fn last_segment<'a>(path: &'a str, base_path: &str) -> &'a str {
     relative.rsplit('/').next().unwrap_or_default()
 }
 
-fn query_n(query: Option<&str>) -> Option<u64> {
+/// The query parameter `name` as a number.
+fn query_u64(query: Option<&str>, name: &str) -> Option<u64> {
     query?
         .split('&')
-        .find_map(|pair| pair.strip_prefix("n="))
+        .find_map(|pair| pair.strip_prefix(name)?.strip_prefix('='))
         .and_then(|v| v.parse().ok())
 }
 
@@ -245,16 +252,40 @@ where
     }
 }
 
-/// Sends `tick N` every 200 ms until the client goes away.
-async fn ticks(mut socket: WebSocket) {
+/// Sends `tick N` every 200 ms until the client goes away. With
+/// `ping_every`, also pings at that pace and counts the pongs that come
+/// back (`tick N pongs P`): the proof that a client answered them.
+async fn ticks(mut socket: WebSocket, ping_every: Option<Duration>) {
     let mut every = tokio::time::interval(Duration::from_millis(200));
-    for n in 0u64.. {
-        every.tick().await;
-        if socket
-            .send(Message::Text(format!("tick {n}").into()))
-            .await
-            .is_err()
-        {
+    // Without pings, a timer whose branch is off.
+    let mut pings = tokio::time::interval(ping_every.unwrap_or(Duration::from_secs(3600)));
+    pings.reset();
+    let mut pongs = 0u64;
+    let mut n = 0u64;
+    loop {
+        let sent = tokio::select! {
+            received = socket.recv() => match received {
+                Some(Ok(Message::Pong(_))) => {
+                    pongs += 1;
+                    Ok(())
+                }
+                Some(Ok(_)) => Ok(()),
+                // Gone.
+                None | Some(Err(_)) => break,
+            },
+            _ = every.tick() => {
+                let text = match ping_every {
+                    Some(_) => format!("tick {n} pongs {pongs}"),
+                    None => format!("tick {n}"),
+                };
+                n += 1;
+                socket.send(Message::Text(text.into())).await
+            }
+            _ = pings.tick(), if ping_every.is_some() => {
+                socket.send(Message::Ping(Bytes::from_static(b"demo"))).await
+            }
+        };
+        if sent.is_err() {
             break;
         }
     }
@@ -458,8 +489,10 @@ mod tests {
 
     #[test]
     fn n_is_read_from_the_query() {
-        assert_eq!(query_n(Some("a=1&n=42")), Some(42));
-        assert_eq!(query_n(Some("n=x")), None);
-        assert_eq!(query_n(None), None);
+        assert_eq!(query_u64(Some("a=1&n=42"), "n"), Some(42));
+        assert_eq!(query_u64(Some("n=x"), "n"), None);
+        assert_eq!(query_u64(None, "n"), None);
+        assert_eq!(query_u64(Some("nn=3&ping_ms=200"), "n"), None);
+        assert_eq!(query_u64(Some("nn=3&ping_ms=200"), "ping_ms"), Some(200));
     }
 }

@@ -438,3 +438,59 @@ async fn the_pre_stop_hook_runs_before_a_stop() {
     assert_eq!(log, "pre_stop alice flushed\n");
     assert_eq!(node.status_of("alice").await, "stopped");
 }
+
+/// What a browser does in a background tab of a Jupyter-like app: it
+/// only reads, but answers every server ping with a pong on its own. The
+/// pongs are the WebSocket's, not the user's: alice still hibernates.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_tab_that_only_answers_pings_lets_alice_sleep() {
+    let dir = tempfile::tempdir().unwrap();
+    let node = Node::start(dir.path(), &config(15, "", ""));
+    let mut request = format!("ws://{}/u/alice/ticks?ping_ms=200", addr(&node))
+        .into_client_request()
+        .unwrap();
+    request.headers_mut().insert(
+        "authorization",
+        format!("Bearer {}", node.token).parse().unwrap(),
+    );
+    let stream = TcpStream::connect(addr(&node)).await.unwrap();
+    let (mut ticks, _) = tokio_tungstenite::client_async(request, stream)
+        .await
+        .expect("the WebSocket handshake goes through berth");
+    // The client only reads; tungstenite answers each ping as it reads
+    // (a pong every 200 ms, ten times per hibernate_after). The app
+    // reports the pongs it got in each tick: "tick N pongs P".
+    let (pongs_tx, pongs) = tokio::sync::watch::channel(0u64);
+    let (pings_tx, pings) = tokio::sync::watch::channel(0u64);
+    let reader = tokio::spawn(async move {
+        while let Some(Ok(message)) = ticks.next().await {
+            match message {
+                Message::Ping(_) => pings_tx.send_modify(|n| *n += 1),
+                Message::Text(text) => {
+                    let reported = text
+                        .rsplit_once(" pongs ")
+                        .and_then(|(_, p)| p.parse().ok())
+                        .expect("ticks report pongs");
+                    pongs_tx.send_replace(reported);
+                }
+                _ => {}
+            }
+        }
+    });
+    status_is(&node, "alice", "hibernated").await;
+    frozen_pids(&node, "alice").await;
+    // The app was pinging all along (every 200 ms for at least
+    // hibernate_after), and the pongs reached it through berth: the last
+    // tick before the freeze counted at least half as many as this client
+    // had seen pings.
+    let pings_seen = *pings.borrow();
+    let pongs_seen = *pongs.borrow();
+    assert!(pings_seen >= 5, "{pings_seen} pings in over 2 s");
+    assert!(
+        pongs_seen >= pings_seen / 2,
+        "{pongs_seen} pongs reached the app, {pings_seen} pings"
+    );
+    // Frozen, the app sends nothing more, and the socket stays open.
+    assert!(!reader.is_finished(), "the WebSocket is still open");
+    reader.abort();
+}
