@@ -413,6 +413,36 @@ impl Node {
         .await
     }
 
+    /// `/metrics` as text, read with the admin token.
+    ///
+    /// # Panics
+    ///
+    /// When the node does not answer.
+    pub async fn metrics_text(&self) -> String {
+        self.http
+            .get(format!("{}/metrics", self.url))
+            .bearer_auth(&self.token)
+            .send()
+            .await
+            .expect("GET /metrics")
+            .text()
+            .await
+            .expect("the body of /metrics")
+    }
+
+    /// The value of the sample named exactly `sample` (labels included,
+    /// if it has any) in `/metrics`, or `None` when there is none.
+    pub async fn metric(&self, sample: &str) -> Option<f64> {
+        self.metrics_text()
+            .await
+            .lines()
+            .filter(|l| !l.starts_with('#'))
+            .find_map(|l| {
+                let (name, value) = l.rsplit_once(' ')?;
+                (name == sample).then(|| value.parse().ok())?
+            })
+    }
+
     /// The status of the user's main, or `"none"`.
     pub async fn status_of(&self, user: &str) -> String {
         self.main_of(user).await["status"]

@@ -607,17 +607,7 @@ async fn with_evidence_a_dead_holders_users_are_relaunched_elsewhere() {
     if nix::unistd::geteuid().is_root() {
         assert_ne!(account, 0, "as root, the instance runs under an account");
     }
-    let text = b
-        .http
-        .get(format!("{}/metrics", b.url))
-        .bearer_auth(&b.token)
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
-    assert!(text.contains("berth_failovers_total 1"), "{text}");
+    assert_eq!(b.metric("berth_failovers_total").await, Some(1.0));
 }
 
 /// A GET of `user`'s app sent to `node` the way another node forwards it:

@@ -1295,27 +1295,6 @@ async fn recovered(
 
 // --- hibernation and fencing: two reasons to be frozen (issue 13) -----------
 
-/// The value of the series of `node` whose name ends with `suffix`.
-async fn metric_of(node: &Node, suffix: &str) -> f64 {
-    let text = node
-        .http
-        .get(format!("{}/metrics", node.url))
-        .bearer_auth(&node.token)
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
-    text.lines()
-        .filter(|l| !l.starts_with('#'))
-        .find_map(|l| {
-            let (name, value) = l.split_once(' ')?;
-            name.ends_with(suffix).then(|| value.parse().ok())?
-        })
-        .unwrap_or(0.0)
-}
-
 /// alice is hibernated on node-a (asked through node-b: it reaches the
 /// owner). node-a is then cut from the database past `fence_after`, so the
 /// fence freezes her too, and heals: its renews succeed again under the
@@ -1367,10 +1346,18 @@ async fn a_fenced_then_recovered_node_keeps_a_hibernated_instance_frozen_until_a
     let lines = dirs.lines_of("alice", epoch);
 
     // Cut past fence_after: node-a fences (freezing what is frozen already).
-    let fenced = metric_of(&nodes[0], "_fenced_instances_total").await;
+    let fenced = nodes[0]
+        .metric("berth_fenced_instances_total")
+        .await
+        .unwrap_or(0.0);
     relay.cut();
     eventually(LONG, "node-a fences alice", || async {
-        (metric_of(&nodes[0], "_fenced_instances_total").await > fenced).then_some(())
+        (nodes[0]
+            .metric("berth_fenced_instances_total")
+            .await
+            .unwrap_or(0.0)
+            > fenced)
+            .then_some(())
     })
     .await;
     relay.heal();

@@ -128,28 +128,6 @@ async fn two_renews(node: &Node, user: &str) {
     }
 }
 
-/// The value of the one series whose name ends with `suffix` (so the test
-/// holds whatever prefix the registry gives berth's series).
-async fn metric(node: &Node, name: &str) -> f64 {
-    let text = node
-        .http
-        .get(format!("{}/metrics", node.url))
-        .bearer_auth(&node.token)
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
-    text.lines()
-        .filter(|l| !l.starts_with('#'))
-        .find_map(|l| {
-            let (sample, value) = l.split_once(' ')?;
-            (sample == name).then(|| value.parse().ok())?
-        })
-        .unwrap_or_else(|| panic!("no {name} in\n{text}"))
-}
-
 #[tokio::test(flavor = "multi_thread")]
 async fn an_idle_instance_hibernates_and_resumes_where_it_left_off() {
     let dir = tempfile::tempdir().unwrap();
@@ -163,7 +141,7 @@ async fn an_idle_instance_hibernates_and_resumes_where_it_left_off() {
     assert_eq!(main["ready"], true, "{main}");
     let frozen = frozen_pids(&node, "alice").await;
     assert!(frozen.contains(&u32::try_from(pid).unwrap()), "{frozen:?}");
-    assert_eq!(metric(&node, "berth_hibernated_instances").await, 1.0);
+    assert_eq!(node.metric("berth_hibernated_instances").await, Some(1.0));
 
     // The next request is answered by the same process, which remembers.
     let (third, after) = counter(&node, "alice").await;
@@ -177,8 +155,8 @@ async fn an_idle_instance_hibernates_and_resumes_where_it_left_off() {
     let main = status_is(&node, "alice", "running").await;
     assert_eq!(main["restarts"], 0, "{main}");
     assert_eq!(main["hibernated_at"], Value::Null, "{main}");
-    assert!(metric(&node, "berth_resumes_total").await >= 1.0);
-    assert!(metric(&node, "berth_resume_latency_seconds_count").await >= 1.0);
+    assert!(node.metric("berth_resumes_total").await >= Some(1.0));
+    assert!(node.metric("berth_resume_latency_seconds_count").await >= Some(1.0));
 
     // And it hibernates again once idle.
     status_is(&node, "alice", "hibernated").await;
