@@ -158,9 +158,9 @@ impl Shared {
             };
             this.modify(&slot, Role::Main, &id, Some("resumed".into()), |entry| {
                 let i = &mut entry.instance;
+                // `modify` clears `hibernated_at` off hibernation.
                 if i.status == InstanceStatus::Hibernated {
                     i.status = InstanceStatus::Running;
-                    i.hibernated_at = None;
                 }
             })
             .await;

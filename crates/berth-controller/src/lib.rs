@@ -43,9 +43,7 @@ mod users;
 
 use std::sync::Arc;
 
-use berth_core::policy::supervision::{
-    FENCED_ERROR, Finish, LeaseEnd, StopKind, SupervisionConfig,
-};
+use berth_core::policy::supervision::{FENCED_ERROR, Finish, LeaseEnd, SupervisionConfig};
 use berth_core::runtime::{Capabilities, Runtime};
 use berth_core::{Instance, Role, UserId};
 use berth_store::{NodeRecord, NodeStatus, Store, StoreError};
@@ -254,16 +252,10 @@ impl Shared {
     /// Kills the main whose lease is lost; its driver records it stopped
     /// ("lease lost: fenced") and forgets the lease.
     fn fence_lost(&self, user: &UserId) {
-        let live = self.users.existing(user).is_some_and(|slot| {
-            let state = slot.lock();
-            match state.main.as_ref() {
-                Some(entry) if entry.instance.status.is_live() => {
-                    entry.request_stop(StopKind::Fenced);
-                    true
-                }
-                _ => false,
-            }
-        });
+        let live = self
+            .users
+            .existing(user)
+            .is_some_and(|slot| slot.request_fence(None));
         if !live {
             self.fencer.forget(user);
         }

@@ -405,14 +405,11 @@ impl Spawner for Controller {
         }
     }
 
-    fn touch(&self, user: &UserId) {
-        if let Some(slot) = self.shared.users.existing(user) {
+    fn touch(&self, user: &UserId) -> bool {
+        self.shared.users.existing(user).is_some_and(|slot| {
             slot.touch(unix_millis_now());
-        }
-    }
-
-    fn is_hibernated(&self, user: &UserId) -> bool {
-        crate::hibernation::hibernated(&self.shared, user)
+            slot.is_hibernated()
+        })
     }
 
     async fn hibernate(&self, user: &UserId) -> Result<Instance, SpawnError> {
@@ -497,16 +494,7 @@ impl Spawner for Controller {
         // Same path as a renew that found the lease lost: the driver kills
         // the instance (frozen or not), records "lease lost: fenced" and
         // forgets the lease without releasing it.
-        let fenced = {
-            let state = slot.lock();
-            match state.main.as_ref() {
-                Some(entry) if entry.instance.status.is_live() && entry.instance.epoch == epoch => {
-                    entry.request_stop(StopKind::Fenced);
-                    true
-                }
-                _ => false,
-            }
-        };
+        let fenced = slot.request_fence(Some(epoch));
         if fenced {
             tracing::warn!(%user, epoch, "fenced on another node's request");
             let budget = self.shared.config.stop_grace + Duration::from_secs(5);

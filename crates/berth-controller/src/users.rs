@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock};
 
 use berth_core::policy::supervision::StopKind;
-use berth_core::{Endpoint, Instance, InstanceEvent, Role, Slug, UserId};
+use berth_core::{Endpoint, Epoch, Instance, InstanceEvent, Role, Slug, UserId};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
@@ -112,6 +112,23 @@ pub(crate) struct Slot {
 impl Slot {
     pub fn lock(&self) -> MutexGuard<'_, SlotState> {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Asks the live main's driver to fence it (kill it, frozen or not,
+    /// record "lease lost: fenced", forget the lease without releasing
+    /// it), if it runs `epoch` (any epoch when `None`). Whether it asked.
+    pub fn request_fence(&self, epoch: Option<Epoch>) -> bool {
+        let state = self.lock();
+        match state.main.as_ref() {
+            Some(entry)
+                if entry.instance.status.is_live()
+                    && epoch.is_none_or(|e| entry.instance.epoch == e) =>
+            {
+                entry.request_stop(StopKind::Fenced);
+                true
+            }
+            _ => false,
+        }
     }
 
     pub fn record(&self, role: Role) -> Option<Instance> {

@@ -94,16 +94,12 @@ pub trait Spawner: Send + Sync + 'static {
     /// time, and report whether it is still running.
     async fn restart_and_probe(&self, user: &UserId) -> ProbeReport;
 
-    /// Records activity. Cheap: an in-memory timestamp, flushed periodically.
-    fn touch(&self, user: &UserId);
-
-    /// Whether the user's main here is hibernated, so a request must
-    /// [`Spawner::resume`] it before it is forwarded. Cheap and in memory
-    /// (the proxy asks on every request, after [`Spawner::touch`]).
-    fn is_hibernated(&self, user: &UserId) -> bool {
-        let _ = user;
-        false
-    }
+    /// Records activity and answers whether the user's main here is
+    /// hibernated, so a request must [`Spawner::resume`] it before it is
+    /// forwarded. Cheap and in memory: a timestamp, flushed periodically,
+    /// and a flag read *after* it (a hibernation under way sees the touch
+    /// and backs off); one lookup, as the proxy asks on every request.
+    fn touch(&self, user: &UserId) -> bool;
 
     /// Freezes the user's running main with its memory intact (design
     /// §4.5), after its `pre_hibernate` hook; its lease stays held. A

@@ -1074,14 +1074,6 @@ fn token_of(regex: &regex::Regex, line: &str) -> Option<String> {
         .map(|m| m.as_str().to_owned())
 }
 
-fn role_of(label: Option<&str>) -> Option<Role> {
-    match label? {
-        "main" => Some(Role::Main),
-        "watchdog" => Some(Role::Watchdog),
-        _ => None,
-    }
-}
-
 #[async_trait]
 impl Runtime for K8sRuntime {
     fn name(&self) -> &'static str {
@@ -1182,7 +1174,7 @@ impl Runtime for K8sRuntime {
             .collect();
         let mut found = Vec::with_capacity(views.len());
         for view in views {
-            let role = role_of(view.role.as_deref());
+            let role = view.role.as_deref().and_then(|r| r.parse::<Role>().ok());
             let user = view
                 .user
                 .as_deref()

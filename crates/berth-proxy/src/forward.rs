@@ -316,13 +316,12 @@ impl Forwarder {
         conn: &ConnInfo,
         keep_forwarded_user: bool,
     ) -> Response<ProxyBody> {
-        self.spawner.touch(&to.user);
-        // After the touch (see the controller's `Slot::hibernated`): a
-        // hibernated instance is thawed before its request goes out, with
-        // no store on the way.
-        if self.spawner.is_hibernated(&to.user)
-            && let Err(e) = self.spawner.resume(&to.user).await
-        {
+        // The touch answers whether the main is hibernated (read after the
+        // touch, see the controller's `Slot::hibernated`): a hibernated
+        // instance is thawed before its request goes out, with no store on
+        // the way.
+        let hibernated = self.spawner.touch(&to.user);
+        if hibernated && let Err(e) = self.spawner.resume(&to.user).await {
             tracing::warn!(user = %to.user, error = %e, "could not resume the instance");
         }
         let upgrade = wants_upgrade(req.headers());
@@ -724,23 +723,23 @@ fn error_chain_has(
 
 /// `Connection: upgrade` together with an `Upgrade` header.
 pub fn wants_upgrade(headers: &HeaderMap) -> bool {
-    headers.contains_key(header::UPGRADE)
-        && headers
-            .get_all(header::CONNECTION)
-            .iter()
-            .filter_map(|v| v.to_str().ok())
-            .flat_map(|v| v.split(','))
-            .any(|t| t.trim().eq_ignore_ascii_case("upgrade"))
+    headers.contains_key(header::UPGRADE) && lists_token(headers, header::CONNECTION, "upgrade")
 }
 
 /// `Upgrade: websocket` (a token of the list, in any case).
 pub fn upgrades_to_websocket(headers: &HeaderMap) -> bool {
+    lists_token(headers, header::UPGRADE, "websocket")
+}
+
+/// Whether any `name` header's comma-separated list holds `token` (in any
+/// case).
+fn lists_token(headers: &HeaderMap, name: header::HeaderName, token: &str) -> bool {
     headers
-        .get_all(header::UPGRADE)
+        .get_all(name)
         .iter()
         .filter_map(|v| v.to_str().ok())
         .flat_map(|v| v.split(','))
-        .any(|t| t.trim().eq_ignore_ascii_case("websocket"))
+        .any(|t| t.trim().eq_ignore_ascii_case(token))
 }
 
 /// Removes hop-by-hop headers: the fixed set and every header `Connection`
@@ -911,18 +910,20 @@ impl<T> Touching<T> {
     }
 
     fn report(&mut self) {
+        if matches!(self.reads, Reads::Ignore) {
+            return;
+        }
         let now = Instant::now();
-        if matches!(self.reads, Reads::Ignore)
-            || self
-                .last_touch
-                .is_some_and(|last| now.duration_since(last) < TUNNEL_TOUCH_EVERY)
+        if self
+            .last_touch
+            .is_some_and(|last| now.duration_since(last) < TUNNEL_TOUCH_EVERY)
         {
             return;
         }
         self.last_touch = Some(now);
-        self.spawner.touch(&self.user);
+        let hibernated = self.spawner.touch(&self.user);
         if let Reads::Wake(tasks) = &self.reads
-            && self.spawner.is_hibernated(&self.user)
+            && hibernated
         {
             let (spawner, user) = (self.spawner.clone(), self.user.clone());
             tasks.spawn(async move {

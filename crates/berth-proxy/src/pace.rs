@@ -152,10 +152,6 @@ impl<B> PacedBody<B> {
             },
         }
     }
-
-    pub fn into_inner(self) -> B {
-        self.inner
-    }
 }
 
 impl Clock {

@@ -15,11 +15,8 @@ use std::time::Duration;
 
 use futures_util::{SinkExt, StreamExt};
 use serde_json::Value;
-use support::{BERTH, Node, alive, eventually, instance_pids, proc_state};
-use tokio::net::TcpStream;
+use support::{BERTH, Node, alive, eventually, instance_pids, proc_state, websocket};
 use tokio_tungstenite::tungstenite::Message;
-use tokio_tungstenite::tungstenite::client::IntoClientRequest;
-
 /// Bound for anything that should happen "soon"; only a hang reaches it.
 const PATIENCE: Duration = Duration::from_secs(60);
 
@@ -170,18 +167,9 @@ async fn a_websocket_that_only_receives_lets_alice_sleep_one_that_sends_keeps_he
     let open = |route: &'static str| {
         let node = &node;
         async move {
-            let mut request = format!("ws://{}/u/alice/{route}", addr(node))
-                .into_client_request()
-                .unwrap();
-            request.headers_mut().insert(
-                "authorization",
-                format!("Bearer {}", node.token).parse().unwrap(),
-            );
-            let stream = TcpStream::connect(addr(node)).await.unwrap();
-            tokio_tungstenite::client_async(request, stream)
+            websocket(addr(node), &format!("/u/alice/{route}"), &node.token)
                 .await
                 .expect("the WebSocket handshake goes through berth")
-                .0
         }
     };
 
@@ -424,15 +412,7 @@ async fn the_pre_stop_hook_runs_before_a_stop() {
 async fn a_tab_that_only_answers_pings_lets_alice_sleep() {
     let dir = tempfile::tempdir().unwrap();
     let node = Node::start(dir.path(), &config(15, "", ""));
-    let mut request = format!("ws://{}/u/alice/ticks?ping_ms=200", addr(&node))
-        .into_client_request()
-        .unwrap();
-    request.headers_mut().insert(
-        "authorization",
-        format!("Bearer {}", node.token).parse().unwrap(),
-    );
-    let stream = TcpStream::connect(addr(&node)).await.unwrap();
-    let (mut ticks, _) = tokio_tungstenite::client_async(request, stream)
+    let mut ticks = websocket(addr(&node), "/u/alice/ticks?ping_ms=200", &node.token)
         .await
         .expect("the WebSocket handshake goes through berth");
     // The client only reads; tungstenite answers each ping as it reads

@@ -11,11 +11,10 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use futures_util::{SinkExt, StreamExt};
-use support::{Node, eventually, rss_kib};
+use support::{Node, eventually, rss_kib, websocket};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpSocket, TcpStream};
 use tokio_tungstenite::tungstenite::Message;
-use tokio_tungstenite::tungstenite::client::IntoClientRequest;
 
 /// Bound for anything that should happen "soon"; only a hang reaches it.
 const PATIENCE: Duration = Duration::from_secs(60);
@@ -246,21 +245,6 @@ async fn a_body_trickled_at_one_byte_per_two_seconds_is_cut_off() {
     assert!(answer.starts_with("HTTP/1.1 413"), "{answer}");
     assert!(answer.contains("payload_too_large"), "{answer}");
     assert_eq!(node.status_of("bob").await, "none", "nothing was launched");
-}
-
-async fn websocket(
-    to: SocketAddr,
-    path: &str,
-    token: &str,
-) -> Result<tokio_tungstenite::WebSocketStream<TcpStream>, tokio_tungstenite::tungstenite::Error> {
-    let mut request = format!("ws://{to}{path}").into_client_request().unwrap();
-    request
-        .headers_mut()
-        .insert("authorization", format!("Bearer {token}").parse().unwrap());
-    let stream = TcpStream::connect(to).await.unwrap();
-    tokio_tungstenite::client_async(request, stream)
-        .await
-        .map(|(ws, _)| ws)
 }
 
 fn refused_status(err: &tokio_tungstenite::tungstenite::Error) -> Option<u16> {

@@ -11,11 +11,10 @@ use std::time::Duration;
 
 use axum::body::Bytes;
 use futures_util::{SinkExt, StreamExt};
-use support::{Node, eventually, rss_kib, signal};
+use support::{Node, eventually, rss_kib, signal, websocket};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio_tungstenite::tungstenite::Message;
-use tokio_tungstenite::tungstenite::client::IntoClientRequest;
 
 /// Bound for anything that should happen "soon"; only a hang reaches it.
 const PATIENCE: Duration = Duration::from_secs(60);
@@ -202,15 +201,7 @@ async fn a_browser_follows_the_starting_page_to_the_app() {
 async fn websockets_echo_a_thousand_messages() {
     let dir = tempfile::tempdir().unwrap();
     let node = Node::start(dir.path(), &config(2, "", ""));
-    let mut request = format!("ws://{}/u/alice/ws", addr(&node))
-        .into_client_request()
-        .unwrap();
-    request.headers_mut().insert(
-        "authorization",
-        format!("Bearer {}", node.token).parse().unwrap(),
-    );
-    let stream = TcpStream::connect(addr(&node)).await.unwrap();
-    let (mut ws, _) = tokio_tungstenite::client_async(request, stream)
+    let mut ws = websocket(addr(&node), "/u/alice/ws", &node.token)
         .await
         .expect("the WebSocket handshake goes through berth (waking alice)");
     for i in 0..1000 {

@@ -17,11 +17,10 @@ use std::time::Duration;
 
 use futures_util::{SinkExt, StreamExt};
 use serde_json::Value;
-use support::{Node, eventually};
+use support::{Node, WebSocket, eventually, websocket};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio_tungstenite::tungstenite::Message;
-use tokio_tungstenite::tungstenite::client::IntoClientRequest;
 
 /// Bound for anything that should happen "soon"; only a hang reaches it.
 const PATIENCE: Duration = Duration::from_secs(60);
@@ -377,20 +376,11 @@ async fn a_stale_kept_alive_connection_is_retried_for_idempotent_requests_only()
 }
 
 /// A WebSocket through berth to alice's demo app.
-async fn websocket(
+async fn alice_ws(
     node: &Node,
     token: &str,
-) -> Result<tokio_tungstenite::WebSocketStream<TcpStream>, tokio_tungstenite::tungstenite::Error> {
-    let mut request = format!("ws://{}/u/alice/ws", addr(node))
-        .into_client_request()
-        .unwrap();
-    request
-        .headers_mut()
-        .insert("authorization", format!("Bearer {token}").parse().unwrap());
-    let stream = TcpStream::connect(addr(node)).await.unwrap();
-    tokio_tungstenite::client_async(request, stream)
-        .await
-        .map(|(ws, _)| ws)
+) -> Result<WebSocket, tokio_tungstenite::tungstenite::Error> {
+    websocket(addr(node), "/u/alice/ws", token).await
 }
 
 async fn echo_once(ws: &mut tokio_tungstenite::WebSocketStream<TcpStream>, text: &str) {
@@ -408,12 +398,12 @@ async fn upgrades_beyond_max_upgrades_get_503() {
     let dir = tempfile::tempdir().unwrap();
     let node = Node::start(dir.path(), &config(5, "", "max_upgrades = 1\n"));
     let token = node.user_token("alice").await;
-    let mut first = websocket(&node, &token).await.expect("the first upgrade");
+    let mut first = alice_ws(&node, &token).await.expect("the first upgrade");
     echo_once(&mut first, "one").await;
 
     // The one slot is taken: the next upgrade is refused before it reaches
     // the program, while plain requests go on.
-    match websocket(&node, &token).await {
+    match alice_ws(&node, &token).await {
         Err(tokio_tungstenite::tungstenite::Error::Http(response)) => {
             assert_eq!(response.status().as_u16(), 503);
             let body = String::from_utf8_lossy(response.body().as_deref().unwrap_or_default())
@@ -437,7 +427,7 @@ async fn upgrades_beyond_max_upgrades_get_503() {
     first.close(None).await.unwrap();
     drop(first);
     let mut again = eventually(PATIENCE, "the upgrade slot free again", || async {
-        websocket(&node, &token).await.ok()
+        alice_ws(&node, &token).await.ok()
     })
     .await;
     echo_once(&mut again, "again").await;

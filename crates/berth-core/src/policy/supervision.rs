@@ -281,11 +281,6 @@ impl Supervision {
         self.ready && self.phase == Phase::Running
     }
 
-    /// The stop asked for, if any.
-    pub fn stop_kind(&self) -> Option<StopKind> {
-        self.stop
-    }
-
     /// Applies `event` at wall-clock `now` and returns what to do.
     pub fn step(
         &mut self,

@@ -287,7 +287,7 @@ impl Spawner for StaticSpawner {
             reason: "test double".into(),
         }
     }
-    fn touch(&self, user: &UserId) {
+    fn touch(&self, user: &UserId) -> bool {
         *self
             .inner
             .touches
@@ -295,6 +295,7 @@ impl Spawner for StaticSpawner {
             .unwrap()
             .entry(user.clone())
             .or_default() += 1;
+        false
     }
     async fn logs(&self, _user: &UserId, _tail: usize) -> Result<Vec<String>, SpawnError> {
         Ok(Vec::new())

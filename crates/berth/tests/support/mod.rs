@@ -199,3 +199,30 @@ pub fn remove_isolation_leftovers(data_dir: &Path) {
         }
     }
 }
+
+/// A WebSocket client's stream, as [`websocket`] opens it.
+pub type WebSocket = tokio_tungstenite::WebSocketStream<tokio::net::TcpStream>;
+
+/// Opens a WebSocket to `path` on the berth at `to`, with `token` as
+/// Bearer: the handshake goes through berth's proxy (and may wake the
+/// instance). `Err` is the handshake's answer, e.g. a refusal's status.
+pub async fn websocket(
+    to: std::net::SocketAddr,
+    path: &str,
+    token: &str,
+) -> Result<WebSocket, tokio_tungstenite::tungstenite::Error> {
+    use tokio_tungstenite::tungstenite::client::IntoClientRequest;
+    let mut request = format!("ws://{to}{path}").into_client_request()?;
+    request.headers_mut().insert(
+        "authorization",
+        format!("Bearer {token}")
+            .parse()
+            .expect("a token is a header value"),
+    );
+    let stream = tokio::net::TcpStream::connect(to)
+        .await
+        .expect("berth accepts connections");
+    tokio_tungstenite::client_async(request, stream)
+        .await
+        .map(|(ws, _)| ws)
+}
