@@ -52,7 +52,9 @@ pub(crate) struct Shared {
     pub root: PathBuf,
     pub cancel: CancellationToken,
     pub tasks: TaskTracker,
-    /// True while new watches are held back.
+    /// True while new watches are held back. Changed and read only under
+    /// `world`'s lock, so that holding watches and registering one are
+    /// ordered (see `server::watch`).
     pub gate: watch::Sender<bool>,
 }
 
@@ -232,12 +234,17 @@ impl ApiServerDouble {
         }
     }
 
-    /// New watches wait until [`ApiServerDouble::release_watches`].
+    /// New watches wait until [`ApiServerDouble::release_watches`]: once
+    /// this returns, every watch is either registered (and ended by
+    /// [`ApiServerDouble::close_watches`]) or waiting, including one whose
+    /// request was already being answered.
     pub fn hold_watches(&self) {
+        let _world = lock(&self.shared.world);
         self.shared.gate.send_replace(true);
     }
 
     pub fn release_watches(&self) {
+        let _world = lock(&self.shared.world);
         self.shared.gate.send_replace(false);
     }
 

@@ -288,9 +288,6 @@ async fn watch(
     selector: Selector,
     params: &HashMap<String, String>,
 ) -> Response {
-    // While a test holds watches, new ones wait.
-    let mut gate = shared.gate.subscribe();
-    let _ = gate.wait_for(|held| !*held).await;
     let since = params
         .get("resourceVersion")
         .filter(|rv| !rv.is_empty() && *rv != "0")
@@ -311,25 +308,39 @@ async fn watch(
         selector,
         sender,
     };
-    let gone = {
-        let mut world = lock(&shared.world);
-        match world.store.watch(watcher, since) {
-            Ok(()) => None,
-            Err(watcher) => {
-                world.gone_served += 1;
-                // As the API server does: 200, then one ERROR event.
-                let event = json!({
-                    "type": "ERROR",
-                    "object": status(410, "Expired", &format!(
-                        "too old resource version: {} ({})",
-                        since.unwrap_or(0),
-                        world.store.rv()
-                    )),
-                });
-                let _ = watcher.sender.send(event.to_string() + "\n");
-                Some(watcher)
+    // While a test holds watches, new ones wait. The hold is read under
+    // the world's lock, in the same critical section that registers the
+    // watch, and `hold_watches` sets it under that lock too: a watch is
+    // either registered before the hold (so a `close_watches` after the
+    // hold ends it) or sees the hold and waits. Read before taking the
+    // lock, a watch could pass an open gate, lose the CPU, and register
+    // after the test's hold and close, as a live watch those never cut.
+    let mut gate = shared.gate.subscribe();
+    let gone = loop {
+        {
+            let mut world = lock(&shared.world);
+            if !*gate.borrow_and_update() {
+                break match world.store.watch(watcher, since) {
+                    Ok(()) => None,
+                    Err(watcher) => {
+                        world.gone_served += 1;
+                        // As the API server does: 200, then one ERROR event.
+                        let event = json!({
+                            "type": "ERROR",
+                            "object": status(410, "Expired", &format!(
+                                "too old resource version: {} ({})",
+                                since.unwrap_or(0),
+                                world.store.rv()
+                            )),
+                        });
+                        let _ = watcher.sender.send(event.to_string() + "\n");
+                        Some(watcher)
+                    }
+                };
             }
         }
+        // The sender lives in `shared`, so this returns once released.
+        let _ = gate.wait_for(|held| !*held).await;
     };
     let deadline = tokio::time::Instant::now() + timeout;
     let cancel = shared.cancel.clone();
