@@ -133,8 +133,7 @@ impl Proxy {
             ),
             gate: {
                 let gate = Gate::new(auth, config.auth_mode, config.trusted_proxies)
-                    .with_header_secret(config.header_secret)
-                    .with_base_domain(config.base_domain.as_deref());
+                    .with_header_secret(config.header_secret);
                 match &cluster {
                     Some(c) => gate.with_cluster(c.secret.clone()),
                     None => gate,
