@@ -165,7 +165,7 @@ pub async fn run(command: Command) -> anyhow::Result<ExitCode> {
                 cluster_counts(&api),
             )
             .await?;
-            out.show(&answer, |a, p| render::restart_all(a, p));
+            out.show(&answer, render::restart_all);
             let failed = answer
                 .get("results")
                 .and_then(Value::as_array)
@@ -199,7 +199,7 @@ pub async fn run(command: Command) -> anyhow::Result<ExitCode> {
                         None,
                     )
                     .await?;
-                out.show(&answer, |a, p| render::revoked(a, p));
+                out.show(&answer, render::revoked);
             } else {
                 let body = ttl.map(|secs| serde_json::json!({ "ttl_s": secs }));
                 let mut answer = api

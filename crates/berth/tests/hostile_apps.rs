@@ -214,6 +214,7 @@ async fn path_mode_an_apps_service_worker_cannot_cover_the_admin_page() {
     assert_eq!(covering, json!("none"), "nothing covers the admin page");
     let own = run_script(c, &register("/u/alice/")).await;
     assert_eq!(own, json!("registered /u/alice/"), "its own base path");
+    browser.close().await;
 }
 
 // --- host mode: other apps' pages ---------------------------------------------
@@ -260,6 +261,7 @@ async fn host_mode_alices_page_cannot_post_or_open_a_websocket_to_bobs_app() {
     c.goto(&bob_app).await.unwrap();
     assert_eq!(run_script(c, &attack).await, json!("sent, closed"));
     assert_eq!(pokes().await, json!({"POST": 1, "upgrade": 1}));
+    browser.close().await;
 }
 
 /// The same requests, header by header: 403 with the proxy's JSON error
@@ -417,6 +419,7 @@ async fn a_planted_session_cookie_cannot_lock_the_admin_out() {
     .await;
     assert_eq!(seen, json!("berth_session=planted"), "the plant took");
     assert_eq!(run_script(c, list).await, json!(200), "still signed in");
+    browser.close().await;
 }
 
 /// The same, header by header: two `berth_session` cookies (the planted
