@@ -207,8 +207,12 @@ impl Proxy {
             // origin gets nothing done with this app's cookie, and no
             // instance is woken for it.
             if !self.allow_cross_origin_requests {
-                let site =
-                    RequestSite::of(req.method(), req.headers(), wants_upgrade(req.headers()));
+                let site = RequestSite::of(
+                    req.method(),
+                    req.uri(),
+                    req.headers(),
+                    wants_upgrade(req.headers()),
+                );
                 if let Some(why) = foreign_request(&site) {
                     tracing::debug!(user = %route.user, why, "refused a request from another origin");
                     return respond::forbidden_because(

@@ -18,8 +18,8 @@
 //!   that changes state, or opens a WebSocket, from another origin is
 //!   refused unless the program asked for cross-origin requests.
 
-use hyper::Method;
 use hyper::header::{self, HeaderMap, HeaderName, HeaderValue};
+use hyper::{Method, Uri};
 
 use crate::auth::sets_berth_cookie;
 
@@ -134,35 +134,27 @@ pub fn judge_response_header(name: &HeaderName, value: &[u8], site: AppSite<'_>)
 }
 
 /// Applies [`judge_response_header`] to every header of an app's response.
-/// Costs one pass over the names when none is of interest.
+/// An answer the rules leave alone (nearly all) is only read, never
+/// rebuilt.
 pub fn confine_response(headers: &mut HeaderMap, site: AppSite<'_>) {
-    let concerned = |name: &HeaderName| {
-        name == header::SET_COOKIE
-            || name == CLEAR_SITE_DATA
-            || (matches!(site, AppSite::Path { .. })
-                && (name == SERVICE_WORKER_ALLOWED
-                    || name == NEL
-                    || name == REPORT_TO
-                    || name == ALT_SVC
-                    || name == header::STRICT_TRANSPORT_SECURITY
-                    || name == ACCEPT_CH
-                    || name == SPECULATION_RULES
-                    || name == REFRESH
-                    || name == header::LINK))
+    let judged = |name: &HeaderName, value: &HeaderValue| {
+        judge_response_header(name, value.as_bytes(), site) != Verdict::Keep
     };
-    if !headers.keys().any(concerned) {
+    if !headers.iter().any(|(name, value)| judged(name, value)) {
         return;
     }
-    let names: Vec<HeaderName> = headers.keys().filter(|n| concerned(n)).cloned().collect();
+    let mut names: Vec<HeaderName> = headers
+        .iter()
+        .filter(|(name, value)| judged(name, value))
+        .map(|(name, _)| name.clone())
+        .collect();
+    names.dedup();
     for name in names {
         let values: Vec<HeaderValue> = headers.get_all(&name).iter().cloned().collect();
         let verdicts: Vec<Verdict> = values
             .iter()
             .map(|v| judge_response_header(&name, v.as_bytes(), site))
             .collect();
-        if verdicts.iter().all(|v| *v == Verdict::Keep) {
-            continue;
-        }
         headers.remove(&name);
         for (value, verdict) in values.into_iter().zip(verdicts) {
             match verdict {
@@ -188,45 +180,66 @@ fn judge_set_cookie(value: &[u8], site: AppSite<'_>) -> Verdict {
     if sets_berth_cookie(value) {
         return Verdict::Drop("a Set-Cookie for one of berth's cookies");
     }
-    // Not UTF-8 was refused just above.
+    // `sets_berth_cookie` refuses what is not UTF-8.
     let Ok(text) = std::str::from_utf8(value) else {
         return Verdict::Drop("a Set-Cookie that is not UTF-8");
     };
     let mut parts = text.split(';');
     let pair = parts.next().unwrap_or_default();
-    let mut out = String::with_capacity(text.len());
+    if !parts
+        .clone()
+        .any(|a| cookie_attribute(a, site) != Attribute::Keep)
+    {
+        return Verdict::Keep;
+    }
+    let mut out = String::with_capacity(text.len() + 16);
     out.push_str(pair);
-    let mut changed = false;
     for attribute in parts {
-        let name = attribute.split('=').next().unwrap_or_default().trim();
-        if name.eq_ignore_ascii_case("domain") {
-            // Host-only, as if no Domain had been given.
-            changed = true;
-            continue;
-        }
-        if let AppSite::Path { base } = site
-            && name.eq_ignore_ascii_case("path")
-        {
-            let path = attribute.split_once('=').map_or("", |(_, v)| v.trim());
-            // A path not starting with `/` is ignored by browsers in favour
-            // of the request's own folder, which is inside the base path.
-            if path.starts_with('/') && !path.starts_with(base) {
+        match cookie_attribute(attribute, site) {
+            Attribute::Keep => {
+                out.push(';');
+                out.push_str(attribute);
+            }
+            Attribute::Remove => {}
+            Attribute::BasePath(base) => {
                 out.push_str("; Path=");
                 out.push_str(base);
-                changed = true;
-                continue;
             }
         }
-        out.push(';');
-        out.push_str(attribute);
-    }
-    if !changed {
-        return Verdict::Keep;
     }
     match HeaderValue::try_from(out) {
         Ok(value) => Verdict::Rewrite(value),
         Err(_) => Verdict::Drop("a Set-Cookie that cannot be rewritten"),
     }
+}
+
+/// What becomes of one `Set-Cookie` attribute.
+#[derive(Debug, PartialEq, Eq)]
+enum Attribute<'a> {
+    Keep,
+    Remove,
+    /// `Path=` this base path instead.
+    BasePath(&'a str),
+}
+
+fn cookie_attribute<'a>(attribute: &str, site: AppSite<'a>) -> Attribute<'a> {
+    let (name, value) = attribute.split_once('=').unwrap_or((attribute, ""));
+    let name = name.trim();
+    if name.eq_ignore_ascii_case("domain") {
+        // Host-only, as if no Domain had been given.
+        return Attribute::Remove;
+    }
+    if let AppSite::Path { base } = site
+        && name.eq_ignore_ascii_case("path")
+    {
+        let path = value.trim();
+        // A path not starting with `/` is ignored by browsers in favour of
+        // the request's own folder, which is inside the base path.
+        if path.starts_with('/') && !path.starts_with(base) {
+            return Attribute::BasePath(base);
+        }
+    }
+    Attribute::Keep
 }
 
 /// The `Clear-Site-Data` types that act on the response's origin alone.
@@ -423,13 +436,23 @@ pub struct RequestSite<'a> {
 }
 
 impl<'a> RequestSite<'a> {
-    /// Reads the facts from a request's method and headers.
-    pub fn of(method: &'a Method, headers: &'a HeaderMap, upgrade: bool) -> RequestSite<'a> {
+    /// Reads the facts from a request's method, target and headers. The
+    /// host is `Host`, else the authority of an absolute-form target (the
+    /// router has refused the two naming different hosts).
+    pub fn of(
+        method: &'a Method,
+        uri: &'a Uri,
+        headers: &'a HeaderMap,
+        upgrade: bool,
+    ) -> RequestSite<'a> {
         static SEC_FETCH_SITE: HeaderName = HeaderName::from_static("sec-fetch-site");
         RequestSite {
             method,
             upgrade,
-            host: headers.get(header::HOST).map(HeaderValue::as_bytes),
+            host: headers
+                .get(header::HOST)
+                .map(HeaderValue::as_bytes)
+                .or_else(|| uri.authority().map(|a| a.as_str().as_bytes())),
             origin: Single::of(headers, &header::ORIGIN),
             fetch_site: Single::of(headers, &SEC_FETCH_SITE),
         }
@@ -740,5 +763,22 @@ mod tests {
         ] {
             assert!(foreign_request(&allowed).is_none(), "{allowed:?}");
         }
+    }
+
+    #[test]
+    fn the_host_is_hosts_or_an_absolute_targets() {
+        let uri: Uri = "http://bob.berth.test:8000/x".parse().unwrap();
+        let mut h = HeaderMap::new();
+        h.insert(
+            header::ORIGIN,
+            HeaderValue::from_static("http://bob.berth.test:8000"),
+        );
+        let post = Method::POST;
+        assert!(foreign_request(&RequestSite::of(&post, &uri, &h, false)).is_none());
+        h.insert(
+            header::HOST,
+            HeaderValue::from_static("alice.berth.test:8000"),
+        );
+        assert!(foreign_request(&RequestSite::of(&post, &uri, &h, false)).is_some());
     }
 }
