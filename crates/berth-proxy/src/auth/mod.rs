@@ -59,7 +59,7 @@ pub use secret::{
     CLUSTER_SECRET, CLUSTER_USER, ClusterSecret, InvalidClusterSecret, InvalidSecret, SharedSecret,
     TokenHash,
 };
-pub use strip::{drop_berth_set_cookies, sets_berth_cookie, strip_credentials};
+pub use strip::{sets_berth_cookie, strip_credentials};
 pub use tokens::{
     AuthError, Authenticator, DEFAULT_CACHE_ENTRIES, DEFAULT_CACHE_TTL, TokenStore, UserTokenInfo,
 };
