@@ -15,6 +15,10 @@
 //!    tunnelling WebSockets (of which only the client's data frames are
 //!    activity: [`ws_activity`]).
 //!
+//! [`shield`] holds the rules against hostile apps: which browser requests
+//! from other origins are refused before step 2, and what an app's
+//! response headers may do to the origin (or site) it shares.
+//!
 //! [`server::serve`] accepts connections, applies connection-level limits
 //! ([`limits`]: connections per client address and in all; [`pace`]: how
 //! fast request bodies must arrive), and hands every other request to a
@@ -69,6 +73,7 @@ mod proxy;
 pub mod respond;
 pub mod route;
 pub mod server;
+pub mod shield;
 pub mod wake;
 pub mod ws_activity;
 

@@ -14,13 +14,14 @@ use tokio_util::task::TaskTracker;
 
 use crate::auth::{
     AuthMode, Authenticator, CLUSTER_SECRET, CLUSTER_USER, ClusterSecret, CookieScope, Credential,
-    Gate, SharedSecret, TrustedProxies, drop_berth_set_cookies, strip_credentials,
+    Gate, SharedSecret, TrustedProxies, strip_credentials,
 };
-use crate::forward::{ConnInfo, ForwardConfig, Forwarder, Upstream};
+use crate::forward::{ConnInfo, ForwardConfig, Forwarder, Upstream, wants_upgrade};
 use crate::limits::StreamLimits;
 use crate::metrics::ProxyMetrics;
 use crate::respond::{self, ProxyBody};
 use crate::route::{Class, RouteError, RouteTable, Router, Target};
+use crate::shield::{AppSite, RequestSite, confine_response, foreign_request};
 use crate::wake::{ClusterHook, Locate, Wake, Waker};
 
 /// Proxy settings.
@@ -41,6 +42,10 @@ pub struct ProxyConfig {
     /// How long a woken request waits for its instance.
     pub ready_timeout: Duration,
     pub forward: ForwardConfig,
+    /// Let a page of another origin make a browser send state-changing
+    /// requests and WebSocket upgrades to an app (for programs whose apps
+    /// call each other). Off, they get 403 ([`crate::shield`]).
+    pub allow_cross_origin_requests: bool,
     /// Where request durations are recorded.
     pub metrics: ProxyMetrics,
 }
@@ -56,6 +61,7 @@ impl Default for ProxyConfig {
             header_secret: None,
             ready_timeout: Duration::default(),
             forward: ForwardConfig::default(),
+            allow_cross_origin_requests: false,
             metrics: ProxyMetrics::default(),
         }
     }
@@ -82,6 +88,7 @@ pub struct Proxy {
     waker: Waker,
     forwarder: Forwarder,
     cluster: Option<ProxyCluster>,
+    allow_cross_origin_requests: bool,
     metrics: ProxyMetrics,
     tasks: TaskTracker,
     cancel: CancellationToken,
@@ -126,8 +133,7 @@ impl Proxy {
             ),
             gate: {
                 let gate = Gate::new(auth, config.auth_mode, config.trusted_proxies)
-                    .with_header_secret(config.header_secret)
-                    .with_base_domain(config.base_domain.as_deref());
+                    .with_header_secret(config.header_secret);
                 match &cluster {
                     Some(c) => gate.with_cluster(c.secret.clone()),
                     None => gate,
@@ -136,6 +142,7 @@ impl Proxy {
             waker: Waker::new(spawner.clone(), table, config.ready_timeout),
             forwarder: Forwarder::new(&config.forward, spawner, tasks.clone(), cancel.clone()),
             cluster,
+            allow_cross_origin_requests: config.allow_cross_origin_requests,
             metrics: config.metrics,
             tasks,
             cancel,
@@ -186,7 +193,7 @@ impl Proxy {
     }
 
     async fn answer(&self, req: Request<Incoming>, conn: &ConnInfo) -> Response<ProxyBody> {
-        let (route, path_and_query, navigation, pass) = {
+        let (route, path_and_query, navigation, pass, base) = {
             let target = match self.router.target(req.headers(), req.uri()) {
                 Ok(Some(target)) => target,
                 Ok(None) => return respond::code_error(ErrorCode::NotFound, "not a user route"),
@@ -195,6 +202,34 @@ impl Proxy {
             let route = match self.router.resolve(&target) {
                 Ok(route) => route,
                 Err(e) => return route_error(&e, &req),
+            };
+            // Before credentials are even looked at: a page of another
+            // origin gets nothing done with this app's cookie, and no
+            // instance is woken for it.
+            if !self.allow_cross_origin_requests {
+                let site = RequestSite::of(
+                    req.method(),
+                    req.uri(),
+                    req.headers(),
+                    wants_upgrade(req.headers()),
+                );
+                if let Some(why) = foreign_request(&site) {
+                    tracing::debug!(user = %route.user, why, "refused a request from another origin");
+                    return respond::forbidden_because(
+                        respond::is_navigation(req.headers()),
+                        &format!(
+                            "{why}. berth refuses requests that change state or open a WebSocket \
+                             when they come from another origin, so that another app's page \
+                             cannot act with this app's cookie."
+                        ),
+                    );
+                }
+            }
+            // Where the app lives decides what its answer may do in the
+            // browser; kept past the request, which moves on.
+            let base = match &target {
+                Target::Host { .. } => None,
+                Target::Path { segment, .. } => Some(format!("/u/{segment}/")),
             };
             let scope = match &target {
                 Target::Host { .. } => CookieScope::Host,
@@ -212,7 +247,11 @@ impl Proxy {
                 return respond::code_error(ErrorCode::InvalidRequest, "cannot rewrite the path");
             };
             let navigation = respond::is_navigation(req.headers());
-            (route, path_and_query, navigation, pass)
+            (route, path_and_query, navigation, pass, base)
+        };
+        let site = match &base {
+            None => AppSite::Host,
+            Some(base) => AppSite::Path { base },
         };
         let credential = pass.credential;
         let mut req = req;
@@ -232,7 +271,9 @@ impl Proxy {
                         Ok(Locate::Local) => {}
                         Ok(Locate::Remote { endpoint, node }) => {
                             return self
-                                .forward_remote(req, route.user, endpoint, &node, conn, cluster)
+                                .forward_remote(
+                                    req, route.user, endpoint, &node, conn, cluster, site,
+                                )
                                 .await;
                         }
                         Err(e) => {
@@ -260,14 +301,16 @@ impl Proxy {
             .forwarder
             .forward(req, upstream, conn, pass.keep_forwarded_user)
             .await;
-        drop_berth_set_cookies(response.headers_mut());
+        confine_response(response.headers_mut(), site);
         response
     }
 
     /// Forwards `req` to the node that runs `user`'s instance: same path
     /// (that node routes and strips it itself), authenticated with the
     /// cluster secret and naming the user. berth's own credentials were
-    /// already removed.
+    /// already removed. The answer is confined to `site` here too: the
+    /// owner node confines it as well, but this node vouches for it.
+    #[allow(clippy::too_many_arguments)]
     async fn forward_remote(
         &self,
         mut req: Request<Incoming>,
@@ -276,6 +319,7 @@ impl Proxy {
         node: &str,
         conn: &ConnInfo,
         cluster: &ProxyCluster,
+        site: AppSite<'_>,
     ) -> Response<ProxyBody> {
         let Ok(user_header) = HeaderValue::from_bytes(user.as_str().as_bytes()) else {
             return respond::code_error(ErrorCode::InvalidUser, "the user id cannot be forwarded");
@@ -299,7 +343,7 @@ impl Proxy {
             retry_refused: false,
         };
         let mut response = self.forwarder.forward(req, upstream, conn, false).await;
-        drop_berth_set_cookies(response.headers_mut());
+        confine_response(response.headers_mut(), site);
         response
     }
 

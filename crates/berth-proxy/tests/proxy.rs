@@ -323,27 +323,26 @@ async fn host_mode_cookies_are_host_only_and_redirects_stay_home() {
 }
 
 #[tokio::test]
-async fn two_berth_cookies_of_one_name_are_refused_and_cleared() {
+async fn a_planted_user_cookie_cannot_shadow_the_users_own() {
     let h = Harness::start(|_, _| {}).await;
     h.spawner.run("alice");
-    let cookie = format!("berth_token={ALICE}; berth_token=planted");
-    let r = h.get("/u/alice/", &[("Cookie", &cookie)]).await;
-    assert_eq!(r.status, 400, "{r:?}");
-    assert!(r.body.contains("two berth_token cookies"), "{}", r.body);
-    let removals = r.headers("set-cookie");
-    assert!(
-        removals
-            .iter()
-            .any(|c| c.contains("Path=/u/alice/") && c.contains("Max-Age=0")),
-        "{removals:?}"
-    );
-    assert!(
-        removals
-            .iter()
-            .any(|c| c.contains("Path=/;") || c.ends_with("Path=/")),
-        "the Path=/ cookie of older versions is cleared too: {removals:?}"
-    );
-    assert_eq!(h.spawner.touches("alice"), 0, "nothing was forwarded");
+    for cookie in [
+        format!("berth_token=planted; berth_token={ALICE}"),
+        format!("berth_token={BOB}; berth_token={ALICE}"),
+        format!("berth_token={ALICE}; berth_token={ALICE}"),
+    ] {
+        let r = h.get("/u/alice/", &[("Cookie", &cookie)]).await;
+        assert_eq!(r.status, 200, "{cookie}: {r:?}");
+        assert!(!r.body.contains("berth_token"), "{}", r.body);
+    }
+    let r = h
+        .get("/u/alice/", &[("Cookie", &format!("berth_token={BOB}"))])
+        .await;
+    assert_eq!(r.status, 403, "only another user's cookie: {r:?}");
+    let r = h
+        .get("/u/alice/", &[("Cookie", "berth_token=planted")])
+        .await;
+    assert_eq!(r.status, 401, "{r:?}");
 }
 
 #[tokio::test]
@@ -352,7 +351,98 @@ async fn a_program_cannot_set_berths_cookies() {
     h.spawner.run("alice");
     let r = get_as(&h, "/u/alice/set-cookie", ALICE).await;
     assert_eq!(r.status, 200, "{r:?}");
-    assert_eq!(r.headers("set-cookie"), ["app=kept; Path=/"]);
+    assert_eq!(
+        r.headers("set-cookie"),
+        ["app=kept; Path=/u/alice/"],
+        "its own, kept to its base path"
+    );
+}
+
+#[tokio::test]
+async fn path_mode_answers_keep_to_their_base_path() {
+    let h = Harness::start(|_, _| {}).await;
+    h.spawner.run("alice");
+    let r = get_as(&h, "/u/alice/hostile", ALICE).await;
+    assert_eq!(r.status, 200, "{r:?}");
+    for gone in [
+        "service-worker-allowed",
+        "clear-site-data",
+        "refresh",
+        "nel",
+    ] {
+        assert_eq!(r.header(gone), None, "{gone}: {r:?}");
+    }
+    assert_eq!(r.headers("set-cookie"), ["wide=1; Path=/u/alice/"]);
+    assert_eq!(r.headers("link"), ["<own.css>; rel=preload; as=style"]);
+    assert_eq!(r.header("x-app"), Some("yes"));
+}
+
+#[tokio::test]
+async fn host_mode_answers_keep_their_cookies_off_the_site() {
+    let h = Harness::start(|c, _| {
+        c.base_domain = Some("berth.test".into());
+        c.path_routing = false;
+    })
+    .await;
+    h.spawner.run("alice");
+    let r = h
+        .raw(&format!(
+            "GET /hostile HTTP/1.1\r\nHost: alice.berth.test\r\nAuthorization: Bearer {ALICE}\r\nConnection: close\r\n\r\n"
+        ))
+        .await;
+    assert_eq!(r.status, 200, "{r:?}");
+    assert_eq!(r.headers("set-cookie"), ["wide=1; Path=/"], "host-only");
+    assert_eq!(r.header("clear-site-data"), Some("\"storage\""));
+    assert_eq!(
+        r.header("service-worker-allowed"),
+        Some("/"),
+        "its own origin"
+    );
+}
+
+#[tokio::test]
+async fn host_mode_refuses_state_changes_from_other_origins() {
+    for allow in [false, true] {
+        let h = Harness::start(|c, _| {
+            c.base_domain = Some("berth.test".into());
+            c.path_routing = false;
+            c.allow_cross_origin_requests = allow;
+        })
+        .await;
+        h.spawner.run("bob");
+        let post = |extra: &str| {
+            format!(
+                "POST / HTTP/1.1\r\nHost: bob.berth.test\r\nCookie: berth_token={BOB}\r\n{extra}Content-Length: 0\r\nConnection: close\r\n\r\n"
+            )
+        };
+        let r = h
+            .raw(&post(
+                "Origin: http://alice.berth.test\r\nSec-Fetch-Site: same-site\r\n",
+            ))
+            .await;
+        if allow {
+            assert_eq!(r.status, 200, "{r:?}");
+            continue;
+        }
+        assert_eq!(r.status, 403, "{r:?}");
+        assert!(r.body.contains("another origin"), "{}", r.body);
+        assert_eq!(h.spawner.touches("bob"), 0, "nothing reached bob's app");
+        let r = h
+            .raw(&post(
+                "Origin: http://bob.berth.test\r\nSec-Fetch-Site: same-origin\r\n",
+            ))
+            .await;
+        assert_eq!(r.status, 200, "its own pages: {r:?}");
+        let r = h.raw(&post("")).await;
+        assert_eq!(r.status, 200, "not a browser: {r:?}");
+        let r = h
+            .raw(&format!(
+                "GET /ws HTTP/1.1\r\nHost: bob.berth.test\r\nCookie: berth_token={BOB}\r\nOrigin: http://alice.berth.test\r\n\
+                 Connection: Upgrade, close\r\nUpgrade: websocket\r\nSec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n"
+            ))
+            .await;
+        assert_eq!(r.status, 403, "a WebSocket from another origin: {r:?}");
+    }
 }
 
 #[tokio::test]

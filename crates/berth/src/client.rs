@@ -16,6 +16,7 @@ use reqwest::{Method, StatusCode, Url};
 use serde_json::{Map, Value};
 
 use crate::cli::{ClientArgs, Command};
+use crate::escape;
 use crate::progress;
 use crate::render::{self, Palette};
 use crate::sse::STAGE_EVENT;
@@ -38,7 +39,7 @@ pub async fn run(command: Command) -> anyhow::Result<ExitCode> {
                 Some(user) => {
                     let user = parse_user(&user)?;
                     let answer = api.get(&user_path(&user, &["instance"]), &[]).await?;
-                    out.show(&answer, |p| render::user_status(&answer, now(), p));
+                    out.show(&answer, |a, p| render::user_status(a, now(), p));
                 }
                 None => {
                     let body = api.get(&["instances"], &[]).await?;
@@ -74,7 +75,7 @@ pub async fn run(command: Command) -> anyhow::Result<ExitCode> {
             let label = format!("starting {}", user.as_str());
             let show = !no_wait && progress::wanted();
             let answer = progress::while_waiting(show, &label, launch, stages(&api, &user)).await?;
-            out.show(&answer, |p| render::launched(&answer, "started", p));
+            out.show(&answer, |a, p| render::launched(a, "started", p));
         }
         Command::Stop { user, client } => {
             let user = parse_user(&user)?;
@@ -82,7 +83,7 @@ pub async fn run(command: Command) -> anyhow::Result<ExitCode> {
             api.send(Method::DELETE, &user_path(&user, &["instance"]), &[], None)
                 .await?;
             let answer = serde_json::json!({ "user": user.as_str(), "stopped": true });
-            out.show(&answer, |_| Some(format!("stopped {}\n", user.as_str())));
+            out.show(&answer, |_, _| Some(format!("stopped {}\n", user.as_str())));
         }
         Command::Hibernate { user, client } => hibernation(&user, &client, "hibernate").await?,
         Command::Resume { user, client } => hibernation(&user, &client, "resume").await?,
@@ -95,7 +96,7 @@ pub async fn run(command: Command) -> anyhow::Result<ExitCode> {
             let answer =
                 progress::while_waiting(progress::wanted(), &label, restart, stages(&api, &user))
                     .await?;
-            out.show(&answer, |p| render::launched(&answer, "restarted", p));
+            out.show(&answer, |a, p| render::launched(a, "restarted", p));
         }
         Command::Probe { user, client } => {
             let user = parse_user(&user)?;
@@ -106,7 +107,7 @@ pub async fn run(command: Command) -> anyhow::Result<ExitCode> {
             let answer =
                 progress::while_waiting(progress::wanted(), &label, probe, stages(&api, &user))
                     .await?;
-            out.show(&answer, |p| Some(render::probe(user.as_str(), &answer, p)));
+            out.show(&answer, |a, p| Some(render::probe(user.as_str(), a, p)));
             if answer.get("ok") == Some(&Value::Bool(false)) {
                 return Ok(ExitCode::FAILURE);
             }
@@ -152,7 +153,7 @@ pub async fn run(command: Command) -> anyhow::Result<ExitCode> {
             let user = parse_user(&user)?;
             let (api, out) = Api::with_output(&client)?;
             let answer = api.post(&["leases", user.as_str(), "takeover"]).await?;
-            out.show(&answer, |p| render::launched(&answer, "taken over", p));
+            out.show(&answer, |a, p| render::launched(a, "taken over", p));
         }
         Command::RestartAll { client } => {
             let (api, out) = Api::with_output(&client)?;
@@ -164,7 +165,7 @@ pub async fn run(command: Command) -> anyhow::Result<ExitCode> {
                 cluster_counts(&api),
             )
             .await?;
-            out.show(&answer, |p| render::restart_all(&answer, p));
+            out.show(&answer, render::restart_all);
             let failed = answer
                 .get("results")
                 .and_then(Value::as_array)
@@ -198,7 +199,7 @@ pub async fn run(command: Command) -> anyhow::Result<ExitCode> {
                         None,
                     )
                     .await?;
-                out.show(&answer, |p| render::revoked(&answer, p));
+                out.show(&answer, render::revoked);
             } else {
                 let body = ttl.map(|secs| serde_json::json!({ "ttl_s": secs }));
                 let mut answer = api
@@ -218,7 +219,7 @@ pub async fn run(command: Command) -> anyhow::Result<ExitCode> {
                         map.insert("url".into(), Value::String(open.to_string()));
                     }
                 }
-                out.show(&answer, |_| render::minted(&answer, now()));
+                out.show(&answer, |a, _| render::minted(a, now()));
             }
         }
         Command::Serve(_) | Command::DemoApp(_) | Command::Config { .. } => {
@@ -244,11 +245,13 @@ impl Output {
     }
 
     /// `answer` as JSON, or as `human` renders it (JSON when it cannot).
-    fn show(self, answer: &Value, human: impl FnOnce(Palette) -> Option<String>) {
+    /// `human` gets the answer with its control characters made visible
+    /// ([`escape`]), so the only escape sequences printed are its colours.
+    fn show(self, answer: &Value, human: impl FnOnce(&Value, Palette) -> Option<String>) {
         if self.json {
             return print_json(answer);
         }
-        match human(self.palette) {
+        match human(&escape::value(answer), self.palette) {
             Some(text) => print!("{text}"),
             None => print_json(answer),
         }
@@ -256,7 +259,7 @@ impl Output {
 
     /// A list answer as a table (or JSON).
     fn table(self, body: &Value, field: &str, columns: &[render::Column]) {
-        self.show(body, |p| {
+        self.show(body, |body, p| {
             render::table(body, field, columns, berth_core::unix_millis_now(), p)
         });
     }
@@ -347,11 +350,8 @@ async fn hibernation(user: &str, client: &ClientArgs, verb: &str) -> anyhow::Res
     let user = parse_user(user)?;
     let (api, out) = Api::with_output(client)?;
     let answer = api.post(&user_path(&user, &["instance", verb])).await?;
-    let status = answer["instance"]["status"]
-        .as_str()
-        .unwrap_or("unknown")
-        .to_owned();
-    out.show(&answer, |_| {
+    out.show(&answer, |a, _| {
+        let status = a["instance"]["status"].as_str().unwrap_or("unknown");
         Some(format!("{} is {status}\n", user.as_str()))
     });
     Ok(())
@@ -551,7 +551,7 @@ async fn logs(
             print_json(&answer);
         } else {
             for line in log_lines(&answer) {
-                println!("{line}");
+                println!("{}", escape::text(&line));
             }
         }
         return Ok(());
@@ -567,12 +567,13 @@ async fn logs(
         if event.event != crate::sse::LOG_LINE_EVENT {
             continue;
         }
-        match (json, serde_json::from_str::<String>(&event.data)) {
-            // One JSON string per line (the data already is one).
-            (true, Ok(_)) => println!("{}", event.data),
-            (true, Err(_)) => println!("{}", Value::String(event.data)),
-            (false, Ok(line)) => println!("{line}"),
-            (false, Err(_)) => println!("{}", event.data),
+        // Each line is one JSON string; a line that is not is shown as it
+        // came, made safe like any other.
+        let line = serde_json::from_str::<String>(&event.data).unwrap_or(event.data);
+        if json {
+            println!("{}", escape::compact_json(&Value::String(line)));
+        } else {
+            println!("{}", escape::text(&line));
         }
     }
     Ok(())
@@ -599,10 +600,7 @@ fn log_lines(body: &Value) -> Vec<String> {
 }
 
 fn print_json(value: &Value) {
-    match serde_json::to_string_pretty(value) {
-        Ok(text) => println!("{text}"),
-        Err(_) => println!("{value}"),
-    }
+    println!("{}", escape::pretty_json(value));
 }
 
 #[cfg(test)]

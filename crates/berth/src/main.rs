@@ -6,6 +6,7 @@ mod cli;
 mod client;
 mod config;
 mod demo_app;
+mod escape;
 mod progress;
 mod render;
 mod serve;
@@ -31,7 +32,8 @@ fn main() -> ExitCode {
     match run(cli) {
         Ok(code) => code,
         Err(e) => {
-            eprintln!("berth: {e:#}");
+            // Client errors carry the server's messages: made safe to show.
+            eprintln!("berth: {}", escape::text(&format!("{e:#}")));
             ExitCode::FAILURE
         }
     }

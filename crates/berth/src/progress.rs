@@ -55,6 +55,8 @@ pub async fn while_waiting<T>(
 /// The status line: `label… 3s · latest`.
 pub fn line(label: &str, latest: &str, elapsed: Duration) -> String {
     let secs = elapsed.as_secs();
+    // The news comes from the server: the line's own escapes only.
+    let latest = crate::escape::text(latest);
     if latest.is_empty() {
         format!("{label}… {secs}s")
     } else {

@@ -375,6 +375,7 @@ fn proxy_config(
             server_traffic_is_activity: config.reap.server_traffic_is_activity,
             ..Default::default()
         },
+        allow_cross_origin_requests: config.instance.allow_cross_origin_requests,
         metrics,
     })
 }

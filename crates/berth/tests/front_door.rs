@@ -284,14 +284,15 @@ async fn the_admin_cookie_attack_fails_in_host_mode() {
         .await
         .unwrap();
     assert_eq!(r.status(), 403);
-    // Two session cookies: which one is the admin's? Neither.
+    // A second session cookie (planted by an app's script) is tried too,
+    // and the admin's own still counts.
     let r = browser
         .get(format!("{berth}/api/v1/instances"))
-        .header("Cookie", format!("{session}; berth_session=planted"))
+        .header("Cookie", format!("berth_session=planted; {session}"))
         .send()
         .await
         .unwrap();
-    assert_eq!(r.status(), 400);
+    assert_eq!(r.status(), 200);
     // Signing out ends the session on the spot.
     let r = browser
         .delete(format!("{berth}/api/v1/session"))
@@ -454,7 +455,13 @@ async fn an_apps_berth_cookies_never_reach_the_browser() {
             .iter()
             .map(|v| v.to_str().unwrap().to_owned())
             .collect();
-        assert_eq!(set, ["demo=1; Path=/"], "host routed: {host_routed}");
+        // In path mode the app's cookie is kept to its base path.
+        let want = if host_routed {
+            "demo=1; Path=/"
+        } else {
+            "demo=1; Path=/u/alice/"
+        };
+        assert_eq!(set, [want], "host routed: {host_routed}");
 
         let r = browser
             .get(format!("{base}headers"))
@@ -468,43 +475,26 @@ async fn an_apps_berth_cookies_never_reach_the_browser() {
     }
 }
 
+/// A second `berth_token` (planted by another app's script) neither
+/// shadows the user's own nor gets the request refused: each is tried.
 #[tokio::test(flavor = "multi_thread")]
-async fn two_berth_token_cookies_get_400() {
+async fn a_planted_berth_token_cookie_shadows_nothing() {
     let dir = tempfile::tempdir().unwrap();
     let node = Node::start(dir.path(), &config(6, ""));
     let alice = node.user_token("alice").await;
     let r = node
         .http
-        .get(format!("{}/u/alice/", node.url))
+        .get(format!("{}/u/alice/headers", node.url))
         .header(
             "Cookie",
-            format!("berth_token={alice}; berth_token=planted"),
+            format!("berth_token=planted; berth_token={alice}"),
         )
         .send()
         .await
         .unwrap();
-    assert_eq!(r.status(), 400);
-    let cleared: Vec<_> = r
-        .headers()
-        .get_all("set-cookie")
-        .iter()
-        .map(|v| v.to_str().unwrap().to_owned())
-        .collect();
-    assert!(
-        cleared
-            .iter()
-            .any(|c| c.contains("Path=/u/alice/") && c.contains("Max-Age=0")),
-        "{cleared:?}"
-    );
-    let body: Value = r.json().await.unwrap();
-    assert!(
-        body["message"]
-            .as_str()
-            .unwrap()
-            .contains("two berth_token cookies"),
-        "{body}"
-    );
-    assert_eq!(node.status_of("alice").await, "none", "nothing was woken");
+    assert_eq!(r.status(), 200);
+    let seen = r.text().await.unwrap();
+    assert!(!seen.contains("berth_token"), "{seen}");
 }
 
 // --- CSRF --------------------------------------------------------------------

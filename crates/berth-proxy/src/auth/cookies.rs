@@ -63,53 +63,6 @@ impl CookieScope<'_> {
             .secure(https)
             .build()
     }
-
-    /// `Set-Cookie` values that delete the user cookie under every name and
-    /// path berth has used here, including the `Path=/` cookie of versions
-    /// before per-user paths. In host mode, `parent_domain` (the base
-    /// domain) also deletes a plain cookie another subdomain's script
-    /// planted for the whole domain; the `__Host-` cookie of https cannot
-    /// be planted at all.
-    pub fn user_cookie_removals(
-        &self,
-        https: bool,
-        parent_domain: Option<&str>,
-    ) -> Vec<Cookie<'static>> {
-        let mut removals = Vec::new();
-        let mut paths = vec![("/".to_owned(), None)];
-        match self {
-            CookieScope::Path { .. } => paths.push((self.path(), None)),
-            CookieScope::Host => {
-                if let Some(domain) = parent_domain {
-                    paths.push(("/".to_owned(), Some(domain.to_owned())));
-                }
-            }
-        }
-        for (path, domain) in paths {
-            let mut builder = Cookie::build((USER_COOKIE, ""))
-                .path(path)
-                .http_only(true)
-                .same_site(SameSite::Lax)
-                .secure(https);
-            if let Some(domain) = domain {
-                builder = builder.domain(domain);
-            }
-            let mut cookie = builder.build();
-            cookie.make_removal();
-            removals.push(cookie);
-        }
-        if https && *self == CookieScope::Host {
-            let mut cookie = Cookie::build((USER_COOKIE_HOST, ""))
-                .path("/")
-                .http_only(true)
-                .same_site(SameSite::Lax)
-                .secure(true)
-                .build();
-            cookie.make_removal();
-            removals.push(cookie);
-        }
-        removals
-    }
 }
 
 #[cfg(test)]
@@ -143,35 +96,5 @@ mod tests {
         ] {
             assert!(path.contains(part), "{path}");
         }
-        let removals: Vec<String> = CookieScope::Path { segment: "a" }
-            .user_cookie_removals(false, None)
-            .iter()
-            .map(ToString::to_string)
-            .collect();
-        assert_eq!(removals.len(), 2, "{removals:?}");
-        assert!(
-            removals.iter().all(|r| r.contains("Max-Age=0")),
-            "{removals:?}"
-        );
-        assert!(
-            removals.iter().any(|r| r.contains("Path=/u/a/")),
-            "{removals:?}"
-        );
-        let removals: Vec<String> = CookieScope::Host
-            .user_cookie_removals(true, Some("berth.example"))
-            .iter()
-            .map(ToString::to_string)
-            .collect();
-        assert_eq!(removals.len(), 3, "{removals:?}");
-        assert!(
-            removals.iter().any(|r| r.contains("Domain=berth.example")),
-            "a cookie planted for the whole domain is deleted: {removals:?}"
-        );
-        assert!(
-            removals
-                .iter()
-                .any(|r| r.starts_with("__Host-berth_token=") && r.contains("Secure")),
-            "{removals:?}"
-        );
     }
 }

@@ -4,9 +4,7 @@
 use cookie::Cookie;
 use hyper::header::{self, HeaderMap};
 
-use super::cookies::{
-    BERTH_COOKIES, SESSION_COOKIE, SESSION_COOKIE_HOST, USER_COOKIE, USER_COOKIE_HOST,
-};
+use super::cookies::{SESSION_COOKIE, SESSION_COOKIE_HOST, USER_COOKIE, USER_COOKIE_HOST};
 
 /// The token in `Authorization: Bearer …`, if any.
 pub fn bearer(headers: &HeaderMap) -> Option<&str> {
@@ -23,28 +21,36 @@ fn bearer_token(value: &str) -> Option<&str> {
     (scheme.eq_ignore_ascii_case("bearer") && !token.is_empty()).then_some(token)
 }
 
-/// berth's cookies in a request, by name. Empty values count as absent.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+/// berth's cookies in a request, by name: every cookie of each name, in
+/// the order the browser sent them. Empty values (deleted cookies) are
+/// left out.
+///
+/// A request may carry several cookies of one name: one set by berth,
+/// others planted by a script of another app (a cookie for the parent
+/// domain, or for a longer path, which browsers send first). The reader
+/// keeps them all, and whoever checks them tries each, so that a planted
+/// cookie can neither shadow the real one nor get the request refused.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct BerthCookies<'a> {
-    pub user: Option<&'a str>,
-    pub user_host: Option<&'a str>,
-    pub session: Option<&'a str>,
-    pub session_host: Option<&'a str>,
+    pub user: Vec<&'a str>,
+    pub user_host: Vec<&'a str>,
+    pub session: Vec<&'a str>,
+    pub session_host: Vec<&'a str>,
 }
 
 impl<'a> BerthCookies<'a> {
-    /// The user cookie: the `__Host-` one first, since no other origin can
-    /// have set it.
-    pub fn user_token(&self) -> Option<&'a str> {
-        self.user_host.or(self.user)
+    /// The user cookies to try: the `__Host-` ones first, since no other
+    /// origin can have set them.
+    pub fn user_tokens(&self) -> impl Iterator<Item = &'a str> + '_ {
+        distinct(self.user_host.iter().chain(&self.user))
     }
 
-    /// The session cookie, the `__Host-` one first.
-    pub fn session_token(&self) -> Option<&'a str> {
-        self.session_host.or(self.session)
+    /// The session cookies to try, the `__Host-` ones first.
+    pub fn session_tokens(&self) -> impl Iterator<Item = &'a str> + '_ {
+        distinct(self.session_host.iter().chain(&self.session))
     }
 
-    fn slot(&mut self, name: &str) -> Option<&mut Option<&'a str>> {
+    fn slot(&mut self, name: &str) -> Option<&mut Vec<&'a str>> {
         match name {
             USER_COOKIE => Some(&mut self.user),
             USER_COOKIE_HOST => Some(&mut self.user_host),
@@ -55,15 +61,26 @@ impl<'a> BerthCookies<'a> {
     }
 }
 
-/// A request carried two cookies of one of berth's names. Which one the
-/// browser meant cannot be told (one may have been planted by another
-/// site's script), so the request is refused rather than guessed at.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
-#[error("the request carries two {0} cookies; berth cannot tell which one is yours")]
-pub struct DuplicateCookie(pub &'static str);
+/// `values` without repeats: the same planted value sent twice is checked
+/// once.
+fn distinct<'a, 'b>(
+    values: impl Iterator<Item = &'b &'a str> + 'b,
+) -> impl Iterator<Item = &'a str> + 'b
+where
+    'a: 'b,
+{
+    let mut seen: Vec<&'a str> = Vec::new();
+    values.copied().filter(move |v| {
+        if seen.contains(v) {
+            return false;
+        }
+        seen.push(v);
+        true
+    })
+}
 
 /// berth's cookies among the request's `Cookie` headers.
-pub fn berth_cookies(headers: &HeaderMap) -> Result<BerthCookies<'_>, DuplicateCookie> {
+pub fn berth_cookies(headers: &HeaderMap) -> BerthCookies<'_> {
     let mut found = BerthCookies::default();
     for value in headers.get_all(header::COOKIE) {
         let Ok(value) = value.to_str() else { continue };
@@ -74,30 +91,13 @@ pub fn berth_cookies(headers: &HeaderMap) -> Result<BerthCookies<'_>, DuplicateC
             let Some(slot) = found.slot(name) else {
                 continue;
             };
-            if slot.is_some() {
-                let name = BERTH_COOKIES
-                    .into_iter()
-                    .find(|n| *n == name)
-                    .unwrap_or(USER_COOKIE);
-                return Err(DuplicateCookie(name));
-            }
             let raw = raw.trim_matches('"');
-            *slot = Some(raw);
+            if !raw.is_empty() {
+                slot.push(raw);
+            }
         }
     }
-    // An empty value is a deleted cookie, not a credential; it still
-    // counted above, so two of one name are refused whatever they hold.
-    for slot in [
-        &mut found.user,
-        &mut found.user_host,
-        &mut found.session,
-        &mut found.session_host,
-    ] {
-        if slot.is_some_and(str::is_empty) {
-            *slot = None;
-        }
-    }
-    Ok(found)
+    found
 }
 
 #[cfg(test)]
@@ -125,34 +125,37 @@ mod tests {
             "a=b; berth_token=plain; Berth_Token=other",
             "__Host-berth_token=\"hosted\"; berth_session=s",
         ]);
-        let found = berth_cookies(&headers).unwrap();
-        assert_eq!(found.user, Some("plain"));
-        assert_eq!(found.user_host, Some("hosted"));
-        assert_eq!(found.user_token(), Some("hosted"), "__Host- wins");
-        assert_eq!(found.session_token(), Some("s"));
-        let headers = cookies(&["other=1; berth_token="]);
-        let none = berth_cookies(&headers).unwrap();
-        assert_eq!(none.user_token(), None, "an empty value is no credential");
+        let found = berth_cookies(&headers);
+        assert_eq!(found.user, ["plain"]);
+        assert_eq!(found.user_host, ["hosted"]);
         assert_eq!(
-            berth_cookies(&HeaderMap::new()).unwrap(),
-            BerthCookies::default()
+            found.user_tokens().collect::<Vec<_>>(),
+            ["hosted", "plain"],
+            "__Host- first"
         );
+        assert_eq!(found.session_tokens().collect::<Vec<_>>(), ["s"]);
+        let headers = cookies(&["other=1; berth_token="]);
+        let none = berth_cookies(&headers);
+        assert_eq!(
+            none.user_tokens().next(),
+            None,
+            "an empty value is no credential"
+        );
+        assert_eq!(berth_cookies(&HeaderMap::new()), BerthCookies::default());
     }
 
     #[test]
-    fn two_cookies_of_one_name_are_refused() {
-        for values in [
-            &["berth_token=a; berth_token=b"][..],
-            &["berth_token=a", "x=1; berth_token=b"],
-            &["berth_session=a; berth_session="],
-            &["__Host-berth_token=a; __Host-berth_token=a"],
-        ] {
-            assert!(berth_cookies(&cookies(values)).is_err(), "{values:?}");
-        }
-        let err = berth_cookies(&cookies(&["berth_token=a; berth_token=b"])).unwrap_err();
-        assert_eq!(err, DuplicateCookie(USER_COOKIE));
-        assert!(err.to_string().contains("two berth_token cookies"), "{err}");
-        // One of each name is fine.
-        assert!(berth_cookies(&cookies(&["berth_token=a; __Host-berth_token=b"])).is_ok());
+    fn every_cookie_of_one_name_is_kept_to_be_tried() {
+        let headers = cookies(&[
+            "berth_session=planted; berth_token=a; berth_session=real",
+            "x=1; berth_token=b; berth_session=planted",
+        ]);
+        let found = berth_cookies(&headers);
+        assert_eq!(found.user_tokens().collect::<Vec<_>>(), ["a", "b"]);
+        assert_eq!(
+            found.session_tokens().collect::<Vec<_>>(),
+            ["planted", "real"],
+            "in the order sent, each value once"
+        );
     }
 }

@@ -2,12 +2,12 @@
 //! exchange of a `?berth_token=` link for the user cookie.
 
 use berth_core::{ErrorCode, UserId};
-use hyper::header::{self, HeaderMap, HeaderValue};
+use hyper::header::{HeaderMap, HeaderValue};
 use hyper::{Response, StatusCode, Uri};
 
 use super::caller::{Access, Credential};
 use super::cookies::CookieScope;
-use super::extract::{DuplicateCookie, bearer, berth_cookies};
+use super::extract::{bearer, berth_cookies};
 use super::link::{QueryToken, is_cookie_safe, query_token, same_host_location};
 use super::secret::{CLUSTER_SECRET, CLUSTER_USER, ClusterSecret, SharedSecret};
 use super::tokens::{AuthError, Authenticator};
@@ -32,8 +32,6 @@ pub struct Gate {
     trusted: TrustedProxies,
     cluster: Option<ClusterSecret>,
     header_secret: Option<SharedSecret>,
-    /// The base domain of host routing, for deleting planted cookies.
-    base_domain: Option<String>,
 }
 
 impl Gate {
@@ -44,14 +42,7 @@ impl Gate {
             trusted,
             cluster: None,
             header_secret: None,
-            base_domain: None,
         }
-    }
-
-    /// The base domain apps live under (host routing), if any.
-    pub fn with_base_domain(mut self, base_domain: Option<&str>) -> Self {
-        self.base_domain = base_domain.map(str::to_owned);
-        self
     }
 
     /// Also accepts requests forwarded by another node: a valid cluster
@@ -132,13 +123,6 @@ impl Gate {
                 _ => Err(respond::forbidden(navigation)),
             };
         }
-        let cookies = match berth_cookies(headers) {
-            Ok(cookies) => cookies,
-            Err(duplicate) => {
-                let parent = self.base_domain.as_deref();
-                return Err(duplicate_cookie(&duplicate, scope, parent, headers, conn));
-            }
-        };
         if let Some(q) = uri.query().and_then(query_token) {
             return Err(self
                 .exchange_query_token(q, uri, conn, headers, user, scope, navigation)
@@ -154,15 +138,21 @@ impl Gate {
                 Err(e) => return Err(store_unavailable(&e)),
             }
         }
-        if let Some(token) = cookies.user_token() {
+        // Every user cookie is tried: one planted by another app's script
+        // must not shadow the user's own.
+        let mut someone_elses = false;
+        for token in berth_cookies(headers).user_tokens() {
             match self.auth.access(token, user).await {
                 Ok(Access::Allowed) => return Ok(pass(Credential::Cookie)),
-                Ok(Access::Forbidden) => return Err(respond::forbidden(navigation)),
+                Ok(Access::Forbidden) => someone_elses = true,
                 // The admin token never counts from a cookie: any page the
                 // browser opens could ride on it.
                 Ok(Access::Admin | Access::Unauthenticated) => {}
                 Err(e) => return Err(store_unavailable(&e)),
             }
+        }
+        if someone_elses {
+            return Err(respond::forbidden(navigation));
         }
         if let Some(name) = self.forwarded_user(headers, conn) {
             return if name.as_bytes() == user.as_str().as_bytes() {
@@ -225,29 +215,6 @@ impl Gate {
             ),
         }
     }
-}
-
-/// 400 for two cookies of one berth name, deleting the user cookie under
-/// each name and path berth uses here so that the next link works.
-fn duplicate_cookie(
-    duplicate: &DuplicateCookie,
-    scope: &CookieScope<'_>,
-    parent_domain: Option<&str>,
-    headers: &HeaderMap,
-    conn: &ConnInfo,
-) -> Response<ProxyBody> {
-    let mut response = respond::code_error(
-        ErrorCode::InvalidRequest,
-        &format!(
-            "{duplicate}; berth has deleted its cookies here: open your link (with ?berth_token=) again"
-        ),
-    );
-    for removal in scope.user_cookie_removals(is_https(headers, conn), parent_domain) {
-        if let Ok(value) = HeaderValue::try_from(removal.to_string()) {
-            response.headers_mut().append(header::SET_COOKIE, value);
-        }
-    }
-    response
 }
 
 fn store_unavailable(e: &AuthError) -> Response<ProxyBody> {

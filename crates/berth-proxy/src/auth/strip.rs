@@ -54,10 +54,12 @@ pub fn strip_credentials(headers: &mut HeaderMap, used: Credential) {
 }
 
 /// Whether a response's `Set-Cookie` value would set one of berth's
-/// cookies. Names are compared without regard to case (browsers treat the
-/// `__Host-` prefix so), and a nameless cookie whose value starts with one
-/// of berth's names counts too: browsers send `=berth_token=x` as
-/// `berth_token=x`.
+/// cookies (`crate::shield` drops such a header from every answer of a
+/// program: it must not log its user out, fix their login, or plant a
+/// second cookie of that name). Names are compared without regard to case
+/// (browsers treat the `__Host-` prefix so), and a nameless cookie whose
+/// value starts with one of berth's names counts too: browsers send
+/// `=berth_token=x` as `berth_token=x`.
 pub fn sets_berth_cookie(set_cookie: &[u8]) -> bool {
     let Ok(text) = std::str::from_utf8(set_cookie) else {
         // Not UTF-8: no cookie crate or browser reads a berth name in it
@@ -75,31 +77,6 @@ pub fn sets_berth_cookie(set_cookie: &[u8]) -> bool {
         }
     };
     BERTH_COOKIES.iter().any(|b| b.eq_ignore_ascii_case(&name))
-}
-
-/// Removes every `Set-Cookie` of the response that would set one of
-/// berth's cookies: a program must not be able to log its user out, fix
-/// their login, or plant a cookie for a sibling subdomain.
-pub fn drop_berth_set_cookies(headers: &mut HeaderMap) {
-    if !headers.contains_key(header::SET_COOKIE) {
-        return;
-    }
-    let all: Vec<HeaderValue> = headers
-        .get_all(header::SET_COOKIE)
-        .iter()
-        .cloned()
-        .collect();
-    if !all.iter().any(|v| sets_berth_cookie(v.as_bytes())) {
-        return;
-    }
-    headers.remove(header::SET_COOKIE);
-    for value in all {
-        if sets_berth_cookie(value.as_bytes()) {
-            tracing::debug!("dropped a program's Set-Cookie for one of berth's cookies");
-        } else {
-            headers.append(header::SET_COOKIE, value);
-        }
-    }
 }
 
 #[cfg(test)]
@@ -131,17 +108,6 @@ mod tests {
             assert!(!sets_berth_cookie(theirs.as_bytes()), "{theirs:?}");
         }
         assert!(sets_berth_cookie(b"\xffberth_token=1"), "not UTF-8");
-
-        let mut h = HeaderMap::new();
-        h.append(header::SET_COOKIE, HeaderValue::from_static("app=1"));
-        h.append(
-            header::SET_COOKIE,
-            HeaderValue::from_static("berth_token=evil; Path=/"),
-        );
-        h.append(header::SET_COOKIE, HeaderValue::from_static("other=2"));
-        drop_berth_set_cookies(&mut h);
-        let left: Vec<_> = h.get_all(header::SET_COOKIE).iter().collect();
-        assert_eq!(left, ["app=1", "other=2"]);
     }
 
     #[test]

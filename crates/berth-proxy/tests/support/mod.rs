@@ -337,7 +337,8 @@ where
 /// A real hyper server standing in for an instance. Routes by path suffix:
 /// `…/ws` WebSocket echo, `…/sse` one event then waits for [`Upstream::release`],
 /// `…/chunked` three chunks, `POST …/echo` streams the body back, `…/abort`
-/// one chunk, then a broken stream once released, anything else: the request head as text.
+/// one chunk, then a broken stream once released, `…/hostile` headers that
+/// act on the whole origin, anything else: the request head as text.
 pub struct Upstream {
     pub addr: SocketAddr,
     pub release: Arc<Notify>,
@@ -433,6 +434,22 @@ async fn upstream_handle(
             .header("set-cookie", "__Host-berth_token=planted; Path=/; Secure")
             .header("set-cookie", "=berth_session=planted")
             .body(boxed(Full::new(Bytes::from_static(b"cookies set"))))
+            .unwrap()
+    } else if path.ends_with("/hostile") {
+        // Headers that act on the whole origin or site, as a hostile
+        // program would send them.
+        Response::builder()
+            .header("service-worker-allowed", "/")
+            .header("clear-site-data", "\"cookies\", \"storage\"")
+            .header("set-cookie", "wide=1; Path=/; Domain=berth.test")
+            .header("refresh", "0; url=/admin/")
+            .header(
+                "link",
+                "</admin/>; rel=prefetch, <own.css>; rel=preload; as=style",
+            )
+            .header("nel", "{\"report_to\":\"spy\",\"max_age\":86400}")
+            .header("x-app", "yes")
+            .body(boxed(Full::new(Bytes::from_static(b"hostile"))))
             .unwrap()
     } else if path.ends_with("/echo") {
         Response::new(boxed(req.into_body()))

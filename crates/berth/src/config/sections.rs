@@ -70,6 +70,11 @@ pub struct InstanceConfig {
     pub pre_stop: Option<HookConfig>,
     /// How long a hook may take before it is cut off.
     pub hook_grace_s: u64,
+    /// Whether a page of another origin (another user's app among them)
+    /// may make a browser send this program state-changing requests and
+    /// WebSocket upgrades. Off, the proxy answers them 403: for programs
+    /// whose apps do not call each other.
+    pub allow_cross_origin_requests: bool,
 }
 
 /// `pre_hibernate` / `pre_stop`: a command, or a path on the instance.
@@ -310,6 +315,7 @@ impl Default for InstanceConfig {
             pre_hibernate: None,
             pre_stop: None,
             hook_grace_s: 10,
+            allow_cross_origin_requests: false,
         }
     }
 }

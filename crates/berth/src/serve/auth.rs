@@ -90,9 +90,6 @@ pub enum Refusal {
     /// 403: a valid credential that may not do this here.
     #[error("{0}")]
     Forbidden(String),
-    /// 400: a request that cannot be judged (two session cookies).
-    #[error("{0}")]
-    BadRequest(String),
     #[error(transparent)]
     Store(#[from] StoreError),
 }
@@ -168,12 +165,12 @@ impl Authenticator {
                 )
             });
         }
-        let cookies = berth_cookies(headers).map_err(|e| Refusal::BadRequest(e.to_string()))?;
-        if cookies.session_token().is_some() {
+        let cookies = berth_cookies(headers);
+        if cookies.session_tokens().next().is_some() {
             self.session(method, headers).await?;
             return Ok(Caller::Admin);
         }
-        if cookies.user_token().is_some() {
+        if cookies.user_tokens().next().is_some() {
             return Err(Refusal::Unauthenticated(
                 "the API does not accept the berth_token cookie (it opens one user's app, nothing \
                  else); send Authorization: Bearer <token>"
@@ -192,15 +189,27 @@ impl Authenticator {
         if !self.settings.sessions {
             return Err(Refusal::Unauthenticated(SESSIONS_OFF.into()));
         }
-        let cookies = berth_cookies(headers).map_err(|e| Refusal::BadRequest(e.to_string()))?;
-        let Some(secret) = cookies.session_token() else {
-            return Err(Refusal::Unauthenticated("no session cookie".into()));
-        };
-        let secret_hash = TokenHash::of(secret).to_hex();
-        let Some(expires_at) = self.store.session_expiry(&secret_hash).await? else {
-            return Err(Refusal::Unauthenticated(
-                "the session has ended; sign in again".into(),
-            ));
+        // Every session cookie is tried, in the order sent: an app's script
+        // on a sibling subdomain can plant one for the whole domain over
+        // plain HTTP, and it must neither shadow the admin's own nor lock
+        // the admin out.
+        let cookies = berth_cookies(headers);
+        let mut live = None;
+        let mut any = false;
+        for secret in cookies.session_tokens() {
+            any = true;
+            let secret_hash = TokenHash::of(secret).to_hex();
+            if let Some(expires_at) = self.store.session_expiry(&secret_hash).await? {
+                live = Some((secret, secret_hash, expires_at));
+                break;
+            }
+        }
+        let Some((secret, secret_hash, expires_at)) = live else {
+            return Err(Refusal::Unauthenticated(if any {
+                "the session has ended; sign in again".into()
+            } else {
+                "no session cookie".into()
+            }));
         };
         let csrf_token = csrf_token_for(secret);
         let safe = matches!(*method, Method::GET | Method::HEAD);

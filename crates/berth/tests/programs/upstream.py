@@ -17,6 +17,14 @@ open (keep-alive) unless the client asks otherwise.
   next request it reads without answering, as a server whose keep-alive
   timeout fires at that moment does. Each drop is logged on stdout
   ("upstream: dropped <METHOD>"), which berth writes to the user's log.
+* GET .../say?h=NAME:VALUE&h=…&type=TYPE&body=TEXT: answered with exactly
+  those headers, content type and body, as a hostile program would answer
+  (the security tests' attacks).
+* any method .../poke: counted, by method ("upgrade" for a handshake
+  asking to upgrade), and reported by GET .../pokes as
+  {"POST": n, "upgrade": n, …}: whether a browser's request got through.
+* GET .../print?text=TEXT: TEXT is written to stdout (the user's log) as
+  it is, control characters included.
 """
 
 import http.server
@@ -24,7 +32,12 @@ import json
 import signal
 import socketserver
 import sys
+import threading
 import time
+import urllib.parse
+
+POKES = {}
+POKES_LOCK = threading.Lock()
 
 
 def log(line):
@@ -61,7 +74,23 @@ class Handler(http.server.BaseHTTPRequestHandler):
             "headers": [[k.lower(), v] for k, v in self.headers.items()],
             "body_bytes": len(body),
         }
-        if self.path.split("?")[0].endswith("/flaky"):
+        route = self.path.split("?")[0]
+        query = urllib.parse.parse_qs(urllib.parse.urlsplit(self.path).query)
+        if route.endswith("/say"):
+            self.say(query)
+        elif route.endswith("/poke"):
+            kind = "upgrade" if self.headers.get("Upgrade") else self.command
+            with POKES_LOCK:
+                POKES[kind] = POKES.get(kind, 0) + 1
+            self.answer({"poked": kind})
+        elif route.endswith("/pokes"):
+            with POKES_LOCK:
+                self.answer(dict(POKES))
+        elif route.endswith("/print"):
+            sys.stdout.write(query.get("text", [""])[0] + "\n")
+            sys.stdout.flush()
+            self.answer({"printed": True})
+        elif route.endswith("/flaky"):
             self.drop_next = True
             self.answer(seen)
         elif self.path.split("?")[0].endswith("/echo"):
@@ -78,8 +107,21 @@ class Handler(http.server.BaseHTTPRequestHandler):
         else:
             self.answer(seen)
 
+    def say(self, query):
+        data = query.get("body", [""])[0].encode()
+        self.send_response(200)
+        self.send_header("Content-Type", query.get("type", ["text/plain"])[0])
+        self.send_header("Content-Length", str(len(data)))
+        for header in query.get("h", []):
+            name, _, value = header.partition(":")
+            self.send_header(name.strip(), value.strip())
+        self.end_headers()
+        self.wfile.write(data)
+
     do_GET = handle_any
     do_POST = handle_any
+    do_PUT = handle_any
+    do_DELETE = handle_any
 
 
 class Server(socketserver.ThreadingMixIn, http.server.HTTPServer):

@@ -42,7 +42,6 @@ impl From<Refusal> for ApiError {
         match refusal {
             Refusal::Unauthenticated(m) => ApiError::new(ErrorCode::Unauthorized, m),
             Refusal::Forbidden(m) => ApiError::new(ErrorCode::Forbidden, m),
-            Refusal::BadRequest(m) => ApiError::new(ErrorCode::InvalidRequest, m),
             Refusal::Store(e) => e.into(),
         }
     }
