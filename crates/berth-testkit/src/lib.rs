@@ -75,7 +75,7 @@ mod wait;
 pub use http::raw_request;
 pub use node::{
     Berth, CLUSTER_LEASE, Node, StartOptions, cluster_config, cluster_config_custom, config_with,
-    reachable_by_instances,
+    reachable_by_instances, write_private,
 };
 pub use process::{
     alive, free_port, instance_pids, kill_instances_under, proc_state, rss_kib, signal, zygote_of,

@@ -366,6 +366,235 @@ async fn node_to_node_calls_need_the_cluster_secret() {
     assert!(instance_pids(&node.data_dir, "alice", "main").is_empty());
 }
 
+/// `berth serve` with `args` and `env`, in `dir`, until it listens or
+/// exits.
+struct Serve {
+    child: std::process::Child,
+    stderr: std::path::PathBuf,
+}
+
+impl Serve {
+    fn start(dir: &Path, args: &[&str], env: &[(&str, &str)]) -> Self {
+        std::fs::create_dir_all(dir).unwrap();
+        support::reachable_by_instances(dir);
+        let stderr = dir.join("stderr.log");
+        let child = std::process::Command::new(BERTH)
+            .arg("serve")
+            .args(args)
+            .env_remove("BERTH_STORE")
+            .env_remove("BERTH_CLUSTER_SECRET")
+            .envs(env.iter().copied())
+            .current_dir(dir)
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::fs::File::create(&stderr).unwrap())
+            .spawn()
+            .unwrap();
+        Self { child, stderr }
+    }
+
+    /// `Ok(pid)` once it listens, `Err(stderr)` when it exits first.
+    fn listening(&mut self) -> Result<u32, String> {
+        use std::io::BufRead;
+        let stdout = self.child.stdout.take().unwrap();
+        for line in std::io::BufReader::new(stdout).lines() {
+            if line.unwrap_or_default().starts_with("berth: listening on ") {
+                return Ok(self.child.id());
+            }
+        }
+        let status = self.child.wait().unwrap();
+        let stderr = std::fs::read_to_string(&self.stderr).unwrap();
+        assert!(!status.success(), "{stderr}");
+        Err(stderr)
+    }
+}
+
+impl Drop for Serve {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// `/proc/<pid>/<file>` as uid and gid 65534 (`nobody`), the way any
+/// program berth runs under an account of its own reads it.
+fn read_proc_as_nobody(pid: u32, file: &str) -> String {
+    let out = std::process::Command::new("setpriv")
+        .args(["--reuid=65534", "--regid=65534", "--clear-groups", "cat"])
+        .arg(format!("/proc/{pid}/{file}"))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).replace('\0', " ")
+}
+
+/// `db`'s URL with a password in it (the test server trusts local
+/// connections, so any password opens it).
+fn with_password(db: &str, password: &str) -> String {
+    let mut url = reqwest::Url::parse(db).unwrap();
+    url.set_password(Some(password)).unwrap();
+    url.to_string()
+}
+
+/// The database's password on berth's command line was readable by every
+/// user of the host in `/proc/<berth>/cmdline`, the instances' own
+/// accounts included. berth now refuses such a `--store`, saying where
+/// the URL may go instead, and never echoes the password.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_password_on_the_command_line_is_refused() {
+    let db = fresh_db().await;
+    let root = tempfile::tempdir().unwrap();
+    let dir = root.path().to_owned();
+    let store = with_password(&db, "hunter2-on-argv");
+    let data = dir.join("data");
+    let data = data.to_str().unwrap().to_owned();
+    let stderr = tokio::task::spawn_blocking(move || {
+        let mut serve = Serve::start(
+            &dir,
+            &[
+                "--store",
+                &store,
+                "--data-dir",
+                &data,
+                "--listen",
+                "127.0.0.1:0",
+                "--node-id",
+                "node-a",
+            ],
+            &[("BERTH_CLUSTER_SECRET", SECRET)],
+        );
+        match serve.listening() {
+            Ok(pid) => panic!(
+                "berth started; uid 65534 reads its command line: {}",
+                read_proc_as_nobody(pid, "cmdline")
+            ),
+            Err(stderr) => stderr,
+        }
+    })
+    .await
+    .unwrap();
+    for part in [
+        "flag --store",
+        "password",
+        "BERTH_STORE",
+        "BERTH_STORE_FILE",
+        "store_file",
+    ] {
+        assert!(stderr.contains(part), "{part:?} missing: {stderr}");
+    }
+    assert!(!stderr.contains("hunter2-on-argv"), "{stderr}");
+}
+
+/// The ways a store password may reach berth, each checked for what
+/// another uid (and berth's own uid) can read afterwards: a store file
+/// (`BERTH_STORE_FILE`) must be private, and is refused otherwise naming
+/// the `chmod` that fixes it; a private one works, and the password is
+/// in neither `/proc/<berth>/cmdline` nor `/proc/<berth>/environ`. Given
+/// in `BERTH_STORE`, the password is wiped from berth's environment once
+/// read. An admin token file that others can read is refused too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_password_reaches_berth_only_privately() {
+    use std::os::unix::fs::PermissionsExt;
+    let db = fresh_db().await;
+    let root = tempfile::tempdir().unwrap();
+    let root_path = root.path().to_owned();
+    let password = "hunter2-in-a-file";
+    let store = with_password(&db, password);
+    tokio::task::spawn_blocking(move || {
+        let common = |dir: &Path, id: &str| {
+            vec![
+                "--data-dir".to_owned(),
+                dir.join("data").to_str().unwrap().to_owned(),
+                "--listen".to_owned(),
+                "127.0.0.1:0".to_owned(),
+                "--node-id".to_owned(),
+                id.to_owned(),
+            ]
+        };
+
+        // A store file others can read: refused, naming it and the fix.
+        let dir = root_path.join("file");
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("store.url");
+        std::fs::write(&file, format!("{store}\n")).unwrap();
+        std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o644)).unwrap();
+        let file_text = file.to_str().unwrap().to_owned();
+        let argv = common(&dir, "node-file");
+        let argv: Vec<&str> = argv.iter().map(String::as_str).collect();
+        let env = [
+            ("BERTH_STORE_FILE", file_text.as_str()),
+            ("BERTH_CLUSTER_SECRET", SECRET),
+        ];
+        let stderr = Serve::start(&dir, &argv, &env)
+            .listening()
+            .expect_err("berth started on a store file that others can read");
+        assert!(
+            stderr.contains(&format!("chmod 600 {}", file.display())),
+            "{stderr}"
+        );
+        assert!(!stderr.contains(password), "{stderr}");
+
+        // Private: berth runs on it, as a cluster node, and the password
+        // shows nowhere in /proc.
+        std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o600)).unwrap();
+        let mut serve = Serve::start(&dir, &argv, &env);
+        let pid = serve
+            .listening()
+            .expect("berth starts on a private store file");
+        let cmdline = read_proc_as_nobody(pid, "cmdline");
+        assert!(!cmdline.contains(password), "{cmdline}");
+        let environ =
+            String::from_utf8_lossy(&std::fs::read(format!("/proc/{pid}/environ")).unwrap())
+                .into_owned();
+        assert!(!environ.contains(password), "{environ}");
+        // The file's store it is, not the default SQLite one.
+        assert!(!dir.join("data").join("berth.db").exists());
+        drop(serve);
+
+        // In BERTH_STORE: wiped from the environment once read.
+        let dir = root_path.join("env");
+        let argv = common(&dir, "node-env");
+        let argv: Vec<&str> = argv.iter().map(String::as_str).collect();
+        let mut serve = Serve::start(
+            &dir,
+            &argv,
+            &[
+                ("BERTH_STORE", store.as_str()),
+                ("BERTH_CLUSTER_SECRET", SECRET),
+            ],
+        );
+        let pid = serve.listening().expect("berth starts with BERTH_STORE");
+        let environ =
+            String::from_utf8_lossy(&std::fs::read(format!("/proc/{pid}/environ")).unwrap())
+                .into_owned();
+        assert!(!environ.contains(password), "BERTH_STORE stayed: {environ}");
+        assert!(!read_proc_as_nobody(pid, "cmdline").contains(password));
+        drop(serve);
+
+        // An admin token file that others can read: refused.
+        let dir = root_path.join("token");
+        std::fs::create_dir_all(dir.join("data")).unwrap();
+        let token = dir.join("data").join("admin.token");
+        std::fs::write(&token, "adm1n\n").unwrap();
+        std::fs::set_permissions(&token, std::fs::Permissions::from_mode(0o644)).unwrap();
+        let argv = common(&dir, "node-token");
+        let argv: Vec<&str> = argv.iter().map(String::as_str).collect();
+        let stderr = Serve::start(&dir, &argv, &[])
+            .listening()
+            .expect_err("berth started on an admin token file that others can read");
+        assert!(
+            stderr.contains(&format!("chmod 600 {}", token.display())),
+            "{stderr}"
+        );
+    })
+    .await
+    .unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_id_that_is_already_live_is_refused() {
     let db = fresh_db().await;
@@ -374,7 +603,11 @@ async fn a_node_id_that_is_already_live_is_refused() {
     let dir = root.path().join("impostor");
     std::fs::create_dir_all(&dir).unwrap();
     let config = dir.join("berth.toml");
-    std::fs::write(&config, cluster_config(&dir, &db, "node-a", SECRET, "", "")).unwrap();
+    berth_testkit::write_private(
+        &config,
+        &cluster_config(&dir, &db, "node-a", SECRET, "", ""),
+        None,
+    );
     let output = tokio::task::spawn_blocking(move || {
         std::process::Command::new(BERTH)
             .args(["serve", "--config", config.to_str().unwrap()])
@@ -395,9 +628,9 @@ async fn an_unreachable_store_is_a_clear_startup_error() {
     let root = tempfile::tempdir().unwrap();
     let dir = root.path().to_owned();
     let config = dir.join("berth.toml");
-    std::fs::write(
+    berth_testkit::write_private(
         &config,
-        cluster_config(
+        &cluster_config(
             &dir,
             "postgres://berth@127.0.0.1:1/x",
             "node-a",
@@ -405,8 +638,8 @@ async fn an_unreachable_store_is_a_clear_startup_error() {
             "",
             "",
         ),
-    )
-    .unwrap();
+        None,
+    );
     let output = tokio::task::spawn_blocking(move || {
         std::process::Command::new(BERTH)
             .args(["serve", "--config", config.to_str().unwrap()])
@@ -877,7 +1110,7 @@ fn config_on_same_address(config: &str, url: &str) -> String {
 /// refuse to start: its stderr.
 async fn refused_start(dir: &Path, config: &str) -> String {
     let path = dir.join("other.toml");
-    std::fs::write(&path, config).unwrap();
+    berth_testkit::write_private(&path, config, None);
     let output = tokio::task::spawn_blocking(move || {
         std::process::Command::new(BERTH)
             .args(["serve", "--config", path.to_str().unwrap()])

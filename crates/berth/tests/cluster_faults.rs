@@ -953,11 +953,11 @@ async fn start_unreachable(root: &Path, db: &str, instance: &str) -> Node {
         support::free_port()
     );
     let config = dir.join("berth.toml");
-    std::fs::write(
+    berth_testkit::write_private(
         &config,
-        support::cluster_config_custom(&dir, db, IDS[0], SECRET, &lease(""), instance, &advertise),
-    )
-    .unwrap();
+        &support::cluster_config_custom(&dir, db, IDS[0], SECRET, &lease(""), instance, &advertise),
+        None,
+    );
     let listen = format!("127.0.0.1:{}", support::free_port());
     let mut node = tokio::task::spawn_blocking(move || {
         let args = [

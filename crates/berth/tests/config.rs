@@ -35,6 +35,53 @@ fn check_failing(text: &str) -> (String, PathBuf, tempfile::TempDir) {
     (stderr, path, dir)
 }
 
+/// Every program berth runs can read a world-readable file. A config file
+/// that holds a secret must be private: one others can read is refused,
+/// naming the file and the `chmod` that fixes it.
+#[test]
+fn a_config_file_with_a_secret_that_others_can_read_is_refused() {
+    use std::os::unix::fs::PermissionsExt;
+    // Long and random enough for any check of its own.
+    let secret = "3c9f1a7e5b2d8c4f6e0a9b1d3f5c7e2a4b6d8f0e1c3a5b7d9f2e4c6a8b0d1f3e";
+    for (text, what) in [
+        (format!("cluster_secret = \"{secret}\"\n"), "cluster_secret"),
+        ("admin_token = \"adm1n-t0ken\"\n".to_owned(), "admin_token"),
+        (
+            "[metrics]\ntoken = \"scrape-me\"\n".to_owned(),
+            "metrics.token",
+        ),
+        (
+            format!(
+                "store = \"postgres://berth:hunter2@db/berth\"\ncluster_secret = \"{secret}\"\n"
+            ),
+            "password",
+        ),
+    ] {
+        for mode in [0o644, 0o640] {
+            let dir = tempfile::tempdir().unwrap();
+            let path = dir.path().join("berth.toml");
+            std::fs::write(&path, &text).unwrap();
+            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(mode)).unwrap();
+            let out = check(&path);
+            let stderr = String::from_utf8_lossy(&out.stderr);
+            assert_eq!(out.status.code(), Some(1), "{mode:o} {text}: {stderr}");
+            assert!(stderr.contains(what), "{what}: {stderr}");
+            assert!(
+                stderr.contains(&format!("chmod 600 {}", path.display())),
+                "{stderr}"
+            );
+            assert!(!stderr.contains("hunter2"), "{stderr}");
+            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).unwrap();
+            let out = check(&path);
+            assert!(
+                out.status.success(),
+                "{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+    }
+}
+
 #[test]
 fn every_example_is_accepted() {
     let mut checked = 0;

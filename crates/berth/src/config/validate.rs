@@ -47,6 +47,7 @@ impl Config {
             // The value is not echoed: it may carry a password.
             return Err(self.invalid("store", "must be a sqlite:// or postgres:// URL"));
         }
+        self.refuse_password_on_command_line()?;
         if let Some(id) = &self.node_id
             && (id.is_empty() || id.chars().any(|c| c.is_whitespace() || c.is_control()))
         {
