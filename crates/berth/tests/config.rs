@@ -35,6 +35,60 @@ fn check_failing(text: &str) -> (String, PathBuf, tempfile::TempDir) {
     (stderr, path, dir)
 }
 
+/// Whether `config check` accepts `text` in a private file.
+fn accepted_private(text: &str) -> bool {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("private.toml");
+    berth_testkit::write_private(&path, text, None);
+    check(&path).status.success()
+}
+
+/// Header mode believes `X-Forwarded-User` from the trusted proxies. Every
+/// program berth runs lives on this host and can connect from loopback, so
+/// trusting loopback without the SSO proxy's secret lets any of them act
+/// as any user: such a config is refused, naming the key, the line and the
+/// key that fixes it, however loopback is written.
+#[test]
+fn header_auth_trusting_loopback_without_a_secret_is_refused() {
+    for entries in [
+        r#"["127.0.0.1"]"#,
+        r#"["10.0.0.0/8", "127.0.0.0/8"]"#,
+        r#"["::1"]"#,
+        r#"["0.0.0.0/0"]"#,
+        r#"["127.0.0.53"]"#,
+    ] {
+        let text = format!("[proxy]\nauth = \"header\"\ntrusted_proxies = {entries}\n");
+        let (stderr, path, _dir) = check_failing(&text);
+        let want = format!(
+            "berth: config file {}, line 3: proxy.trusted_proxies: ",
+            path.display()
+        );
+        assert!(stderr.starts_with(&want), "{entries}: {stderr}");
+        for part in [
+            "covers loopback",
+            "set proxy.header_secret",
+            "X-Forwarded-User",
+        ] {
+            assert!(
+                stderr.contains(part),
+                "{entries}: {part:?} missing: {stderr}"
+            );
+        }
+    }
+    // With the secret, or trusting only a proxy elsewhere, it is fine.
+    assert!(accepted_private(
+        "[proxy]\nauth = \"header\"\ntrusted_proxies = [\"127.0.0.1\"]\nheader_secret = \"sso-s3cret\"\n"
+    ));
+    assert!(accepted_private(
+        "[proxy]\nauth = \"header\"\ntrusted_proxies = [\"10.0.0.5\"]\n"
+    ));
+    // Token mode believes no X-Forwarded-User: loopback may be trusted
+    // there (for X-Forwarded-Proto).
+    assert!(accepted_private(
+        "[proxy]\ntrusted_proxies = [\"127.0.0.1\"]\n"
+    ));
+}
+
 /// Every program berth runs can read a world-readable file. A config file
 /// that holds a secret must be private: one others can read is refused,
 /// naming the file and the `chmod` that fixes it.

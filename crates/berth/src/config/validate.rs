@@ -1,6 +1,8 @@
 //! Everything parsing cannot check: addresses, ranges, choices and
 //! combinations, each refusal naming its key and where it was set.
 
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+
 use super::error::ConfigError;
 use super::sections::{Config, HookConfig};
 
@@ -343,6 +345,23 @@ impl Config {
                 format!("{bad:?} is not an IP address or CIDR block"),
             ));
         }
+        // Every instance berth runs on this host can connect from loopback:
+        // trusting it without the SSO proxy's secret lets any of them name
+        // any user.
+        if p.auth == "header"
+            && p.header_secret.is_none()
+            && let Some(entry) = p.trusted_proxies.iter().find(|a| covers_loopback(a))
+        {
+            return Err(self.invalid(
+                "proxy.trusted_proxies",
+                format!(
+                    "{entry:?} covers loopback, from where every program berth runs can connect: \
+                     with auth = \"header\" and no proxy.header_secret, any of them could name any \
+                     user in X-Forwarded-User; set proxy.header_secret (your SSO proxy sends it as \
+                     X-Berth-Proxy-Secret), or trust only the proxy's own non-loopback address"
+                ),
+            ));
+        }
         match p.path_routing.as_str() {
             "auto" | "on" => {}
             "off" if domain.is_empty() => {
@@ -426,6 +445,33 @@ impl Config {
 /// agree on what a `trusted_proxies` entry is.
 fn is_ip_or_cidr(s: &str) -> bool {
     berth_proxy::auth::TrustedProxies::parse(&[s]).is_ok()
+}
+
+/// Whether a `trusted_proxies` entry (already checked by
+/// [`is_ip_or_cidr`]) shares any address with loopback: `127.0.0.0/8`,
+/// `::1`, or IPv4-mapped loopback. Any overlap counts, since a local
+/// program may bind any loopback address as its source.
+fn covers_loopback(entry: &str) -> bool {
+    let entry = entry.trim();
+    let Some(net) = entry
+        .parse::<ipnet::IpNet>()
+        .ok()
+        .or_else(|| entry.parse::<IpAddr>().ok().map(ipnet::IpNet::from))
+    else {
+        return false;
+    };
+    // Constants: `new_assert` cannot fail on these prefix lengths.
+    const LOOPBACK: [ipnet::IpNet; 3] = [
+        ipnet::IpNet::V4(ipnet::Ipv4Net::new_assert(Ipv4Addr::LOCALHOST, 8)),
+        ipnet::IpNet::V6(ipnet::Ipv6Net::new_assert(Ipv6Addr::LOCALHOST, 128)),
+        ipnet::IpNet::V6(ipnet::Ipv6Net::new_assert(
+            Ipv4Addr::LOCALHOST.to_ipv6_mapped(),
+            104,
+        )),
+    ];
+    LOOPBACK
+        .iter()
+        .any(|lo| net.contains(&lo.network()) || lo.contains(&net.network()))
 }
 
 #[cfg(test)]
@@ -689,11 +735,38 @@ max_upgrades_per_user = -1
     }
 
     #[test]
+    fn loopback_entries_are_found_however_written() {
+        for entry in [
+            "127.0.0.1",
+            "127.0.0.2",
+            "127.0.0.0/8",
+            "127.1.0.0/16",
+            "0.0.0.0/0",
+            "::1",
+            "::/0",
+            "::ffff:127.0.0.1",
+            " 127.0.0.1 ",
+        ] {
+            assert!(covers_loopback(entry), "{entry}");
+        }
+        for entry in [
+            "10.0.0.0/8",
+            "128.0.0.0/1",
+            "192.168.1.1",
+            "fd00::/8",
+            "::2",
+        ] {
+            assert!(!covers_loopback(entry), "{entry}");
+        }
+    }
+
+    #[test]
     fn header_auth_needs_trusted_proxies() {
         let c = parse("[proxy]\nauth = \"header\"\n").unwrap();
         assert!(c.validate_proxy().is_err());
-        let c = parse("[proxy]\nauth = \"header\"\ntrusted_proxies = [\"10.0.0.0/8\", \"::1\"]\n")
-            .unwrap();
+        let c =
+            parse("[proxy]\nauth = \"header\"\ntrusted_proxies = [\"10.0.0.0/8\", \"fd00::1\"]\n")
+                .unwrap();
         assert!(c.validate_proxy().is_ok());
         let c = parse("[proxy]\ntrusted_proxies = [\"10.0.0.0/33\"]\n").unwrap();
         assert!(c.validate_proxy().is_err());
