@@ -82,6 +82,11 @@ pub use process::{
 };
 pub use wait::eventually;
 
+/// A cluster secret strong enough for berth to accept (64 hex digits, as
+/// `openssl rand -hex 32` makes), for tests that need one.
+pub const TEST_CLUSTER_SECRET: &str =
+    "3c9f1a7e5b2d8c4f6e0a9b1d3f5c7e2a4b6d8f0e1c3a5b7d9f2e4c6a8b0d1f3e";
+
 /// Overrides the throwaway cluster with an existing server.
 pub const URL_ENV: &str = "BERTH_TEST_PG_URL";
 /// Names the directory holding `initdb`, `pg_ctl` and `postgres`.

@@ -19,7 +19,7 @@ use support::{
     proc_state, signal,
 };
 
-const SECRET: &str = "cluster-secret-for-tests";
+const SECRET: &str = berth_testkit::TEST_CLUSTER_SECRET;
 
 /// A fresh database on the shared test server (started on first use; that
 /// blocks for a few seconds, so off the async threads).
@@ -593,6 +593,51 @@ async fn a_store_password_reaches_berth_only_privately() {
     })
     .await
     .unwrap();
+}
+
+/// The README's cluster example exported `BERTH_CLUSTER_SECRET=change-me`,
+/// and berth accepted it: whoever read the README could act as a node.
+/// berth refuses it at start, naming the variable and how to make a good
+/// secret.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_readme_example_cluster_secret_is_refused() {
+    let db = fresh_db().await;
+    let root = tempfile::tempdir().unwrap();
+    let dir = root.path().to_owned();
+    let stderr = tokio::task::spawn_blocking(move || {
+        let data = dir.join("data");
+        let mut serve = Serve::start(
+            &dir,
+            &[
+                "--data-dir",
+                data.to_str().unwrap(),
+                "--listen",
+                "127.0.0.1:0",
+                "--node-id",
+                "node-a",
+            ],
+            &[
+                ("BERTH_STORE", db.as_str()),
+                ("BERTH_CLUSTER_SECRET", "change-me"),
+            ],
+        );
+        serve
+            .listening()
+            .expect_err("berth started with the cluster secret change-me")
+    })
+    .await
+    .unwrap();
+    assert!(
+        stderr.contains("environment variable BERTH_CLUSTER_SECRET: cluster_secret: "),
+        "{stderr}"
+    );
+    for part in [
+        "at least 32",
+        "openssl rand -hex 32",
+        "head -c32 /dev/urandom | base64",
+    ] {
+        assert!(stderr.contains(part), "{part:?} missing: {stderr}");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -36,7 +36,7 @@ use nix::sys::signal::Signal;
 use serde_json::{Value, json};
 use support::{BERTH, CLUSTER_LEASE, Node, alive, eventually, instance_pids, proc_state, signal};
 
-const SECRET: &str = "cluster-secret-for-fault-tests";
+const SECRET: &str = berth_testkit::TEST_CLUSTER_SECRET;
 const IDS: [&str; 3] = ["node-a", "node-b", "node-c"];
 /// The TTL in [`CLUSTER_LEASE`].
 const TTL: Duration = Duration::from_millis(3000);

@@ -35,6 +35,19 @@ fn check_failing(text: &str) -> (String, PathBuf, tempfile::TempDir) {
     (stderr, path, dir)
 }
 
+/// [`check_failing`] on a file only its owner can read, as a file that
+/// holds a secret must be.
+fn check_failing_private(text: &str) -> (String, PathBuf, tempfile::TempDir) {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("private.toml");
+    berth_testkit::write_private(&path, text, None);
+    let out = check(&path);
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(!out.status.success(), "accepted:\n{text}");
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    (stderr, path, dir)
+}
+
 /// Whether `config check` accepts `text` in a private file.
 fn accepted_private(text: &str) -> bool {
     let dir = tempfile::tempdir().unwrap();
@@ -89,14 +102,43 @@ fn header_auth_trusting_loopback_without_a_secret_is_refused() {
     ));
 }
 
+/// The README's example secret (`change-me`) was accepted, and with it
+/// anyone who read the README could be a node. Short or repetitive secrets
+/// are refused with the way to make a good one.
+#[test]
+fn a_weak_cluster_secret_is_refused() {
+    for secret in [
+        "change-me",
+        "cluster-secret-for-tests",
+        "change-me-change-me-change-me-change-me",
+    ] {
+        let text =
+            format!("store = \"postgres://berth@db/berth\"\ncluster_secret = \"{secret}\"\n");
+        let (stderr, path, _dir) = check_failing_private(&text);
+        let want = format!(
+            "berth: config file {}, line 2: cluster_secret: ",
+            path.display()
+        );
+        assert!(stderr.starts_with(&want), "{secret}: {stderr}");
+        assert!(stderr.contains("openssl rand -hex 32"), "{stderr}");
+        assert!(
+            stderr.contains("head -c32 /dev/urandom | base64"),
+            "{stderr}"
+        );
+    }
+    assert!(accepted_private(&format!(
+        "store = \"postgres://berth@db/berth\"\ncluster_secret = \"{}\"\n",
+        berth_testkit::TEST_CLUSTER_SECRET
+    )));
+}
+
 /// Every program berth runs can read a world-readable file. A config file
 /// that holds a secret must be private: one others can read is refused,
 /// naming the file and the `chmod` that fixes it.
 #[test]
 fn a_config_file_with_a_secret_that_others_can_read_is_refused() {
     use std::os::unix::fs::PermissionsExt;
-    // Long and random enough for any check of its own.
-    let secret = "3c9f1a7e5b2d8c4f6e0a9b1d3f5c7e2a4b6d8f0e1c3a5b7d9f2e4c6a8b0d1f3e";
+    let secret = berth_testkit::TEST_CLUSTER_SECRET;
     for (text, what) in [
         (format!("cluster_secret = \"{secret}\"\n"), "cluster_secret"),
         ("admin_token = \"adm1n-t0ken\"\n".to_owned(), "admin_token"),

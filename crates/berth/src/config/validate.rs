@@ -68,12 +68,10 @@ impl Config {
                 ));
             }
         }
-        if self
-            .cluster_secret
-            .as_ref()
-            .is_some_and(|s| s.trim().is_empty())
+        if let Some(secret) = &self.cluster_secret
+            && let Err(why) = check_cluster_secret(secret)
         {
-            return Err(self.invalid("cluster_secret", "must not be empty"));
+            return Err(self.invalid("cluster_secret", why));
         }
         if self.is_postgres() && self.cluster_secret.is_none() {
             return Err(self.invalid(
@@ -441,6 +439,57 @@ impl Config {
     }
 }
 
+/// The shortest cluster secret accepted, in characters.
+pub const MIN_CLUSTER_SECRET_CHARS: usize = 32;
+/// The fewest distinct characters a cluster secret may have: a word
+/// repeated to length (`change-me-change-me-…`) has few.
+const MIN_CLUSTER_SECRET_DISTINCT: usize = 12;
+/// The least entropy (bits) a cluster secret may show, estimated as its
+/// length times the Shannon entropy of its characters' frequencies. A
+/// generated one is well above it: 32 hex digits show about 110 bits, 64
+/// about 240, 44 base64 characters about 210.
+const MIN_CLUSTER_SECRET_BITS: f64 = 96.0;
+
+/// Why `secret` is too weak to guard the node-to-node API, which can run
+/// and stop any user's instance: anyone who guesses it is a node.
+fn check_cluster_secret(secret: &str) -> Result<(), String> {
+    const HOW: &str = "make one with `openssl rand -hex 32` or `head -c32 /dev/urandom | base64`";
+    let secret = secret.trim();
+    if berth_proxy::auth::SharedSecret::new(secret).is_err() {
+        return Err(format!(
+            "must be visible ASCII without spaces (it is sent as an HTTP header); {HOW}"
+        ));
+    }
+    let chars = secret.chars().count();
+    if chars < MIN_CLUSTER_SECRET_CHARS {
+        return Err(format!(
+            "is {chars} characters long; a cluster secret needs at least \
+             {MIN_CLUSTER_SECRET_CHARS}: {HOW}"
+        ));
+    }
+    let mut counts = std::collections::BTreeMap::<char, usize>::new();
+    for c in secret.chars() {
+        *counts.entry(c).or_default() += 1;
+    }
+    let len = chars as f64;
+    let bits: f64 = counts
+        .values()
+        .map(|&n| {
+            let p = n as f64 / len;
+            -p * p.log2() * len
+        })
+        .sum();
+    if counts.len() < MIN_CLUSTER_SECRET_DISTINCT || bits < MIN_CLUSTER_SECRET_BITS {
+        return Err(format!(
+            "is too predictable ({} distinct characters, about {bits:.0} bits); a cluster \
+             secret needs at least {MIN_CLUSTER_SECRET_DISTINCT} distinct characters and \
+             {MIN_CLUSTER_SECRET_BITS:.0} bits: {HOW}",
+            counts.len()
+        ));
+    }
+    Ok(())
+}
+
 /// The proxy's own parser (`ipnet`), so that config check and start-up
 /// agree on what a `trusted_proxies` entry is.
 fn is_ip_or_cidr(s: &str) -> bool {
@@ -577,6 +626,32 @@ mod tests {
             "{msg}"
         );
         assert!(c.lease_config().is_err());
+    }
+
+    #[test]
+    fn weak_cluster_secrets_are_refused() {
+        for weak in [
+            "change-me",
+            "",
+            "   ",
+            "0123456789abcdef0123456789abcde",
+            "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa",
+            "change-me-change-me-change-me-change-me",
+            "abcabcabcabcabcabcabcabcabcabcabcabcabcabcabc",
+            "has a space in it 0123456789abcdefghijkl",
+        ] {
+            let why = check_cluster_secret(weak).unwrap_err();
+            assert!(why.contains("openssl rand -hex 32"), "{weak:?}: {why}");
+        }
+        for strong in [
+            // `openssl rand -hex 32`, `head -c32 /dev/urandom | base64`,
+            // `openssl rand -hex 16`.
+            "5f0c8e1d9a7b3c2e4f6a8b0c1d2e3f405162738495a6b7c8d9eaf0b1c2d3e4f5",
+            "q3v9K2pX+7mN1bR8/tY4wE6uI0oA5sD2fG7hJ9kL3zc=",
+            "9b1e4f7a2c8d0e3f6a9b2c5d8e1f4a7b",
+        ] {
+            check_cluster_secret(strong).unwrap_or_else(|why| panic!("{strong}: {why}"));
+        }
     }
 
     #[test]
