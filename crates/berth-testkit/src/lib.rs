@@ -11,7 +11,8 @@
 //!   sleep;
 //! * process helpers over `/proc` ([`alive`], [`proc_state`],
 //!   [`instance_pids`], [`zygote_of`], [`rss_kib`], …) and
-//!   [`raw_request`] for HTTP a client library would not send.
+//!   [`raw_request`] for HTTP a client library would not send;
+//! * [`signed_request`]: a node-to-node call signed like a node's.
 //!
 //! # PostgreSQL
 //!
@@ -69,6 +70,7 @@ use sqlx::Connection;
 
 mod http;
 mod node;
+mod peer;
 mod process;
 mod wait;
 
@@ -77,6 +79,7 @@ pub use node::{
     Berth, CLUSTER_LEASE, Node, StartOptions, cluster_config, cluster_config_custom, config_with,
     reachable_by_instances, write_private,
 };
+pub use peer::{signed_headers, signed_headers_at, signed_request, unix_millis};
 pub use process::{
     alive, free_port, instance_pids, kill_instances_under, proc_state, rss_kib, signal, zygote_of,
 };

@@ -333,6 +333,14 @@ async fn node_to_node_calls_need_the_cluster_secret() {
                 .json(&body),
             // An admin token alone does not open node-to-node routes.
             http.post(&url).bearer_auth(&node.token).json(&body),
+            // Nor does a signature made with another secret.
+            berth_testkit::signed_request(
+                http,
+                "another-cluster-secret-0123456789abcdef",
+                reqwest::Method::POST,
+                &url,
+                Some(&body),
+            ),
         ];
         for attempt in attempts {
             let r = attempt.send().await.unwrap();
@@ -341,16 +349,8 @@ async fn node_to_node_calls_need_the_cluster_secret() {
             assert_eq!(body["error"], "unauthorized", "{body}");
         }
     }
-    // The right secret opens them.
-    let r = http
-        .post(format!("{}/internal/v1/users/alice/fence", node.url))
-        .header("x-berth-cluster-secret", SECRET)
-        .json(&json!({ "epoch": 42 }))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status().as_u16(), 200);
-    assert_eq!(r.json::<Value>().await.unwrap()["fenced"], false);
+    // A call signed with the secret opens them.
+    assert_eq!(fence(node, "alice", 42).await["fenced"], false);
     // A forwarded proxy request with a wrong secret is refused too, even
     // next to a valid user token.
     let token = node.user_token("alice").await;
@@ -364,6 +364,252 @@ async fn node_to_node_calls_need_the_cluster_secret() {
         .unwrap();
     assert_eq!(r.status().as_u16(), 401);
     assert!(instance_pids(&node.data_dir, "alice", "main").is_empty());
+}
+
+/// Whoever learns the cluster secret is a node: it can run, stop and fence
+/// anyone's instance. The secret used to travel in every node-to-node
+/// call, so anyone who could see one call (on the network between nodes)
+/// could replay it, or lift the secret from it. Now a call carries a
+/// signature alone: the attacker below sends the bare secret (as calls
+/// used to carry it), replays a call a node really made (captured by a
+/// relay in front of node-b, as a man in the middle would), replays a
+/// signed call with another body, and sends a call signed long ago.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_captured_node_call_can_be_neither_replayed_nor_mined_for_the_secret() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let db = fresh_db().await;
+    let root = tempfile::tempdir().unwrap();
+    // node-b advertises a relay that records what other nodes send it.
+    let b_port = support::free_port();
+    let relay = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let relay_url = format!("http://{}", relay.local_addr().unwrap());
+    let captured = std::sync::Arc::new(std::sync::Mutex::new(Vec::<u8>::new()));
+    let record = captured.clone();
+    tokio::spawn(async move {
+        loop {
+            let Ok((mut client, _)) = relay.accept().await else {
+                return;
+            };
+            let record = record.clone();
+            tokio::spawn(async move {
+                let mut upstream = tokio::net::TcpStream::connect(("127.0.0.1", b_port))
+                    .await
+                    .unwrap();
+                let (mut client_read, mut client_write) = client.split();
+                let (mut up_read, mut up_write) = upstream.split();
+                let forward = async {
+                    let mut buf = vec![0u8; 16 * 1024];
+                    loop {
+                        let n = client_read.read(&mut buf).await.unwrap_or(0);
+                        if n == 0 {
+                            break;
+                        }
+                        record.lock().unwrap().extend_from_slice(&buf[..n]);
+                        if up_write.write_all(&buf[..n]).await.is_err() {
+                            break;
+                        }
+                    }
+                    let _ = up_write.shutdown().await;
+                };
+                let back = async {
+                    let _ = tokio::io::copy(&mut up_read, &mut client_write).await;
+                    let _ = client_write.shutdown().await;
+                };
+                tokio::join!(forward, back);
+            });
+        }
+    });
+    let nodes = start_nodes(root.path(), &db, &["node-a"], "").await;
+    let a = &nodes[0];
+    let dir_b = root.path().join("node-b");
+    let config_b = cluster_config(
+        &dir_b,
+        &db,
+        "node-b",
+        SECRET,
+        "",
+        &format!("advertise_url = \"{relay_url}\"\n"),
+    )
+    .replacen(
+        "listen = \"127.0.0.1:0\"",
+        &format!("listen = \"127.0.0.1:{b_port}\""),
+        1,
+    );
+    let b = tokio::task::spawn_blocking(move || {
+        Node::from(berth().start_with_config(&dir_b, &config_b))
+    })
+    .await
+    .unwrap();
+
+    // A real node-to-node call from node-a to node-b: revoking a token on
+    // node-a purges node-b's token cache.
+    let (status, minted) = a.post("/users/alice/tokens", json!({})).await;
+    assert_eq!(status, 201, "{minted}");
+    let id = minted["id"].as_str().unwrap();
+    let status = a.delete(&format!("/users/alice/tokens/{id}")).await;
+    assert_eq!(status, 200);
+    let call = eventually(Duration::from_secs(10), "a captured purge", || async {
+        let bytes = captured.lock().unwrap().clone();
+        let text = String::from_utf8_lossy(&bytes).into_owned();
+        let start = text.find("POST /internal/v1/tokens/purge")?;
+        let end = text[start..].find("\r\n\r\n")? + start + 4;
+        Some(text[start..end].to_owned())
+    })
+    .await;
+    let lower = call.to_ascii_lowercase();
+    assert!(lower.contains("x-berth-cluster-signature:"), "{call}");
+    assert!(!call.contains(SECRET), "the secret travelled: {call}");
+    assert!(!lower.contains("x-berth-cluster-secret"), "{call}");
+
+    // Replayed verbatim, straight to node-b: refused.
+    let answer = raw(b_port, call.as_bytes()).await;
+    assert!(answer.starts_with("HTTP/1.1 401"), "{answer}");
+    assert!(answer.contains("replayed"), "{answer}");
+
+    // The bare secret, as calls used to carry it: refused.
+    let r = b
+        .http
+        .post(format!("{}/internal/v1/tokens/purge", b.url))
+        .header("x-berth-cluster-secret", SECRET)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 401);
+    let body: Value = r.json().await.unwrap();
+    assert!(
+        body["message"].as_str().unwrap().contains("never accepted"),
+        "{body}"
+    );
+
+    // A signed fence whose body is swapped for another epoch: refused.
+    let url = format!("http://127.0.0.1:{b_port}/internal/v1/users/alice/fence");
+    let signed = berth_testkit::signed_request(
+        &b.http,
+        SECRET,
+        reqwest::Method::POST,
+        &url,
+        Some(&json!({ "epoch": 1 })),
+    )
+    .build()
+    .unwrap();
+    let mut swapped = b.http.post(&url).json(&json!({ "epoch": 2 }));
+    for (name, value) in signed.headers() {
+        if name.as_str().starts_with("x-berth-cluster-") {
+            swapped = swapped.header(name, value);
+        }
+    }
+    let r = swapped.send().await.unwrap();
+    assert_eq!(r.status().as_u16(), 401);
+    assert!(r.text().await.unwrap().contains("digest"));
+
+    // Signed with the secret, but a minute ago (a call recorded then):
+    // refused as stale, though its nonce was never seen.
+    let mut stale = b.http.post(format!("{}/internal/v1/tokens/purge", b.url));
+    for (name, value) in berth_testkit::signed_headers_at(
+        SECRET,
+        "POST",
+        "/internal/v1/tokens/purge",
+        b"",
+        berth_testkit::unix_millis() - 60_000,
+    ) {
+        stale = stale.header(name, value);
+    }
+    let r = stale.send().await.unwrap();
+    assert_eq!(r.status().as_u16(), 401);
+    assert!(r.text().await.unwrap().contains("clock"));
+}
+
+/// Sends `request` on a fresh connection to `port` and reads the answer
+/// until the server closes it or its head and a short body are in.
+async fn raw(port: u16, request: &[u8]) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .unwrap();
+    stream.write_all(request).await.unwrap();
+    let mut answer = Vec::new();
+    let mut buf = [0u8; 4096];
+    loop {
+        let n = stream.read(&mut buf).await.unwrap_or(0);
+        if n == 0 {
+            break;
+        }
+        answer.extend_from_slice(&buf[..n]);
+        let text = String::from_utf8_lossy(&answer);
+        // The API answers JSON errors with a length: enough once it is in.
+        if let Some(head_end) = text.find("\r\n\r\n") {
+            let length = text[..head_end].lines().find_map(|l| {
+                l.to_ascii_lowercase()
+                    .strip_prefix("content-length:")
+                    .map(|v| v.trim().parse::<usize>().unwrap_or(0))
+            });
+            if let Some(length) = length
+                && answer.len() >= head_end + 4 + length
+            {
+                break;
+            }
+        }
+    }
+    String::from_utf8_lossy(&answer).into_owned()
+}
+
+/// Wrong guesses at the node-to-node API used to be answered as fast as
+/// they came (thousands a second) and logged nowhere. Now, past a small
+/// burst, a source's failures get `429`, and berth logs the refusals with
+/// the source address.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_burst_of_wrong_guesses_is_rate_limited_and_logged() {
+    let db = fresh_db().await;
+    let root = tempfile::tempdir().unwrap();
+    let dir = root.path().join("node-a");
+    std::fs::create_dir_all(&dir).unwrap();
+    let log = dir.join("berth.log");
+    let config = cluster_config(&dir, &db, "node-a", SECRET, "", "");
+    let options = support::StartOptions {
+        stderr: Some(log.clone()),
+        ..support::StartOptions::default()
+    };
+    let node = tokio::task::spawn_blocking(move || {
+        Node::from(berth().start_configured(&dir, &config, &options))
+    })
+    .await
+    .unwrap();
+    let url = format!("{}/internal/v1/tokens/purge", node.url);
+    let mut statuses = Vec::new();
+    for guess in 0..40 {
+        let r = node
+            .http
+            .post(&url)
+            .header("x-berth-cluster-secret", format!("guess-{guess}"))
+            .send()
+            .await
+            .unwrap();
+        statuses.push(r.status().as_u16());
+    }
+    assert_eq!(statuses[0], 401, "{statuses:?}");
+    assert!(
+        statuses.iter().all(|s| *s == 401 || *s == 429),
+        "{statuses:?}"
+    );
+    assert!(
+        statuses.iter().filter(|s| **s == 429).count() >= 20,
+        "no limit: {statuses:?}"
+    );
+    let text = std::fs::read_to_string(&log).unwrap();
+    let line = text
+        .lines()
+        .find(|l| l.contains("refused a node-to-node call"))
+        .unwrap_or_else(|| panic!("no log line: {text}"));
+    assert!(line.contains("127.0.0.1"), "{line}");
+    // Bounded: not a line per guess.
+    let lines = text
+        .lines()
+        .filter(|l| l.contains("refused a node-to-node call"))
+        .count();
+    assert!(lines < 10, "{lines} lines");
+    // The node's own cluster still works: a signed call passes, even from
+    // the address that is being limited.
+    assert_eq!(fence(&node, "alice", 7).await["fenced"], false);
 }
 
 /// `berth serve` with `args` and `env`, in `dir`, until it listens or
@@ -977,14 +1223,16 @@ async fn a_forwarded_request_is_never_forwarded_again() {
 
 /// `POST /internal/v1/users/{user}/fence` as another node sends it.
 async fn fence(node: &Node, user: &str, epoch: i64) -> Value {
-    let r = node
-        .http
-        .post(format!("{}/internal/v1/users/{user}/fence", node.url))
-        .header("x-berth-cluster-secret", SECRET)
-        .json(&json!({ "epoch": epoch }))
-        .send()
-        .await
-        .unwrap();
+    let r = berth_testkit::signed_request(
+        &node.http,
+        SECRET,
+        reqwest::Method::POST,
+        &format!("{}/internal/v1/users/{user}/fence", node.url),
+        Some(&json!({ "epoch": epoch })),
+    )
+    .send()
+    .await
+    .unwrap();
     let status = r.status().as_u16();
     let body: Value = r.json().await.unwrap();
     assert_eq!(status, 200, "{body}");
@@ -1387,14 +1635,16 @@ impl Events {
 
 /// Launches `user` on `node` itself, the way another node asks it to.
 async fn launch_on(node: &Node, user: &str) -> Value {
-    let r = node
-        .http
-        .post(format!("{}/internal/v1/users/{user}/launch", node.url))
-        .header("x-berth-cluster-secret", SECRET)
-        .json(&json!({}))
-        .send()
-        .await
-        .unwrap();
+    let r = berth_testkit::signed_request(
+        &node.http,
+        SECRET,
+        reqwest::Method::POST,
+        &format!("{}/internal/v1/users/{user}/launch", node.url),
+        Some(&json!({})),
+    )
+    .send()
+    .await
+    .unwrap();
     assert_eq!(r.status(), 200);
     r.json().await.unwrap()
 }
