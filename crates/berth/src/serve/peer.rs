@@ -2,10 +2,9 @@
 //! the use cases that run on the node owning a user (`ops`), the fence of
 //! an old holder, and the token-cache purge. Every call is signed with the
 //! cluster secret ([`super::peer_auth`]), which itself never travels; an
-//! error answer's JSON maps
-//! back to the [`SpawnError`] it came from, so an error keeps its code and
-//! HTTP meaning across nodes (a `lease_busy` from the callee is followed
-//! by the caller's hop loop).
+//! error answer's JSON maps back to the [`SpawnError`] it came from, so an
+//! error keeps its code and HTTP meaning across nodes (a `lease_busy` from
+//! the callee is followed by the caller's hop loop).
 
 use std::time::Duration;
 
