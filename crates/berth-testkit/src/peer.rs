@@ -29,10 +29,11 @@ fn fresh_nonce() -> String {
     hex::encode(&Sha256::digest(seed.as_bytes())[..16])
 }
 
-/// The headers that sign `method target` with `body` under `secret`, at
-/// `timestamp` (Unix milliseconds).
+/// The headers that sign `method target` with `body` under `secret`, for
+/// the node `node`, at `timestamp` (Unix milliseconds).
 pub fn signed_headers_at(
     secret: &str,
+    node: &str,
     method: &str,
     target: &str,
     body: &[u8],
@@ -40,8 +41,9 @@ pub fn signed_headers_at(
 ) -> Vec<(&'static str, String)> {
     let nonce = fresh_nonce();
     let body_sha256 = hex::encode(Sha256::digest(body));
-    let text =
-        format!("berth-internal-v1\n{method}\n{target}\n{timestamp}\n{nonce}\n{body_sha256}");
+    let text = format!(
+        "berth-internal-v1\n{method}\n{target}\n{node}\n{timestamp}\n{nonce}\n{body_sha256}"
+    );
     let mut mac = <Hmac<Sha256> as Mac>::new_from_slice(secret.as_bytes())
         .expect("HMAC takes keys of any length");
     mac.update(text.as_bytes());
@@ -59,18 +61,20 @@ pub fn signed_headers_at(
 /// [`signed_headers_at`] now.
 pub fn signed_headers(
     secret: &str,
+    node: &str,
     method: &str,
     target: &str,
     body: &[u8],
 ) -> Vec<(&'static str, String)> {
-    signed_headers_at(secret, method, target, body, unix_millis())
+    signed_headers_at(secret, node, method, target, body, unix_millis())
 }
 
-/// A `reqwest` request to `url` (whose path and query are signed) with a
-/// JSON `body`, signed like a node's call.
+/// A `reqwest` request to `url` (whose path and query are signed), for
+/// the node `node`, with a JSON `body`, signed like a node's call.
 pub fn signed_request(
     http: &reqwest::Client,
     secret: &str,
+    node: &str,
     method: reqwest::Method,
     url: &str,
     body: Option<&serde_json::Value>,
@@ -84,7 +88,7 @@ pub fn signed_request(
         .map(|b| serde_json::to_vec(b).expect("JSON"))
         .unwrap_or_default();
     let mut request = http.request(method.clone(), url);
-    for (name, value) in signed_headers(secret, method.as_str(), &target, &bytes) {
+    for (name, value) in signed_headers(secret, node, method.as_str(), &target, &bytes) {
         request = request.header(name, value);
     }
     if body.is_some() {

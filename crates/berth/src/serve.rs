@@ -207,7 +207,9 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
             .cluster_secret
             .as_deref()
             .filter(|_| config.is_postgres())
-            .map(|secret| peer_auth::PeerAuth::new(peer_auth::ClusterKey::new(secret))),
+            .map(|secret| {
+                peer_auth::PeerAuth::new(peer_auth::ClusterKey::new(secret), node_id.clone())
+            }),
         node_control: spawner.clone() as Arc<dyn cluster::NodeControl>,
         base_domain: Some(config.proxy.base_domain.clone()).filter(|d| !d.is_empty()),
         path_routing,

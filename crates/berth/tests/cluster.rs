@@ -337,6 +337,7 @@ async fn node_to_node_calls_need_the_cluster_secret() {
             berth_testkit::signed_request(
                 http,
                 "another-cluster-secret-0123456789abcdef",
+                "node-a",
                 reqwest::Method::POST,
                 &url,
                 Some(&body),
@@ -372,8 +373,9 @@ async fn node_to_node_calls_need_the_cluster_secret() {
 /// could replay it, or lift the secret from it. Now a call carries a
 /// signature alone: the attacker below sends the bare secret (as calls
 /// used to carry it), replays a call a node really made (captured by a
-/// relay in front of node-b, as a man in the middle would), replays a
-/// signed call with another body, and sends a call signed long ago.
+/// relay in front of node-b, as a man in the middle would) to node-b and
+/// to node-a, replays a signed call with another body, and sends a call
+/// signed long ago.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_captured_node_call_can_be_neither_replayed_nor_mined_for_the_secret() {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -466,6 +468,13 @@ async fn a_captured_node_call_can_be_neither_replayed_nor_mined_for_the_secret()
     assert!(answer.starts_with("HTTP/1.1 401"), "{answer}");
     assert!(answer.contains("replayed"), "{answer}");
 
+    // Played to node-a instead, which never saw its nonce: signed for
+    // node-b, so refused too.
+    let a_port = reqwest::Url::parse(&a.url).unwrap().port().unwrap();
+    let answer = raw(a_port, call.as_bytes()).await;
+    assert!(answer.starts_with("HTTP/1.1 401"), "{answer}");
+    assert!(answer.contains("meant for this node"), "{answer}");
+
     // The bare secret, as calls used to carry it: refused.
     let r = b
         .http
@@ -486,6 +495,7 @@ async fn a_captured_node_call_can_be_neither_replayed_nor_mined_for_the_secret()
     let signed = berth_testkit::signed_request(
         &b.http,
         SECRET,
+        "node-b",
         reqwest::Method::POST,
         &url,
         Some(&json!({ "epoch": 1 })),
@@ -507,6 +517,7 @@ async fn a_captured_node_call_can_be_neither_replayed_nor_mined_for_the_secret()
     let mut stale = b.http.post(format!("{}/internal/v1/tokens/purge", b.url));
     for (name, value) in berth_testkit::signed_headers_at(
         SECRET,
+        "node-b",
         "POST",
         "/internal/v1/tokens/purge",
         b"",
@@ -1220,11 +1231,27 @@ async fn a_forwarded_request_is_never_forwarded_again() {
     assert_eq!(bob[0].0, 1, "bob runs on node-b: {bob:?}");
 }
 
+/// The id of `node`, as the nodes table has it (what a node-to-node call
+/// is signed for): the row that advertises the node's URL.
+async fn id_of(node: &Node) -> String {
+    let (status, body) = node.get("/nodes").await;
+    assert_eq!(status, 200, "{body}");
+    body["nodes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|n| n["advertise_url"] == node.url.as_str())
+        .and_then(|n| n["id"].as_str())
+        .unwrap_or_else(|| panic!("{} is not among {body}", node.url))
+        .to_owned()
+}
+
 /// `POST /internal/v1/users/{user}/fence` as another node sends it.
 async fn fence(node: &Node, user: &str, epoch: i64) -> Value {
     let r = berth_testkit::signed_request(
         &node.http,
         SECRET,
+        &id_of(node).await,
         reqwest::Method::POST,
         &format!("{}/internal/v1/users/{user}/fence", node.url),
         Some(&json!({ "epoch": epoch })),
@@ -1637,6 +1664,7 @@ async fn launch_on(node: &Node, user: &str) -> Value {
     let r = berth_testkit::signed_request(
         &node.http,
         SECRET,
+        &id_of(node).await,
         reqwest::Method::POST,
         &format!("{}/internal/v1/users/{user}/launch", node.url),
         Some(&json!({})),

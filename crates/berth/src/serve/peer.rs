@@ -136,8 +136,8 @@ impl PeerClient {
         )
     }
 
-    /// Builds `request` and signs it as it will be sent: method, path and
-    /// query, body.
+    /// Builds `request` and signs it as it will be sent, for `node`:
+    /// method, path and query, body.
     fn signed(
         node: &PeerNode,
         key: &ClusterKey,
@@ -156,7 +156,7 @@ impl PeerClient {
             .and_then(reqwest::Body::as_bytes)
             .unwrap_or_default();
         let signed = key
-            .sign(request.method().as_str(), &target, body)
+            .sign(&node.id, request.method().as_str(), &target, body)
             .map_err(|e| SpawnError::Internal(e.to_string()))?;
         for (name, value) in signed.headers {
             request.headers_mut().insert(name, value);

@@ -2,12 +2,15 @@
 //!
 //! A call never carries the cluster secret: the caller signs it with
 //! HMAC-SHA256, keyed by the secret, over the method, the path and query,
-//! a timestamp, a random nonce and the SHA-256 of the body ([`canonical`]).
+//! the id of the node it is meant for, a timestamp, a random nonce and the
+//! SHA-256 of the body ([`canonical`]).
 //! Whoever sees a call on the wire learns neither the secret nor anything
 //! to reuse: the callee refuses a timestamp further than [`MAX_SKEW`] from
 //! its own clock, and a nonce it has already accepted while that nonce's
 //! timestamp is still fresh ([`Nonces`]), so a recorded call cannot be
-//! played again. The signature is checked on the headers alone; the body
+//! played again; and a call signed for another node fails here, so it
+//! cannot be played to a node that never saw its nonce either. The
+//! signature is checked on the headers alone; the body
 //! is read only after that and must match the signed digest.
 //!
 //! Failed checks are counted per source address ([`Failures`]): past a
@@ -55,10 +58,18 @@ const LOG_EVERY: Duration = Duration::from_secs(10);
 type HmacSha256 = Hmac<Sha256>;
 
 /// The string a call's signature covers. Each part is on its own line, and
-/// none can hold a newline (an HTTP method and request target cannot; the
-/// others are digits and hex), so no two calls share one.
-fn canonical(method: &str, target: &str, timestamp: i64, nonce: &str, body_sha256: &str) -> String {
-    format!("berth-internal-v1\n{method}\n{target}\n{timestamp}\n{nonce}\n{body_sha256}")
+/// none can hold a newline (an HTTP method and request target cannot, nor
+/// a node id, which config validation keeps free of control characters;
+/// the others are digits and hex), so no two calls share one.
+fn canonical(
+    method: &str,
+    target: &str,
+    node: &str,
+    timestamp: i64,
+    nonce: &str,
+    body_sha256: &str,
+) -> String {
+    format!("berth-internal-v1\n{method}\n{target}\n{node}\n{timestamp}\n{nonce}\n{body_sha256}")
 }
 
 /// The cluster secret, as the key of the calls' signatures.
@@ -95,11 +106,19 @@ impl ClusterKey {
         mac
     }
 
-    /// Signs `method target` with `body`, now, with a fresh nonce.
-    pub fn sign(&self, method: &str, target: &str, body: &[u8]) -> Result<Signed, NoRandomness> {
+    /// Signs `method target` with `body` for the node `node`, now, with a
+    /// fresh nonce.
+    pub fn sign(
+        &self,
+        node: &str,
+        method: &str,
+        target: &str,
+        body: &[u8],
+    ) -> Result<Signed, NoRandomness> {
         let mut nonce = [0u8; 16];
         getrandom::fill(&mut nonce).map_err(|e| NoRandomness(e.to_string()))?;
         Ok(self.sign_with(
+            node,
             method,
             target,
             body,
@@ -108,9 +127,17 @@ impl ClusterKey {
         ))
     }
 
-    fn sign_with(&self, method: &str, target: &str, body: &[u8], now: i64, nonce: &str) -> Signed {
+    fn sign_with(
+        &self,
+        node: &str,
+        method: &str,
+        target: &str,
+        body: &[u8],
+        now: i64,
+        nonce: &str,
+    ) -> Signed {
         let body_sha256 = hex::encode(Sha256::digest(body));
-        let text = canonical(method, target, now, nonce, &body_sha256);
+        let text = canonical(method, target, node, now, nonce, &body_sha256);
         let signature = hex::encode(self.mac(&text).finalize().into_bytes());
         // Digits and hex: always valid header values.
         let value = |s: String| HeaderValue::try_from(s).unwrap_or(HeaderValue::from_static("-"));
@@ -135,7 +162,10 @@ pub enum Refusal {
     Unsigned,
     #[error("the call's signature headers are malformed")]
     Malformed,
-    #[error("the signature does not match: are the cluster secrets the same?")]
+    #[error(
+        "the signature does not match: are the cluster secrets the same, and was the call meant \
+         for this node?"
+    )]
     BadSignature,
     #[error(
         "the call was signed {0} ms away from this node's clock (at most {max} ms either way): \
@@ -183,6 +213,8 @@ pub struct Verdict {
 /// Checks the calls of other nodes.
 pub struct PeerAuth {
     key: ClusterKey,
+    /// This node's id: a call signed for another node is refused here.
+    node_id: String,
     nonces: Mutex<Nonces>,
     failures: Mutex<Failures>,
 }
@@ -194,9 +226,10 @@ impl std::fmt::Debug for PeerAuth {
 }
 
 impl PeerAuth {
-    pub fn new(key: ClusterKey) -> Self {
+    pub fn new(key: ClusterKey, node_id: impl Into<String>) -> Self {
         Self {
             key,
+            node_id: node_id.into(),
             nonces: Mutex::new(Nonces::default()),
             failures: Mutex::new(Failures::default()),
         }
@@ -227,7 +260,7 @@ impl PeerAuth {
             return Err(Refusal::Malformed);
         }
         let signature = hex::decode(signature).map_err(|_| Refusal::Malformed)?;
-        let text = canonical(method, target, timestamp, nonce, body_sha256);
+        let text = canonical(method, target, &self.node_id, timestamp, nonce, body_sha256);
         // Constant time: a wrong guess learns nothing from how long it took.
         self.key
             .mac(&text)
@@ -404,10 +437,17 @@ mod tests {
     #[test]
     fn a_signed_call_passes_once_and_only_as_signed() {
         let key = ClusterKey::new(SECRET);
-        let auth = PeerAuth::new(key.clone());
+        let auth = PeerAuth::new(key.clone(), "node-a");
         let now = 1_000_000;
         let nonce = "00112233445566778899aabbccddeeff";
-        let signed = key.sign_with("POST", "/internal/v1/users/alice/fence", b"{}", now, nonce);
+        let signed = key.sign_with(
+            "node-a",
+            "POST",
+            "/internal/v1/users/alice/fence",
+            b"{}",
+            now,
+            nonce,
+        );
         let h = headers(&signed);
         let body = auth
             .check_headers("POST", "/internal/v1/users/alice/fence", &h, now + 5)
@@ -437,13 +477,14 @@ mod tests {
         }
         // Another key's signature, a stale one, and none at all.
         let other = ClusterKey::new("another-secret-entirely-0123456789abcdef");
-        let forged = other.sign_with("POST", "/p", b"", now, nonce);
+        let forged = other.sign_with("node-a", "POST", "/p", b"", now, nonce);
         assert_eq!(
             auth.check_headers("POST", "/p", &headers(&forged), now)
                 .unwrap_err(),
             Refusal::BadSignature
         );
         let old = key.sign_with(
+            "node-a",
             "POST",
             "/p",
             b"",
@@ -454,6 +495,21 @@ mod tests {
             auth.check_headers("POST", "/p", &headers(&old), now)
                 .unwrap_err(),
             Refusal::Stale(31_000)
+        );
+        // Signed for node-b: refused by node-a, whose nonce cache never saw
+        // it.
+        let elsewhere = key.sign_with(
+            "node-b",
+            "POST",
+            "/p",
+            b"",
+            now,
+            "0123456789abcdef0123456789abcdef",
+        );
+        assert_eq!(
+            auth.check_headers("POST", "/p", &headers(&elsewhere), now)
+                .unwrap_err(),
+            Refusal::BadSignature
         );
         let mut bare = HeaderMap::new();
         bare.insert("x-berth-cluster-secret", HeaderValue::from_static(SECRET));
