@@ -11,7 +11,8 @@
 //!   sleep;
 //! * process helpers over `/proc` ([`alive`], [`proc_state`],
 //!   [`instance_pids`], [`zygote_of`], [`rss_kib`], …) and
-//!   [`raw_request`] for HTTP a client library would not send.
+//!   [`raw_request`] for HTTP a client library would not send;
+//! * [`signed_request`]: a node-to-node call signed like a node's.
 //!
 //! # PostgreSQL
 //!
@@ -69,18 +70,25 @@ use sqlx::Connection;
 
 mod http;
 mod node;
+mod peer;
 mod process;
 mod wait;
 
 pub use http::raw_request;
 pub use node::{
     Berth, CLUSTER_LEASE, Node, StartOptions, cluster_config, cluster_config_custom, config_with,
-    reachable_by_instances,
+    reachable_by_instances, write_private,
 };
+pub use peer::{signed_headers, signed_headers_at, signed_request, unix_millis};
 pub use process::{
     alive, free_port, instance_pids, kill_instances_under, proc_state, rss_kib, signal, zygote_of,
 };
 pub use wait::eventually;
+
+/// A cluster secret strong enough for berth to accept (64 hex digits, as
+/// `openssl rand -hex 32` makes), for tests that need one.
+pub const TEST_CLUSTER_SECRET: &str =
+    "3c9f1a7e5b2d8c4f6e0a9b1d3f5c7e2a4b6d8f0e1c3a5b7d9f2e4c6a8b0d1f3e";
 
 /// Overrides the throwaway cluster with an existing server.
 pub const URL_ENV: &str = "BERTH_TEST_PG_URL";

@@ -158,7 +158,7 @@ impl Berth {
     pub fn start_configured(&self, dir: &Path, config: &str, options: &StartOptions) -> Node {
         std::fs::create_dir_all(dir).expect("cannot create the node's directory");
         let path = dir.join("berth.toml");
-        std::fs::write(&path, config).expect("cannot write the node's config");
+        write_private(&path, config, options.run_as);
         let path = path.to_str().expect("a UTF-8 config path");
         self.start_with_options(
             dir,
@@ -300,6 +300,33 @@ pub struct StartOptions {
     pub wrapper: Vec<String>,
     /// Run berth as this uid (and gid) instead of the test's.
     pub run_as: Option<u32>,
+}
+
+/// Writes `text` to `path` readable by its owner alone (berth refuses a
+/// config file that holds a secret and others can read), owned by `owner`
+/// when given (the uid berth will run as).
+///
+/// # Panics
+///
+/// When the file cannot be written.
+pub fn write_private(path: &Path, text: &str, owner: Option<u32>) {
+    use std::io::Write;
+    use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+    let mut file = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(path)
+        .expect("cannot create a private file");
+    // An existing file keeps its mode through `open`.
+    file.set_permissions(std::fs::Permissions::from_mode(0o600))
+        .expect("cannot make a file private");
+    file.write_all(text.as_bytes())
+        .expect("cannot write a private file");
+    if let Some(uid) = owner {
+        std::os::unix::fs::chown(path, Some(uid), Some(uid)).expect("cannot hand a file over");
+    }
 }
 
 /// Lets other users search (not list) `dir`, as instance accounts must to

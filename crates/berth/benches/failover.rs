@@ -29,7 +29,7 @@ use std::time::{Duration, Instant};
 use berth_testkit::PgCluster;
 use support::{CLUSTER_LEASE, Node};
 
-const SECRET: &str = "failover-bench-secret";
+const SECRET: &str = berth_testkit::TEST_CLUSTER_SECRET;
 const IDS: [&str; 3] = ["node-a", "node-b", "node-c"];
 /// A run that takes longer than this is a failure, not a sample.
 const GIVE_UP: Duration = Duration::from_secs(120);

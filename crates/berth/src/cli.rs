@@ -173,7 +173,9 @@ pub struct ServeArgs {
     /// Directory for all state [env: BERTH_DATA_DIR] [default: ./berth-data].
     #[arg(long, value_name = "DIR")]
     pub data_dir: Option<PathBuf>,
-    /// sqlite://… or postgres://… [env: BERTH_STORE] [default: sqlite://<data-dir>/berth.db].
+    /// sqlite://… or postgres://…, without a password (the command line is
+    /// world-readable; use BERTH_STORE or BERTH_STORE_FILE for one) [env:
+    /// BERTH_STORE] [default: sqlite://<data-dir>/berth.db].
     #[arg(long, value_name = "URL")]
     pub store: Option<String>,
     /// This node's id [env: BERTH_NODE_ID] [default: the host name].

@@ -46,8 +46,10 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Config {
             command: ConfigCommand::Check { file, json },
         } => {
-            let checked =
-                Config::from_file(&file).and_then(|config| config.validate().map(|()| config));
+            let checked = Config::from_file(&file).and_then(|mut config| {
+                config.read_secret_files()?;
+                config.validate().map(|()| config)
+            });
             // A warning is not an error: on stderr, with the answer as usual.
             if let Ok(config) = &checked
                 && let Some(warning) =
@@ -93,9 +95,11 @@ fn serve(args: &ServeArgs) -> anyhow::Result<()> {
     nix::sys::stat::umask(nix::sys::stat::Mode::from_bits_truncate(0o077));
     let mut config = Config::load(args.config.as_deref())?;
     // Read into the config; from here on they need not be in the
-    // environment, where /proc/<pid>/environ would show them.
-    scrub_secrets_from_environment(&["BERTH_ADMIN_TOKEN", "BERTH_CLUSTER_SECRET"]);
+    // environment, where /proc/<pid>/environ would show them (the store
+    // URL may carry the database's password).
+    scrub_secrets_from_environment(&["BERTH_ADMIN_TOKEN", "BERTH_CLUSTER_SECRET", "BERTH_STORE"]);
     config.apply_overrides(&args.overrides());
+    config.read_secret_files()?;
     config.validate()?;
     init_tracing(&config.log_format)?;
     if let Some(warning) = config.port_range_warning(crate::config::ephemeral_port_range()) {

@@ -22,6 +22,7 @@ mod failover;
 mod metrics;
 mod ops;
 mod peer;
+mod peer_auth;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -121,11 +122,10 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     let cancel = CancellationToken::new();
     let spawner_dyn = spawner.clone() as Arc<dyn Spawner>;
     let (cluster, cluster_secret) = if config.is_postgres() {
-        let secret = berth_proxy::auth::ClusterSecret::new(
-            config.cluster_secret.as_deref().unwrap_or_default(),
-        )
-        .context("cluster_secret")?;
-        let peers = peer::PeerClient::new(secret.clone())
+        let secret_text = config.cluster_secret.as_deref().unwrap_or_default();
+        let secret =
+            berth_proxy::auth::ClusterSecret::new(secret_text).context("cluster_secret")?;
+        let peers = peer::PeerClient::new(peer_auth::ClusterKey::new(secret_text))
             .context("cannot build the HTTP client for node-to-node calls")?;
         let cluster = Arc::new(cluster::Cluster::new(
             store.clone(),
@@ -203,7 +203,13 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         node_id: node_id.clone(),
         lease_ttl,
         cluster,
-        cluster_secret,
+        peer_auth: config
+            .cluster_secret
+            .as_deref()
+            .filter(|_| config.is_postgres())
+            .map(|secret| {
+                peer_auth::PeerAuth::new(peer_auth::ClusterKey::new(secret), node_id.clone())
+            }),
         node_control: spawner.clone() as Arc<dyn cluster::NodeControl>,
         base_domain: Some(config.proxy.base_domain.clone()).filter(|d| !d.is_empty()),
         path_routing,

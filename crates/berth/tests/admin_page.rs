@@ -622,7 +622,7 @@ async fn cell_on_page(c: &Client, user: &str, field: &str) -> Option<String> {
 #[tokio::test(flavor = "multi_thread")]
 async fn the_admin_page_drives_a_cluster() {
     use berth_testkit::PgCluster;
-    const SECRET: &str = "cluster-secret-for-tests";
+    const SECRET: &str = berth_testkit::TEST_CLUSTER_SECRET;
     tokio::task::spawn_blocking(|| PgCluster::shared().map(|_| ()).map_err(|e| e.to_string()))
         .await
         .unwrap()

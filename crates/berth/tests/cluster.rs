@@ -19,7 +19,7 @@ use support::{
     proc_state, signal,
 };
 
-const SECRET: &str = "cluster-secret-for-tests";
+const SECRET: &str = berth_testkit::TEST_CLUSTER_SECRET;
 
 /// A fresh database on the shared test server (started on first use; that
 /// blocks for a few seconds, so off the async threads).
@@ -333,6 +333,15 @@ async fn node_to_node_calls_need_the_cluster_secret() {
                 .json(&body),
             // An admin token alone does not open node-to-node routes.
             http.post(&url).bearer_auth(&node.token).json(&body),
+            // Nor does a signature made with another secret.
+            berth_testkit::signed_request(
+                http,
+                "another-cluster-secret-0123456789abcdef",
+                "node-a",
+                reqwest::Method::POST,
+                &url,
+                Some(&body),
+            ),
         ];
         for attempt in attempts {
             let r = attempt.send().await.unwrap();
@@ -341,16 +350,8 @@ async fn node_to_node_calls_need_the_cluster_secret() {
             assert_eq!(body["error"], "unauthorized", "{body}");
         }
     }
-    // The right secret opens them.
-    let r = http
-        .post(format!("{}/internal/v1/users/alice/fence", node.url))
-        .header("x-berth-cluster-secret", SECRET)
-        .json(&json!({ "epoch": 42 }))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status().as_u16(), 200);
-    assert_eq!(r.json::<Value>().await.unwrap()["fenced"], false);
+    // A call signed with the secret opens them.
+    assert_eq!(fence(node, "alice", 42).await["fenced"], false);
     // A forwarded proxy request with a wrong secret is refused too, even
     // next to a valid user token.
     let token = node.user_token("alice").await;
@@ -366,6 +367,535 @@ async fn node_to_node_calls_need_the_cluster_secret() {
     assert!(instance_pids(&node.data_dir, "alice", "main").is_empty());
 }
 
+/// Whoever learns the cluster secret is a node: it can run, stop and fence
+/// anyone's instance. The secret used to travel in every node-to-node
+/// call, so anyone who could see one call (on the network between nodes)
+/// could replay it, or lift the secret from it. Now a call carries a
+/// signature alone: the attacker below sends the bare secret (as calls
+/// used to carry it), replays a call a node really made (captured by a
+/// relay in front of node-b, as a man in the middle would) to node-b and
+/// to node-a, replays a signed call with another body, and sends a call
+/// signed long ago.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_captured_node_call_can_be_neither_replayed_nor_mined_for_the_secret() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let db = fresh_db().await;
+    let root = tempfile::tempdir().unwrap();
+    // node-b advertises a relay that records what other nodes send it.
+    let b_port = support::free_port();
+    let relay = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let relay_url = format!("http://{}", relay.local_addr().unwrap());
+    let captured = std::sync::Arc::new(std::sync::Mutex::new(Vec::<u8>::new()));
+    let record = captured.clone();
+    tokio::spawn(async move {
+        loop {
+            let Ok((mut client, _)) = relay.accept().await else {
+                return;
+            };
+            let record = record.clone();
+            tokio::spawn(async move {
+                let mut upstream = tokio::net::TcpStream::connect(("127.0.0.1", b_port))
+                    .await
+                    .unwrap();
+                let (mut client_read, mut client_write) = client.split();
+                let (mut up_read, mut up_write) = upstream.split();
+                let forward = async {
+                    let mut buf = vec![0u8; 16 * 1024];
+                    loop {
+                        let n = client_read.read(&mut buf).await.unwrap_or(0);
+                        if n == 0 {
+                            break;
+                        }
+                        record.lock().unwrap().extend_from_slice(&buf[..n]);
+                        if up_write.write_all(&buf[..n]).await.is_err() {
+                            break;
+                        }
+                    }
+                    let _ = up_write.shutdown().await;
+                };
+                let back = async {
+                    let _ = tokio::io::copy(&mut up_read, &mut client_write).await;
+                    let _ = client_write.shutdown().await;
+                };
+                tokio::join!(forward, back);
+            });
+        }
+    });
+    let nodes = start_nodes(root.path(), &db, &["node-a"], "").await;
+    let a = &nodes[0];
+    let dir_b = root.path().join("node-b");
+    let config_b = cluster_config(
+        &dir_b,
+        &db,
+        "node-b",
+        SECRET,
+        "",
+        &format!("advertise_url = \"{relay_url}\"\n"),
+    )
+    .replacen(
+        "listen = \"127.0.0.1:0\"",
+        &format!("listen = \"127.0.0.1:{b_port}\""),
+        1,
+    );
+    let b = tokio::task::spawn_blocking(move || {
+        Node::from(berth().start_with_config(&dir_b, &config_b))
+    })
+    .await
+    .unwrap();
+
+    // A real node-to-node call from node-a to node-b: revoking a token on
+    // node-a purges node-b's token cache.
+    let (status, minted) = a.post("/users/alice/tokens", json!({})).await;
+    assert_eq!(status, 201, "{minted}");
+    let id = minted["id"].as_str().unwrap();
+    let status = a.delete(&format!("/users/alice/tokens/{id}")).await;
+    assert_eq!(status, 200);
+    let call = eventually(Duration::from_secs(10), "a captured purge", || async {
+        let bytes = captured.lock().unwrap().clone();
+        let text = String::from_utf8_lossy(&bytes).into_owned();
+        let start = text.find("POST /internal/v1/tokens/purge")?;
+        let end = text[start..].find("\r\n\r\n")? + start + 4;
+        Some(text[start..end].to_owned())
+    })
+    .await;
+    let lower = call.to_ascii_lowercase();
+    assert!(lower.contains("x-berth-cluster-signature:"), "{call}");
+    assert!(!call.contains(SECRET), "the secret travelled: {call}");
+    assert!(!lower.contains("x-berth-cluster-secret"), "{call}");
+
+    // Replayed verbatim, straight to node-b: refused.
+    let answer = raw(b_port, call.as_bytes()).await;
+    assert!(answer.starts_with("HTTP/1.1 401"), "{answer}");
+    assert!(answer.contains("replayed"), "{answer}");
+
+    // Played to node-a instead, which never saw its nonce: signed for
+    // node-b, so refused too.
+    let a_port = reqwest::Url::parse(&a.url).unwrap().port().unwrap();
+    let answer = raw(a_port, call.as_bytes()).await;
+    assert!(answer.starts_with("HTTP/1.1 401"), "{answer}");
+    assert!(answer.contains("meant for this node"), "{answer}");
+
+    // The bare secret, as calls used to carry it: refused.
+    let r = b
+        .http
+        .post(format!("{}/internal/v1/tokens/purge", b.url))
+        .header("x-berth-cluster-secret", SECRET)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 401);
+    let body: Value = r.json().await.unwrap();
+    assert!(
+        body["message"].as_str().unwrap().contains("never accepted"),
+        "{body}"
+    );
+
+    // A signed fence whose body is swapped for another epoch: refused.
+    let url = format!("http://127.0.0.1:{b_port}/internal/v1/users/alice/fence");
+    let signed = berth_testkit::signed_request(
+        &b.http,
+        SECRET,
+        "node-b",
+        reqwest::Method::POST,
+        &url,
+        Some(&json!({ "epoch": 1 })),
+    )
+    .build()
+    .unwrap();
+    let mut swapped = b.http.post(&url).json(&json!({ "epoch": 2 }));
+    for (name, value) in signed.headers() {
+        if name.as_str().starts_with("x-berth-cluster-") {
+            swapped = swapped.header(name, value);
+        }
+    }
+    let r = swapped.send().await.unwrap();
+    assert_eq!(r.status().as_u16(), 401);
+    assert!(r.text().await.unwrap().contains("digest"));
+
+    // Signed with the secret, but a minute ago (a call recorded then):
+    // refused as stale, though its nonce was never seen.
+    let mut stale = b.http.post(format!("{}/internal/v1/tokens/purge", b.url));
+    for (name, value) in berth_testkit::signed_headers_at(
+        SECRET,
+        "node-b",
+        "POST",
+        "/internal/v1/tokens/purge",
+        b"",
+        berth_testkit::unix_millis() - 60_000,
+    ) {
+        stale = stale.header(name, value);
+    }
+    let r = stale.send().await.unwrap();
+    assert_eq!(r.status().as_u16(), 401);
+    assert!(r.text().await.unwrap().contains("clock"));
+}
+
+/// Sends `request` on a fresh connection to `port` and reads the answer
+/// until the server closes it or its head and a short body are in.
+async fn raw(port: u16, request: &[u8]) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .unwrap();
+    stream.write_all(request).await.unwrap();
+    let mut answer = Vec::new();
+    let mut buf = [0u8; 4096];
+    loop {
+        let n = stream.read(&mut buf).await.unwrap_or(0);
+        if n == 0 {
+            break;
+        }
+        answer.extend_from_slice(&buf[..n]);
+        let text = String::from_utf8_lossy(&answer);
+        // The API answers JSON errors with a length: enough once it is in.
+        if let Some(head_end) = text.find("\r\n\r\n") {
+            let length = text[..head_end].lines().find_map(|l| {
+                l.to_ascii_lowercase()
+                    .strip_prefix("content-length:")
+                    .map(|v| v.trim().parse::<usize>().unwrap_or(0))
+            });
+            if let Some(length) = length
+                && answer.len() >= head_end + 4 + length
+            {
+                break;
+            }
+        }
+    }
+    String::from_utf8_lossy(&answer).into_owned()
+}
+
+/// Wrong guesses at the node-to-node API used to be answered as fast as
+/// they came (thousands a second) and logged nowhere. Now, past a small
+/// burst, a source's failures get `429`, and berth logs the refusals with
+/// the source address.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_burst_of_wrong_guesses_is_rate_limited_and_logged() {
+    let db = fresh_db().await;
+    let root = tempfile::tempdir().unwrap();
+    let dir = root.path().join("node-a");
+    std::fs::create_dir_all(&dir).unwrap();
+    let log = dir.join("berth.log");
+    let config = cluster_config(&dir, &db, "node-a", SECRET, "", "");
+    let options = support::StartOptions {
+        stderr: Some(log.clone()),
+        ..support::StartOptions::default()
+    };
+    let node = tokio::task::spawn_blocking(move || {
+        Node::from(berth().start_configured(&dir, &config, &options))
+    })
+    .await
+    .unwrap();
+    let url = format!("{}/internal/v1/tokens/purge", node.url);
+    let mut statuses = Vec::new();
+    for guess in 0..40 {
+        let r = node
+            .http
+            .post(&url)
+            .header("x-berth-cluster-secret", format!("guess-{guess}"))
+            .send()
+            .await
+            .unwrap();
+        statuses.push(r.status().as_u16());
+    }
+    // A fresh source has a burst of 10; one more is earned back a second,
+    // far slower than 40 requests take.
+    assert!(statuses[..10].iter().all(|s| *s == 401), "{statuses:?}");
+    assert!(
+        statuses.iter().all(|s| *s == 401 || *s == 429),
+        "{statuses:?}"
+    );
+    assert!(statuses.contains(&429), "no limit: {statuses:?}");
+    let text = std::fs::read_to_string(&log).unwrap();
+    let line = text
+        .lines()
+        .find(|l| l.contains("refused a node-to-node call"))
+        .unwrap_or_else(|| panic!("no log line: {text}"));
+    assert!(line.contains("127.0.0.1"), "{line}");
+    // Bounded: not a line per guess.
+    let lines = text
+        .lines()
+        .filter(|l| l.contains("refused a node-to-node call"))
+        .count();
+    assert!(lines < 10, "{lines} lines");
+    // The node's own cluster still works: a signed call passes, even from
+    // the address that is being limited.
+    assert_eq!(fence(&node, "alice", 7).await["fenced"], false);
+}
+
+/// `berth serve` with `args` and `env`, in `dir`, until it listens or
+/// exits.
+struct Serve {
+    child: std::process::Child,
+    stderr: std::path::PathBuf,
+}
+
+impl Serve {
+    fn start(dir: &Path, args: &[&str], env: &[(&str, &str)]) -> Self {
+        std::fs::create_dir_all(dir).unwrap();
+        support::reachable_by_instances(dir);
+        let stderr = dir.join("stderr.log");
+        let child = std::process::Command::new(BERTH)
+            .arg("serve")
+            .args(args)
+            .env_remove("BERTH_STORE")
+            .env_remove("BERTH_CLUSTER_SECRET")
+            .envs(env.iter().copied())
+            .current_dir(dir)
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::fs::File::create(&stderr).unwrap())
+            .spawn()
+            .unwrap();
+        Self { child, stderr }
+    }
+
+    /// `Ok(pid)` once it listens, `Err(stderr)` when it exits first.
+    fn listening(&mut self) -> Result<u32, String> {
+        use std::io::BufRead;
+        let stdout = self.child.stdout.take().unwrap();
+        for line in std::io::BufReader::new(stdout).lines() {
+            if line.unwrap_or_default().starts_with("berth: listening on ") {
+                return Ok(self.child.id());
+            }
+        }
+        let status = self.child.wait().unwrap();
+        let stderr = std::fs::read_to_string(&self.stderr).unwrap();
+        assert!(!status.success(), "{stderr}");
+        Err(stderr)
+    }
+}
+
+impl Drop for Serve {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// `/proc/<pid>/<file>` as uid and gid 65534 (`nobody`), the way any
+/// program berth runs under an account of its own reads it.
+fn read_proc_as_nobody(pid: u32, file: &str) -> String {
+    let out = std::process::Command::new("setpriv")
+        .args(["--reuid=65534", "--regid=65534", "--clear-groups", "cat"])
+        .arg(format!("/proc/{pid}/{file}"))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).replace('\0', " ")
+}
+
+/// `db`'s URL with a password in it (the test server trusts local
+/// connections, so any password opens it).
+fn with_password(db: &str, password: &str) -> String {
+    let mut url = reqwest::Url::parse(db).unwrap();
+    url.set_password(Some(password)).unwrap();
+    url.to_string()
+}
+
+/// The database's password on berth's command line was readable by every
+/// user of the host in `/proc/<berth>/cmdline`, the instances' own
+/// accounts included. berth now refuses such a `--store`, saying where
+/// the URL may go instead, and never echoes the password.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_password_on_the_command_line_is_refused() {
+    let db = fresh_db().await;
+    let root = tempfile::tempdir().unwrap();
+    let dir = root.path().to_owned();
+    let store = with_password(&db, "hunter2-on-argv");
+    let data = dir.join("data");
+    let data = data.to_str().unwrap().to_owned();
+    let stderr = tokio::task::spawn_blocking(move || {
+        let mut serve = Serve::start(
+            &dir,
+            &[
+                "--store",
+                &store,
+                "--data-dir",
+                &data,
+                "--listen",
+                "127.0.0.1:0",
+                "--node-id",
+                "node-a",
+            ],
+            &[("BERTH_CLUSTER_SECRET", SECRET)],
+        );
+        match serve.listening() {
+            Ok(pid) => panic!(
+                "berth started; uid 65534 reads its command line: {}",
+                read_proc_as_nobody(pid, "cmdline")
+            ),
+            Err(stderr) => stderr,
+        }
+    })
+    .await
+    .unwrap();
+    for part in [
+        "flag --store",
+        "password",
+        "BERTH_STORE",
+        "BERTH_STORE_FILE",
+        "store_file",
+    ] {
+        assert!(stderr.contains(part), "{part:?} missing: {stderr}");
+    }
+    assert!(!stderr.contains("hunter2-on-argv"), "{stderr}");
+}
+
+/// The ways a store password may reach berth, each checked for what
+/// another uid (and berth's own uid) can read afterwards: a store file
+/// (`BERTH_STORE_FILE`) must be private, and is refused otherwise naming
+/// the `chmod` that fixes it; a private one works, and the password is
+/// in neither `/proc/<berth>/cmdline` nor `/proc/<berth>/environ`. Given
+/// in `BERTH_STORE`, the password is wiped from berth's environment once
+/// read. An admin token file that others can read is refused too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_password_reaches_berth_only_privately() {
+    use std::os::unix::fs::PermissionsExt;
+    let db = fresh_db().await;
+    let root = tempfile::tempdir().unwrap();
+    let root_path = root.path().to_owned();
+    let password = "hunter2-in-a-file";
+    let store = with_password(&db, password);
+    tokio::task::spawn_blocking(move || {
+        let common = |dir: &Path, id: &str| {
+            vec![
+                "--data-dir".to_owned(),
+                dir.join("data").to_str().unwrap().to_owned(),
+                "--listen".to_owned(),
+                "127.0.0.1:0".to_owned(),
+                "--node-id".to_owned(),
+                id.to_owned(),
+            ]
+        };
+
+        // A store file others can read: refused, naming it and the fix.
+        let dir = root_path.join("file");
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("store.url");
+        std::fs::write(&file, format!("{store}\n")).unwrap();
+        std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o644)).unwrap();
+        let file_text = file.to_str().unwrap().to_owned();
+        let argv = common(&dir, "node-file");
+        let argv: Vec<&str> = argv.iter().map(String::as_str).collect();
+        let env = [
+            ("BERTH_STORE_FILE", file_text.as_str()),
+            ("BERTH_CLUSTER_SECRET", SECRET),
+        ];
+        let stderr = Serve::start(&dir, &argv, &env)
+            .listening()
+            .expect_err("berth started on a store file that others can read");
+        assert!(
+            stderr.contains(&format!("chmod 600 {}", file.display())),
+            "{stderr}"
+        );
+        assert!(!stderr.contains(password), "{stderr}");
+
+        // Private: berth runs on it, as a cluster node, and the password
+        // shows nowhere in /proc.
+        std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o600)).unwrap();
+        let mut serve = Serve::start(&dir, &argv, &env);
+        let pid = serve
+            .listening()
+            .expect("berth starts on a private store file");
+        let cmdline = read_proc_as_nobody(pid, "cmdline");
+        assert!(!cmdline.contains(password), "{cmdline}");
+        let environ =
+            String::from_utf8_lossy(&std::fs::read(format!("/proc/{pid}/environ")).unwrap())
+                .into_owned();
+        assert!(!environ.contains(password), "{environ}");
+        // The file's store it is, not the default SQLite one.
+        assert!(!dir.join("data").join("berth.db").exists());
+        drop(serve);
+
+        // In BERTH_STORE: wiped from the environment once read.
+        let dir = root_path.join("env");
+        let argv = common(&dir, "node-env");
+        let argv: Vec<&str> = argv.iter().map(String::as_str).collect();
+        let mut serve = Serve::start(
+            &dir,
+            &argv,
+            &[
+                ("BERTH_STORE", store.as_str()),
+                ("BERTH_CLUSTER_SECRET", SECRET),
+            ],
+        );
+        let pid = serve.listening().expect("berth starts with BERTH_STORE");
+        let environ =
+            String::from_utf8_lossy(&std::fs::read(format!("/proc/{pid}/environ")).unwrap())
+                .into_owned();
+        assert!(!environ.contains(password), "BERTH_STORE stayed: {environ}");
+        assert!(!read_proc_as_nobody(pid, "cmdline").contains(password));
+        drop(serve);
+
+        // An admin token file that others can read: refused.
+        let dir = root_path.join("token");
+        std::fs::create_dir_all(dir.join("data")).unwrap();
+        let token = dir.join("data").join("admin.token");
+        std::fs::write(&token, "adm1n\n").unwrap();
+        std::fs::set_permissions(&token, std::fs::Permissions::from_mode(0o644)).unwrap();
+        let argv = common(&dir, "node-token");
+        let argv: Vec<&str> = argv.iter().map(String::as_str).collect();
+        let stderr = Serve::start(&dir, &argv, &[])
+            .listening()
+            .expect_err("berth started on an admin token file that others can read");
+        assert!(
+            stderr.contains(&format!("chmod 600 {}", token.display())),
+            "{stderr}"
+        );
+    })
+    .await
+    .unwrap();
+}
+
+/// The README's cluster example exported `BERTH_CLUSTER_SECRET=change-me`,
+/// and berth accepted it: whoever read the README could act as a node.
+/// berth refuses it at start, naming the variable and how to make a good
+/// secret.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_readme_example_cluster_secret_is_refused() {
+    let db = fresh_db().await;
+    let root = tempfile::tempdir().unwrap();
+    let dir = root.path().to_owned();
+    let stderr = tokio::task::spawn_blocking(move || {
+        let data = dir.join("data");
+        let mut serve = Serve::start(
+            &dir,
+            &[
+                "--data-dir",
+                data.to_str().unwrap(),
+                "--listen",
+                "127.0.0.1:0",
+                "--node-id",
+                "node-a",
+            ],
+            &[
+                ("BERTH_STORE", db.as_str()),
+                ("BERTH_CLUSTER_SECRET", "change-me"),
+            ],
+        );
+        serve
+            .listening()
+            .expect_err("berth started with the cluster secret change-me")
+    })
+    .await
+    .unwrap();
+    assert!(
+        stderr.contains("environment variable BERTH_CLUSTER_SECRET: cluster_secret: "),
+        "{stderr}"
+    );
+    for part in [
+        "at least 32",
+        "openssl rand -hex 32",
+        "head -c32 /dev/urandom | base64",
+    ] {
+        assert!(stderr.contains(part), "{part:?} missing: {stderr}");
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_id_that_is_already_live_is_refused() {
     let db = fresh_db().await;
@@ -374,7 +904,11 @@ async fn a_node_id_that_is_already_live_is_refused() {
     let dir = root.path().join("impostor");
     std::fs::create_dir_all(&dir).unwrap();
     let config = dir.join("berth.toml");
-    std::fs::write(&config, cluster_config(&dir, &db, "node-a", SECRET, "", "")).unwrap();
+    berth_testkit::write_private(
+        &config,
+        &cluster_config(&dir, &db, "node-a", SECRET, "", ""),
+        None,
+    );
     let output = tokio::task::spawn_blocking(move || {
         std::process::Command::new(BERTH)
             .args(["serve", "--config", config.to_str().unwrap()])
@@ -395,9 +929,9 @@ async fn an_unreachable_store_is_a_clear_startup_error() {
     let root = tempfile::tempdir().unwrap();
     let dir = root.path().to_owned();
     let config = dir.join("berth.toml");
-    std::fs::write(
+    berth_testkit::write_private(
         &config,
-        cluster_config(
+        &cluster_config(
             &dir,
             "postgres://berth@127.0.0.1:1/x",
             "node-a",
@@ -405,8 +939,8 @@ async fn an_unreachable_store_is_a_clear_startup_error() {
             "",
             "",
         ),
-    )
-    .unwrap();
+        None,
+    );
     let output = tokio::task::spawn_blocking(move || {
         std::process::Command::new(BERTH)
             .args(["serve", "--config", config.to_str().unwrap()])
@@ -697,16 +1231,34 @@ async fn a_forwarded_request_is_never_forwarded_again() {
     assert_eq!(bob[0].0, 1, "bob runs on node-b: {bob:?}");
 }
 
+/// The id of `node`, as the nodes table has it (what a node-to-node call
+/// is signed for): the row that advertises the node's URL.
+async fn id_of(node: &Node) -> String {
+    let (status, body) = node.get("/nodes").await;
+    assert_eq!(status, 200, "{body}");
+    body["nodes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|n| n["advertise_url"] == node.url.as_str())
+        .and_then(|n| n["id"].as_str())
+        .unwrap_or_else(|| panic!("{} is not among {body}", node.url))
+        .to_owned()
+}
+
 /// `POST /internal/v1/users/{user}/fence` as another node sends it.
 async fn fence(node: &Node, user: &str, epoch: i64) -> Value {
-    let r = node
-        .http
-        .post(format!("{}/internal/v1/users/{user}/fence", node.url))
-        .header("x-berth-cluster-secret", SECRET)
-        .json(&json!({ "epoch": epoch }))
-        .send()
-        .await
-        .unwrap();
+    let r = berth_testkit::signed_request(
+        &node.http,
+        SECRET,
+        &id_of(node).await,
+        reqwest::Method::POST,
+        &format!("{}/internal/v1/users/{user}/fence", node.url),
+        Some(&json!({ "epoch": epoch })),
+    )
+    .send()
+    .await
+    .unwrap();
     let status = r.status().as_u16();
     let body: Value = r.json().await.unwrap();
     assert_eq!(status, 200, "{body}");
@@ -877,7 +1429,7 @@ fn config_on_same_address(config: &str, url: &str) -> String {
 /// refuse to start: its stderr.
 async fn refused_start(dir: &Path, config: &str) -> String {
     let path = dir.join("other.toml");
-    std::fs::write(&path, config).unwrap();
+    berth_testkit::write_private(&path, config, None);
     let output = tokio::task::spawn_blocking(move || {
         std::process::Command::new(BERTH)
             .args(["serve", "--config", path.to_str().unwrap()])
@@ -1109,14 +1661,17 @@ impl Events {
 
 /// Launches `user` on `node` itself, the way another node asks it to.
 async fn launch_on(node: &Node, user: &str) -> Value {
-    let r = node
-        .http
-        .post(format!("{}/internal/v1/users/{user}/launch", node.url))
-        .header("x-berth-cluster-secret", SECRET)
-        .json(&json!({}))
-        .send()
-        .await
-        .unwrap();
+    let r = berth_testkit::signed_request(
+        &node.http,
+        SECRET,
+        &id_of(node).await,
+        reqwest::Method::POST,
+        &format!("{}/internal/v1/users/{user}/launch", node.url),
+        Some(&json!({})),
+    )
+    .send()
+    .await
+    .unwrap();
     assert_eq!(r.status(), 200);
     r.json().await.unwrap()
 }

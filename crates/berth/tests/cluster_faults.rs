@@ -36,7 +36,7 @@ use nix::sys::signal::Signal;
 use serde_json::{Value, json};
 use support::{BERTH, CLUSTER_LEASE, Node, alive, eventually, instance_pids, proc_state, signal};
 
-const SECRET: &str = "cluster-secret-for-fault-tests";
+const SECRET: &str = berth_testkit::TEST_CLUSTER_SECRET;
 const IDS: [&str; 3] = ["node-a", "node-b", "node-c"];
 /// The TTL in [`CLUSTER_LEASE`].
 const TTL: Duration = Duration::from_millis(3000);
@@ -953,11 +953,11 @@ async fn start_unreachable(root: &Path, db: &str, instance: &str) -> Node {
         support::free_port()
     );
     let config = dir.join("berth.toml");
-    std::fs::write(
+    berth_testkit::write_private(
         &config,
-        support::cluster_config_custom(&dir, db, IDS[0], SECRET, &lease(""), instance, &advertise),
-    )
-    .unwrap();
+        &support::cluster_config_custom(&dir, db, IDS[0], SECRET, &lease(""), instance, &advertise),
+        None,
+    );
     let listen = format!("127.0.0.1:{}", support::free_port());
     let mut node = tokio::task::spawn_blocking(move || {
         let args = [

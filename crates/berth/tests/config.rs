@@ -35,6 +35,149 @@ fn check_failing(text: &str) -> (String, PathBuf, tempfile::TempDir) {
     (stderr, path, dir)
 }
 
+/// [`check_failing`] on a file only its owner can read, as a file that
+/// holds a secret must be.
+fn check_failing_private(text: &str) -> (String, PathBuf, tempfile::TempDir) {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("private.toml");
+    berth_testkit::write_private(&path, text, None);
+    let out = check(&path);
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(!out.status.success(), "accepted:\n{text}");
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    (stderr, path, dir)
+}
+
+/// Whether `config check` accepts `text` in a private file.
+fn accepted_private(text: &str) -> bool {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("private.toml");
+    berth_testkit::write_private(&path, text, None);
+    check(&path).status.success()
+}
+
+/// Header mode believes `X-Forwarded-User` from the trusted proxies. Every
+/// program berth runs lives on this host and can connect from loopback, so
+/// trusting loopback without the SSO proxy's secret lets any of them act
+/// as any user: such a config is refused, naming the key, the line and the
+/// key that fixes it, however loopback is written.
+#[test]
+fn header_auth_trusting_loopback_without_a_secret_is_refused() {
+    for entries in [
+        r#"["127.0.0.1"]"#,
+        r#"["10.0.0.0/8", "127.0.0.0/8"]"#,
+        r#"["::1"]"#,
+        r#"["0.0.0.0/0"]"#,
+        r#"["127.0.0.53"]"#,
+    ] {
+        let text = format!("[proxy]\nauth = \"header\"\ntrusted_proxies = {entries}\n");
+        let (stderr, path, _dir) = check_failing(&text);
+        let want = format!(
+            "berth: config file {}, line 3: proxy.trusted_proxies: ",
+            path.display()
+        );
+        assert!(stderr.starts_with(&want), "{entries}: {stderr}");
+        for part in [
+            "covers loopback",
+            "set proxy.header_secret",
+            "X-Forwarded-User",
+        ] {
+            assert!(
+                stderr.contains(part),
+                "{entries}: {part:?} missing: {stderr}"
+            );
+        }
+    }
+    // With the secret, or trusting only a proxy elsewhere, it is fine.
+    assert!(accepted_private(
+        "[proxy]\nauth = \"header\"\ntrusted_proxies = [\"127.0.0.1\"]\nheader_secret = \"sso-s3cret\"\n"
+    ));
+    assert!(accepted_private(
+        "[proxy]\nauth = \"header\"\ntrusted_proxies = [\"10.0.0.5\"]\n"
+    ));
+    // Token mode believes no X-Forwarded-User: loopback may be trusted
+    // there (for X-Forwarded-Proto).
+    assert!(accepted_private(
+        "[proxy]\ntrusted_proxies = [\"127.0.0.1\"]\n"
+    ));
+}
+
+/// The README's example secret (`change-me`) was accepted, and with it
+/// anyone who read the README could be a node. Short or repetitive secrets
+/// are refused with the way to make a good one.
+#[test]
+fn a_weak_cluster_secret_is_refused() {
+    for secret in [
+        "change-me",
+        "cluster-secret-for-tests",
+        "change-me-change-me-change-me-change-me",
+    ] {
+        let text =
+            format!("store = \"postgres://berth@db/berth\"\ncluster_secret = \"{secret}\"\n");
+        let (stderr, path, _dir) = check_failing_private(&text);
+        let want = format!(
+            "berth: config file {}, line 2: cluster_secret: ",
+            path.display()
+        );
+        assert!(stderr.starts_with(&want), "{secret}: {stderr}");
+        assert!(stderr.contains("openssl rand -hex 32"), "{stderr}");
+        assert!(
+            stderr.contains("head -c32 /dev/urandom | base64"),
+            "{stderr}"
+        );
+    }
+    assert!(accepted_private(&format!(
+        "store = \"postgres://berth@db/berth\"\ncluster_secret = \"{}\"\n",
+        berth_testkit::TEST_CLUSTER_SECRET
+    )));
+}
+
+/// Every program berth runs can read a world-readable file. A config file
+/// that holds a secret must be private: one others can read is refused,
+/// naming the file and the `chmod` that fixes it.
+#[test]
+fn a_config_file_with_a_secret_that_others_can_read_is_refused() {
+    use std::os::unix::fs::PermissionsExt;
+    let secret = berth_testkit::TEST_CLUSTER_SECRET;
+    for (text, what) in [
+        (format!("cluster_secret = \"{secret}\"\n"), "cluster_secret"),
+        ("admin_token = \"adm1n-t0ken\"\n".to_owned(), "admin_token"),
+        (
+            "[metrics]\ntoken = \"scrape-me\"\n".to_owned(),
+            "metrics.token",
+        ),
+        (
+            format!(
+                "store = \"postgres://berth:hunter2@db/berth\"\ncluster_secret = \"{secret}\"\n"
+            ),
+            "password",
+        ),
+    ] {
+        for mode in [0o644, 0o640] {
+            let dir = tempfile::tempdir().unwrap();
+            let path = dir.path().join("berth.toml");
+            std::fs::write(&path, &text).unwrap();
+            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(mode)).unwrap();
+            let out = check(&path);
+            let stderr = String::from_utf8_lossy(&out.stderr);
+            assert_eq!(out.status.code(), Some(1), "{mode:o} {text}: {stderr}");
+            assert!(stderr.contains(what), "{what}: {stderr}");
+            assert!(
+                stderr.contains(&format!("chmod 600 {}", path.display())),
+                "{stderr}"
+            );
+            assert!(!stderr.contains("hunter2"), "{stderr}");
+            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).unwrap();
+            let out = check(&path);
+            assert!(
+                out.status.success(),
+                "{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+    }
+}
+
 #[test]
 fn every_example_is_accepted() {
     let mut checked = 0;

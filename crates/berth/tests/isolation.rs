@@ -322,7 +322,11 @@ async fn secrets_stay_out_of_reach(mode: &str) {
     let dir = tempfile::tempdir().unwrap();
     let slot = slot();
     let token = format!("admintok{}", std::process::id());
-    let secret = format!("clustersecret{}", slot.base_uid);
+    let secret = format!(
+        "clustersecret{}-{}",
+        slot.base_uid,
+        berth_testkit::TEST_CLUSTER_SECRET
+    );
     let options = StartOptions {
         env: vec![
             ("BERTH_ADMIN_TOKEN".into(), token.clone()),

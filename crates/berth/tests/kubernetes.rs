@@ -27,7 +27,7 @@ use berth_testkit::PgCluster;
 use serde_json::{Value, json};
 use support::{BERTH, Node, StartOptions, eventually};
 
-const SECRET: &str = "cluster-secret-for-kubernetes-tests";
+const SECRET: &str = berth_testkit::TEST_CLUSTER_SECRET;
 /// Bound for anything that should happen "soon"; only a hang reaches it.
 const PATIENCE: Duration = Duration::from_secs(60);
 

@@ -51,6 +51,24 @@ pub enum ConfigError {
         key: String,
         reason: String,
     },
+    /// A file holding a secret that other users can read.
+    #[error(
+        "{} holds {what} and is readable by other users (mode {mode:03o}), the accounts \
+         of the programs berth runs among them; make it private with `chmod 600 {}`",
+        path.display(),
+        path.display()
+    )]
+    ReadableSecret {
+        path: PathBuf,
+        what: String,
+        mode: u32,
+    },
+    #[error("cannot read the secret file {}", path.display())]
+    SecretFile {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
     #[error(
         "cannot use the host name as node id ({0}); set node_id in the config or BERTH_NODE_ID"
     )]

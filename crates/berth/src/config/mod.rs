@@ -13,16 +13,20 @@
 //! came from, and which key a file line holds), `load.rs` (file,
 //! environment and flags), `validate.rs` ([`Config::validate`]) and
 //! `settings.rs` (what the values mean, and the conversions into each
-//! crate's settings).
+//! crate's settings), `secrets.rs` (secret files, and no secret on the
+//! command line).
 
 mod error;
 mod load;
 mod provenance;
+mod secrets;
 mod sections;
 mod settings;
 mod validate;
 
+pub use error::ConfigError;
 pub use load::Overrides;
+pub use secrets::refuse_readable_by_others;
 pub use sections::Config;
 
 /// The kernel's ephemeral port range (`net.ipv4.ip_local_port_range`),

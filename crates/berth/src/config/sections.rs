@@ -18,6 +18,9 @@ pub struct Config {
     pub data_dir: PathBuf,
     /// `sqlite://…` or `postgres://…`; default `sqlite://<data_dir>/berth.db`.
     pub store: Option<String>,
+    /// A file (mode 0600) whose content is the store URL: the way to give
+    /// berth a URL with a password outside its config file.
+    pub store_file: Option<PathBuf>,
     /// Default: the host name.
     pub node_id: Option<String>,
     pub advertise_url: Option<String>,
@@ -273,6 +276,7 @@ impl Default for Config {
             listen: "127.0.0.1:8000".to_owned(),
             data_dir: PathBuf::from("./berth-data"),
             store: None,
+            store_file: None,
             node_id: None,
             advertise_url: None,
             cluster_secret: None,

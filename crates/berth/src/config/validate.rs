@@ -1,6 +1,8 @@
 //! Everything parsing cannot check: addresses, ranges, choices and
 //! combinations, each refusal naming its key and where it was set.
 
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+
 use super::error::ConfigError;
 use super::sections::{Config, HookConfig};
 
@@ -47,6 +49,7 @@ impl Config {
             // The value is not echoed: it may carry a password.
             return Err(self.invalid("store", "must be a sqlite:// or postgres:// URL"));
         }
+        self.refuse_password_on_command_line()?;
         if let Some(id) = &self.node_id
             && (id.is_empty() || id.chars().any(|c| c.is_whitespace() || c.is_control()))
         {
@@ -65,12 +68,10 @@ impl Config {
                 ));
             }
         }
-        if self
-            .cluster_secret
-            .as_ref()
-            .is_some_and(|s| s.trim().is_empty())
+        if let Some(secret) = &self.cluster_secret
+            && let Err(why) = check_cluster_secret(secret)
         {
-            return Err(self.invalid("cluster_secret", "must not be empty"));
+            return Err(self.invalid("cluster_secret", why));
         }
         if self.is_postgres() && self.cluster_secret.is_none() {
             return Err(self.invalid(
@@ -342,6 +343,23 @@ impl Config {
                 format!("{bad:?} is not an IP address or CIDR block"),
             ));
         }
+        // Every instance berth runs on this host can connect from loopback:
+        // trusting it without the SSO proxy's secret lets any of them name
+        // any user.
+        if p.auth == "header"
+            && p.header_secret.is_none()
+            && let Some(entry) = p.trusted_proxies.iter().find(|a| covers_loopback(a))
+        {
+            return Err(self.invalid(
+                "proxy.trusted_proxies",
+                format!(
+                    "{entry:?} covers loopback, from where every program berth runs can connect: \
+                     with auth = \"header\" and no proxy.header_secret, any of them could name any \
+                     user in X-Forwarded-User; set proxy.header_secret (your SSO proxy sends it as \
+                     X-Berth-Proxy-Secret), or trust only the proxy's own non-loopback address"
+                ),
+            ));
+        }
         match p.path_routing.as_str() {
             "auto" | "on" => {}
             "off" if domain.is_empty() => {
@@ -421,10 +439,88 @@ impl Config {
     }
 }
 
+/// The shortest cluster secret accepted, in characters.
+pub const MIN_CLUSTER_SECRET_CHARS: usize = 32;
+/// The fewest distinct characters a cluster secret may have: a word
+/// repeated to length (`change-me-change-me-…`) has few.
+const MIN_CLUSTER_SECRET_DISTINCT: usize = 12;
+/// The least entropy (bits) a cluster secret may show, estimated as its
+/// length times the Shannon entropy of its characters' frequencies. A
+/// generated one is well above it: 32 hex digits show about 110 bits, 64
+/// about 240, 44 base64 characters about 210.
+const MIN_CLUSTER_SECRET_BITS: f64 = 96.0;
+
+/// Why `secret` is too weak to guard the node-to-node API, which can run
+/// and stop any user's instance: anyone who guesses it is a node.
+fn check_cluster_secret(secret: &str) -> Result<(), String> {
+    const HOW: &str = "make one with `openssl rand -hex 32` or `head -c32 /dev/urandom | base64`";
+    let secret = secret.trim();
+    if berth_proxy::auth::SharedSecret::new(secret).is_err() {
+        return Err(format!(
+            "must be visible ASCII without spaces (it is sent as an HTTP header); {HOW}"
+        ));
+    }
+    let chars = secret.chars().count();
+    if chars < MIN_CLUSTER_SECRET_CHARS {
+        return Err(format!(
+            "is {chars} characters long; a cluster secret needs at least \
+             {MIN_CLUSTER_SECRET_CHARS}: {HOW}"
+        ));
+    }
+    let mut counts = std::collections::BTreeMap::<char, usize>::new();
+    for c in secret.chars() {
+        *counts.entry(c).or_default() += 1;
+    }
+    let len = chars as f64;
+    let bits: f64 = counts
+        .values()
+        .map(|&n| {
+            let p = n as f64 / len;
+            -p * p.log2() * len
+        })
+        .sum();
+    if counts.len() < MIN_CLUSTER_SECRET_DISTINCT || bits < MIN_CLUSTER_SECRET_BITS {
+        return Err(format!(
+            "is too predictable ({} distinct characters, about {bits:.0} bits); a cluster \
+             secret needs at least {MIN_CLUSTER_SECRET_DISTINCT} distinct characters and \
+             {MIN_CLUSTER_SECRET_BITS:.0} bits: {HOW}",
+            counts.len()
+        ));
+    }
+    Ok(())
+}
+
 /// The proxy's own parser (`ipnet`), so that config check and start-up
 /// agree on what a `trusted_proxies` entry is.
 fn is_ip_or_cidr(s: &str) -> bool {
     berth_proxy::auth::TrustedProxies::parse(&[s]).is_ok()
+}
+
+/// Whether a `trusted_proxies` entry (already checked by
+/// [`is_ip_or_cidr`]) shares any address with loopback: `127.0.0.0/8`,
+/// `::1`, or IPv4-mapped loopback. Any overlap counts, since a local
+/// program may bind any loopback address as its source.
+fn covers_loopback(entry: &str) -> bool {
+    let entry = entry.trim();
+    let Some(net) = entry
+        .parse::<ipnet::IpNet>()
+        .ok()
+        .or_else(|| entry.parse::<IpAddr>().ok().map(ipnet::IpNet::from))
+    else {
+        return false;
+    };
+    // Constants: `new_assert` cannot fail on these prefix lengths.
+    const LOOPBACK: [ipnet::IpNet; 3] = [
+        ipnet::IpNet::V4(ipnet::Ipv4Net::new_assert(Ipv4Addr::LOCALHOST, 8)),
+        ipnet::IpNet::V6(ipnet::Ipv6Net::new_assert(Ipv6Addr::LOCALHOST, 128)),
+        ipnet::IpNet::V6(ipnet::Ipv6Net::new_assert(
+            Ipv4Addr::LOCALHOST.to_ipv6_mapped(),
+            104,
+        )),
+    ];
+    LOOPBACK
+        .iter()
+        .any(|lo| net.contains(&lo.network()) || lo.contains(&net.network()))
 }
 
 #[cfg(test)]
@@ -530,6 +626,32 @@ mod tests {
             "{msg}"
         );
         assert!(c.lease_config().is_err());
+    }
+
+    #[test]
+    fn weak_cluster_secrets_are_refused() {
+        for weak in [
+            "change-me",
+            "",
+            "   ",
+            "0123456789abcdef0123456789abcde",
+            "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa",
+            "change-me-change-me-change-me-change-me",
+            "abcabcabcabcabcabcabcabcabcabcabcabcabcabcabc",
+            "has a space in it 0123456789abcdefghijkl",
+        ] {
+            let why = check_cluster_secret(weak).unwrap_err();
+            assert!(why.contains("openssl rand -hex 32"), "{weak:?}: {why}");
+        }
+        for strong in [
+            // `openssl rand -hex 32`, `head -c32 /dev/urandom | base64`,
+            // `openssl rand -hex 16`.
+            "5f0c8e1d9a7b3c2e4f6a8b0c1d2e3f405162738495a6b7c8d9eaf0b1c2d3e4f5",
+            "q3v9K2pX+7mN1bR8/tY4wE6uI0oA5sD2fG7hJ9kL3zc=",
+            "9b1e4f7a2c8d0e3f6a9b2c5d8e1f4a7b",
+        ] {
+            check_cluster_secret(strong).unwrap_or_else(|why| panic!("{strong}: {why}"));
+        }
     }
 
     #[test]
@@ -688,11 +810,38 @@ max_upgrades_per_user = -1
     }
 
     #[test]
+    fn loopback_entries_are_found_however_written() {
+        for entry in [
+            "127.0.0.1",
+            "127.0.0.2",
+            "127.0.0.0/8",
+            "127.1.0.0/16",
+            "0.0.0.0/0",
+            "::1",
+            "::/0",
+            "::ffff:127.0.0.1",
+            " 127.0.0.1 ",
+        ] {
+            assert!(covers_loopback(entry), "{entry}");
+        }
+        for entry in [
+            "10.0.0.0/8",
+            "128.0.0.0/1",
+            "192.168.1.1",
+            "fd00::/8",
+            "::2",
+        ] {
+            assert!(!covers_loopback(entry), "{entry}");
+        }
+    }
+
+    #[test]
     fn header_auth_needs_trusted_proxies() {
         let c = parse("[proxy]\nauth = \"header\"\n").unwrap();
         assert!(c.validate_proxy().is_err());
-        let c = parse("[proxy]\nauth = \"header\"\ntrusted_proxies = [\"10.0.0.0/8\", \"::1\"]\n")
-            .unwrap();
+        let c =
+            parse("[proxy]\nauth = \"header\"\ntrusted_proxies = [\"10.0.0.0/8\", \"fd00::1\"]\n")
+                .unwrap();
         assert!(c.validate_proxy().is_ok());
         let c = parse("[proxy]\ntrusted_proxies = [\"10.0.0.0/33\"]\n").unwrap();
         assert!(c.validate_proxy().is_err());

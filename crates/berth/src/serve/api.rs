@@ -58,9 +58,9 @@ pub struct ApiState {
     pub lease_ttl: Duration,
     /// Cluster mode (PostgreSQL store): token purges, the nodes' view.
     pub cluster: Option<Arc<Cluster>>,
-    /// Authenticates node-to-node calls (`/internal/v1/…`); `None` on a
-    /// single node, where those routes answer 404.
-    pub cluster_secret: Option<berth_proxy::auth::ClusterSecret>,
+    /// Checks node-to-node calls (`/internal/v1/…`); `None` on a single
+    /// node, where those routes answer 404.
+    pub peer_auth: Option<super::peer_auth::PeerAuth>,
     /// This node's status (drain/undrain).
     pub node_control: Arc<dyn NodeControl>,
     /// Where users' apps live: `<slug>.<base_domain>` when set.
@@ -119,7 +119,7 @@ pub fn router(state: Arc<ApiState>) -> Router {
         .route("/api/v1/node/undrain", post(undrain))
         .route("/api/v1/events", get(events::events))
         .merge(super::admin::routes())
-        .merge(internal::routes())
+        .merge(internal::routes(state.clone()))
         .fallback(no_such_route)
         .method_not_allowed_fallback(no_such_route)
         .layer(axum::middleware::from_fn_with_state(

@@ -390,6 +390,13 @@ pub fn load_or_create_admin_token(
         return Ok(token.to_owned());
     }
     let path = admin_token_path(data_dir);
+    // A token file others can read (copied in, or restored from a backup
+    // with its mode lost) gives any local program the admin's power.
+    match crate::config::refuse_readable_by_others(&path, "the admin token") {
+        Err(crate::config::ConfigError::SecretFile { source, .. })
+            if source.kind() == std::io::ErrorKind::NotFound => {}
+        other => other?,
+    }
     match std::fs::read_to_string(&path) {
         Ok(existing) if !existing.trim().is_empty() => return Ok(existing.trim().to_owned()),
         Ok(_) => anyhow::bail!("admin token file {} is empty", path.display()),
@@ -433,6 +440,15 @@ mod tests {
             load_or_create_admin_token(Some("given"), dir.path()).unwrap(),
             "given"
         );
+        std::fs::set_permissions(
+            admin_token_path(dir.path()),
+            std::fs::Permissions::from_mode(0o644),
+        )
+        .unwrap();
+        let msg = load_or_create_admin_token(None, dir.path())
+            .unwrap_err()
+            .to_string();
+        assert!(msg.contains("chmod 600"), "{msg}");
     }
 
     #[test]

@@ -1,21 +1,21 @@
 //! Calls from one node to another (design §7.3, §8.2): the transport of
 //! the use cases that run on the node owning a user (`ops`), the fence of
-//! an old holder, and the token-cache purge. Every call carries the
-//! cluster secret in `X-Berth-Cluster-Secret`; an error answer's JSON maps
-//! back to the [`SpawnError`] it came from, so an error keeps its code and
-//! HTTP meaning across nodes (a `lease_busy` from the callee is followed
-//! by the caller's hop loop).
+//! an old holder, and the token-cache purge. Every call is signed with the
+//! cluster secret ([`super::peer_auth`]), which itself never travels; an
+//! error answer's JSON maps back to the [`SpawnError`] it came from, so an
+//! error keeps its code and HTTP meaning across nodes (a `lease_busy` from
+//! the callee is followed by the caller's hop loop).
 
 use std::time::Duration;
 
 use berth_core::{Epoch, SpawnError, UserId, unix_millis_now};
-use berth_proxy::auth::{CLUSTER_SECRET, ClusterSecret};
 use futures_util::StreamExt;
 use futures_util::stream::BoxStream;
 use reqwest::Method;
 use serde::de::DeserializeOwned;
 use serde_json::{Value, json};
 
+use super::peer_auth::ClusterKey;
 use crate::sse::{self, SseEvent};
 
 /// How long a peer may take to accept a connection. Peers are in the same
@@ -89,7 +89,7 @@ pub struct PeerClient {
     http: reqwest::Client,
     /// Event streams: no budget in all, but a bound on silence.
     streams: reqwest::Client,
-    secret: ClusterSecret,
+    key: ClusterKey,
 }
 
 /// A peer's answer, as it came.
@@ -111,7 +111,7 @@ impl PeerAnswer {
 }
 
 impl PeerClient {
-    pub fn new(secret: ClusterSecret) -> Result<Self, reqwest::Error> {
+    pub fn new(key: ClusterKey) -> Result<Self, reqwest::Error> {
         let builder = || {
             reqwest::Client::builder()
                 .connect_timeout(CONNECT_TIMEOUT)
@@ -123,7 +123,7 @@ impl PeerClient {
         Ok(Self {
             http: builder().build()?,
             streams: builder().read_timeout(STREAM_SILENCE).build()?,
-            secret,
+            key,
         })
     }
 
@@ -136,26 +136,45 @@ impl PeerClient {
         )
     }
 
-    fn request(&self, method: Method, url: &str) -> reqwest::RequestBuilder {
-        self.http
-            .request(method, url)
-            .header(&CLUSTER_SECRET, self.secret.header_value().clone())
+    /// Builds `request` and signs it as it will be sent, for `node`:
+    /// method, path and query, body.
+    fn signed(
+        node: &PeerNode,
+        key: &ClusterKey,
+        request: reqwest::RequestBuilder,
+    ) -> Result<reqwest::Request, SpawnError> {
+        let mut request = request
+            .build()
+            .map_err(|e| unreachable_peer(&node.id, &node.url, &e))?;
+        let url = request.url();
+        let target = match url.query() {
+            Some(query) => format!("{}?{query}", url.path()),
+            None => url.path().to_owned(),
+        };
+        let body = request
+            .body()
+            .and_then(reqwest::Body::as_bytes)
+            .unwrap_or_default();
+        let signed = key
+            .sign(&node.id, request.method().as_str(), &target, body)
+            .map_err(|e| SpawnError::Internal(e.to_string()))?;
+        for (name, value) in signed.headers {
+            request.headers_mut().insert(name, value);
+        }
+        Ok(request)
     }
 
-    fn stream_request(&self, url: &str) -> reqwest::RequestBuilder {
-        self.streams
-            .get(url)
-            .header(&CLUSTER_SECRET, self.secret.header_value().clone())
-    }
-
-    /// Sends `request` and reads its JSON answer (any status). A transport
-    /// failure is an error naming the node.
+    /// Sends `request` (signed) and reads its JSON answer (any status). A
+    /// transport failure is an error naming the node.
     async fn answer(
+        &self,
         node: &PeerNode,
         request: reqwest::RequestBuilder,
     ) -> Result<PeerAnswer, SpawnError> {
-        let response = request
-            .send()
+        let request = Self::signed(node, &self.key, request)?;
+        let response = self
+            .http
+            .execute(request)
             .await
             .map_err(|e| unreachable_peer(&node.id, &node.url, &e))?;
         let status = response.status().as_u16();
@@ -177,13 +196,14 @@ impl PeerClient {
         call: UserCall<'_>,
     ) -> Result<T, SpawnError> {
         let mut request = self
-            .request(call.method, &Self::user_url(node, user, call.op))
+            .http
+            .request(call.method, Self::user_url(node, user, call.op))
             .query(&call.query)
             .timeout(call.budget);
         if let Some(body) = call.body {
             request = request.json(&body);
         }
-        let value = Self::answer(node, request).await?.into_result(user)?;
+        let value = self.answer(node, request).await?.into_result(user)?;
         serde_json::from_value(value).map_err(|e| {
             SpawnError::Internal(format!(
                 "node {} answered {} for {user} with something unexpected: {e}",
@@ -202,10 +222,13 @@ impl PeerClient {
         op: &str,
         query: &[(&str, String)],
     ) -> Result<BoxStream<'static, SseEvent>, SpawnError> {
+        let request = self
+            .streams
+            .get(Self::user_url(node, user, op))
+            .query(query);
         let response = self
-            .stream_request(&Self::user_url(node, user, op))
-            .query(query)
-            .send()
+            .streams
+            .execute(Self::signed(node, &self.key, request)?)
             .await
             .map_err(|e| unreachable_peer(&node.id, &node.url, &e))?;
         let status = response.status().as_u16();
@@ -236,7 +259,9 @@ impl PeerClient {
         timeout: Duration,
     ) -> Result<T, SpawnError> {
         let url = format!("{}/internal/v1/{path}", node.url.trim_end_matches('/'));
-        let answer = Self::answer(node, self.request(Method::POST, &url).timeout(timeout)).await?;
+        let answer = self
+            .answer(node, self.http.post(url).timeout(timeout))
+            .await?;
         if !(200..300).contains(&answer.status) {
             return Err(SpawnError::Internal(format!(
                 "node {} at {} answered {} to {path}: {}",

@@ -90,11 +90,16 @@ impl FromRequestParts<Arc<ApiState>> for Admin {
     }
 }
 
-/// Another node of the cluster (the cluster secret, and nothing else:
-/// admin and user tokens do not open node-to-node routes). On a single
-/// node these routes do not exist (404).
+/// Another node of the cluster: a call whose signature
+/// [`super::internal::authenticate`] checked (admin and user tokens do not
+/// open node-to-node routes). On a single node these routes do not exist
+/// (404).
 #[derive(Debug)]
 pub struct Peer;
+
+/// Marks a request whose node signature, body included, was checked.
+#[derive(Debug, Clone, Copy)]
+pub struct SignedByPeer;
 
 impl FromRequestParts<Arc<ApiState>> for Peer {
     type Rejection = ApiError;
@@ -103,16 +108,18 @@ impl FromRequestParts<Arc<ApiState>> for Peer {
         parts: &mut Parts,
         state: &Arc<ApiState>,
     ) -> Result<Self, ApiError> {
-        let Some(secret) = &state.cluster_secret else {
+        if state.peer_auth.is_none() {
             return Err(ApiError::new(
                 ErrorCode::NotFound,
                 "node-to-node routes exist only in cluster mode",
             ));
-        };
-        if !secret.verify(&parts.headers) {
+        }
+        // Only the layer over the node-to-node routes sets it; a route
+        // left outside that layer refuses everyone.
+        if parts.extensions.get::<SignedByPeer>().is_none() {
             return Err(ApiError::new(
                 ErrorCode::Unauthorized,
-                "node-to-node calls need the cluster secret in X-Berth-Cluster-Secret",
+                "node-to-node calls must be signed with the cluster secret",
             ));
         }
         Ok(Peer)

@@ -1,6 +1,6 @@
 //! Node-to-node routes (`/internal/v1/…`, design §7.3): what another node
-//! asks of this one, authenticated by the cluster secret alone
-//! ([`PeerCall`], [`Peer`]). Each runs the use case here with
+//! asks of this one, signed with the cluster secret ([`authenticate`],
+//! then [`PeerCall`], [`Peer`]). Each runs the use case here with
 //! [`Via::Peer`]: never forwarded again, and answered with `lease_busy`
 //! when another node holds the user's lease, so the caller follows it.
 
@@ -17,14 +17,15 @@ use serde::Deserialize;
 use serde_json::json;
 
 use super::super::ops::{LogLines, RestartAll, Via};
-use super::extract::{Peer, PeerCall, QueryOf, read_body};
+use super::super::peer_auth::{PeerAuth, Refusal};
+use super::extract::{Peer, PeerCall, QueryOf, SignedByPeer, read_body};
 use super::{
     ApiError, ApiResult, ApiState, AppState, LaunchQuery, LogsQuery, ProgressQuery, holding,
     line_events, parse_launch_body, stage_events,
 };
 
-/// The node-to-node routes.
-pub fn routes() -> Router<Arc<ApiState>> {
+/// The node-to-node routes, each behind [`authenticate`].
+pub fn routes(state: Arc<ApiState>) -> Router<Arc<ApiState>> {
     Router::new()
         .route("/internal/v1/users/{user}/status", get(status))
         .route("/internal/v1/users/{user}/launch", post(launch))
@@ -43,6 +44,88 @@ pub fn routes() -> Router<Arc<ApiState>> {
         .route("/internal/v1/users/{user}/fence", post(fence))
         .route("/internal/v1/instances/restart-all", post(restart_all))
         .route("/internal/v1/tokens/purge", post(purge))
+        .route_layer(axum::middleware::from_fn_with_state(state, authenticate))
+}
+
+/// Checks a node-to-node call's signature before its handler runs: the
+/// headers first (nothing of an unsigned call's body is read), then the
+/// body against its signed digest. A refusal is counted against the
+/// source address: past a burst it is `429`, and refusals are logged with
+/// the source at a bounded rate. A signed call is let through even from a
+/// source past its limit: a signature cannot be guessed (the secret is
+/// long and random, refused at start otherwise), while refusing it would
+/// let any program on a node's host, which shares the node's address,
+/// cut that node off from the others by failing on purpose.
+pub async fn authenticate(
+    State(state): AppState,
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let Some(auth) = &state.peer_auth else {
+        // A single node: the routes answer 404 themselves.
+        return next.run(request).await;
+    };
+    let source = request
+        .extensions()
+        .get::<berth_proxy::forward::ConnInfo>()
+        .map(|conn| conn.peer.ip());
+    let (parts, body) = request.into_parts();
+    let target = parts
+        .uri
+        .path_and_query()
+        .map_or_else(|| parts.uri.path(), |pq| pq.as_str());
+    let checked = auth.check_headers(
+        parts.method.as_str(),
+        target,
+        &parts.headers,
+        berth_core::unix_millis_now(),
+    );
+    let signed = match checked {
+        Ok(signed) => signed,
+        Err(refusal) => return refuse(auth, source, &refusal),
+    };
+    let body = match read_body(&parts.headers, body).await {
+        Ok(body) => body,
+        Err(e) => return e.into_response(),
+    };
+    if let Err(refusal) = PeerAuth::check_body(&signed, &body) {
+        return refuse(auth, source, &refusal);
+    }
+    let mut request = axum::extract::Request::from_parts(parts, Body::from(body));
+    request.extensions_mut().insert(SignedByPeer);
+    next.run(request).await
+}
+
+/// The answer to a refused node-to-node call, counted and maybe logged.
+fn refuse(auth: &PeerAuth, source: Option<std::net::IpAddr>, refusal: &Refusal) -> Response {
+    let source = source.unwrap_or(std::net::IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED));
+    let verdict = auth.failed(source, std::time::Instant::now());
+    if let Some(unlogged) = verdict.log {
+        tracing::warn!(
+            %source,
+            reason = %refusal,
+            limited = verdict.limited,
+            earlier_unlogged = unlogged,
+            "refused a node-to-node call"
+        );
+    }
+    if verdict.limited {
+        let body = json!({
+            "error": "too_many_requests",
+            "message": format!("too many refused node-to-node calls from {source}; slow down ({refusal})"),
+        });
+        return (
+            StatusCode::TOO_MANY_REQUESTS,
+            [(axum::http::header::RETRY_AFTER, "1")],
+            axum::Json(body),
+        )
+            .into_response();
+    }
+    let code = match refusal {
+        Refusal::Busy => ErrorCode::CapacityExhausted,
+        _ => ErrorCode::Unauthorized,
+    };
+    ApiError::new(code, refusal.to_string()).into_response()
 }
 
 async fn status(PeerCall { user }: PeerCall, State(state): AppState) -> ApiResult {
