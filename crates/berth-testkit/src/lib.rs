@@ -9,7 +9,7 @@
 //!   binary's path is passed in: only the `berth` crate's tests know it;
 //! * [`eventually`]: wait on a condition until a deadline, never a fixed
 //!   sleep;
-//! * process helpers over `/proc` ([`alive`], [`proc_state`],
+//! * process helpers over `/proc` ([`alive`], [`frozen`], [`proc_state`],
 //!   [`instance_pids`], [`zygote_of`], [`rss_kib`], …) and
 //!   [`raw_request`] for HTTP a client library would not send;
 //! * [`signed_request`]: a node-to-node call signed like a node's.
@@ -81,7 +81,8 @@ pub use node::{
 };
 pub use peer::{signed_headers, signed_headers_at, signed_request, unix_millis};
 pub use process::{
-    alive, free_port, instance_pids, kill_instances_under, proc_state, rss_kib, signal, zygote_of,
+    alive, free_port, frozen, instance_pids, kill_instances_under, proc_state, rss_kib, signal,
+    zygote_of,
 };
 pub use wait::eventually;
 

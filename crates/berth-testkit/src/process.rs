@@ -34,6 +34,58 @@ fn proc_state_of(pid: u64) -> Option<char> {
     stat.rsplit_once(')')?.1.trim_start().chars().next()
 }
 
+/// Whether a process is frozen: stopped by a signal (`T`), or in a cgroup
+/// whose freezer says it is frozen (a cgroup-frozen task shows `D` or `S`,
+/// never `T`, so its state letter alone cannot tell).
+pub fn frozen(pid: u32) -> bool {
+    if proc_state(pid) == Some('T') {
+        return true;
+    }
+    let Ok(cgroups) = std::fs::read_to_string(format!("/proc/{pid}/cgroup")) else {
+        return false;
+    };
+    let Ok(mounts) = std::fs::read_to_string("/proc/self/mountinfo") else {
+        return false;
+    };
+    cgroups.lines().any(|line| {
+        let mut fields = line.splitn(3, ':');
+        let (Some(_), Some(controllers), Some(path)) =
+            (fields.next(), fields.next(), fields.next())
+        else {
+            return false;
+        };
+        let path = path.trim_start_matches('/');
+        if controllers.split(',').any(|c| c == "freezer") {
+            cgroup_mount(&mounts, |fs, opts| {
+                fs == "cgroup" && opts.split(',').any(|o| o == "freezer")
+            })
+            .and_then(|m| std::fs::read_to_string(m.join(path).join("freezer.state")).ok())
+            .is_some_and(|s| s.trim() == "FROZEN")
+        } else if controllers.is_empty() {
+            cgroup_mount(&mounts, |fs, _| fs == "cgroup2")
+                .and_then(|m| std::fs::read_to_string(m.join(path).join("cgroup.events")).ok())
+                .is_some_and(|s| s.lines().any(|l| l.trim() == "frozen 1"))
+        } else {
+            false
+        }
+    })
+}
+
+/// The mount point of the first cgroup file system in `mountinfo` whose
+/// type and super options `wanted` accepts.
+fn cgroup_mount(
+    mountinfo: &str,
+    wanted: impl Fn(&str, &str) -> bool,
+) -> Option<std::path::PathBuf> {
+    mountinfo.lines().find_map(|line| {
+        let (mount, fs) = line.split_once(" - ")?;
+        let point = mount.split_whitespace().nth(4)?;
+        let mut fs = fs.split_whitespace();
+        let (kind, _source, options) = (fs.next()?, fs.next()?, fs.next().unwrap_or(""));
+        wanted(kind, options).then(|| std::path::PathBuf::from(point))
+    })
+}
+
 /// Resident memory of a process in KiB (`VmRSS` in /proc/<pid>/status).
 pub fn rss_kib(pid: u32) -> Option<u64> {
     std::fs::read_to_string(format!("/proc/{pid}/status"))

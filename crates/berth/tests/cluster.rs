@@ -15,7 +15,7 @@ use std::time::Duration;
 use berth_testkit::PgCluster;
 use serde_json::{Value, json};
 use support::{
-    BERTH, CLUSTER_LEASE, Node, alive, berth, cluster_config, eventually, instance_pids,
+    BERTH, CLUSTER_LEASE, Node, alive, berth, cluster_config, eventually, frozen, instance_pids,
     proc_state, signal,
 };
 
@@ -1068,7 +1068,7 @@ async fn manual_takeover_moves_a_user_whose_holder_was_killed() {
     eventually(
         Duration::from_secs(10),
         "the old instance frozen",
-        || async { matches!(proc_state(old_pid), Some('T') | None).then_some(()) },
+        || async { (frozen(old_pid) || proc_state(old_pid).is_none()).then_some(()) },
     )
     .await;
     assert!(
@@ -1092,7 +1092,7 @@ async fn manual_takeover_moves_a_user_whose_holder_was_killed() {
     let new_pids = instance_pids(&b.data_dir, "alice", "main");
     assert_eq!(new_pids.len(), 1);
     // The old one never runs again: frozen, or gone.
-    assert!(matches!(proc_state(old_pid), Some('T') | None));
+    assert!(frozen(old_pid) || proc_state(old_pid).is_none());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1133,7 +1133,7 @@ async fn with_evidence_a_dead_holders_users_are_relaunched_elsewhere() {
     let patch = std::fs::read_to_string(b.data_dir.join("users/alice/patches/main.yaml")).unwrap();
     assert_eq!(patch, "k: v\n");
     // The old instance was frozen by its shim before anyone could claim.
-    assert!(matches!(proc_state(old_pid), Some('T') | None));
+    assert!(frozen(old_pid) || proc_state(old_pid).is_none());
     let new_pids = instance_pids(&b.data_dir, "alice", "main");
     assert_eq!(new_pids.len(), 1);
     // The account is the cluster's, not the node's: the same uid here.
@@ -1292,7 +1292,7 @@ async fn a_fence_acts_only_on_exactly_the_running_epoch() {
         let what = what.to_owned();
         async move {
             assert!(alive(pid), "{what}: the instance is gone");
-            assert_ne!(proc_state(pid as u32), Some('T'), "{what}: frozen");
+            assert!(!frozen(pid as u32), "{what}: frozen");
             let main = a.main_of("alice").await;
             assert_eq!(main["status"], "running", "{what}: {main}");
             assert_eq!(main["pid"].as_u64(), Some(pid), "{what}: {main}");
@@ -1516,7 +1516,7 @@ async fn a_node_restarted_after_kill_9_starts_at_once_and_adopts_its_instances()
         assert_eq!(&main["epoch"], epoch, "{user}: the same lease: {main}");
         assert_eq!(main["node"], "node-a", "{main}");
         assert!(alive(*pid), "{user}");
-        assert_ne!(proc_state(*pid as u32), Some('T'), "{user} thawed");
+        assert!(!frozen(*pid as u32), "{user} thawed");
     }
     // It serves them.
     let token = second.user_token("alice").await;

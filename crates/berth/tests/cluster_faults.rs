@@ -34,7 +34,9 @@ use std::time::Duration;
 use berth_testkit::PgCluster;
 use nix::sys::signal::Signal;
 use serde_json::{Value, json};
-use support::{BERTH, CLUSTER_LEASE, Node, alive, eventually, instance_pids, proc_state, signal};
+use support::{
+    BERTH, CLUSTER_LEASE, Node, alive, eventually, frozen, instance_pids, proc_state, signal,
+};
 
 const SECRET: &str = berth_testkit::TEST_CLUSTER_SECRET;
 const IDS: [&str; 3] = ["node-a", "node-b", "node-c"];
@@ -277,12 +279,14 @@ async fn launch(nodes: &[Node], via: usize, user: &str) -> (usize, i64, u32) {
     (holder, epoch, pids[0])
 }
 
-/// `user`'s main processes on every node, as (node index, pid, state).
+/// `user`'s main processes on every node, as (node index, pid, state),
+/// a frozen one's state as `T` whether a signal or a cgroup froze it.
 fn mains_everywhere(nodes: &[Node], user: &str) -> Vec<(usize, u32, char)> {
     let mut found = Vec::new();
     for (i, node) in nodes.iter().enumerate() {
         for pid in instance_pids(&node.data_dir, user, "main") {
             if let Some(state) = proc_state(pid) {
+                let state = if frozen(pid) { 'T' } else { state };
                 found.push((i, pid, state));
             }
         }
@@ -301,12 +305,13 @@ async fn lease_of(node: &Node, user: &str) -> Option<Value> {
         .cloned()
 }
 
-fn stopped(state: Option<char>) -> bool {
-    state == Some('T')
+/// Frozen: stopped by signal (level `none`) or in a frozen cgroup.
+fn stopped(pid: u32) -> bool {
+    frozen(pid)
 }
 
 fn stopped_or_gone(pid: u32) -> bool {
-    matches!(proc_state(pid), Some('T') | None) || !alive(u64::from(pid))
+    frozen(pid) || !alive(u64::from(pid))
 }
 
 /// Waits until a node other than `old` runs `user` ready under an epoch
@@ -487,7 +492,7 @@ async fn a_paused_holder_is_fenced_and_stays_fenced_after_waking() {
     })
     .await;
     assert!(
-        stopped(proc_state(old_pid)),
+        stopped(old_pid),
         "the old instance runs while {new_holder} holds epoch {new_epoch}: {:?}",
         proc_state(old_pid)
     );
@@ -500,7 +505,7 @@ async fn a_paused_holder_is_fenced_and_stays_fenced_after_waking() {
     let new_pid = main["pid"].as_u64().unwrap();
     // Stay paused well past the TTL while the new instance writes.
     dirs.wait_lines("alice", new_epoch, 2).await;
-    assert!(stopped(proc_state(old_pid)));
+    assert!(stopped(old_pid));
 
     drop(paused); // SIGCONT
     // Its first renew finds the lease lost: the old instance is killed.
@@ -796,7 +801,7 @@ async fn a_node_cut_from_the_database_freezes_then_thaws_without_a_restart() {
     for user in users {
         let pid = before[user].1;
         eventually(LONG, &format!("{user}'s instance frozen"), || async {
-            stopped(proc_state(pid)).then_some(())
+            stopped(pid).then_some(())
         })
         .await;
     }
@@ -873,7 +878,7 @@ async fn a_frozen_instance_stopped_through_its_cut_off_node_never_runs_again() {
 
     relay.cut();
     eventually(LONG, "alice's instance frozen", || async {
-        stopped(proc_state(old_pid)).then_some(())
+        stopped(old_pid).then_some(())
     })
     .await;
     let lines_frozen = dirs.lines_of("alice", old_epoch);
@@ -1017,7 +1022,7 @@ async fn a_late_renew_answer_does_not_thaw_an_instance_whose_lease_moved() {
     })
     .await;
     assert_ne!(new_holder, IDS[0]);
-    assert!(stopped(proc_state(old_pid)), "{:?}", proc_state(old_pid));
+    assert!(stopped(old_pid), "{:?}", proc_state(old_pid));
     let frozen_at = switches(old_pid).expect("the old instance exists");
     let lines_frozen = dirs.lines_of("alice", old_epoch);
 
@@ -1029,10 +1034,10 @@ async fn a_late_renew_answer_does_not_thaw_an_instance_whose_lease_moved() {
     // nothing on the way out (a thawed demo-app writes at once: its missed
     // ticks fire together).
     eventually(LONG, "the old instance no longer stopped", || async {
-        let before = proc_state(old_pid);
+        let before = stopped(old_pid);
         let count = switches(old_pid);
-        let after = proc_state(old_pid);
-        if (before, after) != (Some('T'), Some('T')) {
+        let after = stopped(old_pid);
+        if !(before && after) {
             return Some(());
         }
         assert_eq!(
@@ -1340,7 +1345,7 @@ async fn a_fenced_then_recovered_node_keeps_a_hibernated_instance_frozen_until_a
     assert_eq!(body["instance"]["status"], "hibernated", "{body}");
     assert_eq!(body["instance"]["node"], IDS[0], "{body}");
     eventually(LONG, "alice frozen", || async {
-        stopped(proc_state(pid)).then_some(())
+        stopped(pid).then_some(())
     })
     .await;
     let lines = dirs.lines_of("alice", epoch);
@@ -1370,10 +1375,7 @@ async fn a_fenced_then_recovered_node_keeps_a_hibernated_instance_frozen_until_a
         })
         .await;
     }
-    assert!(
-        stopped(proc_state(pid)),
-        "a renew never thaws a hibernated instance"
-    );
+    assert!(stopped(pid), "a renew never thaws a hibernated instance");
     assert_eq!(
         dirs.lines_of("alice", epoch),
         lines,
@@ -1383,7 +1385,7 @@ async fn a_fenced_then_recovered_node_keeps_a_hibernated_instance_frozen_until_a
 
     // A request through node-b resumes her on node-a: the same process.
     assert_eq!(count(&nodes[1]).await, (2, u64::from(pid)));
-    assert!(!stopped(proc_state(pid)));
+    assert!(!stopped(pid));
     dirs.wait_lines("alice", epoch, lines + 1).await;
     let main = nodes[0].main_of("alice").await;
     assert_eq!(main["restarts"], 0, "{main}");
@@ -1398,5 +1400,136 @@ async fn a_fenced_then_recovered_node_keeps_a_hibernated_instance_frozen_until_a
             .map(|(i, p, _)| (*i, *p))
             .collect::<Vec<_>>(),
         vec![(0, pid)]
+    );
+}
+
+// --- 4c. a cut-off node's instance, every process of it --------------------------
+
+/// `support/escapes.py`: three processes that leave the program's group and
+/// write `<epoch> <kind> <n>` every 10 ms, one a new process per line.
+const ESCAPES: &str = include_str!("support/escapes.py");
+
+/// The demo app with its journal, started by a shell that first lets the
+/// [`ESCAPES`] loose on `<dir>/escapes-<slug>.log`.
+fn escapes_command(dir: &Path) -> String {
+    let journal = format!("{}/journal-{{slug}}.log", dir.display());
+    let escapes = format!("{}/escapes-{{slug}}.log", dir.display());
+    let argv = [
+        "/bin/sh",
+        "-c",
+        "python3 -c \"$4\" \"$3\" & exec \"$0\" demo-app --port \"$1\" --journal \"$2\"",
+        BERTH,
+        "{port}",
+        &journal,
+        &escapes,
+        ESCAPES,
+    ];
+    format!("command = {}\n", serde_json::to_string(&argv).unwrap())
+}
+
+/// The epochs of an escapes journal, line by line (a last line without
+/// its newline is still being written).
+fn escape_epochs(dirs: &Dirs, user: &str) -> Vec<i64> {
+    let text = std::fs::read_to_string(dirs.journals.join(format!("escapes-{user}.log")))
+        .unwrap_or_default();
+    let complete = text.rfind('\n').map_or("", |end| &text[..end]);
+    complete
+        .lines()
+        .filter_map(|l| l.split_whitespace().next()?.parse().ok())
+        .collect()
+}
+
+/// The first line of an older epoch after a newer one: a second writer.
+fn stale_write(epochs: &[i64]) -> Option<(usize, i64, i64)> {
+    let mut newest = i64::MIN;
+    for (i, &epoch) in epochs.iter().enumerate() {
+        if epoch < newest {
+            return Some((i, epoch, newest));
+        }
+        newest = newest.max(epoch);
+    }
+    None
+}
+
+#[test]
+fn a_stale_write_is_found_in_an_escapes_journal() {
+    assert_eq!(stale_write(&[3, 3, 4, 4]), None);
+    assert_eq!(stale_write(&[3, 4, 3, 4]), Some((2, 3, 4)));
+    assert_eq!(stale_write(&[]), None);
+}
+
+/// A node cut off from the database fences its instance at the default
+/// level, and the fence holds every process of it: the `setsid` child, the
+/// double-forked one and the one that forks anew for every line. Once
+/// another node runs the user under a newer epoch (and its own escapes
+/// have written a hundred lines), not one line of the old epoch follows;
+/// once the cut heals and the old node learns it lost the lease, its
+/// instance is killed frozen, and after every user is stopped not one of
+/// their processes is left on any node.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fence_holds_every_process_of_an_instance_that_left_its_group() {
+    let db = fresh_db().await;
+    let dirs = Dirs::new();
+    let instance = escapes_command(&dirs.journals);
+    let relay = Relay::start(upstream_of(&db)).await;
+    let relayed = via_port(&db, relay.port);
+    let mut nodes = vec![start_node(dirs.path(), &relayed, IDS[0], &lease(""), &instance).await];
+    // Not `launch`: it expects one process of the instance, and this one
+    // has several on purpose.
+    let (status, body) = nodes[0].post("/users/alice/instance", json!({})).await;
+    assert_eq!(status, 201, "{body}");
+    assert_eq!(body["instance"]["node"], IDS[0], "{body}");
+    let old_epoch = body["instance"]["epoch"].as_i64().unwrap();
+    for id in &IDS[1..] {
+        nodes.push(start_node(dirs.path(), &db, id, &lease(""), &instance).await);
+    }
+    eventually(LONG, "alice's escapes writing", || async {
+        (escape_epochs(&dirs, "alice").len() >= 30).then_some(())
+    })
+    .await;
+
+    relay.cut();
+    let (_, main) = moved(&nodes, &[1, 2], "alice", old_epoch).await;
+    let new_epoch = main["epoch"].as_i64().unwrap();
+    eventually(LONG, "the new holder's escapes writing", || async {
+        let epochs = escape_epochs(&dirs, "alice");
+        (epochs.iter().filter(|e| **e == new_epoch).count() >= 100).then_some(())
+    })
+    .await;
+    let epochs = escape_epochs(&dirs, "alice");
+    assert_eq!(
+        stale_write(&epochs),
+        None,
+        "a process of the fenced instance wrote after the new holder"
+    );
+
+    relay.heal();
+    eventually(LONG, "the fenced instance gone from node-a", || async {
+        instance_pids(&nodes[0].data_dir, "alice", "main")
+            .is_empty()
+            .then_some(())
+    })
+    .await;
+    let holder = index_of(main["node"].as_str().unwrap());
+    // The account is the same on every node (the store allocates it).
+    let state: Value = serde_json::from_str(
+        &std::fs::read_to_string(nodes[holder].data_dir.join("run/alice/main.json")).unwrap(),
+    )
+    .unwrap();
+    let uid = u32::try_from(state["uid"].as_u64().expect("an instance uid")).unwrap();
+    assert_eq!(nodes[holder].delete("/users/alice/instance").await, 204);
+    eventually(LONG, "no process of alice left on any node", || async {
+        berth_local::isolation::sweep::members(uid)
+            .iter()
+            .all(|m| matches!(m.state, 'Z' | 'X'))
+            .then_some(())
+    })
+    .await;
+    let epochs = escape_epochs(&dirs, "alice");
+    assert_eq!(
+        stale_write(&epochs),
+        None,
+        "{:?}",
+        &epochs[epochs.len().saturating_sub(20)..]
     );
 }

@@ -1027,7 +1027,11 @@ async fn a_lost_lease_fences_the_instance() {
     );
     let fenced = wait_status(&spawner, &rita, InstanceStatus::Stopped).await;
     assert_eq!(fenced.last_error.as_deref(), Some("lease lost: fenced"));
-    assert_eq!(spawner.endpoint_for(&rita), None);
+    // The record is written before the route table hears of it.
+    eventually("the fenced instance's route removed", || async {
+        spawner.endpoint_for(&rita).is_none().then_some(())
+    })
+    .await;
     eventually("the fenced program to be killed", || async {
         (!alive(pid)).then_some(())
     })

@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use futures_util::{SinkExt, StreamExt};
 use serde_json::Value;
-use support::{BERTH, Node, alive, eventually, instance_pids, proc_state, websocket};
+use support::{BERTH, Node, alive, eventually, frozen, instance_pids, websocket};
 use tokio_tungstenite::tungstenite::Message;
 /// Bound for anything that should happen "soon"; only a hang reaches it.
 const PATIENCE: Duration = Duration::from_secs(60);
@@ -84,12 +84,11 @@ async fn status_is(node: &Node, user: &str, status: &str) -> Value {
 }
 
 fn all_stopped(pids: &BTreeSet<u32>) -> bool {
-    pids.iter().all(|p| proc_state(*p) == Some('T'))
+    pids.iter().all(|p| frozen(*p))
 }
 
 fn none_stopped(pids: &BTreeSet<u32>) -> bool {
-    pids.iter()
-        .all(|p| proc_state(*p).is_some_and(|s| s != 'T'))
+    pids.iter().all(|p| alive(u64::from(*p)) && !frozen(*p))
 }
 
 /// Waits for every process of `user`'s instance to be stopped by the

@@ -47,9 +47,13 @@ struct Slot {
 fn slot() -> Slot {
     static NEXT: AtomicU16 = AtomicU16::new(0);
     let n = NEXT.fetch_add(1, Ordering::Relaxed);
+    // Accounts of their own per run too: a host whose init never reaps
+    // leaves an earlier run's orphans as zombies, which would count
+    // against the same account's process limits here.
+    let run = std::process::id() % 400;
     Slot {
         ports: 27_000 + n * 40,
-        base_uid: 400_000 + u32::from(n) * 1000,
+        base_uid: 400_000 + run * 50_000 + u32::from(n) * 1000,
     }
 }
 
@@ -1414,4 +1418,361 @@ async fn level_none_warns_that_instances_are_not_isolated() {
         "{text}"
     );
     drop(node);
+}
+
+// --- every process of an instance: setsid, double forks, forks in flight ---------
+
+/// Lines `support/escapes.py` writes: three processes that left the
+/// program's process group, one of them a new process for every line.
+const ESCAPES: &str = include_str!("support/escapes.py");
+
+/// The demo app at `mode`, started by a shell that first lets the
+/// [`ESCAPES`] loose; hibernation only by hand.
+fn escapes_config(slot: &Slot, mode: &str) -> String {
+    let script = serde_json::to_string(ESCAPES).unwrap();
+    let berth = serde_json::to_string(support::BERTH).unwrap();
+    format!(
+        "[instance]\nport_range = [{first}, {last}]\nstop_grace_s = 2\n\
+         command = [\"/bin/sh\", \"-c\", 'python3 -c \"$2\" & exec \"$0\" demo-app --port \"$1\"', {berth}, \"{{port}}\", {script}]\n\
+         ready_token_regex = 'berth-demo: http://127\\.0\\.0\\.1:\\d+/\\?token=([A-Za-z0-9_-]+)'\n\n\
+         [reap]\nhibernate_after_s = 0\n\n\
+         [isolation]\nmode = \"{mode}\"\nbase_uid = {uid}\nuid_count = 1000\n",
+        first = slot.ports,
+        last = slot.ports + 39,
+        uid = slot.base_uid,
+    )
+}
+
+/// `user`'s journal of escapes: lines per kind.
+fn escape_lines(node: &Node, user: &str) -> std::collections::BTreeMap<String, usize> {
+    let text =
+        std::fs::read_to_string(node.data_dir.join(format!("users/{user}/home/escapes.log")))
+            .unwrap_or_default();
+    let mut kinds = std::collections::BTreeMap::new();
+    for line in text.lines() {
+        if let Some(kind) = line.split_whitespace().nth(1) {
+            *kinds.entry(kind.to_owned()).or_insert(0) += 1;
+        }
+    }
+    kinds
+}
+
+fn escape_total(node: &Node, user: &str) -> usize {
+    escape_lines(node, user).values().sum()
+}
+
+/// Waits until each of the three escapes has written `n` lines more than
+/// `base` says.
+async fn escapes_write(node: &Node, user: &str, n: usize) {
+    let base = escape_lines(node, user);
+    eventually(PATIENCE, &format!("{user}'s escapes writing"), || async {
+        let now = escape_lines(node, user);
+        ["setsid", "double", "racer"]
+            .iter()
+            .all(|k| now.get(*k).copied().unwrap_or(0) >= base.get(*k).copied().unwrap_or(0) + n)
+            .then_some(())
+    })
+    .await;
+}
+
+/// The uid `user`'s instance runs as, from its shim's state.
+fn instance_uid(node: &Node, user: &str) -> u32 {
+    u32::try_from(state_of(node, user)["uid"].as_u64().unwrap()).unwrap()
+}
+
+/// Live (not zombie) processes of `uid`, by any of their uids.
+fn live_processes_of(uid: u32) -> Vec<u32> {
+    berth_local::isolation::sweep::members(uid)
+        .into_iter()
+        .filter(|m| !matches!(m.state, 'Z' | 'X'))
+        .map(|m| m.pid)
+        .collect()
+}
+
+/// The attack of a program whose processes leave its group (as every
+/// Jupyter kernel does), at `mode`: hibernation freezes all of them, a
+/// stop of the frozen instance kills all of them without a thaw, and a
+/// stop of a running one leaves none. The oracle is the journal the
+/// escapes write every 10 ms: frozen, its length stands still while
+/// bob's, a second instance of the same program, grows by a hundred
+/// lines; killed, no process of alice's uid is left and the length never
+/// moved from the freeze on.
+async fn every_process_of_an_instance_is_frozen_and_stopped(mode: &str) {
+    let dir = tempfile::tempdir().unwrap();
+    let slot = slot();
+    let node = Node::start(dir.path(), &escapes_config(&slot, mode));
+    launch(&node, "alice").await;
+    launch(&node, "bob").await;
+    escapes_write(&node, "alice", 3).await;
+    escapes_write(&node, "bob", 3).await;
+    let uid = instance_uid(&node, "alice");
+    // The shim writes the program's log from its blocking pool, which a
+    // sandbox's shim must have started before it entered a pid namespace.
+    let logs = node.cli(&["logs", "alice"]);
+    assert!(
+        String::from_utf8_lossy(&logs.stdout).contains("berth-demo: http://"),
+        "{mode}: alice's log holds her program's output: {logs:?}"
+    );
+
+    let out = node.cli(&["hibernate", "alice"]);
+    assert!(out.status.success(), "{out:?}");
+    // The API answers once the freeze is asked for; the shim records it
+    // once the kernel has frozen every process.
+    eventually(PATIENCE, "alice's shim reporting her frozen", || async {
+        (state_of(&node, "alice")["frozen"] == true).then_some(())
+    })
+    .await;
+    let frozen_at = escape_total(&node, "alice");
+    // bob runs on: a hundred of his lines is a second of alice's writing.
+    let bob = escape_total(&node, "bob");
+    eventually(PATIENCE, "bob's escapes writing on", || async {
+        (escape_total(&node, "bob") >= bob + 100).then_some(())
+    })
+    .await;
+    assert_eq!(
+        escape_total(&node, "alice"),
+        frozen_at,
+        "{mode}: a process of alice's hibernated instance wrote: {:?}",
+        escape_lines(&node, "alice")
+    );
+    assert!(!live_processes_of(uid).is_empty(), "frozen, not killed");
+
+    // A stop of the frozen instance: killed without being thawed.
+    assert_eq!(node.delete("/users/alice/instance").await, 204);
+    eventually(PATIENCE, "every process of alice's uid gone", || async {
+        live_processes_of(uid).is_empty().then_some(())
+    })
+    .await;
+    assert_eq!(
+        escape_total(&node, "alice"),
+        frozen_at,
+        "{mode}: alice's frozen instance ran again before it died"
+    );
+
+    // A stop of a running instance leaves none of its processes either.
+    launch(&node, "alice").await;
+    escapes_write(&node, "alice", 3).await;
+    assert_eq!(node.delete("/users/alice/instance").await, 204);
+    eventually(PATIENCE, "every process of alice's uid gone", || async {
+        live_processes_of(uid).is_empty().then_some(())
+    })
+    .await;
+    // Not even a zombie: the orphans an instance leaves are reaped by its
+    // shim, whatever the host's init does, so none counts against the
+    // account's process limits.
+    eventually(PATIENCE, "no zombie of alice's uid left", || async {
+        berth_local::isolation::sweep::members(uid)
+            .is_empty()
+            .then_some(())
+    })
+    .await;
+    let stopped_at = escape_total(&node, "alice");
+    let bob = escape_total(&node, "bob");
+    eventually(PATIENCE, "bob's escapes writing on", || async {
+        (escape_total(&node, "bob") >= bob + 100).then_some(())
+    })
+    .await;
+    assert_eq!(escape_total(&node, "alice"), stopped_at);
+    assert_eq!(node.delete("/users/bob/instance").await, 204);
+    let bob_uid = slot.base_uid..slot.base_uid + 1000;
+    eventually(PATIENCE, "no process of any instance left", || async {
+        processes_in_range(bob_uid.start).is_empty().then_some(())
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn at_level_user_every_process_of_an_instance_is_frozen_and_stopped() {
+    if privileged("escapes, user") {
+        every_process_of_an_instance_is_frozen_and_stopped("user").await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn in_a_sandbox_every_process_of_an_instance_is_frozen_and_stopped() {
+    if privileged("escapes, sandbox") {
+        every_process_of_an_instance_is_frozen_and_stopped("sandbox").await;
+    }
+}
+
+/// Starts [`ESCAPES`] as `uid` (its own group too), writing to `journal`.
+fn escapes_as(uid: u32, journal: &Path) {
+    use std::os::unix::process::CommandExt;
+    let status = Command::new("/usr/bin/python3")
+        .args(["-c", ESCAPES])
+        .arg(journal)
+        .uid(uid)
+        .gid(uid)
+        .env("HOME", "/")
+        .current_dir("/")
+        .status()
+        .unwrap();
+    assert!(status.success(), "{status:?}");
+}
+
+fn journal_lines(journal: &Path) -> usize {
+    std::fs::read_to_string(journal).map_or(0, |t| t.lines().count())
+}
+
+/// The handle at level `user` on a host that gives instances no cgroup:
+/// the account. A sweep of SIGSTOP reaches every process of the uid (the
+/// escapes of `support/escapes.py`, a fork in flight included), a sweep of
+/// SIGKILL ends them all without letting one run again, and another
+/// account's processes run on untouched, as the clock of the test.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_sweep_of_an_account_freezes_and_kills_every_one_of_its_processes() {
+    use berth_local::isolation::sweep;
+    if !privileged("sweep of an account") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o777)).unwrap();
+    let slot = slot();
+    let (uid, clock_uid) = (slot.base_uid + 7, slot.base_uid + 8);
+    let (journal, clock) = (dir.path().join("escapes.log"), dir.path().join("clock.log"));
+    escapes_as(uid, &journal);
+    escapes_as(clock_uid, &clock);
+    eventually(PATIENCE, "the escapes writing", || async {
+        (journal_lines(&journal) >= 9 && journal_lines(&clock) >= 9).then_some(())
+    })
+    .await;
+
+    assert_eq!(sweep::stop_all(uid), vec![], "every process stopped");
+    let frozen_at = journal_lines(&journal);
+    let members = sweep::members(uid);
+    assert!(!members.is_empty());
+    assert!(
+        members.iter().all(|m| matches!(m.state, 'T' | 'Z')),
+        "{members:?}"
+    );
+    let tick = journal_lines(&clock);
+    eventually(PATIENCE, "the other account writing on", || async {
+        (journal_lines(&clock) >= tick + 100).then_some(())
+    })
+    .await;
+    assert_eq!(
+        journal_lines(&journal),
+        frozen_at,
+        "a stopped process wrote"
+    );
+
+    assert_eq!(sweep::kill_all(uid), vec![], "every process killed");
+    assert_eq!(live_processes_of(uid), Vec::<u32>::new());
+    assert_eq!(journal_lines(&journal), frozen_at, "killed without running");
+    assert!(
+        !live_processes_of(clock_uid).is_empty(),
+        "the other account untouched"
+    );
+    assert_eq!(sweep::kill_all(clock_uid), vec![]);
+}
+
+// --- ports: a stolen port is useless -------------------------------------------
+
+/// [`breach_config`] whose programs start only once `$HOME/gate` exists,
+/// so that a test decides when each binds its port.
+fn gated_config(dir: &Path, slot: &Slot, mode: &str) -> String {
+    let script = serde_json::to_string(BREACH).unwrap();
+    let gated = serde_json::to_string(
+        "while [ ! -e \"$HOME/gate\" ]; do sleep 0.02; done; exec python3 -c \"$1\" \"$0\"",
+    )
+    .unwrap();
+    breach_config(dir, slot, mode, "", "").replace(
+        &format!("command = [\"python3\", \"-c\", {script}, \"{{port}}\"]"),
+        &format!("command = [\"/bin/sh\", \"-c\", {gated}, \"{{port}}\", {script}]"),
+    )
+}
+
+/// Lets `user`'s gated program start, once berth has made its home.
+async fn open_gate(node: &Node, user: &str) {
+    let home = node.data_dir.join(format!("users/{user}/home"));
+    eventually(PATIENCE, &format!("{user}'s home made"), || async {
+        home.is_dir().then_some(())
+    })
+    .await;
+    std::fs::write(home.join("gate"), "").unwrap();
+}
+
+/// Port theft, tried as a hostile user would: alice's program binds the
+/// port berth has just given bob, before bob's program (which binds late)
+/// can. The kernel lets her bind it, but the port guard lets nothing
+/// leave it but from bob's own account, so her listener can answer
+/// neither berth's readiness probe nor bob's requests: bob's program
+/// fails to bind, is restarted on another port, and everything sent to
+/// bob reaches bob. Her listener never receives a request.
+async fn a_stolen_port_is_never_reached(mode: &str) {
+    let dir = tempfile::tempdir().unwrap();
+    let slot = slot();
+    let node = start(dir.path(), &gated_config(dir.path(), &slot, mode));
+    tokio::join!(launch(&node, "alice"), open_gate(&node, "alice"));
+    let alice_uid = probe(&node, "alice", "whoami", &[]).await["uid"].clone();
+    let bob_launch = {
+        let http = node.http.clone();
+        let url = node.api("/users/bob/instance");
+        let token = node.token.clone();
+        tokio::spawn(async move {
+            http.post(url)
+                .bearer_auth(token)
+                .json(&json!({}))
+                .send()
+                .await
+                .map(|r| r.status().as_u16())
+        })
+    };
+    let port = eventually(PATIENCE, "bob's port chosen", || async {
+        node.main_of("bob").await["port"].as_u64()
+    })
+    .await;
+    let theft = probe(&node, "alice", "steal", &[("port", &port.to_string())]).await;
+    assert_eq!(
+        theft["ok"], true,
+        "the kernel lets alice bind bob's port: {theft}"
+    );
+    open_gate(&node, "bob").await;
+    let _ = bob_launch.await;
+
+    eventually(PATIENCE, "bob running on a port of his own", || async {
+        let main = node.main_of("bob").await;
+        (main["status"] == "running"
+            && main["ready"] == true
+            && main["port"].as_u64() != Some(port))
+        .then_some(())
+    })
+    .await;
+    let whoami = probe(&node, "bob", "whoami", &[]).await;
+    assert_ne!(
+        whoami["stolen"], true,
+        "bob's request reached alice: {whoami}"
+    );
+    assert!(whoami["uid"].is_u64(), "{whoami}");
+    assert_ne!(whoami["uid"], alice_uid, "{whoami}");
+    let stolen = probe(&node, "alice", "stolen", &[]).await;
+    assert_eq!(
+        stolen["value"], 0,
+        "alice's listener on bob's port got requests"
+    );
+    // And no connection from berth (root) to the stolen port gets through.
+    let connect = tokio::time::timeout(
+        Duration::from_secs(2),
+        tokio::net::TcpStream::connect(("127.0.0.1", u16::try_from(port).unwrap())),
+    )
+    .await;
+    assert!(
+        !matches!(connect, Ok(Ok(_))),
+        "root connected to the stolen port: {connect:?}"
+    );
+    node.kill_instances();
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_port_stolen_at_level_user_answers_nobody() {
+    if privileged("port theft, user") {
+        a_stolen_port_is_never_reached("user").await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_port_stolen_in_a_sandbox_answers_nobody() {
+    if privileged("port theft, sandbox") {
+        a_stolen_port_is_never_reached("sandbox").await;
+    }
 }

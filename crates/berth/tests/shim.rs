@@ -972,6 +972,8 @@ fn isolated(dir: &Path, argv: &[&str], uid: u32) -> ShimSpec {
                 pids_max: 32,
                 cpu_max_percent: 0,
             },
+            // No cgroup: the account is the handle on its processes.
+            cgroup: None,
             sandbox: None,
         }),
         ..spec(dir, argv)

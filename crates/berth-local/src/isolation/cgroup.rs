@@ -43,7 +43,7 @@ const CPU_PERIOD_US: u64 = 100_000;
 pub enum CgroupError {
     #[error(
         "cgroup {0} controller not mounted (neither as cgroup v1 nor in the cgroup v2 \
-         hierarchy); isolation mode \"sandbox\" needs the memory, pids and cpu controllers"
+         hierarchy); instance cgroups need the memory, pids and cpu controllers"
     )]
     ControllerMissing(&'static str),
     #[error("cannot read {path}: {source}")]
@@ -60,6 +60,11 @@ pub enum CgroupError {
          service with Delegate=yes)"
     )]
     Delegation { path: PathBuf, source: io::Error },
+    #[error(
+        "the cgroup v1 freezer controller is not mounted: instances could not be frozen through \
+         their cgroups (mount it, or use cgroup v2)"
+    )]
+    NoFreezer,
     #[error("berth's own cgroup is not listed in /proc/self/cgroup for {0}")]
     OwnUnknown(&'static str),
 }
@@ -643,25 +648,31 @@ pub fn remove_stale(
     failed
 }
 
-/// How an instance is frozen.
+/// How an instance is frozen, stopped and killed: through the handle that
+/// holds every one of its processes.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum FreezeMechanism {
     /// Through its cgroup: every process in it, whatever its session.
     Cgroup(CgroupFreezer),
-    /// SIGSTOP and SIGCONT to the program's process group: an instance
-    /// without a cgroup (levels `none` and `user`), or in one on a v1 host
-    /// without the `freezer` controller. A process that left the group
-    /// (`setsid`, `setpgid`) is not frozen.
+    /// Through its account (level `user` on a host that gives instances no
+    /// cgroup): every process of the uid, by sweeps of SIGSTOP, SIGCONT
+    /// and SIGKILL ([`super::sweep`]).
+    Uid(u32),
+    /// SIGSTOP and SIGCONT to the program's process group: level `none`
+    /// only, where the program runs as berth's own user. A process that
+    /// left the group (`setsid`, `setpgid`) is not frozen.
     ProcessGroupSignal,
 }
 
 impl FreezeMechanism {
-    /// The mechanism for an instance with `cgroup` (level `sandbox`) or
-    /// none.
-    pub fn for_instance(cgroup: Option<&InstanceCgroup>) -> FreezeMechanism {
-        cgroup
-            .and_then(InstanceCgroup::freezer)
-            .map_or(FreezeMechanism::ProcessGroupSignal, FreezeMechanism::Cgroup)
+    /// The mechanism for an instance with `cgroup`, running as `uid`
+    /// (levels `user` and `sandbox`) or as berth (`None`).
+    pub fn for_instance(cgroup: Option<&InstanceCgroup>, uid: Option<u32>) -> FreezeMechanism {
+        match (cgroup.and_then(InstanceCgroup::freezer), uid) {
+            (Some(freezer), _) => FreezeMechanism::Cgroup(freezer),
+            (None, Some(uid)) => FreezeMechanism::Uid(uid),
+            (None, None) => FreezeMechanism::ProcessGroupSignal,
+        }
     }
 }
 
@@ -774,29 +785,72 @@ impl CgroupFreezer {
     }
 
     /// SIGKILLs every process in the cgroup, frozen or not, so that none
-    /// runs another instruction of its own. On v2 a fatal signal reaches a
-    /// frozen task and nothing else is needed. On v1 it is held until the
-    /// task is thawed, so the cgroup is thawed *after* every task has its
-    /// SIGKILL pending: a task leaves the freezer inside the kernel, and a
-    /// pending SIGKILL is acted on before any return to user space, so it
-    /// dies without running. Frozen tasks cannot fork, so the list read
-    /// is all there is; should a task still be freezing (v1 `FREEZING`)
-    /// and fork in between, its child is in the instance's pid namespace,
-    /// which the kernel empties once its init (the program) is dead.
+    /// runs another instruction of its own. Where the kernel has
+    /// `cgroup.kill` (v2, Linux 5.14) one write kills them all at once,
+    /// forks in flight included. Otherwise each listed task is sent
+    /// SIGKILL; on v2 a fatal signal reaches a frozen task, on v1 it is
+    /// held until the task is thawed, so the cgroup is thawed *after*
+    /// every task has its SIGKILL pending: a task leaves the freezer
+    /// inside the kernel, and a pending SIGKILL is acted on before any
+    /// return to user space, so it dies without running. A task that was
+    /// still freezing (v1 `FREEZING`) may have forked after the list was
+    /// read: the list is read and killed again until the cgroup is empty.
     pub fn kill_all(&self) -> Result<(), FreezeError> {
-        for pid in self.tasks()? {
-            if let Ok(pid) = i32::try_from(pid) {
-                // Gone already is fine.
-                let _ = nix::sys::signal::kill(
-                    nix::unistd::Pid::from_raw(pid),
-                    nix::sys::signal::Signal::SIGKILL,
-                );
+        if self.kind == FreezerKind::V2 {
+            let kill = self.dir.join("cgroup.kill");
+            if fs::OpenOptions::new()
+                .write(true)
+                .open(&kill)
+                .and_then(|mut f| f.write_all(b"1"))
+                .is_ok()
+            {
+                return Ok(());
             }
         }
-        if self.kind.kill_needs_thaw() {
+        let mut thawed = false;
+        for _ in 0..KILL_ROUNDS {
+            let tasks = self.tasks()?;
+            let living: Vec<u32> = tasks.into_iter().filter(|p| !is_zombie(*p)).collect();
+            if living.is_empty() {
+                break;
+            }
+            for pid in living {
+                if let Ok(pid) = i32::try_from(pid) {
+                    // Gone already is fine.
+                    let _ = nix::sys::signal::kill(
+                        nix::unistd::Pid::from_raw(pid),
+                        nix::sys::signal::Signal::SIGKILL,
+                    );
+                }
+            }
+            if self.kind.kill_needs_thaw() && !thawed {
+                self.request(false)?;
+                thawed = true;
+            }
+            std::thread::sleep(KILL_PAUSE);
+        }
+        if self.kind.kill_needs_thaw() && !thawed {
             self.request(false)?;
         }
         Ok(())
+    }
+}
+
+/// How many times [`CgroupFreezer::kill_all`] reads and kills the cgroup's
+/// tasks at most; each round leaves fewer (a killed task forks no more).
+const KILL_ROUNDS: usize = 200;
+
+/// The pause between two rounds, for the kills to take effect.
+const KILL_PAUSE: std::time::Duration = std::time::Duration::from_millis(1);
+
+/// Whether `pid` is dead and waiting to be reaped (or gone).
+fn is_zombie(pid: u32) -> bool {
+    match fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(stat) => stat
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.split_whitespace().next())
+            .is_some_and(|state| state == "Z" || state == "X"),
+        Err(_) => true,
     }
 }
 
@@ -876,11 +930,16 @@ mod tests {
     }
 
     #[test]
-    fn the_freeze_mechanism_follows_the_cgroup() {
-        // No cgroup (levels none and user): the process group.
+    fn the_freeze_mechanism_follows_the_cgroup_then_the_uid() {
+        // Level none: the process group, the only handle berth has.
         assert_eq!(
-            FreezeMechanism::for_instance(None),
+            FreezeMechanism::for_instance(None, None),
             FreezeMechanism::ProcessGroupSignal
+        );
+        // An account but no cgroup: every process of the uid.
+        assert_eq!(
+            FreezeMechanism::for_instance(None, Some(400_001)),
+            FreezeMechanism::Uid(400_001)
         );
         let v1 = |freezer: Option<&str>| Parents::V1 {
             memory: "/m".into(),
@@ -890,21 +949,24 @@ mod tests {
         };
         let leaf = |parents| InstanceCgroup::new(parents, "a.main.1".into());
         assert_eq!(
-            FreezeMechanism::for_instance(Some(&leaf(v1(None)))),
-            FreezeMechanism::ProcessGroupSignal,
+            FreezeMechanism::for_instance(Some(&leaf(v1(None))), Some(400_001)),
+            FreezeMechanism::Uid(400_001),
             "a v1 host without the freezer controller"
         );
         assert_eq!(
-            FreezeMechanism::for_instance(Some(&leaf(v1(Some("/f"))))),
+            FreezeMechanism::for_instance(Some(&leaf(v1(Some("/f")))), Some(400_001)),
             FreezeMechanism::Cgroup(CgroupFreezer {
                 kind: FreezerKind::V1,
                 dir: "/f/a.main.1".into()
             })
         );
         assert_eq!(
-            FreezeMechanism::for_instance(Some(&leaf(Parents::V2 {
-                parent: "/u/berth-x".into()
-            }))),
+            FreezeMechanism::for_instance(
+                Some(&leaf(Parents::V2 {
+                    parent: "/u/berth-x".into()
+                })),
+                Some(400_001)
+            ),
             FreezeMechanism::Cgroup(CgroupFreezer {
                 kind: FreezerKind::V2,
                 dir: "/u/berth-x/a.main.1".into()

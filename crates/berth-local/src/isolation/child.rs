@@ -19,11 +19,11 @@
 //! root's), and the parent-death signal (set last: a change of
 //! credentials clears it).
 //!
-//! Level `sandbox` does first, still as root: join the instance's cgroup,
-//! a private mount namespace (the pid namespace was made by the shim, so
-//! this child is its pid 1), a tmpfs `/etc` with only allowed host
-//! entries and the user's passwd and group, the whole tree read-only and
-//! `nosuid`, then fresh writable mounts: a private `/tmp` and `/dev/shm`,
+//! Both levels first join the instance's cgroup, where it has one, still
+//! as root. Level `sandbox` then makes a private mount namespace (the pid
+//! namespace was made by the shim, so this child is its pid 1), a tmpfs
+//! `/etc` with only allowed host entries and the user's passwd and group,
+//! the whole tree read-only and `nosuid`, then fresh writable mounts: a private `/tmp` and `/dev/shm`,
 //! an empty tmpfs over berth's data dir with only the user's root bound
 //! back in, and a `/proc` of the new pid namespace. After the privileges
 //! are dropped it forks: the child goes on to execute the program, and
@@ -104,8 +104,6 @@ enum ParentCheck {
 }
 
 struct SandboxPlan {
-    /// `cgroup.procs` of each of the instance's cgroup directories.
-    cgroup_procs: Vec<RawFd>,
     /// Descriptor numbers reserved for the host's `/etc` and the user's
     /// root, opened in the child once it has its own mount namespace (a
     /// mount seen through a descriptor opened before belongs to the old
@@ -138,6 +136,9 @@ pub(crate) struct ChildPlan {
     parent: ParentCheck,
     /// Where a failing step writes its name (close-on-exec).
     diag: RawFd,
+    /// `cgroup.procs` of each of the instance's cgroup directories, joined
+    /// first, as root: every process the program starts is born inside.
+    cgroup_procs: Vec<RawFd>,
     sandbox: Option<SandboxPlan>,
 }
 
@@ -236,16 +237,16 @@ impl ChildPlan {
         let cwd = cpath(cwd, "the working directory")?;
         let mut status_read = None;
         let mut alive = None;
+        let mut cgroup_procs = Vec::new();
+        for file in cgroup.map(InstanceCgroup::procs_files).unwrap_or_default() {
+            let fd = open_fd(&file, libc::O_WRONLY, "cgroup file")?;
+            cgroup_procs.push(fd.as_raw_fd());
+            child_only.push(fd);
+        }
         let (parent, sandbox) = match (&isolation.sandbox, cgroup) {
             (None, _) => (ParentCheck::Pid(nix::unistd::getpid().as_raw()), None),
             (Some(_), None) => return Err("a sandbox needs its cgroup".to_owned()),
-            (Some(sandbox), Some(cgroup)) => {
-                let mut procs = Vec::new();
-                for file in cgroup.procs_files() {
-                    let fd = open_fd(&file, libc::O_WRONLY, "cgroup file")?;
-                    procs.push(fd.as_raw_fd());
-                    child_only.push(fd);
-                }
+            (Some(sandbox), Some(_)) => {
                 let reserve = || open_fd(Path::new("/dev/null"), libc::O_RDONLY, "device");
                 let etc_slot = reserve()?;
                 let host_etc_fd = etc_slot.as_raw_fd();
@@ -293,7 +294,6 @@ impl ChildPlan {
                 chain.reverse();
                 let users_dir = sandbox.data_dir.join("users");
                 let plan = SandboxPlan {
-                    cgroup_procs: procs,
                     etc_slot: host_etc_fd,
                     root_slot: root_slot_fd,
                     etc: etc_mounts,
@@ -336,6 +336,7 @@ impl ChildPlan {
             cwd,
             parent,
             diag: child_only[0].as_raw_fd(),
+            cgroup_procs,
             sandbox,
         };
         Ok((
@@ -366,6 +367,9 @@ impl ChildPlan {
             // Only the shim's copy may keep the pipe open.
             // SAFETY: closing a descriptor number is async-signal-safe.
             unsafe { libc::close(write) };
+        }
+        for &fd in &self.cgroup_procs {
+            self.check(sys::write(fd, b"0"), "join the instance's cgroup")?;
         }
         if let Some(sandbox) = &self.sandbox {
             // SAFETY: same contract as this function.
@@ -427,9 +431,6 @@ impl ChildPlan {
     ///
     /// As [`ChildPlan::enter`].
     unsafe fn enter_sandbox(&self, sb: &SandboxPlan) -> io::Result<()> {
-        for &fd in &sb.cgroup_procs {
-            self.check(sys::write(fd, b"0"), "join the instance's cgroup")?;
-        }
         // SAFETY: unshare(2) takes flags only.
         self.check(
             unsafe { libc::unshare(libc::CLONE_NEWNS) }.into(),

@@ -6,13 +6,17 @@
 //! * `user`: every user's instances run under a uid and gid of their own
 //!   (allocated once, recorded in the store's `accounts`), with no
 //!   supplementary groups, every capability dropped, `no_new_privs` and
-//!   rlimits; the data root belongs to that uid. nftables rules in berth's
-//!   own table (`guard`) keep instance uids off other instances' ports
-//!   and off cloud metadata and the host's own addresses.
+//!   rlimits; the data root belongs to that uid. Every process of an
+//!   instance lives in a cgroup of its own ([`cgroup`], v1 or v2, with
+//!   limits on memory, pids and CPU), which no process can leave: freeze,
+//!   stop and kill reach all of them, whatever their session or group.
+//!   nftables rules in berth's own table (`guard`) keep instance uids off
+//!   other instances' ports and off cloud metadata and the host's own
+//!   addresses.
 //! * `sandbox`: `user`, plus a mount namespace (system read-only, private
 //!   `/tmp`, a minimal `/etc` with a passwd and group entry for the user,
-//!   berth's data dir hidden but for the user's own root), a pid namespace,
-//!   and cgroup limits on memory, pids and CPU ([`cgroup`], v1 or v2).
+//!   berth's data dir hidden but for the user's own root) and a pid
+//!   namespace.
 //!
 //! berth decides (this module, on plain data); the shim carries it out
 //! just before it executes the program (`child`), so the privileged work
@@ -26,6 +30,7 @@ pub(crate) mod child;
 pub(crate) mod etc;
 pub(crate) mod fsafe;
 pub(crate) mod guard;
+pub mod sweep;
 
 use std::path::{Path, PathBuf};
 
@@ -42,9 +47,10 @@ pub enum Isolation {
     /// each other.
     #[default]
     None,
-    /// A uid per user, no capabilities, port and egress guards.
+    /// A uid and a cgroup per instance, no capabilities, port and egress
+    /// guards.
     User,
-    /// `user` plus mount and pid namespaces and cgroup limits.
+    /// `user` plus mount and pid namespaces.
     Sandbox,
 }
 
@@ -83,9 +89,9 @@ impl std::str::FromStr for Isolation {
     }
 }
 
-/// Resource limits of one instance. `pids_max` also caps the uid's
-/// processes (`RLIMIT_NPROC`) at level `user`; the cgroup limits apply in
-/// `sandbox`.
+/// Resource limits of one instance, applied through its cgroup at levels
+/// `user` and `sandbox`. `pids_max` also caps the uid's processes
+/// (`RLIMIT_NPROC`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Limits {
     /// Memory (and, where the kernel accounts it, memory plus swap) in MiB.
@@ -128,6 +134,10 @@ pub struct IsolationSpec {
     /// The account name (passwd entry, `USER`, `LOGNAME`).
     pub name: String,
     pub limits: Limits,
+    /// Where the instance's cgroup goes, and its limits: at levels `user`
+    /// and `sandbox`, on every host where berth could set up the cgroup
+    /// parents at start.
+    pub cgroup: Option<cgroup::CgroupSpec>,
     /// Present at level `sandbox`.
     pub sandbox: Option<SandboxSpec>,
 }
@@ -135,8 +145,6 @@ pub struct IsolationSpec {
 /// What `sandbox` adds to `user`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SandboxSpec {
-    /// Where the instance's cgroup goes, and its limits.
-    pub cgroup: cgroup::CgroupSpec,
     /// berth's data dir: covered by an empty tmpfs in the sandbox...
     pub data_dir: PathBuf,
     /// ...into which only the user's own root is mounted back, at its
@@ -152,7 +160,7 @@ pub(crate) struct Isolator {
     pub level: Isolation,
     /// The port and egress guards.
     pub guard: guard::Guard,
-    /// Where instance cgroups go (level `sandbox`).
+    /// Where instance cgroups go (levels `user` and `sandbox`).
     pub cgroups: Option<cgroup::Parents>,
 }
 
@@ -224,24 +232,24 @@ impl Isolator {
                 });
             }
         }
-        let cgroups = if level == Isolation::Sandbox {
+        if level == Isolation::Sandbox {
             check_mount_setattr()?;
-            let layout = cgroup::detect_host()?;
-            let id = table.trim_start_matches("berth_");
-            let parents = layout.parents(id);
-            cgroup::prepare_parents(&layout, &parents, std::process::id())?;
-            tracing::info!(version = layout.version(), parents = ?parents.dirs(),
-                "instance cgroups");
-            if !layout.can_freeze() {
+        }
+        // Every level that runs programs under their own uids gives each
+        // instance a cgroup where the host allows: the one handle on all
+        // of its processes that none of them can drop (`setsid` leaves a
+        // process group, never a cgroup). A sandbox needs one for its
+        // limits; at `user` the instance's uid is the handle without one.
+        let cgroups = match prepare_cgroups(&table) {
+            Ok(parents) => Some(parents),
+            Err(e) if level == Isolation::Sandbox => return Err(e),
+            Err(e) => {
                 tracing::warn!(
-                    "the cgroup v1 freezer controller is not mounted: sandboxed instances are \
-                     frozen (hibernation, fencing) by SIGSTOP to their process group, which a \
-                     process that leaves the group escapes"
+                    "instances get no cgroup ({e}): no memory or CPU limits; hibernation, \
+                     fencing and stop reach every process of an instance through its uid"
                 );
+                None
             }
-            Some(parents)
-        } else {
-            None
         };
         let nft = nft.ok_or(HostError::NoNft { level, looked })?;
         let guard = guard::Guard::new(nft, table, uids, ports.clone());
@@ -252,6 +260,20 @@ impl Isolator {
             cgroups,
         }))
     }
+}
+
+/// The parents of this berth's instance cgroups, made at start. A host
+/// whose cgroups cannot freeze (v1 without the `freezer` controller) has
+/// none to offer: freezing by uid is then the stronger mechanism.
+fn prepare_cgroups(table: &str) -> Result<cgroup::Parents, HostError> {
+    let layout = cgroup::detect_host()?;
+    if !layout.can_freeze() {
+        return Err(HostError::Cgroup(cgroup::CgroupError::NoFreezer));
+    }
+    let parents = layout.parents(table.trim_start_matches("berth_"));
+    cgroup::prepare_parents(&layout, &parents, std::process::id())?;
+    tracing::info!(version = layout.version(), parents = ?parents.dirs(), "instance cgroups");
+    Ok(parents)
 }
 
 /// The sandbox makes the system read-only with mount_setattr(2) (Linux

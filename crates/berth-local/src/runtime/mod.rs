@@ -77,7 +77,7 @@ pub struct LocalRuntimeConfig {
     pub isolation: Isolation,
     /// The host uids of instance accounts (levels `user` and `sandbox`).
     pub uids: UidRange,
-    /// Per-instance limits: rlimits at `user`, cgroups at `sandbox`.
+    /// Per-instance limits: through the instance's cgroup, and rlimits.
     pub limits: Limits,
     /// The `nft` program of the guards; `None`: looked up in `PATH`,
     /// `/usr/sbin` and `/sbin`.

@@ -11,7 +11,7 @@ use super::LocalRuntimeConfig;
 use crate::Readiness;
 use crate::isolation::cgroup::CgroupSpec;
 use crate::isolation::fsafe::Owner;
-use crate::isolation::{Account, IsolationSpec, Isolator, SandboxSpec};
+use crate::isolation::{Account, Isolation, IsolationSpec, Isolator, SandboxSpec};
 use crate::paths::UserPaths;
 use crate::shim::ShimSpec;
 use crate::template::{self, Vars};
@@ -97,11 +97,11 @@ pub(super) fn isolation_spec(
         gid: account.gid,
         name: account.name.clone(),
         limits,
-        sandbox: isolator.cgroups.as_ref().map(|parents| SandboxSpec {
-            cgroup: CgroupSpec {
-                parents: parents.clone(),
-                limits,
-            },
+        cgroup: isolator.cgroups.as_ref().map(|parents| CgroupSpec {
+            parents: parents.clone(),
+            limits,
+        }),
+        sandbox: (isolator.level == Isolation::Sandbox).then(|| SandboxSpec {
             data_dir: config.data_dir.clone(),
             user_root: paths.root.clone(),
             home: paths.home(),

@@ -97,7 +97,7 @@ pub struct ShimState {
     /// The uid the program runs as, when isolated.
     #[serde(default)]
     pub uid: Option<u32>,
-    /// The program's cgroup directories (level `sandbox`).
+    /// The program's cgroup directories (levels `user` and `sandbox`).
     #[serde(default)]
     pub cgroup: Vec<PathBuf>,
     /// [`ShimSpec::port`].

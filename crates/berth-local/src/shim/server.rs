@@ -28,6 +28,7 @@ use crate::isolation::access::may_execute;
 use crate::isolation::cgroup::{FreezeMechanism, InstanceCgroup};
 use crate::isolation::child::{self, ChildPlan, ShimEnds};
 use crate::isolation::fsafe;
+use crate::isolation::sweep;
 
 /// `sun_path` is 108 bytes on Linux, including the terminating NUL.
 const MAX_SOCKET_PATH: usize = 108;
@@ -60,12 +61,21 @@ pub(super) fn run(spec: ShimSpec, ready_regex: Option<Regex>) -> i32 {
     let _ = nix::unistd::setsid();
     ignore_signal(Signal::SIGPIPE);
     ignore_signal(Signal::SIGHUP);
+    // The program's orphans (a daemon that double-forked, a kernel that
+    // left its session) become the shim's children, not the host init's:
+    // the shim reaps them, so none lingers as a zombie that counts against
+    // the account's process limits on a host whose init does not reap.
+    if let Err(e) = nix::sys::prctl::set_child_subreaper(true) {
+        diag!("cannot become the program's subreaper: {e}");
+    }
 
     // Single-threaded on purpose: the program's parent-death signal fires
     // when the thread that spawned it exits, so that thread must be the one
     // that lives as long as the shim.
     let runtime = match tokio::runtime::Builder::new_current_thread()
         .enable_all()
+        .max_blocking_threads(BLOCKING_THREADS)
+        .thread_keep_alive(BLOCKING_KEEP_ALIVE)
         .build()
     {
         Ok(runtime) => runtime,
@@ -127,7 +137,39 @@ fn program_name(spec: &ShimSpec) -> &str {
     spec.argv.first().map_or("", String::as_str)
 }
 
+/// How often the shim looks for killed orphans to reap once the program
+/// has ended.
+const ORPHAN_POLL: Duration = Duration::from_millis(5);
+
+/// Threads of the blocking pool (log writes, sweeps and kills of the
+/// instance), all started before the program and kept for the shim's life:
+/// once a sandbox's shim has entered a new pid namespace for its children
+/// (`unshare(CLONE_NEWPID)`), the kernel refuses it any new thread.
+const BLOCKING_THREADS: usize = 3;
+
+/// Long enough that no pool thread ends while the shim lives.
+const BLOCKING_KEEP_ALIVE: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
+
+/// Starts every thread of the blocking pool now: tokio starts one for a
+/// task that finds none idle, so as many tasks that wait for each other
+/// make as many threads.
+async fn start_blocking_pool() {
+    let all_running = Arc::new(std::sync::Barrier::new(BLOCKING_THREADS));
+    let tasks: Vec<_> = (0..BLOCKING_THREADS)
+        .map(|_| {
+            let all_running = Arc::clone(&all_running);
+            tokio::task::spawn_blocking(move || {
+                all_running.wait();
+            })
+        })
+        .collect();
+    for task in tasks {
+        let _ = task.await;
+    }
+}
+
 async fn shim_main(spec: ShimSpec, ready_regex: Option<Regex>) -> i32 {
+    start_blocking_pool().await;
     let started = match start(&spec, ready_regex) {
         Ok(started) => started,
         Err(error) => {
@@ -166,7 +208,8 @@ struct Started {
     listener: UnixListener,
     log: tokio::fs::File,
     ready_regex: Option<Regex>,
-    /// The program's cgroup (level `sandbox`), removed once it has ended.
+    /// The program's cgroup (levels `user` and `sandbox`), removed once it
+    /// has ended.
     cgroup: Option<InstanceCgroup>,
     /// The shim's ends of the isolation setup's pipes.
     ends: Option<ShimEnds>,
@@ -222,10 +265,10 @@ fn start(spec: &ShimSpec, compiled: Option<Regex>) -> Result<Started, String> {
         )
     })?;
     let listener = bind(&spec.socket_path)?;
-    let cgroup = match isolation.and_then(|i| i.sandbox.as_ref()) {
-        Some(sandbox) => {
+    let cgroup = match isolation.and_then(|i| i.cgroup.as_ref()) {
+        Some(spec_cgroup) => {
             let cgroup = InstanceCgroup::new(
-                sandbox.cgroup.parents.clone(),
+                spec_cgroup.parents.clone(),
                 format!(
                     "{}.{}.{}",
                     spec.instance_id,
@@ -233,7 +276,7 @@ fn start(spec: &ShimSpec, compiled: Option<Regex>) -> Result<Started, String> {
                     std::process::id()
                 ),
             );
-            if let Err(e) = cgroup.create(&sandbox.cgroup.limits) {
+            if let Err(e) = cgroup.create(&spec_cgroup.limits) {
                 let _ = fs::remove_file(&spec.socket_path);
                 return Err(format!("cannot start program {name:?}: {e}"));
             }
@@ -342,8 +385,8 @@ fn start(spec: &ShimSpec, compiled: Option<Regex>) -> Result<Started, String> {
         cgroup,
         ends,
         memory_max_mb: isolation
-            .and_then(|i| i.sandbox.as_ref())
-            .map(|s| s.cgroup.limits.memory_max_mb),
+            .and_then(|i| i.cgroup.as_ref())
+            .map(|c| c.limits.memory_max_mb),
     })
 }
 
@@ -600,10 +643,10 @@ struct Shim {
     fencing: bool,
     state: ShimState,
     pgid: Pid,
-    /// The cgroup freezer where the program has one, else its group.
+    /// The handle on every process of the instance.
     freeze_by: FreezeMechanism,
-    /// Whether the group was sent SIGSTOP by the last freeze (the cgroup
-    /// freezer could not be written), so the thaw sends SIGCONT.
+    /// Whether the last freeze was by SIGSTOP (no cgroup freezer, or one
+    /// that could not be written), so the thaw sends SIGCONT.
     stopped_by_signal: bool,
     events: broadcast::Sender<Arc<str>>,
     tail: Arc<Mutex<StderrTail>>,
@@ -646,13 +689,14 @@ impl Shim {
 
     /// Freezes the program: through its cgroup where it has one (every
     /// process of the instance, whatever its session or group), else by
-    /// SIGSTOP to its process group. `Frozen` is reported once the cgroup
-    /// says so, or after [`FREEZE_CONFIRM`]: the request stays in place,
-    /// and a task not frozen yet (in an uninterruptible sleep) freezes
-    /// before it returns to user space.
+    /// SIGSTOP to every process of its account, or (level `none`) to its
+    /// process group. `Frozen` is reported once the cgroup says so, or
+    /// after [`FREEZE_CONFIRM`]: the request stays in place, and a task not
+    /// frozen yet (in an uninterruptible sleep) freezes before it returns
+    /// to user space.
     async fn freeze(&mut self) {
         self.stopped_by_signal = false;
-        match &self.freeze_by {
+        let by_signal = match &self.freeze_by {
             FreezeMechanism::Cgroup(freezer) => match freezer.request(true) {
                 Ok(()) => {
                     let deadline = Instant::now() + FREEZE_CONFIRM;
@@ -672,32 +716,56 @@ impl Shim {
                             }
                         }
                     }
+                    false
                 }
                 Err(e) => {
                     // Never less than a freeze by signal.
-                    diag!("{e}; freezing the process group with SIGSTOP instead");
-                    self.signal_group(Signal::SIGSTOP);
-                    self.stopped_by_signal = true;
+                    diag!("{e}; freezing by SIGSTOP instead");
+                    true
                 }
             },
-            FreezeMechanism::ProcessGroupSignal => {
-                self.signal_group(Signal::SIGSTOP);
-                self.stopped_by_signal = true;
-            }
+            FreezeMechanism::Uid(_) | FreezeMechanism::ProcessGroupSignal => true,
+        };
+        if by_signal {
+            self.signal_all(Signal::SIGSTOP).await;
+            self.stopped_by_signal = true;
         }
         self.state.frozen = true;
         self.save();
         self.emit(&ShimEvent::Frozen);
     }
 
-    fn thaw(&mut self) {
+    /// `sig` (SIGSTOP, SIGCONT or SIGKILL) to every process of the
+    /// program's account where it has one, else to its process group.
+    async fn signal_all(&self, sig: Signal) {
+        let Some(uid) = self.state.uid else {
+            self.signal_group(sig);
+            return;
+        };
+        let swept = tokio::task::spawn_blocking(move || match sig {
+            Signal::SIGSTOP => sweep::stop_all(uid),
+            Signal::SIGKILL => sweep::kill_all(uid),
+            _ => {
+                sweep::continue_all(uid);
+                Vec::new()
+            }
+        })
+        .await;
+        match swept {
+            Ok(left) if left.is_empty() => {}
+            Ok(left) => diag!("{sig} to uid {uid}: not taken yet by {left:?}"),
+            Err(e) => diag!("{sig} to uid {uid}: {e}"),
+        }
+    }
+
+    async fn thaw(&mut self) {
         if let FreezeMechanism::Cgroup(freezer) = &self.freeze_by
             && let Err(e) = freezer.request(false)
         {
             diag!("{e}");
         }
-        if self.stopped_by_signal || matches!(self.freeze_by, FreezeMechanism::ProcessGroupSignal) {
-            self.signal_group(Signal::SIGCONT);
+        if self.stopped_by_signal {
+            self.signal_all(Signal::SIGCONT).await;
         }
         self.stopped_by_signal = false;
         self.state.frozen = false;
@@ -705,17 +773,23 @@ impl Shim {
         self.emit(&ShimEvent::Thawed);
     }
 
-    /// SIGKILL to the program's group and, where it has a cgroup, to every
-    /// process in it: a stopped group dies of SIGKILL, and so does a
-    /// frozen cgroup (on v1 only once thawed, which `kill_all` does after
-    /// the kills, so nothing runs in between). A frozen program is killed,
-    /// never thawed to be stopped.
-    fn kill_all(&self) {
+    /// SIGKILL to the program's group and to every process of the handle
+    /// that holds the instance: a stopped process dies of SIGKILL, and so
+    /// does a frozen cgroup (see [`crate::isolation::cgroup::CgroupFreezer::kill_all`]). A frozen
+    /// program is killed, never thawed to be stopped.
+    async fn kill_all(&self) {
         self.signal_group(Signal::SIGKILL);
-        if let FreezeMechanism::Cgroup(freezer) = &self.freeze_by
-            && let Err(e) = freezer.kill_all()
-        {
-            diag!("{e}");
+        match &self.freeze_by {
+            FreezeMechanism::Cgroup(freezer) => {
+                let freezer = freezer.clone();
+                match tokio::task::spawn_blocking(move || freezer.kill_all()).await {
+                    Ok(Ok(())) => {}
+                    Ok(Err(e)) => diag!("{e}"),
+                    Err(e) => diag!("killing the cgroup: {e}"),
+                }
+            }
+            FreezeMechanism::Uid(_) => self.signal_all(Signal::SIGKILL).await,
+            FreezeMechanism::ProcessGroupSignal => {}
         }
     }
 
@@ -739,16 +813,16 @@ impl Shim {
                 // that flushes on SIGTERM would write as a stale holder.
                 // SIGKILL ends a stopped group without running it.
                 diag!("stop of a frozen program: killing it without a thaw");
-                self.kill_all();
+                self.kill_all().await;
             }
             ShimCommand::Stop { grace_ms } => {
                 self.signal_group(Signal::SIGTERM);
                 let at = deadline_after(grace_ms);
                 *kill_at = Some(kill_at.map_or(at, |k| k.min(at)));
             }
-            ShimCommand::Kill => self.kill_all(),
+            ShimCommand::Kill => self.kill_all().await,
             ShimCommand::Freeze => self.freeze().await,
-            ShimCommand::Thaw => self.thaw(),
+            ShimCommand::Thaw => self.thaw().await,
             ShimCommand::Extend { ms } => {
                 // Deliberately no thaw: only berth knows whether the lease
                 // is still its own.
@@ -786,6 +860,40 @@ fn exit_info(status: &io::Result<ExitStatus>) -> ExitInfo {
             oom_limit_mb: None,
         },
     }
+}
+
+/// Reaps the exited orphans the shim adopted as subreaper, never the
+/// program itself (its `Child` waits for that one). Returns how many
+/// children other than the program are left.
+fn reap_orphans(program: u32) -> usize {
+    use nix::sys::wait::{WaitPidFlag, WaitStatus, waitpid};
+    let Ok(tasks) = fs::read_dir("/proc/self/task") else {
+        return 0;
+    };
+    let mut left = 0;
+    for task in tasks.flatten() {
+        let Ok(children) = fs::read_to_string(task.path().join("children")) else {
+            continue;
+        };
+        for pid in children
+            .split_whitespace()
+            .filter_map(|p| p.parse::<u32>().ok())
+        {
+            if pid == program {
+                continue;
+            }
+            let Ok(raw) = i32::try_from(pid) else {
+                continue;
+            };
+            // Anything else: reaped now, or not a child any more.
+            if let Ok(WaitStatus::StillAlive) =
+                waitpid(Pid::from_raw(raw), Some(WaitPidFlag::WNOHANG))
+            {
+                left += 1;
+            }
+        }
+    }
+    left
 }
 
 /// Whether the peer of a control connection runs as the shim's own uid
@@ -841,7 +949,7 @@ async fn supervise(spec: ShimSpec, started: Started) -> i32 {
         state_path: spec.state_path.clone(),
         fencing: spec.fence_ms.is_some(),
         pgid: pid_of(state.pid),
-        freeze_by: FreezeMechanism::for_instance(cgroup.as_ref()),
+        freeze_by: FreezeMechanism::for_instance(cgroup.as_ref(), state.uid),
         stopped_by_signal: false,
         state,
         events,
@@ -852,10 +960,21 @@ async fn supervise(spec: ShimSpec, started: Started) -> i32 {
     let mut fence = spec.fence_ms.map(deadline_after);
     let mut kill_at = None;
     let mut awaiting_ready = true;
+    let program_pid = shim.state.pid;
+    let mut orphan_exits =
+        tokio::signal::unix::signal(tokio::signal::unix::SignalKind::child()).ok();
 
     let status = loop {
         tokio::select! {
             status = child.wait() => break status,
+            Some(()) = async {
+                match orphan_exits.as_mut() {
+                    Some(exits) => exits.recv().await,
+                    None => std::future::pending().await,
+                }
+            } => {
+                reap_orphans(program_pid);
+            }
             token = &mut ready_rx, if awaiting_ready => {
                 awaiting_ready = false;
                 if let Ok(token) = token {
@@ -892,7 +1011,7 @@ async fn supervise(spec: ShimSpec, started: Started) -> i32 {
             }
             () = sleep_until_opt(kill_at) => {
                 kill_at = None;
-                shim.kill_all();
+                shim.kill_all().await;
             }
             Some(_) = clients.join_next(), if !clients.is_empty() => {}
         }
@@ -900,7 +1019,12 @@ async fn supervise(spec: ShimSpec, started: Started) -> i32 {
 
     // Never leave orphans: whatever the program started goes with it. Its
     // pid is reaped, but the group id cannot be reused while members live.
-    shim.kill_all();
+    shim.kill_all().await;
+    // What was killed dies a moment later; its orphans are reaped here.
+    let reaping_ends = Instant::now() + DRAIN_TIMEOUT;
+    while reap_orphans(program_pid) > 0 && Instant::now() < reaping_ends {
+        tokio::time::sleep(ORPHAN_POLL).await;
+    }
     if tokio::time::timeout(DRAIN_TIMEOUT, &mut logger)
         .await
         .is_err()

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 pub use berth_testkit::{
     Berth, CLUSTER_LEASE, StartOptions, alive, cluster_config, cluster_config_custom, config_with,
-    eventually, free_port, instance_pids, kill_instances_under, proc_state, raw_request,
+    eventually, free_port, frozen, instance_pids, kill_instances_under, proc_state, raw_request,
     reachable_by_instances, rss_kib, signal, zygote_of,
 };
 
