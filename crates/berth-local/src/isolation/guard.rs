@@ -11,13 +11,6 @@
 //!   set `own_ports`, which holds each running instance's own port. berth
 //!   adds a pair before it starts a program and deletes it when the
 //!   instance ends.
-//!   The same pairs hold the other direction: a segment an instance uid
-//!   sends *from* a port of the range must come from its own port. A
-//!   program that binds another instance's port (before that one could,
-//!   or while it restarts) can then answer nothing, not even a SYN-ACK:
-//!   berth's readiness probe and proxy never reach it, so it can neither
-//!   pass for that instance nor read its users' requests. The kernel lets
-//!   it bind; it cannot use what it bound.
 //! * **egress guard**: instance uids may not reach 169.254.169.254 and
 //!   fd00:ec2::254 (cloud metadata), 100.100.100.200 (Alibaba's metadata),
 //!   nor any address of this host but loopback (`fib daddr type local`,
@@ -91,8 +84,6 @@ pub fn ruleset(table: &str, uids: UidRange, ports: &RangeInclusive<u16>) -> Stri
          \t\ttype filter hook output priority filter; policy accept;\n\
          \t\t{who} tcp dport {range} meta skuid . tcp dport @own_ports accept\n\
          \t\t{who} tcp dport {range} reject with tcp reset\n\
-         \t\t{who} tcp sport {range} meta skuid . tcp sport @own_ports accept\n\
-         \t\t{who} tcp sport {range} reject with tcp reset\n\
          \t\t{who} ip daddr {{ {v4} }} reject\n\
          \t\t{who} ip6 daddr {{ {v6} }} reject\n\
          \t\t{who} fib daddr type local ip daddr != 127.0.0.0/8 reject\n\
@@ -261,8 +252,6 @@ mod tests {
         for rule in [
             "meta skuid 200000-200999 tcp dport 20000-20099 meta skuid . tcp dport @own_ports accept",
             "meta skuid 200000-200999 tcp dport 20000-20099 reject with tcp reset",
-            "meta skuid 200000-200999 tcp sport 20000-20099 meta skuid . tcp sport @own_ports accept",
-            "meta skuid 200000-200999 tcp sport 20000-20099 reject with tcp reset",
             "meta skuid 200000-200999 ip daddr { 169.254.169.254, 100.100.100.200 } reject",
             "meta skuid 200000-200999 fib daddr type local ip daddr != 127.0.0.0/8 reject",
         ] {

@@ -329,9 +329,7 @@ impl Config {
                 "instance.port_range {start}-{end} overlaps the kernel's ephemeral port range \
                  {low}-{high} (net.ipv4.ip_local_port_range) in {from}-{to}: outgoing connections \
                  may take an instance's port just before it binds (berth then restarts it on \
-                 another port), and at isolation levels user and sandbox the port guard refuses \
-                 an instance's outgoing connection whose source port falls there; choose a range \
-                 outside it, or narrow the kernel's"
+                 another port); choose a range outside it, or narrow the kernel's"
             )
         })
     }
