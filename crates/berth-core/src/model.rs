@@ -175,6 +175,12 @@ pub struct UserStatus {
 pub struct Endpoint {
     pub host: String,
     pub port: u16,
+    /// The account whose socket must answer at this address, when the
+    /// address is on this host and other accounts could bind it: every
+    /// connection to it is checked against this uid before a byte is sent
+    /// (`None`: the runtime vouches for the address itself).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub owner: Option<u32>,
 }
 
 impl Endpoint {

@@ -81,6 +81,7 @@ impl EndpointResolver for ServiceDns {
         Endpoint {
             host: format!("{service}.{namespace}.svc.{}", self.cluster_domain),
             port,
+            owner: None,
         }
     }
 }
@@ -1061,6 +1062,7 @@ fn slice_endpoint(slices: &[EndpointSlice], uid: &str) -> Option<Endpoint> {
         Some(Endpoint {
             host: address.clone(),
             port: u16::try_from(port).ok()?,
+            owner: None,
         })
     })
 }
@@ -1413,6 +1415,7 @@ mod tests {
             Some(Endpoint {
                 host: "10.0.0.2".into(),
                 port: 8080
+                owner: None,
             })
         );
         assert_eq!(

@@ -256,8 +256,8 @@ impl Proxy {
         let credential = pass.credential;
         let mut req = req;
         strip_credentials(req.headers_mut(), credential);
-        let authority = match self.waker.endpoint(&route.user, route.upstream) {
-            Some(authority) => authority,
+        let addr = match self.waker.endpoint(&route.user, route.upstream) {
+            Some(addr) => addr,
             None => {
                 // A request another node forwarded here is never forwarded
                 // again, whatever this node believes: no loops between
@@ -286,14 +286,15 @@ impl Proxy {
                 // API's progress stream: the API takes no browser cookie,
                 // and the user cookie is scoped to the app.
                 match self.waker.wake(&route.user, navigation, None).await {
-                    Wake::Ready(authority) => authority,
+                    Wake::Ready(addr) => addr,
                     Wake::Respond(answer) => return answer,
                 }
             }
         };
         let upstream = Upstream {
             user: route.user,
-            authority,
+            authority: addr.authority,
+            owner: addr.owner,
             path_and_query,
             retry_refused: true,
         };
@@ -339,6 +340,7 @@ impl Proxy {
         let upstream = Upstream {
             user,
             authority: endpoint,
+            owner: None,
             path_and_query,
             retry_refused: false,
         };

@@ -1665,3 +1665,106 @@ async fn a_sweep_of_an_account_freezes_and_kills_every_one_of_its_processes() {
     );
     assert_eq!(sweep::kill_all(clock_uid), vec![]);
 }
+
+// --- ports: a stolen port is useless -------------------------------------------
+
+/// [`breach_config`] whose programs start only once `$HOME/gate` exists,
+/// so that a test decides when each binds its port.
+fn gated_config(dir: &Path, slot: &Slot, mode: &str) -> String {
+    let script = serde_json::to_string(BREACH).unwrap();
+    let gated = serde_json::to_string(
+        "while [ ! -e \"$HOME/gate\" ]; do sleep 0.02; done; exec python3 -c \"$1\" \"$0\"",
+    )
+    .unwrap();
+    breach_config(dir, slot, mode, "", "").replace(
+        &format!("command = [\"python3\", \"-c\", {script}, \"{{port}}\"]"),
+        &format!("command = [\"/bin/sh\", \"-c\", {gated}, \"{{port}}\", {script}]"),
+    )
+}
+
+/// Lets `user`'s gated program start, once berth has made its home.
+async fn open_gate(node: &Node, user: &str) {
+    let home = node.data_dir.join(format!("users/{user}/home"));
+    eventually(PATIENCE, &format!("{user}'s home made"), || async {
+        home.is_dir().then_some(())
+    })
+    .await;
+    std::fs::write(home.join("gate"), "").unwrap();
+}
+
+/// Port theft, tried as a hostile user would: alice's program binds the
+/// port berth has just given bob, before bob's program (which binds late)
+/// can. The kernel lets her bind it and accept connections there, but
+/// berth asks the kernel who owns the socket it reached and sends nothing
+/// to one that is not bob's account's: her listener answers neither the
+/// readiness probe nor bob's requests. Bob's program fails to bind, is
+/// restarted on another port, and everything sent to bob reaches bob. Her
+/// listener never receives a request.
+async fn a_stolen_port_is_never_reached(mode: &str) {
+    let dir = tempfile::tempdir().unwrap();
+    let slot = slot();
+    let node = start(dir.path(), &gated_config(dir.path(), &slot, mode));
+    tokio::join!(launch(&node, "alice"), open_gate(&node, "alice"));
+    let alice_uid = probe(&node, "alice", "whoami", &[]).await["uid"].clone();
+    let bob_launch = {
+        let http = node.http.clone();
+        let url = node.api("/users/bob/instance");
+        let token = node.token.clone();
+        tokio::spawn(async move {
+            http.post(url)
+                .bearer_auth(token)
+                .json(&json!({}))
+                .send()
+                .await
+                .map(|r| r.status().as_u16())
+        })
+    };
+    let port = eventually(PATIENCE, "bob's port chosen", || async {
+        node.main_of("bob").await["port"].as_u64()
+    })
+    .await;
+    let theft = probe(&node, "alice", "steal", &[("port", &port.to_string())]).await;
+    assert_eq!(
+        theft["ok"], true,
+        "the kernel lets alice bind bob's port: {theft}"
+    );
+    open_gate(&node, "bob").await;
+    let launched = bob_launch.await.unwrap();
+    assert!(launched.is_ok(), "bob's launch got no answer: {launched:?}");
+
+    eventually(PATIENCE, "bob running on a port of his own", || async {
+        let main = node.main_of("bob").await;
+        (main["status"] == "running"
+            && main["ready"] == true
+            && main["port"].as_u64() != Some(port))
+        .then_some(())
+    })
+    .await;
+    let whoami = probe(&node, "bob", "whoami", &[]).await;
+    assert_ne!(
+        whoami["stolen"], true,
+        "bob's request reached alice: {whoami}"
+    );
+    assert!(whoami["uid"].is_u64(), "{whoami}");
+    assert_ne!(whoami["uid"], alice_uid, "{whoami}");
+    let stolen = probe(&node, "alice", "stolen", &[]).await;
+    assert_eq!(
+        stolen["value"], 0,
+        "alice's listener on bob's port got requests"
+    );
+    node.kill_instances();
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_port_stolen_at_level_user_answers_nobody() {
+    if privileged("port theft, user") {
+        a_stolen_port_is_never_reached("user").await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_port_stolen_in_a_sandbox_answers_nobody() {
+    if privileged("port theft, sandbox") {
+        a_stolen_port_is_never_reached("sandbox").await;
+    }
+}

@@ -428,12 +428,16 @@ impl LocalRuntime {
             pid_start: state.pid_start,
             shim_pid: state.shim_pid,
         };
+        // Isolated, the program runs as its account: only a socket of that
+        // account's is the instance.
+        let owner = self.isolated.as_ref().and(account).map(|a| a.uid);
         let follow = Follow {
             handle,
             state_path: shim_spec.state_path,
             instance_id: spec.instance_id.clone(),
             runtime_ref: runtime_ref.clone(),
             port,
+            owner,
             probe: self.probe_for(spec.role),
             by_regex,
             ready: by_regex && state.ready,
@@ -444,7 +448,7 @@ impl LocalRuntime {
         Ok(Started {
             runtime_ref,
             pid: Some(state.pid),
-            endpoint: port.map(local_endpoint),
+            endpoint: port.map(|port| local_endpoint(port, owner)),
             events,
         })
     }
@@ -488,10 +492,12 @@ impl LocalRuntime {
     }
 }
 
-fn local_endpoint(port: u16) -> Endpoint {
+/// Where a main listens; `owner` is its account's uid when it has one.
+fn local_endpoint(port: u16, owner: Option<u32>) -> Endpoint {
     Endpoint {
         host: "127.0.0.1".into(),
         port,
+        owner,
     }
 }
 
@@ -661,6 +667,8 @@ impl Runtime for LocalRuntime {
                 tracing::warn!(%user, error = %e, "could not give an adopted instance its port back");
             }
         }
+        // The account its program runs as, as the shim recorded it.
+        let owner = self.isolated.as_ref().and(state.uid);
         let run = Run {
             control: handle.control(),
             pid: state.pid,
@@ -673,6 +681,7 @@ impl Runtime for LocalRuntime {
             instance_id: state.instance_id.clone(),
             runtime_ref: found.runtime_ref.clone(),
             port,
+            owner,
             probe: self.probe_for(state.role),
             by_regex,
             ready: by_regex && state.ready,
@@ -683,7 +692,7 @@ impl Runtime for LocalRuntime {
         Ok(Started {
             runtime_ref: found.runtime_ref.clone(),
             pid: Some(state.pid),
-            endpoint: port.map(local_endpoint),
+            endpoint: port.map(|port| local_endpoint(port, owner)),
             events,
         })
     }

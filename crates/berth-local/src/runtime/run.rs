@@ -69,6 +69,9 @@ pub(super) struct Follow {
     pub runtime_ref: RuntimeRef,
     /// The main's port (watchdogs have none).
     pub port: Option<u16>,
+    /// The account that must own the socket at `port` (the instance's,
+    /// when it has one): readiness probes count no other's listener.
+    pub owner: Option<u32>,
     /// An HTTP or TCP probe to run until ready (`None`: the shim's ready
     /// regex decides, or nothing does).
     pub probe: Option<Readiness>,
@@ -105,7 +108,11 @@ pub(super) async fn pump(
             return;
         }
     }
-    let probed = f.probe.clone().zip(f.port);
+    let probed = f
+        .probe
+        .clone()
+        .zip(f.port)
+        .map(|(r, port)| (r, port, f.owner));
     let mut next_probe = Box::pin(probe_after(probed.clone(), Duration::ZERO));
     let (exit, stderr_tail) = loop {
         let event = tokio::select! {
@@ -165,12 +172,12 @@ pub(super) async fn pump(
 }
 
 /// One probe after `delay`; false when there is nothing to probe.
-async fn probe_after(probed: Option<(Readiness, u16)>, delay: Duration) -> bool {
-    let Some((readiness, port)) = probed else {
+async fn probe_after(probed: Option<(Readiness, u16, Option<u32>)>, delay: Duration) -> bool {
+    let Some((readiness, port, owner)) = probed else {
         return std::future::pending().await;
     };
     tokio::time::sleep(delay).await;
-    probe(&readiness, port).await == Some(true)
+    probe(&readiness, port, owner).await == Some(true)
 }
 
 /// The exit a shim recorded in its state file, when its connection closed

@@ -141,6 +141,7 @@ pub fn authority_of_url(url: &str) -> Option<Authority> {
     let endpoint = berth_core::Endpoint {
         host: host.to_owned(),
         port,
+        owner: None,
     };
     Authority::try_from(endpoint.authority()).ok()
 }

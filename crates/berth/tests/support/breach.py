@@ -162,6 +162,39 @@ def forge_log():
     os._exit(3)
 
 
+class Thief(BaseHTTPRequestHandler):
+    """Answers on a port stolen from another instance, and counts what it
+    was sent (in $HOME/stolen)."""
+
+    def log_message(self, *args):
+        pass
+
+    def do_GET(self):
+        with open(os.path.join(os.environ["HOME"], "stolen"), "a") as f:
+            f.write(self.path + "\n")
+        body = json.dumps({"ok": True, "stolen": True, "uid": os.getuid()}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
+def steal(port):
+    server = ThreadingHTTPServer(("127.0.0.1", int(port)), Thief)
+    HOLD.append(server)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return True
+
+
+def stolen():
+    try:
+        with open(os.path.join(os.environ["HOME"], "stolen")) as f:
+            return len(f.read().splitlines())
+    except FileNotFoundError:
+        return 0
+
+
 class Handler(BaseHTTPRequestHandler):
     def log_message(self, *args):
         pass
@@ -201,6 +234,10 @@ class Handler(BaseHTTPRequestHandler):
         elif probe == "forge":
             forge_log()
             return
+        elif probe == "steal":
+            result = outcome(lambda: steal(one("port")))
+        elif probe == "stolen":
+            result = {"ok": True, "value": stolen()}
         else:
             self.send_response(404)
             self.end_headers()
