@@ -181,6 +181,11 @@ pub struct Endpoint {
     /// (`None`: the runtime vouches for the address itself).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub owner: Option<u32>,
+    /// The network namespace the address is in (a namespace file, such as
+    /// `/proc/<pid>/ns/net`), when it is not berth's own: a sandboxed
+    /// instance's, where only its own programs listen.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub netns: Option<std::path::PathBuf>,
 }
 
 impl Endpoint {

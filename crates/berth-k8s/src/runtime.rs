@@ -82,6 +82,7 @@ impl EndpointResolver for ServiceDns {
             host: format!("{service}.{namespace}.svc.{}", self.cluster_domain),
             port,
             owner: None,
+            netns: None,
         }
     }
 }
@@ -1063,6 +1064,7 @@ fn slice_endpoint(slices: &[EndpointSlice], uid: &str) -> Option<Endpoint> {
             host: address.clone(),
             port: u16::try_from(port).ok()?,
             owner: None,
+            netns: None,
         })
     })
 }
@@ -1416,6 +1418,7 @@ mod tests {
                 host: "10.0.0.2".into(),
                 port: 8080
                 owner: None,
+                netns: None,
             })
         );
         assert_eq!(

@@ -7,6 +7,8 @@
 //! another account that bound the port first is not the instance, however
 //! well it answers.
 
+use std::net::SocketAddr;
+use std::path::Path;
 use std::time::Duration;
 
 use http_body_util::Empty;
@@ -22,14 +24,20 @@ pub(crate) const PROBE_TIMEOUT: Duration = Duration::from_millis(500);
 pub(crate) const PROBE_INTERVAL: Duration = Duration::from_millis(50);
 
 /// One probe of `readiness` against `127.0.0.1:port`, whose socket must
-/// belong to `owner` if given. `None` when the readiness kind is not
-/// probed (the shim reports it).
-pub(crate) async fn probe(readiness: &Readiness, port: u16, owner: Option<u32>) -> Option<bool> {
+/// belong to `owner` if given, in the network namespace `netns` if given
+/// (a sandbox's). `None` when the readiness kind is not probed (the shim
+/// reports it).
+pub(crate) async fn probe(
+    readiness: &Readiness,
+    port: u16,
+    owner: Option<u32>,
+    netns: Option<&Path>,
+) -> Option<bool> {
     let attempt = async {
         match readiness {
             Readiness::TokenRegex(_) => None,
-            Readiness::Tcp => Some(connect(port, owner).await.is_some()),
-            Readiness::Http { path } => Some(http_ok(port, owner, path).await),
+            Readiness::Tcp => Some(connect(port, owner, netns).await.is_some()),
+            Readiness::Http { path } => Some(http_ok(port, owner, netns, path).await),
         }
     };
     match tokio::time::timeout(PROBE_TIMEOUT, attempt).await {
@@ -38,13 +46,20 @@ pub(crate) async fn probe(readiness: &Readiness, port: u16, owner: Option<u32>) 
     }
 }
 
-/// A connection to `127.0.0.1:port` that reached a socket of `owner`'s.
-async fn connect(port: u16, owner: Option<u32>) -> Option<TcpStream> {
+/// A connection to `127.0.0.1:port` (in `netns`, if given) that reached a
+/// socket of `owner`'s.
+async fn connect(port: u16, owner: Option<u32>, netns: Option<&Path>) -> Option<TcpStream> {
+    if let Some(netns) = netns {
+        let addr = SocketAddr::from(([127, 0, 0, 1], port));
+        return berth_localnet::connect_in(netns, addr, PROBE_TIMEOUT)
+            .await
+            .ok();
+    }
     let stream = TcpStream::connect(("127.0.0.1", port)).await.ok()?;
     let Some(owner) = owner else {
         return Some(stream);
     };
-    let found = berth_sockdiag::peer_owner(stream.local_addr().ok()?, stream.peer_addr().ok()?);
+    let found = berth_localnet::peer_owner(stream.local_addr().ok()?, stream.peer_addr().ok()?);
     match found {
         Ok(uid) if uid == owner => Some(stream),
         Ok(uid) => {
@@ -63,8 +78,8 @@ async fn connect(port: u16, owner: Option<u32>) -> Option<TcpStream> {
     }
 }
 
-async fn http_ok(port: u16, owner: Option<u32>, path: &str) -> bool {
-    let Some(stream) = connect(port, owner).await else {
+async fn http_ok(port: u16, owner: Option<u32>, netns: Option<&Path>, path: &str) -> bool {
+    let Some(stream) = connect(port, owner, netns).await else {
         return false;
     };
     let Ok((mut sender, conn)) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await
@@ -118,27 +133,30 @@ mod tests {
     async fn http_readiness_wants_an_answer_below_500() {
         let http = Readiness::Http { path: "/".into() };
         let port = serve_once("404 Not Found").await;
-        assert_eq!(probe(&http, port, None).await, Some(true));
+        assert_eq!(probe(&http, port, None, None).await, Some(true));
         let port = serve_once("503 Service Unavailable").await;
-        assert_eq!(probe(&http, port, None).await, Some(false));
+        assert_eq!(probe(&http, port, None, None).await, Some(false));
     }
 
     #[tokio::test]
     async fn tcp_readiness_wants_a_listener() {
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let port = listener.local_addr().unwrap().port();
-        assert_eq!(probe(&Readiness::Tcp, port, None).await, Some(true));
+        assert_eq!(probe(&Readiness::Tcp, port, None, None).await, Some(true));
         let me = nix::unistd::geteuid().as_raw();
-        assert_eq!(probe(&Readiness::Tcp, port, Some(me)).await, Some(true));
         assert_eq!(
-            probe(&Readiness::Tcp, port, Some(me.wrapping_add(1))).await,
+            probe(&Readiness::Tcp, port, Some(me), None).await,
+            Some(true)
+        );
+        assert_eq!(
+            probe(&Readiness::Tcp, port, Some(me.wrapping_add(1)), None).await,
             Some(false),
             "a listener of another account is not the instance"
         );
         drop(listener);
-        assert_eq!(probe(&Readiness::Tcp, port, None).await, Some(false));
+        assert_eq!(probe(&Readiness::Tcp, port, None, None).await, Some(false));
         assert_eq!(
-            probe(&Readiness::Http { path: "/".into() }, port, None).await,
+            probe(&Readiness::Http { path: "/".into() }, port, None, None).await,
             Some(false)
         );
     }

@@ -17,10 +17,12 @@
 //! * An upstream with an `owner` (an instance on this host, under an
 //!   account of its own) is reached only through a socket that account
 //!   owns: every new connection is checked with the kernel
-//!   ([`berth_sockdiag::peer_owner`]) before a byte is sent, and a pooled
+//!   ([`berth_localnet::peer_owner`]) before a byte is sent, and a pooled
 //!   one is lent only to requests for the same owner. A program of another
 //!   account that bound the instance's port first never sees a request
-//!   (`502`, and a warning in berth's log).
+//!   (`502`, and a warning in berth's log). A sandboxed instance is
+//!   reached inside its own network namespace
+//!   ([`berth_localnet::connect_in`]), where no other account listens.
 //! * `Connection: upgrade` requests (WebSocket) go over a connection of
 //!   their own, checked the same way, whose task hands the upgraded stream
 //!   over; it becomes a raw byte tunnel once both sides have switched
@@ -37,12 +39,13 @@
 use std::future::Future;
 use std::io;
 use std::net::SocketAddr;
+use std::path::Path;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
-use berth_core::{ErrorCode, Spawner, UserId};
+use berth_core::{Endpoint, ErrorCode, Spawner, UserId};
 use bytes::Bytes;
 use http_body_util::{Either, Empty};
 use hyper::body::{Body as _, Incoming};
@@ -161,13 +164,29 @@ pub struct Upstream {
     pub user: Arc<UserId>,
     pub authority: Authority,
     pub path_and_query: PathAndQuery,
-    /// The account that must own the socket at `authority`
-    /// ([`berth_core::Endpoint::owner`]); `None` checks nothing.
-    pub owner: Option<u32>,
+    pub reach: Reach,
     /// Retry a refused connection with backoff. Right for a local instance
     /// (it may be a moment from listening); wrong for another node, whose
     /// refusal means it is down: waiting there only delays the failover.
     pub retry_refused: bool,
+}
+
+/// How an instance's address must be reached ([`Endpoint`]): inside which
+/// network namespace (`None`: berth's own), and to a socket of which
+/// account (`None`: any).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Reach {
+    pub owner: Option<u32>,
+    pub netns: Option<Arc<Path>>,
+}
+
+impl Reach {
+    pub fn of(endpoint: &Endpoint) -> Self {
+        Self {
+            owner: endpoint.owner,
+            netns: endpoint.netns.as_deref().map(Arc::from),
+        }
+    }
 }
 
 /// The socket at an instance's address belongs to another account: a
@@ -182,6 +201,9 @@ struct ForeignSocket {
 
 /// The forward layer.
 pub struct Forwarder {
+    /// How long a connect inside a namespace may take (the connector has
+    /// its own copy).
+    connect_timeout: Duration,
     connector: HttpConnector,
     pool: Arc<Pool>,
     streams: Arc<StreamLimits>,
@@ -257,6 +279,7 @@ impl Forwarder {
             cancel.clone(),
         );
         Self {
+            connect_timeout: config.connect_timeout,
             connector,
             pool,
             streams: StreamLimits::new(config.max_upgrades, config.max_upgrades_per_user),
@@ -383,7 +406,7 @@ impl Forwarder {
         parts: hyper::http::request::Parts,
         body: Incoming,
     ) -> Result<Response<ForwardedBody>, Failure> {
-        let (mut conn, mut reused) = match self.pool.checkout(&to.authority, to.owner) {
+        let (mut conn, mut reused) = match self.pool.checkout(&to.authority, &to.reach) {
             Some(conn) => (conn, true),
             // Boxed: connecting is rare, and its future is large.
             None => (Box::pin(self.connect_patiently(to)).await?, false),
@@ -462,7 +485,7 @@ impl Forwarder {
         let (sender, io) = hyper::client::conn::http1::handshake(stream)
             .await
             .map_err(|e| Failure::Fatal(e.into()))?;
-        Ok(Conn::new(sender, io, to.owner))
+        Ok(Conn::new(sender, io, to.reach.clone()))
     }
 
     /// [`Self::open`], with the retries of a refused connection that
@@ -481,8 +504,12 @@ impl Forwarder {
     }
 
     /// A new TCP connection to `to`, set up like hyper's pooled client's,
-    /// and checked to reach a socket of `to.owner`'s.
+    /// made in `to.reach.netns` and checked to reach a socket of
+    /// `to.reach.owner`'s.
     async fn open(&self, to: &Upstream) -> Result<TokioIo<TcpStream>, Failure> {
+        if let Some(netns) = &to.reach.netns {
+            return self.open_in(netns, to).await;
+        }
         let uri = Uri::from_parts({
             let mut p = hyper::http::uri::Parts::default();
             p.scheme = Some(Scheme::HTTP);
@@ -504,10 +531,33 @@ impl Forwarder {
                 );
             }
         };
-        if let Some(owner) = to.owner {
+        if let Some(owner) = to.reach.owner {
             check_owner(io.inner(), to, owner)?;
         }
         Ok(io)
+    }
+
+    /// A new TCP connection to `to` inside the network namespace `netns`
+    /// (a sandboxed instance's, where no other account's program listens:
+    /// no owner to check).
+    async fn open_in(&self, netns: &Path, to: &Upstream) -> Result<TokioIo<TcpStream>, Failure> {
+        let addr: SocketAddr = to
+            .authority
+            .as_str()
+            .parse()
+            .map_err(|e: std::net::AddrParseError| Failure::Fatal(e.into()))?;
+        match berth_localnet::connect_in(netns, addr, self.connect_timeout).await {
+            Ok(stream) => {
+                stream
+                    .set_nodelay(true)
+                    .map_err(|e| Failure::Fatal(e.into()))?;
+                Ok(TokioIo::new(stream))
+            }
+            Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => {
+                Err(Failure::Refused(e.into()))
+            }
+            Err(e) => Err(Failure::Fatal(e.into())),
+        }
     }
 
     /// Sends an upgrade request on a connection of its own, whose task
@@ -605,7 +655,7 @@ fn check_owner(stream: &TcpStream, to: &Upstream, owner: u32) -> Result<(), Fail
         .and_then(|l| Ok((l, stream.peer_addr()?)));
     let found = addresses
         .map_err(BoxError::from)
-        .and_then(|(local, peer)| Ok(berth_sockdiag::peer_owner(local, peer)?))
+        .and_then(|(local, peer)| Ok(berth_localnet::peer_owner(local, peer)?))
         .map_err(Failure::Fatal)?;
     if found == owner {
         return Ok(());

@@ -35,7 +35,7 @@ use tokio::net::TcpStream;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use crate::forward::UpstreamBody;
+use crate::forward::{Reach, UpstreamBody};
 
 /// One upstream connection: the future that does its I/O.
 pub(crate) type Connection = http1::Connection<TokioIo<TcpStream>, UpstreamBody>;
@@ -47,22 +47,18 @@ pub(crate) struct Conn {
     /// so that handing a connection around moves a pointer, not hyper's
     /// whole connection state.
     pub(crate) io: Option<Box<Connection>>,
-    /// The account the other end was checked to belong to when the
-    /// connection was made (`None`: not checked). A connection is lent
-    /// only to requests that expect the same owner.
-    owner: Option<u32>,
+    /// How the connection was made and checked (the namespace it is in,
+    /// the account the other end belongs to): it is lent only to requests
+    /// that must reach their instance the same way.
+    reach: Reach,
 }
 
 impl Conn {
-    pub(crate) fn new(
-        sender: SendRequest<UpstreamBody>,
-        io: Connection,
-        owner: Option<u32>,
-    ) -> Self {
+    pub(crate) fn new(sender: SendRequest<UpstreamBody>, io: Connection, reach: Reach) -> Self {
         Self {
             sender,
             io: Some(Box::new(io)),
-            owner,
+            reach,
         }
     }
 
@@ -145,16 +141,16 @@ impl Pool {
         pool
     }
 
-    /// An open, idle connection to `key` whose other end was checked to
-    /// belong to `owner`, most recently used first.
-    pub(crate) fn checkout(&self, key: &Authority, owner: Option<u32>) -> Option<Conn> {
+    /// An open, idle connection to `key` made and checked as `reach` says,
+    /// most recently used first.
+    pub(crate) fn checkout(&self, key: &Authority, reach: &Reach) -> Option<Conn> {
         loop {
             let idle = {
                 let mut map = self.idle.lock().unwrap_or_else(|e| e.into_inner());
                 map.get_mut(key.as_str())?.pop()?
             };
             let mut conn = idle.conn;
-            if conn.owner == owner
+            if conn.reach == *reach
                 && idle.since.elapsed() < self.idle_timeout
                 && conn.poll_reusable()
             {
@@ -385,7 +381,7 @@ mod tests {
     async fn connect(to: &Authority) -> Conn {
         let stream = TcpStream::connect(to.as_str()).await.unwrap();
         let (sender, io) = http1::handshake(TokioIo::new(stream)).await.unwrap();
-        Conn::new(sender, io, None)
+        Conn::new(sender, io, Reach::default())
     }
 
     /// One request on `conn`, its body read through [`ForwardedBody`].
@@ -420,18 +416,27 @@ mod tests {
         let cancel = CancellationToken::new();
         let pool = pool(&cancel);
         let to = upstream(usize::MAX).await;
-        assert!(pool.checkout(&to, None).is_none());
+        assert!(pool.checkout(&to, &Reach::default()).is_none());
         let first = connect(&to).await;
         assert_eq!(exchange(&pool, &to, first).await, "ok");
         assert_eq!(pool.idle_count(), 1);
         assert!(
-            pool.checkout(&to, Some(1000)).is_none(),
+            pool.checkout(
+                &to,
+                &Reach {
+                    owner: Some(1000),
+                    netns: None
+                }
+            )
+            .is_none(),
             "a connection not checked for an owner is lent to no request that expects one"
         );
         assert_eq!(pool.idle_count(), 0, "and it is closed");
         let second = connect(&to).await;
         assert_eq!(exchange(&pool, &to, second).await, "ok");
-        let again = pool.checkout(&to, None).expect("the connection is reused");
+        let again = pool
+            .checkout(&to, &Reach::default())
+            .expect("the connection is reused");
         assert_eq!(pool.idle_count(), 0);
         assert_eq!(exchange(&pool, &to, again).await, "ok");
         assert_eq!(pool.idle_count(), 1);
@@ -447,7 +452,7 @@ mod tests {
         assert_eq!(exchange(&pool, &once, conn).await, "ok");
         // The upstream closes after its one answer; a checkout notices.
         tokio::time::sleep(Duration::from_millis(100)).await;
-        assert!(pool.checkout(&once, None).is_none());
+        assert!(pool.checkout(&once, &Reach::default()).is_none());
         assert_eq!(pool.idle_count(), 0);
 
         let open = upstream(usize::MAX).await;
@@ -491,9 +496,9 @@ mod tests {
         tokio::time::sleep(Duration::from_millis(100)).await;
         pool.sweep();
         assert_eq!(pool.idle_count(), 2, "only the closed connection went");
-        assert!(pool.checkout(&once, None).is_none());
+        assert!(pool.checkout(&once, &Reach::default()).is_none());
         let live = pool
-            .checkout(&open, None)
+            .checkout(&open, &Reach::default())
             .expect("survivors are back in the pool");
         assert_eq!(exchange(&pool, &open, live).await, "ok");
         cancel.cancel();

@@ -15,6 +15,8 @@ use std::collections::HashMap;
 use std::sync::{Arc, RwLock};
 
 use berth_core::{Endpoint, InstanceEvent, Role, Slug, Spawner, UserId};
+
+use crate::forward::Reach;
 use bytes::Bytes;
 use hyper::header::{HOST, HeaderMap};
 use hyper::http::uri::{Authority, PathAndQuery};
@@ -37,9 +39,7 @@ pub struct Route {
 pub struct InstanceAddr {
     /// `host:port`.
     pub authority: Authority,
-    /// The account that must own the socket there
-    /// ([`Endpoint::owner`]).
-    pub owner: Option<u32>,
+    pub reach: Reach,
 }
 
 impl InstanceAddr {
@@ -49,7 +49,7 @@ impl InstanceAddr {
         let authority = Authority::from_maybe_shared(Bytes::from(endpoint.authority())).ok()?;
         Some(Self {
             authority,
-            owner: endpoint.owner,
+            reach: Reach::of(endpoint),
         })
     }
 }
@@ -483,6 +483,7 @@ mod tests {
             host: "127.0.0.1".into(),
             port,
             owner: None,
+            netns: None,
         }
     }
 
@@ -745,6 +746,7 @@ mod tests {
             host: "::1".into(),
             port: 5,
             owner: None,
+            netns: None,
         };
         assert_eq!(InstanceAddr::of(&v6).unwrap().authority, "[::1]:5");
         // The account that must own the socket travels with the address.
@@ -754,7 +756,7 @@ mod tests {
         };
         table.set(&alice, Some(&owned));
         assert_eq!(
-            table.lookup("alice").unwrap().upstream.unwrap().owner,
+            table.lookup("alice").unwrap().upstream.unwrap().reach.owner,
             Some(61000)
         );
     }

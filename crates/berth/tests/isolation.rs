@@ -748,12 +748,15 @@ async fn the_port_guard_holds(mode: &str) {
     )
     .await;
     assert_eq!(to_self["ok"], true, "{to_self}");
-    // berth's proxy reaches both, and so does root.
+    // berth's proxy reaches both.
     for user in ["alice", "bob"] {
         assert_eq!(probe(&node, user, "ping", &[]).await["ok"], true);
     }
-    std::net::TcpStream::connect(("127.0.0.1", bob["port"].as_u64().unwrap() as u16))
-        .expect("root reaches bob's port");
+    // Root on the host reaches bob's port at `user`; a sandbox's port is in
+    // its own network namespace, and nothing listens there on the host.
+    let from_host =
+        std::net::TcpStream::connect(("127.0.0.1", bob["port"].as_u64().unwrap() as u16));
+    assert_eq!(from_host.is_ok(), mode == "user", "{from_host:?}");
     node.kill_instances();
 }
 
@@ -1694,12 +1697,14 @@ async fn open_gate(node: &Node, user: &str) {
 
 /// Port theft, tried as a hostile user would: alice's program binds the
 /// port berth has just given bob, before bob's program (which binds late)
-/// can. The kernel lets her bind it and accept connections there, but
-/// berth asks the kernel who owns the socket it reached and sends nothing
-/// to one that is not bob's account's: her listener answers neither the
-/// readiness probe nor bob's requests. Bob's program fails to bind, is
-/// restarted on another port, and everything sent to bob reaches bob. Her
-/// listener never receives a request.
+/// can. At `user` the kernel lets her bind it and accept connections
+/// there, but berth asks the kernel who owns the socket it reached and
+/// sends nothing to one that is not bob's account's: her listener answers
+/// neither the readiness probe nor bob's requests; bob's program fails to
+/// bind and is restarted on another port. In a sandbox her bind lands in
+/// her own network namespace, and bob keeps his port in his. Either way
+/// everything sent to bob reaches bob, and her listener never receives a
+/// request.
 async fn a_stolen_port_is_never_reached(mode: &str) {
     let dir = tempfile::tempdir().unwrap();
     let slot = slot();
@@ -1732,12 +1737,13 @@ async fn a_stolen_port_is_never_reached(mode: &str) {
     let launched = bob_launch.await.unwrap();
     assert!(launched.is_ok(), "bob's launch got no answer: {launched:?}");
 
+    let moved = mode == "user";
     eventually(PATIENCE, "bob running on a port of his own", || async {
         let main = node.main_of("bob").await;
         (main["status"] == "running"
             && main["ready"] == true
-            && main["port"].as_u64() != Some(port))
-        .then_some(())
+            && (main["port"].as_u64() != Some(port)) == moved)
+            .then_some(())
     })
     .await;
     let whoami = probe(&node, "bob", "whoami", &[]).await;
@@ -1767,4 +1773,66 @@ async fn a_port_stolen_in_a_sandbox_answers_nobody() {
     if privileged("port theft, sandbox") {
         a_stolen_port_is_never_reached("sandbox").await;
     }
+}
+
+// --- the sandbox's network ------------------------------------------------------
+
+/// At `user` every instance shares the host's network namespace (README
+/// says what that shares). A sandbox has one of its own, with nothing but
+/// its loopback: bob's services beside his port (one outside the
+/// instance port range, one on an abstract unix socket) are out of
+/// alice's reach, and her `/proc/net` lists none of his sockets, while
+/// bob reaches and sees his own.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_sandbox_reaches_and_sees_no_other_tenants_sockets() {
+    if !privileged("sandbox network") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let slot = slot();
+    let node = start(
+        dir.path(),
+        &breach_config(dir.path(), &slot, "sandbox", "", ""),
+    );
+    launch(&node, "alice").await;
+    launch(&node, "bob").await;
+    // Outside the instance port range, where no port guard looks.
+    let extra = (slot.ports + 100).to_string();
+    let name = format!("berth-test-bob-{}", slot.base_uid);
+    let listening = probe(&node, "bob", "listen", &[("port", &extra), ("name", &name)]).await;
+    assert_eq!(listening["ok"], true, "{listening}");
+    let tcp = [("host", "127.0.0.1"), ("port", extra.as_str())];
+    let unix = [("name", name.as_str())];
+    let tcp_table = format!(":{:04X}", slot.ports + 100);
+    for (user, reaches) in [("bob", true), ("alice", false)] {
+        let to_tcp = probe(&node, user, "connect", &tcp).await;
+        let to_unix = probe(&node, user, "uconnect", &unix).await;
+        if reaches {
+            assert_eq!(to_tcp["ok"], true, "{user}: {to_tcp}");
+            assert_eq!(to_unix["ok"], true, "{user}: {to_unix}");
+        } else {
+            assert!(
+                refused(&to_tcp, &["ECONNREFUSED"]),
+                "{user} reached bob: {to_tcp}"
+            );
+            assert!(
+                refused(&to_unix, &["ECONNREFUSED"]),
+                "{user} reached bob: {to_unix}"
+            );
+        }
+        for (table, needle) in [
+            ("/proc/net/tcp", tcp_table.as_str()),
+            ("/proc/net/unix", &name),
+        ] {
+            let seen = probe(
+                &node,
+                user,
+                "mentions",
+                &[("path", table), ("needle", needle)],
+            )
+            .await;
+            assert_eq!(seen["value"], reaches, "{user} in {table}: {seen}");
+        }
+    }
+    node.kill_instances();
 }

@@ -370,11 +370,13 @@ impl EndpointResolver for DoubleEndpoints {
                 host: addr.ip().to_string(),
                 port: addr.port(),
                 owner: None,
+                netns: None,
             },
             None => Endpoint {
                 host: format!("{service}.{namespace}.svc.double.invalid"),
                 port,
                 owner: None,
+                netns: None,
             },
         }
     }

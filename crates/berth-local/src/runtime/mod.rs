@@ -429,15 +429,19 @@ impl LocalRuntime {
             shim_pid: state.shim_pid,
         };
         // Isolated, the program runs as its account: only a socket of that
-        // account's is the instance.
-        let owner = self.isolated.as_ref().and(account).map(|a| a.uid);
+        // account's is the instance (or, in a sandbox, any socket of its own
+        // network namespace).
+        let reach = reach_of(
+            state.shim_pid,
+            self.isolated.as_ref().and(account).map(|a| a.uid),
+        );
         let follow = Follow {
             handle,
             state_path: shim_spec.state_path,
             instance_id: spec.instance_id.clone(),
             runtime_ref: runtime_ref.clone(),
             port,
-            owner,
+            reach: reach.clone(),
             probe: self.probe_for(spec.role),
             by_regex,
             ready: by_regex && state.ready,
@@ -448,7 +452,7 @@ impl LocalRuntime {
         Ok(Started {
             runtime_ref,
             pid: Some(state.pid),
-            endpoint: port.map(|port| local_endpoint(port, owner)),
+            endpoint: port.map(|port| local_endpoint(port, reach)),
             events,
         })
     }
@@ -492,12 +496,30 @@ impl LocalRuntime {
     }
 }
 
-/// Where a main listens; `owner` is its account's uid when it has one.
-fn local_endpoint(port: u16, owner: Option<u32>) -> Endpoint {
+/// How a main whose shim is `shim_pid` is reached: inside the shim's
+/// network namespace when it is not berth's own (a sandbox's, where only
+/// the instance's own programs listen), else on berth's loopback through
+/// a socket of the instance's account (`account_uid`), when it has one.
+fn reach_of(shim_pid: u32, account_uid: Option<u32>) -> (Option<u32>, Option<PathBuf>) {
+    use std::os::unix::fs::MetadataExt;
+    let theirs = PathBuf::from(format!("/proc/{shim_pid}/ns/net"));
+    let namespace = |path: &Path| std::fs::metadata(path).map(|m| (m.dev(), m.ino())).ok();
+    match (
+        namespace(&theirs),
+        namespace(Path::new("/proc/self/ns/net")),
+    ) {
+        (Some(theirs_id), Some(ours)) if theirs_id != ours => (None, Some(theirs)),
+        _ => (account_uid, None),
+    }
+}
+
+/// Where a main listens, and how it is reached ([`reach_of`]).
+fn local_endpoint(port: u16, (owner, netns): (Option<u32>, Option<PathBuf>)) -> Endpoint {
     Endpoint {
         host: "127.0.0.1".into(),
         port,
         owner,
+        netns,
     }
 }
 
@@ -668,7 +690,7 @@ impl Runtime for LocalRuntime {
             }
         }
         // The account its program runs as, as the shim recorded it.
-        let owner = self.isolated.as_ref().and(state.uid);
+        let reach = reach_of(state.shim_pid, self.isolated.as_ref().and(state.uid));
         let run = Run {
             control: handle.control(),
             pid: state.pid,
@@ -681,7 +703,7 @@ impl Runtime for LocalRuntime {
             instance_id: state.instance_id.clone(),
             runtime_ref: found.runtime_ref.clone(),
             port,
-            owner,
+            reach: reach.clone(),
             probe: self.probe_for(state.role),
             by_regex,
             ready: by_regex && state.ready,
@@ -692,7 +714,7 @@ impl Runtime for LocalRuntime {
         Ok(Started {
             runtime_ref: found.runtime_ref.clone(),
             pid: Some(state.pid),
-            endpoint: port.map(|port| local_endpoint(port, owner)),
+            endpoint: port.map(|port| local_endpoint(port, reach)),
             events,
         })
     }

@@ -69,9 +69,10 @@ pub(super) struct Follow {
     pub runtime_ref: RuntimeRef,
     /// The main's port (watchdogs have none).
     pub port: Option<u16>,
-    /// The account that must own the socket at `port` (the instance's,
-    /// when it has one): readiness probes count no other's listener.
-    pub owner: Option<u32>,
+    /// How `port` is reached ([`super::reach_of`]): the account that must
+    /// own the socket there, and the network namespace it is in. Readiness
+    /// probes count no other account's listener.
+    pub reach: (Option<u32>, Option<PathBuf>),
     /// An HTTP or TCP probe to run until ready (`None`: the shim's ready
     /// regex decides, or nothing does).
     pub probe: Option<Readiness>,
@@ -112,7 +113,7 @@ pub(super) async fn pump(
         .probe
         .clone()
         .zip(f.port)
-        .map(|(r, port)| (r, port, f.owner));
+        .map(|(r, port)| (r, port, f.reach.clone()));
     let mut next_probe = Box::pin(probe_after(probed.clone(), Duration::ZERO));
     let (exit, stderr_tail) = loop {
         let event = tokio::select! {
@@ -172,12 +173,15 @@ pub(super) async fn pump(
 }
 
 /// One probe after `delay`; false when there is nothing to probe.
-async fn probe_after(probed: Option<(Readiness, u16, Option<u32>)>, delay: Duration) -> bool {
-    let Some((readiness, port, owner)) = probed else {
+async fn probe_after(
+    probed: Option<(Readiness, u16, (Option<u32>, Option<PathBuf>))>,
+    delay: Duration,
+) -> bool {
+    let Some((readiness, port, (owner, netns))) = probed else {
         return std::future::pending().await;
     };
     tokio::time::sleep(delay).await;
-    probe(&readiness, port, owner).await == Some(true)
+    probe(&readiness, port, owner, netns.as_deref()).await == Some(true)
 }
 
 /// The exit a shim recorded in its state file, when its connection closed

@@ -147,6 +147,7 @@ fn endpoint(addr: SocketAddr) -> Endpoint {
         host: addr.ip().to_string(),
         port: addr.port(),
         owner: None,
+        netns: None,
     }
 }
 

@@ -142,6 +142,7 @@ pub fn authority_of_url(url: &str) -> Option<Authority> {
         host: host.to_owned(),
         port,
         owner: None,
+        netns: None,
     };
     Authority::try_from(endpoint.authority()).ok()
 }

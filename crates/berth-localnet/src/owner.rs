@@ -13,7 +13,6 @@
 //!
 //! One query is a netlink socket, one request and one reply, all answered
 //! synchronously inside the kernel: a few microseconds, with no blocking.
-#![forbid(unsafe_code)]
 
 use std::io;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
