@@ -1744,6 +1744,60 @@ fn traffic(
     })
 }
 
+/// What the users' journals (escapes and demo app) show so far.
+struct Journals {
+    /// Lines read.
+    lines: usize,
+    /// Per user with any: how many escape lines came from an older epoch
+    /// after a newer one, and the first as (line, epoch, newest before).
+    stale: BTreeMap<String, (usize, Option<(usize, i64, i64)>)>,
+    /// Two writers in a demo-app journal, as [`check_journal`] says.
+    two_writers: Vec<String>,
+}
+
+impl Journals {
+    fn read(dirs: &Dirs, users: &[String]) -> Journals {
+        let mut journals = Journals {
+            lines: 0,
+            stale: BTreeMap::new(),
+            two_writers: Vec::new(),
+        };
+        for user in users {
+            let epochs = escape_epochs(dirs, user);
+            journals.lines += epochs.len();
+            let count = stale_writes(&epochs).count();
+            if count > 0 {
+                journals
+                    .stale
+                    .insert(user.clone(), (count, stale_write(&epochs)));
+            }
+            match check_journal(&dirs.journal_text(user)) {
+                Ok(runs) => journals.lines += runs.iter().map(|r| r.lines).sum::<usize>(),
+                Err(e) => journals
+                    .two_writers
+                    .push(format!("{user}'s demo journal: {e}")),
+            }
+        }
+        journals
+    }
+
+    fn stale_lines(&self) -> usize {
+        self.stale.values().map(|(n, _)| n).sum()
+    }
+
+    fn assert_one_writer_at_a_time(&self, when: &str) {
+        assert!(
+            self.stale.is_empty() && self.two_writers.is_empty(),
+            "{when}: {} stale-epoch lines of {} users (count, first as (line, epoch, newest \
+             before)): {:?}; {:?}",
+            self.stale_lines(),
+            self.stale.len(),
+            self.stale,
+            self.two_writers
+        );
+    }
+}
+
 /// Three nodes share one PostgreSQL at the default isolation level (`user`,
 /// as root), each reaching it through a relay of its own. Every one of
 /// eight users runs the demo app with [`ESCAPES`]: a `setsid` child, a
@@ -1841,6 +1895,7 @@ async fn every_fault_in_a_row_leaves_no_stale_writer_and_no_process_behind() {
             settled(&nodes, &all, &users).await;
             renewing(&nodes[0], &users).await;
             eprintln!("fault {fault:?}: every node reaches the database again");
+            Journals::read(&dirs, &users).assert_one_writer_at_a_time(&format!("after {fault:?}"));
             continue;
         }
         let mut load = [0usize; 3];
@@ -1910,6 +1965,8 @@ async fn every_fault_in_a_row_leaves_no_stale_writer_and_no_process_behind() {
             IDS[target],
             moving.len()
         );
+        Journals::read(&dirs, &users)
+            .assert_one_writer_at_a_time(&format!("after {fault:?} of {}", IDS[target]));
     }
     settled(&nodes, &all, &users).await;
     stop.store(true, Ordering::Relaxed);
@@ -1952,36 +2009,19 @@ async fn every_fault_in_a_row_leaves_no_stale_writer_and_no_process_behind() {
     .await;
     let (processes, cgroups) = leftovers();
 
-    let mut lines = 0;
-    let mut stale = BTreeMap::new();
-    let mut two_writers = Vec::new();
-    for user in &users {
-        let epochs = escape_epochs(&dirs, user);
-        lines += epochs.len();
-        let count = stale_writes(&epochs).count();
-        if count > 0 {
-            stale.insert(user.clone(), (count, stale_write(&epochs)));
-        }
-        match check_journal(&dirs.journal_text(user)) {
-            Ok(runs) => lines += runs.iter().map(|r| r.lines).sum::<usize>(),
-            Err(e) => two_writers.push(format!("{user}'s demo journal: {e}")),
-        }
-    }
-    let stale_lines: usize = stale.values().map(|(n, _)| n).sum();
+    let journals = Journals::read(&dirs, &users);
     eprintln!(
-        "fault run: {} faults, {moves} moves, {lines} journal lines checked, {stale_lines} stale \
-         lines ({} users), {} processes and {} cgroups left, {:.0?}; client answers {answers:?}",
+        "fault run: {} faults, {moves} moves, {} journal lines checked, {} stale lines ({} \
+         users), {} processes and {} cgroups left, {:.0?}; client answers {answers:?}",
         FAULT_SCRIPT.len(),
-        stale.len(),
+        journals.lines,
+        journals.stale_lines(),
+        journals.stale.len(),
         processes.len(),
         cgroups.len(),
         began.elapsed(),
     );
-    assert!(
-        stale.is_empty() && two_writers.is_empty(),
-        "stale-epoch lines (count, first as (line, epoch, newest before)): {stale:?}; \
-         {two_writers:?}"
-    );
+    journals.assert_one_writer_at_a_time("at the end");
     assert!(
         processes.is_empty() && cgroups.is_empty(),
         "left after every user was stopped and every node shut down: processes (pid, uid) \
