@@ -1807,12 +1807,14 @@ impl Journals {
 /// [`FAULT_SCRIPT`] runs: the busiest node killed, paused, cut from the
 /// database and hung from it, each until its users run elsewhere under a
 /// newer epoch and wrote there, then healed (the killed node started
-/// again), and PostgreSQL restarted.
+/// again); PostgreSQL restarted, and stopped until every instance is
+/// fenced.
 ///
-/// Then every user is stopped and every node shut down. The evidence: in
-/// no user's journal (the escapes' and the demo app's) does a line of an
-/// older epoch follow one of a newer epoch, and no process of any
-/// instance account and no instance cgroup is left on the machine.
+/// The evidence: after every fault, in no user's journal (the escapes'
+/// and the demo app's) does a line of an older epoch follow one of a
+/// newer epoch; and once every
+/// user is stopped and every node shut down, no process of any instance
+/// account and no instance cgroup is left on the machine.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_fault_in_a_row_leaves_no_stale_writer_and_no_process_behind() {
     let began = std::time::Instant::now();
