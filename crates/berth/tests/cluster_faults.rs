@@ -1744,13 +1744,20 @@ fn traffic(
     })
 }
 
+/// The stale lines of one escapes journal: how many, and the first as
+/// (line, epoch, newest epoch before it).
+struct StaleLines {
+    count: usize,
+    first: (usize, i64, i64),
+}
+
 /// What the users' journals (escapes and demo app) show so far.
 struct Journals {
     /// Lines read.
     lines: usize,
-    /// Per user with any: how many escape lines came from an older epoch
-    /// after a newer one, and the first as (line, epoch, newest before).
-    stale: BTreeMap<String, (usize, Option<(usize, i64, i64)>)>,
+    /// Per user with any: the escape lines that came from an older epoch
+    /// after a newer one.
+    stale: BTreeMap<String, StaleLines>,
     /// Two writers in a demo-app journal, as [`check_journal`] says.
     two_writers: Vec<String>,
 }
@@ -1765,11 +1772,11 @@ impl Journals {
         for user in users {
             let epochs = escape_epochs(dirs, user);
             journals.lines += epochs.len();
-            let count = stale_writes(&epochs).count();
-            if count > 0 {
+            if let Some(first) = stale_write(&epochs) {
+                let count = stale_writes(&epochs).count();
                 journals
                     .stale
-                    .insert(user.clone(), (count, stale_write(&epochs)));
+                    .insert(user.clone(), StaleLines { count, first });
             }
             match check_journal(&dirs.journal_text(user)) {
                 Ok(runs) => journals.lines += runs.iter().map(|r| r.lines).sum::<usize>(),
@@ -1782,17 +1789,26 @@ impl Journals {
     }
 
     fn stale_lines(&self) -> usize {
-        self.stale.values().map(|(n, _)| n).sum()
+        self.stale.values().map(|s| s.count).sum()
     }
 
     fn assert_one_writer_at_a_time(&self, when: &str) {
+        let stale: Vec<String> = self
+            .stale
+            .iter()
+            .map(|(user, s)| {
+                let (line, epoch, newer) = s.first;
+                format!(
+                    "{user}: {} lines, the first at line {line}: epoch {epoch} after {newer}",
+                    s.count
+                )
+            })
+            .collect();
         assert!(
-            self.stale.is_empty() && self.two_writers.is_empty(),
-            "{when}: {} stale-epoch lines of {} users (count, first as (line, epoch, newest \
-             before)): {:?}; {:?}",
+            stale.is_empty() && self.two_writers.is_empty(),
+            "{when}: {} stale-epoch lines of {} users: {stale:?}; {:?}",
             self.stale_lines(),
             self.stale.len(),
-            self.stale,
             self.two_writers
         );
     }
