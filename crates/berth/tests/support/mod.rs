@@ -206,9 +206,14 @@ fn cgroup_parents(data_dir: &Path) -> Vec<(String, std::path::PathBuf)> {
         };
         let path = path.trim_start_matches('/');
         // A v1 hierarchy of several controllers is mounted under its joined
-        // name, often with a link per controller (one directory either way).
-        for mount in controllers.split(',').chain([controllers]) {
-            let mount = if mount.is_empty() { "unified" } else { mount };
+        // name, often with a link per controller (one directory either way);
+        // v2 at `unified` on a hybrid host, at the top on a pure v2 one.
+        let mounts: Vec<&str> = if controllers.is_empty() {
+            vec!["unified", ""]
+        } else {
+            controllers.split(',').chain([controllers]).collect()
+        };
+        for mount in mounts {
             let dir = Path::new("/sys/fs/cgroup")
                 .join(mount)
                 .join(path)
