@@ -180,6 +180,27 @@ impl Berth {
         data_dir: &Path,
         options: &StartOptions,
     ) -> Node {
+        let (child, url, token) = self.spawn_serve(dir, args, data_dir, options);
+        Node {
+            child: Some(child),
+            berth: self.clone(),
+            url,
+            token,
+            dir: dir.to_owned(),
+            data_dir: data_dir.to_owned(),
+            http: reqwest::Client::new(),
+        }
+    }
+
+    /// Runs `berth <args>` in `dir` until it listens: the process, the URL
+    /// it listens on and its admin token.
+    fn spawn_serve(
+        &self,
+        dir: &Path,
+        args: &[&str],
+        data_dir: &Path,
+        options: &StartOptions,
+    ) -> (Child, String, String) {
         // Run as root, berth gives every user's instances a uid of their
         // own (isolation level `user`), which must be able to pass through
         // the test's private temporary directory to its data root.
@@ -230,15 +251,7 @@ impl Berth {
                 .trim()
                 .to_owned(),
         };
-        Node {
-            child: Some(child),
-            berth: self.clone(),
-            url,
-            token,
-            dir: dir.to_owned(),
-            data_dir: data_dir.to_owned(),
-            http: reqwest::Client::new(),
-        }
+        (child, url, token)
     }
 
     /// Starts a cluster node (PostgreSQL store) in `dir`; see
@@ -525,6 +538,30 @@ impl Node {
             let _ = child.kill();
             let _ = child.wait();
         }
+    }
+
+    /// Starts `berth serve` again on the config file it was started with
+    /// (`dir/berth.toml`), in place of a berth this value killed: the same
+    /// data dir, so it adopts (or ends) the instances its predecessor left.
+    /// It listens on a new port; `url` and `token` follow it.
+    ///
+    /// # Panics
+    ///
+    /// While the previous berth still runs, or when the new one cannot
+    /// start.
+    pub fn restart(&mut self) {
+        assert!(self.child.is_none(), "berth still runs: kill it first");
+        let config = self.dir.join("berth.toml");
+        let config = config.to_str().expect("a UTF-8 config path");
+        let (child, url, token) = self.berth.spawn_serve(
+            &self.dir,
+            &["serve", "--config", config],
+            &self.data_dir,
+            &StartOptions::default(),
+        );
+        self.child = Some(child);
+        self.url = url;
+        self.token = token;
     }
 
     /// SIGTERM and wait: a graceful stop.

@@ -15,7 +15,9 @@ use std::sync::atomic::{AtomicU16, Ordering};
 use std::time::Duration;
 
 use serde_json::{Value, json};
-use support::{Node, StartOptions, alive, eventually, instance_pids, proc_state, zygote_of};
+use support::{
+    Node, StartOptions, alive, eventually, instance_pids, proc_state, processes_of_uids, zygote_of,
+};
 
 const BREACH: &str = include_str!("support/breach.py");
 const PATIENCE: Duration = Duration::from_secs(60);
@@ -129,14 +131,9 @@ fn tasks_of(uid: u32) -> usize {
 
 /// Live processes run by a uid of `[first, first + 1000)`.
 fn processes_in_range(first: u32) -> Vec<u32> {
-    std::fs::read_dir("/proc")
-        .unwrap()
-        .flatten()
-        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
-        .filter(|&pid| {
-            uid_of_process(pid).is_some_and(|u| (first..first + 1000).contains(&u))
-                && alive(u64::from(pid))
-        })
+    processes_of_uids(first..first + 1000)
+        .into_iter()
+        .map(|(pid, _)| pid)
         .collect()
 }
 

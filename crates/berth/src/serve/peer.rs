@@ -300,7 +300,10 @@ impl PeerClient {
 }
 
 fn unreachable_peer(node: &str, base: &str, e: &reqwest::Error) -> SpawnError {
-    SpawnError::Internal(format!("node {node} ({base}) did not answer: {e}"))
+    SpawnError::NodeUnreachable {
+        node: node.to_owned(),
+        reason: format!("{base}: {e}"),
+    }
 }
 
 /// The [`SpawnError`] an API error answer stands for, by its `error` code
@@ -354,6 +357,12 @@ pub fn error_from_json(user: &UserId, status: u16, body: &Value) -> SpawnError {
         }
         "too_many_streams" => {
             SpawnError::TooManyStreams(strip_prefix(&message, "too many streams: "))
+        }
+        // The callee could not reach the node it asked in turn.
+        "node_unreachable" => {
+            let node = body["node"].as_str().unwrap_or("").to_owned();
+            let reason = strip_prefix(&message, &format!("node {node} did not answer: "));
+            SpawnError::NodeUnreachable { node, reason }
         }
         "unauthorized" | "forbidden" => SpawnError::Internal(format!(
             "another node refused this node's cluster call ({code}): are the cluster secrets the same?"
@@ -435,6 +444,11 @@ mod tests {
                 json!({"error": "too_many_streams", "message": "too many streams: alice has 5"}),
                 ErrorCode::TooManyStreams,
             ),
+            (
+                503,
+                json!({"error": "node_unreachable", "node": "node-b", "message": "node node-b did not answer: refused"}),
+                ErrorCode::NodeUnreachable,
+            ),
             (401, json!({"error": "unauthorized"}), ErrorCode::Internal),
             (502, json!({"error": "bad_gateway"}), ErrorCode::Internal),
             (500, Value::Null, ErrorCode::Internal),
@@ -481,6 +495,18 @@ mod tests {
             )
             .to_string(),
             "spawn failed: no such file"
+        );
+        let unreachable = SpawnError::NodeUnreachable {
+            node: "node-b".into(),
+            reason: "http://127.0.0.1:1: connection refused".into(),
+        };
+        assert_eq!(
+            error_from_json(
+                &alice(),
+                503,
+                &json!({"error": "node_unreachable", "node": "node-b", "message": unreachable.to_string()})
+            ),
+            unreachable
         );
     }
 
