@@ -81,8 +81,7 @@ impl EndpointResolver for ServiceDns {
         Endpoint {
             host: format!("{service}.{namespace}.svc.{}", self.cluster_domain),
             port,
-            owner: None,
-            netns: None,
+            reach: berth_core::Reach::default(),
         }
     }
 }
@@ -1063,8 +1062,7 @@ fn slice_endpoint(slices: &[EndpointSlice], uid: &str) -> Option<Endpoint> {
         Some(Endpoint {
             host: address.clone(),
             port: u16::try_from(port).ok()?,
-            owner: None,
-            netns: None,
+            reach: berth_core::Reach::default(),
         })
     })
 }
@@ -1416,9 +1414,8 @@ mod tests {
             slice_endpoint(&slices, "new"),
             Some(Endpoint {
                 host: "10.0.0.2".into(),
-                port: 8080
-                owner: None,
-                netns: None,
+                port: 8080,
+                reach: berth_core::Reach::default(),
             })
         );
         assert_eq!(

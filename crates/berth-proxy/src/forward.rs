@@ -45,7 +45,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
-use berth_core::{Endpoint, ErrorCode, Spawner, UserId};
+use berth_core::{ErrorCode, Reach, Spawner, UserId};
 use bytes::Bytes;
 use http_body_util::{Either, Empty};
 use hyper::body::{Body as _, Incoming};
@@ -164,29 +164,12 @@ pub struct Upstream {
     pub user: Arc<UserId>,
     pub authority: Authority,
     pub path_and_query: PathAndQuery,
+    /// How the address must be reached ([`berth_core::Endpoint::reach`]).
     pub reach: Reach,
     /// Retry a refused connection with backoff. Right for a local instance
     /// (it may be a moment from listening); wrong for another node, whose
     /// refusal means it is down: waiting there only delays the failover.
     pub retry_refused: bool,
-}
-
-/// How an instance's address must be reached ([`Endpoint`]): inside which
-/// network namespace (`None`: berth's own), and to a socket of which
-/// account (`None`: any).
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Reach {
-    pub owner: Option<u32>,
-    pub netns: Option<Arc<Path>>,
-}
-
-impl Reach {
-    pub fn of(endpoint: &Endpoint) -> Self {
-        Self {
-            owner: endpoint.owner,
-            netns: endpoint.netns.as_deref().map(Arc::from),
-        }
-    }
 }
 
 /// The socket at an instance's address belongs to another account: a

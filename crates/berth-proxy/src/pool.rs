@@ -35,7 +35,9 @@ use tokio::net::TcpStream;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use crate::forward::{Reach, UpstreamBody};
+use berth_core::Reach;
+
+use crate::forward::UpstreamBody;
 
 /// One upstream connection: the future that does its I/O.
 pub(crate) type Connection = http1::Connection<TokioIo<TcpStream>, UpstreamBody>;

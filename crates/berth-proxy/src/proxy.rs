@@ -16,7 +16,7 @@ use crate::auth::{
     AuthMode, Authenticator, CLUSTER_SECRET, CLUSTER_USER, ClusterSecret, CookieScope, Credential,
     Gate, SharedSecret, TrustedProxies, strip_credentials,
 };
-use crate::forward::{ConnInfo, ForwardConfig, Forwarder, Reach, Upstream, wants_upgrade};
+use crate::forward::{ConnInfo, ForwardConfig, Forwarder, Upstream, wants_upgrade};
 use crate::limits::StreamLimits;
 use crate::metrics::ProxyMetrics;
 use crate::respond::{self, ProxyBody};
@@ -340,7 +340,7 @@ impl Proxy {
         let upstream = Upstream {
             user,
             authority: endpoint,
-            reach: Reach::default(),
+            reach: berth_core::Reach::default(),
             path_and_query,
             retry_refused: false,
         };

@@ -14,9 +14,7 @@ use std::borrow::Cow;
 use std::collections::HashMap;
 use std::sync::{Arc, RwLock};
 
-use berth_core::{Endpoint, InstanceEvent, Role, Slug, Spawner, UserId};
-
-use crate::forward::Reach;
+use berth_core::{Endpoint, InstanceEvent, Reach, Role, Slug, Spawner, UserId};
 use bytes::Bytes;
 use hyper::header::{HOST, HeaderMap};
 use hyper::http::uri::{Authority, PathAndQuery};
@@ -49,7 +47,7 @@ impl InstanceAddr {
         let authority = Authority::from_maybe_shared(Bytes::from(endpoint.authority())).ok()?;
         Some(Self {
             authority,
-            reach: Reach::of(endpoint),
+            reach: endpoint.reach.clone(),
         })
     }
 }
@@ -482,8 +480,7 @@ mod tests {
         Endpoint {
             host: "127.0.0.1".into(),
             port,
-            owner: None,
-            netns: None,
+            reach: berth_core::Reach::default(),
         }
     }
 
@@ -745,13 +742,15 @@ mod tests {
         let v6 = Endpoint {
             host: "::1".into(),
             port: 5,
-            owner: None,
-            netns: None,
+            reach: berth_core::Reach::default(),
         };
         assert_eq!(InstanceAddr::of(&v6).unwrap().authority, "[::1]:5");
         // The account that must own the socket travels with the address.
         let owned = Endpoint {
-            owner: Some(61000),
+            reach: Reach {
+                owner: Some(61000),
+                netns: None,
+            },
             ..ep(6)
         };
         table.set(&alice, Some(&owned));

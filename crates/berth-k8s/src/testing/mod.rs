@@ -369,14 +369,12 @@ impl EndpointResolver for DoubleEndpoints {
             Some(addr) => Endpoint {
                 host: addr.ip().to_string(),
                 port: addr.port(),
-                owner: None,
-                netns: None,
+                reach: berth_core::Reach::default(),
             },
             None => Endpoint {
                 host: format!("{service}.{namespace}.svc.double.invalid"),
                 port,
-                owner: None,
-                netns: None,
+                reach: berth_core::Reach::default(),
             },
         }
     }

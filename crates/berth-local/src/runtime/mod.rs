@@ -34,7 +34,7 @@ use berth_core::runtime::{
     Capabilities, Capacity, Discovered, EVENT_BUFFER, InstanceSpec, Runtime, RuntimeError,
     RuntimeRef, Started,
 };
-use berth_core::{Endpoint, Role, Slug};
+use berth_core::{Endpoint, Reach, Role, Slug};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -452,7 +452,7 @@ impl LocalRuntime {
         Ok(Started {
             runtime_ref,
             pid: Some(state.pid),
-            endpoint: port.map(|port| local_endpoint(port, reach)),
+            endpoint: port.map(|port| local_endpoint(port, reach.clone())),
             events,
         })
     }
@@ -500,7 +500,7 @@ impl LocalRuntime {
 /// network namespace when it is not berth's own (a sandbox's, where only
 /// the instance's own programs listen), else on berth's loopback through
 /// a socket of the instance's account (`account_uid`), when it has one.
-fn reach_of(shim_pid: u32, account_uid: Option<u32>) -> (Option<u32>, Option<PathBuf>) {
+fn reach_of(shim_pid: u32, account_uid: Option<u32>) -> Reach {
     use std::os::unix::fs::MetadataExt;
     let theirs = PathBuf::from(format!("/proc/{shim_pid}/ns/net"));
     let namespace = |path: &Path| std::fs::metadata(path).map(|m| (m.dev(), m.ino())).ok();
@@ -508,18 +508,23 @@ fn reach_of(shim_pid: u32, account_uid: Option<u32>) -> (Option<u32>, Option<Pat
         namespace(&theirs),
         namespace(Path::new("/proc/self/ns/net")),
     ) {
-        (Some(theirs_id), Some(ours)) if theirs_id != ours => (None, Some(theirs)),
-        _ => (account_uid, None),
+        (Some(theirs_id), Some(ours)) if theirs_id != ours => Reach {
+            owner: None,
+            netns: Some(theirs),
+        },
+        _ => Reach {
+            owner: account_uid,
+            netns: None,
+        },
     }
 }
 
 /// Where a main listens, and how it is reached ([`reach_of`]).
-fn local_endpoint(port: u16, (owner, netns): (Option<u32>, Option<PathBuf>)) -> Endpoint {
+fn local_endpoint(port: u16, reach: Reach) -> Endpoint {
     Endpoint {
         host: "127.0.0.1".into(),
         port,
-        owner,
-        netns,
+        reach,
     }
 }
 
@@ -714,7 +719,7 @@ impl Runtime for LocalRuntime {
         Ok(Started {
             runtime_ref: found.runtime_ref.clone(),
             pid: Some(state.pid),
-            endpoint: port.map(|port| local_endpoint(port, reach)),
+            endpoint: port.map(|port| local_endpoint(port, reach.clone())),
             events,
         })
     }

@@ -7,6 +7,7 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
+use berth_core::Reach;
 use berth_core::runtime::{ExitStatus, OutOfMemory, RuntimeEvent, RuntimeRef};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
@@ -72,7 +73,7 @@ pub(super) struct Follow {
     /// How `port` is reached ([`super::reach_of`]): the account that must
     /// own the socket there, and the network namespace it is in. Readiness
     /// probes count no other account's listener.
-    pub reach: (Option<u32>, Option<PathBuf>),
+    pub reach: Reach,
     /// An HTTP or TCP probe to run until ready (`None`: the shim's ready
     /// regex decides, or nothing does).
     pub probe: Option<Readiness>,
@@ -173,15 +174,12 @@ pub(super) async fn pump(
 }
 
 /// One probe after `delay`; false when there is nothing to probe.
-async fn probe_after(
-    probed: Option<(Readiness, u16, (Option<u32>, Option<PathBuf>))>,
-    delay: Duration,
-) -> bool {
-    let Some((readiness, port, (owner, netns))) = probed else {
+async fn probe_after(probed: Option<(Readiness, u16, Reach)>, delay: Duration) -> bool {
+    let Some((readiness, port, reach)) = probed else {
         return std::future::pending().await;
     };
     tokio::time::sleep(delay).await;
-    probe(&readiness, port, owner, netns.as_deref()).await == Some(true)
+    probe(&readiness, port, &reach).await == Some(true)
 }
 
 /// The exit a shim recorded in its state file, when its connection closed

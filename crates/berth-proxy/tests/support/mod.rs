@@ -110,7 +110,10 @@ impl StaticSpawner {
     /// is the instance.
     pub fn run_owned(&self, name: &str, addr: SocketAddr, owner: u32) {
         let endpoint = Endpoint {
-            owner: Some(owner),
+            reach: berth_core::Reach {
+                owner: Some(owner),
+                netns: None,
+            },
             ..endpoint(addr)
         };
         self.inner
@@ -146,8 +149,7 @@ fn endpoint(addr: SocketAddr) -> Endpoint {
     Endpoint {
         host: addr.ip().to_string(),
         port: addr.port(),
-        owner: None,
-        netns: None,
+        reach: berth_core::Reach::default(),
     }
 }
 

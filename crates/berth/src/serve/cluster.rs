@@ -141,8 +141,7 @@ pub fn authority_of_url(url: &str) -> Option<Authority> {
     let endpoint = berth_core::Endpoint {
         host: host.to_owned(),
         port,
-        owner: None,
-        netns: None,
+        reach: berth_core::Reach::default(),
     };
     Authority::try_from(endpoint.authority()).ok()
 }
