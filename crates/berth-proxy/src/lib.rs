@@ -68,6 +68,7 @@ pub mod forward;
 pub mod limits;
 pub mod metrics;
 pub mod pace;
+pub mod peer_auth;
 mod pool;
 mod proxy;
 pub mod respond;

@@ -211,11 +211,16 @@ impl Berth {
         let mut child = command.spawn().expect("berth starts");
         let stdout = child.stdout.take().expect("a piped stdout");
         let mut lines = BufReader::new(stdout).lines();
+        let mut internal_url = None;
         let url = loop {
             match lines.next() {
                 Some(Ok(line)) => {
                     if let Some(url) = line.strip_prefix("berth: listening on ") {
                         break url.trim().to_owned();
+                    }
+                    // A cluster node says so first.
+                    if let Some(url) = line.strip_prefix("berth: node-to-node calls on ") {
+                        internal_url = Some(url.trim().to_owned());
                     }
                 }
                 _ => panic!("berth exited before listening: {:?}", child.wait()),
@@ -234,6 +239,7 @@ impl Berth {
             child: Some(child),
             berth: self.clone(),
             url,
+            internal_url,
             token,
             dir: dir.to_owned(),
             data_dir: data_dir.to_owned(),
@@ -349,6 +355,10 @@ pub struct Node {
     child: Option<Child>,
     berth: Berth,
     pub url: String,
+    /// Where a cluster node takes node-to-node calls (`/internal/v1/…`):
+    /// its own listener, on a free loopback port unless the config says
+    /// otherwise. `None` on a single node.
+    pub internal_url: Option<String>,
     /// The admin token.
     pub token: String,
     pub dir: PathBuf,
@@ -373,6 +383,19 @@ impl Node {
     /// `<url>/api/v1<path>`.
     pub fn api(&self, path: &str) -> String {
         format!("{}/api/v1{path}", self.url)
+    }
+
+    /// `<internal_url>/internal/v1<path>`: a node-to-node route.
+    ///
+    /// # Panics
+    ///
+    /// On a single node, which has no node-to-node listener.
+    pub fn internal(&self, path: &str) -> String {
+        let base = self
+            .internal_url
+            .as_deref()
+            .expect("a cluster node has a node-to-node listener");
+        format!("{base}/internal/v1{path}")
     }
 
     /// GET an API path as admin: status and JSON body (`Null` if none).
