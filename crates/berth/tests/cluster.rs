@@ -2201,12 +2201,14 @@ async fn a_browser_through_another_node_sees_the_starting_page_at_once() {
 
     // Forwarded to node-b, which does not hold carol's lease: a navigation
     // gets the starting page, anything else 409; nothing starts on node-b.
+    let b_id = id_of(b).await;
     let forwarded = |navigation: bool| {
-        let mut request = b
-            .http
-            .get(format!("{}/u/carol/", b.url))
-            .header("x-berth-cluster-secret", SECRET)
-            .header("x-berth-forwarded-user", "carol");
+        let mut request = b.http.get(format!("{}/u/carol/", b.url));
+        for (name, value) in
+            berth_testkit::forward_headers(SECRET, &b_id, "GET", "/u/carol/", "carol")
+        {
+            request = request.header(name, value);
+        }
         if navigation {
             request = request.header("accept", "text/html");
         }
