@@ -577,6 +577,27 @@ mod tests {
     use crate::config::test_support::parse;
 
     #[test]
+    fn a_loopback_node_to_node_listener_is_warned_about_only_when_other_hosts_need_it() {
+        let warned = |text: &str| parse(text).unwrap().internal_listener_warning();
+        // The default, on one host: nothing to say.
+        assert_eq!(warned(""), None);
+        assert_eq!(warned("advertise_url = \"http://127.0.0.1:8000\"\n"), None);
+        assert_eq!(warned("advertise_url = \"http://localhost:8000\"\n"), None);
+        assert_eq!(warned("advertise_url = \"http://[::1]:8000\"\n"), None);
+        // Advertised to other hosts, but node-to-node calls on loopback.
+        let why = warned("advertise_url = \"http://10.0.0.5:8000\"\n").unwrap();
+        assert!(why.contains("[cluster] internal_listen"), "{why}");
+        assert!(why.contains("127.0.0.1:0"), "{why}");
+        // Either a private address or an advertised one settles it.
+        for text in [
+            "advertise_url = \"http://10.0.0.5:8000\"\n[cluster]\ninternal_listen = \"10.0.0.5:8001\"\n",
+            "advertise_url = \"http://10.0.0.5:8000\"\n[cluster]\ninternal_advertise_url = \"http://10.0.0.5:9001\"\n",
+        ] {
+            assert_eq!(warned(text), None, "{text}");
+        }
+    }
+
+    #[test]
     fn validate_names_key_and_line() {
         let c = parse("# x\n[instance]\nport_range = [30000, 20000]\n").unwrap();
         let msg = c.validate().unwrap_err().to_string();
