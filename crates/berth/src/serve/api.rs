@@ -1,4 +1,4 @@
-//! The HTTP API: `/api/v1` for clients (design §8.4, a contract), on the
+//! The HTTP API: `/api/v1` for clients (a contract), on the
 //! public listener ([`router`]), and `/internal/v1` for other nodes
 //! ([`internal`]), on a listener of its own ([`internal_router`]).
 //!
