@@ -59,7 +59,7 @@ use tokio::net::TcpStream;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use crate::limits::{StreamLimits, StreamPermit, StreamRefused};
+use crate::limits::{ConnPermit, StreamLimits, StreamPermit, StreamRefused};
 use crate::pace::{BodyPace, BodyTooSlow, PacedBody};
 use crate::pool::{Conn, ForwardedBody, Pool};
 use crate::respond::{self, ProxyBody};
@@ -144,6 +144,8 @@ pub struct ConnInfo {
     peer_ip: HeaderValue,
     /// The peer is a trusted proxy: its `X-Forwarded-*` headers stand.
     pub trusted: bool,
+    /// The connection's slots under the server's caps, if it has any.
+    permit: Option<Arc<ConnPermit>>,
 }
 
 impl ConnInfo {
@@ -154,6 +156,24 @@ impl ConnInfo {
             peer,
             peer_ip,
             trusted,
+            permit: None,
+        }
+    }
+
+    /// The connection holds `permit` (the server's caps).
+    #[must_use]
+    pub fn with_permit(mut self, permit: Arc<ConnPermit>) -> Self {
+        self.permit = Some(permit);
+        self
+    }
+
+    /// Stops counting the connection against its address, once a request
+    /// on it proved (by a valid signature) that another node sent it: a
+    /// node may hold many connections to this one from a single address,
+    /// and nodes on one host share it with every program there.
+    pub fn exempt_from_address_cap(&self) {
+        if let Some(permit) = &self.permit {
+            permit.exempt();
         }
     }
 }

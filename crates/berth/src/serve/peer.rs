@@ -1,7 +1,8 @@
 //! Calls from one node to another (design §7.3, §8.2): the transport of
 //! the use cases that run on the node owning a user (`ops`), the fence of
-//! an old holder, and the token-cache purge. Every call is signed with the
-//! cluster secret ([`super::peer_auth`]), which itself never travels; an
+//! an old holder, and the token-cache purge, sent to the callee's
+//! node-to-node listener. Every call is signed with the cluster secret
+//! ([`berth_proxy::peer_auth`]), which itself never travels; an
 //! error answer's JSON maps back to the [`SpawnError`] it came from, so an
 //! error keeps its code and HTTP meaning across nodes (a `lease_busy` from
 //! the callee is followed by the caller's hop loop).
@@ -15,8 +16,8 @@ use reqwest::Method;
 use serde::de::DeserializeOwned;
 use serde_json::{Value, json};
 
-use super::peer_auth::ClusterKey;
 use crate::sse::{self, SseEvent};
+use berth_proxy::peer_auth::ClusterKey;
 
 /// How long a peer may take to accept a connection. Peers are in the same
 /// network; a node that does not answer this fast is as good as gone.
@@ -33,11 +34,16 @@ const STREAM_SILENCE: Duration = Duration::from_secs(45);
 /// vanished is noticed by the kernel too.
 const TCP_KEEPALIVE: Duration = Duration::from_secs(30);
 
-/// A node to call: its id (for messages) and advertised URL.
+/// A node to call: its id (for messages and signatures), the URL of its
+/// node-to-node listener (for calls), and its public URL (for the app
+/// traffic the proxy forwards there).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PeerNode {
     pub id: String,
+    /// `[cluster] internal_advertise_url`, as the node's heartbeat wrote it.
     pub url: String,
+    /// `advertise_url`.
+    pub public_url: String,
 }
 
 /// One call about a user: `<method> /internal/v1/users/<user>/<op>?<query>`
