@@ -209,7 +209,7 @@ async fn smuggled_requests_never_reach_an_instance() {
         ),
         (
             "Content-Length behind a bare LF",
-            format!("X-Pad: a\nContent-Length: 0\r\nTransfer-Encoding: chunked\r\n"),
+            "X-Pad: a\nContent-Length: 0\r\nTransfer-Encoding: chunked\r\n".to_owned(),
             &in_chunk,
         ),
     ];
