@@ -71,6 +71,7 @@ impl Env {
             env: BTreeMap::from([("EXTRA".to_owned(), "from-config".to_owned())]),
             env_allowlist: vec!["PATH".into()],
             readiness,
+            log_max_bytes: berth_local::DEFAULT_LOG_MAX_BYTES,
             port_range: ports..=ports + 9,
             patch_ext: "toml".into(),
             watchdog_command: None,
@@ -80,6 +81,7 @@ impl Env {
                 count: 1000,
             },
             limits: Limits::default(),
+            listeners: berth_local::ListenerCap::default(),
             nft: None,
             shim_command: vec![BERTH.into(), "shim".into()],
         };

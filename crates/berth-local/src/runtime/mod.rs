@@ -43,7 +43,7 @@ use crate::isolation::{Account, Isolator, Limits, UidRange};
 use crate::paths::{UserPaths, check_socket_room, create_private_dir};
 use crate::ports::{PortPool, bind_free};
 use crate::shim::{ShimCommand, ShimError, ShimHandle, ShimLauncher};
-use crate::{Isolation, LocalError, Readiness};
+use crate::{Isolation, LocalError, MIN_LOG_MAX_BYTES, Readiness};
 
 pub use self::accounts::Accounts;
 use self::accounts::Isolated;
@@ -69,6 +69,9 @@ pub struct LocalRuntimeConfig {
     pub readiness: Readiness,
     /// Ports handed to instances; each checked free before use.
     pub port_range: RangeInclusive<u16>,
+    /// The most bytes of each instance's log kept on disk (the log and
+    /// the file it was last rotated to).
+    pub log_max_bytes: u64,
     /// Extension of the materialised patch file `patches/main.<ext>`.
     pub patch_ext: String,
     /// The watchdog program (design §4.4), same placeholders.
@@ -79,6 +82,9 @@ pub struct LocalRuntimeConfig {
     pub uids: UidRange,
     /// Per-instance limits: through the instance's cgroup, and rlimits.
     pub limits: Limits,
+    /// berth's own listeners, and how many connections one instance's
+    /// account may hold open to them (levels `user` and `sandbox`).
+    pub listeners: crate::ListenerCap,
     /// The `nft` program of the guards; `None`: looked up in `PATH`,
     /// `/usr/sbin` and `/sbin`.
     pub nft: Option<PathBuf>,
@@ -98,6 +104,13 @@ impl LocalRuntimeConfig {
         }
         if self.watchdog_command.as_ref().is_some_and(Vec::is_empty) {
             return fail("the watchdog command is empty".into());
+        }
+        if self.log_max_bytes < MIN_LOG_MAX_BYTES {
+            return fail(format!(
+                "log_max_bytes {} is under {MIN_LOG_MAX_BYTES}: each of the two files must hold \
+                 the longest piece the shim writes at once",
+                self.log_max_bytes
+            ));
         }
         if self.port_range.is_empty() {
             return fail(format!(
@@ -186,6 +199,7 @@ impl LocalRuntime {
             &config.data_dir,
             config.uids,
             &config.port_range,
+            &config.listeners,
             config.nft.as_deref(),
         )
         .await?;
@@ -713,10 +727,21 @@ impl Runtime for LocalRuntime {
         // Read as root from the user's own root: never through a link the
         // user put there (it could point at any file of the host's).
         let paths = self.paths(slug);
-        let read = tokio::task::spawn_blocking(move || match paths.open_log(role) {
-            Ok(mut file) => crate::logs::tail_lines(&mut file, tail),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Vec::new()),
-            Err(e) => Err(e),
+        let read = tokio::task::spawn_blocking(move || -> std::io::Result<Vec<String>> {
+            let tail_of = |open: std::io::Result<std::fs::File>, n| match open {
+                Ok(mut file) => crate::logs::tail_lines(&mut file, n),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Vec::new()),
+                Err(e) => Err(e),
+            };
+            let mut lines = tail_of(paths.open_log(role), tail)?;
+            // Just after a rotation the log is short: the lines before are
+            // in the rotated file, and come first.
+            if lines.len() < tail {
+                let mut earlier = tail_of(paths.open_rotated_log(role), tail - lines.len())?;
+                earlier.append(&mut lines);
+                lines = earlier;
+            }
+            Ok(lines)
         })
         .await
         .map_err(|e| RuntimeError::Failed(format!("the log reader failed: {e}")))?;

@@ -78,6 +78,9 @@ pub struct InstanceConfig {
     /// WebSocket upgrades. Off, the proxy answers them 403: for programs
     /// whose apps do not call each other.
     pub allow_cross_origin_requests: bool,
+    /// The most bytes of an instance's log kept on disk: the log is
+    /// rotated at half of this, and one rotated file is kept.
+    pub log_max_bytes: u64,
 }
 
 /// `pre_hibernate` / `pre_stop`: a command, or a path on the instance.
@@ -219,6 +222,8 @@ pub struct IsolationConfig {
     pub pids_max: u64,
     /// CPU of one instance in percent of one CPU (`sandbox`); 0 = no limit.
     pub cpu_max_percent: u32,
+    /// Open files of each process of an instance (`RLIMIT_NOFILE`).
+    pub open_files_max: u64,
     /// The first host uid of instance accounts; each user gets the next
     /// free one, once, recorded in the store.
     pub base_uid: u32,
@@ -320,6 +325,7 @@ impl Default for InstanceConfig {
             pre_stop: None,
             hook_grace_s: 10,
             allow_cross_origin_requests: false,
+            log_max_bytes: berth_local::DEFAULT_LOG_MAX_BYTES,
         }
     }
 }
@@ -372,6 +378,7 @@ impl Default for IsolationConfig {
             memory_max_mb: limits.memory_max_mb,
             pids_max: limits.pids_max,
             cpu_max_percent: limits.cpu_max_percent,
+            open_files_max: limits.open_files_max,
             base_uid: 200_000,
             uid_count: 100_000,
             nft: None,
