@@ -21,6 +21,10 @@ mod template;
 
 pub use config::Readiness;
 
+/// The default number of ports of the instance range one instance may
+/// hold, its own included.
+pub const DEFAULT_MAX_PORTS: usize = 16;
+
 /// The default bound of an instance's log on disk: 64 MiB.
 pub const DEFAULT_LOG_MAX_BYTES: u64 = 64 * 1024 * 1024;
 /// The least bound: two files each able to hold the longest piece the

@@ -1808,11 +1808,7 @@ async fn a_berth_whose_uid_range_overlaps_a_live_berths_is_refused_naming_it() {
     // other berth's data dir and range.
     let second = tempfile::tempdir().unwrap();
     support::reachable_by_instances(second.path());
-    let stderr = berth_fails(
-        second.path(),
-        &config(second.path(), slot.base_uid + 50),
-        None,
-    );
+    let stderr = refused_at_start(second.path(), &config(second.path(), slot.base_uid + 50));
     let live_data = live.data_dir.canonicalize().unwrap();
     for needle in [
         format!(
@@ -1842,7 +1838,76 @@ async fn a_berth_whose_uid_range_overlaps_a_live_berths_is_refused_naming_it() {
     assert_healthy(&after).await;
 }
 
+/// berth's stderr when it refuses to start on `config`, written in `dir`;
+/// a berth that starts instead fails the test (and is killed).
+fn refused_at_start(dir: &Path, config: &str) -> String {
+    std::fs::write(dir.join("berth.toml"), config).unwrap();
+    let mut child = Command::new(support::BERTH)
+        .args(["serve", "--config"])
+        .arg(dir.join("berth.toml"))
+        .current_dir(dir)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // A refusal comes before anything is set up, in well under a second.
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if std::time::Instant::now() > deadline {
+            child.kill().unwrap();
+            child.wait().unwrap();
+            panic!("berth started where it must refuse");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut stderr).unwrap();
+    assert_eq!(
+        status.code(),
+        Some(1),
+        "berth must refuse to start: {stderr}"
+    );
+    stderr
+}
+
 async fn assert_healthy(node: &Node) {
     let health = reqwest::get(format!("{}/healthz", node.url)).await.unwrap();
     assert_eq!(health.text().await.unwrap(), "ok");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_instance_holding_the_port_range_cannot_keep_others_from_starting() {
+    if !privileged("ports per instance") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let slot = slot();
+    let node = start(
+        dir.path(),
+        &breach_config(dir.path(), &slot, "user", "max_ports = 4\n", ""),
+    );
+    launch(&node, "alice").await;
+    // alice's program listens on every free port of the range.
+    let (first, last) = (slot.ports.to_string(), (slot.ports + 39).to_string());
+    let held = probe(
+        &node,
+        "alice",
+        "bindmany",
+        &[("first", &first), ("last", &last)],
+    )
+    .await;
+    assert_eq!(held["ok"], true, "{held}");
+    assert!(held["value"].as_u64().unwrap() >= 30, "{held}");
+    // bob starts all the same, and answers.
+    let (status, body) = node.post("/users/bob/instance", json!({})).await;
+    assert_eq!(status, 201, "{body}");
+    eventually(PATIENCE, "bob running", || async {
+        (node.status_of("bob").await == "running").then_some(())
+    })
+    .await;
+    assert_eq!(probe(&node, "bob", "ping", &[]).await["ok"], true);
+    node.kill_instances();
 }

@@ -58,6 +58,7 @@ impl LocalHarness {
             env: BTreeMap::from([("EXTRA".to_owned(), "from-config".to_owned())]),
             env_allowlist: vec!["PATH".into()],
             readiness,
+            max_ports: berth_local::DEFAULT_MAX_PORTS,
             log_max_bytes: berth_local::DEFAULT_LOG_MAX_BYTES,
             port_range: self.ports.clone(),
             patch_ext: "toml".into(),

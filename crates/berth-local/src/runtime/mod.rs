@@ -69,6 +69,9 @@ pub struct LocalRuntimeConfig {
     pub readiness: Readiness,
     /// Ports handed to instances; each checked free before use.
     pub port_range: RangeInclusive<u16>,
+    /// The most ports of `port_range` one instance's account may hold (its
+    /// own included) once no port is free (levels `user` and `sandbox`).
+    pub max_ports: usize,
     /// The most bytes of each instance's log kept on disk (the log and
     /// the file it was last rotated to).
     pub log_max_bytes: u64,
@@ -122,6 +125,10 @@ impl LocalRuntimeConfig {
         Ok(())
     }
 }
+
+/// How long a start waits for the ports of the instances it killed for
+/// holding too many to be free.
+const PORT_HOG_GRACE: Duration = Duration::from_secs(5);
 
 /// What [`LocalRuntime::reserve_port`] gave a start.
 struct Reserved {
@@ -317,6 +324,66 @@ impl LocalRuntime {
         })
     }
 
+    /// Kills every instance whose account holds more than `max_ports`
+    /// ports of the instance range (levels `user` and `sandbox`), and
+    /// waits (a bounded time) for their ports to be free. Whether it found
+    /// any. Asked when no port is free: an instance may listen on ports of
+    /// the range besides its own, but not take so many that no one else
+    /// can start. No kernel hook refuses a bind by count, so the cap is
+    /// enforced where it matters, at the next start that needs a port.
+    async fn stop_port_hogs(&self) -> bool {
+        if self.isolated.is_none() {
+            return false;
+        }
+        let (range, uids, cap) = (
+            self.config.port_range.clone(),
+            self.config.uids,
+            self.config.max_ports,
+        );
+        let hogs = move || crate::ports::port_hogs(&range, uids, cap);
+        let found = tokio::task::spawn_blocking(hogs.clone())
+            .await
+            .unwrap_or_default();
+        if found.is_empty() {
+            return false;
+        }
+        for &(uid, held) in &found {
+            let runs = self.runs.of_uid(uid);
+            tracing::warn!(
+                uid,
+                held,
+                max_ports = cap,
+                runs = runs.len(),
+                "an instance holds more ports of the instance range than max_ports; killing it"
+            );
+            for run in &runs {
+                if let Err(e) = self.ending(run, ShimCommand::Kill).await {
+                    tracing::warn!(%run, error = %e, "could not kill an instance holding ports");
+                }
+            }
+            if runs.is_empty() {
+                // Processes of an account no run of this berth follows.
+                let _ = tokio::task::spawn_blocking(move || crate::isolation::sweep::kill_all(uid))
+                    .await;
+            }
+        }
+        // Their sockets close as their processes die.
+        let deadline = tokio::time::Instant::now() + PORT_HOG_GRACE;
+        loop {
+            let left = tokio::task::spawn_blocking(hogs.clone())
+                .await
+                .unwrap_or_default();
+            if !left
+                .iter()
+                .any(|(uid, _)| found.iter().any(|(u, _)| u == uid))
+                || tokio::time::Instant::now() > deadline
+            {
+                return true;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
     /// Gives `instance_id`'s port up, and its guard grant.
     async fn unreserve(&self, instance_id: &str) {
         let released = lock(&self.reservations).remove(instance_id);
@@ -441,6 +508,7 @@ impl LocalRuntime {
             pid: state.pid,
             pid_start: state.pid_start,
             shim_pid: state.shim_pid,
+            uid: account.map(|a| a.uid),
         };
         let follow = Follow {
             handle,
@@ -548,7 +616,17 @@ impl Runtime for LocalRuntime {
         }
         let account = self.account(&spec.slug).await?;
         let reserved = match spec.role {
-            Role::Main => Some(self.reserve_port(&spec)?),
+            Role::Main => Some(match self.reserve_port(&spec) {
+                // Every port taken: by instances holding more than their
+                // share, perhaps, which are stopped to free them.
+                Err(RuntimeError::CapacityExhausted(why)) => {
+                    if !self.stop_port_hogs().await {
+                        return Err(RuntimeError::CapacityExhausted(why));
+                    }
+                    self.reserve_port(&spec)?
+                }
+                other => other?,
+            }),
             Role::Watchdog => None,
         };
         if let Some(reserved) = &reserved {
@@ -666,10 +744,16 @@ impl Runtime for LocalRuntime {
         let port = state.port.filter(|_| state.role == Role::Main);
         // The guard's table was made afresh at start: the adopted instance
         // gets its own port back.
-        if let (Some(isolated), Some(port), Some(user)) = (&self.isolated, port, &found.user) {
-            let granted = match isolated.account(&user.slug()).await {
-                Ok(account) => isolated.grant(&account, port).await,
-                Err(e) => Err(e),
+        let account = match (&self.isolated, &found.user) {
+            (Some(isolated), Some(user)) => Some(isolated.account(&user.slug()).await),
+            _ => None,
+        };
+        if let (Some(isolated), Some(port), Some(account), Some(user)) =
+            (&self.isolated, port, &account, &found.user)
+        {
+            let granted = match account {
+                Ok(account) => isolated.grant(account, port).await,
+                Err(e) => Err(e.clone()),
             };
             if let Err(e) = granted {
                 tracing::warn!(%user, error = %e, "could not give an adopted instance its port back");
@@ -680,6 +764,7 @@ impl Runtime for LocalRuntime {
             pid: state.pid,
             pid_start: state.pid_start,
             shim_pid: state.shim_pid,
+            uid: account.and_then(Result::ok).map(|a| a.uid),
         };
         let follow = Follow {
             handle,

@@ -224,6 +224,9 @@ pub struct IsolationConfig {
     pub cpu_max_percent: u32,
     /// Open files of each process of an instance (`RLIMIT_NOFILE`).
     pub open_files_max: u64,
+    /// Ports of `[instance] port_range` one instance may hold, its own
+    /// included: when no port is free, instances holding more are killed.
+    pub max_ports: usize,
     /// The first host uid of instance accounts; each user gets the next
     /// free one, once, recorded in the store.
     pub base_uid: u32,
@@ -379,6 +382,7 @@ impl Default for IsolationConfig {
             pids_max: limits.pids_max,
             cpu_max_percent: limits.cpu_max_percent,
             open_files_max: limits.open_files_max,
+            max_ports: berth_local::DEFAULT_MAX_PORTS,
             base_uid: 200_000,
             uid_count: 100_000,
             nft: None,

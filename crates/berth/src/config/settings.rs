@@ -191,6 +191,7 @@ impl Config {
             readiness: self.readiness()?,
             port_range: i.port_range[0]..=i.port_range[1],
             log_max_bytes: i.log_max_bytes,
+            max_ports: self.isolation.max_ports,
             patch_ext: i.patch_ext.clone(),
             watchdog_command: self.watchdog.command.clone(),
             isolation: self.isolation_level(nix::unistd::geteuid().is_root())?,

@@ -31,6 +31,12 @@ impl Config {
         if i.pids_max == 0 {
             return Err(self.invalid("isolation.pids_max", "must be at least 1"));
         }
+        if i.max_ports == 0 {
+            return Err(self.invalid(
+                "isolation.max_ports",
+                "must be at least 1: an instance holds its own port",
+            ));
+        }
         if i.open_files_max < 64 {
             return Err(self.invalid(
                 "isolation.open_files_max",
@@ -609,6 +615,7 @@ mod tests {
             ("memory_max_mb = 0", "isolation.memory_max_mb"),
             ("pids_max = 0", "isolation.pids_max"),
             ("open_files_max = 10", "isolation.open_files_max"),
+            ("max_ports = 0", "isolation.max_ports"),
         ] {
             let c = parse(&format!("[isolation]\n{text}\n")).unwrap();
             let msg = c.validate().unwrap_err().to_string();
