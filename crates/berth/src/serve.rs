@@ -392,7 +392,7 @@ fn register_uid_range(config: &Config) -> anyhow::Result<Option<uid_ranges::Regi
         std::path::Path::new(uid_ranges::RECORD_DIR),
         &data_dir,
         config.uid_range(),
-        &uid_ranges::store_identity(&config.store_url()),
+        &uid_ranges::store_identity(&config.store_url(), config.cluster_secret.as_deref()),
     )?;
     Ok(Some(registration))
 }

@@ -100,8 +100,11 @@ impl Drop for Registration {
 }
 
 /// The store's identity in the record: a SQLite file by its canonical
-/// path, any other URL without its password.
-pub fn store_identity(url: &str) -> String {
+/// path; a cluster's store by its cluster secret (hashed), which every
+/// node of the cluster holds whatever URL reaches the database (a proxy
+/// or relay per node, say); without a secret, the URL without its
+/// password.
+pub fn store_identity(url: &str, cluster_secret: Option<&str>) -> String {
     match url.strip_prefix("sqlite://") {
         Some(rest) => {
             let path = Path::new(rest.split('?').next().unwrap_or(rest));
@@ -119,7 +122,14 @@ pub fn store_identity(url: &str) -> String {
                 canonical.unwrap_or_else(|_| path.to_owned()).display()
             )
         }
-        None => berth_store::redact_url(url),
+        None => match cluster_secret {
+            Some(secret) => {
+                use sha2::Digest;
+                let digest = sha2::Sha256::digest(format!("berth uid ranges\0{secret}"));
+                format!("cluster {}", hex::encode(&digest[..16]))
+            }
+            None => berth_store::redact_url(url),
+        },
     }
 }
 
@@ -280,12 +290,20 @@ mod tests {
         let canonical = dir.path().canonicalize().unwrap();
         let url = format!("sqlite://{}/./berth.db", dir.path().display());
         assert_eq!(
-            store_identity(&url),
+            store_identity(&url, None),
             format!("sqlite://{}/berth.db", canonical.display())
         );
         assert_eq!(
-            store_identity("postgres://u:secret@db/b"),
+            store_identity("postgres://u:secret@db/b", None),
             "postgres://u:***@db/b"
         );
+        // Nodes of one cluster reach its database by URLs of their own.
+        let a = store_identity("postgres://u:pw@relay-a:5001/b", Some("s3cret"));
+        assert_eq!(
+            a,
+            store_identity("postgres://u:pw@relay-b:5002/b", Some("s3cret"))
+        );
+        assert!(!a.contains("s3cret"));
+        assert_ne!(a, store_identity("postgres://u:pw@db/b", Some("other")));
     }
 }
