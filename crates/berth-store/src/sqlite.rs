@@ -200,6 +200,11 @@ impl Dialect for Sqlite {
     /// parent check and insert see no concurrent mint of the same user.
     const LOCK_USER_TOKENS: Option<&'static str> = None;
 
+    /// None needed: a placement's transaction writes first (it drops
+    /// expired reservations), which takes SQLite's one write lock before it
+    /// counts.
+    const LOCK_PLACEMENTS: Option<&'static str> = None;
+
     fn bind_pairs<'q>(
         query: Query<'q, Self>,
         pairs: Vec<(&'q str, i64)>,

@@ -2121,3 +2121,121 @@ async fn a_relayed_stream_holds_a_slot_on_both_nodes() {
     )
     .await;
 }
+
+/// A login storm: `USERS` users launched at once, a third through each of
+/// three nodes (`[cluster] capacity = capacity` on each, or the default,
+/// the size of the port range). Every launch is answered 201 (none is
+/// refused for capacity), every user runs exactly once, and the live
+/// instances per node, by the store's records and by processes, are
+/// returned.
+async fn launch_storm(capacity: Option<u32>) -> std::collections::BTreeMap<String, usize> {
+    const USERS: usize = 90;
+    let db = fresh_db().await;
+    let root = tempfile::tempdir().unwrap();
+    let extra = capacity.map_or_else(String::new, |c| format!("[cluster]\ncapacity = {c}\n"));
+    let ids = ["node-a", "node-b", "node-c"];
+    let mut nodes = Vec::new();
+    for id in ids {
+        let (dir, db, extra) = (root.path().join(id), db.clone(), extra.clone());
+        nodes.push(
+            tokio::task::spawn_blocking(move || {
+                Node::start_cluster_with_lease(&dir, &db, id, SECRET, "", &extra)
+            })
+            .await
+            .unwrap(),
+        );
+    }
+    // Every node has heartbeaten its capacity before the storm.
+    eventually(Duration::from_secs(30), "three nodes listed", || async {
+        let (_, listed) = nodes[0].get("/nodes").await;
+        let up = listed["nodes"].as_array().map_or(0, |n| {
+            n.iter()
+                .filter(|n| n["status"] == "up" && n["capacity"].as_u64() > Some(0))
+                .count()
+        });
+        (up == 3).then_some(())
+    })
+    .await;
+    let client = reqwest::Client::builder()
+        .pool_max_idle_per_host(USERS)
+        .timeout(Duration::from_secs(120))
+        .build()
+        .unwrap();
+    let launches = (0..USERS).map(|u| {
+        let node = &nodes[u % nodes.len()];
+        let request = client
+            .post(node.api(&format!("/users/storm{u}/instance?wait=false")))
+            .bearer_auth(&node.token)
+            .json(&json!({}));
+        async move {
+            match request.send().await {
+                Ok(r) => (
+                    r.status().as_u16(),
+                    r.json::<Value>().await.unwrap_or(Value::Null),
+                ),
+                Err(e) => (0, json!({ "transport": e.to_string() })),
+            }
+        }
+    });
+    let answers = futures_util::future::join_all(launches).await;
+    let refused: Vec<_> = answers
+        .iter()
+        .enumerate()
+        .filter(|(_, (status, _))| *status != 201)
+        .collect();
+    assert!(
+        refused.is_empty(),
+        "{} not created: {refused:?}",
+        refused.len()
+    );
+    // All of them come up.
+    eventually(Duration::from_secs(180), "every user running", || async {
+        let (_, listed) = nodes[0].get("/instances").await;
+        let running = listed["instances"].as_array().map_or(0, |all| {
+            all.iter()
+                .filter(|r| r["role"] == "main" && r["status"] == "running")
+                .count()
+        });
+        (running == USERS).then_some(())
+    })
+    .await;
+    let (_, listed) = nodes[0].get("/instances").await;
+    let mut per_node = std::collections::BTreeMap::<String, usize>::new();
+    for record in listed["instances"].as_array().unwrap() {
+        if record["role"] == "main" && record["status"] == "running" {
+            *per_node
+                .entry(record["node"].as_str().unwrap().to_owned())
+                .or_default() += 1;
+        }
+    }
+    // The processes agree: one per user, on the node its record names.
+    let mut by_process = std::collections::BTreeMap::<String, usize>::new();
+    for u in 0..USERS {
+        let user = format!("storm{u}");
+        let pids = pids_everywhere(&nodes, &user);
+        assert_eq!(pids.len(), 1, "{user}: {pids:?}");
+        *by_process.entry(ids[pids[0].0].to_owned()).or_default() += 1;
+    }
+    assert_eq!(per_node, by_process);
+    eprintln!("instances per node: {per_node:?}");
+    per_node
+}
+
+/// Three nodes of 40 take a storm of 90: all run, nothing is refused, no
+/// node holds more than 45 (nor more than its 40). Placement counts each
+/// node's leases and reserved places live, in the store, so the launches
+/// of a burst see each other instead of the nodes' last heartbeats.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_login_storm_spreads_over_nodes_of_forty() {
+    let per_node = launch_storm(Some(40)).await;
+    assert_eq!(per_node.values().sum::<usize>(), 90, "{per_node:?}");
+    assert!(per_node.values().all(|n| *n <= 40), "{per_node:?}");
+}
+
+/// Without capacity limits a storm of 90 is spread too: no node above 45.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_login_storm_spreads_without_capacity_limits() {
+    let per_node = launch_storm(None).await;
+    assert_eq!(per_node.len(), 3, "{per_node:?}");
+    assert!(per_node.values().all(|n| *n <= 45), "{per_node:?}");
+}

@@ -38,6 +38,7 @@ macro_rules! embedded_migrations {
             (6, "runtime_ref", embedded_migrations!(@file $dir, "0006_runtime_ref.sql")),
             (7, "node_identity", embedded_migrations!(@file $dir, "0007_node_identity.sql")),
             (8, "hibernated", embedded_migrations!(@file $dir, "0008_hibernated.sql")),
+            (9, "placements", embedded_migrations!(@file $dir, "0009_placements.sql")),
         ]
     };
     (@file $dir:literal, $name:literal) => {
