@@ -2137,13 +2137,17 @@ async fn launch_storm(capacity: Option<u32>) -> std::collections::BTreeMap<Strin
     let mut nodes = Vec::new();
     for id in ids {
         let (dir, db, extra) = (root.path().join(id), db.clone(), extra.clone());
-        nodes.push(
+        // Leases as long as production's: 90 programs starting at once
+        // load a small test machine for seconds, which the short test
+        // leases would turn into fences and failovers.
+        let lease = "ttl_ms = 30000\nrenew_ms = 10000\nfence_after_ms = 20000\n";
+        nodes.push(Node::from(
             tokio::task::spawn_blocking(move || {
-                Node::start_cluster_with_lease(&dir, &db, id, SECRET, "", &extra)
+                berth().start_cluster_custom(&dir, &db, id, SECRET, lease, "", &extra)
             })
             .await
             .unwrap(),
-        );
+        ));
     }
     // Every node has heartbeaten its capacity before the storm.
     eventually(Duration::from_secs(30), "three nodes listed", || async {
