@@ -11,7 +11,7 @@
 //!
 //! * [`Dialect`], on sqlx's database type: the store's clock as SQL, the two
 //!   bulk statements (renew, activity) whose lists SQLite takes as one JSON
-//!   array and PostgreSQL as parallel arrays, and the locks that make mints
+//!   object and PostgreSQL as parallel arrays, and the locks that make mints
 //!   of one user, and placements, take turns where the database does not
 //!   serialise writers;
 //! * [`SqlBackend`], on the store type: its connection pool and how it
