@@ -107,6 +107,7 @@ impl<B: SqlBackend> Store for B {
         }
         let pairs = activity.iter().map(|(u, t)| (u.as_str(), *t)).collect();
         self.stmt(<B::Db as Dialect>::ACTIVITY)
+            .one_off()
             .bind_pairs(pairs)?
             .execute()
             .await?;
@@ -145,6 +146,7 @@ impl<B: SqlBackend> Store for B {
         let pairs = held.iter().map(|(u, e)| (u.as_str(), *e)).collect();
         let rows = self
             .stmt(<B::Db as Dialect>::RENEW)
+            .one_off()
             .bind(node)
             .bind(ttl_ms(ttl))
             .bind_pairs(pairs)?
