@@ -48,6 +48,9 @@ pub struct ControllerConfig {
     /// How other nodes reach this one; sent with the heartbeat. Empty on a
     /// single node.
     pub advertise_url: String,
+    /// Where other nodes call this one's node-to-node API (its own
+    /// listener); sent with the heartbeat. Empty on a single node.
+    pub internal_url: String,
     /// A start that is not ready within this is killed and counted as a
     /// crash (design §4.2).
     pub ready_timeout: Duration,
@@ -94,6 +97,7 @@ impl ControllerConfig {
         Self {
             node_id: node_id.into(),
             advertise_url: String::new(),
+            internal_url: String::new(),
             ready_timeout: Duration::from_secs(60),
             stop_grace: Duration::from_secs(5),
             crash: CrashPolicy::default(),

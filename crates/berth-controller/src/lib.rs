@@ -136,6 +136,7 @@ impl Controller {
             node: NodeState::new(
                 config.node_id.clone(),
                 config.advertise_url.clone(),
+                config.internal_url.clone(),
                 capacity,
                 reason,
             ),

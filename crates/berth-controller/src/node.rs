@@ -11,6 +11,7 @@ use berth_store::{NodeRecord, NodeStatus};
 pub(crate) struct NodeState {
     id: String,
     advertise_url: String,
+    internal_url: String,
     /// What the heartbeat says: `up`, or `draining` when an operator asked
     /// the node to take nothing new.
     status: Mutex<NodeStatus>,
@@ -46,10 +47,17 @@ impl Drop for Place<'_> {
 
 impl NodeState {
     /// A node that runs at most `capacity` mains, for `reason`.
-    pub fn new(id: String, advertise_url: String, capacity: u32, reason: String) -> Self {
+    pub fn new(
+        id: String,
+        advertise_url: String,
+        internal_url: String,
+        capacity: u32,
+        reason: String,
+    ) -> Self {
         Self {
             id,
             advertise_url,
+            internal_url,
             status: Mutex::new(NodeStatus::Up),
             capacity: AtomicU32::new(capacity),
             capacity_reason: Mutex::new(reason),
@@ -112,6 +120,7 @@ impl NodeState {
         NodeRecord {
             id: self.id.clone(),
             advertise_url: self.advertise_url.clone(),
+            internal_url: self.internal_url.clone(),
             capacity: self.capacity(),
             load,
             status: self.status(),
@@ -126,7 +135,13 @@ mod tests {
 
     #[test]
     fn places_are_counted_with_live_mains_and_given_back() {
-        let node = NodeState::new("n1".into(), String::new(), 2, "a test's".into());
+        let node = NodeState::new(
+            "n1".into(),
+            String::new(),
+            String::new(),
+            2,
+            "a test's".into(),
+        );
         let a = node.admit(0).unwrap();
         let b = node.admit(0).unwrap();
         let full = node.admit(0).err().unwrap();

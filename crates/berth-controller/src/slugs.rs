@@ -6,8 +6,11 @@
 //!
 //! A user first recorded by this version may have a data root under the
 //! slug an earlier berth derived (`UserId::legacy_slug`): if the runtime
-//! keeps data under that slug here, that slug is recorded, so the user
-//! keeps their files.
+//! keeps data under that slug here, and the store shows that the user ran
+//! before (a lease row), that slug is recorded, so the user keeps their
+//! files. Earlier slugs had 32 bits of hash: anyone can make an id that
+//! shares another user's, so the data under one is never handed to an id
+//! the store has not seen launched.
 //!
 //! [`InstanceSpec`]: berth_core::runtime::InstanceSpec
 
@@ -45,7 +48,7 @@ impl Shared {
             return Ok(slug);
         }
         let today = user.slug();
-        let first = self.first_slug(user).await;
+        let first = self.first_slug(user).await?;
         if first != today {
             match self.store.record_user_slug(user, &first).await {
                 Ok(slug) => {
@@ -66,14 +69,27 @@ impl Shared {
 
     /// The slug a first record of `user` made on this node asks for,
     /// without recording it: the user's legacy slug if the runtime keeps
-    /// data under it here, else today's.
-    pub(crate) async fn first_slug(&self, user: &UserId) -> Slug {
+    /// data under it here and the user has a lease row, else today's.
+    ///
+    /// The lease row is the evidence that the data may be this user's:
+    /// every launch by an earlier berth claimed one, and this version
+    /// records a user's slug before their first claim, so an id first seen
+    /// after the upgrade has none when its slug is chosen. Without it, an
+    /// id made to share another user's 32-bit legacy slug would be handed
+    /// that user's files (and their logs, which `logs -f` follows here
+    /// before a first launch).
+    pub(crate) async fn first_slug(&self, user: &UserId) -> Result<Slug, StoreError> {
         let legacy = user.legacy_slug();
-        if legacy != user.slug() && self.runtime.has_data(&legacy).await {
-            legacy
-        } else {
-            user.slug()
+        if legacy == user.slug() || !self.runtime.has_data(&legacy).await {
+            return Ok(user.slug());
         }
+        if self.store.get_lease(user).await?.is_none() {
+            tracing::warn!(%user, slug = %legacy,
+                "data lies under this id's earlier slug, but the id never ran before: it may be \
+                 another user's, so this one gets a new slug");
+            return Ok(user.slug());
+        }
+        Ok(legacy)
     }
 
     /// The slug that names `user`'s files, if one is recorded (by this

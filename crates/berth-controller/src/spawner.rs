@@ -470,7 +470,7 @@ impl Spawner for Controller {
         // asking).
         let slug = match self.shared.known_slug(user).await? {
             Some(slug) => slug,
-            None => self.shared.first_slug(user).await,
+            None => self.shared.first_slug(user).await?,
         };
         self.shared
             .runtime

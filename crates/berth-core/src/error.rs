@@ -30,6 +30,10 @@ pub enum ErrorCode {
     /// The request body arrived too slowly (`[proxy] body_min_bytes_per_s`,
     /// `body_grace_ms`).
     RequestTimeout,
+    /// The node that runs the user (or was asked to) did not answer: it is
+    /// down, paused or cut off, and either comes back or loses the lease
+    /// to another node. A moment's condition, not berth's fault.
+    NodeUnreachable,
     Internal,
 }
 
@@ -53,6 +57,7 @@ impl ErrorCode {
             ErrorCode::UnsupportedMediaType => "unsupported_media_type",
             ErrorCode::TooManyStreams => "too_many_streams",
             ErrorCode::RequestTimeout => "request_timeout",
+            ErrorCode::NodeUnreachable => "node_unreachable",
             ErrorCode::Internal => "internal",
         }
     }
@@ -73,7 +78,8 @@ impl ErrorCode {
             ErrorCode::InstanceCircuitOpen
             | ErrorCode::InstanceStarting
             | ErrorCode::CapacityExhausted
-            | ErrorCode::StoreUnavailable => 503,
+            | ErrorCode::StoreUnavailable
+            | ErrorCode::NodeUnreachable => 503,
         }
     }
 }
@@ -83,6 +89,11 @@ impl fmt::Display for ErrorCode {
         f.write_str(self.as_str())
     }
 }
+
+/// When to retry after [`SpawnError::NodeUnreachable`]: a node that does not
+/// answer is back, or has lost its users' leases to a node that does, within
+/// about one lease TTL; a client asking again every second sees either soon.
+pub const NODE_UNREACHABLE_RETRY_MS: u64 = 1000;
 
 /// Why a lifecycle operation failed. Every variant maps to one [`ErrorCode`].
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -126,6 +137,9 @@ pub enum SpawnError {
     /// refused, perhaps another one that relayed the stream).
     #[error("too many streams: {0}")]
     TooManyStreams(String),
+    /// Another node, asked to act for a user, did not answer.
+    #[error("node {node} did not answer: {reason}")]
+    NodeUnreachable { node: String, reason: String },
     #[error("internal error: {0}")]
     Internal(String),
 }
@@ -145,6 +159,7 @@ impl SpawnError {
             SpawnError::CapacityExhausted(_) => ErrorCode::CapacityExhausted,
             SpawnError::StoreUnavailable(_) => ErrorCode::StoreUnavailable,
             SpawnError::TooManyStreams(_) => ErrorCode::TooManyStreams,
+            SpawnError::NodeUnreachable { .. } => ErrorCode::NodeUnreachable,
             SpawnError::Internal(_) => ErrorCode::Internal,
         }
     }
@@ -156,6 +171,7 @@ impl SpawnError {
                 Some(u64::try_from(retry_at.saturating_sub(now)).unwrap_or(0))
             }
             SpawnError::Starting { retry_after_ms, .. } => Some(*retry_after_ms),
+            SpawnError::NodeUnreachable { .. } => Some(NODE_UNREACHABLE_RETRY_MS),
             _ => None,
         }
     }

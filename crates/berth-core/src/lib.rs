@@ -41,7 +41,7 @@ pub use folder::normalize_folder;
 pub use id::{InvalidSlug, InvalidUserId, MAX_SLUG_LEN, Slug, UserId};
 pub use model::{
     BreakerInfo, Endpoint, Epoch, Instance, InstanceEvent, InstanceStatus, LaunchRequest,
-    MAX_PATCH_BYTES, ProbeReport, RestartResult, Role, Stage, UserStatus,
+    MAX_PATCH_BYTES, ProbeReport, Reach, RestartResult, Role, Stage, UserStatus,
 };
 pub use spawner::{STARTING_RETRY_MS, Spawner, readiness_answer, wait_ready};
 pub use time::{UnixMillis, unix_millis_now};

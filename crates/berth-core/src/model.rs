@@ -175,6 +175,25 @@ pub struct UserStatus {
 pub struct Endpoint {
     pub host: String,
     pub port: u16,
+    #[serde(flatten, default)]
+    pub reach: Reach,
+}
+
+/// How an address on this host must be reached, when it is not simply
+/// dialled from berth's own network namespace to whatever listens there.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Reach {
+    /// The account whose socket must answer at the address, where other
+    /// accounts could bind it: every connection is checked against this
+    /// uid before a byte is sent (`None`: the runtime vouches for the
+    /// address itself).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub owner: Option<u32>,
+    /// The network namespace the address is in (a namespace file, such as
+    /// `/proc/<pid>/ns/net`), when it is not berth's own: a sandboxed
+    /// instance's, where only its own programs listen.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub netns: Option<std::path::PathBuf>,
 }
 
 impl Endpoint {

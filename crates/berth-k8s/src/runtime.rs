@@ -81,6 +81,7 @@ impl EndpointResolver for ServiceDns {
         Endpoint {
             host: format!("{service}.{namespace}.svc.{}", self.cluster_domain),
             port,
+            reach: berth_core::Reach::default(),
         }
     }
 }
@@ -1061,6 +1062,7 @@ fn slice_endpoint(slices: &[EndpointSlice], uid: &str) -> Option<Endpoint> {
         Some(Endpoint {
             host: address.clone(),
             port: u16::try_from(port).ok()?,
+            reach: berth_core::Reach::default(),
         })
     })
 }
@@ -1412,7 +1414,8 @@ mod tests {
             slice_endpoint(&slices, "new"),
             Some(Endpoint {
                 host: "10.0.0.2".into(),
-                port: 8080
+                port: 8080,
+                reach: berth_core::Reach::default(),
             })
         );
         assert_eq!(

@@ -1,13 +1,21 @@
-//! Probes that tell whether a starting instance is ready (design §4.2):
-//! an HTTP GET answering below 500, or a TCP connect. The token-regex
-//! signal comes from the shim instead.
+//! Probes that tell whether a starting instance is ready: an HTTP GET
+//! answering below 500, or a TCP connect. The token-regex signal comes from
+//! the shim instead.
+//!
+//! When the instance runs under an account of its own, a connection counts
+//! only if the socket that took it belongs to that account: a program of
+//! another account that bound the port first is not the instance, however
+//! well it answers.
 
+use std::net::SocketAddr;
 use std::time::Duration;
 
 use http_body_util::Empty;
 use hyper::body::Bytes;
 use hyper_util::rt::TokioIo;
 use tokio::net::TcpStream;
+
+use berth_core::Reach;
 
 use crate::Readiness;
 
@@ -16,14 +24,15 @@ pub(crate) const PROBE_TIMEOUT: Duration = Duration::from_millis(500);
 /// Pause between probes.
 pub(crate) const PROBE_INTERVAL: Duration = Duration::from_millis(50);
 
-/// One probe of `readiness` against `127.0.0.1:port`. `None` when the
-/// readiness kind is not probed (the shim reports it).
-pub(crate) async fn probe(readiness: &Readiness, port: u16) -> Option<bool> {
+/// One probe of `readiness` against `127.0.0.1:port`, reached as `reach`
+/// says (a socket of its owner's, in its network namespace). `None` when
+/// the readiness kind is not probed (the shim reports it).
+pub(crate) async fn probe(readiness: &Readiness, port: u16, reach: &Reach) -> Option<bool> {
     let attempt = async {
         match readiness {
             Readiness::TokenRegex(_) => None,
-            Readiness::Tcp => Some(TcpStream::connect(("127.0.0.1", port)).await.is_ok()),
-            Readiness::Http { path } => Some(http_ok(port, path).await),
+            Readiness::Tcp => Some(connect(port, reach).await.is_some()),
+            Readiness::Http { path } => Some(http_ok(port, reach, path).await),
         }
     };
     match tokio::time::timeout(PROBE_TIMEOUT, attempt).await {
@@ -32,8 +41,40 @@ pub(crate) async fn probe(readiness: &Readiness, port: u16) -> Option<bool> {
     }
 }
 
-async fn http_ok(port: u16, path: &str) -> bool {
-    let Ok(stream) = TcpStream::connect(("127.0.0.1", port)).await else {
+/// A connection to `127.0.0.1:port` (in `reach.netns`, if given) that
+/// reached a socket of `reach.owner`'s.
+async fn connect(port: u16, reach: &Reach) -> Option<TcpStream> {
+    if let Some(netns) = &reach.netns {
+        let addr = SocketAddr::from(([127, 0, 0, 1], port));
+        return berth_localnet::connect_in(netns, addr, PROBE_TIMEOUT)
+            .await
+            .ok();
+    }
+    let stream = TcpStream::connect(("127.0.0.1", port)).await.ok()?;
+    let Some(owner) = reach.owner else {
+        return Some(stream);
+    };
+    let found = berth_localnet::peer_owner(stream.local_addr().ok()?, stream.peer_addr().ok()?);
+    match found {
+        Ok(uid) if uid == owner => Some(stream),
+        Ok(uid) => {
+            tracing::warn!(
+                port,
+                owner,
+                uid,
+                "the instance's port is held by another account"
+            );
+            None
+        }
+        Err(e) => {
+            tracing::warn!(port, error = %e, "cannot tell who holds the instance's port");
+            None
+        }
+    }
+}
+
+async fn http_ok(port: u16, reach: &Reach, path: &str) -> bool {
+    let Some(stream) = connect(port, reach).await else {
         return false;
     };
     let Ok((mut sender, conn)) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await
@@ -87,20 +128,48 @@ mod tests {
     async fn http_readiness_wants_an_answer_below_500() {
         let http = Readiness::Http { path: "/".into() };
         let port = serve_once("404 Not Found").await;
-        assert_eq!(probe(&http, port).await, Some(true));
+        assert_eq!(probe(&http, port, &Reach::default()).await, Some(true));
         let port = serve_once("503 Service Unavailable").await;
-        assert_eq!(probe(&http, port).await, Some(false));
+        assert_eq!(probe(&http, port, &Reach::default()).await, Some(false));
+    }
+
+    fn owned_by(uid: u32) -> Reach {
+        Reach {
+            owner: Some(uid),
+            netns: None,
+        }
     }
 
     #[tokio::test]
     async fn tcp_readiness_wants_a_listener() {
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let port = listener.local_addr().unwrap().port();
-        assert_eq!(probe(&Readiness::Tcp, port).await, Some(true));
-        drop(listener);
-        assert_eq!(probe(&Readiness::Tcp, port).await, Some(false));
         assert_eq!(
-            probe(&Readiness::Http { path: "/".into() }, port).await,
+            probe(&Readiness::Tcp, port, &Reach::default()).await,
+            Some(true)
+        );
+        let me = nix::unistd::geteuid().as_raw();
+        assert_eq!(
+            probe(&Readiness::Tcp, port, &owned_by(me)).await,
+            Some(true)
+        );
+        assert_eq!(
+            probe(&Readiness::Tcp, port, &owned_by(me.wrapping_add(1))).await,
+            Some(false),
+            "a listener of another account is not the instance"
+        );
+        drop(listener);
+        assert_eq!(
+            probe(&Readiness::Tcp, port, &Reach::default()).await,
+            Some(false)
+        );
+        assert_eq!(
+            probe(
+                &Readiness::Http { path: "/".into() },
+                port,
+                &Reach::default()
+            )
+            .await,
             Some(false)
         );
     }

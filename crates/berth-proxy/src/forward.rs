@@ -14,9 +14,19 @@
 //!   it was written, too). The connection is set up before the request is
 //!   built, so a refused connect (the instance is not listening yet) is
 //!   tried again for about 1.5 s whatever the method or body.
-//! * `Connection: upgrade` requests (WebSocket) go through hyper's pooled
-//!   client (its connection tasks hand the upgraded stream over) and become
-//!   a raw byte tunnel once both sides have switched protocols; at most
+//! * An upstream with an `owner` (an instance on this host, under an
+//!   account of its own) is reached only through a socket that account
+//!   owns: every new connection is checked with the kernel
+//!   ([`berth_localnet::peer_owner`]) before a byte is sent, and a pooled
+//!   one is lent only to requests for the same owner. A program of another
+//!   account that bound the instance's port first never sees a request
+//!   (`502`, and a warning in berth's log). A sandboxed instance is
+//!   reached inside its own network namespace
+//!   ([`berth_localnet::connect_in`]), where no other account listens.
+//! * `Connection: upgrade` requests (WebSocket) go over a connection of
+//!   their own, checked the same way, whose task hands the upgraded stream
+//!   over; it becomes a raw byte tunnel once both sides have switched
+//!   protocols; at most
 //!   `max_upgrades` long-lived streams exist at a time, and at most
 //!   `max_upgrades_per_user` for one user ([`StreamLimits`], which the
 //!   API's progress and log streams share). What the client sends through
@@ -29,26 +39,27 @@
 use std::future::Future;
 use std::io;
 use std::net::SocketAddr;
+use std::path::Path;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
-use berth_core::{ErrorCode, Spawner, UserId};
+use berth_core::{ErrorCode, Reach, Spawner, UserId};
 use bytes::Bytes;
 use http_body_util::{Either, Empty};
 use hyper::body::{Body as _, Incoming};
 use hyper::header::{self, HeaderMap, HeaderName, HeaderValue};
 use hyper::http::uri::{Authority, PathAndQuery, Scheme};
 use hyper::{Method, Request, Response, StatusCode, Uri, Version};
-use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::rt::TokioIo;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::TcpStream;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use crate::limits::{StreamLimits, StreamPermit, StreamRefused};
+use crate::limits::{ConnPermit, StreamLimits, StreamPermit, StreamRefused};
 use crate::pace::{BodyPace, BodyTooSlow, PacedBody};
 use crate::pool::{Conn, ForwardedBody, Pool};
 use crate::respond::{self, ProxyBody};
@@ -133,6 +144,8 @@ pub struct ConnInfo {
     peer_ip: HeaderValue,
     /// The peer is a trusted proxy: its `X-Forwarded-*` headers stand.
     pub trusted: bool,
+    /// The connection's slots under the server's caps, if it has any.
+    permit: Option<Arc<ConnPermit>>,
 }
 
 impl ConnInfo {
@@ -143,6 +156,24 @@ impl ConnInfo {
             peer,
             peer_ip,
             trusted,
+            permit: None,
+        }
+    }
+
+    /// The connection holds `permit` (the server's caps).
+    #[must_use]
+    pub fn with_permit(mut self, permit: Arc<ConnPermit>) -> Self {
+        self.permit = Some(permit);
+        self
+    }
+
+    /// Stops counting the connection against its address, once a request
+    /// on it proved (by a valid signature) that another node sent it: a
+    /// node may hold many connections to this one from a single address,
+    /// and nodes on one host share it with every program there.
+    pub fn exempt_from_address_cap(&self) {
+        if let Some(permit) = &self.permit {
+            permit.exempt();
         }
     }
 }
@@ -153,40 +184,29 @@ pub struct Upstream {
     pub user: Arc<UserId>,
     pub authority: Authority,
     pub path_and_query: PathAndQuery,
+    /// How the address must be reached ([`berth_core::Endpoint::reach`]).
+    pub reach: Reach,
     /// Retry a refused connection with backoff. Right for a local instance
     /// (it may be a moment from listening); wrong for another node, whose
     /// refusal means it is down: waiting there only delays the failover.
     pub retry_refused: bool,
 }
 
-/// Spawns the client pool's connection tasks where they can be cancelled
-/// and waited for at shutdown.
-#[derive(Clone)]
-struct TrackedExecutor {
-    tasks: TaskTracker,
-    cancel: CancellationToken,
-}
-
-impl<F> hyper::rt::Executor<F> for TrackedExecutor
-where
-    F: Future + Send + 'static,
-    F::Output: Send + 'static,
-{
-    fn execute(&self, fut: F) {
-        let cancel = self.cancel.clone();
-        self.tasks.spawn(async move {
-            tokio::select! {
-                _ = fut => {}
-                () = cancel.cancelled() => {}
-            }
-        });
-    }
+/// The socket at an instance's address belongs to another account: a
+/// program that bound the port before the instance could.
+#[derive(Debug, thiserror::Error)]
+#[error("the socket at {authority} belongs to uid {found}, not to the instance's account {owner}")]
+struct ForeignSocket {
+    authority: Authority,
+    owner: u32,
+    found: u32,
 }
 
 /// The forward layer.
 pub struct Forwarder {
-    /// For upgrades (WebSockets) only.
-    client: Client<HttpConnector, UpstreamBody>,
+    /// How long a connect inside a namespace may take (the connector has
+    /// its own copy).
+    connect_timeout: Duration,
     connector: HttpConnector,
     pool: Arc<Pool>,
     streams: Arc<StreamLimits>,
@@ -255,18 +275,6 @@ impl Forwarder {
         connector.set_nodelay(true);
         connector.set_connect_timeout(Some(config.connect_timeout));
         connector.set_keepalive(Some(Duration::from_secs(60)));
-        let executor = TrackedExecutor {
-            tasks: tasks.clone(),
-            cancel: cancel.clone(),
-        };
-        let client = Client::builder(executor)
-            .pool_timer(TokioTimer::new())
-            .pool_idle_timeout(config.pool_idle_timeout)
-            .pool_max_idle_per_host(config.pool_max_idle_per_host)
-            // berth passes the client's Host through: apps check it against
-            // Origin (WebSocket) and build absolute URLs from it.
-            .set_host(false)
-            .build(connector.clone());
         let pool = Pool::start(
             config.pool_max_idle_per_host,
             config.pool_idle_timeout,
@@ -274,7 +282,7 @@ impl Forwarder {
             cancel.clone(),
         );
         Self {
-            client,
+            connect_timeout: config.connect_timeout,
             connector,
             pool,
             streams: StreamLimits::new(config.max_upgrades, config.max_upgrades_per_user),
@@ -340,25 +348,14 @@ impl Forwarder {
         rewrite_request_headers(&mut parts.headers, conn, upgrade, keep_forwarded_user);
         parts.version = Version::HTTP_11;
 
+        // Origin-form: the request line carries the path only. The
+        // client's Host is passed through as it is: apps check it against
+        // Origin (WebSocket) and build absolute URLs from it.
+        parts.uri = Uri::from(to.path_and_query.clone());
         let result = if upgrade {
-            // Upgrades go through hyper's pooled client, whose connection
-            // tasks hand over the upgraded stream; they are never retried.
-            let uri = match Uri::from_parts({
-                let mut p = hyper::http::uri::Parts::default();
-                p.scheme = Some(Scheme::HTTP);
-                p.authority = Some(to.authority.clone());
-                p.path_and_query = Some(to.path_and_query.clone());
-                p
-            }) {
-                Ok(uri) => uri,
-                Err(_) => return bad_gateway("cannot build the upstream URI"),
-            };
-            parts.uri = uri;
             let body = self.upstream_body(body);
-            Box::pin(self.send_upgrade(Request::from_parts(parts, body))).await
+            Box::pin(self.send_upgrade(&to, Request::from_parts(parts, body))).await
         } else {
-            // Origin-form: the request line carries the path only.
-            parts.uri = Uri::from(to.path_and_query.clone());
             self.send(&to, parts, body).await
         };
         let mut response = match result {
@@ -412,7 +409,7 @@ impl Forwarder {
         parts: hyper::http::request::Parts,
         body: Incoming,
     ) -> Result<Response<ForwardedBody>, Failure> {
-        let (mut conn, mut reused) = match self.pool.checkout(&to.authority) {
+        let (mut conn, mut reused) = match self.pool.checkout(&to.authority, &to.reach) {
             Some(conn) => (conn, true),
             // Boxed: connecting is rare, and its future is large.
             None => (Box::pin(self.connect_patiently(to)).await?, false),
@@ -487,9 +484,19 @@ impl Forwarder {
     /// 1.5 s in all) when `retry_refused` says the upstream is a local
     /// instance that may be a moment from listening.
     async fn connect_patiently(&self, to: &Upstream) -> Result<Conn, Failure> {
+        let stream = self.open_patiently(to).await?;
+        let (sender, io) = hyper::client::conn::http1::handshake(stream)
+            .await
+            .map_err(|e| Failure::Fatal(e.into()))?;
+        Ok(Conn::new(sender, io, to.reach.clone()))
+    }
+
+    /// [`Self::open`], with the retries of a refused connection that
+    /// `retry_refused` asks for.
+    async fn open_patiently(&self, to: &Upstream) -> Result<TokioIo<TcpStream>, Failure> {
         let mut backoff = FIRST_CONNECT_BACKOFF;
         loop {
-            match self.connect(&to.authority).await {
+            match self.open(to).await {
                 Err(Failure::Refused(_)) if to.retry_refused && backoff <= LAST_CONNECT_BACKOFF => {
                     tokio::time::sleep(backoff).await;
                     backoff *= 2;
@@ -499,12 +506,17 @@ impl Forwarder {
         }
     }
 
-    /// A new upstream connection, set up like hyper's pooled client's.
-    async fn connect(&self, to: &Authority) -> Result<Conn, Failure> {
+    /// A new TCP connection to `to`, set up like hyper's pooled client's,
+    /// made in `to.reach.netns` and checked to reach a socket of
+    /// `to.reach.owner`'s.
+    async fn open(&self, to: &Upstream) -> Result<TokioIo<TcpStream>, Failure> {
+        if let Some(netns) = &to.reach.netns {
+            return self.open_in(netns, to).await;
+        }
         let uri = Uri::from_parts({
             let mut p = hyper::http::uri::Parts::default();
             p.scheme = Some(Scheme::HTTP);
-            p.authority = Some(to.clone());
+            p.authority = Some(to.authority.clone());
             p.path_and_query = Some(PathAndQuery::from_static("/"));
             p
         })
@@ -522,21 +534,61 @@ impl Forwarder {
                 );
             }
         };
-        let (sender, io) = hyper::client::conn::http1::handshake(io)
-            .await
-            .map_err(|e| Failure::Fatal(e.into()))?;
-        Ok(Conn::new(sender, io))
+        if let Some(owner) = to.reach.owner {
+            check_owner(io.inner(), to, owner)?;
+        }
+        Ok(io)
     }
 
+    /// A new TCP connection to `to` inside the network namespace `netns`
+    /// (a sandboxed instance's, where no other account's program listens:
+    /// no owner to check).
+    async fn open_in(&self, netns: &Path, to: &Upstream) -> Result<TokioIo<TcpStream>, Failure> {
+        let addr: SocketAddr = to
+            .authority
+            .as_str()
+            .parse()
+            .map_err(|e: std::net::AddrParseError| Failure::Fatal(e.into()))?;
+        match berth_localnet::connect_in(netns, addr, self.connect_timeout).await {
+            Ok(stream) => {
+                stream
+                    .set_nodelay(true)
+                    .map_err(|e| Failure::Fatal(e.into()))?;
+                Ok(TokioIo::new(stream))
+            }
+            Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => {
+                Err(Failure::Refused(e.into()))
+            }
+            Err(e) => Err(Failure::Fatal(e.into())),
+        }
+    }
+
+    /// Sends an upgrade request on a connection of its own, whose task
+    /// (cancelled at shutdown) hands the upgraded stream over. Never
+    /// retried once sent: the client's handshake is not ours to repeat.
     async fn send_upgrade(
         &self,
+        to: &Upstream,
         req: Request<UpstreamBody>,
     ) -> Result<Response<ForwardedBody>, Failure> {
-        match self.client.request(req).await {
+        let stream = self.open_patiently(to).await?;
+        let (mut sender, connection) = hyper::client::conn::http1::handshake(stream)
+            .await
+            .map_err(|e| Failure::Fatal(e.into()))?;
+        let cancel = self.cancel.clone();
+        self.tasks.spawn(async move {
+            tokio::select! {
+                result = connection.with_upgrades() => {
+                    if let Err(e) = result {
+                        tracing::debug!(error = %e, "upgrade connection ended with an error");
+                    }
+                }
+                () = cancel.cancelled() => {}
+            }
+        });
+        match sender.send_request(req).await {
             Ok(response) => Ok(response.map(ForwardedBody::plain)),
-            Err(e) if is_refused(&e) => Err(Failure::Refused(e.into())),
-            Err(e) if is_stale_connection(&e) => Err(Failure::Stale(e.into())),
-            Err(e) => Err(Failure::Fatal(e.into())),
+            Err(e) => Err(classify(e)),
         }
     }
 
@@ -599,6 +651,27 @@ impl Forwarder {
     }
 }
 
+/// Fails unless the socket at the other end of `stream` belongs to `owner`.
+fn check_owner(stream: &TcpStream, to: &Upstream, owner: u32) -> Result<(), Failure> {
+    let addresses = stream
+        .local_addr()
+        .and_then(|l| Ok((l, stream.peer_addr()?)));
+    let found = addresses
+        .map_err(BoxError::from)
+        .and_then(|(local, peer)| Ok(berth_localnet::peer_owner(local, peer)?))
+        .map_err(Failure::Fatal)?;
+    if found == owner {
+        return Ok(());
+    }
+    let foreign = ForeignSocket {
+        authority: to.authority.clone(),
+        owner,
+        found,
+    };
+    tracing::warn!(user = %to.user, error = %foreign, "refusing to forward to a socket of another account");
+    Err(Failure::Fatal(foreign.into()))
+}
+
 fn bad_gateway(message: &str) -> Response<ProxyBody> {
     respond::json_error(StatusCode::BAD_GATEWAY, "bad_gateway", message, &[])
 }
@@ -650,34 +723,8 @@ fn is_idempotent(method: &Method) -> bool {
     )
 }
 
-/// Did the connection attempt itself find nobody listening?
-fn is_refused(error: &hyper_util::client::legacy::Error) -> bool {
-    if !error.is_connect() {
-        return false;
-    }
-    let mut source = std::error::Error::source(error);
-    while let Some(e) = source {
-        if let Some(io) = e.downcast_ref::<io::Error>()
-            && io.kind() == io::ErrorKind::ConnectionRefused
-        {
-            return true;
-        }
-        source = e.source();
-    }
-    false
-}
-
 /// Did the request fail because a (pooled) connection was closed under it,
-/// before any response arrived? Connect errors are not stale: the instance
-/// is down, and trying again at once would not help.
-fn is_stale_connection(error: &hyper_util::client::legacy::Error) -> bool {
-    if error.is_connect() {
-        return false;
-    }
-    std::error::Error::source(error).is_some_and(is_stale_cause)
-}
-
-/// [`is_stale_connection`] for an error of a connection of our own pool.
+/// before any response arrived?
 fn is_stale_hyper(error: &hyper::Error) -> bool {
     is_stale_cause(error)
 }

@@ -27,6 +27,10 @@
 //! per user and in all by [`limits::StreamLimits`]. [`metrics`] times
 //! every answer.
 //!
+//! [`peer_auth`] signs and checks what nodes of a cluster send each other
+//! (berth's node-to-node API, and app traffic forwarded to the node that
+//! runs the user's instance), so that the cluster secret never travels.
+//!
 //! ```no_run
 //! use std::sync::Arc;
 //! use berth_proxy::{Proxy, ProxyConfig, ServerConfig, auth::Authenticator};
@@ -68,6 +72,7 @@ pub mod forward;
 pub mod limits;
 pub mod metrics;
 pub mod pace;
+pub mod peer_auth;
 mod pool;
 mod proxy;
 pub mod respond;

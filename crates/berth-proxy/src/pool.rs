@@ -35,6 +35,8 @@ use tokio::net::TcpStream;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
+use berth_core::Reach;
+
 use crate::forward::UpstreamBody;
 
 /// One upstream connection: the future that does its I/O.
@@ -47,13 +49,18 @@ pub(crate) struct Conn {
     /// so that handing a connection around moves a pointer, not hyper's
     /// whole connection state.
     pub(crate) io: Option<Box<Connection>>,
+    /// How the connection was made and checked (the namespace it is in,
+    /// the account the other end belongs to): it is lent only to requests
+    /// that must reach their instance the same way.
+    reach: Reach,
 }
 
 impl Conn {
-    pub(crate) fn new(sender: SendRequest<UpstreamBody>, io: Connection) -> Self {
+    pub(crate) fn new(sender: SendRequest<UpstreamBody>, io: Connection, reach: Reach) -> Self {
         Self {
             sender,
             io: Some(Box::new(io)),
+            reach,
         }
     }
 
@@ -136,15 +143,19 @@ impl Pool {
         pool
     }
 
-    /// An open, idle connection to `key`, most recently used first.
-    pub(crate) fn checkout(&self, key: &Authority) -> Option<Conn> {
+    /// An open, idle connection to `key` made and checked as `reach` says,
+    /// most recently used first.
+    pub(crate) fn checkout(&self, key: &Authority, reach: &Reach) -> Option<Conn> {
         loop {
             let idle = {
                 let mut map = self.idle.lock().unwrap_or_else(|e| e.into_inner());
                 map.get_mut(key.as_str())?.pop()?
             };
             let mut conn = idle.conn;
-            if idle.since.elapsed() < self.idle_timeout && conn.poll_reusable() {
+            if conn.reach == *reach
+                && idle.since.elapsed() < self.idle_timeout
+                && conn.poll_reusable()
+            {
                 return Some(conn);
             }
         }
@@ -177,7 +188,7 @@ impl Pool {
     /// Lets a connection that is still busy run to its end on its own,
     /// like hyper's pooled client would; without its sender it closes then.
     pub(crate) fn finish(&self, conn: Conn) {
-        let Conn { sender, io } = conn;
+        let Conn { sender, io, .. } = conn;
         drop(sender);
         let Some(io) = io else { return };
         if self.cancel.is_cancelled() || tokio::runtime::Handle::try_current().is_err() {
@@ -372,7 +383,7 @@ mod tests {
     async fn connect(to: &Authority) -> Conn {
         let stream = TcpStream::connect(to.as_str()).await.unwrap();
         let (sender, io) = http1::handshake(TokioIo::new(stream)).await.unwrap();
-        Conn::new(sender, io)
+        Conn::new(sender, io, Reach::default())
     }
 
     /// One request on `conn`, its body read through [`ForwardedBody`].
@@ -407,11 +418,27 @@ mod tests {
         let cancel = CancellationToken::new();
         let pool = pool(&cancel);
         let to = upstream(usize::MAX).await;
-        assert!(pool.checkout(&to).is_none());
+        assert!(pool.checkout(&to, &Reach::default()).is_none());
         let first = connect(&to).await;
         assert_eq!(exchange(&pool, &to, first).await, "ok");
         assert_eq!(pool.idle_count(), 1);
-        let again = pool.checkout(&to).expect("the connection is reused");
+        assert!(
+            pool.checkout(
+                &to,
+                &Reach {
+                    owner: Some(1000),
+                    netns: None
+                }
+            )
+            .is_none(),
+            "a connection not checked for an owner is lent to no request that expects one"
+        );
+        assert_eq!(pool.idle_count(), 0, "and it is closed");
+        let second = connect(&to).await;
+        assert_eq!(exchange(&pool, &to, second).await, "ok");
+        let again = pool
+            .checkout(&to, &Reach::default())
+            .expect("the connection is reused");
         assert_eq!(pool.idle_count(), 0);
         assert_eq!(exchange(&pool, &to, again).await, "ok");
         assert_eq!(pool.idle_count(), 1);
@@ -427,7 +454,7 @@ mod tests {
         assert_eq!(exchange(&pool, &once, conn).await, "ok");
         // The upstream closes after its one answer; a checkout notices.
         tokio::time::sleep(Duration::from_millis(100)).await;
-        assert!(pool.checkout(&once).is_none());
+        assert!(pool.checkout(&once, &Reach::default()).is_none());
         assert_eq!(pool.idle_count(), 0);
 
         let open = upstream(usize::MAX).await;
@@ -471,9 +498,9 @@ mod tests {
         tokio::time::sleep(Duration::from_millis(100)).await;
         pool.sweep();
         assert_eq!(pool.idle_count(), 2, "only the closed connection went");
-        assert!(pool.checkout(&once).is_none());
+        assert!(pool.checkout(&once, &Reach::default()).is_none());
         let live = pool
-            .checkout(&open)
+            .checkout(&open, &Reach::default())
             .expect("survivors are back in the pool");
         assert_eq!(exchange(&pool, &open, live).await, "ok");
         cancel.cancel();

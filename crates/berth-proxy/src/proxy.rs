@@ -13,12 +13,13 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::auth::{
-    AuthMode, Authenticator, CLUSTER_SECRET, CLUSTER_USER, ClusterSecret, CookieScope, Credential,
-    Gate, SharedSecret, TrustedProxies, strip_credentials,
+    AuthMode, Authenticator, CookieScope, Credential, Gate, SharedSecret, TrustedProxies,
+    strip_credentials,
 };
 use crate::forward::{ConnInfo, ForwardConfig, Forwarder, Upstream, wants_upgrade};
 use crate::limits::StreamLimits;
 use crate::metrics::ProxyMetrics;
+use crate::peer_auth::{self, PeerAuth};
 use crate::respond::{self, ProxyBody};
 use crate::route::{Class, RouteError, RouteTable, Router, Target};
 use crate::shield::{AppSite, RequestSite, confine_response, foreign_request};
@@ -67,12 +68,12 @@ impl Default for ProxyConfig {
     }
 }
 
-/// Cluster mode: where to find users this node does not run, and the
-/// secret that authenticates forwarded requests both ways.
+/// Cluster mode: where to find users this node does not run, and how
+/// forwarded requests are signed (to other nodes) and checked (from them).
 #[derive(Clone)]
 pub struct ProxyCluster {
     pub hook: Arc<dyn ClusterHook>,
-    pub secret: ClusterSecret,
+    pub auth: Arc<PeerAuth>,
 }
 
 impl std::fmt::Debug for ProxyCluster {
@@ -135,7 +136,7 @@ impl Proxy {
                 let gate = Gate::new(auth, config.auth_mode, config.trusted_proxies)
                     .with_header_secret(config.header_secret);
                 match &cluster {
-                    Some(c) => gate.with_cluster(c.secret.clone()),
+                    Some(c) => gate.with_cluster(c.auth.clone()),
                     None => gate,
                 }
             },
@@ -163,14 +164,6 @@ impl Proxy {
     /// serves (the API's progress and followed-log streams).
     pub fn streams(&self) -> &Arc<StreamLimits> {
         self.forwarder.streams()
-    }
-
-    /// Whether `headers` carry this cluster's secret: a request from another
-    /// node (single node: never).
-    pub fn is_cluster_peer(&self, headers: &hyper::HeaderMap) -> bool {
-        self.cluster
-            .as_ref()
-            .is_some_and(|c| c.secret.verify(headers))
     }
 
     /// Per-connection facts, computed once per connection.
@@ -237,7 +230,14 @@ impl Proxy {
             };
             let pass = match self
                 .gate
-                .check(req.headers(), req.uri(), conn, &route.user, &scope)
+                .check(
+                    req.method(),
+                    req.headers(),
+                    req.uri(),
+                    conn,
+                    &route.user,
+                    &scope,
+                )
                 .await
             {
                 Ok(pass) => pass,
@@ -256,8 +256,8 @@ impl Proxy {
         let credential = pass.credential;
         let mut req = req;
         strip_credentials(req.headers_mut(), credential);
-        let authority = match self.waker.endpoint(&route.user, route.upstream) {
-            Some(authority) => authority,
+        let addr = match self.waker.endpoint(&route.user, route.upstream) {
+            Some(addr) => addr,
             None => {
                 // A request another node forwarded here is never forwarded
                 // again, whatever this node believes: no loops between
@@ -286,14 +286,15 @@ impl Proxy {
                 // API's progress stream: the API takes no browser cookie,
                 // and the user cookie is scoped to the app.
                 match self.waker.wake(&route.user, navigation, None).await {
-                    Wake::Ready(authority) => authority,
+                    Wake::Ready(addr) => addr,
                     Wake::Respond(answer) => return answer,
                 }
             }
         };
         let upstream = Upstream {
             user: route.user,
-            authority,
+            authority: addr.authority,
+            reach: addr.reach,
             path_and_query,
             retry_refused: true,
         };
@@ -306,9 +307,9 @@ impl Proxy {
     }
 
     /// Forwards `req` to the node that runs `user`'s instance: same path
-    /// (that node routes and strips it itself), authenticated with the
-    /// cluster secret and naming the user. berth's own credentials were
-    /// already removed. The answer is confined to `site` here too: the
+    /// (that node routes and strips it itself), signed for that node and
+    /// the user ([`PeerAuth::check_forward`] there); the secret itself
+    /// never travels. berth's own credentials were already removed. The answer is confined to `site` here too: the
     /// owner node confines it as well, but this node vouches for it.
     #[allow(clippy::too_many_arguments)]
     async fn forward_remote(
@@ -321,24 +322,35 @@ impl Proxy {
         cluster: &ProxyCluster,
         site: AppSite<'_>,
     ) -> Response<ProxyBody> {
-        let Ok(user_header) = HeaderValue::from_bytes(user.as_str().as_bytes()) else {
-            return respond::code_error(ErrorCode::InvalidUser, "the user id cannot be forwarded");
-        };
         let path_and_query = req
             .uri()
             .path_and_query()
             .cloned()
             .unwrap_or_else(|| hyper::http::uri::PathAndQuery::from_static("/"));
+        let signed = match cluster.auth.key().sign_forward(
+            node,
+            req.method().as_str(),
+            path_and_query.as_str(),
+            user.as_str(),
+        ) {
+            Ok(signed) => signed,
+            Err(e @ peer_auth::CannotSign::User) => {
+                return respond::code_error(ErrorCode::InvalidUser, &e.to_string());
+            }
+            Err(e) => return respond::code_error(ErrorCode::Internal, &e.to_string()),
+        };
         let headers = req.headers_mut();
-        headers.insert(
-            CLUSTER_SECRET.clone(),
-            cluster.secret.header_value().clone(),
-        );
-        headers.insert(CLUSTER_USER.clone(), user_header);
+        for name in peer_auth::node_headers() {
+            headers.remove(name);
+        }
+        for (name, value) in signed.headers {
+            headers.insert(name, value);
+        }
         tracing::debug!(%user, %node, %endpoint, "forwarding to the owner node");
         let upstream = Upstream {
             user,
             authority: endpoint,
+            reach: berth_core::Reach::default(),
             path_and_query,
             retry_refused: false,
         };

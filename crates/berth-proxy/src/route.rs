@@ -14,7 +14,7 @@ use std::borrow::Cow;
 use std::collections::HashMap;
 use std::sync::{Arc, RwLock};
 
-use berth_core::{Endpoint, InstanceEvent, Role, Slug, Spawner, UserId};
+use berth_core::{Endpoint, InstanceEvent, Reach, Role, Slug, Spawner, UserId};
 use bytes::Bytes;
 use hyper::header::{HOST, HeaderMap};
 use hyper::http::uri::{Authority, PathAndQuery};
@@ -29,8 +29,27 @@ pub const USER_PREFIX: &str = "/u/";
 #[derive(Debug, Clone)]
 pub struct Route {
     pub user: Arc<UserId>,
-    /// `host:port` of the running instance.
-    pub upstream: Option<Authority>,
+    pub upstream: Option<InstanceAddr>,
+}
+
+/// Where a running instance listens.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct InstanceAddr {
+    /// `host:port`.
+    pub authority: Authority,
+    pub reach: Reach,
+}
+
+impl InstanceAddr {
+    /// `endpoint` as the proxy dials it; `None` when its host and port make
+    /// no URI authority.
+    pub fn of(endpoint: &Endpoint) -> Option<Self> {
+        let authority = Authority::from_maybe_shared(Bytes::from(endpoint.authority())).ok()?;
+        Some(Self {
+            authority,
+            reach: endpoint.reach.clone(),
+        })
+    }
 }
 
 #[derive(Default)]
@@ -73,7 +92,7 @@ impl RouteTable {
 
     /// Records where `user`'s instance listens (`None`: not reachable).
     pub fn set(&self, user: &UserId, endpoint: Option<&Endpoint>) {
-        let upstream = endpoint.and_then(authority_of);
+        let upstream = endpoint.and_then(InstanceAddr::of);
         let mut tables = self.tables.write().unwrap_or_else(|e| e.into_inner());
         if let Some(route) = tables.users.get_mut(user.as_str()) {
             route.upstream = upstream;
@@ -141,11 +160,6 @@ impl RouteTable {
             }
         }
     }
-}
-
-/// `host:port` as a URI authority, bracketing IPv6 literals.
-fn authority_of(endpoint: &Endpoint) -> Option<Authority> {
-    Authority::from_maybe_shared(Bytes::from(endpoint.authority())).ok()
 }
 
 /// Where a request is going.
@@ -466,6 +480,7 @@ mod tests {
         Endpoint {
             host: "127.0.0.1".into(),
             port,
+            reach: berth_core::Reach::default(),
         }
     }
 
@@ -660,7 +675,7 @@ mod tests {
         r.table().set(&odd, Some(&ep(4000)));
         let route = r.resolve(&t).unwrap();
         assert_eq!(route.user.as_str(), "A.B@corp.example");
-        assert_eq!(route.upstream.unwrap(), "127.0.0.1:4000");
+        assert_eq!(route.upstream.unwrap().authority, "127.0.0.1:4000");
     }
 
     #[test]
@@ -698,27 +713,27 @@ mod tests {
         assert_eq!(table.lookup("alice").unwrap().upstream, None);
         table.apply(&event(InstanceStatus::Running, true, Some(2)));
         assert_eq!(
-            table.lookup("alice").unwrap().upstream.unwrap(),
+            table.lookup("alice").unwrap().upstream.unwrap().authority,
             "127.0.0.1:2"
         );
         table.apply(&event(InstanceStatus::Crashed, false, None));
         assert_eq!(table.lookup("alice").unwrap().upstream, None);
         table.apply(&event(InstanceStatus::Running, true, Some(3)));
         assert_eq!(
-            table.lookup("alice").unwrap().upstream.unwrap(),
+            table.lookup("alice").unwrap().upstream.unwrap().authority,
             "127.0.0.1:3"
         );
         // A hibernated main keeps its route: the forwarder resumes it.
         table.apply(&event(InstanceStatus::Hibernated, true, Some(3)));
         assert_eq!(
-            table.lookup("alice").unwrap().upstream.unwrap(),
+            table.lookup("alice").unwrap().upstream.unwrap().authority,
             "127.0.0.1:3"
         );
         let mut watchdog = event(InstanceStatus::Running, true, Some(9));
         watchdog.role = Role::Watchdog;
         table.apply(&watchdog);
         assert_eq!(
-            table.lookup("alice").unwrap().upstream.unwrap(),
+            table.lookup("alice").unwrap().upstream.unwrap().authority,
             "127.0.0.1:3"
         );
         table.apply(&event(InstanceStatus::Stopped, false, None));
@@ -727,7 +742,21 @@ mod tests {
         let v6 = Endpoint {
             host: "::1".into(),
             port: 5,
+            reach: berth_core::Reach::default(),
         };
-        assert_eq!(authority_of(&v6).unwrap(), "[::1]:5");
+        assert_eq!(InstanceAddr::of(&v6).unwrap().authority, "[::1]:5");
+        // The account that must own the socket travels with the address.
+        let owned = Endpoint {
+            reach: Reach {
+                owner: Some(61000),
+                netns: None,
+            },
+            ..ep(6)
+        };
+        table.set(&alice, Some(&owned));
+        assert_eq!(
+            table.lookup("alice").unwrap().upstream.unwrap().reach.owner,
+            Some(61000)
+        );
     }
 }

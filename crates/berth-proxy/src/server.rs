@@ -1,11 +1,12 @@
 //! The HTTP/1.1 server in front of everything: accepts connections, applies
 //! connection-level limits, and sends each request to the proxy or to the
-//! fallback service (berth's API).
+//! fallback service (berth's API). [`serve_plain`] serves a fallback alone
+//! under the same limits (berth's node-to-node API, on its own listener).
 //!
 //! Limits: a cap on open connections, in all and per client address (a
 //! connection over either is closed at once, before anything is read; one
-//! whose first request carries the cluster secret, from another node, stops
-//! counting against its address); a
+//! on which a request proved, by its signature, that another node sent it
+//! stops counting against its address: [`ConnInfo::exempt_from_address_cap`]); a
 //! header read timeout (a slowloris client is cut off; it also closes
 //! idle keep-alive connections); a request header size limit (hyper
 //! answers `431`); a minimum pace for request bodies (a trickling client
@@ -18,7 +19,6 @@ use std::convert::Infallible;
 use std::future::Future;
 use std::io;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -35,7 +35,7 @@ use tower_service::Service;
 
 use crate::RequestBody;
 use crate::forward::ConnInfo;
-use crate::limits::{ConnLimits, ConnPermit};
+use crate::limits::ConnLimits;
 use crate::pace::{BodyPace, PacedBody};
 use crate::proxy::{Proxy, route_error};
 use crate::respond::ProxyBody;
@@ -53,8 +53,8 @@ pub struct ServerConfig {
     /// Open client connections at most; one more is closed at once.
     pub max_connections: usize,
     /// Open connections at most from one client address (an IPv4 address
-    /// or an IPv6 /64); trusted proxies, and connections whose first
-    /// request carries the cluster secret, count only towards the total.
+    /// or an IPv6 /64); trusted proxies, and connections that carried a
+    /// request signed by another node, count only towards the total.
     pub max_connections_per_ip: usize,
     /// How fast the bodies of requests for the fallback (berth's API) must
     /// arrive; `None`: no bound. The proxy's own are paced by
@@ -75,18 +75,12 @@ impl Default for ServerConfig {
     }
 }
 
-/// One client connection: what the proxy knows of it, and its slots.
-struct Connection {
-    info: ConnInfo,
-    permit: ConnPermit,
-    first_request: AtomicBool,
-}
-
 /// The response body of the server: the proxy's or the fallback's.
 pub type ServerBody<B> = Either<ProxyBody, B>;
 
 struct Shared<F> {
-    proxy: Arc<Proxy>,
+    /// `None`: every request goes to the fallback ([`serve_plain`]).
+    proxy: Option<Arc<Proxy>>,
     fallback: F,
     /// For the fallback's bodies; the proxy paces the bodies it forwards
     /// itself (only those it reads).
@@ -98,8 +92,15 @@ where
     F: Service<Request<RequestBody>, Response = Response<B>, Error = Infallible> + Clone,
 {
     async fn dispatch(&self, req: Request<Incoming>, conn: &ConnInfo) -> Response<ServerBody<B>> {
-        match self.proxy.classify(&req) {
-            Class::Proxy => self.proxy.handle(req, conn).await.map(Either::Left),
+        let class = match &self.proxy {
+            Some(proxy) => proxy.classify(&req),
+            None => Class::Fallback,
+        };
+        match class {
+            Class::Proxy => match &self.proxy {
+                Some(proxy) => proxy.handle(req, conn).await.map(Either::Left),
+                None => unreachable!("only a proxy classifies a request as its own"),
+            },
             Class::Fallback => {
                 let mut req = req;
                 // The API reads the peer's facts (is it a trusted proxy
@@ -130,6 +131,47 @@ pub async fn serve<F, B>(
     listener: TcpListener,
     config: ServerConfig,
     proxy: Arc<Proxy>,
+    fallback: F,
+    shutdown: impl Future<Output = ()>,
+) -> io::Result<()>
+where
+    F: Service<Request<RequestBody>, Response = Response<B>, Error = Infallible>
+        + Clone
+        + Send
+        + Sync
+        + 'static,
+    F::Future: Send,
+    B: Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    serve_with(listener, config, Some(proxy), fallback, shutdown).await
+}
+
+/// [`serve`] without a proxy: every request goes to `fallback`, under the
+/// same connection limits, timeouts, body pace and drain.
+pub async fn serve_plain<F, B>(
+    listener: TcpListener,
+    config: ServerConfig,
+    fallback: F,
+    shutdown: impl Future<Output = ()>,
+) -> io::Result<()>
+where
+    F: Service<Request<RequestBody>, Response = Response<B>, Error = Infallible>
+        + Clone
+        + Send
+        + Sync
+        + 'static,
+    F::Future: Send,
+    B: Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    serve_with(listener, config, None, fallback, shutdown).await
+}
+
+async fn serve_with<F, B>(
+    listener: TcpListener,
+    config: ServerConfig,
+    proxy: Option<Arc<Proxy>>,
     fallback: F,
     shutdown: impl Future<Output = ()>,
 ) -> io::Result<()>
@@ -179,7 +221,10 @@ where
                 }
             },
         };
-        let conn = shared.proxy.conn_info(peer);
+        let conn = match &shared.proxy {
+            Some(proxy) => proxy.conn_info(peer),
+            None => ConnInfo::new(peer, false),
+        };
         let permit = match limits.admit(peer.ip(), conn.trusted) {
             Ok(permit) => permit,
             Err(refused) => {
@@ -191,11 +236,10 @@ where
             }
         };
         let _ = stream.set_nodelay(true);
-        let conn = Arc::new(Connection {
-            info: conn,
-            permit,
-            first_request: AtomicBool::new(true),
-        });
+        // The permit lives as long as the connection's requests can reach
+        // it: a request that proves another node sent it lifts the
+        // per-address count.
+        let conn = Arc::new(conn.with_permit(Arc::new(permit)));
         let shared = shared.clone();
         let http = http.clone();
         let draining = draining.clone();
@@ -204,17 +248,7 @@ where
             let service = service_fn(move |req: Request<Incoming>| {
                 let shared = shared.clone();
                 let conn = conn.clone();
-                // Another node of the cluster says so on every request; the
-                // first one is enough to stop counting it per address.
-                // (A load, not a swap, on the path every request takes:
-                // the requests of one connection are not concurrent.)
-                if conn.first_request.load(Ordering::Relaxed) {
-                    conn.first_request.store(false, Ordering::Relaxed);
-                    if shared.proxy.is_cluster_peer(req.headers()) {
-                        conn.permit.exempt();
-                    }
-                }
-                async move { Ok::<_, Infallible>(shared.dispatch(req, &conn.info).await) }
+                async move { Ok::<_, Infallible>(shared.dispatch(req, &conn).await) }
             });
             let connection = http
                 .serve_connection(TokioIo::new(stream), service)

@@ -21,7 +21,7 @@ use hyper::Response;
 use hyper::http::uri::Authority;
 
 use crate::respond::{self, ProxyBody};
-use crate::route::RouteTable;
+use crate::route::{InstanceAddr, RouteTable};
 
 /// Where a user's instance should be served from, in a cluster (design
 /// §7.3). Asked only when this node has no running instance for the user,
@@ -54,7 +54,7 @@ pub trait ClusterHook: Send + Sync + 'static {
 #[derive(Debug)]
 pub enum Wake {
     /// The instance is ready here.
-    Ready(Authority),
+    Ready(InstanceAddr),
     /// Answer the client with this instead.
     Respond(Response<ProxyBody>),
 }
@@ -85,11 +85,12 @@ impl Waker {
 
     /// Where `user`'s running instance listens: the route table, else the
     /// spawner (an event may not have reached the table yet).
-    pub fn endpoint(&self, user: &UserId, from_table: Option<Authority>) -> Option<Authority> {
-        from_table.or_else(|| {
-            let endpoint = self.spawner.endpoint_for(user)?;
-            Authority::try_from(endpoint.authority()).ok()
-        })
+    pub fn endpoint(
+        &self,
+        user: &UserId,
+        from_table: Option<InstanceAddr>,
+    ) -> Option<InstanceAddr> {
+        from_table.or_else(|| InstanceAddr::of(&self.spawner.endpoint_for(user)?))
     }
 
     /// Starts `user`'s instance if needed and waits for it (unless the
@@ -114,7 +115,7 @@ impl Waker {
             Ok(_) => {
                 let from_table = self.table.lookup(user.as_str()).and_then(|r| r.upstream);
                 match self.endpoint(user, from_table) {
-                    Some(authority) => Wake::Ready(authority),
+                    Some(addr) => Wake::Ready(addr),
                     // Ready, yet not routable: the event is on its way.
                     None => Wake::Respond(respond::spawn_error(&SpawnError::Starting {
                         user: user.clone(),

@@ -136,6 +136,44 @@ async fn a_restarted_instance_is_reached_on_its_new_port() {
     .await;
 }
 
+/// The uid this test runs as: the owner of its own listeners.
+fn my_uid() -> u32 {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata("/proc/self").unwrap().uid()
+}
+
+/// Port theft: an instance's address is reached only through a socket of
+/// the instance's own account. A listener of another account on that port
+/// (a program that bound it first) is sent no request and no upgrade
+/// handshake, and the client gets 502; the same listener is reached once
+/// it is the instance account's.
+#[tokio::test]
+async fn a_socket_of_another_account_is_sent_nothing() {
+    let h = Harness::start(|_, _| {}).await;
+    let thief = upstream("thief").await;
+    h.spawner
+        .run_owned("alice", thief.addr, my_uid().wrapping_add(1));
+    let r = get_as(&h, "/u/alice/", ALICE).await;
+    assert_eq!(r.status, 502, "{}", r.body);
+    let err = websocket(h.addr, "/u/alice/ws", ALICE).await.unwrap_err();
+    assert!(err.contains("502"), "{err}");
+    assert!(
+        thief.connections.load(Ordering::SeqCst) > 0,
+        "the proxy did connect: only what it sends is withheld"
+    );
+    assert_eq!(thief.requests.load(Ordering::SeqCst), 0);
+
+    h.spawner.run_owned("alice", thief.addr, my_uid());
+    eventually("alice's own listener reached", || async {
+        let r = get_as(&h, "/u/alice/", ALICE).await;
+        (r.status == 200 && r.body.contains("upstream: thief\n")).then_some(())
+    })
+    .await;
+    let mut ws = websocket(h.addr, "/u/alice/ws", ALICE).await.unwrap();
+    ws.send(Message::text("mine")).await.unwrap();
+    assert_eq!(ws.next().await.unwrap().unwrap(), Message::text("mine"));
+}
+
 // --- auth -------------------------------------------------------------------
 
 #[tokio::test]

@@ -147,6 +147,7 @@ fn node(id: &str) -> NodeRecord {
     NodeRecord {
         id: id.to_owned(),
         advertise_url: format!("http://{id}.internal:8080"),
+        internal_url: format!("http://{id}.internal:8081"),
         capacity: 10,
         load: 0,
         status: NodeStatus::Up,
@@ -1670,6 +1671,7 @@ pub async fn nodes_heartbeat_upsert_and_list(store: Arc<dyn Store>) {
     n1.load = 7;
     n1.status = NodeStatus::Draining;
     n1.advertise_url = "http://10.0.0.1:9000".into();
+    n1.internal_url = "http://10.0.0.1:9001".into();
     store.heartbeat(&n1).await.unwrap();
     let mut n2 = node("node-2");
     n2.status = NodeStatus::Down;
@@ -1681,6 +1683,8 @@ pub async fn nodes_heartbeat_upsert_and_list(store: Arc<dyn Store>) {
     assert_eq!(nodes[0].load, 7);
     assert_eq!(nodes[0].status, NodeStatus::Draining);
     assert_eq!(nodes[0].advertise_url, "http://10.0.0.1:9000");
+    assert_eq!(nodes[0].internal_url, "http://10.0.0.1:9001");
+    assert_eq!(first.internal_url, "http://node-1.internal:8081");
     assert!(nodes[0].heartbeat >= first.heartbeat);
     assert_eq!(nodes[1].id, "node-2");
     assert_eq!(nodes[1].status, NodeStatus::Down);

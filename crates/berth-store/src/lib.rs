@@ -269,7 +269,12 @@ pub enum NodeStatus {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct NodeRecord {
     pub id: String,
+    /// Where clients, and other nodes forwarding app traffic, reach it.
     pub advertise_url: String,
+    /// Where other nodes call its node-to-node API (`/internal/v1/…`, on a
+    /// listener of its own); empty for a node that advertises none.
+    #[serde(default)]
+    pub internal_url: String,
     /// How many mains it is willing to run.
     pub capacity: u32,
     /// How many mains it runs now.
@@ -587,6 +592,7 @@ mod tests {
         let record = NodeRecord {
             id: "node-a".into(),
             advertise_url: "http://a:8080".into(),
+            internal_url: "http://a:8081".into(),
             capacity: 10,
             load: 4,
             status: NodeStatus::Draining,

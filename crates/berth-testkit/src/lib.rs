@@ -79,12 +79,15 @@ pub use node::{
     Berth, CLUSTER_LEASE, Node, StartOptions, cluster_config, cluster_config_custom, config_with,
     reachable_by_instances, write_private,
 };
-pub use peer::{signed_headers, signed_headers_at, signed_request, unix_millis};
-pub use process::{
-    alive, free_port, frozen, instance_pids, kill_instances_under, proc_state, rss_kib, signal,
-    zygote_of,
+pub use peer::{
+    forward_headers, forward_headers_at, signed_headers, signed_headers_at, signed_request,
+    unix_millis,
 };
-pub use wait::eventually;
+pub use process::{
+    alive, free_port, frozen, instance_pids, kill_instances_under, proc_state, processes_of_uids,
+    rss_kib, signal, zygote_of,
+};
+pub use wait::{eventually, poll_until};
 
 /// A cluster secret strong enough for berth to accept (64 hex digits, as
 /// `openssl rand -hex 32` makes), for tests that need one.

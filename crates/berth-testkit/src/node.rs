@@ -180,6 +180,29 @@ impl Berth {
         data_dir: &Path,
         options: &StartOptions,
     ) -> Node {
+        let (child, url, internal_url, token) = self.spawn_serve(dir, args, data_dir, options);
+        Node {
+            child: Some(child),
+            berth: self.clone(),
+            url,
+            internal_url,
+            token,
+            dir: dir.to_owned(),
+            data_dir: data_dir.to_owned(),
+            http: reqwest::Client::new(),
+        }
+    }
+
+    /// Runs `berth <args>` in `dir` until it listens: the process, the URL
+    /// it listens on, its node-to-node URL (cluster nodes only) and its
+    /// admin token.
+    fn spawn_serve(
+        &self,
+        dir: &Path,
+        args: &[&str],
+        data_dir: &Path,
+        options: &StartOptions,
+    ) -> (Child, String, Option<String>, String) {
         // Run as root, berth gives every user's instances a uid of their
         // own (isolation level `user`), which must be able to pass through
         // the test's private temporary directory to its data root.
@@ -211,11 +234,16 @@ impl Berth {
         let mut child = command.spawn().expect("berth starts");
         let stdout = child.stdout.take().expect("a piped stdout");
         let mut lines = BufReader::new(stdout).lines();
+        let mut internal_url = None;
         let url = loop {
             match lines.next() {
                 Some(Ok(line)) => {
                     if let Some(url) = line.strip_prefix("berth: listening on ") {
                         break url.trim().to_owned();
+                    }
+                    // A cluster node says so first.
+                    if let Some(url) = line.strip_prefix("berth: node-to-node calls on ") {
+                        internal_url = Some(url.trim().to_owned());
                     }
                 }
                 _ => panic!("berth exited before listening: {:?}", child.wait()),
@@ -230,15 +258,7 @@ impl Berth {
                 .trim()
                 .to_owned(),
         };
-        Node {
-            child: Some(child),
-            berth: self.clone(),
-            url,
-            token,
-            dir: dir.to_owned(),
-            data_dir: data_dir.to_owned(),
-            http: reqwest::Client::new(),
-        }
+        (child, url, internal_url, token)
     }
 
     /// Starts a cluster node (PostgreSQL store) in `dir`; see
@@ -349,6 +369,10 @@ pub struct Node {
     child: Option<Child>,
     berth: Berth,
     pub url: String,
+    /// Where a cluster node takes node-to-node calls (`/internal/v1/…`):
+    /// its own listener, on a free loopback port unless the config says
+    /// otherwise. `None` on a single node.
+    pub internal_url: Option<String>,
     /// The admin token.
     pub token: String,
     pub dir: PathBuf,
@@ -373,6 +397,19 @@ impl Node {
     /// `<url>/api/v1<path>`.
     pub fn api(&self, path: &str) -> String {
         format!("{}/api/v1{path}", self.url)
+    }
+
+    /// `<internal_url>/internal/v1<path>`: a node-to-node route.
+    ///
+    /// # Panics
+    ///
+    /// On a single node, which has no node-to-node listener.
+    pub fn internal(&self, path: &str) -> String {
+        let base = self
+            .internal_url
+            .as_deref()
+            .expect("a cluster node has a node-to-node listener");
+        format!("{base}/internal/v1{path}")
     }
 
     /// GET an API path as admin: status and JSON body (`Null` if none).
@@ -525,6 +562,32 @@ impl Node {
             let _ = child.kill();
             let _ = child.wait();
         }
+    }
+
+    /// Starts `berth serve` again on the config file it was started with
+    /// (`dir/berth.toml`), in place of a berth this value killed: the same
+    /// data dir, so it adopts (or ends) the instances its predecessor left.
+    /// It listens on new ports; `url`, `internal_url` and `token` follow
+    /// it.
+    ///
+    /// # Panics
+    ///
+    /// While the previous berth still runs, or when the new one cannot
+    /// start.
+    pub fn restart(&mut self) {
+        assert!(self.child.is_none(), "berth still runs: kill it first");
+        let config = self.dir.join("berth.toml");
+        let config = config.to_str().expect("a UTF-8 config path");
+        let (child, url, internal_url, token) = self.berth.spawn_serve(
+            &self.dir,
+            &["serve", "--config", config],
+            &self.data_dir,
+            &StartOptions::default(),
+        );
+        self.child = Some(child);
+        self.url = url;
+        self.internal_url = internal_url;
+        self.token = token;
     }
 
     /// SIGTERM and wait: a graceful stop.

@@ -58,6 +58,46 @@ pub fn signed_headers_at(
     ]
 }
 
+/// The headers with which a node forwards `method target` of `user`'s app
+/// to the node `node`, signed under `secret` at `timestamp`: the user,
+/// the timestamp, a fresh nonce and the signature (no body digest: the
+/// body streams).
+pub fn forward_headers_at(
+    secret: &str,
+    node: &str,
+    method: &str,
+    target: &str,
+    user: &str,
+    timestamp: i64,
+) -> Vec<(&'static str, String)> {
+    let nonce = fresh_nonce();
+    let text =
+        format!("berth-forward-v1\n{method}\n{target}\n{node}\n{timestamp}\n{nonce}\n{user}");
+    let mut mac = <Hmac<Sha256> as Mac>::new_from_slice(secret.as_bytes())
+        .expect("HMAC takes keys of any length");
+    mac.update(text.as_bytes());
+    vec![
+        ("x-berth-forwarded-user", user.to_owned()),
+        ("x-berth-cluster-timestamp", timestamp.to_string()),
+        ("x-berth-cluster-nonce", nonce),
+        (
+            "x-berth-cluster-signature",
+            hex::encode(mac.finalize().into_bytes()),
+        ),
+    ]
+}
+
+/// [`forward_headers_at`] now.
+pub fn forward_headers(
+    secret: &str,
+    node: &str,
+    method: &str,
+    target: &str,
+    user: &str,
+) -> Vec<(&'static str, String)> {
+    forward_headers_at(secret, node, method, target, user, unix_millis())
+}
+
 /// [`signed_headers_at`] now.
 pub fn signed_headers(
     secret: &str,

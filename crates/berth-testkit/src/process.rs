@@ -95,6 +95,30 @@ pub fn rss_kib(pid: u32) -> Option<u64> {
         .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
 }
 
+/// Live processes (not zombies) any of whose uids (real, effective, saved,
+/// filesystem) lies in `uids`, as `(pid, uid)`: what is left of the
+/// instance accounts of that range, whatever session, group or parent
+/// those processes have.
+pub fn processes_of_uids(uids: std::ops::Range<u32>) -> Vec<(u32, u32)> {
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    entries
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter_map(|pid| {
+            let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+            let uid = status
+                .lines()
+                .find_map(|l| l.strip_prefix("Uid:"))?
+                .split_whitespace()
+                .filter_map(|u| u.parse::<u32>().ok())
+                .find(|u| uids.contains(u))?;
+            alive(u64::from(pid)).then_some((pid, uid))
+        })
+        .collect()
+}
+
 /// Pids of live processes whose environment has `BERTH_USER=<user>` and
 /// `BERTH_ROLE=<role>`, and whose `HOME` is under `data_dir`: the
 /// instances one berth started for that user, whoever their parent is.

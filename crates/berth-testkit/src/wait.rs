@@ -11,7 +11,20 @@ const POLL_EVERY: Duration = Duration::from_millis(25);
 ///
 /// The timeout only bounds a hang: make it generous, since a loaded CI
 /// machine is slow, and never assert on how long the wait took.
-pub async fn eventually<T, F, Fut>(timeout: Duration, what: &str, mut check: F) -> T
+pub async fn eventually<T, F, Fut>(timeout: Duration, what: &str, check: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Option<T>>,
+{
+    match poll_until(timeout, check).await {
+        Some(value) => value,
+        None => panic!("timed out waiting for {what}"),
+    }
+}
+
+/// [`eventually`] that answers `None` once `timeout` has passed instead of
+/// panicking, for a test that reports what it found either way.
+pub async fn poll_until<T, F, Fut>(timeout: Duration, mut check: F) -> Option<T>
 where
     F: FnMut() -> Fut,
     Fut: Future<Output = Option<T>>,
@@ -19,9 +32,11 @@ where
     let deadline = Instant::now() + timeout;
     loop {
         if let Some(value) = check().await {
-            return value;
+            return Some(value);
         }
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        if Instant::now() >= deadline {
+            return None;
+        }
         tokio::time::sleep(POLL_EVERY).await;
     }
 }

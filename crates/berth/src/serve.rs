@@ -6,12 +6,15 @@
 //! listener is bound (so the default advertised URL is the real address),
 //! then the runtime the config chooses and the controller over it (which
 //! adopts the instances a previous berth left running), one heartbeat, and only then does the listener serve, so no
-//! request sees a half-built node. One listener serves both:
+//! request sees a half-built node. The public listener serves both:
 //! `berth_proxy`'s server sends user routes (`/u/<user>/…`,
 //! `<slug>.<base_domain>`) to the proxy and everything else to the API
-//! router. On SIGINT/SIGTERM berth stops listening, drains, stops the
-//! cluster tasks, tears the controller down and marks the node `down`;
-//! instances keep running for the next start to adopt.
+//! router. In a cluster a second listener (`[cluster] internal_listen`,
+//! advertised with the heartbeat) serves the node-to-node API and nothing
+//! else; the public one answers 404 there. On SIGINT/SIGTERM berth stops
+//! listening, drains, stops the cluster tasks, tears the controller down
+//! and marks the node `down`; instances keep running for the next start
+//! to adopt.
 
 mod admin;
 mod api;
@@ -22,7 +25,6 @@ mod failover;
 mod metrics;
 mod ops;
 mod peer;
-mod peer_auth;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -33,6 +35,7 @@ use berth_controller::Controller;
 use berth_core::runtime::Runtime;
 use berth_core::{Spawner, UidRange};
 use berth_local::{Accounts, Isolation, LocalRuntime};
+use berth_proxy::peer_auth::{ClusterKey, PeerAuth};
 use berth_store::{NodeClaim, NodeStatus, Store};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -92,10 +95,34 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         .advertise_url
         .clone()
         .unwrap_or_else(|| format!("http://{addr}"));
+    // Cluster mode only: a single node takes no node-to-node calls.
+    let internal_listener = if config.is_postgres() {
+        let listen = config.internal_listen_addr()?;
+        let listener = tokio::net::TcpListener::bind(listen)
+            .await
+            .with_context(|| format!("cannot listen on {listen} ([cluster] internal_listen)"))?;
+        if let Some(warning) = config.internal_listener_warning() {
+            tracing::warn!("{warning}");
+        }
+        Some(listener)
+    } else {
+        None
+    };
+    let internal_url = match &internal_listener {
+        Some(listener) => Some(
+            config
+                .cluster
+                .internal_advertise_url
+                .clone()
+                .unwrap_or(format!("http://{}", listener.local_addr()?)),
+        ),
+        None => None,
+    };
 
     let runtime = runtime(&config, &node_id, store.clone()).await?;
     let mut controller_config = config.controller_config(&node_id)?;
     controller_config.advertise_url.clone_from(&public_url);
+    controller_config.internal_url = internal_url.clone().unwrap_or_default();
     let ready_timeout = controller_config.ready_timeout;
     let lease_ttl = controller_config.lease.ttl();
     let renew_every = controller_config.lease.renew();
@@ -121,11 +148,11 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     let tasks = TaskTracker::new();
     let cancel = CancellationToken::new();
     let spawner_dyn = spawner.clone() as Arc<dyn Spawner>;
-    let (cluster, cluster_secret) = if config.is_postgres() {
-        let secret_text = config.cluster_secret.as_deref().unwrap_or_default();
-        let secret =
-            berth_proxy::auth::ClusterSecret::new(secret_text).context("cluster_secret")?;
-        let peers = peer::PeerClient::new(peer_auth::ClusterKey::new(secret_text))
+    let (cluster, peer_auth) = if config.is_postgres() {
+        let key = ClusterKey::new(config.cluster_secret.as_deref().unwrap_or_default());
+        // One nonce cache for both kinds of signed request this node takes.
+        let peer_auth = Arc::new(PeerAuth::new(key.clone(), node_id.clone()));
+        let peers = peer::PeerClient::new(key)
             .context("cannot build the HTTP client for node-to-node calls")?;
         let cluster = Arc::new(cluster::Cluster::new(
             store.clone(),
@@ -141,7 +168,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
             lease_config.takeover(),
         ));
         tasks.spawn(failover.run(renew_every, cancel.child_token()));
-        (Some(cluster), Some(secret))
+        (Some(cluster), Some(peer_auth))
     } else {
         (None, None)
     };
@@ -181,10 +208,10 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
              app its own origin"
         );
     }
-    let proxy_cluster = match (&cluster, &cluster_secret) {
-        (Some(_), Some(secret)) => Some(berth_proxy::ProxyCluster {
+    let proxy_cluster = match (&cluster, &peer_auth) {
+        (Some(_), Some(auth)) => Some(berth_proxy::ProxyCluster {
             hook: ops.clone() as Arc<dyn berth_proxy::ClusterHook>,
-            secret: secret.clone(),
+            auth: auth.clone(),
         }),
         _ => None,
     };
@@ -203,13 +230,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         node_id: node_id.clone(),
         lease_ttl,
         cluster,
-        peer_auth: config
-            .cluster_secret
-            .as_deref()
-            .filter(|_| config.is_postgres())
-            .map(|secret| {
-                peer_auth::PeerAuth::new(peer_auth::ClusterKey::new(secret), node_id.clone())
-            }),
+        peer_auth,
         node_control: spawner.clone() as Arc<dyn cluster::NodeControl>,
         base_domain: Some(config.proxy.base_domain.clone()).filter(|d| !d.is_empty()),
         path_routing,
@@ -224,8 +245,14 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
             cancel.child_token(),
         ));
     }
-    let app = api::router(state);
+    let app = api::router(state.clone());
+    let internal_app = api::internal_router(state);
 
+    if let Some(internal_url) = &internal_url {
+        tracing::info!(%internal_url, "serving node-to-node calls");
+        // Before the line below, which scripts (and tests) wait for.
+        println!("berth: node-to-node calls on {internal_url}");
+    }
     tracing::info!(%addr, node = %node_id, data_dir = %config.data_dir.display(), "berth listening");
     // One plain line on stdout for people and scripts (e.g. with port 0).
     println!("berth: listening on {public_url}");
@@ -239,9 +266,44 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         max_connections_per_ip: p.max_connections_per_ip,
         body_pace: config.body_pace(),
     };
-    berth_proxy::serve(listener, server, proxy.clone(), app, shutdown_signal())
-        .await
-        .context("the HTTP server failed")?;
+    // Both listeners stop together: on a signal, or when either fails.
+    let stop = CancellationToken::new();
+    let until_stopped = |stop: CancellationToken| async move {
+        tokio::select! {
+            () = shutdown_signal() => {}
+            () = stop.cancelled() => {}
+        }
+        stop.cancel();
+    };
+    let public = async {
+        let served = berth_proxy::serve(
+            listener,
+            server.clone(),
+            proxy.clone(),
+            app,
+            until_stopped(stop.clone()),
+        )
+        .await;
+        stop.cancel();
+        served.context("the HTTP server failed")
+    };
+    let internal = async {
+        let Some(listener) = internal_listener else {
+            return Ok(());
+        };
+        let served = berth_proxy::server::serve_plain(
+            listener,
+            server.clone(),
+            internal_app,
+            until_stopped(stop.clone()),
+        )
+        .await;
+        stop.cancel();
+        served.context("the node-to-node listener failed")
+    };
+    let (public, internal) = tokio::join!(public, internal);
+    public?;
+    internal?;
     tracing::info!("shutting down; instances keep running");
     cancel.cancel();
     tasks.close();

@@ -146,9 +146,9 @@ async fn any_node_answers_for_a_user_running_on_another_node() {
         assert!(page.contains(&format!("epoch <b>{epoch}</b>")), "{page}");
 
         // What the program received through this node (the owner itself,
-        // or another node forwarding with the cluster secret): the ordinary
-        // header the client sent, and none of berth's credentials, in the
-        // headers or in its environment.
+        // or another node forwarding a signed request): the ordinary
+        // header the client sent, and none of berth's credentials or a
+        // node's signature, in the headers or in its environment.
         let bearer = format!("Bearer {token}");
         let seen = echo(
             &node.http,
@@ -165,6 +165,9 @@ async fn any_node_answers_for_a_user_running_on_another_node() {
         for name in [
             "x-berth-cluster-secret",
             "x-berth-forwarded-user",
+            "x-berth-cluster-signature",
+            "x-berth-cluster-nonce",
+            "x-berth-cluster-timestamp",
             "authorization",
         ] {
             assert!(
@@ -209,16 +212,20 @@ async fn any_node_answers_for_a_user_running_on_another_node() {
     }
     assert_eq!(pids_everywhere(&nodes, "alice"), before);
 
-    // Nodes advertise their real, bound address and report their load.
+    // Nodes advertise their real, bound addresses (public, and the
+    // node-to-node listener's) and report their load.
     let (_, listed) = nodes[1].get("/nodes").await;
     let rows = listed["nodes"].as_array().unwrap();
     assert_eq!(rows.len(), 3, "{listed}");
     for node in &nodes {
+        let internal = node.internal_url.as_deref().unwrap();
         assert!(
-            rows.iter().any(|r| r["advertise_url"] == node.url.as_str()),
+            rows.iter()
+                .any(|r| r["advertise_url"] == node.url.as_str() && r["internal_url"] == internal),
             "{} missing from {listed}",
             node.url
         );
+        assert_ne!(internal, node.url, "a listener of its own");
     }
 }
 
@@ -324,7 +331,7 @@ async fn node_to_node_calls_need_the_cluster_secret() {
     let node = &nodes[0];
     let http = &node.http;
     for action in ["launch", "fence"] {
-        let url = format!("{}/internal/v1/users/alice/{action}", node.url);
+        let url = node.internal(&format!("/users/alice/{action}"));
         let body = json!({ "epoch": 1 });
         let attempts = [
             http.post(&url).json(&body),
@@ -352,18 +359,20 @@ async fn node_to_node_calls_need_the_cluster_secret() {
     }
     // A call signed with the secret opens them.
     assert_eq!(fence(node, "alice", 42).await["fenced"], false);
-    // A forwarded proxy request with a wrong secret is refused too, even
-    // next to a valid user token.
+    // A forwarded proxy request with a wrong secret, or with the right one
+    // bare, is refused too, even next to a valid user token.
     let token = node.user_token("alice").await;
-    let r = http
-        .get(format!("{}/u/alice/", node.url))
-        .bearer_auth(&token)
-        .header("x-berth-cluster-secret", "wrong")
-        .header("x-berth-forwarded-user", "alice")
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status().as_u16(), 401);
+    for secret in ["wrong", SECRET] {
+        let r = http
+            .get(format!("{}/u/alice/", node.url))
+            .bearer_auth(&token)
+            .header("x-berth-cluster-secret", secret)
+            .header("x-berth-forwarded-user", "alice")
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status().as_u16(), 401);
+    }
     assert!(instance_pids(&node.data_dir, "alice", "main").is_empty());
 }
 
@@ -378,49 +387,12 @@ async fn node_to_node_calls_need_the_cluster_secret() {
 /// signed long ago.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_captured_node_call_can_be_neither_replayed_nor_mined_for_the_secret() {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let db = fresh_db().await;
     let root = tempfile::tempdir().unwrap();
-    // node-b advertises a relay that records what other nodes send it.
+    // node-b advertises, as its node-to-node URL, a relay that records
+    // what other nodes send it.
     let b_port = support::free_port();
-    let relay = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let relay_url = format!("http://{}", relay.local_addr().unwrap());
-    let captured = std::sync::Arc::new(std::sync::Mutex::new(Vec::<u8>::new()));
-    let record = captured.clone();
-    tokio::spawn(async move {
-        loop {
-            let Ok((mut client, _)) = relay.accept().await else {
-                return;
-            };
-            let record = record.clone();
-            tokio::spawn(async move {
-                let mut upstream = tokio::net::TcpStream::connect(("127.0.0.1", b_port))
-                    .await
-                    .unwrap();
-                let (mut client_read, mut client_write) = client.split();
-                let (mut up_read, mut up_write) = upstream.split();
-                let forward = async {
-                    let mut buf = vec![0u8; 16 * 1024];
-                    loop {
-                        let n = client_read.read(&mut buf).await.unwrap_or(0);
-                        if n == 0 {
-                            break;
-                        }
-                        record.lock().unwrap().extend_from_slice(&buf[..n]);
-                        if up_write.write_all(&buf[..n]).await.is_err() {
-                            break;
-                        }
-                    }
-                    let _ = up_write.shutdown().await;
-                };
-                let back = async {
-                    let _ = tokio::io::copy(&mut up_read, &mut client_write).await;
-                    let _ = client_write.shutdown().await;
-                };
-                tokio::join!(forward, back);
-            });
-        }
-    });
+    let (relay_url, captured) = recording_relay(b_port).await;
     let nodes = start_nodes(root.path(), &db, &["node-a"], "").await;
     let a = &nodes[0];
     let dir_b = root.path().join("node-b");
@@ -430,12 +402,10 @@ async fn a_captured_node_call_can_be_neither_replayed_nor_mined_for_the_secret()
         "node-b",
         SECRET,
         "",
-        &format!("advertise_url = \"{relay_url}\"\n"),
-    )
-    .replacen(
-        "listen = \"127.0.0.1:0\"",
-        &format!("listen = \"127.0.0.1:{b_port}\""),
-        1,
+        &format!(
+            "[cluster]\ninternal_listen = \"127.0.0.1:{b_port}\"\n\
+             internal_advertise_url = \"{relay_url}\"\n"
+        ),
     );
     let b = tokio::task::spawn_blocking(move || {
         Node::from(berth().start_with_config(&dir_b, &config_b))
@@ -451,11 +421,7 @@ async fn a_captured_node_call_can_be_neither_replayed_nor_mined_for_the_secret()
     let status = a.delete(&format!("/users/alice/tokens/{id}")).await;
     assert_eq!(status, 200);
     let call = eventually(Duration::from_secs(10), "a captured purge", || async {
-        let bytes = captured.lock().unwrap().clone();
-        let text = String::from_utf8_lossy(&bytes).into_owned();
-        let start = text.find("POST /internal/v1/tokens/purge")?;
-        let end = text[start..].find("\r\n\r\n")? + start + 4;
-        Some(text[start..end].to_owned())
+        captured_head(&captured, "POST /internal/v1/tokens/purge")
     })
     .await;
     let lower = call.to_ascii_lowercase();
@@ -470,7 +436,10 @@ async fn a_captured_node_call_can_be_neither_replayed_nor_mined_for_the_secret()
 
     // Played to node-a instead, which never saw its nonce: signed for
     // node-b, so refused too.
-    let a_port = reqwest::Url::parse(&a.url).unwrap().port().unwrap();
+    let a_port = reqwest::Url::parse(a.internal_url.as_deref().unwrap())
+        .unwrap()
+        .port()
+        .unwrap();
     let answer = raw(a_port, call.as_bytes()).await;
     assert!(answer.starts_with("HTTP/1.1 401"), "{answer}");
     assert!(answer.contains("meant for this node"), "{answer}");
@@ -478,7 +447,9 @@ async fn a_captured_node_call_can_be_neither_replayed_nor_mined_for_the_secret()
     // The bare secret, as calls used to carry it: refused.
     let r = b
         .http
-        .post(format!("{}/internal/v1/tokens/purge", b.url))
+        .post(format!(
+            "http://127.0.0.1:{b_port}/internal/v1/tokens/purge"
+        ))
         .header("x-berth-cluster-secret", SECRET)
         .send()
         .await
@@ -514,7 +485,9 @@ async fn a_captured_node_call_can_be_neither_replayed_nor_mined_for_the_secret()
 
     // Signed with the secret, but a minute ago (a call recorded then):
     // refused as stale, though its nonce was never seen.
-    let mut stale = b.http.post(format!("{}/internal/v1/tokens/purge", b.url));
+    let mut stale = b.http.post(format!(
+        "http://127.0.0.1:{b_port}/internal/v1/tokens/purge"
+    ));
     for (name, value) in berth_testkit::signed_headers_at(
         SECRET,
         "node-b",
@@ -528,6 +501,230 @@ async fn a_captured_node_call_can_be_neither_replayed_nor_mined_for_the_secret()
     let r = stale.send().await.unwrap();
     assert_eq!(r.status().as_u16(), 401);
     assert!(r.text().await.unwrap().contains("clock"));
+}
+
+/// Node-to-node calls used to be served on the public listener, where
+/// every client, and every program on the host, could reach them. Now they
+/// have a listener of their own, on loopback unless configured otherwise,
+/// whose URL the node advertises in the nodes table: the public listener
+/// answers 404 to `/internal/…`, even to a correctly signed call, and the
+/// node-to-node listener serves nothing else (no API, no app, no admin
+/// page, not even `/healthz`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_node_to_node_api_is_served_only_on_its_own_listener() {
+    let db = fresh_db().await;
+    let root = tempfile::tempdir().unwrap();
+    let nodes = start_nodes(root.path(), &db, &["node-a"], "").await;
+    let node = &nodes[0];
+    let http = &node.http;
+    let internal = node.internal_url.clone().expect("a node-to-node listener");
+    let parsed = reqwest::Url::parse(&internal).unwrap();
+    assert_eq!(parsed.host_str(), Some("127.0.0.1"), "loopback by default");
+    assert_ne!(
+        parsed.port(),
+        reqwest::Url::parse(&node.url).unwrap().port(),
+        "{internal} vs {}",
+        node.url
+    );
+    let id = id_of(node).await;
+    for (base, want) in [(node.url.as_str(), 404), (internal.as_str(), 200)] {
+        for path in ["/tokens/purge", "/users/alice/fence"] {
+            let body = path.ends_with("fence").then(|| json!({ "epoch": 1 }));
+            let r = berth_testkit::signed_request(
+                http,
+                SECRET,
+                &id,
+                reqwest::Method::POST,
+                &format!("{base}/internal/v1{path}"),
+                body.as_ref(),
+            )
+            .send()
+            .await
+            .unwrap();
+            assert_eq!(r.status().as_u16(), want, "{base}{path}");
+        }
+    }
+    let token = node.user_token("alice").await;
+    for (path, bearer) in [
+        ("/healthz", node.token.as_str()),
+        ("/api/v1/instances", node.token.as_str()),
+        ("/metrics", node.token.as_str()),
+        ("/admin/", node.token.as_str()),
+        ("/u/alice/", token.as_str()),
+    ] {
+        let r = http
+            .get(format!("{internal}{path}"))
+            .bearer_auth(bearer)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status().as_u16(), 404, "{path} on {internal}");
+    }
+    assert!(instance_pids(&node.data_dir, "alice", "main").is_empty());
+}
+
+/// App traffic that one node forwards to the node running the user's
+/// instance used to carry the bare cluster secret: whoever saw one such
+/// request on the network between nodes could lift the secret and act as
+/// any node. Now it carries a one-time signature for that node and that
+/// user. node-a advertises a relay (a man in the middle) in front of its
+/// public listener; alice's request through node-b is forwarded through it
+/// and captured. The capture holds neither the secret nor alice's token;
+/// replayed to node-a it is refused (its nonce is spent), played to node-b
+/// it is refused (signed for node-a), turned into a request for bob it is
+/// refused, and the bare secret opens nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_captured_forwarded_request_can_be_neither_replayed_nor_mined_for_the_secret() {
+    let db = fresh_db().await;
+    let root = tempfile::tempdir().unwrap();
+    let a_port = support::free_port();
+    let (relay_url, captured) = recording_relay(a_port).await;
+    let dir_a = root.path().join("node-a");
+    let config_a = cluster_config(
+        &dir_a,
+        &db,
+        "node-a",
+        SECRET,
+        "",
+        &format!("advertise_url = \"{relay_url}\"\n"),
+    )
+    .replacen(
+        "listen = \"127.0.0.1:0\"",
+        &format!("listen = \"127.0.0.1:{a_port}\""),
+        1,
+    );
+    let a = tokio::task::spawn_blocking(move || {
+        Node::from(berth().start_with_config(&dir_a, &config_a))
+    })
+    .await
+    .unwrap();
+    let others = start_nodes(root.path(), &db, &["node-b"], "").await;
+    let b = &others[0];
+
+    // alice runs on node-a (placement breaks the tie by the smaller id).
+    let (status, body) = a.post("/users/alice/instance", json!({})).await;
+    assert_eq!(status, 201, "{body}");
+    assert_eq!(body["instance"]["node"], "node-a", "{body}");
+    let token = a.user_token("alice").await;
+    let r = b
+        .http
+        .get(format!("{}/u/alice/", b.url))
+        .bearer_auth(&token)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+    assert!(
+        r.text()
+            .await
+            .unwrap()
+            .contains(r#"<b id="user">alice</b>"#)
+    );
+    let head = eventually(Duration::from_secs(10), "a captured forward", || async {
+        captured_head(&captured, "GET /u/alice/ ")
+    })
+    .await;
+    let lower = head.to_ascii_lowercase();
+    assert!(lower.contains("x-berth-cluster-signature:"), "{head}");
+    assert!(
+        lower.contains("x-berth-forwarded-user: alice\r\n"),
+        "{head}"
+    );
+    assert!(!head.contains(SECRET), "the secret travelled: {head}");
+    assert!(!lower.contains("x-berth-cluster-secret"), "{head}");
+    assert!(!head.contains(&token), "alice's token travelled: {head}");
+
+    // Replayed verbatim, straight to node-a: refused.
+    let answer = raw(a_port, head.as_bytes()).await;
+    assert!(answer.starts_with("HTTP/1.1 401"), "{answer}");
+    assert!(answer.contains("replayed"), "{answer}");
+    // Played to node-b, which never saw its nonce: signed for node-a.
+    let b_port = reqwest::Url::parse(&b.url).unwrap().port().unwrap();
+    let answer = raw(b_port, head.as_bytes()).await;
+    assert!(answer.starts_with("HTTP/1.1 401"), "{answer}");
+    assert!(answer.contains("meant for this node"), "{answer}");
+    // Made into a request for bob's app, path and user both: refused.
+    assert!(head.contains("x-berth-forwarded-user: alice"), "{head}");
+    let for_bob = head.replacen("GET /u/alice/ ", "GET /u/bob/ ", 1).replacen(
+        "x-berth-forwarded-user: alice",
+        "x-berth-forwarded-user: bob",
+        1,
+    );
+    let answer = raw(a_port, for_bob.as_bytes()).await;
+    assert!(answer.starts_with("HTTP/1.1 401"), "{answer}");
+    // The bare secret, as forwarded requests used to carry it: refused.
+    for user in ["alice", "bob"] {
+        let request = format!(
+            "GET /u/{user}/ HTTP/1.1\r\nHost: 127.0.0.1\r\nx-berth-cluster-secret: {SECRET}\r\n\
+             x-berth-forwarded-user: {user}\r\nConnection: close\r\n\r\n"
+        );
+        let answer = raw(a_port, request.as_bytes()).await;
+        assert!(answer.starts_with("HTTP/1.1 401"), "{user}: {answer}");
+        assert!(answer.contains("never accepted"), "{user}: {answer}");
+    }
+    for node in [&a, b] {
+        assert!(
+            instance_pids(&node.data_dir, "bob", "main").is_empty(),
+            "bob was woken"
+        );
+    }
+}
+
+/// A relay on a free loopback port that passes every connection on to
+/// `port` and records what clients send through it, as a man in the
+/// middle on the network between nodes would: its URL and the recording.
+async fn recording_relay(port: u16) -> (String, std::sync::Arc<std::sync::Mutex<Vec<u8>>>) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let relay = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let relay_url = format!("http://{}", relay.local_addr().unwrap());
+    let captured = std::sync::Arc::new(std::sync::Mutex::new(Vec::<u8>::new()));
+    let record = captured.clone();
+    tokio::spawn(async move {
+        loop {
+            let Ok((mut client, _)) = relay.accept().await else {
+                return;
+            };
+            let record = record.clone();
+            tokio::spawn(async move {
+                let Ok(mut upstream) = tokio::net::TcpStream::connect(("127.0.0.1", port)).await
+                else {
+                    return;
+                };
+                let (mut client_read, mut client_write) = client.split();
+                let (mut up_read, mut up_write) = upstream.split();
+                let forward = async {
+                    let mut buf = vec![0u8; 16 * 1024];
+                    loop {
+                        let n = client_read.read(&mut buf).await.unwrap_or(0);
+                        if n == 0 {
+                            break;
+                        }
+                        record.lock().unwrap().extend_from_slice(&buf[..n]);
+                        if up_write.write_all(&buf[..n]).await.is_err() {
+                            break;
+                        }
+                    }
+                    let _ = up_write.shutdown().await;
+                };
+                let back = async {
+                    let _ = tokio::io::copy(&mut up_read, &mut client_write).await;
+                    let _ = client_write.shutdown().await;
+                };
+                tokio::join!(forward, back);
+            });
+        }
+    });
+    (relay_url, captured)
+}
+
+/// The head of the first request in `captured` whose request line starts
+/// with `line`, once it is all in.
+fn captured_head(captured: &std::sync::Mutex<Vec<u8>>, line: &str) -> Option<String> {
+    let bytes = captured.lock().unwrap().clone();
+    let text = String::from_utf8_lossy(&bytes).into_owned();
+    let start = text.find(line)?;
+    let end = text[start..].find("\r\n\r\n")? + start + 4;
+    Some(text[start..end].to_owned())
 }
 
 /// Sends `request` on a fresh connection to `port` and reads the answer
@@ -585,7 +782,7 @@ async fn a_burst_of_wrong_guesses_is_rate_limited_and_logged() {
     })
     .await
     .unwrap();
-    let url = format!("{}/internal/v1/tokens/purge", node.url);
+    let url = node.internal("/tokens/purge");
     let mut statuses = Vec::new();
     for guess in 0..40 {
         let r = node
@@ -1152,16 +1349,16 @@ async fn with_evidence_a_dead_holders_users_are_relaunched_elsewhere() {
 }
 
 /// A GET of `user`'s app sent to `node` the way another node forwards it:
-/// the cluster secret and the forwarded user, no user token.
+/// signed for `node` and the user, no user token.
 async fn forwarded_get(node: &Node, user: &str) -> (u16, String) {
-    let r = node
-        .http
-        .get(format!("{}/u/{user}/", node.url))
-        .header("x-berth-cluster-secret", SECRET)
-        .header("x-berth-forwarded-user", user)
-        .send()
-        .await
-        .unwrap();
+    let target = format!("/u/{user}/");
+    let mut request = node.http.get(format!("{}{target}", node.url));
+    for (name, value) in
+        berth_testkit::forward_headers(SECRET, &id_of(node).await, "GET", &target, user)
+    {
+        request = request.header(name, value);
+    }
+    let r = request.send().await.unwrap();
     (r.status().as_u16(), r.text().await.unwrap())
 }
 
@@ -1260,7 +1457,7 @@ async fn fence(node: &Node, user: &str, epoch: i64) -> Value {
         SECRET,
         &id_of(node).await,
         reqwest::Method::POST,
-        &format!("{}/internal/v1/users/{user}/fence", node.url),
+        &node.internal(&format!("/users/{user}/fence")),
         Some(&json!({ "epoch": epoch })),
     )
     .send()
@@ -1673,7 +1870,7 @@ async fn launch_on(node: &Node, user: &str) -> Value {
         SECRET,
         &id_of(node).await,
         reqwest::Method::POST,
-        &format!("{}/internal/v1/users/{user}/launch", node.url),
+        &node.internal(&format!("/users/{user}/launch")),
         Some(&json!({})),
     )
     .send()
@@ -2015,12 +2212,14 @@ async fn a_browser_through_another_node_sees_the_starting_page_at_once() {
 
     // Forwarded to node-b, which does not hold carol's lease: a navigation
     // gets the starting page, anything else 409; nothing starts on node-b.
+    let b_id = id_of(b).await;
     let forwarded = |navigation: bool| {
-        let mut request = b
-            .http
-            .get(format!("{}/u/carol/", b.url))
-            .header("x-berth-cluster-secret", SECRET)
-            .header("x-berth-forwarded-user", "carol");
+        let mut request = b.http.get(format!("{}/u/carol/", b.url));
+        for (name, value) in
+            berth_testkit::forward_headers(SECRET, &b_id, "GET", "/u/carol/", "carol")
+        {
+            request = request.header(name, value);
+        }
         if navigation {
             request = request.header("accept", "text/html");
         }

@@ -566,12 +566,17 @@ impl Drop for PauseGuard {
 /// A TCP relay on a loopback port to a PostgreSQL server at `upstream`.
 /// Cut, it closes every relayed connection and every new one at once, so
 /// clients see errors promptly (not half-open sockets); healed, it relays
-/// again. It can also hold back the server's answers that carry result
-/// rows (`DataRow`), as a slow network would: the statement runs at once,
-/// its answer arrives late.
+/// again. Hung, it keeps every connection open and accepts new ones but
+/// passes no byte either way, as a link that stalls without a reset
+/// would: clients see nothing at all, not an error, until it heals and
+/// what was held goes through late. It can also hold back the server's
+/// answers that carry result rows (`DataRow`), as a slow network would:
+/// the statement runs at once, its answer arrives late.
 struct Relay {
     port: u16,
     state: Arc<Mutex<RelayState>>,
+    /// True while hung.
+    hang: tokio::sync::watch::Sender<bool>,
     accept: tokio::task::JoinHandle<()>,
 }
 
@@ -588,6 +593,7 @@ impl Relay {
         let port = listener.local_addr().unwrap().port();
         let state = Arc::new(Mutex::new(RelayState::default()));
         let shared = state.clone();
+        let (hang, hung) = tokio::sync::watch::channel(false);
         let accept = tokio::spawn(async move {
             loop {
                 let Ok((client, _)) = listener.accept().await else {
@@ -602,13 +608,19 @@ impl Relay {
                     continue;
                 }
                 guard.conns.retain(|c| !c.is_finished());
-                let task = tokio::spawn(relay_one(client, upstream.clone(), shared.clone()));
+                let task = tokio::spawn(relay_one(
+                    client,
+                    upstream.clone(),
+                    shared.clone(),
+                    hung.clone(),
+                ));
                 guard.conns.push(task.abort_handle());
             }
         });
         Relay {
             port,
             state,
+            hang,
             accept,
         }
     }
@@ -623,8 +635,15 @@ impl Relay {
         }
     }
 
+    /// Stalls every connection, open or new, without closing any.
+    fn hang(&self) {
+        self.hang.send_replace(true);
+    }
+
+    /// Ends a cut or a hang: bytes a hang held go through now.
     fn heal(&self) {
         self.state.lock().unwrap().cut = false;
+        self.hang.send_replace(false);
     }
 
     /// Holds answers carrying result rows back by `delay` from now on.
@@ -641,17 +660,40 @@ impl Drop for Relay {
 }
 
 /// Relays one connection; the server's side in order, each chunk that
-/// carries rows held back by the delay in force when it arrived.
-async fn relay_one(client: tokio::net::TcpStream, upstream: String, state: Arc<Mutex<RelayState>>) {
+/// carries rows held back by the delay in force when it arrived; no byte
+/// either way while `hung` says so.
+async fn relay_one(
+    client: tokio::net::TcpStream,
+    upstream: String,
+    state: Arc<Mutex<RelayState>>,
+    hung: tokio::sync::watch::Receiver<bool>,
+) {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let Ok(server) = tokio::net::TcpStream::connect(&upstream).await else {
         return;
     };
     let (mut client_read, mut client_write) = client.into_split();
     let (mut server_read, mut server_write) = server.into_split();
-    let up = async move {
-        let _ = tokio::io::copy(&mut client_read, &mut server_write).await;
-        let _ = server_write.shutdown().await;
+    // Resolves at once unless hung; the sender lives as long as the relay.
+    let flowing = |mut hung: tokio::sync::watch::Receiver<bool>| async move {
+        let _ = hung.wait_for(|h| !*h).await;
+    };
+    let up = {
+        let hung = hung.clone();
+        async move {
+            let mut buf = vec![0u8; 64 * 1024];
+            loop {
+                let n = match client_read.read(&mut buf).await {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => n,
+                };
+                flowing(hung.clone()).await;
+                if server_write.write_all(&buf[..n]).await.is_err() {
+                    break;
+                }
+            }
+            let _ = server_write.shutdown().await;
+        }
     };
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
     let read = async move {
@@ -677,6 +719,7 @@ async fn relay_one(client: tokio::net::TcpStream, upstream: String, state: Arc<M
         while let Some((due, chunk)) = rx.recv().await {
             // The injected fault itself: rows arrive `row_delay` late.
             tokio::time::sleep_until(due).await;
+            flowing(hung.clone()).await;
             if client_write.write_all(&chunk).await.is_err() {
                 break;
             }
@@ -1441,14 +1484,21 @@ fn escape_epochs(dirs: &Dirs, user: &str) -> Vec<i64> {
 
 /// The first line of an older epoch after a newer one: a second writer.
 fn stale_write(epochs: &[i64]) -> Option<(usize, i64, i64)> {
-    let mut newest = i64::MIN;
-    for (i, &epoch) in epochs.iter().enumerate() {
-        if epoch < newest {
-            return Some((i, epoch, newest));
-        }
-        newest = newest.max(epoch);
-    }
-    None
+    stale_writes(epochs).next()
+}
+
+/// Every line of an older epoch after a newer one, as (line index, its
+/// epoch, the newest epoch before it).
+fn stale_writes(epochs: &[i64]) -> impl Iterator<Item = (usize, i64, i64)> + '_ {
+    epochs
+        .iter()
+        .enumerate()
+        .scan(i64::MIN, |newest, (i, &epoch)| {
+            let stale = (epoch < *newest).then_some((i, epoch, *newest));
+            *newest = (*newest).max(epoch);
+            Some(stale)
+        })
+        .flatten()
 }
 
 #[test]
@@ -1456,6 +1506,11 @@ fn a_stale_write_is_found_in_an_escapes_journal() {
     assert_eq!(stale_write(&[3, 3, 4, 4]), None);
     assert_eq!(stale_write(&[3, 4, 3, 4]), Some((2, 3, 4)));
     assert_eq!(stale_write(&[]), None);
+    // Every stale line counts, also after a third epoch began.
+    assert_eq!(
+        stale_writes(&[3, 4, 3, 3, 5, 4, 5]).collect::<Vec<_>>(),
+        vec![(2, 3, 4), (3, 3, 4), (5, 4, 5)]
+    );
 }
 
 /// A node cut off from the database fences its instance at the default
@@ -1532,4 +1587,467 @@ async fn a_fence_holds_every_process_of_an_instance_that_left_its_group() {
         "{:?}",
         &epochs[epochs.len().saturating_sub(20)..]
     );
+}
+
+// --- 6. every fault in a row, at the default level, with escapes ---------------
+
+/// One fault of [`every_fault_in_a_row_leaves_no_stale_writer_and_no_process_behind`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Fault {
+    /// `kill -9` of berth; its shims and programs run on. Healed by
+    /// starting it again on the same data dir, as a supervisor would.
+    Kill,
+    /// SIGSTOP of berth (not of its shims); healed by SIGCONT.
+    Pause,
+    /// The node's link to the database closed (the relay cut).
+    Cut,
+    /// The node's link to the database stalled, nothing closed.
+    Hang,
+    /// PostgreSQL itself restarted at once (`stop -m fast`, then start),
+    /// under every node.
+    PgRestart,
+    /// PostgreSQL stopped until every node has fenced every instance (past
+    /// `fence_after`), then started again: each lease is renewed by its
+    /// holder, which thaws it, or claimed by another node, whichever the
+    /// database lets win.
+    PgOutage,
+}
+
+/// The faults, in order: every kind twice. A node's fault hits the node
+/// that holds the most users at that moment, and lasts until every one of
+/// them runs on another node; PostgreSQL's hit every node.
+const FAULT_SCRIPT: [Fault; 10] = [
+    Fault::Kill,
+    Fault::Pause,
+    Fault::Cut,
+    Fault::Hang,
+    Fault::PgRestart,
+    Fault::Hang,
+    Fault::Kill,
+    Fault::PgOutage,
+    Fault::Cut,
+    Fault::Pause,
+];
+
+/// Users of the fault run.
+const FAULT_RUN_USERS: usize = 8;
+
+/// Escape lines each moved user's new instance writes before the fault is
+/// healed: time for a stale writer to show itself.
+const NEW_HOLDER_LINES: usize = 100;
+
+/// Kills, when dropped, every process left of the accounts in its range,
+/// frozen or not: a failing fault run (or one run without the protection
+/// it tests) must not leave escapes forking on the machine. Dropped after
+/// the nodes, which thaw and kill their cgroups first.
+struct AccountSweep(std::ops::Range<u32>);
+
+impl Drop for AccountSweep {
+    fn drop(&mut self) {
+        let uids: std::collections::BTreeSet<u32> = support::processes_of_uids(self.0.clone())
+            .into_iter()
+            .map(|(_, uid)| uid)
+            .collect();
+        for uid in uids {
+            berth_local::isolation::sweep::kill_all(uid);
+        }
+    }
+}
+
+/// Every user's main, running and ready on a node in `up`, not frozen, as
+/// a node in `up` records it.
+async fn settled(nodes: &[Node], up: &[usize], users: &[String]) -> BTreeMap<String, Value> {
+    let mut mains = BTreeMap::new();
+    for user in users {
+        let main = eventually(LONG, &format!("{user} running"), || async {
+            for &i in up {
+                let main = nodes[i].main_of(user).await;
+                let node = main["node"]
+                    .as_str()
+                    .and_then(|n| IDS.iter().position(|i| *i == n));
+                let pid = main["pid"].as_u64().and_then(|p| u32::try_from(p).ok());
+                if main["status"] == "running"
+                    && main["ready"] == true
+                    && node.is_some_and(|n| up.contains(&n))
+                    && pid.is_some_and(|p| alive(u64::from(p)) && !frozen(p))
+                {
+                    return Some(main);
+                }
+            }
+            None
+        })
+        .await;
+        mains.insert(user.clone(), main);
+    }
+    mains
+}
+
+/// Waits until every user's lease has been renewed past where it stood
+/// when this was called, as `asker` lists them: the nodes reach the
+/// database again.
+async fn renewing(asker: &Node, users: &[String]) {
+    let mut before = BTreeMap::new();
+    for user in users {
+        before.insert(
+            user,
+            lease_of(asker, user).await.unwrap()["lease_until"].clone(),
+        );
+    }
+    for user in users {
+        eventually(LONG, &format!("{user}'s lease renewed"), || async {
+            let row = lease_of(asker, user).await?;
+            (row["lease_until"].as_i64() > before[user].as_i64()).then_some(())
+        })
+        .await;
+    }
+}
+
+/// Traffic while the faults happen: a client that asks every user's app
+/// for a page and launches every user in turn, through every node (the
+/// addresses in `targets`, kept current as killed nodes start again),
+/// until `stop`. Answers are counted by status.
+fn traffic(
+    targets: Arc<Mutex<Vec<(String, String)>>>,
+    users: Vec<String>,
+    stop: Arc<AtomicBool>,
+    answers: Arc<Mutex<BTreeMap<String, usize>>>,
+) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        // A paused node answers nothing: the client gives up on it soon.
+        let http = reqwest::Client::builder()
+            .timeout(Duration::from_secs(2))
+            .build()
+            .unwrap();
+        let mut round = 0usize;
+        while !stop.load(Ordering::Relaxed) {
+            for (u, user) in users.iter().enumerate() {
+                let (url, token) = {
+                    let targets = targets.lock().unwrap();
+                    targets[(u + round) % targets.len()].clone()
+                };
+                let request = if round.is_multiple_of(3) {
+                    http.post(format!("{url}/api/v1/users/{user}/instance"))
+                        .json(&json!({}))
+                } else {
+                    http.get(format!("{url}/u/{user}/"))
+                };
+                let key = match request.bearer_auth(token).send().await {
+                    Ok(r) => r.status().as_u16().to_string(),
+                    Err(_) => "transport error".to_owned(),
+                };
+                *answers.lock().unwrap().entry(key).or_default() += 1;
+            }
+            round += 1;
+            // Paces the load: steady traffic, not a flood.
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+}
+
+/// The stale lines of one escapes journal: how many, and the first as
+/// (line, epoch, newest epoch before it).
+struct StaleLines {
+    count: usize,
+    first: (usize, i64, i64),
+}
+
+/// What the users' journals (escapes and demo app) show so far.
+struct Journals {
+    /// Lines read.
+    lines: usize,
+    /// Per user with any: the escape lines that came from an older epoch
+    /// after a newer one.
+    stale: BTreeMap<String, StaleLines>,
+    /// Two writers in a demo-app journal, as [`check_journal`] says.
+    two_writers: Vec<String>,
+}
+
+impl Journals {
+    fn read(dirs: &Dirs, users: &[String]) -> Journals {
+        let mut journals = Journals {
+            lines: 0,
+            stale: BTreeMap::new(),
+            two_writers: Vec::new(),
+        };
+        for user in users {
+            let epochs = escape_epochs(dirs, user);
+            journals.lines += epochs.len();
+            if let Some(first) = stale_write(&epochs) {
+                let count = stale_writes(&epochs).count();
+                journals
+                    .stale
+                    .insert(user.clone(), StaleLines { count, first });
+            }
+            match check_journal(&dirs.journal_text(user)) {
+                Ok(runs) => journals.lines += runs.iter().map(|r| r.lines).sum::<usize>(),
+                Err(e) => journals
+                    .two_writers
+                    .push(format!("{user}'s demo journal: {e}")),
+            }
+        }
+        journals
+    }
+
+    fn stale_lines(&self) -> usize {
+        self.stale.values().map(|s| s.count).sum()
+    }
+
+    fn assert_one_writer_at_a_time(&self, when: &str) {
+        let stale: Vec<String> = self
+            .stale
+            .iter()
+            .map(|(user, s)| {
+                let (line, epoch, newer) = s.first;
+                format!(
+                    "{user}: {} lines, the first at line {line}: epoch {epoch} after {newer}",
+                    s.count
+                )
+            })
+            .collect();
+        assert!(
+            stale.is_empty() && self.two_writers.is_empty(),
+            "{when}: {} stale-epoch lines of {} users: {stale:?}; {:?}",
+            self.stale_lines(),
+            self.stale.len(),
+            self.two_writers
+        );
+    }
+}
+
+/// Three nodes share one PostgreSQL at the default isolation level (`user`,
+/// as root), each reaching it through a relay of its own. Every one of
+/// eight users runs the demo app with [`ESCAPES`]: a `setsid` child, a
+/// double-forked one and one that forks anew for every line, each
+/// appending its epoch to the user's escapes journal every 10 ms. While a
+/// client keeps asking for and launching the users through every node,
+/// [`FAULT_SCRIPT`] runs: the busiest node killed, paused, cut from the
+/// database and hung from it, each until its users run elsewhere under a
+/// newer epoch and wrote there, then healed (the killed node started
+/// again); PostgreSQL restarted, and stopped until every instance is
+/// fenced.
+///
+/// The evidence: after every fault, in no user's journal (the escapes'
+/// and the demo app's) does a line of an older epoch follow one of a
+/// newer epoch; the client never got an internal error; and once every
+/// user is stopped and every node shut down, no process of any instance
+/// account and no instance cgroup is left on the machine.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_fault_in_a_row_leaves_no_stale_writer_and_no_process_behind() {
+    let began = std::time::Instant::now();
+    let pg = tokio::task::spawn_blocking(PgCluster::start_throwaway)
+        .await
+        .unwrap()
+        .unwrap_or_else(|e| panic!("no PostgreSQL for the fault run: {e}"));
+    let pg = Arc::new(pg);
+    let db = pg.fresh_database().await;
+    let dirs = Dirs::new();
+    let instance = escapes_command(&dirs.journals);
+    // Accounts of the test's own: other tests of this binary run at once
+    // on the default range. Per run as well, so zombies an earlier run
+    // left on a host whose init never reaps count against nothing here.
+    let base_uid = 300_000 + std::process::id() % 100 * 1000;
+    let uids = base_uid..base_uid + 1000;
+    let isolation = format!("[isolation]\nbase_uid = {base_uid}\nuid_count = 1000\n");
+    let _sweep = AccountSweep(uids.clone());
+    let mut relays = Vec::new();
+    let mut nodes = Vec::new();
+    for id in IDS {
+        let relay = Relay::start(upstream_of(&db)).await;
+        let via = via_port(&db, relay.port);
+        nodes.push(start_node_with(dirs.path(), &via, id, &lease(""), &instance, &isolation).await);
+        relays.push(relay);
+    }
+    let users: Vec<String> = (0..FAULT_RUN_USERS).map(|i| format!("f{i}")).collect();
+    for (i, user) in users.iter().enumerate() {
+        let (status, body) = nodes[i % 3]
+            .post(&format!("/users/{user}/instance"), json!({}))
+            .await;
+        assert_eq!(status, 201, "{user}: {body}");
+    }
+    let all = [0, 1, 2];
+    settled(&nodes, &all, &users).await;
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let answers = Arc::new(Mutex::new(BTreeMap::<String, usize>::new()));
+    let targets = Arc::new(Mutex::new(
+        nodes
+            .iter()
+            .map(|n| (n.url.clone(), n.token.clone()))
+            .collect::<Vec<_>>(),
+    ));
+    let client = traffic(
+        targets.clone(),
+        users.clone(),
+        stop.clone(),
+        answers.clone(),
+    );
+
+    let mut moves = 0;
+    for fault in FAULT_SCRIPT {
+        let before = settled(&nodes, &all, &users).await;
+        if matches!(fault, Fault::PgRestart | Fault::PgOutage) {
+            let pg = pg.clone();
+            if fault == Fault::PgRestart {
+                tokio::task::spawn_blocking(move || pg.restart())
+                    .await
+                    .unwrap()
+                    .expect("PostgreSQL restarts");
+            } else {
+                let stopping = pg.clone();
+                tokio::task::spawn_blocking(move || stopping.stop())
+                    .await
+                    .unwrap()
+                    .expect("PostgreSQL stops");
+                for (user, main) in &before {
+                    let pid = u32::try_from(main["pid"].as_u64().unwrap()).unwrap();
+                    eventually(LONG, &format!("{user} fenced"), || async {
+                        stopped_or_gone(pid).then_some(())
+                    })
+                    .await;
+                }
+                tokio::task::spawn_blocking(move || pg.start_again())
+                    .await
+                    .unwrap()
+                    .expect("PostgreSQL starts again");
+            }
+            settled(&nodes, &all, &users).await;
+            renewing(&nodes[0], &users).await;
+            eprintln!("fault {fault:?}: every node reaches the database again");
+            Journals::read(&dirs, &users).assert_one_writer_at_a_time(&format!("after {fault:?}"));
+            continue;
+        }
+        let mut load = [0usize; 3];
+        for main in before.values() {
+            load[index_of(main["node"].as_str().unwrap())] += 1;
+        }
+        let target = (0..3).max_by_key(|i| load[*i]).unwrap();
+        let others: Vec<usize> = all.into_iter().filter(|i| *i != target).collect();
+        let moving: Vec<(&String, i64, u32)> = before
+            .iter()
+            .filter(|(_, main)| main["node"] == IDS[target])
+            .map(|(user, main)| {
+                let epoch = main["epoch"].as_i64().unwrap();
+                let pid = u32::try_from(main["pid"].as_u64().unwrap()).unwrap();
+                (user, epoch, pid)
+            })
+            .collect();
+        let mut paused = None;
+        match fault {
+            Fault::Kill => nodes[target].kill9(),
+            Fault::Pause => {
+                let pid = nodes[target].pid().unwrap();
+                signal(pid, Signal::SIGSTOP);
+                paused = Some(PauseGuard(pid));
+            }
+            Fault::Cut => relays[target].cut(),
+            Fault::Hang => relays[target].hang(),
+            Fault::PgRestart | Fault::PgOutage => unreachable!("handled above"),
+        }
+        for &(user, old_epoch, old_pid) in &moving {
+            let (_, main) = moved(&nodes, &others, user, old_epoch).await;
+            // The old instance was frozen before the lease could move.
+            assert!(
+                stopped_or_gone(old_pid),
+                "{user}'s instance on {} runs while {main} holds it: {:?}",
+                IDS[target],
+                proc_state(old_pid)
+            );
+            let new_epoch = main["epoch"].as_i64().unwrap();
+            eventually(LONG, &format!("{user}'s new escapes writing"), || async {
+                let epochs = escape_epochs(&dirs, user);
+                (epochs.iter().filter(|e| **e == new_epoch).count() >= NEW_HOLDER_LINES)
+                    .then_some(())
+            })
+            .await;
+            moves += 1;
+        }
+        match fault {
+            Fault::Kill => {
+                tokio::task::block_in_place(|| nodes[target].restart());
+                targets.lock().unwrap()[target] =
+                    (nodes[target].url.clone(), nodes[target].token.clone());
+            }
+            Fault::Pause => drop(paused.take()),
+            _ => relays[target].heal(),
+        }
+        // Back, the node learns that its leases moved and ends what it
+        // ran: killed frozen, never thawed.
+        for &(user, _, old_pid) in &moving {
+            eventually(LONG, &format!("{user}'s old instance ended"), || async {
+                (!alive(u64::from(old_pid))).then_some(())
+            })
+            .await;
+        }
+        eprintln!(
+            "fault {fault:?} of {}: {} users moved",
+            IDS[target],
+            moving.len()
+        );
+        Journals::read(&dirs, &users)
+            .assert_one_writer_at_a_time(&format!("after {fault:?} of {}", IDS[target]));
+    }
+    settled(&nodes, &all, &users).await;
+    stop.store(true, Ordering::Relaxed);
+    client.await.unwrap();
+    let answers = client_answers(&answers);
+    assert!(answers.get("200").copied().unwrap_or(0) > 0, "{answers:?}");
+    // A node away is a moment's condition the client retries (503), not
+    // an internal error.
+    assert!(!answers.contains_key("500"), "{answers:?}");
+
+    // Every user stopped, through whichever node; then every node shut down.
+    for (i, user) in users.iter().enumerate() {
+        let status = nodes[i % 3]
+            .delete(&format!("/users/{user}/instance"))
+            .await;
+        assert_eq!(status, 204, "{user}");
+    }
+    for user in &users {
+        eventually(LONG, &format!("{user} stopped"), || async {
+            let status = nodes[0].status_of(user).await;
+            matches!(status.as_str(), "stopped" | "none").then_some(())
+        })
+        .await;
+    }
+    for node in &mut nodes {
+        let status = tokio::task::block_in_place(|| node.terminate());
+        assert!(status.success(), "{}: {status}", node.url);
+    }
+    // What a stop leaves is gone once its shim has exited; the wait only
+    // bounds that.
+    let leftovers = || {
+        let processes = support::processes_of_uids(uids.clone());
+        let cgroups: Vec<PathBuf> = nodes
+            .iter()
+            .flat_map(|n| support::instance_cgroups(&n.data_dir))
+            .collect();
+        (processes, cgroups)
+    };
+    support::poll_until(Duration::from_secs(30), || async {
+        let (processes, cgroups) = leftovers();
+        (processes.is_empty() && cgroups.is_empty()).then_some(())
+    })
+    .await;
+    let (processes, cgroups) = leftovers();
+
+    let journals = Journals::read(&dirs, &users);
+    eprintln!(
+        "fault run: {} faults, {moves} moves, {} journal lines checked, {} stale lines ({} \
+         users), {} processes and {} cgroups left, {:.0?}; client answers {answers:?}",
+        FAULT_SCRIPT.len(),
+        journals.lines,
+        journals.stale_lines(),
+        journals.stale.len(),
+        processes.len(),
+        cgroups.len(),
+        began.elapsed(),
+    );
+    journals.assert_one_writer_at_a_time("at the end");
+    assert!(
+        processes.is_empty() && cgroups.is_empty(),
+        "left after every user was stopped and every node shut down: processes (pid, uid) \
+         {processes:?}, cgroups {cgroups:?}"
+    );
+    drop(nodes);
+    tokio::task::spawn_blocking(move || drop(pg)).await.unwrap();
 }

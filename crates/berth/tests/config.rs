@@ -327,6 +327,72 @@ fn bad_values_name_the_key() {
     }
 }
 
+/// The node-to-node listener must be an address of its own that other
+/// nodes can be told: each bad value is refused naming its key, its line
+/// and what to do instead; a good one passes.
+#[test]
+fn a_node_to_node_listener_that_cannot_work_is_refused() {
+    let cases = [
+        (
+            "[cluster]\ninternal_listen = \"localhost\"\n",
+            "cluster.internal_listen",
+            "is not a socket address",
+        ),
+        (
+            "[cluster]\ninternal_listen = \"0.0.0.0:8001\"\n",
+            "cluster.internal_listen",
+            "name this host's address on the nodes' private network",
+        ),
+        (
+            "[cluster]\ninternal_listen = \"[::]:8001\"\n",
+            "cluster.internal_listen",
+            "listens on every address",
+        ),
+        (
+            "listen = \"127.0.0.1:8000\"\n[cluster]\ninternal_listen = \"127.0.0.1:8000\"\n",
+            "cluster.internal_listen",
+            "never the public one",
+        ),
+        (
+            "[metrics]\nlisten = \"127.0.0.1:9464\"\n[cluster]\ninternal_listen = \"127.0.0.1:9464\"\n",
+            "cluster.internal_listen",
+            "is also metrics.listen",
+        ),
+        (
+            "[cluster]\ninternal_advertise_url = \"ftp://10.0.0.5:8001\"\n",
+            "cluster.internal_advertise_url",
+            "is not an http://host:port URL",
+        ),
+        (
+            "[cluster]\ninternal_advertise_url = \"http://10.0.0.5:8001/internal\"\n",
+            "cluster.internal_advertise_url",
+            "without a path",
+        ),
+    ];
+    for (text, key, why) in cases {
+        let (stderr, _path, _dir) = check_failing(text);
+        let line = format!("line {}", text.lines().count());
+        assert!(stderr.contains(key), "{key} not named: {stderr}");
+        assert!(stderr.contains(&line), "{line} not named: {stderr}");
+        assert!(stderr.contains(why), "{why:?} not said: {stderr}");
+    }
+    let dir = tempfile::tempdir().unwrap();
+    for good in [
+        "[cluster]\ninternal_listen = \"10.0.0.5:8001\"\n",
+        "[cluster]\ninternal_listen = \"0.0.0.0:8001\"\ninternal_advertise_url = \"http://10.0.0.5:8001\"\n",
+        "listen = \"127.0.0.1:0\"\n[cluster]\ninternal_listen = \"127.0.0.1:0\"\n",
+    ] {
+        let path = dir.path().join("good.toml");
+        std::fs::write(&path, good).unwrap();
+        let out = check(&path);
+        assert!(
+            out.status.success(),
+            "{good}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}
+
 /// The shipped Kubernetes example is a complete `[kubernetes]` table: it
 /// names every section the runtime has, so it documents them all.
 #[test]

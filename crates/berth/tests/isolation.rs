@@ -15,7 +15,9 @@ use std::sync::atomic::{AtomicU16, Ordering};
 use std::time::Duration;
 
 use serde_json::{Value, json};
-use support::{Node, StartOptions, alive, eventually, instance_pids, proc_state, zygote_of};
+use support::{
+    Node, StartOptions, alive, eventually, instance_pids, proc_state, processes_of_uids, zygote_of,
+};
 
 const BREACH: &str = include_str!("support/breach.py");
 const PATIENCE: Duration = Duration::from_secs(60);
@@ -129,14 +131,9 @@ fn tasks_of(uid: u32) -> usize {
 
 /// Live processes run by a uid of `[first, first + 1000)`.
 fn processes_in_range(first: u32) -> Vec<u32> {
-    std::fs::read_dir("/proc")
-        .unwrap()
-        .flatten()
-        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
-        .filter(|&pid| {
-            uid_of_process(pid).is_some_and(|u| (first..first + 1000).contains(&u))
-                && alive(u64::from(pid))
-        })
+    processes_of_uids(first..first + 1000)
+        .into_iter()
+        .map(|(pid, _)| pid)
         .collect()
 }
 
@@ -748,12 +745,15 @@ async fn the_port_guard_holds(mode: &str) {
     )
     .await;
     assert_eq!(to_self["ok"], true, "{to_self}");
-    // berth's proxy reaches both, and so does root.
+    // berth's proxy reaches both.
     for user in ["alice", "bob"] {
         assert_eq!(probe(&node, user, "ping", &[]).await["ok"], true);
     }
-    std::net::TcpStream::connect(("127.0.0.1", bob["port"].as_u64().unwrap() as u16))
-        .expect("root reaches bob's port");
+    // Root on the host reaches bob's port at `user`; a sandbox's port is in
+    // its own network namespace, and nothing listens there on the host.
+    let from_host =
+        std::net::TcpStream::connect(("127.0.0.1", bob["port"].as_u64().unwrap() as u16));
+    assert_eq!(from_host.is_ok(), mode == "user", "{from_host:?}");
     node.kill_instances();
 }
 
@@ -1664,4 +1664,172 @@ async fn a_sweep_of_an_account_freezes_and_kills_every_one_of_its_processes() {
         "the other account untouched"
     );
     assert_eq!(sweep::kill_all(clock_uid), vec![]);
+}
+
+// --- ports: a stolen port is useless -------------------------------------------
+
+/// [`breach_config`] whose programs start only once `$HOME/gate` exists,
+/// so that a test decides when each binds its port.
+fn gated_config(dir: &Path, slot: &Slot, mode: &str) -> String {
+    let script = serde_json::to_string(BREACH).unwrap();
+    let gated = serde_json::to_string(
+        "while [ ! -e \"$HOME/gate\" ]; do sleep 0.02; done; exec python3 -c \"$1\" \"$0\"",
+    )
+    .unwrap();
+    breach_config(dir, slot, mode, "", "").replace(
+        &format!("command = [\"python3\", \"-c\", {script}, \"{{port}}\"]"),
+        &format!("command = [\"/bin/sh\", \"-c\", {gated}, \"{{port}}\", {script}]"),
+    )
+}
+
+/// Lets `user`'s gated program start, once berth has made its home.
+async fn open_gate(node: &Node, user: &str) {
+    let home = node.data_dir.join(format!("users/{user}/home"));
+    eventually(PATIENCE, &format!("{user}'s home made"), || async {
+        home.is_dir().then_some(())
+    })
+    .await;
+    std::fs::write(home.join("gate"), "").unwrap();
+}
+
+/// Port theft, tried as a hostile user would: alice's program binds the
+/// port berth has just given bob, before bob's program (which binds late)
+/// can. At `user` the kernel lets her bind it and accept connections
+/// there, but berth asks the kernel who owns the socket it reached and
+/// sends nothing to one that is not bob's account's: her listener answers
+/// neither the readiness probe nor bob's requests; bob's program fails to
+/// bind and is restarted on another port. In a sandbox her bind lands in
+/// her own network namespace, and bob keeps his port in his. Either way
+/// everything sent to bob reaches bob, and her listener never receives a
+/// request.
+async fn a_stolen_port_is_never_reached(mode: &str) {
+    let dir = tempfile::tempdir().unwrap();
+    let slot = slot();
+    let node = start(dir.path(), &gated_config(dir.path(), &slot, mode));
+    tokio::join!(launch(&node, "alice"), open_gate(&node, "alice"));
+    let alice_uid = probe(&node, "alice", "whoami", &[]).await["uid"].clone();
+    let bob_launch = {
+        let http = node.http.clone();
+        let url = node.api("/users/bob/instance");
+        let token = node.token.clone();
+        tokio::spawn(async move {
+            http.post(url)
+                .bearer_auth(token)
+                .json(&json!({}))
+                .send()
+                .await
+                .map(|r| r.status().as_u16())
+        })
+    };
+    let port = eventually(PATIENCE, "bob's port chosen", || async {
+        node.main_of("bob").await["port"].as_u64()
+    })
+    .await;
+    let theft = probe(&node, "alice", "steal", &[("port", &port.to_string())]).await;
+    assert_eq!(
+        theft["ok"], true,
+        "the kernel lets alice bind bob's port: {theft}"
+    );
+    open_gate(&node, "bob").await;
+    let launched = bob_launch.await.unwrap();
+    assert!(launched.is_ok(), "bob's launch got no answer: {launched:?}");
+
+    let moved = mode == "user";
+    eventually(PATIENCE, "bob running on a port of his own", || async {
+        let main = node.main_of("bob").await;
+        (main["status"] == "running"
+            && main["ready"] == true
+            && (main["port"].as_u64() != Some(port)) == moved)
+            .then_some(())
+    })
+    .await;
+    let whoami = probe(&node, "bob", "whoami", &[]).await;
+    assert_ne!(
+        whoami["stolen"], true,
+        "bob's request reached alice: {whoami}"
+    );
+    assert!(whoami["uid"].is_u64(), "{whoami}");
+    assert_ne!(whoami["uid"], alice_uid, "{whoami}");
+    let stolen = probe(&node, "alice", "stolen", &[]).await;
+    assert_eq!(
+        stolen["value"], 0,
+        "alice's listener on bob's port got requests"
+    );
+    node.kill_instances();
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_port_stolen_at_level_user_answers_nobody() {
+    if privileged("port theft, user") {
+        a_stolen_port_is_never_reached("user").await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_port_stolen_in_a_sandbox_answers_nobody() {
+    if privileged("port theft, sandbox") {
+        a_stolen_port_is_never_reached("sandbox").await;
+    }
+}
+
+// --- the sandbox's network ------------------------------------------------------
+
+/// At `user` every instance shares the host's network namespace (README
+/// says what that shares). A sandbox has one of its own, with nothing but
+/// its loopback: bob's services beside his port (one outside the
+/// instance port range, one on an abstract unix socket) are out of
+/// alice's reach, and her `/proc/net` lists none of his sockets, while
+/// bob reaches and sees his own.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_sandbox_reaches_and_sees_no_other_tenants_sockets() {
+    if !privileged("sandbox network") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let slot = slot();
+    let node = start(
+        dir.path(),
+        &breach_config(dir.path(), &slot, "sandbox", "", ""),
+    );
+    launch(&node, "alice").await;
+    launch(&node, "bob").await;
+    // Outside the instance port range, where no port guard looks.
+    let extra = (slot.ports + 100).to_string();
+    let name = format!("berth-test-bob-{}", slot.base_uid);
+    let listening = probe(&node, "bob", "listen", &[("port", &extra), ("name", &name)]).await;
+    assert_eq!(listening["ok"], true, "{listening}");
+    let tcp = [("host", "127.0.0.1"), ("port", extra.as_str())];
+    let unix = [("name", name.as_str())];
+    let tcp_table = format!(":{:04X}", slot.ports + 100);
+    for (user, reaches) in [("bob", true), ("alice", false)] {
+        let to_tcp = probe(&node, user, "connect", &tcp).await;
+        let to_unix = probe(&node, user, "uconnect", &unix).await;
+        if reaches {
+            assert_eq!(to_tcp["ok"], true, "{user}: {to_tcp}");
+            assert_eq!(to_unix["ok"], true, "{user}: {to_unix}");
+        } else {
+            assert!(
+                refused(&to_tcp, &["ECONNREFUSED"]),
+                "{user} reached bob: {to_tcp}"
+            );
+            assert!(
+                refused(&to_unix, &["ECONNREFUSED"]),
+                "{user} reached bob: {to_unix}"
+            );
+        }
+        for (table, needle) in [
+            ("/proc/net/tcp", tcp_table.as_str()),
+            ("/proc/net/unix", &name),
+        ] {
+            let seen = probe(
+                &node,
+                user,
+                "mentions",
+                &[("path", table), ("needle", needle)],
+            )
+            .await;
+            assert_eq!(seen["value"], reaches, "{user} in {table}: {seen}");
+        }
+    }
+    node.kill_instances();
 }

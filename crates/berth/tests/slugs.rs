@@ -91,16 +91,50 @@ async fn the_colliding_ids_of_issue_9_get_distinct_slugs_and_data_roots() {
     assert!(!second_root.join("ws/secret.txt").exists());
 }
 
+/// Records in the store of the node whose data dir is `data` that each
+/// of `ids` ran under an earlier berth: a lease row, last held (and
+/// released) by another node, as every launch of an earlier berth left.
+/// Released and another node's, so no start of this node records their
+/// slugs ahead of a launch.
+async fn ran_before(data: &Path, ids: &[&str]) {
+    std::fs::create_dir_all(data).unwrap();
+    let store = berth_store::open(&format!("sqlite://{}/berth.db", data.display()))
+        .await
+        .unwrap();
+    for id in ids {
+        let claimed = store
+            .claim_lease(
+                &user(id),
+                "node-before-the-upgrade",
+                Duration::from_secs(30),
+                TakeoverPolicy::Evidence,
+            )
+            .await
+            .unwrap();
+        let berth_store::ClaimOutcome::Claimed { epoch } = claimed else {
+            panic!("{id}: {claimed:?}");
+        };
+        assert!(
+            store
+                .release_lease(&user(id), "node-before-the-upgrade", epoch)
+                .await
+                .unwrap()
+        );
+    }
+}
+
 /// An upgrade from a berth with 8-hex-digit slugs: the data root
-/// `users/alice-corp---eb9ba467` exists. The first of the two ids to be
-/// recorded keeps it; the other, which used to share it, starts afresh
-/// under its own slug; after a restart both are where they were.
+/// `users/alice-corp---eb9ba467` exists, and both ids ran under the earlier
+/// berth (sharing that root, as its 32-bit slugs made them). The first of
+/// the two to be recorded keeps it; the other starts afresh under its own
+/// slug; after a restart both are where they were.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_data_root_of_an_earlier_slug_stays_with_the_first_user_recorded() {
     let dir = tempfile::tempdir().unwrap();
     let old_root = dir.path().join("data/users/alice-corp---eb9ba467");
     std::fs::create_dir_all(old_root.join("ws")).unwrap();
     std::fs::write(old_root.join("ws/notes.txt"), "kept across the upgrade").unwrap();
+    ran_before(&dir.path().join("data"), &[FIRST, SECOND]).await;
 
     let mut node = Node::start(dir.path(), &config(1));
     launch(&node, FIRST).await;
@@ -171,6 +205,76 @@ async fn a_data_root_of_an_earlier_slug_stays_with_the_first_user_recorded() {
             .expect("the stream stays open");
         seen.push_str(&String::from_utf8_lossy(&chunk));
     }
+}
+
+/// An earlier berth's slugs ended in 32 bits of SHA-256, so anyone can
+/// make an id whose earlier slug is another user's, and the first id
+/// recorded with data under an earlier slug used to keep that data,
+/// whoever it was. Here `users/alice-corp---eb9ba467` is FIRST's, who ran
+/// before the upgrade; SECOND, an id never seen before that shares the
+/// earlier slug, comes first, with a token of its own. Following its log
+/// before its first launch shows none of FIRST's old output, and once
+/// launched it runs in a fresh root, without FIRST's files. FIRST then
+/// launches into the old root, files intact.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_id_made_to_share_an_earlier_slug_gets_none_of_its_data() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let old_root = data.join("users/alice-corp---eb9ba467");
+    std::fs::create_dir_all(old_root.join("ws")).unwrap();
+    std::fs::create_dir_all(old_root.join("logs")).unwrap();
+    std::fs::write(old_root.join("ws/diary.txt"), "FIRST's own notes").unwrap();
+    std::fs::write(old_root.join("logs/main.log"), "FIRST's old output\n").unwrap();
+    ran_before(&data, &[FIRST]).await;
+    let node = Node::start(dir.path(), &config(2));
+
+    // The attacker follows its own log before it ever ran, then launches:
+    // the stream shows its own program's lines, none of FIRST's.
+    let segment = user(SECOND).path_segment();
+    let token = node.user_token(&segment).await;
+    let mut followed = node
+        .http
+        .get(node.api(&format!(
+            "/users/{segment}/instance/logs?follow=true&tail=10"
+        )))
+        .bearer_auth(&token)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(followed.status(), 200);
+    let r = node
+        .http
+        .post(node.api(&format!("/users/{segment}/instance")))
+        .bearer_auth(&token)
+        .json(&json!({}))
+        .send()
+        .await
+        .unwrap();
+    assert!(r.status().is_success(), "{}", r.text().await.unwrap());
+    let mut seen = String::new();
+    while !seen.contains("berth-demo: ") {
+        let chunk = tokio::time::timeout(PATIENCE, followed.chunk())
+            .await
+            .expect("the attacker's own log lines")
+            .unwrap()
+            .expect("the stream stays open");
+        seen.push_str(&String::from_utf8_lossy(&chunk));
+    }
+    assert!(!seen.contains("FIRST's old output"), "{seen}");
+    drop(followed);
+    let second = home_of(&node, SECOND).await;
+    assert_eq!(
+        data_root(&second),
+        data.join("users").join(user(SECOND).slug().as_str())
+    );
+    assert!(!data_root(&second).join("ws/diary.txt").exists());
+
+    launch(&node, FIRST).await;
+    assert_eq!(data_root(&home_of(&node, FIRST).await), old_root);
+    assert_eq!(
+        std::fs::read_to_string(old_root.join("ws/diary.txt")).unwrap(),
+        "FIRST's own notes"
+    );
 }
 
 /// A controller over the local runtime, running the demo app from `data`

@@ -369,10 +369,12 @@ impl EndpointResolver for DoubleEndpoints {
             Some(addr) => Endpoint {
                 host: addr.ip().to_string(),
                 port: addr.port(),
+                reach: berth_core::Reach::default(),
             },
             None => Endpoint {
                 host: format!("{service}.{namespace}.svc.double.invalid"),
                 port,
+                reach: berth_core::Reach::default(),
             },
         }
     }

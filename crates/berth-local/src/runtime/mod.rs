@@ -34,7 +34,7 @@ use berth_core::runtime::{
     Capabilities, Capacity, Discovered, EVENT_BUFFER, InstanceSpec, Runtime, RuntimeError,
     RuntimeRef, Started,
 };
-use berth_core::{Endpoint, Role, Slug};
+use berth_core::{Endpoint, Reach, Role, Slug};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -428,12 +428,20 @@ impl LocalRuntime {
             pid_start: state.pid_start,
             shim_pid: state.shim_pid,
         };
+        // Isolated, the program runs as its account: only a socket of that
+        // account's is the instance (or, in a sandbox, any socket of its own
+        // network namespace).
+        let reach = reach_of(
+            state.shim_pid,
+            self.isolated.as_ref().and(account).map(|a| a.uid),
+        );
         let follow = Follow {
             handle,
             state_path: shim_spec.state_path,
             instance_id: spec.instance_id.clone(),
             runtime_ref: runtime_ref.clone(),
             port,
+            reach: reach.clone(),
             probe: self.probe_for(spec.role),
             by_regex,
             ready: by_regex && state.ready,
@@ -444,7 +452,7 @@ impl LocalRuntime {
         Ok(Started {
             runtime_ref,
             pid: Some(state.pid),
-            endpoint: port.map(local_endpoint),
+            endpoint: port.map(|port| local_endpoint(port, reach.clone())),
             events,
         })
     }
@@ -488,10 +496,35 @@ impl LocalRuntime {
     }
 }
 
-fn local_endpoint(port: u16) -> Endpoint {
+/// How a main whose shim is `shim_pid` is reached: inside the shim's
+/// network namespace when it is not berth's own (a sandbox's, where only
+/// the instance's own programs listen), else on berth's loopback through
+/// a socket of the instance's account (`account_uid`), when it has one.
+fn reach_of(shim_pid: u32, account_uid: Option<u32>) -> Reach {
+    use std::os::unix::fs::MetadataExt;
+    let theirs = PathBuf::from(format!("/proc/{shim_pid}/ns/net"));
+    let namespace = |path: &Path| std::fs::metadata(path).map(|m| (m.dev(), m.ino())).ok();
+    match (
+        namespace(&theirs),
+        namespace(Path::new("/proc/self/ns/net")),
+    ) {
+        (Some(theirs_id), Some(ours)) if theirs_id != ours => Reach {
+            owner: None,
+            netns: Some(theirs),
+        },
+        _ => Reach {
+            owner: account_uid,
+            netns: None,
+        },
+    }
+}
+
+/// Where a main listens, and how it is reached ([`reach_of`]).
+fn local_endpoint(port: u16, reach: Reach) -> Endpoint {
     Endpoint {
         host: "127.0.0.1".into(),
         port,
+        reach,
     }
 }
 
@@ -661,6 +694,8 @@ impl Runtime for LocalRuntime {
                 tracing::warn!(%user, error = %e, "could not give an adopted instance its port back");
             }
         }
+        // The account its program runs as, as the shim recorded it.
+        let reach = reach_of(state.shim_pid, self.isolated.as_ref().and(state.uid));
         let run = Run {
             control: handle.control(),
             pid: state.pid,
@@ -673,6 +708,7 @@ impl Runtime for LocalRuntime {
             instance_id: state.instance_id.clone(),
             runtime_ref: found.runtime_ref.clone(),
             port,
+            reach: reach.clone(),
             probe: self.probe_for(state.role),
             by_regex,
             ready: by_regex && state.ready,
@@ -683,7 +719,7 @@ impl Runtime for LocalRuntime {
         Ok(Started {
             runtime_ref: found.runtime_ref.clone(),
             pid: Some(state.pid),
-            endpoint: port.map(local_endpoint),
+            endpoint: port.map(|port| local_endpoint(port, reach.clone())),
             events,
         })
     }

@@ -7,6 +7,7 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
+use berth_core::Reach;
 use berth_core::runtime::{ExitStatus, OutOfMemory, RuntimeEvent, RuntimeRef};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
@@ -69,6 +70,10 @@ pub(super) struct Follow {
     pub runtime_ref: RuntimeRef,
     /// The main's port (watchdogs have none).
     pub port: Option<u16>,
+    /// How `port` is reached ([`super::reach_of`]): the account that must
+    /// own the socket there, and the network namespace it is in. Readiness
+    /// probes count no other account's listener.
+    pub reach: Reach,
     /// An HTTP or TCP probe to run until ready (`None`: the shim's ready
     /// regex decides, or nothing does).
     pub probe: Option<Readiness>,
@@ -105,7 +110,11 @@ pub(super) async fn pump(
             return;
         }
     }
-    let probed = f.probe.clone().zip(f.port);
+    let probed = f
+        .probe
+        .clone()
+        .zip(f.port)
+        .map(|(r, port)| (r, port, f.reach.clone()));
     let mut next_probe = Box::pin(probe_after(probed.clone(), Duration::ZERO));
     let (exit, stderr_tail) = loop {
         let event = tokio::select! {
@@ -165,12 +174,12 @@ pub(super) async fn pump(
 }
 
 /// One probe after `delay`; false when there is nothing to probe.
-async fn probe_after(probed: Option<(Readiness, u16)>, delay: Duration) -> bool {
-    let Some((readiness, port)) = probed else {
+async fn probe_after(probed: Option<(Readiness, u16, Reach)>, delay: Duration) -> bool {
+    let Some((readiness, port, reach)) = probed else {
         return std::future::pending().await;
     };
     tokio::time::sleep(delay).await;
-    probe(&readiness, port).await == Some(true)
+    probe(&readiness, port, &reach).await == Some(true)
 }
 
 /// The exit a shim recorded in its state file, when its connection closed

@@ -391,8 +391,11 @@ fn start(spec: &ShimSpec, compiled: Option<Regex>) -> Result<Started, String> {
 }
 
 /// The plan of the isolated child, made in the shim. For a sandbox the
-/// shim first gives its next child a pid namespace of its own (the child
-/// becomes its init).
+/// shim first moves into a network namespace of its own, with its loopback
+/// up and nothing else (berth reaches the program there through
+/// `/proc/<shim>/ns/net`; no other account's program can listen on, or
+/// connect to, anything in it), and gives its next child a pid namespace
+/// of its own (the child becomes its init).
 fn prepare_isolation(
     isolation: &crate::isolation::IsolationSpec,
     cwd: &Path,
@@ -400,6 +403,12 @@ fn prepare_isolation(
 ) -> Result<(ChildPlan, ShimEnds), String> {
     let planned = ChildPlan::build(isolation, cwd, cgroup)?;
     if isolation.sandbox.is_some() {
+        // Only this thread moves (the blocking pool's threads stay where
+        // they are): the program is spawned on this very thread.
+        nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNET)
+            .map_err(|e| format!("cannot create a network namespace: {e}"))?;
+        berth_localnet::loopback_up()
+            .map_err(|e| format!("cannot bring up the sandbox's loopback: {}", describe(&e)))?;
         // SAFETY: unshare(2) with one flag; CLONE_NEWPID changes only the
         // namespace of this thread's future children (this single-threaded
         // runtime spawns the program on this very thread).

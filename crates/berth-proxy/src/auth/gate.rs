@@ -1,18 +1,21 @@
 //! The proxy's auth layer: whether a request may reach a user, and the
 //! exchange of a `?berth_token=` link for the user cookie.
 
+use std::sync::Arc;
+
 use berth_core::{ErrorCode, UserId};
 use hyper::header::{HeaderMap, HeaderValue};
-use hyper::{Response, StatusCode, Uri};
+use hyper::{Method, Response, StatusCode, Uri};
 
 use super::caller::{Access, Credential};
 use super::cookies::CookieScope;
 use super::extract::{bearer, berth_cookies};
 use super::link::{QueryToken, is_cookie_safe, query_token, same_host_location};
-use super::secret::{CLUSTER_SECRET, CLUSTER_USER, ClusterSecret, SharedSecret};
+use super::secret::SharedSecret;
 use super::tokens::{AuthError, Authenticator};
 use super::trusted::{AuthMode, FORWARDED_USER, PROXY_SECRET, TrustedProxies, is_https};
 use crate::forward::ConnInfo;
+use crate::peer_auth::{self, PeerAuth, Refusal};
 use crate::respond::{self, ProxyBody};
 
 /// What the gate decided about a request it lets through.
@@ -30,7 +33,7 @@ pub struct Gate {
     auth: Authenticator,
     mode: AuthMode,
     trusted: TrustedProxies,
-    cluster: Option<ClusterSecret>,
+    cluster: Option<Arc<PeerAuth>>,
     header_secret: Option<SharedSecret>,
 }
 
@@ -45,10 +48,10 @@ impl Gate {
         }
     }
 
-    /// Also accepts requests forwarded by another node: a valid cluster
-    /// secret plus [`CLUSTER_USER`] naming the target user.
-    pub fn with_cluster(mut self, secret: ClusterSecret) -> Self {
-        self.cluster = Some(secret);
+    /// Also accepts requests forwarded by another node: signed for this
+    /// node and the target user ([`PeerAuth::check_forward`]).
+    pub fn with_cluster(mut self, auth: Arc<PeerAuth>) -> Self {
+        self.cluster = Some(auth);
         self
     }
 
@@ -90,6 +93,7 @@ impl Gate {
     /// the cookie is tried next.
     pub async fn check(
         &self,
+        method: &Method,
         headers: &HeaderMap,
         uri: &Uri,
         conn: &ConnInfo,
@@ -108,19 +112,23 @@ impl Gate {
             credential,
             keep_forwarded_user: self.forwarded_user(headers, conn).is_some(),
         };
-        if let Some(secret) = &self.cluster
-            && let Some(presented) = headers.get(&CLUSTER_SECRET)
+        if let Some(auth) = &self.cluster
+            && peer_auth::claims_a_node(headers)
         {
-            // Whoever sends the header claims to be a node: it alone
-            // decides, so a wrong secret is a 401 even next to a token.
-            if !secret.matches(presented.as_bytes()) {
-                return Err(respond::unauthorized(navigation));
-            }
-            return match headers.get(&CLUSTER_USER) {
-                Some(name) if name.as_bytes() == user.as_str().as_bytes() => {
+            // Whoever sends a node's headers claims to be a node: the
+            // signature alone decides, so a bad one is refused even next
+            // to a valid token.
+            let target = uri.path_and_query().map_or("/", |pq| pq.as_str());
+            let now = berth_core::unix_millis_now();
+            return match auth.check_forward(method.as_str(), target, headers, now) {
+                Ok(signed_for) if signed_for.as_bytes() == user.as_str().as_bytes() => {
+                    // Another node's connection: it may hold many to this
+                    // one from its single address.
+                    conn.exempt_from_address_cap();
                     Ok(pass(Credential::Cluster))
                 }
-                _ => Err(respond::forbidden(navigation)),
+                Ok(_) => Err(respond::forbidden(navigation)),
+                Err(refusal) => Err(refused_node(auth, conn, &refusal)),
             };
         }
         if let Some(q) = uri.query().and_then(query_token) {
@@ -215,6 +223,30 @@ impl Gate {
             ),
         }
     }
+}
+
+/// The answer to a request whose node signature failed: `401` with why,
+/// or `429` once its source is past the burst of failures.
+fn refused_node(auth: &PeerAuth, conn: &ConnInfo, refusal: &Refusal) -> Response<ProxyBody> {
+    let verdict = auth.refused(conn.peer.ip(), refusal);
+    if verdict.limited {
+        let mut response = respond::json_error(
+            StatusCode::TOO_MANY_REQUESTS,
+            "too_many_requests",
+            &format!(
+                "too many refused node-to-node calls from this address; slow down ({refusal})"
+            ),
+            &[],
+        );
+        respond::set_retry_after(&mut response, 1000);
+        return response;
+    }
+    respond::json_error(
+        StatusCode::UNAUTHORIZED,
+        ErrorCode::Unauthorized.as_str(),
+        &refusal.to_string(),
+        &[],
+    )
 }
 
 fn store_unavailable(e: &AuthError) -> Response<ProxyBody> {

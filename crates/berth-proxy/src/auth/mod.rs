@@ -55,10 +55,7 @@ pub use cookies::{
 pub use extract::{BerthCookies, bearer, berth_cookies};
 pub use gate::{Gate, Pass};
 pub use link::{QueryToken, TOKEN_QUERY, is_cookie_safe, query_token, same_host_location};
-pub use secret::{
-    CLUSTER_SECRET, CLUSTER_USER, ClusterSecret, InvalidClusterSecret, InvalidSecret, SharedSecret,
-    TokenHash,
-};
+pub use secret::{InvalidSecret, SharedSecret, TokenHash};
 pub use strip::{sets_berth_cookie, strip_credentials};
 pub use tokens::{
     AuthError, Authenticator, DEFAULT_CACHE_ENTRIES, DEFAULT_CACHE_TTL, TokenStore, UserTokenInfo,

@@ -1,19 +1,13 @@
 //! Secrets kept as their SHA-256 and compared in constant time: the
-//! token hash berth stores, and the secrets shared with peers (other nodes,
-//! the SSO proxy) together with the headers they travel in.
+//! token hash berth stores, and the secrets shared with peers that send
+//! them in a header (the SSO proxy, a metrics scraper). Other nodes never
+//! send theirs: they sign ([`crate::peer_auth`]).
 
 use hyper::header::{HeaderMap, HeaderName, HeaderValue};
 use sha2::{Digest, Sha256};
 use subtle::ConstantTimeEq;
 
-/// The header a node proves itself with on node-to-node calls: the
-/// cluster secret (design §8.2).
-pub static CLUSTER_SECRET: HeaderName = HeaderName::from_static("x-berth-cluster-secret");
-/// The user a request forwarded by another node acts for. Believed only
-/// together with a valid [`CLUSTER_SECRET`].
-pub static CLUSTER_USER: HeaderName = HeaderName::from_static("x-berth-forwarded-user");
-
-/// A secret shared with a peer (another node, or the SSO proxy) and sent in
+/// A secret shared with a peer (the SSO proxy, a scraper) and sent in
 /// a header. Kept as its SHA-256 so a presented value is compared in
 /// constant time whatever its length.
 #[derive(Clone)]
@@ -21,9 +15,6 @@ pub struct SharedSecret {
     hash: TokenHash,
     header: HeaderValue,
 }
-
-/// The secret the nodes of a cluster share.
-pub type ClusterSecret = SharedSecret;
 
 impl std::fmt::Debug for SharedSecret {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -35,9 +26,6 @@ impl std::fmt::Debug for SharedSecret {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("a shared secret must be visible ASCII without spaces (it is sent as an HTTP header)")]
 pub struct InvalidSecret;
-
-/// The old name of [`InvalidSecret`].
-pub type InvalidClusterSecret = InvalidSecret;
 
 impl SharedSecret {
     pub fn new(secret: &str) -> Result<Self, InvalidSecret> {
@@ -56,11 +44,6 @@ impl SharedSecret {
     /// Whether `presented` is the secret (constant time).
     pub fn matches(&self, presented: &[u8]) -> bool {
         TokenHash(Sha256::digest(presented).into()).ct_eq(&self.hash)
-    }
-
-    /// Whether `headers` carry the secret in [`CLUSTER_SECRET`].
-    pub fn verify(&self, headers: &HeaderMap) -> bool {
-        self.verify_in(headers, &CLUSTER_SECRET)
     }
 
     /// Whether `headers` carry exactly one `name` header, holding the
@@ -109,10 +92,9 @@ impl std::fmt::Debug for TokenHash {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::auth::{Credential, strip_credentials};
 
     #[test]
-    fn shared_secrets_match_exactly_and_never_reach_the_program() {
+    fn shared_secrets_match_exactly() {
         assert!(SharedSecret::new("").is_err());
         assert!(SharedSecret::new("has space").is_err());
         assert!(SharedSecret::new("tab\tin").is_err());
@@ -128,15 +110,15 @@ mod tests {
             assert!(!secret.matches(wrong), "{wrong:?}");
         }
         assert!(!format!("{secret:?}").contains("s3cret"));
+        let name = HeaderName::from_static("x-test-secret");
         let mut headers = HeaderMap::new();
-        assert!(!secret.verify(&headers));
-        headers.insert(CLUSTER_SECRET.clone(), secret.header_value().clone());
-        headers.insert(CLUSTER_USER.clone(), HeaderValue::from_static("alice"));
-        assert!(secret.verify(&headers));
-        headers.append(CLUSTER_SECRET.clone(), secret.header_value().clone());
-        assert!(!secret.verify(&headers), "two secret headers are refused");
-        strip_credentials(&mut headers, Credential::Cluster);
-        assert!(headers.get(&CLUSTER_SECRET).is_none());
-        assert!(headers.get(&CLUSTER_USER).is_none());
+        assert!(!secret.verify_in(&headers, &name));
+        headers.insert(name.clone(), secret.header_value().clone());
+        assert!(secret.verify_in(&headers, &name));
+        headers.append(name.clone(), secret.header_value().clone());
+        assert!(
+            !secret.verify_in(&headers, &name),
+            "two secret headers are refused"
+        );
     }
 }

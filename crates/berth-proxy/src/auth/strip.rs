@@ -6,7 +6,6 @@ use hyper::header::{self, HeaderMap, HeaderValue};
 
 use super::caller::Credential;
 use super::cookies::BERTH_COOKIES;
-use super::secret::{CLUSTER_SECRET, CLUSTER_USER};
 use super::trusted::PROXY_SECRET;
 
 /// Removes berth's own credentials before a request goes to an instance:
@@ -19,9 +18,11 @@ pub fn strip_credentials(headers: &mut HeaderMap, used: Credential) {
         headers.remove(header::AUTHORIZATION);
     }
     if used == Credential::Cluster {
-        // The cluster secret would let the program act as any node.
-        headers.remove(&CLUSTER_SECRET);
-        headers.remove(&CLUSTER_USER);
+        // A node's signature is spent once checked, but the program has no
+        // business with it (nor with the user it was signed for).
+        for name in crate::peer_auth::node_headers() {
+            headers.remove(name);
+        }
     }
     headers.remove(&PROXY_SECRET);
     let carries_ours = headers.get_all(header::COOKIE).iter().any(|v| {

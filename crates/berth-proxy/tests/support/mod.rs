@@ -71,6 +71,7 @@ pub struct StaticSpawner {
 pub struct SpawnerState {
     upstream: Mutex<Endpoint>,
     instances: Mutex<HashMap<UserId, Instance>>,
+    endpoints: Mutex<HashMap<UserId, Endpoint>>,
     events: broadcast::Sender<InstanceEvent>,
     pub start_delay: Mutex<Duration>,
     pub breaker: Mutex<Option<BreakerInfo>>,
@@ -84,6 +85,7 @@ impl StaticSpawner {
             inner: Arc::new(SpawnerState {
                 upstream: Mutex::new(endpoint(upstream)),
                 instances: Mutex::new(HashMap::new()),
+                endpoints: Mutex::new(HashMap::new()),
                 events: broadcast::channel(256).0,
                 start_delay: Mutex::new(Duration::from_millis(50)),
                 breaker: Mutex::new(None),
@@ -102,6 +104,20 @@ impl StaticSpawner {
     pub fn run_at(&self, name: &str, addr: SocketAddr) {
         self.inner
             .set(&user(name), InstanceStatus::Running, Some(endpoint(addr)));
+    }
+
+    /// Marks `user` running on `addr`, where only a socket of `owner`'s
+    /// is the instance.
+    pub fn run_owned(&self, name: &str, addr: SocketAddr, owner: u32) {
+        let endpoint = Endpoint {
+            reach: berth_core::Reach {
+                owner: Some(owner),
+                netns: None,
+            },
+            ..endpoint(addr)
+        };
+        self.inner
+            .set(&user(name), InstanceStatus::Running, Some(endpoint));
     }
 
     pub fn run(&self, name: &str) {
@@ -133,6 +149,7 @@ fn endpoint(addr: SocketAddr) -> Endpoint {
     Endpoint {
         host: addr.ip().to_string(),
         port: addr.port(),
+        reach: berth_core::Reach::default(),
     }
 }
 
@@ -162,6 +179,12 @@ impl SpawnerState {
             .lock()
             .unwrap()
             .insert(user.clone(), instance);
+        let mut endpoints = self.endpoints.lock().unwrap();
+        match &endpoint {
+            Some(endpoint) => endpoints.insert(user.clone(), endpoint.clone()),
+            None => endpoints.remove(user),
+        };
+        drop(endpoints);
         let _ = self.events.send(InstanceEvent {
             user: user.clone(),
             role: Role::Main,
@@ -245,11 +268,10 @@ impl Spawner for StaticSpawner {
     }
     fn endpoint_for(&self, user: &UserId) -> Option<Endpoint> {
         let i = self.inner.current(user)?;
-        let port = i.port?;
-        (i.status == InstanceStatus::Running).then(|| Endpoint {
-            host: "127.0.0.1".into(),
-            port,
-        })
+        if i.status != InstanceStatus::Running {
+            return None;
+        }
+        self.inner.endpoints.lock().unwrap().get(user).cloned()
     }
     fn launch_token(&self, _user: &UserId) -> Option<String> {
         None
@@ -343,6 +365,8 @@ pub struct Upstream {
     pub addr: SocketAddr,
     pub release: Arc<Notify>,
     pub connections: Arc<AtomicUsize>,
+    /// Requests (and upgrade handshakes) it was sent.
+    pub requests: Arc<AtomicUsize>,
 }
 
 pub async fn upstream(name: &'static str) -> Upstream {
@@ -350,7 +374,8 @@ pub async fn upstream(name: &'static str) -> Upstream {
     let addr = listener.local_addr().unwrap();
     let release = Arc::new(Notify::new());
     let connections = Arc::new(AtomicUsize::new(0));
-    let (r, c) = (release.clone(), connections.clone());
+    let requests = Arc::new(AtomicUsize::new(0));
+    let (r, c, q) = (release.clone(), connections.clone(), requests.clone());
     tokio::spawn(async move {
         loop {
             let Ok((stream, _)) = listener.accept().await else {
@@ -358,8 +383,12 @@ pub async fn upstream(name: &'static str) -> Upstream {
             };
             c.fetch_add(1, Ordering::SeqCst);
             let release = r.clone();
+            let requests = q.clone();
             tokio::spawn(async move {
-                let service = service_fn(move |req| upstream_handle(name, release.clone(), req));
+                let service = service_fn(move |req| {
+                    requests.fetch_add(1, Ordering::SeqCst);
+                    upstream_handle(name, release.clone(), req)
+                });
                 let _ = hyper::server::conn::http1::Builder::new()
                     .serve_connection(TokioIo::new(stream), service)
                     .with_upgrades()
@@ -371,6 +400,7 @@ pub async fn upstream(name: &'static str) -> Upstream {
         addr,
         release,
         connections,
+        requests,
     }
 }
 

@@ -38,7 +38,8 @@ macro_rules! embedded_migrations {
             (6, "runtime_ref", embedded_migrations!(@file $dir, "0006_runtime_ref.sql")),
             (7, "node_identity", embedded_migrations!(@file $dir, "0007_node_identity.sql")),
             (8, "hibernated", embedded_migrations!(@file $dir, "0008_hibernated.sql")),
-            (9, "placements", embedded_migrations!(@file $dir, "0009_placements.sql")),
+            (9, "internal_url", embedded_migrations!(@file $dir, "0009_internal_url.sql")),
+            (10, "placements", embedded_migrations!(@file $dir, "0010_placements.sql")),
         ]
     };
     (@file $dir:literal, $name:literal) => {
@@ -224,6 +225,7 @@ pub(crate) fn node_from_row<R: RecordRow>(row: &R) -> Result<NodeRecord, StoreEr
     Ok(NodeRecord {
         id: get(row, "id")?,
         advertise_url: get(row, "advertise_url")?,
+        internal_url: get(row, "internal_url")?,
         capacity: narrow(get(row, "capacity")?, "capacity")?,
         load: narrow(get(row, "load")?, "load")?,
         status,

@@ -271,14 +271,16 @@ impl Statements {
 
             // --- nodes --------------------------------------------------
             heartbeat: sql(concat!(
-                "INSERT INTO nodes (id, advertise_url, capacity, load, status, heartbeat) ",
-                "VALUES ($1, $2, $3, $4, $5, {now}) ",
+                "INSERT INTO nodes (id, advertise_url, capacity, load, status, heartbeat, internal_url) ",
+                "VALUES ($1, $2, $3, $4, $5, {now}, $6) ",
                 "ON CONFLICT (id) DO UPDATE SET advertise_url = excluded.advertise_url, ",
+                "internal_url = excluded.internal_url, ",
                 "capacity = excluded.capacity, load = excluded.load, status = excluded.status, ",
                 "heartbeat = excluded.heartbeat"
             )),
             nodes_list: sql(
-                "SELECT id, advertise_url, capacity, load, status, heartbeat FROM nodes ORDER BY id",
+                "SELECT id, advertise_url, internal_url, capacity, load, status, heartbeat \
+                 FROM nodes ORDER BY id",
             ),
             // Claims node id $1 for data dir $2: a new row, or one that is
             // `down`, older than the TTL $3, or last claimed from $2.
@@ -293,7 +295,8 @@ impl Statements {
                 "RETURNING id"
             )),
             node_get: sql(
-                "SELECT id, advertise_url, capacity, load, status, heartbeat FROM nodes WHERE id = $1",
+                "SELECT id, advertise_url, internal_url, capacity, load, status, heartbeat \
+                 FROM nodes WHERE id = $1",
             ),
 
             // --- placement ----------------------------------------------

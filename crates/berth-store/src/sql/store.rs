@@ -408,6 +408,7 @@ impl<B: SqlBackend> Store for B {
             .bind(i64::from(node.capacity))
             .bind(i64::from(node.load))
             .bind(node_status_str(node.status))
+            .bind(&node.internal_url)
             .execute()
             .await?;
         Ok(())

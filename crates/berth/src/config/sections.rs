@@ -180,13 +180,33 @@ impl Default for AuthSection {
 }
 
 /// `[cluster]`: this node's part in a cluster (PostgreSQL store).
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct ClusterSection {
     /// How many mains this node offers to run; placement sends new
     /// instances to the node with the most room. Default: the size of
     /// `instance.port_range` (one port per instance).
     pub capacity: Option<u32>,
+    /// Where this node serves the node-to-node API (`/internal/v1/…`),
+    /// which the public listener never serves. Port 0: any free port (it
+    /// is advertised to the other nodes through the store).
+    pub internal_listen: String,
+    /// The URL other nodes call that API at. Default:
+    /// `http://<internal_listen address>`, as bound.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub internal_advertise_url: Option<String>,
+}
+
+impl Default for ClusterSection {
+    fn default() -> Self {
+        Self {
+            capacity: None,
+            // Loopback: only nodes on this host can call it until the
+            // operator names an address of the private network.
+            internal_listen: "127.0.0.1:0".into(),
+            internal_advertise_url: None,
+        }
+    }
 }
 
 /// `[metrics]`: who may read `/metrics` besides the admin (design §11).

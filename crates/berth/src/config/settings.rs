@@ -70,6 +70,44 @@ impl Config {
         })
     }
 
+    /// `[cluster] internal_listen`: where the node-to-node API is served.
+    pub fn internal_listen_addr(&self) -> Result<SocketAddr, ConfigError> {
+        let listen = &self.cluster.internal_listen;
+        listen.parse().map_err(|_| {
+            self.invalid(
+                "cluster.internal_listen",
+                format!("{listen:?} is not a socket address (expected e.g. \"10.0.0.5:8001\")"),
+            )
+        })
+    }
+
+    /// Why other hosts' nodes may be unable to call this one, if they may:
+    /// the node-to-node listener is on loopback while the node advertises
+    /// a URL other hosts use. Nodes on one host are fine; berth warns
+    /// rather than refuse.
+    pub fn internal_listener_warning(&self) -> Option<String> {
+        let addr = self.internal_listen_addr().ok()?;
+        if !addr.ip().is_loopback() || self.cluster.internal_advertise_url.is_some() {
+            return None;
+        }
+        let url = reqwest::Url::parse(self.advertise_url.as_deref()?).ok()?;
+        let host = url
+            .host_str()?
+            .trim_start_matches('[')
+            .trim_end_matches(']');
+        let public_host_is_local = host.eq_ignore_ascii_case("localhost")
+            || host
+                .parse::<std::net::IpAddr>()
+                .is_ok_and(|ip| ip.is_loopback());
+        (!public_host_is_local).then(|| {
+            format!(
+                "the node-to-node API listens on loopback ({addr}, [cluster] internal_listen) while \
+                 this node advertises {url}: nodes on other hosts cannot call it; set \
+                 [cluster] internal_listen to this host's address on the nodes' private network"
+            )
+        })
+    }
+
     pub fn crash_policy(&self) -> CrashPolicy {
         let c = &self.crash;
         CrashPolicy {
@@ -279,6 +317,8 @@ impl Config {
             // Empty when unset: serve.rs knows the bound address and may
             // fill in a default.
             advertise_url: self.advertise_url.clone().unwrap_or_default(),
+            // Filled in by serve.rs once the node-to-node listener is bound.
+            internal_url: String::new(),
             ready_timeout: Duration::from_secs(i.ready_timeout_s),
             stop_grace: Duration::from_secs(i.stop_grace_s),
             crash: self.crash_policy(),

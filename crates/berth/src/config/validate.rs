@@ -104,12 +104,59 @@ impl Config {
         self.validate_isolation()?;
         self.validate_proxy()?;
         self.validate_metrics()?;
+        self.validate_cluster()?;
         if self.kubernetes.is_some() {
             // Needs no node id: a placeholder stands in for the host name.
             self.k8s_runtime_config("node")?;
         }
         // Last: the store crate's own checks of the lease timing.
         self.lease_config()?;
+        Ok(())
+    }
+
+    /// The node-to-node listener: an address of its own, which other nodes
+    /// can be told.
+    fn validate_cluster(&self) -> Result<(), ConfigError> {
+        let addr = self.internal_listen_addr()?;
+        if let Some(url) = &self.cluster.internal_advertise_url {
+            let ok = reqwest::Url::parse(url).is_ok_and(|u| {
+                u.scheme() == "http" && u.host().is_some() && matches!(u.path(), "" | "/")
+            });
+            if !ok {
+                return Err(self.invalid(
+                    "cluster.internal_advertise_url",
+                    format!("{url:?} is not an http://host:port URL without a path"),
+                ));
+            }
+        } else if addr.ip().is_unspecified() {
+            return Err(self.invalid(
+                "cluster.internal_listen",
+                format!(
+                    "{addr} listens on every address, so other nodes cannot be told which one \
+                     reaches this node: name this host's address on the nodes' private network \
+                     (e.g. \"10.0.0.5:8001\"), or set cluster.internal_advertise_url"
+                ),
+            ));
+        }
+        let clash = |key: &str, other: std::net::SocketAddr| {
+            (addr.port() != 0 && addr == other).then(|| {
+                self.invalid(
+                    "cluster.internal_listen",
+                    format!(
+                        "{addr} is also {key}: node-to-node calls get a listener of their own, \
+                         never the public one"
+                    ),
+                )
+            })
+        };
+        if let Some(e) = clash("listen", self.listen_addr()?) {
+            return Err(e);
+        }
+        if let Some(other) = self.metrics.listen.as_deref().and_then(|l| l.parse().ok())
+            && let Some(e) = clash("metrics.listen", other)
+        {
+            return Err(e);
+        }
         Ok(())
     }
 
@@ -528,6 +575,27 @@ mod tests {
     use super::*;
     use crate::config::Overrides;
     use crate::config::test_support::parse;
+
+    #[test]
+    fn a_loopback_node_to_node_listener_is_warned_about_only_when_other_hosts_need_it() {
+        let warned = |text: &str| parse(text).unwrap().internal_listener_warning();
+        // The default, on one host: nothing to say.
+        assert_eq!(warned(""), None);
+        assert_eq!(warned("advertise_url = \"http://127.0.0.1:8000\"\n"), None);
+        assert_eq!(warned("advertise_url = \"http://localhost:8000\"\n"), None);
+        assert_eq!(warned("advertise_url = \"http://[::1]:8000\"\n"), None);
+        // Advertised to other hosts, but node-to-node calls on loopback.
+        let why = warned("advertise_url = \"http://10.0.0.5:8000\"\n").unwrap();
+        assert!(why.contains("[cluster] internal_listen"), "{why}");
+        assert!(why.contains("127.0.0.1:0"), "{why}");
+        // Either a private address or an advertised one settles it.
+        for text in [
+            "advertise_url = \"http://10.0.0.5:8000\"\n[cluster]\ninternal_listen = \"10.0.0.5:8001\"\n",
+            "advertise_url = \"http://10.0.0.5:8000\"\n[cluster]\ninternal_advertise_url = \"http://10.0.0.5:9001\"\n",
+        ] {
+            assert_eq!(warned(text), None, "{text}");
+        }
+    }
 
     #[test]
     fn validate_names_key_and_line() {

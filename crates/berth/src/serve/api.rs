@@ -1,5 +1,6 @@
-//! The HTTP API: `/api/v1` for clients (design §8.4, a contract) and
-//! `/internal/v1` for other nodes ([`internal`]).
+//! The HTTP API: `/api/v1` for clients (a contract), on the
+//! public listener ([`router`]), and `/internal/v1` for other nodes
+//! ([`internal`]), on a listener of its own ([`internal_router`]).
 //!
 //! Every route is an axum route. A route about a user declares `{user}`
 //! and its handler takes a [`UserCall`](extract::UserCall) first: the
@@ -58,9 +59,10 @@ pub struct ApiState {
     pub lease_ttl: Duration,
     /// Cluster mode (PostgreSQL store): token purges, the nodes' view.
     pub cluster: Option<Arc<Cluster>>,
-    /// Checks node-to-node calls (`/internal/v1/…`); `None` on a single
-    /// node, where those routes answer 404.
-    pub peer_auth: Option<super::peer_auth::PeerAuth>,
+    /// Checks node-to-node calls (`/internal/v1/…`), sharing its nonces
+    /// with the proxy's check of forwarded requests; `None` on a single
+    /// node, which serves no node-to-node routes.
+    pub peer_auth: Option<Arc<berth_proxy::peer_auth::PeerAuth>>,
     /// This node's status (drain/undrain).
     pub node_control: Arc<dyn NodeControl>,
     /// Where users' apps live: `<slug>.<base_domain>` when set.
@@ -119,7 +121,6 @@ pub fn router(state: Arc<ApiState>) -> Router {
         .route("/api/v1/node/undrain", post(undrain))
         .route("/api/v1/events", get(events::events))
         .merge(super::admin::routes())
-        .merge(internal::routes(state.clone()))
         .fallback(no_such_route)
         .method_not_allowed_fallback(no_such_route)
         .layer(axum::middleware::from_fn_with_state(
@@ -130,6 +131,27 @@ pub fn router(state: Arc<ApiState>) -> Router {
         // looks at the request.
         .layer(axum::middleware::from_fn(extract::refuse_non_json_bodies))
         .with_state(state)
+}
+
+/// The node-to-node API, alone: what the cluster's own listener serves.
+/// Anything else there is 404, as `/internal/…` is on the public listener.
+pub fn internal_router(state: Arc<ApiState>) -> Router {
+    internal::routes(state.clone())
+        .fallback(no_such_internal_route)
+        .method_not_allowed_fallback(no_such_internal_route)
+        .layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            error::count_errors,
+        ))
+        .layer(axum::middleware::from_fn(extract::refuse_non_json_bodies))
+        .with_state(state)
+}
+
+async fn no_such_internal_route(method: Method, uri: Uri) -> ApiError {
+    ApiError::new(
+        ErrorCode::NotFound,
+        format!("no such node-to-node route: {method} {}", uri.path()),
+    )
 }
 
 /// No route (or no such method on it). Under `/api/v1/users/`, the caller

@@ -189,6 +189,7 @@ pub fn authority_of_url(url: &str) -> Option<Authority> {
     let endpoint = berth_core::Endpoint {
         host: host.to_owned(),
         port,
+        reach: berth_core::Reach::default(),
     };
     Authority::try_from(endpoint.authority()).ok()
 }
@@ -266,11 +267,8 @@ impl NodesSnapshot {
         self.nodes
             .iter()
             .find(|n| n.id == node)
-            .filter(|n| !n.advertise_url.is_empty())
-            .map(|n| PeerNode {
-                id: n.id.clone(),
-                url: n.advertise_url.clone(),
-            })
+            .filter(|n| !n.internal_url.is_empty() && !n.advertise_url.is_empty())
+            .map(peer_of)
     }
 }
 
@@ -362,7 +360,7 @@ impl Cluster {
         Ok(self.snapshot(Duration::ZERO).await?.views())
     }
 
-    /// `node` and its advertised URL.
+    /// `node` and its advertised URLs.
     pub async fn peer(&self, node: &str) -> Result<PeerNode, SpawnError> {
         let snapshot = self.snapshot(NODES_MAX_AGE).await?;
         if let Some(peer) = snapshot.peer(node) {
@@ -374,7 +372,8 @@ impl Cluster {
             .peer(node)
             .ok_or_else(|| {
                 SpawnError::Internal(format!(
-                    "node {node} has no advertised URL in the nodes table"
+                    "node {node} advertises no node-to-node URL in the nodes table (it has not \
+                     heartbeaten yet, or runs a berth without a node-to-node listener)"
                 ))
             })
     }
@@ -455,6 +454,7 @@ impl Cluster {
             .map(|id| {
                 snapshot.peer(&id).unwrap_or(PeerNode {
                     url: String::new(),
+                    public_url: String::new(),
                     id,
                 })
             })
@@ -474,10 +474,7 @@ impl Cluster {
             .into_iter()
             .filter(|n| n.id != self.node_id && n.status != NodeStatus::Down)
             .map(|n| async move {
-                let peer = PeerNode {
-                    id: n.id,
-                    url: n.advertise_url,
-                };
+                let peer = peer_of(&n);
                 match self.peers.purge_tokens(&peer).await {
                     Ok(()) => None,
                     Err(e) => Some(format!("{} ({e})", peer.id)),
@@ -533,12 +530,22 @@ impl Cluster {
     }
 }
 
-/// Where the proxy forwards a request for a user `node` runs.
+/// A node's row as the node to call.
+fn peer_of(n: &NodeRecord) -> PeerNode {
+    PeerNode {
+        id: n.id.clone(),
+        url: n.internal_url.clone(),
+        public_url: n.advertise_url.clone(),
+    }
+}
+
+/// Where the proxy forwards a request for a user `node` runs: its public
+/// listener, which serves the user's app.
 pub fn remote_locate(node: &PeerNode) -> Result<Locate, SpawnError> {
-    let endpoint = authority_of_url(&node.url).ok_or_else(|| {
+    let endpoint = authority_of_url(&node.public_url).ok_or_else(|| {
         SpawnError::Internal(format!(
             "node {} advertises {:?}, which is not an http://host:port URL",
-            node.id, node.url
+            node.id, node.public_url
         ))
     })?;
     Ok(Locate::Remote {

@@ -403,7 +403,7 @@ impl Ops {
     /// node writes through).
     pub async fn status(&self, user: &UserId, via: Via) -> Result<UserState, SpawnError> {
         match self.hop(user, via, &Status).await {
-            Err(SpawnError::Internal(e)) if via == Via::Client => {
+            Err(e @ SpawnError::NodeUnreachable { .. }) if via == Via::Client => {
                 tracing::info!(%user, error = %e, "status: the owner did not answer; reading here");
                 Status.local(self, user).await
             }

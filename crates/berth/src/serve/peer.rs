@@ -1,7 +1,8 @@
 //! Calls from one node to another (design §7.3, §8.2): the transport of
 //! the use cases that run on the node owning a user (`ops`), the fence of
-//! an old holder, and the token-cache purge. Every call is signed with the
-//! cluster secret ([`super::peer_auth`]), which itself never travels; an
+//! an old holder, and the token-cache purge, sent to the callee's
+//! node-to-node listener. Every call is signed with the cluster secret
+//! ([`berth_proxy::peer_auth`]), which itself never travels; an
 //! error answer's JSON maps back to the [`SpawnError`] it came from, so an
 //! error keeps its code and HTTP meaning across nodes (a `lease_busy` from
 //! the callee is followed by the caller's hop loop).
@@ -15,8 +16,8 @@ use reqwest::Method;
 use serde::de::DeserializeOwned;
 use serde_json::{Value, json};
 
-use super::peer_auth::ClusterKey;
 use crate::sse::{self, SseEvent};
+use berth_proxy::peer_auth::ClusterKey;
 
 /// How long a peer may take to accept a connection. Peers are in the same
 /// network; a node that does not answer this fast is as good as gone.
@@ -33,11 +34,16 @@ const STREAM_SILENCE: Duration = Duration::from_secs(45);
 /// vanished is noticed by the kernel too.
 const TCP_KEEPALIVE: Duration = Duration::from_secs(30);
 
-/// A node to call: its id (for messages) and advertised URL.
+/// A node to call: its id (for messages and signatures), the URL of its
+/// node-to-node listener (for calls), and its public URL (for the app
+/// traffic the proxy forwards there).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PeerNode {
     pub id: String,
+    /// `[cluster] internal_advertise_url`, as the node's heartbeat wrote it.
     pub url: String,
+    /// `advertise_url`.
+    pub public_url: String,
 }
 
 /// One call about a user: `<method> /internal/v1/users/<user>/<op>?<query>`
@@ -300,7 +306,10 @@ impl PeerClient {
 }
 
 fn unreachable_peer(node: &str, base: &str, e: &reqwest::Error) -> SpawnError {
-    SpawnError::Internal(format!("node {node} ({base}) did not answer: {e}"))
+    SpawnError::NodeUnreachable {
+        node: node.to_owned(),
+        reason: format!("{base}: {e}"),
+    }
 }
 
 /// The [`SpawnError`] an API error answer stands for, by its `error` code
@@ -354,6 +363,12 @@ pub fn error_from_json(user: &UserId, status: u16, body: &Value) -> SpawnError {
         }
         "too_many_streams" => {
             SpawnError::TooManyStreams(strip_prefix(&message, "too many streams: "))
+        }
+        // The callee could not reach the node it asked in turn.
+        "node_unreachable" => {
+            let node = body["node"].as_str().unwrap_or("").to_owned();
+            let reason = strip_prefix(&message, &format!("node {node} did not answer: "));
+            SpawnError::NodeUnreachable { node, reason }
         }
         "unauthorized" | "forbidden" => SpawnError::Internal(format!(
             "another node refused this node's cluster call ({code}): are the cluster secrets the same?"
@@ -435,6 +450,11 @@ mod tests {
                 json!({"error": "too_many_streams", "message": "too many streams: alice has 5"}),
                 ErrorCode::TooManyStreams,
             ),
+            (
+                503,
+                json!({"error": "node_unreachable", "node": "node-b", "message": "node node-b did not answer: refused"}),
+                ErrorCode::NodeUnreachable,
+            ),
             (401, json!({"error": "unauthorized"}), ErrorCode::Internal),
             (502, json!({"error": "bad_gateway"}), ErrorCode::Internal),
             (500, Value::Null, ErrorCode::Internal),
@@ -481,6 +501,18 @@ mod tests {
             )
             .to_string(),
             "spawn failed: no such file"
+        );
+        let unreachable = SpawnError::NodeUnreachable {
+            node: "node-b".into(),
+            reason: "http://127.0.0.1:1: connection refused".into(),
+        };
+        assert_eq!(
+            error_from_json(
+                &alice(),
+                503,
+                &json!({"error": "node_unreachable", "node": "node-b", "message": unreachable.to_string()})
+            ),
+            unreachable
         );
     }
 

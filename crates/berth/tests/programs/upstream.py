@@ -8,7 +8,8 @@ play. berth runs it as a user's instance:
     upstream.py PORT --listen-late MS print the ready line, listen MS later
 
 Every response carries a body and its Content-Length, so connections stay
-open (keep-alive) unless the client asks otherwise.
+open (keep-alive) unless the client asks otherwise. Request bodies are read
+by their Content-Length or, when chunked, chunk by chunk.
 
 * GET/POST .../echo: the request line and headers as JSON, answered with
   hop-by-hop headers of its own (Connection naming X-Up-Secret,
@@ -60,14 +61,29 @@ class Handler(http.server.BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(data)
 
+    def read_body(self):
+        # A chunked body (berth forwards one when the client sent one) is
+        # read whole, so its bytes can never pass for a next request here.
+        if "chunked" in (self.headers.get("Transfer-Encoding") or "").lower():
+            body = b""
+            while True:
+                size = int(self.rfile.readline().split(b";")[0].strip() or b"0", 16)
+                if size == 0:
+                    while self.rfile.readline() not in (b"\r\n", b"\n", b""):
+                        pass
+                    return body
+                body += self.rfile.read(size)
+                self.rfile.readline()
+        length = int(self.headers.get("Content-Length") or 0)
+        return self.rfile.read(length) if length else b""
+
     def handle_any(self):
         if getattr(self, "drop_next", False):
             # Read nothing more and answer nothing: the connection closes.
             log(f"dropped {self.command}")
             self.close_connection = True
             return
-        length = int(self.headers.get("Content-Length") or 0)
-        body = self.rfile.read(length) if length else b""
+        body = self.read_body()
         seen = {
             "method": self.command,
             "path": self.path,

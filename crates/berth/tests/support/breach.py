@@ -162,6 +162,67 @@ def forge_log():
     os._exit(3)
 
 
+class Thief(BaseHTTPRequestHandler):
+    """Answers on a port stolen from another instance, and counts what it
+    was sent (in $HOME/stolen)."""
+
+    def log_message(self, *args):
+        pass
+
+    def do_GET(self):
+        with open(os.path.join(os.environ["HOME"], "stolen"), "a") as f:
+            f.write(self.path + "\n")
+        body = json.dumps({"ok": True, "stolen": True, "uid": os.getuid()}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
+def steal(port):
+    server = ThreadingHTTPServer(("127.0.0.1", int(port)), Thief)
+    HOLD.append(server)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return True
+
+
+def stolen():
+    try:
+        with open(os.path.join(os.environ["HOME"], "stolen")) as f:
+            return len(f.read().splitlines())
+    except FileNotFoundError:
+        return 0
+
+
+def listen(port, name):
+    """A TCP listener on 127.0.0.1:port and one on the abstract unix
+    socket @name, kept open: services a program might run beside its
+    own port."""
+    tcp = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    tcp.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    tcp.bind(("127.0.0.1", int(port)))
+    tcp.listen(8)
+    unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    unix.bind("\0" + name)
+    unix.listen(8)
+    HOLD.extend([tcp, unix])
+    return True
+
+
+def unix_connect(name):
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(5)
+        s.connect("\0" + name)
+    return True
+
+
+def mentions(path, needle):
+    """Whether the file at path mentions needle (a /proc/net table, say)."""
+    with open(path) as f:
+        return needle in f.read()
+
+
 class Handler(BaseHTTPRequestHandler):
     def log_message(self, *args):
         pass
@@ -183,6 +244,12 @@ class Handler(BaseHTTPRequestHandler):
             result = outcome(lambda: write(one("path")))
         elif probe == "connect":
             result = outcome(lambda: connect(one("host"), one("port")))
+        elif probe == "listen":
+            result = outcome(lambda: listen(one("port"), one("name")))
+        elif probe == "uconnect":
+            result = outcome(lambda: unix_connect(one("name")))
+        elif probe == "mentions":
+            result = outcome(lambda: mentions(one("path"), one("needle")))
         elif probe == "processes":
             result = processes()
         elif probe == "environ":
@@ -201,6 +268,10 @@ class Handler(BaseHTTPRequestHandler):
         elif probe == "forge":
             forge_log()
             return
+        elif probe == "steal":
+            result = outcome(lambda: steal(one("port")))
+        elif probe == "stolen":
+            result = {"ok": True, "value": stolen()}
         else:
             self.send_response(404)
             self.end_headers()

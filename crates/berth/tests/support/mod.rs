@@ -14,8 +14,8 @@ use std::time::{Duration, Instant};
 
 pub use berth_testkit::{
     Berth, CLUSTER_LEASE, StartOptions, alive, cluster_config, cluster_config_custom, config_with,
-    eventually, free_port, frozen, instance_pids, kill_instances_under, proc_state, raw_request,
-    reachable_by_instances, rss_kib, signal, zygote_of,
+    eventually, free_port, frozen, instance_pids, kill_instances_under, poll_until, proc_state,
+    processes_of_uids, raw_request, reachable_by_instances, rss_kib, signal, zygote_of,
 };
 
 /// The `berth` binary cargo built for these tests.
@@ -145,29 +145,58 @@ pub fn remove_isolation_leftovers(data_dir: &Path) {
         .args(["delete", "table", "inet", &table])
         .stderr(Stdio::null())
         .status();
-    let parent = format!("berth-{}", table.trim_start_matches("berth_"));
-    let Ok(own) = std::fs::read_to_string("/proc/self/cgroup") else {
-        return;
-    };
+    let parents = cgroup_parents(data_dir);
     // A program frozen by the v1 freezer takes the SIGKILL of its shim's
     // death only once thawed: kill and thaw every leaf before removing any.
-    if let Some(path) = own
-        .lines()
-        .find_map(|l| l.split_once(":freezer:").map(|(_, p)| p))
-    {
-        let dir = Path::new("/sys/fs/cgroup/freezer")
-            .join(path.trim_start_matches('/'))
-            .join(&parent);
-        for leaf in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
+    for (mount, parent) in &parents {
+        if mount != "freezer" {
+            continue;
+        }
+        for leaf in leaves(parent) {
             let freezer = berth_local::isolation::cgroup::CgroupFreezer {
                 kind: berth_local::isolation::cgroup::FreezerKind::V1,
-                dir: leaf.path(),
+                dir: leaf,
             };
-            if leaf.file_type().is_ok_and(|t| t.is_dir()) {
-                let _ = freezer.kill_all();
-            }
+            let _ = freezer.kill_all();
         }
     }
+    for (_, parent) in &parents {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        for leaf in leaves(parent) {
+            // Busy while its last processes finish dying.
+            while std::fs::remove_dir(&leaf).is_err() && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        }
+        let _ = std::fs::remove_dir(parent);
+    }
+}
+
+/// The instance cgroups that the berth with `data_dir` has now, in every
+/// hierarchy: one directory per instance and controller mount (v1), or
+/// one per instance (v2). Empty once every instance is gone, as its shim
+/// removes them.
+pub fn instance_cgroups(data_dir: &Path) -> Vec<std::path::PathBuf> {
+    cgroup_parents(data_dir)
+        .iter()
+        .flat_map(|(_, parent)| leaves(parent))
+        .collect()
+}
+
+/// The directories under which the berth with `data_dir` makes its
+/// instances' cgroups, as (mount name, path), in every hierarchy this
+/// process belongs to (berth runs in the test's own cgroups) where they
+/// exist.
+fn cgroup_parents(data_dir: &Path) -> Vec<(String, std::path::PathBuf)> {
+    let Ok(canonical) = data_dir.canonicalize() else {
+        return Vec::new();
+    };
+    let table = berth_local::isolation::nft_table_name(&canonical);
+    let parent = format!("berth-{}", table.trim_start_matches("berth_"));
+    let Ok(own) = std::fs::read_to_string("/proc/self/cgroup") else {
+        return Vec::new();
+    };
+    let mut found = Vec::new();
     for line in own.lines() {
         let mut fields = line.splitn(3, ':');
         let (Some(_), Some(controllers), Some(path)) =
@@ -176,28 +205,38 @@ pub fn remove_isolation_leftovers(data_dir: &Path) {
             continue;
         };
         let path = path.trim_start_matches('/');
-        for mount in controllers.split(',').chain([controllers]) {
-            let mount = if mount.is_empty() { "unified" } else { mount };
+        // A v1 hierarchy of several controllers is mounted under its joined
+        // name, often with a link per controller (one directory either way);
+        // v2 at `unified` on a hybrid host, at the top on a pure v2 one.
+        let mounts: Vec<&str> = if controllers.is_empty() {
+            vec!["unified", ""]
+        } else {
+            controllers.split(',').chain([controllers]).collect()
+        };
+        for mount in mounts {
             let dir = Path::new("/sys/fs/cgroup")
                 .join(mount)
                 .join(path)
                 .join(&parent);
-            let Ok(leaves) = std::fs::read_dir(&dir) else {
-                continue;
-            };
-            let deadline = Instant::now() + Duration::from_secs(5);
-            for leaf in leaves
-                .flatten()
-                .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
+            if let Ok(dir) = dir.canonicalize()
+                && !found.iter().any(|(_, d)| *d == dir)
             {
-                // Busy while its last processes finish dying.
-                while std::fs::remove_dir(leaf.path()).is_err() && Instant::now() < deadline {
-                    std::thread::sleep(Duration::from_millis(10));
-                }
+                found.push((mount.to_owned(), dir));
             }
-            let _ = std::fs::remove_dir(&dir);
         }
     }
+    found
+}
+
+/// The subdirectories of a cgroup directory: its child cgroups.
+fn leaves(dir: &Path) -> Vec<std::path::PathBuf> {
+    std::fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
+        .map(|e| e.path())
+        .collect()
 }
 
 /// A WebSocket client's stream, as [`websocket`] opens it.

@@ -66,6 +66,10 @@ impl From<SpawnError> for ApiError {
                 err.extra.push(("holder", json!(holder)));
                 err.extra.push(("expired", json!(expired)));
             }
+            SpawnError::NodeUnreachable { node, .. } => {
+                err.extra.push(("node", json!(node)));
+                err.extra.push(("retry_after_ms", json!(retry_after_ms)));
+            }
             _ => {}
         }
         err

@@ -1,5 +1,6 @@
 //! Node-to-node routes (`/internal/v1/…`, design §7.3): what another node
-//! asks of this one, signed with the cluster secret ([`authenticate`],
+//! asks of this one, on the listener of their own (`[cluster]
+//! internal_listen`), signed with the cluster secret ([`authenticate`],
 //! then [`PeerCall`], [`Peer`]). Each runs the use case here with
 //! [`Via::Peer`]: never forwarded again, and answered with `lease_busy`
 //! when another node holds the user's lease, so the caller follows it.
@@ -17,12 +18,12 @@ use serde::Deserialize;
 use serde_json::json;
 
 use super::super::ops::{LogLines, RestartAll, Via};
-use super::super::peer_auth::{PeerAuth, Refusal};
 use super::extract::{Peer, PeerCall, QueryOf, SignedByPeer, read_body};
 use super::{
     ApiError, ApiResult, ApiState, AppState, LaunchQuery, LogsQuery, ProgressQuery, holding,
     line_events, parse_launch_body, stage_events,
 };
+use berth_proxy::peer_auth::{PeerAuth, Refusal};
 
 /// The node-to-node routes, each behind [`authenticate`].
 pub fn routes(state: Arc<ApiState>) -> Router<Arc<ApiState>> {
@@ -65,10 +66,11 @@ pub async fn authenticate(
         // A single node: the routes answer 404 themselves.
         return next.run(request).await;
     };
-    let source = request
+    let conn = request
         .extensions()
         .get::<berth_proxy::forward::ConnInfo>()
-        .map(|conn| conn.peer.ip());
+        .cloned();
+    let source = conn.as_ref().map(|conn| conn.peer.ip());
     let (parts, body) = request.into_parts();
     let target = parts
         .uri
@@ -91,6 +93,11 @@ pub async fn authenticate(
     if let Err(refusal) = PeerAuth::check_body(&signed, &body) {
         return refuse(auth, source, &refusal);
     }
+    if let Some(conn) = &conn {
+        // Another node's connection: nodes on one host share its address
+        // with each other (and with every program there).
+        conn.exempt_from_address_cap();
+    }
     let mut request = axum::extract::Request::from_parts(parts, Body::from(body));
     request.extensions_mut().insert(SignedByPeer);
     next.run(request).await
@@ -99,16 +106,7 @@ pub async fn authenticate(
 /// The answer to a refused node-to-node call, counted and maybe logged.
 fn refuse(auth: &PeerAuth, source: Option<std::net::IpAddr>, refusal: &Refusal) -> Response {
     let source = source.unwrap_or(std::net::IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED));
-    let verdict = auth.failed(source, std::time::Instant::now());
-    if let Some(unlogged) = verdict.log {
-        tracing::warn!(
-            %source,
-            reason = %refusal,
-            limited = verdict.limited,
-            earlier_unlogged = unlogged,
-            "refused a node-to-node call"
-        );
-    }
+    let verdict = auth.refused(source, refusal);
     if verdict.limited {
         let body = json!({
             "error": "too_many_requests",

@@ -1,5 +1,5 @@
--- berth's SQLite schema, version 9: places reserved by placement. It
--- mirrors migrations/postgres/0009_placements.sql.
+-- berth's PostgreSQL schema, version 10: places reserved by placement. It
+-- mirrors migrations/sqlite/0010_placements.sql.
 --
 -- Placement chooses a node from live counts: the leases each node holds
 -- plus the places reserved for it here. A reservation bridges the moment
@@ -9,11 +9,11 @@
 -- new choice replaces the old one); rows past `held_until` count for
 -- nothing and are deleted by the next placement.
 CREATE TABLE placements (
-    user_id    TEXT NOT NULL PRIMARY KEY,
-    node       TEXT NOT NULL,
+    user_id    TEXT COLLATE "C" NOT NULL PRIMARY KEY,
+    node       TEXT COLLATE "C" NOT NULL,
     -- The user's lease epoch when the place was reserved (0: no lease yet).
-    epoch      INTEGER NOT NULL,
-    held_until INTEGER NOT NULL
-) WITHOUT ROWID;
+    epoch      BIGINT NOT NULL,
+    held_until BIGINT NOT NULL
+);
 
 CREATE INDEX placements_node ON placements (node);

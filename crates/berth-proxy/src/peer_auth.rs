@@ -1,30 +1,37 @@
-//! How nodes prove themselves on the node-to-node API (`/internal/v1/…`).
+//! How nodes prove themselves to each other, without the cluster secret
+//! ever travelling: on the node-to-node API (`/internal/v1/…`, on its own
+//! listener) and on app traffic one node forwards to the node that runs
+//! the user's instance.
 //!
-//! A call never carries the cluster secret: the caller signs it with
-//! HMAC-SHA256, keyed by the secret, over the method, the path and query,
-//! the id of the node it is meant for, a timestamp, a random nonce and the
-//! SHA-256 of the body ([`canonical`]).
-//! Whoever sees a call on the wire learns neither the secret nor anything
+//! The caller signs each request with HMAC-SHA256, keyed by the secret,
+//! over what it is ([`Subject`]), the method, the path and query, the id
+//! of the node it is meant for, a timestamp and a random nonce
+//! ([`canonical`]). A node-to-node call also covers the SHA-256 of its
+//! body; a forwarded request covers the user it acts for instead, since
+//! its body streams (as the user's own request does) and cannot be
+//! hashed before it is sent. The two kinds start with different tags, so
+//! one can never pass for the other.
+//! Whoever sees a request on the wire learns neither the secret nor anything
 //! to reuse: the callee refuses a timestamp further than [`MAX_SKEW`] from
 //! its own clock, and a nonce it has already accepted while that nonce's
-//! timestamp is still fresh ([`Nonces`]), so a recorded call cannot be
-//! played again; and a call signed for another node fails here, so it
+//! timestamp is still fresh ([`Nonces`]), so a recorded request cannot be
+//! played again; and a request signed for another node fails here, so it
 //! cannot be played to a node that never saw its nonce either. The
-//! signature is checked on the headers alone; the body
+//! signature is checked on the headers alone; a call's body
 //! is read only after that and must match the signed digest.
 //!
 //! Failed checks are counted per source address ([`Failures`]): past a
 //! small burst each further failure is answered `429`, and refusals are
-//! logged with the source at a bounded rate, so a guesser is both slowed
-//! in what it learns and visible.
+//! logged with the source at a bounded rate ([`PeerAuth::refused`]), so
+//! a guesser is both slowed in what it learns and visible.
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::net::IpAddr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use axum::http::{HeaderMap, HeaderName, HeaderValue};
 use hmac::{Hmac, Mac};
+use hyper::header::{HeaderMap, HeaderName, HeaderValue};
 use sha2::{Digest, Sha256};
 
 /// When the caller signed the call: Unix milliseconds, its clock.
@@ -35,6 +42,32 @@ pub static NONCE: HeaderName = HeaderName::from_static("x-berth-cluster-nonce");
 pub static BODY_SHA256: HeaderName = HeaderName::from_static("x-berth-cluster-body-sha256");
 /// The HMAC-SHA256 of [`canonical`], hex.
 pub static SIGNATURE: HeaderName = HeaderName::from_static("x-berth-cluster-signature");
+/// The user a forwarded request acts for (signed with it).
+pub static FORWARDED_FOR: HeaderName = HeaderName::from_static("x-berth-forwarded-user");
+/// Where the bare cluster secret used to travel. Never accepted: a request
+/// that carries it is refused as a node's unsigned one.
+pub static BARE_SECRET: HeaderName = HeaderName::from_static("x-berth-cluster-secret");
+
+/// Every header that makes a request claim to come from another node; a
+/// request with any of them is decided by its signature alone, and none
+/// of them reaches a program.
+pub fn node_headers() -> [&'static HeaderName; 6] {
+    [
+        &TIMESTAMP,
+        &NONCE,
+        &BODY_SHA256,
+        &SIGNATURE,
+        &FORWARDED_FOR,
+        &BARE_SECRET,
+    ]
+}
+
+/// Whether `headers` claim that the request comes from another node.
+pub fn claims_a_node(headers: &HeaderMap) -> bool {
+    node_headers()
+        .iter()
+        .any(|name| headers.contains_key(*name))
+}
 
 /// How far a call's timestamp may be from the callee's clock, either way.
 /// Nodes keep their clocks in sync (NTP); this only absorbs what remains,
@@ -57,19 +90,36 @@ const LOG_EVERY: Duration = Duration::from_secs(10);
 
 type HmacSha256 = Hmac<Sha256>;
 
-/// The string a call's signature covers. Each part is on its own line, and
-/// none can hold a newline (an HTTP method and request target cannot, nor
-/// a node id, which config validation keeps free of control characters;
-/// the others are digits and hex), so no two calls share one.
+/// What a signature vouches for besides the request line and the callee.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Subject<'a> {
+    /// A node-to-node call (`/internal/v1/…`) with this body digest (hex).
+    Call { body_sha256: &'a str },
+    /// App traffic forwarded to the node that runs `user`'s instance.
+    Forward { user: &'a str },
+}
+
+/// The string a request's signature covers. Each part is on its own line,
+/// and none but the last can hold a newline (an HTTP method and request
+/// target cannot, nor a node id, which config validation keeps free of
+/// control characters; the others are digits and hex), so no two requests
+/// share one. The first line tells the kinds apart.
 fn canonical(
+    subject: Subject<'_>,
     method: &str,
     target: &str,
     node: &str,
     timestamp: i64,
     nonce: &str,
-    body_sha256: &str,
 ) -> String {
-    format!("berth-internal-v1\n{method}\n{target}\n{node}\n{timestamp}\n{nonce}\n{body_sha256}")
+    match subject {
+        Subject::Call { body_sha256 } => format!(
+            "berth-internal-v1\n{method}\n{target}\n{node}\n{timestamp}\n{nonce}\n{body_sha256}"
+        ),
+        Subject::Forward { user } => {
+            format!("berth-forward-v1\n{method}\n{target}\n{node}\n{timestamp}\n{nonce}\n{user}")
+        }
+    }
 }
 
 /// The cluster secret, as the key of the calls' signatures.
@@ -82,16 +132,20 @@ impl std::fmt::Debug for ClusterKey {
     }
 }
 
-/// A signature's headers, to add to a call.
+/// A signature's headers, to add to a request.
 #[derive(Debug, Clone)]
 pub struct Signed {
-    pub headers: [(HeaderName, HeaderValue); 4],
+    pub headers: Vec<(HeaderName, HeaderValue)>,
 }
 
-/// No randomness for a nonce.
+/// Why a request cannot be signed.
 #[derive(Debug, thiserror::Error)]
-#[error("no randomness for a call's nonce: {0}")]
-pub struct NoRandomness(String);
+pub enum CannotSign {
+    #[error("no randomness for a request's nonce: {0}")]
+    NoRandomness(String),
+    #[error("the user id cannot be sent in an HTTP header")]
+    User,
+}
 
 impl ClusterKey {
     pub fn new(secret: &str) -> Self {
@@ -106,28 +160,46 @@ impl ClusterKey {
         mac
     }
 
-    /// Signs `method target` with `body` for the node `node`, now, with a
-    /// fresh nonce.
+    /// Signs the call `method target` with `body` for the node `node`,
+    /// now, with a fresh nonce.
     pub fn sign(
         &self,
         node: &str,
         method: &str,
         target: &str,
         body: &[u8],
-    ) -> Result<Signed, NoRandomness> {
-        let mut nonce = [0u8; 16];
-        getrandom::fill(&mut nonce).map_err(|e| NoRandomness(e.to_string()))?;
-        Ok(self.sign_with(
+    ) -> Result<Signed, CannotSign> {
+        Ok(self.sign_call_with(
             node,
             method,
             target,
             body,
             berth_core::unix_millis_now(),
-            &hex::encode(nonce),
+            &fresh_nonce()?,
         ))
     }
 
-    fn sign_with(
+    /// Signs the forwarded request `method target` of `user`'s app for the
+    /// node `node` (which runs the instance), now, with a fresh nonce. The
+    /// user travels in [`FORWARDED_FOR`], among the returned headers.
+    pub fn sign_forward(
+        &self,
+        node: &str,
+        method: &str,
+        target: &str,
+        user: &str,
+    ) -> Result<Signed, CannotSign> {
+        self.sign_forward_with(
+            node,
+            method,
+            target,
+            user,
+            berth_core::unix_millis_now(),
+            &fresh_nonce()?,
+        )
+    }
+
+    fn sign_call_with(
         &self,
         node: &str,
         method: &str,
@@ -137,27 +209,71 @@ impl ClusterKey {
         nonce: &str,
     ) -> Signed {
         let body_sha256 = hex::encode(Sha256::digest(body));
-        let text = canonical(method, target, node, now, nonce, &body_sha256);
+        let subject = Subject::Call {
+            body_sha256: &body_sha256,
+        };
+        let mut signed = self.sign_with(subject, node, method, target, now, nonce);
+        signed
+            .headers
+            .push((BODY_SHA256.clone(), header_value(body_sha256)));
+        signed
+    }
+
+    fn sign_forward_with(
+        &self,
+        node: &str,
+        method: &str,
+        target: &str,
+        user: &str,
+        now: i64,
+        nonce: &str,
+    ) -> Result<Signed, CannotSign> {
+        let header = HeaderValue::from_bytes(user.as_bytes()).map_err(|_| CannotSign::User)?;
+        let mut signed =
+            self.sign_with(Subject::Forward { user }, node, method, target, now, nonce);
+        signed.headers.push((FORWARDED_FOR.clone(), header));
+        Ok(signed)
+    }
+
+    fn sign_with(
+        &self,
+        subject: Subject<'_>,
+        node: &str,
+        method: &str,
+        target: &str,
+        now: i64,
+        nonce: &str,
+    ) -> Signed {
+        let text = canonical(subject, method, target, node, now, nonce);
         let signature = hex::encode(self.mac(&text).finalize().into_bytes());
-        // Digits and hex: always valid header values.
-        let value = |s: String| HeaderValue::try_from(s).unwrap_or(HeaderValue::from_static("-"));
         Signed {
-            headers: [
-                (TIMESTAMP.clone(), value(now.to_string())),
-                (NONCE.clone(), value(nonce.to_owned())),
-                (BODY_SHA256.clone(), value(body_sha256)),
-                (SIGNATURE.clone(), value(signature)),
+            headers: vec![
+                (TIMESTAMP.clone(), header_value(now.to_string())),
+                (NONCE.clone(), header_value(nonce.to_owned())),
+                (SIGNATURE.clone(), header_value(signature)),
             ],
         }
     }
+}
+
+/// 16 random bytes, hex.
+fn fresh_nonce() -> Result<String, CannotSign> {
+    let mut nonce = [0u8; 16];
+    getrandom::fill(&mut nonce).map_err(|e| CannotSign::NoRandomness(e.to_string()))?;
+    Ok(hex::encode(nonce))
+}
+
+/// Digits and hex: always valid header values.
+fn header_value(s: String) -> HeaderValue {
+    HeaderValue::try_from(s).unwrap_or(HeaderValue::from_static("-"))
 }
 
 /// Why a call was refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum Refusal {
     #[error(
-        "node-to-node calls must be signed (X-Berth-Cluster-Signature); the cluster secret itself \
-         is never accepted"
+        "requests from another node must be signed (X-Berth-Cluster-Signature); the cluster \
+         secret itself is never accepted"
     )]
     Unsigned,
     #[error("the call's signature headers are malformed")]
@@ -235,9 +351,14 @@ impl PeerAuth {
         }
     }
 
-    /// Checks the signature of `method target` in `headers` at `now` (Unix
-    /// milliseconds), and remembers its nonce. The signature is checked
-    /// first, so that nothing unsigned fills the nonce cache.
+    /// The key this node signs its own requests to other nodes with.
+    pub fn key(&self) -> &ClusterKey {
+        &self.key
+    }
+
+    /// Checks the signature of the call `method target` in `headers` at
+    /// `now` (Unix milliseconds), and remembers its nonce. The signature is
+    /// checked first, so that nothing unsigned fills the nonce cache.
     pub fn check_headers(
         &self,
         method: &str,
@@ -245,22 +366,67 @@ impl PeerAuth {
         headers: &HeaderMap,
         now: i64,
     ) -> Result<SignedBody, Refusal> {
+        let Some(body_sha256) = one(headers, &BODY_SHA256)? else {
+            return Err(if one(headers, &SIGNATURE)?.is_some() {
+                Refusal::Malformed
+            } else {
+                Refusal::Unsigned
+            });
+        };
+        if !is_hex(body_sha256, 64) {
+            return Err(Refusal::Malformed);
+        }
+        self.verify(Subject::Call { body_sha256 }, method, target, headers, now)?;
+        let mut digest = [0u8; 32];
+        hex::decode_to_slice(body_sha256, &mut digest).map_err(|_| Refusal::Malformed)?;
+        Ok(SignedBody(digest))
+    }
+
+    /// Checks the signature of the forwarded request `method target` in
+    /// `headers` at `now`, and remembers its nonce: `Ok` with the user it
+    /// was signed for (its [`FORWARDED_FOR`] header).
+    pub fn check_forward<'h>(
+        &self,
+        method: &str,
+        target: &str,
+        headers: &'h HeaderMap,
+        now: i64,
+    ) -> Result<&'h str, Refusal> {
+        let mut users = headers.get_all(&FORWARDED_FOR).iter();
+        let user = match (users.next(), users.next()) {
+            (Some(user), None) => {
+                std::str::from_utf8(user.as_bytes()).map_err(|_| Refusal::Malformed)?
+            }
+            (None, _) if one(headers, &SIGNATURE)?.is_none() => return Err(Refusal::Unsigned),
+            _ => return Err(Refusal::Malformed),
+        };
+        self.verify(Subject::Forward { user }, method, target, headers, now)?;
+        Ok(user)
+    }
+
+    /// The checks both kinds share: the signature over `subject` and the
+    /// request, then the clock, then the nonce.
+    fn verify(
+        &self,
+        subject: Subject<'_>,
+        method: &str,
+        target: &str,
+        headers: &HeaderMap,
+        now: i64,
+    ) -> Result<(), Refusal> {
         let Some(signature) = one(headers, &SIGNATURE)? else {
             return Err(Refusal::Unsigned);
         };
-        let (Some(timestamp), Some(nonce), Some(body_sha256)) = (
-            one(headers, &TIMESTAMP)?,
-            one(headers, &NONCE)?,
-            one(headers, &BODY_SHA256)?,
-        ) else {
+        let (Some(timestamp), Some(nonce)) = (one(headers, &TIMESTAMP)?, one(headers, &NONCE)?)
+        else {
             return Err(Refusal::Malformed);
         };
         let timestamp: i64 = timestamp.parse().map_err(|_| Refusal::Malformed)?;
-        if !is_hex(nonce, 32) || !is_hex(body_sha256, 64) || !is_hex(signature, 64) {
+        if !is_hex(nonce, 32) || !is_hex(signature, 64) {
             return Err(Refusal::Malformed);
         }
         let signature = hex::decode(signature).map_err(|_| Refusal::Malformed)?;
-        let text = canonical(method, target, &self.node_id, timestamp, nonce, body_sha256);
+        let text = canonical(subject, method, target, &self.node_id, timestamp, nonce);
         // Constant time: a wrong guess learns nothing from how long it took.
         self.key
             .mac(&text)
@@ -271,15 +437,12 @@ impl PeerAuth {
         if skew.saturating_abs() > max {
             return Err(Refusal::Stale(skew));
         }
-        let mut digest = [0u8; 32];
-        hex::decode_to_slice(body_sha256, &mut digest).map_err(|_| Refusal::Malformed)?;
         let mut nonce_bytes = [0u8; 16];
         hex::decode_to_slice(nonce, &mut nonce_bytes).map_err(|_| Refusal::Malformed)?;
         self.nonces
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .admit(nonce_bytes, timestamp.saturating_add(max), now)?;
-        Ok(SignedBody(digest))
+            .admit(nonce_bytes, timestamp.saturating_add(max), now)
     }
 
     /// Whether `body` is the one the signature vouched for.
@@ -298,6 +461,22 @@ impl PeerAuth {
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .record(source, now)
+    }
+
+    /// Counts `refusal` of a request from `source`, logs it when due, and
+    /// says whether the source is past its burst (answer `429`).
+    pub fn refused(&self, source: IpAddr, refusal: &Refusal) -> Verdict {
+        let verdict = self.failed(source, Instant::now());
+        if let Some(unlogged) = verdict.log {
+            tracing::warn!(
+                %source,
+                reason = %refusal,
+                limited = verdict.limited,
+                earlier_unlogged = unlogged,
+                "refused a node-to-node call"
+            );
+        }
+        verdict
     }
 }
 
@@ -440,7 +619,7 @@ mod tests {
         let auth = PeerAuth::new(key.clone(), "node-a");
         let now = 1_000_000;
         let nonce = "00112233445566778899aabbccddeeff";
-        let signed = key.sign_with(
+        let signed = key.sign_call_with(
             "node-a",
             "POST",
             "/internal/v1/users/alice/fence",
@@ -477,13 +656,13 @@ mod tests {
         }
         // Another key's signature, a stale one, and none at all.
         let other = ClusterKey::new("another-secret-entirely-0123456789abcdef");
-        let forged = other.sign_with("node-a", "POST", "/p", b"", now, nonce);
+        let forged = other.sign_call_with("node-a", "POST", "/p", b"", now, nonce);
         assert_eq!(
             auth.check_headers("POST", "/p", &headers(&forged), now)
                 .unwrap_err(),
             Refusal::BadSignature
         );
-        let old = key.sign_with(
+        let old = key.sign_call_with(
             "node-a",
             "POST",
             "/p",
@@ -498,7 +677,7 @@ mod tests {
         );
         // Signed for node-b: refused by node-a, whose nonce cache never saw
         // it.
-        let elsewhere = key.sign_with(
+        let elsewhere = key.sign_call_with(
             "node-b",
             "POST",
             "/p",
@@ -512,10 +691,123 @@ mod tests {
             Refusal::BadSignature
         );
         let mut bare = HeaderMap::new();
-        bare.insert("x-berth-cluster-secret", HeaderValue::from_static(SECRET));
+        bare.insert(BARE_SECRET.clone(), HeaderValue::from_static(SECRET));
+        assert!(claims_a_node(&bare));
         assert_eq!(
             auth.check_headers("POST", "/p", &bare, now).unwrap_err(),
             Refusal::Unsigned
+        );
+    }
+
+    #[test]
+    fn a_forwarded_request_passes_once_for_its_user_and_node_only() {
+        let key = ClusterKey::new(SECRET);
+        let auth = PeerAuth::new(key.clone(), "node-a");
+        let now = 2_000_000;
+        let nonce = "0f1e2d3c4b5a69788796a5b4c3d2e1f0";
+        let signed = key
+            .sign_forward_with("node-a", "GET", "/u/alice/x?y=1", "alice", now, nonce)
+            .unwrap();
+        let h = headers(&signed);
+        assert_eq!(
+            auth.check_forward("GET", "/u/alice/x?y=1", &h, now + 1),
+            Ok("alice")
+        );
+        assert_eq!(
+            auth.check_forward("GET", "/u/alice/x?y=1", &h, now + 2),
+            Err(Refusal::Replayed)
+        );
+        // Another user in the header, another path or method: not what was
+        // signed (checked before the nonce, which is spent already).
+        let fresh = |n: &str| {
+            headers(
+                &key.sign_forward_with("node-a", "GET", "/u/alice/", "alice", now, n)
+                    .unwrap(),
+            )
+        };
+        let mut swapped = fresh("11111111111111111111111111111111");
+        swapped.insert(FORWARDED_FOR.clone(), HeaderValue::from_static("bob"));
+        assert_eq!(
+            auth.check_forward("GET", "/u/alice/", &swapped, now),
+            Err(Refusal::BadSignature)
+        );
+        let other = fresh("22222222222222222222222222222222");
+        assert_eq!(
+            auth.check_forward("POST", "/u/alice/", &other, now),
+            Err(Refusal::BadSignature)
+        );
+        // A forward is no call, and a call no forward, even with the same
+        // method, target and nonce.
+        assert_eq!(
+            auth.check_headers("GET", "/u/alice/", &other, now)
+                .unwrap_err(),
+            Refusal::Malformed
+        );
+        let call = headers(&key.sign_call_with(
+            "node-a",
+            "GET",
+            "/u/alice/",
+            b"",
+            now,
+            "33333333333333333333333333333333",
+        ));
+        let mut as_forward = call.clone();
+        as_forward.insert(FORWARDED_FOR.clone(), HeaderValue::from_static("alice"));
+        assert_eq!(
+            auth.check_forward("GET", "/u/alice/", &as_forward, now),
+            Err(Refusal::BadSignature)
+        );
+        // Signed for node-b; stale; the bare secret.
+        let elsewhere = key
+            .sign_forward_with(
+                "node-b",
+                "GET",
+                "/u/alice/",
+                "alice",
+                now,
+                "44444444444444444444444444444444",
+            )
+            .unwrap();
+        assert_eq!(
+            auth.check_forward("GET", "/u/alice/", &headers(&elsewhere), now),
+            Err(Refusal::BadSignature)
+        );
+        let old = key
+            .sign_forward_with(
+                "node-a",
+                "GET",
+                "/u/alice/",
+                "alice",
+                now - 31_000,
+                "55555555555555555555555555555555",
+            )
+            .unwrap();
+        assert_eq!(
+            auth.check_forward("GET", "/u/alice/", &headers(&old), now),
+            Err(Refusal::Stale(31_000))
+        );
+        let mut bare = HeaderMap::new();
+        bare.insert(BARE_SECRET.clone(), HeaderValue::from_static(SECRET));
+        bare.insert(FORWARDED_FOR.clone(), HeaderValue::from_static("alice"));
+        assert!(claims_a_node(&bare));
+        assert_eq!(
+            auth.check_forward("GET", "/u/alice/", &bare, now),
+            Err(Refusal::Unsigned)
+        );
+        // A user id beyond ASCII signs and checks as its bytes.
+        let wide = key
+            .sign_forward_with(
+                "node-a",
+                "GET",
+                "/u/x/",
+                "日本",
+                now,
+                "66666666666666666666666666666666",
+            )
+            .unwrap();
+        assert_eq!(
+            auth.check_forward("GET", "/u/x/", &headers(&wide), now),
+            Ok("日本")
         );
     }
 

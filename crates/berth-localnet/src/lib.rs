@@ -1,0 +1,13 @@
+//! How berth reaches a program on this host.
+//!
+//! * [`peer_owner`]: which account owns the socket at the other end of a
+//!   local TCP connection, asked of the kernel, so that berth sends nothing
+//!   to a program that bound an instance's port before the instance did.
+//! * [`connect_in`]: a connection made inside a sandboxed instance's own
+//!   network namespace, and [`loopback_up`] for the namespace's maker.
+
+mod netns;
+mod owner;
+
+pub use netns::{connect_in, loopback_up};
+pub use owner::{SockDiagError, peer_owner};

@@ -1,0 +1,183 @@
+//! Which account owns the socket at the other end of a local TCP
+//! connection, asked of the kernel.
+//!
+//! berth reaches each instance at `127.0.0.1:<port>`. Any local account may
+//! bind a free port, so a program of one user could bind the port berth
+//! gave another user's instance before that instance does, and answer in
+//! its place. The kernel records the owner of every socket (the uid that
+//! created it; a listener's accepted connections keep it), and tells it
+//! through the `sock_diag` netlink interface. [`peer_owner`] asks for the
+//! exact connection the caller holds, by its two addresses, so the answer
+//! is about the socket the caller's bytes would reach, not about whoever
+//! happens to listen on the port a moment later.
+//!
+//! One query is a netlink socket, one request and one reply, all answered
+//! synchronously inside the kernel: a few microseconds, with no blocking.
+
+use std::io;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+
+use netlink_packet_core::{NLM_F_REQUEST, NetlinkHeader, NetlinkMessage, NetlinkPayload};
+use netlink_packet_sock_diag::SockDiagMessage;
+use netlink_packet_sock_diag::constants::{AF_INET, AF_INET6, IPPROTO_TCP};
+use netlink_packet_sock_diag::inet::{
+    ExtensionFlags, InetRequest, InetResponseHeader, SocketId, StateFlags,
+};
+use netlink_sys::protocols::NETLINK_SOCK_DIAG;
+use netlink_sys::{Socket, SocketAddr as NetlinkAddr};
+
+/// Why the owner of a socket could not be told.
+#[derive(Debug, thiserror::Error)]
+pub enum SockDiagError {
+    #[error("cannot ask the kernel who owns a socket: {0}")]
+    Io(#[from] io::Error),
+    #[error("the kernel knows no TCP socket at {peer} connected to {local}")]
+    NoSocket { local: SocketAddr, peer: SocketAddr },
+    #[error("{local} and {peer} are of different address families")]
+    MixedFamilies { local: SocketAddr, peer: SocketAddr },
+    #[error("the kernel's answer about a socket could not be read: {0}")]
+    Answer(String),
+}
+
+/// The uid owning the socket at `peer` that is connected to `local`: the
+/// other end of the caller's own TCP connection from `local` to `peer`.
+///
+/// A connection the peer has not yet accepted has no owner of its own on
+/// kernels before 6.16 (it reads as root's); its listener's owner is
+/// given then, which is the account the connection will be handed to.
+pub fn peer_owner(local: SocketAddr, peer: SocketAddr) -> Result<u32, SockDiagError> {
+    if local.is_ipv4() != peer.is_ipv4() {
+        return Err(SockDiagError::MixedFamilies { local, peer });
+    }
+    // The peer's socket: its own address is the "source" of the query.
+    let connection = query(peer, local)?.ok_or(SockDiagError::NoSocket { local, peer })?;
+    if connection.inode != 0 {
+        return Ok(connection.uid);
+    }
+    // Not accepted yet: no file, so no owner of its own on older kernels.
+    // The listener on the peer's address is the socket that will accept it.
+    let unspecified = SocketAddr::new(unspecified_like(peer.ip()), 0);
+    let listener = query(peer, unspecified)?.ok_or(SockDiagError::NoSocket { local, peer })?;
+    Ok(listener.uid)
+}
+
+fn unspecified_like(ip: IpAddr) -> IpAddr {
+    match ip {
+        IpAddr::V4(_) => IpAddr::V4(Ipv4Addr::UNSPECIFIED),
+        IpAddr::V6(_) => IpAddr::V6(Ipv6Addr::UNSPECIFIED),
+    }
+}
+
+/// The kernel's record of the TCP socket whose own address is `own` and
+/// whose remote address is `remote` (an unspecified `remote` finds the
+/// listener on `own`), or `None` when there is no such socket.
+fn query(own: SocketAddr, remote: SocketAddr) -> Result<Option<InetResponseHeader>, SockDiagError> {
+    let request = InetRequest {
+        family: if own.is_ipv4() { AF_INET } else { AF_INET6 },
+        protocol: IPPROTO_TCP,
+        extensions: ExtensionFlags::empty(),
+        states: StateFlags::all(),
+        socket_id: SocketId {
+            source_port: own.port(),
+            destination_port: remote.port(),
+            source_address: own.ip(),
+            destination_address: remote.ip(),
+            interface_id: 0,
+            // All 0xff: "no cookie", the socket is named by its addresses.
+            cookie: [0xff; 8],
+        },
+    };
+    let mut header = NetlinkHeader::default();
+    // No NLM_F_DUMP: a lookup of one socket by its exact addresses.
+    header.flags = NLM_F_REQUEST;
+    let mut message = NetlinkMessage::new(header, SockDiagMessage::InetRequest(request).into());
+    message.finalize();
+    let mut out = vec![0; message.buffer_len()];
+    message.serialize(&mut out);
+
+    let socket = Socket::new(NETLINK_SOCK_DIAG)?;
+    // The kernel answers while the request is being sent; never wait.
+    socket.set_non_blocking(true)?;
+    socket.connect(&NetlinkAddr::new(0, 0))?;
+    socket.send(&out, 0)?;
+    let mut answer = Vec::with_capacity(8192);
+    let received = socket.recv(&mut answer, 0)?;
+    answer.truncate(received);
+    let reply = NetlinkMessage::<SockDiagMessage>::deserialize(&answer)
+        .map_err(|e| SockDiagError::Answer(e.to_string()))?;
+    match reply.payload {
+        NetlinkPayload::InnerMessage(SockDiagMessage::InetResponse(response)) => {
+            Ok(Some(response.header))
+        }
+        NetlinkPayload::Error(error) => match error.code {
+            Some(code) if -code.get() == ENOENT => Ok(None),
+            Some(code) => Err(SockDiagError::Io(io::Error::from_raw_os_error(-code.get()))),
+            None => Err(SockDiagError::Answer(
+                "an acknowledgement, not a socket".into(),
+            )),
+        },
+        other => Err(SockDiagError::Answer(format!(
+            "unexpected answer {other:?}"
+        ))),
+    }
+}
+
+const ENOENT: i32 = 2;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::net::{TcpListener, TcpStream};
+
+    fn me() -> u32 {
+        nix::unistd::geteuid().as_raw()
+    }
+
+    #[test]
+    fn an_accepted_connection_is_owned_by_the_listeners_account() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let client = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let (_server, _) = listener.accept().unwrap();
+        let owner = peer_owner(client.local_addr().unwrap(), client.peer_addr().unwrap());
+        assert_eq!(owner.unwrap(), me());
+    }
+
+    #[test]
+    fn a_connection_not_yet_accepted_is_owned_by_its_listeners_account() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let client = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let owner = peer_owner(client.local_addr().unwrap(), client.peer_addr().unwrap());
+        assert_eq!(owner.unwrap(), me());
+        drop(listener);
+    }
+
+    #[test]
+    fn ipv6_loopback_is_asked_too() {
+        let Ok(listener) = TcpListener::bind("[::1]:0") else {
+            // A host without IPv6 loopback has nothing to ask.
+            assert!(std::env::var_os("CI").is_none(), "CI hosts have ::1");
+            return;
+        };
+        let client = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let (_server, _) = listener.accept().unwrap();
+        let owner = peer_owner(client.local_addr().unwrap(), client.peer_addr().unwrap());
+        assert_eq!(owner.unwrap(), me());
+    }
+
+    #[test]
+    fn no_such_connection_is_told_apart() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let peer = listener.local_addr().unwrap();
+        drop(listener);
+        let local: SocketAddr = "127.0.0.1:9".parse().unwrap();
+        assert!(matches!(
+            peer_owner(local, peer),
+            Err(SockDiagError::NoSocket { .. })
+        ));
+        let v6: SocketAddr = "[::1]:9".parse().unwrap();
+        assert!(matches!(
+            peer_owner(v6, peer),
+            Err(SockDiagError::MixedFamilies { .. })
+        ));
+    }
+}
