@@ -308,7 +308,7 @@ impl Statements {
             // user's lease has not been claimed since (a claim bumps the
             // epoch past the reservation's, and the lease counts instead).
             placement_nodes: sql(concat!(
-                "SELECT n.id, n.advertise_url, n.capacity, n.status, n.heartbeat, {now} AS now, ",
+                "SELECT n.id, n.advertise_url, n.internal_url, n.capacity, n.status, n.heartbeat, {now} AS now, ",
                 "(SELECT count(*) FROM leases l WHERE l.holder = n.id AND NOT l.released) ",
                 "+ (SELECT count(*) FROM placements p WHERE p.node = n.id AND p.held_until >= {now} ",
                 "AND NOT EXISTS (SELECT 1 FROM leases l WHERE l.user_id = p.user_id AND l.epoch > p.epoch)",
