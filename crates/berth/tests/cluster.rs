@@ -1218,13 +1218,16 @@ async fn manual_takeover_moves_a_user_whose_holder_was_killed() {
         .post("/users/alice/instance", json!({ "folder": "proj" }))
         .await;
     assert_eq!(status, 201, "{body}");
-    assert_eq!(body["instance"]["node"], "node-a", "{body}");
+    // The node that runs alice first, the survivor second.
+    let holder = holder_of(&nodes, &body).await;
+    nodes.swap(0, holder);
+    let survivor = id_of(&nodes[1]).await;
     let old_pid = instance_pids(&nodes[0].data_dir, "alice", "main");
     assert_eq!(old_pid.len(), 1);
     let old_pid = old_pid[0];
 
     nodes[0].kill9();
-    // The lease runs out and node-a's heartbeat goes stale: node-b reports
+    // The lease runs out and the holder's heartbeat goes stale: the survivor reports
     // it, with the holder not alive, but under "manual" does nothing.
     let b = &nodes[1];
     eventually(
@@ -1281,7 +1284,7 @@ async fn manual_takeover_moves_a_user_whose_holder_was_killed() {
         String::from_utf8_lossy(&out.stderr)
     );
     let main = b.running_main("alice", Some(u64::from(old_pid))).await;
-    assert_eq!(main["node"], "node-b", "{main}");
+    assert_eq!(main["node"], survivor.as_str(), "{main}");
     assert_eq!(
         main["folder"], "proj",
         "launched with its parameters: {main}"
@@ -1370,16 +1373,16 @@ async fn a_forwarded_request_is_never_forwarded_again() {
     let db = fresh_db().await;
     let root = tempfile::tempdir().unwrap();
     let nodes = start_nodes(root.path(), &db, &["node-a", "node-b"], "").await;
-    let (a, b) = (&nodes[0], &nodes[1]);
 
-    // alice runs on node-a (placement breaks the tie by the smaller id).
-    let (status, body) = a.post("/users/alice/instance", json!({})).await;
+    // alice runs where placement puts her (`a`); `b` is the other node.
+    let (status, body) = nodes[0].post("/users/alice/instance", json!({})).await;
     assert_eq!(status, 201, "{body}");
-    assert_eq!(body["instance"]["node"], "node-a", "{body}");
+    let holder = holder_of(&nodes, &body).await;
+    let (a, b) = (&nodes[holder], &nodes[1 - holder]);
     let alice = pids_everywhere(&nodes, "alice");
     assert_eq!(alice.len(), 1, "{alice:?}");
 
-    // An ordinary request through node-b is forwarded to node-a…
+    // An ordinary request through `b` is forwarded to `a`…
     let token = a.user_token("alice").await;
     let r = b
         .http
@@ -1390,8 +1393,8 @@ async fn a_forwarded_request_is_never_forwarded_again() {
         .unwrap();
     assert_eq!(r.status().as_u16(), 200);
     assert!(r.text().await.unwrap().contains("alice"));
-    // …but one that node-b received as forwarded is not: node-b wakes
-    // alice itself, and its claim meets node-a's live lease (a browser's
+    // …but one that `b` received as forwarded is not: `b` wakes
+    // alice itself, and its claim meets `a`'s live lease (a browser's
     // navigation would get the starting page instead, whose reload is
     // routed afresh: `a_browser_through_another_node_…`).
     let (status, body) = forwarded_get(b, "alice").await;
@@ -1400,39 +1403,59 @@ async fn a_forwarded_request_is_never_forwarded_again() {
     assert_eq!(error["error"], "lease_busy", "{body}");
     assert_eq!(pids_everywhere(&nodes, "alice"), alice, "alice untouched");
 
-    // bob last ran on node-a, so placement sends him there (sticky)…
+    // bob last ran on the node placement chose for him (`home`; `away` is
+    // the other), so placement sends him there again (sticky)…
     let (status, body) = a.post("/users/bob/instance", json!({})).await;
     assert_eq!(status, 201, "{body}");
-    assert_eq!(body["instance"]["node"], "node-a", "{body}");
+    let bob_home = holder_of(&nodes, &body).await;
+    let (home, away) = (&nodes[bob_home], &nodes[1 - bob_home]);
+    let home_id = id_of(home).await;
     assert_eq!(a.delete("/users/bob/instance").await, 204);
     eventually(Duration::from_secs(30), "bob stopped", || async {
         pids_everywhere(&nodes, "bob").is_empty().then_some(())
     })
     .await;
     let bob_token = a.user_token("bob").await;
-    let r = b
+    let r = away
         .http
-        .get(format!("{}/u/bob/", b.url))
+        .get(format!("{}/u/bob/", away.url))
         .bearer_auth(&bob_token)
         .send()
         .await
         .unwrap();
     assert_eq!(r.status().as_u16(), 200);
-    assert_eq!(a.main_of("bob").await["node"], "node-a");
+    assert_eq!(a.main_of("bob").await["node"], home_id.as_str());
     assert_eq!(a.delete("/users/bob/instance").await, 204);
     eventually(Duration::from_secs(30), "bob stopped again", || async {
         pids_everywhere(&nodes, "bob").is_empty().then_some(())
     })
     .await;
-    // …yet a request forwarded to node-b wakes him on node-b, where it
+    // …yet a request forwarded to `away` wakes him on `away`, where it
     // landed.
-    let (status, page) = forwarded_get(b, "bob").await;
+    let (status, page) = forwarded_get(away, "bob").await;
     assert_eq!(status, 200, "{page}");
     assert!(page.contains(r#"<b id="user">bob</b>"#), "{page}");
-    assert_eq!(b.main_of("bob").await["node"], "node-b");
+    assert_eq!(b.main_of("bob").await["node"], id_of(away).await.as_str());
     let bob = pids_everywhere(&nodes, "bob");
     assert_eq!(bob.len(), 1, "{bob:?}");
-    assert_eq!(bob[0].0, 1, "bob runs on node-b: {bob:?}");
+    assert_eq!(bob[0].0, 1 - bob_home, "bob runs on `away`: {bob:?}");
+}
+
+/// Which of `nodes` runs the instance a launch answered with (its
+/// `instance.node`). Placement breaks ties between equally loaded nodes by
+/// a hash of the user, so a new user on an empty cluster may land on any
+/// node: a test that needs "the owner" and "another node" takes them from
+/// the answer.
+async fn holder_of(nodes: &[Node], launched: &Value) -> usize {
+    let holder = launched["instance"]["node"]
+        .as_str()
+        .unwrap_or_else(|| panic!("no node in {launched}"));
+    for (i, node) in nodes.iter().enumerate() {
+        if id_of(node).await == holder {
+            return i;
+        }
+    }
+    panic!("{holder} is none of the nodes: {launched}")
 }
 
 /// The id of `node`, as the nodes table has it (what a node-to-node call
@@ -1477,16 +1500,17 @@ async fn a_fence_acts_only_on_exactly_the_running_epoch() {
     let db = fresh_db().await;
     let root = tempfile::tempdir().unwrap();
     let nodes = start_nodes(root.path(), &db, &["node-a", "node-b"], "").await;
-    let (a, b) = (&nodes[0], &nodes[1]);
 
     // Two launches, so the running epoch has a real predecessor.
-    let (status, body) = a.post("/users/alice/instance", json!({})).await;
+    let (status, body) = nodes[0].post("/users/alice/instance", json!({})).await;
     assert_eq!(status, 201, "{body}");
     let first = body["instance"]["epoch"].as_i64().unwrap();
-    assert_eq!(a.delete("/users/alice/instance").await, 204);
-    let (status, body) = a.post("/users/alice/instance", json!({})).await;
+    assert_eq!(nodes[0].delete("/users/alice/instance").await, 204);
+    let (status, body) = nodes[0].post("/users/alice/instance", json!({})).await;
     assert_eq!(status, 201, "{body}");
-    assert_eq!(body["instance"]["node"], "node-a", "{body}");
+    // `a` runs her (placement's choice), `b` is the other node.
+    let holder = holder_of(&nodes, &body).await;
+    let (a, b) = (&nodes[holder], &nodes[1 - holder]);
     let epoch = body["instance"]["epoch"].as_i64().unwrap();
     assert!(epoch > first, "{first} then {epoch}");
     let running = a.running_main("alice", None).await;
@@ -1886,42 +1910,44 @@ fn token_of(answer: &Value) -> String {
     url.split_once("?token=").unwrap().1.to_owned()
 }
 
-/// Issue 10's acceptance: alice runs on node-a, bob on node-b, and every
-/// request below goes through node-b. Each operation acts on node-a, where
+/// Issue 10's acceptance: alice runs on `a` (the node placement chose), bob on `b`, and every
+/// request below goes through `b`. Each operation acts on `a`, where
 /// alice runs: her logs (and a followed log, streamed), restart (a new pid
-/// on node-a), probe, watchdog, restart-all (both nodes, each user with its
+/// on `a`), probe, watchdog, restart-all (both nodes, each user with its
 /// node), stop (the process is gone when the answer comes, the record is
-/// stopped), her stages streamed live, and a breaker reset. node-b never
+/// stopped), her stages streamed live, and a breaker reset. `b` never
 /// runs anything of alice's.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_operation_through_another_node_acts_on_the_owner() {
     let db = fresh_db().await;
     let root = tempfile::tempdir().unwrap();
     let nodes = start_gated_nodes(root.path(), &db, &["node-a", "node-b"]).await;
-    let (a, b) = (&nodes[0], &nodes[1]);
-    let (status, body) = a.post("/users/alice/instance", json!({})).await;
+    let (status, body) = nodes[0].post("/users/alice/instance", json!({})).await;
     assert_eq!(status, 201, "{body}");
-    assert_eq!(body["instance"]["node"], "node-a", "{body}");
-    // bob on node-b: asked of node-b the way another node asks (placement
-    // would break the tie between two empty nodes towards node-a).
+    // `a` is the node placement chose for alice, `b` the other.
+    let holder = holder_of(&nodes, &body).await;
+    let (a, b) = (&nodes[holder], &nodes[1 - holder]);
+    let (a_id, b_id) = (id_of(a).await, id_of(b).await);
+    // bob on `b`: asked of `b` the way another node asks, so he runs there
+    // whatever placement would choose.
     let body = launch_on(b, "bob").await;
-    assert_eq!(body["instance"]["node"], "node-b", "{body}");
+    assert_eq!(body["instance"]["node"], b_id.as_str(), "{body}");
     let mut alice = a.running_main("alice", None).await;
     let token = a.user_token("alice").await;
     let only_on_a = |pid: u64, what: &str| {
         assert_eq!(
             instance_pids(&a.data_dir, "alice", "main"),
             [pid as u32],
-            "{what}: alice on node-a"
+            "{what}: alice on `a`"
         );
         assert!(
             instance_pids(&b.data_dir, "alice", "main").is_empty(),
-            "{what}: nothing of alice's on node-b"
+            "{what}: nothing of alice's on `b`"
         );
     };
     only_on_a(alice["pid"].as_u64().unwrap(), "launched");
 
-    // logs: node-a's file (node-b has none), with her port on node-a.
+    // logs: `a`'s file (`b` has none), with her port on `a`.
     let (status, logs) = b.get("/users/alice/instance/logs?tail=10").await;
     assert_eq!(status, 200, "{logs}");
     let port = alice["port"].as_u64().unwrap();
@@ -1934,8 +1960,8 @@ async fn every_operation_through_another_node_acts_on_the_owner() {
         "{logs}"
     );
 
-    // logs, followed: one streamed answer through node-b; a restart
-    // through node-b (a new pid, on node-a) writes its new token line
+    // logs, followed: one streamed answer through `b`; a restart
+    // through `b` (a new pid, on `a`) writes its new token line
     // into it.
     let followed = b
         .http
@@ -1950,7 +1976,7 @@ async fn every_operation_through_another_node_acts_on_the_owner() {
     assert!(first.contains("berth-demo: "), "{first}");
     let (status, restarted) = b.post("/users/alice/instance/restart", json!({})).await;
     assert_eq!(status, 200, "{restarted}");
-    assert_eq!(restarted["instance"]["node"], "node-a", "{restarted}");
+    assert_eq!(restarted["instance"]["node"], a_id.as_str(), "{restarted}");
     let pid = restarted["instance"]["pid"].as_u64().unwrap();
     assert_ne!(Some(pid), alice["pid"].as_u64(), "a new process");
     assert!(
@@ -1969,9 +1995,9 @@ async fn every_operation_through_another_node_acts_on_the_owner() {
     }
     drop(lines);
 
-    // The CLI follows the same stream: `berth logs alice -f` against node-b
+    // The CLI follows the same stream: `berth logs alice -f` against `b`
     // prints the last line, then the next start's line when a probe
-    // through node-b restarts her on node-a.
+    // through `b` restarts her on `a`.
     let mut cli = berth()
         .command()
         .args(["logs", "alice", "-f", "--tail", "1"])
@@ -2002,7 +2028,7 @@ async fn every_operation_through_another_node_acts_on_the_owner() {
     assert_eq!(status, 200, "{report}");
     assert_eq!(report["ok"], true, "{report}");
     alice = a.running_main("alice", Some(pid)).await;
-    assert_eq!(alice["node"], "node-a", "{alice}");
+    assert_eq!(alice["node"], a_id.as_str(), "{alice}");
     only_on_a(alice["pid"].as_u64().unwrap(), "probed");
     loop {
         let line = next_printed(&printed);
@@ -2013,17 +2039,17 @@ async fn every_operation_through_another_node_acts_on_the_owner() {
     let _ = cli.kill();
     let _ = cli.wait();
 
-    // watchdog: started on node-a, in alice's home there.
+    // watchdog: started on `a`, in alice's home there.
     let (status, watchdog) = b.post("/users/alice/watchdog", json!({})).await;
     assert_eq!(status, 201, "{watchdog}");
-    assert_eq!(watchdog["node"], "node-a", "{watchdog}");
+    assert_eq!(watchdog["node"], a_id.as_str(), "{watchdog}");
     eventually(Duration::from_secs(30), "the watchdog's run", || async {
         std::fs::read_to_string(home_of(a, "alice").join("watchdog-ran"))
             .ok()
             .filter(|runs| runs.contains("watchdog"))
     })
     .await;
-    assert!(!home_of(b, "alice").exists(), "alice has no home on node-b");
+    assert!(!home_of(b, "alice").exists(), "alice has no home on `b`");
 
     // restart-all: both nodes, each user with its node, each restarted
     // where it runs.
@@ -2046,19 +2072,19 @@ async fn every_operation_through_another_node_acts_on_the_owner() {
     assert_eq!(
         results,
         [
-            ("alice".to_owned(), "node-a".to_owned(), true),
-            ("bob".to_owned(), "node-b".to_owned(), true)
+            ("alice".to_owned(), a_id.clone(), true),
+            ("bob".to_owned(), b_id.clone(), true)
         ],
         "{all}"
     );
     let restarted_bob = b.running_main("bob", bob["pid"].as_u64()).await;
-    assert_eq!(restarted_bob["node"], "node-b");
+    assert_eq!(restarted_bob["node"], b_id.as_str());
     assert_eq!(instance_pids(&b.data_dir, "bob", "main").len(), 1);
     let old = alice["pid"].as_u64();
     alice = a.running_main("alice", old).await;
     only_on_a(alice["pid"].as_u64().unwrap(), "restarted by restart-all");
 
-    // stop: when node-b answers, alice's process is gone and her record
+    // stop: when `b` answers, alice's process is gone and her record
     // says stopped.
     let pid = alice["pid"].as_u64().unwrap();
     assert_eq!(b.delete("/users/alice/instance").await, 204);
@@ -2071,12 +2097,12 @@ async fn every_operation_through_another_node_acts_on_the_owner() {
         assert_eq!(node.status_of("alice").await, "stopped", "via {}", node.url);
     }
 
-    // progress: alice's next start is held on node-a; her stages stream
-    // through node-b as they happen, and the stream ends once she is ready.
+    // progress: alice's next start is held on `a`; her stages stream
+    // through `b` as they happen, and the stream ends once she is ready.
     std::fs::write(home_of(a, "alice").join("hold"), "").unwrap();
     let (status, body) = b.post("/users/alice/instance?wait=false", json!({})).await;
     assert_eq!(status, 201, "{body}");
-    assert_eq!(body["instance"]["node"], "node-a", "sticky: {body}");
+    assert_eq!(body["instance"]["node"], a_id.as_str(), "sticky: {body}");
     let progress = b
         .http
         .get(b.api("/users/alice/instance/progress"))
@@ -2111,8 +2137,8 @@ async fn every_operation_through_another_node_acts_on_the_owner() {
     alice = a.running_main("alice", None).await;
     only_on_a(alice["pid"].as_u64().unwrap(), "relaunched");
 
-    // breaker/reset: a crash loop on node-a opens alice's breaker; a reset
-    // through node-b clears it.
+    // breaker/reset: a crash loop on `a` opens alice's breaker; a reset
+    // through `b` clears it.
     std::fs::write(home_of(a, "alice").join("crash"), "").unwrap();
     signal(
         alice["pid"].as_u64().unwrap() as u32,
@@ -2138,18 +2164,24 @@ async fn every_operation_through_another_node_acts_on_the_owner() {
     std::fs::remove_file(home_of(a, "alice").join("crash")).unwrap();
     let (status, body) = b.post("/users/alice/instance", json!({})).await;
     assert_eq!(status, 201, "a launch without force: {body}");
-    assert_eq!(body["instance"]["node"], "node-a", "{body}");
+    assert_eq!(body["instance"]["node"], a_id.as_str(), "{body}");
     assert!(instance_pids(&b.data_dir, "alice", "main").is_empty());
 
-    // status: dave ran on node-b, stopped, and runs on node-a now; node-b,
-    // which remembers him stopped, answers what node-a knows.
-    assert_eq!(launch_on(b, "dave").await["instance"]["node"], "node-b");
+    // status: dave ran on `b`, stopped, and runs on `a` now; `b`,
+    // which remembers him stopped, answers what `a` knows.
+    assert_eq!(
+        launch_on(b, "dave").await["instance"]["node"],
+        b_id.as_str()
+    );
     assert_eq!(b.delete("/users/dave/instance").await, 204);
-    assert_eq!(launch_on(a, "dave").await["instance"]["node"], "node-a");
+    assert_eq!(
+        launch_on(a, "dave").await["instance"]["node"],
+        a_id.as_str()
+    );
     let main = b.main_of("dave").await;
     assert_eq!(
         (main["node"].as_str(), main["status"].as_str()),
-        (Some("node-a"), Some("running")),
+        (Some(a_id.as_str()), Some("running")),
         "{main}"
     );
 }
@@ -2249,12 +2281,12 @@ async fn follow_logs(node: &Node, user: &str) -> reqwest::Response {
 }
 
 /// Issue 9's per-user stream cap holds on the node that runs a user however
-/// many nodes relay the user's streams: a followed log asked of node-b
-/// holds a slot on node-b and one on node-a, alice's owner. With
-/// `max_upgrades_per_user = 2`, two streams held on node-a stop a third
-/// relayed through node-b (node-a's `429 too_many_streams` comes back
-/// through node-b with its code), and two relayed through node-b stop a
-/// third asked of node-a directly, and one more asked of node-b. Closed
+/// many nodes relay the user's streams: a followed log asked of `b`
+/// holds a slot on `b` and one on `a`, alice's owner. With
+/// `max_upgrades_per_user = 2`, two streams held on `a` stop a third
+/// relayed through `b` (`a`'s `429 too_many_streams` comes back
+/// through `b` with its code), and two relayed through `b` stop a
+/// third asked of `a` directly, and one more asked of `b`. Closed
 /// streams give their slots back on both nodes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_relayed_stream_holds_a_slot_on_both_nodes() {
@@ -2277,10 +2309,11 @@ async fn a_relayed_stream_holds_a_slot_on_both_nodes() {
         .unwrap();
         nodes.push(node);
     }
-    let (a, b) = (&nodes[0], &nodes[1]);
-    let (status, body) = a.post("/users/alice/instance", json!({})).await;
+    let (status, body) = nodes[0].post("/users/alice/instance", json!({})).await;
     assert_eq!(status, 201, "{body}");
-    assert_eq!(body["instance"]["node"], "node-a", "{body}");
+    // `a` runs alice (placement's choice), `b` relays.
+    let holder = holder_of(&nodes, &body).await;
+    let (a, b) = (&nodes[holder], &nodes[1 - holder]);
     a.running_main("alice", None).await;
     let refused = |r: reqwest::Response, what: &'static str| async move {
         assert_eq!(r.status(), 429, "{what}");
@@ -2295,18 +2328,18 @@ async fn a_relayed_stream_holds_a_slot_on_both_nodes() {
         );
     };
 
-    // Two held on node-a: node-b admits a third, node-a refuses it.
+    // Two held on `a`: `b` admits a third, `a` refuses it.
     let mut direct = Vec::new();
     for _ in 0..2 {
         direct.push(Events::new(follow_logs(a, "alice").await));
     }
-    refused(follow_logs(b, "alice").await, "a third, through node-b").await;
+    refused(follow_logs(b, "alice").await, "a third, through `b`").await;
 
-    // Those closed, two through node-b: each a live stream of alice's log.
+    // Those closed, two through `b`: each a live stream of alice's log.
     drop(direct);
     let mut relayed = Vec::new();
     for n in 0..2 {
-        let r = eventually(Duration::from_secs(60), "node-a's slots back", || async {
+        let r = eventually(Duration::from_secs(60), "`a`'s slots back", || async {
             let r = follow_logs(b, "alice").await;
             (r.status() == 200).then_some(r)
         })
@@ -2317,8 +2350,8 @@ async fn a_relayed_stream_holds_a_slot_on_both_nodes() {
         assert!(first.contains("berth-demo: "), "{first}");
         relayed.push(lines);
     }
-    refused(follow_logs(a, "alice").await, "a third, on node-a itself").await;
-    refused(follow_logs(b, "alice").await, "a third, through node-b").await;
+    refused(follow_logs(a, "alice").await, "a third, on `a` itself").await;
+    refused(follow_logs(b, "alice").await, "a third, through `b`").await;
 
     drop(relayed);
     eventually(
