@@ -601,9 +601,9 @@ async fn a_captured_forwarded_request_can_be_neither_replayed_nor_mined_for_the_
     let others = start_nodes(root.path(), &db, &["node-b"], "").await;
     let b = &others[0];
 
-    // alice runs on node-a (placement breaks the tie by the smaller id).
-    let (status, body) = a.post("/users/alice/instance", json!({})).await;
-    assert_eq!(status, 201, "{body}");
+    // alice runs on node-a, behind the relay: launched there the way
+    // another node asks it to, whatever placement would choose.
+    let body = launch_signed(&a, "node-a", "alice").await;
     assert_eq!(body["instance"]["node"], "node-a", "{body}");
     let token = a.user_token("alice").await;
     let r = b
@@ -1889,10 +1889,16 @@ impl Events {
 
 /// Launches `user` on `node` itself, the way another node asks it to.
 async fn launch_on(node: &Node, user: &str) -> Value {
+    launch_signed(node, &id_of(node).await, user).await
+}
+
+/// [`launch_on`] for a node whose id is known (`id_of` finds a node by the
+/// URL it advertises, which a node behind a relay does not share).
+async fn launch_signed(node: &Node, id: &str, user: &str) -> Value {
     let r = berth_testkit::signed_request(
         &node.http,
         SECRET,
-        &id_of(node).await,
+        id,
         reqwest::Method::POST,
         &node.internal(&format!("/users/{user}/launch")),
         Some(&json!({})),
