@@ -20,7 +20,17 @@ pub mod shim;
 mod template;
 
 pub use config::Readiness;
-pub use isolation::{Isolation, Limits, UidRange};
+
+/// The default number of ports of the instance range one instance may
+/// hold, its own included.
+pub const DEFAULT_MAX_PORTS: usize = 16;
+
+/// The default bound of an instance's log on disk: 64 MiB.
+pub const DEFAULT_LOG_MAX_BYTES: u64 = 64 * 1024 * 1024;
+/// The least bound: two files each able to hold the longest piece the
+/// shim writes at once (64 KiB).
+pub const MIN_LOG_MAX_BYTES: u64 = 128 * 1024;
+pub use isolation::{Isolation, Limits, ListenerCap, UidRange, open_files_warning};
 pub use runtime::{Accounts, LocalRuntime, LocalRuntimeConfig};
 
 /// Why the local runtime could not start.

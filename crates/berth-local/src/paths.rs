@@ -116,6 +116,12 @@ impl UserPaths {
         logs.open_regular(&format!("{}.log", role.as_str()))
     }
 
+    /// The same for the file the log was last rotated to (`<role>.log.1`).
+    pub fn open_rotated_log(&self, role: Role) -> std::io::Result<std::fs::File> {
+        let logs = Dir::open(&self.root)?.child_existing("logs")?;
+        logs.open_regular(&format!("{}.log.1", role.as_str()))
+    }
+
     /// Writes `bytes` as the file `name` of the layout directory `dir`
     /// (e.g. `patches`), never through a link, owned by `owner`.
     pub fn write_file(

@@ -1,7 +1,8 @@
-//! Instance ports: the choice among the configured range (pure) and the
-//! in-memory reservations that keep two live instances off one port.
+//! Instance ports: the choice among the configured range (pure), the
+//! in-memory reservations that keep two live instances off one port, and
+//! who holds the range's ports (an instance may hold only so many).
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::ops::RangeInclusive;
 use std::sync::Mutex;
 
@@ -35,6 +36,54 @@ pub(crate) fn choose_port(
         .filter_map(|p| u16::try_from(p).ok())
         .filter(|p| Some(*p) != preferred)
         .find(|p| !taken.contains(p) && is_free(*p))
+}
+
+/// The ports of `range` that sockets of each account of `uids` hold
+/// (bound, listening or connected), from the text of `/proc/net/tcp` and
+/// `/proc/net/tcp6`. The kernel lists each socket with its owner's uid.
+pub(crate) fn held_ports(
+    tables: &[String],
+    range: &RangeInclusive<u16>,
+    uids: berth_core::UidRange,
+) -> BTreeMap<u32, BTreeSet<u16>> {
+    let mut held: BTreeMap<u32, BTreeSet<u16>> = BTreeMap::new();
+    for line in tables.iter().flat_map(|t| t.lines()) {
+        let fields: Vec<&str> = line.split_whitespace().collect();
+        let (Some(local), Some(uid)) = (fields.get(1), fields.get(7)) else {
+            continue;
+        };
+        let port = local
+            .rsplit_once(':')
+            .and_then(|(_, p)| u16::from_str_radix(p, 16).ok());
+        let (Some(port), Ok(uid)) = (port, uid.parse::<u32>()) else {
+            continue;
+        };
+        if range.contains(&port) && uids.contains(uid) {
+            held.entry(uid).or_default().insert(port);
+        }
+    }
+    held
+}
+
+/// The accounts holding more than `cap` ports, with how many they hold.
+pub(crate) fn over_cap(held: &BTreeMap<u32, BTreeSet<u16>>, cap: usize) -> Vec<(u32, usize)> {
+    held.iter()
+        .filter(|(_, ports)| ports.len() > cap)
+        .map(|(uid, ports)| (*uid, ports.len()))
+        .collect()
+}
+
+/// The accounts of `uids` that hold more than `cap` ports of `range` now.
+pub(crate) fn port_hogs(
+    range: &RangeInclusive<u16>,
+    uids: berth_core::UidRange,
+    cap: usize,
+) -> Vec<(u32, usize)> {
+    let tables: Vec<String> = ["/proc/net/tcp", "/proc/net/tcp6"]
+        .iter()
+        .filter_map(|p| std::fs::read_to_string(p).ok())
+        .collect();
+    over_cap(&held_ports(&tables, range, uids), cap)
 }
 
 /// True when nothing listens on `127.0.0.1:port` (the bind succeeds).
@@ -160,6 +209,34 @@ mod tests {
             choose_port(&single, &set(&[]), None, 65535, |_| true),
             Some(65535)
         );
+    }
+
+    #[test]
+    fn ports_of_the_range_are_counted_per_account_of_the_range() {
+        let tcp = "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode
+   0: 0100007F:4E20 00000000:0000 0A 00000000:00000000 00:00000000 00000000 200001        0 1 1 0000000000000000 100 0 0 10 0
+   1: 0100007F:4E21 00000000:0000 0A 00000000:00000000 00:00000000 00000000 200001        0 2 1 0000000000000000 100 0 0 10 0
+   2: 0100007F:4E21 0100007F:9C40 01 00000000:00000000 00:00000000 00000000 200001        0 3 1 0000000000000000 100 0 0 10 0
+   3: 0100007F:4E22 00000000:0000 0A 00000000:00000000 00:00000000 00000000 200002        0 4 1 0000000000000000 100 0 0 10 0
+   4: 0100007F:1F40 00000000:0000 0A 00000000:00000000 00:00000000 00000000 200001        0 5 1 0000000000000000 100 0 0 10 0
+   5: 0100007F:4E23 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 6 1 0000000000000000 100 0 0 10 0
+".to_owned();
+        let tcp6 = "  sl  local_address                         remote_address                        st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode
+   0: 00000000000000000000000001000000:4E24 00000000000000000000000000000000:0000 0A 00000000:00000000 00:00000000 00000000 200001        0 7 1 0000000000000000 100 0 0 10 0
+".to_owned();
+        let uids = berth_core::UidRange {
+            first: 200_000,
+            count: 100,
+        };
+        let held = held_ports(&[tcp, tcp6], &(20000..=20099), uids);
+        // 20000 and 20001 (twice: listening and connected) and 20004 over
+        // IPv6; 8000 lies outside the range; root is not an account.
+        assert_eq!(held[&200_001], set(&[20000, 20001, 20004]));
+        assert_eq!(held[&200_002], set(&[20002]));
+        assert_eq!(held.len(), 2);
+        assert_eq!(over_cap(&held, 2), vec![(200_001, 3)]);
+        assert!(over_cap(&held, 3).is_empty());
+        assert!(held_ports(&["garbage\n\n".to_owned()], &(0..=65535), uids).is_empty());
     }
 
     #[test]

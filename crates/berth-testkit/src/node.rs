@@ -29,6 +29,48 @@ pub fn config_with(data_dir: &Path, extra: &str) -> String {
     )
 }
 
+/// An instance account range (first uid, count) of its own for `key` (a
+/// store, or a data dir): every berth on a host registers its range, and
+/// one whose range overlaps a live berth's on another store is refused, so
+/// berths a test process runs at once each need their own. The same key
+/// gets the same range again (a restarted node keeps its accounts), and
+/// test processes run one after another get different ones (a host whose
+/// init never reaps keeps an earlier run's zombies, which count against
+/// their account's process limit).
+pub fn accounts_for(key: &str) -> (u32, u32) {
+    static KEYS: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
+    let mut keys = KEYS
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let n = match keys.iter().position(|k| k == key) {
+        Some(n) => n,
+        None => {
+            keys.push(key.to_owned());
+            keys.len() - 1
+        }
+    };
+    let n = u32::try_from(n % 200).unwrap_or(0);
+    let run = std::process::id() % 200;
+    (30_000_000 + run * 200_000 + n * 1000, 1000)
+}
+
+/// `config` with `[isolation] base_uid` and `uid_count` from
+/// [`accounts_for`]`(key)`, unless it sets `base_uid` itself.
+pub fn with_own_accounts(config: &str, key: &str) -> String {
+    if config.contains("base_uid") {
+        return config.to_owned();
+    }
+    let (first, count) = accounts_for(key);
+    let keys = format!("base_uid = {first}\nuid_count = {count}\n");
+    match config.find("[isolation]\n") {
+        Some(i) => {
+            let at = i + "[isolation]\n".len();
+            format!("{}{keys}{}", &config[..at], &config[at..])
+        }
+        None => format!("{config}\n[isolation]\n{keys}"),
+    }
+}
+
 /// Lease timings short enough for tests to see expiry and failover in
 /// seconds (TTL > 2 × renew, fence_after < TTL).
 pub const CLUSTER_LEASE: &str = "ttl_ms = 3000\nrenew_ms = 1000\nfence_after_ms = 2000\n";
@@ -52,10 +94,14 @@ pub fn cluster_config(
     let block = NEXT_BLOCK.fetch_add(1, Ordering::Relaxed) % 200;
     let first = 30_000 + block * 150;
     let last = first + 149;
-    format!(
-        "store = \"{pg_url}\"\nnode_id = \"{node_id}\"\ncluster_secret = \"{secret}\"\n{}\n\
-         [instance]\nport_range = [{first}, {last}]\n\n[lease]\n{CLUSTER_LEASE}{lease_extra}\n",
-        config_with(&dir.join("data"), extra)
+    // The nodes of one cluster share its store, and so its accounts.
+    with_own_accounts(
+        &format!(
+            "store = \"{pg_url}\"\nnode_id = \"{node_id}\"\ncluster_secret = \"{secret}\"\n{}\n\
+             [instance]\nport_range = [{first}, {last}]\n\n[lease]\n{CLUSTER_LEASE}{lease_extra}\n",
+            config_with(&dir.join("data"), extra)
+        ),
+        pg_url,
     )
 }
 
@@ -158,7 +204,13 @@ impl Berth {
     pub fn start_configured(&self, dir: &Path, config: &str, options: &StartOptions) -> Node {
         std::fs::create_dir_all(dir).expect("cannot create the node's directory");
         let path = dir.join("berth.toml");
-        write_private(&path, config, options.run_as);
+        // Keyed by the store when the config names one (nodes sharing it
+        // share accounts), else by the data dir.
+        let key = config
+            .lines()
+            .find(|l| l.trim_start().starts_with("store ="))
+            .map_or_else(|| dir.join("data").display().to_string(), str::to_owned);
+        write_private(&path, &with_own_accounts(config, &key), options.run_as);
         let path = path.to_str().expect("a UTF-8 config path");
         self.start_with_options(
             dir,

@@ -51,11 +51,10 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 config.validate().map(|()| config)
             });
             // A warning is not an error: on stderr, with the answer as usual.
-            if let Ok(config) = &checked
-                && let Some(warning) =
-                    config.port_range_warning(crate::config::ephemeral_port_range())
-            {
-                eprintln!("berth: warning: {warning}");
+            if let Ok(config) = &checked {
+                for warning in startup_warnings(config) {
+                    eprintln!("berth: warning: {warning}");
+                }
             }
             let checked = checked.map(drop);
             if !json {
@@ -102,7 +101,7 @@ fn serve(args: &ServeArgs) -> anyhow::Result<()> {
     config.read_secret_files()?;
     config.validate()?;
     init_tracing(&config.log_format)?;
-    if let Some(warning) = config.port_range_warning(crate::config::ephemeral_port_range()) {
+    for warning in startup_warnings(&config) {
         tracing::warn!("{warning}");
     }
     raise_open_files_limit();
@@ -195,6 +194,19 @@ fn init_tracing(log_format: &str) -> anyhow::Result<()> {
 /// connections and its upstream pool, so the usual soft limit of 1024
 /// open files would cap a node at a few hundred users. Like most servers,
 /// it raises its soft limit to the hard one (which it cannot exceed).
+/// What `config check` and `serve` warn of: settings that work but that
+/// this host makes risky.
+fn startup_warnings(config: &Config) -> Vec<String> {
+    let root = nix::unistd::geteuid().is_root();
+    [
+        config.port_range_warning(crate::config::ephemeral_port_range()),
+        config.open_files_warning(root, crate::config::file_max()),
+    ]
+    .into_iter()
+    .flatten()
+    .collect()
+}
+
 fn raise_open_files_limit() {
     use nix::sys::resource::{Resource, getrlimit, setrlimit};
     match getrlimit(Resource::RLIMIT_NOFILE) {

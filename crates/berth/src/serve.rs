@@ -25,6 +25,7 @@ mod failover;
 mod metrics;
 mod ops;
 mod peer;
+mod uid_ranges;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -52,6 +53,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     // dir, and in a cluster it proves that whoever last claimed this node
     // id from here is dead.
     let data_lock = data_lock::DataDirLock::acquire(&config.data_dir)?;
+    let _uid_range = register_uid_range(&config)?;
     let admin_token =
         auth::load_or_create_admin_token(config.admin_token.as_deref(), &config.data_dir)?;
 
@@ -119,7 +121,12 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         None => None,
     };
 
-    let runtime = runtime(&config, &node_id, store.clone()).await?;
+    // Instances may hold only so many connections to these at once.
+    let mut listening = vec![addr.port()];
+    for listener in metrics_listener.iter().chain(internal_listener.iter()) {
+        listening.push(listener.local_addr()?.port());
+    }
+    let runtime = runtime(&config, &node_id, store.clone(), listening).await?;
     let mut controller_config = config.controller_config(&node_id)?;
     controller_config.advertise_url.clone_from(&public_url);
     controller_config.internal_url = internal_url.clone().unwrap_or_default();
@@ -327,6 +334,7 @@ async fn runtime(
     config: &Config,
     node_id: &str,
     store: Arc<dyn Store>,
+    listening: Vec<u16>,
 ) -> anyhow::Result<Arc<dyn Runtime>> {
     if let Some(k8s) = config.k8s_runtime_config(node_id)? {
         let client = berth_k8s::connect(&k8s.kubernetes)
@@ -349,7 +357,8 @@ async fn runtime(
             .into_owned(),
         "shim".to_owned(),
     ];
-    let local = config.runtime_config(shim_command)?;
+    let mut local = config.runtime_config(shim_command)?;
+    local.listeners.ports = listening;
     if local.isolation == Isolation::None {
         tracing::warn!(
             as_root = nix::unistd::geteuid().is_root(),
@@ -365,6 +374,27 @@ async fn runtime(
         .await
         .context("cannot start the local runtime")?;
     Ok(local)
+}
+
+/// Records this berth's instance uid range host-wide, or refuses to start
+/// when a live berth on another store holds an overlapping one. Only
+/// levels that run programs under accounts take a range.
+fn register_uid_range(config: &Config) -> anyhow::Result<Option<uid_ranges::Registration>> {
+    let root = nix::unistd::geteuid().is_root();
+    let level = config.isolation_level(root)?;
+    // Without root no level with accounts starts (the runtime says so).
+    if !root || config.kubernetes.is_some() || level == Isolation::None {
+        return Ok(None);
+    }
+    let data_dir = std::fs::canonicalize(&config.data_dir)
+        .with_context(|| format!("cannot resolve data dir {}", config.data_dir.display()))?;
+    let registration = uid_ranges::register(
+        std::path::Path::new(uid_ranges::RECORD_DIR),
+        &data_dir,
+        config.uid_range(),
+        &uid_ranges::store_identity(&config.store_url(), config.cluster_secret.as_deref()),
+    )?;
+    Ok(Some(registration))
 }
 
 /// Users' accounts (their host uids) as the store allocates them: once per

@@ -71,6 +71,8 @@ impl Env {
             env: BTreeMap::from([("EXTRA".to_owned(), "from-config".to_owned())]),
             env_allowlist: vec!["PATH".into()],
             readiness,
+            max_ports: berth_local::DEFAULT_MAX_PORTS,
+            log_max_bytes: berth_local::DEFAULT_LOG_MAX_BYTES,
             port_range: ports..=ports + 9,
             patch_ext: "toml".into(),
             watchdog_command: None,
@@ -80,6 +82,7 @@ impl Env {
                 count: 1000,
             },
             limits: Limits::default(),
+            listeners: berth_local::ListenerCap::default(),
             nft: None,
             shim_command: vec![BERTH.into(), "shim".into()],
         };

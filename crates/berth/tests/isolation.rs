@@ -1833,3 +1833,249 @@ async fn a_sandbox_reaches_and_sees_no_other_tenants_sockets() {
     }
     node.kill_instances();
 }
+
+// --- one instance against every other: resources it must not exhaust ------
+
+/// Distinct files (by inode) and their sizes: the entries of `dir`, and
+/// the files `pid` holds open there, deleted ones included.
+fn log_bytes_on_disk(dir: &Path, pid: u32) -> u64 {
+    let mut files = std::collections::BTreeMap::new();
+    for entry in std::fs::read_dir(dir).unwrap().flatten() {
+        if let Ok(meta) = entry.metadata() {
+            files.insert((meta.dev(), meta.ino()), meta.len());
+        }
+    }
+    for fd in std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .unwrap()
+        .flatten()
+    {
+        let Ok(target) = std::fs::read_link(fd.path()) else {
+            continue;
+        };
+        if target.starts_with(dir)
+            && let Ok(meta) = std::fs::metadata(fd.path())
+        {
+            files.insert((meta.dev(), meta.ino()), meta.len());
+        }
+    }
+    files.values().sum()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_program_printing_without_end_leaves_at_most_log_max_bytes_on_disk() {
+    if !privileged("log bound") {
+        return;
+    }
+    const CAP: u64 = 1024 * 1024;
+    let dir = tempfile::tempdir().unwrap();
+    let slot = slot();
+    let config = breach_config(dir.path(), &slot, "user", "", "").replace(
+        "[instance]\n",
+        &format!("[instance]\nlog_max_bytes = {CAP}\n"),
+    );
+    let node = start(dir.path(), &config);
+    launch(&node, "alice").await;
+    let logs = node.data_dir.join("users/alice/logs");
+    let state: Value =
+        serde_json::from_slice(&std::fs::read(node.data_dir.join("run/alice/main.json")).unwrap())
+            .unwrap();
+    let shim = u32::try_from(state["shim_pid"].as_u64().unwrap()).unwrap();
+    // The program's user deletes the log the shim (root) writes: before
+    // the bound, it kept growing where nobody saw it.
+    let log = logs.join("main.log");
+    let unlinked = probe(&node, "alice", "unlink", &[("path", path_str(&log))]).await;
+    assert_eq!(unlinked["ok"], true, "{unlinked}");
+    assert_eq!(probe(&node, "alice", "spew", &[("mb", "24")]).await, true);
+    // `berth logs` shows the newest lines: the last one printed.
+    let last = eventually(PATIENCE, "alice's last line in `logs`", || async {
+        let (status, body) = node.get("/users/alice/instance/logs?tail=3").await;
+        assert_eq!(status, 200, "{body}");
+        let lines = body["lines"].as_array().cloned().unwrap_or_default();
+        (lines.last().and_then(Value::as_str) == Some("spew done")).then_some(lines)
+    })
+    .await;
+    assert!(
+        last[..2]
+            .iter()
+            .all(|l| l.as_str().unwrap().starts_with("spew 00")),
+        "{last:?}"
+    );
+    let on_disk = log_bytes_on_disk(&logs, shim);
+    assert!(
+        on_disk <= CAP,
+        "{on_disk} bytes of alice's log on disk, bound {CAP}"
+    );
+    assert!(on_disk > CAP / 4, "the log is kept, not dropped: {on_disk}");
+    node.kill_instances();
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_instance_cannot_fill_berths_connections_from_many_loopback_addresses() {
+    if !privileged("connections per account") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let slot = slot();
+    // Idle connections are not closed during the test.
+    let proxy =
+        "[proxy]\nmax_connections = 40\nmax_connections_per_ip = 10\nheader_timeout_ms = 120000\n";
+    let node = start(
+        dir.path(),
+        &breach_config(dir.path(), &slot, "user", "", proxy),
+    );
+    launch(&node, "alice").await;
+    launch(&node, "bob").await;
+    let berth_port = node
+        .url
+        .rsplit(':')
+        .next()
+        .unwrap()
+        .trim_end_matches('/')
+        .to_owned();
+    // 8 source addresses × 10: within the cap of each address, twice
+    // berth's whole capacity.
+    let flood = probe(
+        &node,
+        "alice",
+        "connectmany",
+        &[("port", &berth_port), ("sources", "8"), ("each", "10")],
+    )
+    .await;
+    assert_eq!(flood["ok"], true, "{flood}");
+    let opened = flood["value"]["opened"].as_u64().unwrap();
+    assert!(
+        opened <= 10,
+        "alice holds {opened} connections to berth: {flood}"
+    );
+    // bob's app and the API still answer.
+    assert_eq!(probe(&node, "bob", "ping", &[]).await["ok"], true);
+    let (status, _) = node.get("/users/bob/instance").await;
+    assert_eq!(status, 200);
+    node.kill_instances();
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_berth_whose_uid_range_overlaps_a_live_berths_is_refused_naming_it() {
+    if !privileged("uid ranges") {
+        return;
+    }
+    let slot = slot();
+    // Ranges of 100 within the slot's 1000 uids.
+    let config = |dir: &Path, first: u32| {
+        format!(
+            "listen = \"127.0.0.1:0\"\ndata_dir = \"{}\"\n[instance]\nport_range = [{}, {}]\n\
+             [isolation]\nmode = \"user\"\nbase_uid = {first}\nuid_count = 100\n",
+            dir.join("data").display(),
+            slot.ports,
+            slot.ports + 39,
+        )
+    };
+    let first = tempfile::tempdir().unwrap();
+    let live = start(first.path(), &config(first.path(), slot.base_uid));
+    // Half of its range, on a store of its own: refused, naming the
+    // other berth's data dir and range.
+    let second = tempfile::tempdir().unwrap();
+    support::reachable_by_instances(second.path());
+    let stderr = refused_at_start(second.path(), &config(second.path(), slot.base_uid + 50));
+    let live_data = live.data_dir.canonicalize().unwrap();
+    for needle in [
+        format!(
+            "the instance uid range {}-{}",
+            slot.base_uid + 50,
+            slot.base_uid + 149
+        ),
+        format!(
+            "overlaps the range {}-{}",
+            slot.base_uid,
+            slot.base_uid + 99
+        ),
+        format!("data dir {}", live_data.display()),
+    ] {
+        assert!(stderr.contains(&needle), "{needle} missing from {stderr}");
+    }
+    // Nothing of it was made: no table, no instance.
+    assert!(!second.path().join("data/run").exists(), "{stderr}");
+    // The next range along starts beside it.
+    let beside = start(second.path(), &config(second.path(), slot.base_uid + 100));
+    assert_healthy(&beside).await;
+    drop(beside);
+    // A killed berth's range is free at once.
+    drop(live);
+    let third = tempfile::tempdir().unwrap();
+    let after = start(third.path(), &config(third.path(), slot.base_uid + 50));
+    assert_healthy(&after).await;
+}
+
+/// berth's stderr when it refuses to start on `config`, written in `dir`;
+/// a berth that starts instead fails the test (and is killed).
+fn refused_at_start(dir: &Path, config: &str) -> String {
+    std::fs::write(dir.join("berth.toml"), config).unwrap();
+    let mut child = Command::new(support::BERTH)
+        .args(["serve", "--config"])
+        .arg(dir.join("berth.toml"))
+        .current_dir(dir)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // A refusal comes before anything is set up, in well under a second.
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if std::time::Instant::now() > deadline {
+            child.kill().unwrap();
+            child.wait().unwrap();
+            panic!("berth started where it must refuse");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut stderr).unwrap();
+    assert_eq!(
+        status.code(),
+        Some(1),
+        "berth must refuse to start: {stderr}"
+    );
+    stderr
+}
+
+async fn assert_healthy(node: &Node) {
+    let health = reqwest::get(format!("{}/healthz", node.url)).await.unwrap();
+    assert_eq!(health.text().await.unwrap(), "ok");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_instance_holding_the_port_range_cannot_keep_others_from_starting() {
+    if !privileged("ports per instance") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let slot = slot();
+    let node = start(
+        dir.path(),
+        &breach_config(dir.path(), &slot, "user", "max_ports = 4\n", ""),
+    );
+    launch(&node, "alice").await;
+    // alice's program listens on every free port of the range.
+    let (first, last) = (slot.ports.to_string(), (slot.ports + 39).to_string());
+    let held = probe(
+        &node,
+        "alice",
+        "bindmany",
+        &[("first", &first), ("last", &last)],
+    )
+    .await;
+    assert_eq!(held["ok"], true, "{held}");
+    assert!(held["value"].as_u64().unwrap() >= 30, "{held}");
+    // bob starts all the same, and answers.
+    let (status, body) = node.post("/users/bob/instance", json!({})).await;
+    assert_eq!(status, 201, "{body}");
+    eventually(PATIENCE, "bob running", || async {
+        (node.status_of("bob").await == "running").then_some(())
+    })
+    .await;
+    assert_eq!(probe(&node, "bob", "ping", &[]).await["ok"], true);
+    node.kill_instances();
+}

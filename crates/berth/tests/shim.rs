@@ -27,6 +27,7 @@ fn spec(dir: &Path, argv: &[&str]) -> ShimSpec {
         env: vec![("PATH".to_owned(), std::env::var("PATH").unwrap())],
         cwd: dir.to_path_buf(),
         log_path: dir.join("logs/main.log"),
+        log_max_bytes: berth_local::DEFAULT_LOG_MAX_BYTES,
         state_path: dir.join("run/main.state.json"),
         socket_path: dir.join("run/main.sock"),
         ready_regex: None,
@@ -971,6 +972,7 @@ fn isolated(dir: &Path, argv: &[&str], uid: u32) -> ShimSpec {
                 memory_max_mb: 64,
                 pids_max: 32,
                 cpu_max_percent: 0,
+                ..Limits::default()
             },
             // No cgroup: the account is the handle on its processes.
             cgroup: None,

@@ -294,6 +294,8 @@ async fn controller(data: &Path, ports: u16, store: Arc<dyn Store>) -> Arc<Contr
             regex::Regex::new(r"berth-demo: http://127\.0\.0\.1:\d+/\?token=([A-Za-z0-9_-]+)")
                 .unwrap(),
         ),
+        max_ports: berth_local::DEFAULT_MAX_PORTS,
+        log_max_bytes: berth_local::DEFAULT_LOG_MAX_BYTES,
         port_range: ports..=ports + 9,
         patch_ext: "toml".into(),
         watchdog_command: None,
@@ -303,6 +305,7 @@ async fn controller(data: &Path, ports: u16, store: Arc<dyn Store>) -> Arc<Contr
             count: 100_000,
         },
         limits: Limits::default(),
+        listeners: berth_local::ListenerCap::default(),
         nft: None,
         shim_command: vec![BERTH.into(), "shim".into()],
     };

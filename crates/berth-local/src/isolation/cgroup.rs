@@ -1171,6 +1171,7 @@ mod tests {
             memory_max_mb: 64,
             pids_max: 32,
             cpu_max_percent: 150,
+            ..Limits::default()
         };
         let v1 = v1_limit_files(&limits);
         assert_eq!(
@@ -1262,6 +1263,7 @@ mod tests {
             memory_max_mb: 16,
             pids_max: 8,
             cpu_max_percent: 50,
+            ..Limits::default()
         };
         cgroup.create(&limits).unwrap();
         assert_eq!(read(leaf.join("memory.max")), "16777216");

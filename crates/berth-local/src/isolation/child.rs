@@ -40,9 +40,9 @@ use std::path::{Path, PathBuf};
 
 use nix::libc;
 
+use super::IsolationSpec;
 use super::cgroup::InstanceCgroup;
 use super::etc::{self, Entry};
-use super::{IsolationSpec, NOFILE};
 
 const MOUNT_ATTR_RDONLY: u64 = 0x0000_0001;
 const MOUNT_ATTR_NOSUID: u64 = 0x0000_0002;
@@ -329,7 +329,7 @@ impl ChildPlan {
                 ),
                 (
                     libc::RLIMIT_NOFILE,
-                    within_hard_limit(libc::RLIMIT_NOFILE, NOFILE),
+                    within_hard_limit(libc::RLIMIT_NOFILE, isolation.limits.open_files_max),
                 ),
                 (libc::RLIMIT_CORE, 0),
             ],

@@ -276,6 +276,13 @@ impl Dir {
         Ok(file)
     }
 
+    /// Renames the entry `from` to `to`, both in this directory (a link
+    /// is moved as a link, never followed).
+    pub fn rename(&self, from: &str, to: &str) -> io::Result<()> {
+        nix::fcntl::renameat(Some(self.raw()), from, Some(self.raw()), to)
+            .map_err(|e| context(&self.path.join(from), "rename", e))
+    }
+
     /// Opens `name` for appending (created 0600), never through a link: a
     /// link in its place is removed and a new file made.
     pub fn open_append(&self, name: &str) -> io::Result<File> {

@@ -11,6 +11,12 @@
 //!   set `own_ports`, which holds each running instance's own port. berth
 //!   adds a pair before it starts a program and deletes it when the
 //!   instance ends.
+//! * **listener cap**: an instance uid may hold at most `per_account`
+//!   open connections to berth's own listeners at once (`ct count` per
+//!   `meta skuid` in the dynamic set `berth_conns`). berth's proxy caps
+//!   connections per client address, but an instance can use every
+//!   address of 127.0.0.0/8 as its source; counted by uid, one instance
+//!   cannot fill berth's `max_connections` from many addresses.
 //! * **egress guard**: instance uids may not reach 169.254.169.254 and
 //!   fd00:ec2::254 (cloud metadata), 100.100.100.200 (Alibaba's metadata),
 //!   nor any address of this host but loopback (`fib daddr type local`,
@@ -65,14 +71,44 @@ pub fn table_name(data_dir: &Path) -> String {
     format!("berth_{}", hex::encode(&digest[..4]))
 }
 
+/// berth's own listening ports, and how many connections one instance
+/// account may hold open to them at once (none: no cap).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ListenerCap {
+    pub ports: Vec<u16>,
+    pub per_account: u32,
+}
+
 /// The whole table as an `nft -f` script that replaces any table of that
 /// name in one transaction. `own_ports` starts empty.
-pub fn ruleset(table: &str, uids: UidRange, ports: &RangeInclusive<u16>) -> String {
+pub fn ruleset(
+    table: &str,
+    uids: UidRange,
+    ports: &RangeInclusive<u16>,
+    listeners: &ListenerCap,
+) -> String {
     let last = uids.last().unwrap_or(uids.first);
     let who = format!("meta skuid {}-{}", uids.first, last);
     let range = format!("{}-{}", ports.start(), ports.end());
     let v4 = METADATA_V4.join(", ");
     let v6 = METADATA_V6.join(", ");
+    let (conns_set, conns_rule) = match listeners.ports.as_slice() {
+        [] => (String::new(), String::new()),
+        _ if listeners.per_account == 0 => (String::new(), String::new()),
+        listening => {
+            let list: Vec<String> = listening.iter().map(u16::to_string).collect();
+            (
+                "\tset berth_conns {\n\t\ttype uid\n\t\tsize 65535\n\t\tflags dynamic\n\t}\n"
+                    .to_owned(),
+                format!(
+                    "\t\t{who} tcp dport {{ {} }} fib daddr type local ct state new \
+                     add @berth_conns {{ meta skuid ct count over {} }} reject with tcp reset\n",
+                    list.join(", "),
+                    listeners.per_account
+                ),
+            )
+        }
+    };
     format!(
         "table inet {table} {{}}\n\
          delete table inet {table}\n\
@@ -80,8 +116,10 @@ pub fn ruleset(table: &str, uids: UidRange, ports: &RangeInclusive<u16>) -> Stri
          \tset own_ports {{\n\
          \t\ttype uid . inet_service\n\
          \t}}\n\
+         {conns_set}\
          \tchain output {{\n\
          \t\ttype filter hook output priority filter; policy accept;\n\
+         {conns_rule}\
          \t\t{who} tcp dport {range} meta skuid . tcp dport @own_ports accept\n\
          \t\t{who} tcp dport {range} reject with tcp reset\n\
          \t\t{who} ip daddr {{ {v4} }} reject\n\
@@ -155,17 +193,25 @@ pub(crate) struct Guard {
     table: String,
     uids: UidRange,
     ports: RangeInclusive<u16>,
+    listeners: ListenerCap,
     /// port → uid of every pair in `own_ports`.
     granted: Mutex<HashMap<u16, u32>>,
 }
 
 impl Guard {
-    pub fn new(nft: PathBuf, table: String, uids: UidRange, ports: RangeInclusive<u16>) -> Guard {
+    pub fn new(
+        nft: PathBuf,
+        table: String,
+        uids: UidRange,
+        ports: RangeInclusive<u16>,
+        listeners: ListenerCap,
+    ) -> Guard {
         Guard {
             nft,
             table,
             uids,
             ports,
+            listeners,
             granted: Mutex::new(HashMap::new()),
         }
     }
@@ -178,7 +224,7 @@ impl Guard {
     /// transaction: the rules never lapse, and a previous berth's pairs are
     /// gone.
     pub async fn install(&self) -> Result<(), GuardError> {
-        let script = ruleset(&self.table, self.uids, &self.ports);
+        let script = ruleset(&self.table, self.uids, &self.ports, &self.listeners);
         run_nft(&self.nft, &self.table, "creation", &script).await?;
         self.granted
             .lock()
@@ -245,7 +291,11 @@ mod tests {
             first: 200_000,
             count: 1000,
         };
-        let script = ruleset("berth_0a1b2c3d", uids, &(20000..=20099));
+        let listeners = ListenerCap {
+            ports: vec![8000, 9464],
+            per_account: 50,
+        };
+        let script = ruleset("berth_0a1b2c3d", uids, &(20000..=20099), &listeners);
         assert!(
             script.starts_with("table inet berth_0a1b2c3d {}\ndelete table inet berth_0a1b2c3d\n")
         );
@@ -254,8 +304,22 @@ mod tests {
             "meta skuid 200000-200999 tcp dport 20000-20099 reject with tcp reset",
             "meta skuid 200000-200999 ip daddr { 169.254.169.254, 100.100.100.200 } reject",
             "meta skuid 200000-200999 fib daddr type local ip daddr != 127.0.0.0/8 reject",
+            "meta skuid 200000-200999 tcp dport { 8000, 9464 } fib daddr type local ct state new \
+             add @berth_conns { meta skuid ct count over 50 } reject with tcp reset",
+            "set berth_conns {\n\t\ttype uid\n\t\tsize 65535\n\t\tflags dynamic\n\t}",
         ] {
             assert!(script.contains(rule), "{rule} missing from\n{script}");
+        }
+        // No listener, or no cap: no set and no rule.
+        for none in [
+            ListenerCap::default(),
+            ListenerCap {
+                ports: vec![8000],
+                per_account: 0,
+            },
+        ] {
+            let script = ruleset("berth_x", uids, &(20000..=20099), &none);
+            assert!(!script.contains("berth_conns"), "{script}");
         }
         assert_eq!(
             element("berth_x", "add", 200_001, 20005),

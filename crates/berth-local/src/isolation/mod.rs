@@ -37,6 +37,7 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 pub use berth_core::UidRange;
+pub use guard::ListenerCap;
 pub use guard::table_name as nft_table_name;
 
 /// Isolation level (design §6).
@@ -100,6 +101,32 @@ pub struct Limits {
     pub pids_max: u64,
     /// CPU time as a percentage of one CPU (200 = two CPUs); 0 = no limit.
     pub cpu_max_percent: u32,
+    /// Open files of each process (`RLIMIT_NOFILE`, soft and hard). No
+    /// cgroup bounds descriptors, so capacity × this can pass the host's
+    /// `fs.file-max`: see [`open_files_warning`].
+    #[serde(default = "default_open_files_max")]
+    pub open_files_max: u64,
+}
+
+fn default_open_files_max() -> u64 {
+    65_536
+}
+
+/// The warning due when `capacity` instances of `open_files_max` files
+/// each could hold more than the host's `fs.file-max`: the kernel then
+/// refuses files to every unprivileged process of the host (every other
+/// user's instance among them), though not to berth, which runs as root.
+pub fn open_files_warning(open_files_max: u64, capacity: u64, file_max: u64) -> Option<String> {
+    let total = open_files_max.saturating_mul(capacity);
+    (total > file_max).then(|| {
+        format!(
+            "instances may open {open_files_max} files each ([isolation] open_files_max) and \
+             {capacity} may run ([cluster] capacity, or the size of port_range): {total} in all, \
+             more than this host's fs.file-max ({file_max}); a few users' programs could take \
+             every open file of the host from the others. Lower open_files_max or capacity, or \
+             raise fs.file-max (sysctl)"
+        )
+    })
 }
 
 impl Default for Limits {
@@ -108,12 +135,10 @@ impl Default for Limits {
             memory_max_mb: 1024,
             pids_max: 256,
             cpu_max_percent: 100,
+            open_files_max: default_open_files_max(),
         }
     }
 }
-
-/// The open-files limit of an isolated program (soft and hard).
-pub(crate) const NOFILE: u64 = 65_536;
 
 /// The account a user's instances run under.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -174,6 +199,7 @@ impl Isolator {
         data_dir: &Path,
         uids: UidRange,
         ports: &std::ops::RangeInclusive<u16>,
+        listeners: &guard::ListenerCap,
         nft: Option<&Path>,
     ) -> Result<Option<Isolator>, HostError> {
         let looked = match nft {
@@ -252,7 +278,7 @@ impl Isolator {
             }
         };
         let nft = nft.ok_or(HostError::NoNft { level, looked })?;
-        let guard = guard::Guard::new(nft, table, uids, ports.clone());
+        let guard = guard::Guard::new(nft, table, uids, ports.clone(), listeners.clone());
         guard.install().await?;
         Ok(Some(Isolator {
             level,

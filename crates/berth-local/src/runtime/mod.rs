@@ -43,7 +43,7 @@ use crate::isolation::{Account, Isolator, Limits, UidRange};
 use crate::paths::{UserPaths, check_socket_room, create_private_dir};
 use crate::ports::{PortPool, bind_free};
 use crate::shim::{ShimCommand, ShimError, ShimHandle, ShimLauncher};
-use crate::{Isolation, LocalError, Readiness};
+use crate::{Isolation, LocalError, MIN_LOG_MAX_BYTES, Readiness};
 
 pub use self::accounts::Accounts;
 use self::accounts::Isolated;
@@ -69,6 +69,12 @@ pub struct LocalRuntimeConfig {
     pub readiness: Readiness,
     /// Ports handed to instances; each checked free before use.
     pub port_range: RangeInclusive<u16>,
+    /// The most ports of `port_range` one instance's account may hold (its
+    /// own included) once no port is free (levels `user` and `sandbox`).
+    pub max_ports: usize,
+    /// The most bytes of each instance's log kept on disk (the log and
+    /// the file it was last rotated to).
+    pub log_max_bytes: u64,
     /// Extension of the materialised patch file `patches/main.<ext>`.
     pub patch_ext: String,
     /// The watchdog program (design §4.4), same placeholders.
@@ -79,6 +85,9 @@ pub struct LocalRuntimeConfig {
     pub uids: UidRange,
     /// Per-instance limits: through the instance's cgroup, and rlimits.
     pub limits: Limits,
+    /// berth's own listeners, and how many connections one instance's
+    /// account may hold open to them (levels `user` and `sandbox`).
+    pub listeners: crate::ListenerCap,
     /// The `nft` program of the guards; `None`: looked up in `PATH`,
     /// `/usr/sbin` and `/sbin`.
     pub nft: Option<PathBuf>,
@@ -99,6 +108,13 @@ impl LocalRuntimeConfig {
         if self.watchdog_command.as_ref().is_some_and(Vec::is_empty) {
             return fail("the watchdog command is empty".into());
         }
+        if self.log_max_bytes < MIN_LOG_MAX_BYTES {
+            return fail(format!(
+                "log_max_bytes {} is under {MIN_LOG_MAX_BYTES}: each of the two files must hold \
+                 the longest piece the shim writes at once",
+                self.log_max_bytes
+            ));
+        }
         if self.port_range.is_empty() {
             return fail(format!(
                 "port_range {}-{} is empty",
@@ -109,6 +125,10 @@ impl LocalRuntimeConfig {
         Ok(())
     }
 }
+
+/// How long a start waits for the ports of the instances it killed for
+/// holding too many to be free.
+const PORT_HOG_GRACE: Duration = Duration::from_secs(5);
 
 /// What [`LocalRuntime::reserve_port`] gave a start.
 struct Reserved {
@@ -186,6 +206,7 @@ impl LocalRuntime {
             &config.data_dir,
             config.uids,
             &config.port_range,
+            &config.listeners,
             config.nft.as_deref(),
         )
         .await?;
@@ -301,6 +322,66 @@ impl LocalRuntime {
             new: own.is_none(),
             given_up,
         })
+    }
+
+    /// Kills every instance whose account holds more than `max_ports`
+    /// ports of the instance range (levels `user` and `sandbox`), and
+    /// waits (a bounded time) for their ports to be free. Whether it found
+    /// any. Asked when no port is free: an instance may listen on ports of
+    /// the range besides its own, but not take so many that no one else
+    /// can start. No kernel hook refuses a bind by count, so the cap is
+    /// enforced where it matters, at the next start that needs a port.
+    async fn stop_port_hogs(&self) -> bool {
+        if self.isolated.is_none() {
+            return false;
+        }
+        let (range, uids, cap) = (
+            self.config.port_range.clone(),
+            self.config.uids,
+            self.config.max_ports,
+        );
+        let hogs = move || crate::ports::port_hogs(&range, uids, cap);
+        let found = tokio::task::spawn_blocking(hogs.clone())
+            .await
+            .unwrap_or_default();
+        if found.is_empty() {
+            return false;
+        }
+        for &(uid, held) in &found {
+            let runs = self.runs.of_uid(uid);
+            tracing::warn!(
+                uid,
+                held,
+                max_ports = cap,
+                runs = runs.len(),
+                "an instance holds more ports of the instance range than max_ports; killing it"
+            );
+            for run in &runs {
+                if let Err(e) = self.ending(run, ShimCommand::Kill).await {
+                    tracing::warn!(%run, error = %e, "could not kill an instance holding ports");
+                }
+            }
+            if runs.is_empty() {
+                // Processes of an account no run of this berth follows.
+                let _ = tokio::task::spawn_blocking(move || crate::isolation::sweep::kill_all(uid))
+                    .await;
+            }
+        }
+        // Their sockets close as their processes die.
+        let deadline = tokio::time::Instant::now() + PORT_HOG_GRACE;
+        loop {
+            let left = tokio::task::spawn_blocking(hogs.clone())
+                .await
+                .unwrap_or_default();
+            if !left
+                .iter()
+                .any(|(uid, _)| found.iter().any(|(u, _)| u == uid))
+                || tokio::time::Instant::now() > deadline
+            {
+                return true;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
     }
 
     /// Gives `instance_id`'s port up, and its guard grant.
@@ -427,6 +508,7 @@ impl LocalRuntime {
             pid: state.pid,
             pid_start: state.pid_start,
             shim_pid: state.shim_pid,
+            uid: account.map(|a| a.uid),
         };
         // Isolated, the program runs as its account: only a socket of that
         // account's is the instance (or, in a sandbox, any socket of its own
@@ -567,7 +649,17 @@ impl Runtime for LocalRuntime {
         }
         let account = self.account(&spec.slug).await?;
         let reserved = match spec.role {
-            Role::Main => Some(self.reserve_port(&spec)?),
+            Role::Main => Some(match self.reserve_port(&spec) {
+                // Every port taken: by instances holding more than their
+                // share, perhaps, which are stopped to free them.
+                Err(RuntimeError::CapacityExhausted(why)) => {
+                    if !self.stop_port_hogs().await {
+                        return Err(RuntimeError::CapacityExhausted(why));
+                    }
+                    self.reserve_port(&spec)?
+                }
+                other => other?,
+            }),
             Role::Watchdog => None,
         };
         if let Some(reserved) = &reserved {
@@ -685,10 +777,16 @@ impl Runtime for LocalRuntime {
         let port = state.port.filter(|_| state.role == Role::Main);
         // The guard's table was made afresh at start: the adopted instance
         // gets its own port back.
-        if let (Some(isolated), Some(port), Some(user)) = (&self.isolated, port, &found.user) {
-            let granted = match isolated.account(&user.slug()).await {
-                Ok(account) => isolated.grant(&account, port).await,
-                Err(e) => Err(e),
+        let account = match (&self.isolated, &found.user) {
+            (Some(isolated), Some(user)) => Some(isolated.account(&user.slug()).await),
+            _ => None,
+        };
+        if let (Some(isolated), Some(port), Some(account), Some(user)) =
+            (&self.isolated, port, &account, &found.user)
+        {
+            let granted = match account {
+                Ok(account) => isolated.grant(account, port).await,
+                Err(e) => Err(e.clone()),
             };
             if let Err(e) = granted {
                 tracing::warn!(%user, error = %e, "could not give an adopted instance its port back");
@@ -701,6 +799,7 @@ impl Runtime for LocalRuntime {
             pid: state.pid,
             pid_start: state.pid_start,
             shim_pid: state.shim_pid,
+            uid: account.and_then(Result::ok).map(|a| a.uid),
         };
         let follow = Follow {
             handle,
@@ -749,10 +848,21 @@ impl Runtime for LocalRuntime {
         // Read as root from the user's own root: never through a link the
         // user put there (it could point at any file of the host's).
         let paths = self.paths(slug);
-        let read = tokio::task::spawn_blocking(move || match paths.open_log(role) {
-            Ok(mut file) => crate::logs::tail_lines(&mut file, tail),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Vec::new()),
-            Err(e) => Err(e),
+        let read = tokio::task::spawn_blocking(move || -> std::io::Result<Vec<String>> {
+            let tail_of = |open: std::io::Result<std::fs::File>, n| match open {
+                Ok(mut file) => crate::logs::tail_lines(&mut file, n),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Vec::new()),
+                Err(e) => Err(e),
+            };
+            let mut lines = tail_of(paths.open_log(role), tail)?;
+            // Just after a rotation the log is short: the lines before are
+            // in the rotated file, and come first.
+            if lines.len() < tail {
+                let mut earlier = tail_of(paths.open_rotated_log(role), tail - lines.len())?;
+                earlier.append(&mut lines);
+                lines = earlier;
+            }
+            Ok(lines)
         })
         .await
         .map_err(|e| RuntimeError::Failed(format!("the log reader failed: {e}")))?;

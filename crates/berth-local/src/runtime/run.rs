@@ -32,6 +32,8 @@ pub(super) struct Run {
     pub pid: u32,
     pub pid_start: u64,
     pub shim_pid: u32,
+    /// The account it runs under (levels `user` and `sandbox`).
+    pub uid: Option<u32>,
 }
 
 impl Run {
@@ -53,6 +55,14 @@ impl Runs {
     }
     pub fn get(&self, r: &RuntimeRef) -> Option<Run> {
         self.lock().get(r).cloned()
+    }
+    /// The runs under the account `uid` (a user's main and watchdog).
+    pub fn of_uid(&self, uid: u32) -> Vec<RuntimeRef> {
+        self.lock()
+            .iter()
+            .filter(|(_, run)| run.uid == Some(uid))
+            .map(|(r, _)| r.clone())
+            .collect()
     }
     fn remove(&self, r: &RuntimeRef) {
         self.lock().remove(r);

@@ -199,6 +199,7 @@ pub(super) fn shim_spec(
         env,
         cwd,
         log_path: paths.log(spec.role),
+        log_max_bytes: config.log_max_bytes,
         state_path: paths.state_file(spec.role),
         socket_path: paths.socket(spec.role),
         ready_regex,

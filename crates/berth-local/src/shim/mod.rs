@@ -49,6 +49,7 @@ macro_rules! diag {
 
 mod client;
 mod launcher;
+mod log_file;
 mod output;
 mod pidfd;
 pub(crate) mod procfs;

@@ -1,11 +1,12 @@
 //! The program's output: copied to the log file piece by piece, scanned for
 //! the ready line, and the end of stderr kept for `last_error`.
 
-use std::path::Path;
 use std::sync::{Arc, Mutex};
 
 use regex::bytes::Regex;
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncReadExt};
+
+use super::log_file::LogFile;
 use tokio::sync::{mpsc, oneshot};
 
 /// A line longer than this is passed on in pieces of this size, so one
@@ -131,8 +132,7 @@ fn last_chars(s: &str, n: usize) -> &str {
 /// once every pump has finished.
 pub(crate) async fn log_writer(
     mut pieces: mpsc::Receiver<Piece>,
-    mut log: tokio::fs::File,
-    log_path: &Path,
+    mut log: LogFile,
     ready_regex: Option<Regex>,
     ready: oneshot::Sender<Option<String>>,
     tail: Arc<Mutex<StderrTail>>,
@@ -140,15 +140,10 @@ pub(crate) async fn log_writer(
     let mut ready = ready_regex.map(|re| (re, ready));
     let mut log_ok = true;
     while let Some(piece) = pieces.recv().await {
-        if log_ok {
-            // Through tokio's blocking pool, not on the shim's one thread:
-            // a log on a hung disk must not stall the fence timer or the
-            // control socket.
-            if let Err(e) = log.write_all(&piece.bytes).await {
-                // Losing the log must not take the instance down with it.
-                diag!("writing {}: {e}; log disabled", log_path.display());
-                log_ok = false;
-            }
+        if log_ok && let Err(e) = log.write(&piece.bytes).await {
+            // Losing the log must not take the instance down with it.
+            diag!("writing {}: {e}; log disabled", log.path().display());
+            log_ok = false;
         }
         if piece.stream == Stream::Stderr
             && let Ok(mut tail) = tail.lock()
@@ -175,7 +170,7 @@ pub(crate) async fn log_writer(
         }
     }
     if log_ok && let Err(e) = log.flush().await {
-        diag!("flushing {}: {e}", log_path.display());
+        diag!("flushing {}: {e}", log.path().display());
     }
 }
 

@@ -5,6 +5,10 @@ use std::path::PathBuf;
 use berth_core::{Epoch, Role};
 use serde::{Deserialize, Serialize};
 
+fn default_log_max_bytes() -> u64 {
+    crate::DEFAULT_LOG_MAX_BYTES
+}
+
 use crate::isolation::IsolationSpec;
 
 /// Everything a shim needs to run one instance.
@@ -24,6 +28,10 @@ pub struct ShimSpec {
     pub cwd: PathBuf,
     /// stdout and stderr of the program, appended.
     pub log_path: PathBuf,
+    /// The most bytes of the log kept on disk: the file and the one it
+    /// was rotated from (see `shim::log_file`).
+    #[serde(default = "default_log_max_bytes")]
+    pub log_max_bytes: u64,
     /// Where the shim keeps its [`ShimState`].
     pub state_path: PathBuf,
     /// The control socket.

@@ -21,13 +21,13 @@ use tokio::sync::{broadcast, mpsc, oneshot};
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 
+use super::log_file::LogFile;
 use super::output::{self, StderrTail, Stream};
 use super::protocol::{ExitInfo, ShimCommand, ShimEvent, ShimSpec, ShimState, SpawnReport};
 use super::{procfs, state_file};
 use crate::isolation::access::may_execute;
 use crate::isolation::cgroup::{FreezeMechanism, InstanceCgroup};
 use crate::isolation::child::{self, ChildPlan, ShimEnds};
-use crate::isolation::fsafe;
 use crate::isolation::sweep;
 
 /// `sun_path` is 108 bytes on Linux, including the terminating NUL.
@@ -206,7 +206,7 @@ struct Started {
     child: Child,
     state: ShimState,
     listener: UnixListener,
-    log: tokio::fs::File,
+    log: LogFile,
     ready_regex: Option<Regex>,
     /// The program's cgroup (levels `user` and `sandbox`), removed once it
     /// has ended.
@@ -257,7 +257,12 @@ fn start(spec: &ShimSpec, compiled: Option<Regex>) -> Result<Started, String> {
             ));
         }
     }
-    let log = open_log(&spec.log_path, spec.user_root.as_deref()).map_err(|e| {
+    let log = LogFile::open(
+        &spec.log_path,
+        spec.user_root.as_deref(),
+        spec.log_max_bytes,
+    )
+    .map_err(|e| {
         format!(
             "cannot open log {:?} for program {name:?}: {}",
             spec.log_path,
@@ -505,37 +510,6 @@ fn describe(e: &io::Error) -> String {
         Some(code) => nix::errno::Errno::from_raw(code).desc().to_owned(),
         None => e.to_string(),
     }
-}
-
-/// Opens the program's log for appending. Below `user_root` (which the
-/// user's programs can change) nothing is followed through a link: the
-/// shim runs as root.
-fn open_log(path: &Path, user_root: Option<&Path>) -> io::Result<tokio::fs::File> {
-    let file = match user_root.and_then(|root| Some((root, path.strip_prefix(root).ok()?))) {
-        Some((root, relative)) => {
-            let root = fsafe::Dir::open(root)?;
-            let dir = match relative.parent().and_then(Path::to_str) {
-                Some(parent) => root.walk(parent, None, fsafe::OnLink::Replace)?,
-                None => root,
-            };
-            let name = relative
-                .file_name()
-                .and_then(|n| n.to_str())
-                .ok_or_else(|| io::Error::other("the log path has no file name"))?;
-            dir.open_append(name)?
-        }
-        None => {
-            if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-                state_file::create_private_dir(dir)?;
-            }
-            fs::OpenOptions::new()
-                .append(true)
-                .create(true)
-                .mode(0o600)
-                .open(path)?
-        }
-    };
-    Ok(tokio::fs::File::from_std(file))
 }
 
 fn bind(path: &Path) -> Result<UnixListener, String> {
@@ -949,8 +923,7 @@ async fn supervise(spec: ShimSpec, started: Started) -> i32 {
     let (ready_tx, mut ready_rx) = oneshot::channel();
     let mut logger = tokio::spawn({
         let tail = Arc::clone(&tail);
-        let log_path = spec.log_path.clone();
-        async move { output::log_writer(piece_rx, log, &log_path, ready_regex, ready_tx, tail).await }
+        async move { output::log_writer(piece_rx, log, ready_regex, ready_tx, tail).await }
     });
 
     let (events, _) = broadcast::channel(EVENT_BACKLOG);

@@ -78,6 +78,9 @@ pub struct InstanceConfig {
     /// WebSocket upgrades. Off, the proxy answers them 403: for programs
     /// whose apps do not call each other.
     pub allow_cross_origin_requests: bool,
+    /// The most bytes of an instance's log kept on disk: the log is
+    /// rotated at half of this, and one rotated file is kept.
+    pub log_max_bytes: u64,
 }
 
 /// `pre_hibernate` / `pre_stop`: a command, or a path on the instance.
@@ -239,6 +242,11 @@ pub struct IsolationConfig {
     pub pids_max: u64,
     /// CPU of one instance in percent of one CPU (`sandbox`); 0 = no limit.
     pub cpu_max_percent: u32,
+    /// Open files of each process of an instance (`RLIMIT_NOFILE`).
+    pub open_files_max: u64,
+    /// Ports of `[instance] port_range` one instance may hold, its own
+    /// included: when no port is free, instances holding more are killed.
+    pub max_ports: usize,
     /// The first host uid of instance accounts; each user gets the next
     /// free one, once, recorded in the store.
     pub base_uid: u32,
@@ -340,6 +348,7 @@ impl Default for InstanceConfig {
             pre_stop: None,
             hook_grace_s: 10,
             allow_cross_origin_requests: false,
+            log_max_bytes: berth_local::DEFAULT_LOG_MAX_BYTES,
         }
     }
 }
@@ -392,6 +401,8 @@ impl Default for IsolationConfig {
             memory_max_mb: limits.memory_max_mb,
             pids_max: limits.pids_max,
             cpu_max_percent: limits.cpu_max_percent,
+            open_files_max: limits.open_files_max,
+            max_ports: berth_local::DEFAULT_MAX_PORTS,
             base_uid: 200_000,
             uid_count: 100_000,
             nft: None,

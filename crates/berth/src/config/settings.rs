@@ -228,6 +228,8 @@ impl Config {
             env_allowlist: i.env_allowlist.clone(),
             readiness: self.readiness()?,
             port_range: i.port_range[0]..=i.port_range[1],
+            log_max_bytes: i.log_max_bytes,
+            max_ports: self.isolation.max_ports,
             patch_ext: i.patch_ext.clone(),
             watchdog_command: self.watchdog.command.clone(),
             isolation: self.isolation_level(nix::unistd::geteuid().is_root())?,
@@ -236,8 +238,14 @@ impl Config {
                 memory_max_mb: self.isolation.memory_max_mb,
                 pids_max: self.isolation.pids_max,
                 cpu_max_percent: self.isolation.cpu_max_percent,
+                open_files_max: self.isolation.open_files_max,
             },
             nft: self.isolation.nft.clone(),
+            // The ports are known once berth has bound them.
+            listeners: berth_local::ListenerCap {
+                ports: Vec::new(),
+                per_account: u32::try_from(self.proxy.max_connections_per_ip).unwrap_or(u32::MAX),
+            },
             shim_command,
         })
     }
@@ -374,6 +382,29 @@ impl Config {
         })
     }
 
+    /// A warning when the instances this node may run could together hold
+    /// more open files than the host's `fs.file-max` (`file_max`), at the
+    /// levels that give each program `open_files_max` (run as root when
+    /// `root`). Warned, not refused: the product is a bound few hosts
+    /// could ever reach by use, and refusing would refuse the defaults on
+    /// most hosts; the operator decides.
+    pub fn open_files_warning(&self, root: bool, file_max: Option<u64>) -> Option<String> {
+        let level = self.isolation_level(root).ok()?;
+        if level == berth_local::Isolation::None || self.kubernetes.is_some() {
+            return None;
+        }
+        let [start, end] = self.instance.port_range;
+        let capacity = self
+            .cluster
+            .capacity
+            .unwrap_or_else(|| u32::from(end).saturating_sub(u32::from(start)) + 1);
+        berth_local::open_files_warning(
+            self.isolation.open_files_max,
+            u64::from(capacity),
+            file_max?,
+        )
+    }
+
     /// `[proxy] body_min_bytes_per_s` and `body_grace_ms` (a grace of 0: no
     /// bound), for the API's bodies and for the bodies the proxy forwards
     /// alike.
@@ -487,6 +518,32 @@ mod tests {
             .unwrap();
         assert_eq!(k8s.command, ["x"]);
         assert!(matches!(k8s.readiness, berth_k8s::Readiness::Tcp));
+    }
+
+    #[test]
+    fn open_files_past_the_hosts_file_max_are_warned_about_with_the_numbers() {
+        let c = parse(
+            "[isolation]\nmode = \"user\"\nopen_files_max = 1000\n[cluster]\ncapacity = 50\n",
+        )
+        .unwrap();
+        assert_eq!(c.open_files_warning(true, Some(50_000)), None);
+        let warning = c.open_files_warning(true, Some(49_999)).unwrap();
+        for number in ["1000", "50 may run", "50000 in all", "(49999)"] {
+            assert!(warning.contains(number), "{number}: {warning}");
+        }
+        // Without a capacity, one instance per port of the range.
+        let c = parse("[instance]\nport_range = [100, 199]\n[isolation]\nmode = \"sandbox\"\n")
+            .unwrap();
+        assert!(
+            c.open_files_warning(true, Some(6_553_599))
+                .unwrap()
+                .contains("100 may run")
+        );
+        // Level none sets no limit of its own, and an unreadable file-max
+        // warns of nothing.
+        let none = parse("[isolation]\nmode = \"none\"\n").unwrap();
+        assert_eq!(none.open_files_warning(true, Some(1)), None);
+        assert_eq!(c.open_files_warning(true, None), None);
     }
 
     #[test]

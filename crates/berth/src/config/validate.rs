@@ -31,6 +31,18 @@ impl Config {
         if i.pids_max == 0 {
             return Err(self.invalid("isolation.pids_max", "must be at least 1"));
         }
+        if i.max_ports == 0 {
+            return Err(self.invalid(
+                "isolation.max_ports",
+                "must be at least 1: an instance holds its own port",
+            ));
+        }
+        if i.open_files_max < 64 {
+            return Err(self.invalid(
+                "isolation.open_files_max",
+                "must be at least 64: a program cannot run without descriptors",
+            ));
+        }
         Ok(())
     }
 
@@ -285,6 +297,17 @@ impl Config {
             return Err(self.invalid(
                 "instance.port_range",
                 format!("[{first}, {last}] is reversed: the first port must not exceed the last"),
+            ));
+        }
+        if i.log_max_bytes < berth_local::MIN_LOG_MAX_BYTES {
+            return Err(self.invalid(
+                "instance.log_max_bytes",
+                format!(
+                    "{} is under {}: the log and its rotated file must each hold 64 KiB, the \
+                     longest piece written at once",
+                    i.log_max_bytes,
+                    berth_local::MIN_LOG_MAX_BYTES
+                ),
             ));
         }
         if i.patch_ext.is_empty()
@@ -599,6 +622,12 @@ mod tests {
 
     #[test]
     fn validate_names_key_and_line() {
+        let c = parse("[instance]\nlog_max_bytes = 1000\n").unwrap();
+        let msg = c.validate().unwrap_err().to_string();
+        assert!(
+            msg.contains("instance.log_max_bytes") && msg.contains("131072"),
+            "{msg}"
+        );
         let c = parse("# x\n[instance]\nport_range = [30000, 20000]\n").unwrap();
         let msg = c.validate().unwrap_err().to_string();
         assert!(msg.contains("instance.port_range"), "{msg}");
@@ -653,6 +682,8 @@ mod tests {
             ("uid_count = 0", "isolation.uid_count"),
             ("memory_max_mb = 0", "isolation.memory_max_mb"),
             ("pids_max = 0", "isolation.pids_max"),
+            ("open_files_max = 10", "isolation.open_files_max"),
+            ("max_ports = 0", "isolation.max_ports"),
         ] {
             let c = parse(&format!("[isolation]\n{text}\n")).unwrap();
             let msg = c.validate().unwrap_err().to_string();

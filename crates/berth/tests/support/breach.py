@@ -152,6 +152,61 @@ def fork_bomb():
     return True
 
 
+def spew(mb):
+    # Prints `mb` MiB of numbered lines as fast as it can, then "spew
+    # done", from a thread (the answer comes at once).
+    def run():
+        line = "x" * 90
+        out = sys.stdout.buffer
+        for i in range(mb * 1024 * 1024 // 100):
+            out.write(b"spew %08d %s\n" % (i, line.encode()))
+        out.write(b"spew done\n")
+        out.flush()
+    threading.Thread(target=run, daemon=True).start()
+    return True
+
+
+def unlink(path):
+    os.unlink(path)
+    return True
+
+
+def bind_many(first, last):
+    # Listens on every port of [first, last] it can, and keeps them.
+    held = 0
+    for port in range(int(first), int(last) + 1):
+        s = socket.socket()
+        try:
+            s.bind(("127.0.0.1", port))
+            s.listen(1)
+        except OSError:
+            s.close()
+            continue
+        HOLD.append(s)
+        held += 1
+    return held
+
+
+def connect_many(port, sources, each):
+    # Opens `each` connections to 127.0.0.1:`port` from each of `sources`
+    # source addresses 127.0.1.1, 127.0.1.2, …, and keeps them open.
+    opened, refused = 0, 0
+    for n in range(int(sources)):
+        for _ in range(int(each)):
+            s = socket.socket()
+            s.settimeout(5)
+            try:
+                s.bind((f"127.0.1.{n + 1}", 0))
+                s.connect(("127.0.0.1", int(port)))
+            except OSError:
+                s.close()
+                refused += 1
+                continue
+            HOLD.append(s)
+            opened += 1
+    return {"opened": opened, "refused": refused}
+
+
 def forge_log():
     # Text that would read as a line of berth's own log, with terminal
     # control codes, then a crash: berth copies the tail of stderr into
@@ -263,6 +318,14 @@ class Handler(BaseHTTPRequestHandler):
             result = outcome(lambda: link_file(one("path"), one("target")))
         elif probe == "alloc":
             result = outcome(lambda: allocate(int(one("mb"))))
+        elif probe == "spew":
+            result = spew(int(one("mb")))
+        elif probe == "unlink":
+            result = outcome(lambda: unlink(one("path")))
+        elif probe == "bindmany":
+            result = outcome(lambda: bind_many(one("first"), one("last")))
+        elif probe == "connectmany":
+            result = outcome(lambda: connect_many(one("port"), one("sources"), one("each")))
         elif probe == "forkbomb":
             result = fork_bomb()
         elif probe == "forge":
