@@ -54,20 +54,10 @@ async fn connect(port: u16, reach: &Reach) -> Option<TcpStream> {
     let Some(owner) = reach.owner else {
         return Some(stream);
     };
-    let found = berth_localnet::peer_owner(stream.local_addr().ok()?, stream.peer_addr().ok()?);
-    match found {
-        Ok(uid) if uid == owner => Some(stream),
-        Ok(uid) => {
-            tracing::warn!(
-                port,
-                owner,
-                uid,
-                "the instance's port is held by another account"
-            );
-            None
-        }
+    match berth_localnet::check_owner(&stream, owner) {
+        Ok(()) => Some(stream),
         Err(e) => {
-            tracing::warn!(port, error = %e, "cannot tell who holds the instance's port");
+            tracing::warn!(port, error = %e, "the instance's port is not its own");
             None
         }
     }

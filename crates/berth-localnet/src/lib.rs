@@ -10,4 +10,4 @@ mod netns;
 mod owner;
 
 pub use netns::{connect_in, loopback_up};
-pub use owner::{SockDiagError, peer_owner};
+pub use owner::{SockDiagError, check_owner, peer_owner};

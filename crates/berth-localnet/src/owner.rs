@@ -37,6 +37,25 @@ pub enum SockDiagError {
     MixedFamilies { local: SocketAddr, peer: SocketAddr },
     #[error("the kernel's answer about a socket could not be read: {0}")]
     Answer(String),
+    #[error("the socket at {peer} belongs to uid {found}, not to the expected account {owner}")]
+    Foreign {
+        peer: SocketAddr,
+        owner: u32,
+        found: u32,
+    },
+}
+
+/// Fails unless the socket at the other end of `stream` (a local TCP
+/// connection) belongs to `owner`: [`SockDiagError::Foreign`] when another
+/// account's does, another error when the kernel cannot tell.
+pub fn check_owner(stream: &tokio::net::TcpStream, owner: u32) -> Result<(), SockDiagError> {
+    let peer = stream.peer_addr()?;
+    let found = peer_owner(stream.local_addr()?, peer)?;
+    if found == owner {
+        Ok(())
+    } else {
+        Err(SockDiagError::Foreign { peer, owner, found })
+    }
 }
 
 /// The uid owning the socket at `peer` that is connected to `local`: the

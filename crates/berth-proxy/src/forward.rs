@@ -192,16 +192,6 @@ pub struct Upstream {
     pub retry_refused: bool,
 }
 
-/// The socket at an instance's address belongs to another account: a
-/// program that bound the port before the instance could.
-#[derive(Debug, thiserror::Error)]
-#[error("the socket at {authority} belongs to uid {found}, not to the instance's account {owner}")]
-struct ForeignSocket {
-    authority: Authority,
-    owner: u32,
-    found: u32,
-}
-
 /// The forward layer.
 pub struct Forwarder {
     /// How long a connect inside a namespace may take (the connector has
@@ -653,23 +643,12 @@ impl Forwarder {
 
 /// Fails unless the socket at the other end of `stream` belongs to `owner`.
 fn check_owner(stream: &TcpStream, to: &Upstream, owner: u32) -> Result<(), Failure> {
-    let addresses = stream
-        .local_addr()
-        .and_then(|l| Ok((l, stream.peer_addr()?)));
-    let found = addresses
-        .map_err(BoxError::from)
-        .and_then(|(local, peer)| Ok(berth_localnet::peer_owner(local, peer)?))
-        .map_err(Failure::Fatal)?;
-    if found == owner {
-        return Ok(());
-    }
-    let foreign = ForeignSocket {
-        authority: to.authority.clone(),
-        owner,
-        found,
-    };
-    tracing::warn!(user = %to.user, error = %foreign, "refusing to forward to a socket of another account");
-    Err(Failure::Fatal(foreign.into()))
+    berth_localnet::check_owner(stream, owner).map_err(|e| {
+        if matches!(e, berth_localnet::SockDiagError::Foreign { .. }) {
+            tracing::warn!(user = %to.user, error = %e, "refusing to forward to a socket of another account");
+        }
+        Failure::Fatal(e.into())
+    })
 }
 
 fn bad_gateway(message: &str) -> Response<ProxyBody> {

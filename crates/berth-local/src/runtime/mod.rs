@@ -584,12 +584,12 @@ impl LocalRuntime {
 /// a socket of the instance's account (`account_uid`), when it has one.
 fn reach_of(shim_pid: u32, account_uid: Option<u32>) -> Reach {
     use std::os::unix::fs::MetadataExt;
+    // berth's own namespace never changes: read once.
+    static OURS: std::sync::OnceLock<Option<(u64, u64)>> = std::sync::OnceLock::new();
     let theirs = PathBuf::from(format!("/proc/{shim_pid}/ns/net"));
     let namespace = |path: &Path| std::fs::metadata(path).map(|m| (m.dev(), m.ino())).ok();
-    match (
-        namespace(&theirs),
-        namespace(Path::new("/proc/self/ns/net")),
-    ) {
+    let ours = *OURS.get_or_init(|| namespace(Path::new("/proc/self/ns/net")));
+    match (namespace(&theirs), ours) {
         (Some(theirs_id), Some(ours)) if theirs_id != ours => Reach {
             owner: None,
             netns: Some(theirs),
