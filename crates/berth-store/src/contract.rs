@@ -1577,9 +1577,29 @@ pub async fn a_slug_recorded_for_one_user_is_refused_for_another(store: Arc<dyn 
 }
 
 /// Eight nodes recording one new user at once, each with a different
-/// candidate: all are told the same slug. Eight users racing for one slug:
-/// exactly one gets it, the others are refused.
+/// candidate, then another with the same one: all are told the same slug.
+/// Eight users racing for one slug: exactly one gets it, the others are
+/// refused.
 pub async fn concurrent_first_records_agree_on_one_slug(store: Arc<dyn Store>) {
+    // The window in which the same row inserted twice trips the slug's
+    // constraint is narrow: many users raise the odds of hitting it.
+    for n in 0..32 {
+        let bob = user(&format!("bob-{n}"));
+        let barrier = Arc::new(tokio::sync::Barrier::new(8));
+        let tasks: Vec<_> = (0..8)
+            .map(|_| {
+                let (store, bob, barrier) = (store.clone(), bob.clone(), barrier.clone());
+                tokio::spawn(async move {
+                    barrier.wait().await;
+                    store.record_user_slug(&bob, &bob.slug()).await
+                })
+            })
+            .collect();
+        for t in tasks {
+            assert_eq!(t.await.unwrap().unwrap(), bob.slug(), "{bob}");
+        }
+    }
+
     let alice = user("alice");
     let barrier = Arc::new(tokio::sync::Barrier::new(8));
     let tasks: Vec<_> = (0..8)

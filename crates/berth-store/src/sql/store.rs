@@ -380,13 +380,23 @@ impl<B: SqlBackend> Store for B {
         if let Some(recorded) = self.user_slug(user).await? {
             return Ok(recorded);
         }
-        let inserted = self
+        let inserted = match self
             .stmt(&self.sql().user_slug_insert)
             .bind(user.as_str())
             .bind(slug.as_str())
             .execute_or_sqlx_error()
             .await
-            .map_err(|e| slug_taken(&e, user, slug).unwrap_or_else(|| self.err(e)))?;
+        {
+            Ok(inserted) => inserted,
+            Err(e) => match slug_taken(&e, user, slug) {
+                // PostgreSQL checks the slug's unique index before the
+                // user's when two nodes insert the same row at once, so
+                // the user's own concurrent record can surface as a slug
+                // conflict: theirs stands if it is there.
+                Some(taken) => return self.user_slug(user).await?.ok_or(taken),
+                None => return Err(self.err(e)),
+            },
+        };
         if inserted > 0 {
             return Ok(slug.clone());
         }
