@@ -85,8 +85,13 @@ pub enum Layout {
         freezer: Option<PathBuf>,
     },
     /// The unified hierarchy's mount point and berth's own cgroup in it
-    /// (`/` at the root).
-    V2 { mount: PathBuf, own: String },
+    /// (`/` at the root); whether it is mounted with `favordynmods`, which
+    /// spares each join the kernel's wait for an RCU grace period.
+    V2 {
+        mount: PathBuf,
+        own: String,
+        favordynmods: bool,
+    },
 }
 
 /// Where one berth's instance cgroups go (the parents), per hierarchy.
@@ -264,6 +269,7 @@ pub fn detect(
     Ok(Layout::V2 {
         mount: v2.point.clone(),
         own: own.to_string_lossy().into_owned(),
+        favordynmods: v2.super_options.split(',').any(|o| o == "favordynmods"),
     })
 }
 
@@ -299,7 +305,7 @@ impl Layout {
                 cpu: cpu.join(&dir),
                 freezer: freezer.as_ref().map(|f| f.join(&dir)),
             },
-            Layout::V2 { mount, own } => Parents::V2 {
+            Layout::V2 { mount, own, .. } => Parents::V2 {
                 parent: join_own(mount, "/", own).join(dir),
             },
         }
@@ -316,6 +322,19 @@ impl Layout {
     /// v1 when the `freezer` controller is mounted).
     pub fn can_freeze(&self) -> bool {
         !matches!(self, Layout::V1 { freezer: None, .. })
+    }
+
+    /// Whether each launch waits for an RCU grace period (~10–20 ms) to
+    /// join its cgroup: on v2 without `favordynmods` (see
+    /// [`InstanceCgroup::join_files`]).
+    pub fn join_waits_for_grace_period(&self) -> bool {
+        matches!(
+            self,
+            Layout::V2 {
+                favordynmods: false,
+                ..
+            }
+        )
     }
 }
 
@@ -437,7 +456,7 @@ pub fn prepare_parents(layout: &Layout, parents: &Parents, pid: u32) -> Result<(
             }
             Ok(())
         }
-        (Layout::V2 { mount, own }, Parents::V2 { parent }) => {
+        (Layout::V2 { mount, own, .. }, Parents::V2 { parent }) => {
             let own_dir = join_own(mount, "/", own);
             if own_dir != *mount {
                 let supervisor = own_dir.join("berth-supervisor");
@@ -486,12 +505,22 @@ impl InstanceCgroup {
             .collect()
     }
 
-    /// The `cgroup.procs` files a process writes `0` to, to join.
-    pub fn procs_files(&self) -> Vec<PathBuf> {
-        self.dirs()
-            .into_iter()
-            .map(|d| d.join("cgroup.procs"))
-            .collect()
+    /// The files a freshly forked, single-threaded process writes `0` to,
+    /// to join.
+    ///
+    /// On v1 that is `tasks`, which moves the calling thread alone: the
+    /// kernel then takes no global lock, where `cgroup.procs` write-locks
+    /// every thread group on the host and waits an RCU grace period for
+    /// it (about 10 ms a launch, measured in BENCHMARKS.md). For a process
+    /// of one thread the two are the same move. v2 has no such file across
+    /// cgroups, so it joins by `cgroup.procs` and pays that wait unless
+    /// the hierarchy is mounted with `favordynmods`.
+    pub fn join_files(&self) -> Vec<PathBuf> {
+        let file = match self.parents {
+            Parents::V1 { .. } => "tasks",
+            Parents::V2 { .. } => "cgroup.procs",
+        };
+        self.dirs().into_iter().map(|d| d.join(file)).collect()
     }
 
     /// Creates the directories and writes the limits.
@@ -919,8 +948,8 @@ mod tests {
         assert_eq!(cgroup.dirs().len(), 4);
         assert!(
             cgroup
-                .procs_files()
-                .contains(&"/sys/fs/cgroup/freezer/ci/berth-id/alice.main.9/cgroup.procs".into())
+                .join_files()
+                .contains(&"/sys/fs/cgroup/freezer/ci/berth-id/alice.main.9/tasks".into())
         );
         // Specs written before the freezer existed still read.
         let old: Parents =
@@ -1107,9 +1136,14 @@ mod tests {
             layout,
             Layout::V2 {
                 mount: "/sys/fs/cgroup".into(),
-                own: "/system.slice/berth.service".into()
+                own: "/system.slice/berth.service".into(),
+                favordynmods: false,
             }
         );
+        assert!(layout.join_waits_for_grace_period());
+        let favoured = mountinfo.replace("rw,nsdelegate\n", "rw,nsdelegate,favordynmods\n");
+        let layout_favoured = detect(&favoured, own, controllers).unwrap();
+        assert!(!layout_favoured.join_waits_for_grace_period());
         assert_eq!(
             layout.parents("x"),
             Parents::V2 {
@@ -1222,6 +1256,7 @@ mod tests {
         let layout = Layout::V2 {
             mount: mount.clone(),
             own: "/system.slice/berth.service".into(),
+            favordynmods: false,
         };
         let parents = layout.parents("id1");
         let Parents::V2 { parent } = &parents else {
@@ -1271,7 +1306,7 @@ mod tests {
         assert_eq!(read(leaf.join("pids.max")), "8");
         assert_eq!(read(leaf.join("cpu.max")), "50000 100000");
         assert!(!leaf.join("memory.swap.max").exists(), "optional, skipped");
-        assert_eq!(cgroup.procs_files(), vec![leaf.join("cgroup.procs")]);
+        assert_eq!(cgroup.join_files(), vec![leaf.join("cgroup.procs")]);
         fs::write(leaf.join("memory.events"), "oom 1\noom_kill 1\n").unwrap();
         assert_eq!(cgroup.oom_kills(), Some(1));
 
@@ -1292,6 +1327,7 @@ mod tests {
         let layout = Layout::V2 {
             mount,
             own: "/user.slice".into(),
+            favordynmods: false,
         };
         let err = prepare_parents(&layout, &layout.parents("i"), 1).unwrap_err();
         let msg = err.to_string();

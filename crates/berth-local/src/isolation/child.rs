@@ -136,9 +136,9 @@ pub(crate) struct ChildPlan {
     parent: ParentCheck,
     /// Where a failing step writes its name (close-on-exec).
     diag: RawFd,
-    /// `cgroup.procs` of each of the instance's cgroup directories, joined
+    /// The join file of each of the instance's cgroup directories, written
     /// first, as root: every process the program starts is born inside.
-    cgroup_procs: Vec<RawFd>,
+    cgroup_join: Vec<RawFd>,
     sandbox: Option<SandboxPlan>,
 }
 
@@ -237,10 +237,10 @@ impl ChildPlan {
         let cwd = cpath(cwd, "the working directory")?;
         let mut status_read = None;
         let mut alive = None;
-        let mut cgroup_procs = Vec::new();
-        for file in cgroup.map(InstanceCgroup::procs_files).unwrap_or_default() {
+        let mut cgroup_join = Vec::new();
+        for file in cgroup.map(InstanceCgroup::join_files).unwrap_or_default() {
             let fd = open_fd(&file, libc::O_WRONLY, "cgroup file")?;
-            cgroup_procs.push(fd.as_raw_fd());
+            cgroup_join.push(fd.as_raw_fd());
             child_only.push(fd);
         }
         let (parent, sandbox) = match (&isolation.sandbox, cgroup) {
@@ -336,7 +336,7 @@ impl ChildPlan {
             cwd,
             parent,
             diag: child_only[0].as_raw_fd(),
-            cgroup_procs,
+            cgroup_join,
             sandbox,
         };
         Ok((
@@ -368,7 +368,7 @@ impl ChildPlan {
             // SAFETY: closing a descriptor number is async-signal-safe.
             unsafe { libc::close(write) };
         }
-        for &fd in &self.cgroup_procs {
+        for &fd in &self.cgroup_join {
             self.check(sys::write(fd, b"0"), "join the instance's cgroup")?;
         }
         if let Some(sandbox) = &self.sandbox {

@@ -299,6 +299,12 @@ fn prepare_cgroups(table: &str) -> Result<cgroup::Parents, HostError> {
     let parents = layout.parents(table.trim_start_matches("berth_"));
     cgroup::prepare_parents(&layout, &parents, std::process::id())?;
     tracing::info!(version = layout.version(), parents = ?parents.dirs(), "instance cgroups");
+    if layout.join_waits_for_grace_period() {
+        tracing::info!(
+            "each launch waits ~10-20 ms for the kernel to let its program join its cgroup; \
+             mounting cgroup2 with the option favordynmods (Linux 6.0+) removes the wait"
+        );
+    }
     Ok(parents)
 }
 
