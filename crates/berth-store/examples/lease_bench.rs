@@ -1,6 +1,7 @@
-//! Lease benchmarks (not tests): how long one node's renew tick takes with
-//! 10 000 leases, and how many claims per second 8 concurrent claimers get,
-//! on SQLite and on PostgreSQL.
+//! Lease benchmarks (not tests): how long one node's renew tick (renew-all,
+//! one statement) takes with 10 000 and with 100 000 leases, and how many
+//! claims per second 8 concurrent claimers get, on SQLite and on
+//! PostgreSQL.
 //!
 //! ```text
 //! cargo run --release -p berth-store --example lease_bench
@@ -9,7 +10,8 @@
 //! PostgreSQL is a throwaway cluster from `berth-testkit` (`fsync=off`,
 //! `synchronous_commit=off`), or the server `BERTH_TEST_PG_URL` names.
 //! SQLite is a file in a temporary directory, in WAL mode as berth runs it.
-//! Knobs: `BENCH_LEASES` (10000), `BENCH_TICKS` (11), `BENCH_SECS` (3).
+//! Knobs: `BENCH_LEASES` (lease counts, comma-separated: `10000,100000`),
+//! `BENCH_TICKS` (11), `BENCH_SECS` (3).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -129,16 +131,25 @@ async fn claims_per_sec(store: Arc<dyn Store>, contended: bool, secs: u64) -> (f
     (attempts as f64 / started.elapsed().as_secs_f64(), wins)
 }
 
+/// The lease counts to time renew-all at.
+fn lease_counts() -> Vec<usize> {
+    let text = std::env::var("BENCH_LEASES").unwrap_or_else(|_| "10000,100000".to_owned());
+    text.split(',')
+        .filter_map(|n| n.trim().parse().ok())
+        .collect()
+}
+
 async fn bench(name: &str, open: impl AsyncFn() -> Arc<dyn Store>) {
-    let n = knob("BENCH_LEASES", 10_000) as usize;
     let ticks = knob("BENCH_TICKS", 11) as usize;
     let secs = knob("BENCH_SECS", 3);
-    let (med, min) = renew_tick(open().await, n, ticks).await;
-    println!(
-        "{name:<10} renew tick, {n} leases, one statement: median {:.1} ms, min {:.1} ms ({ticks} ticks)",
-        med.as_secs_f64() * 1e3,
-        min.as_secs_f64() * 1e3
-    );
+    for n in lease_counts() {
+        let (med, min) = renew_tick(open().await, n, ticks).await;
+        println!(
+            "{name:<10} renew-all, {n} leases, one statement: median {:.1} ms, min {:.1} ms ({ticks} ticks)",
+            med.as_secs_f64() * 1e3,
+            min.as_secs_f64() * 1e3
+        );
+    }
     let (rate, wins) = claims_per_sec(open().await, false, secs).await;
     println!(
         "{name:<10} claims/s, {CLAIMERS} claimers, distinct users: {rate:.0} ({wins} claimed)"

@@ -23,7 +23,7 @@ use std::any::Any;
 use std::sync::Arc;
 use std::time::Duration;
 
-use berth_core::policy::CrashState;
+use berth_core::policy::{CrashState, NodeState, NodeView};
 use berth_core::{Epoch, Instance, InstanceStatus, Role, Slug, UnixMillis, UserId};
 
 use crate::{
@@ -96,6 +96,8 @@ macro_rules! store_contract_tests {
             a_slug_recorded_for_one_user_is_refused_for_another,
             concurrent_first_records_agree_on_one_slug,
             nodes_heartbeat_upsert_and_list,
+            placement_counts_live_leases_and_reservations,
+            concurrent_placements_take_turns,
             node_claims_need_a_stale_row_or_the_same_data_dir,
             record_activity_never_lowers_last_active,
             accounts_get_stable_unique_uids,
@@ -1706,6 +1708,164 @@ pub async fn nodes_heartbeat_upsert_and_list(store: Arc<dyn Store>) {
     assert!(nodes[0].heartbeat >= first.heartbeat);
     assert_eq!(nodes[1].id, "node-2");
     assert_eq!(nodes[1].status, NodeStatus::Down);
+}
+
+/// Reserves a place for `u` on `pick` (if any); the loads the choice saw,
+/// by node.
+async fn reserve(
+    store: &Arc<dyn Store>,
+    u: &UserId,
+    hold: Duration,
+    pick: Option<&str>,
+) -> (Option<String>, Vec<(String, u32)>) {
+    let pick = pick.map(str::to_owned);
+    let placed = store
+        .reserve_place(u, hold, &move |_: &[NodeView]| pick.clone())
+        .await
+        .unwrap();
+    let loads = placed
+        .nodes
+        .iter()
+        .map(|n| (n.id.clone(), n.load))
+        .collect();
+    (placed.node, loads)
+}
+
+fn loads(pairs: &[(&str, u32)]) -> Vec<(String, u32)> {
+    pairs.iter().map(|(n, l)| ((*n).to_owned(), *l)).collect()
+}
+
+/// A placement sees each node's live load, not its heartbeat's: the
+/// leases it holds and has not released (expired ones too), plus the
+/// places reserved for it, each user counted once; a claim turns a
+/// reservation into its lease, a new choice moves it, and one past its
+/// hold counts for nothing. A choice of no node records nothing.
+pub async fn placement_counts_live_leases_and_reservations(store: Arc<dyn Store>) {
+    let mut a = node("node-a");
+    a.load = 7; // the heartbeat's number: not what placement counts
+    store.heartbeat(&a).await.unwrap();
+    store.heartbeat(&node("node-b")).await.unwrap();
+    let (held, released, expired) = (user("held"), user("released"), user("expired"));
+    claimed(&store, &held, "node-a", LONG).await;
+    let epoch = claimed(&store, &released, "node-a", LONG).await;
+    assert!(
+        store
+            .release_lease(&released, "node-a", epoch)
+            .await
+            .unwrap()
+    );
+    claimed(&store, &expired, "node-a", SHORT).await;
+    wait_until_expired(&store, &expired).await;
+
+    // The views carry the heartbeat's status, capacity and age.
+    let seen = store
+        .reserve_place(&user("nobody"), LONG, &|nodes: &[NodeView]| {
+            assert_eq!(nodes.len(), 2, "{nodes:?}");
+            assert!(
+                nodes
+                    .iter()
+                    .all(|n| n.capacity == 10 && n.status == NodeState::Up)
+            );
+            assert!(nodes.iter().all(|n| n.is_alive(60_000)), "{nodes:?}");
+            None
+        })
+        .await
+        .unwrap();
+    assert_eq!(seen.node, None);
+    assert_eq!(
+        seen.nodes
+            .iter()
+            .map(|n| (n.id.clone(), n.load))
+            .collect::<Vec<_>>(),
+        loads(&[("node-a", 2), ("node-b", 0)]),
+        "held and expired leases count, a released one does not, nor the heartbeat's load"
+    );
+
+    let alice = user("alice");
+    let (chosen, before) = reserve(&store, &alice, LONG, Some("node-b")).await;
+    assert_eq!(chosen.as_deref(), Some("node-b"));
+    assert_eq!(before, loads(&[("node-a", 2), ("node-b", 0)]));
+    let (_, seen) = reserve(&store, &user("bob"), LONG, Some("node-b")).await;
+    assert_eq!(
+        seen,
+        loads(&[("node-a", 2), ("node-b", 1)]),
+        "alice's place counts"
+    );
+    // Alice placed again (her node refused): her place moves, not doubles.
+    let (_, seen) = reserve(&store, &alice, LONG, Some("node-a")).await;
+    assert_eq!(seen, loads(&[("node-a", 2), ("node-b", 2)]));
+    let (_, seen) = reserve(&store, &user("carol"), LONG, None).await;
+    assert_eq!(
+        seen,
+        loads(&[("node-a", 3), ("node-b", 1)]),
+        "moved to node-a"
+    );
+    // Her claim on node-a turns the reservation into the lease: one count.
+    claimed(&store, &alice, "node-a", LONG).await;
+    let (_, seen) = reserve(&store, &user("carol"), LONG, None).await;
+    assert_eq!(seen, loads(&[("node-a", 3), ("node-b", 1)]));
+    // A released lease reserved again counts until its claim.
+    let (_, seen) = reserve(&store, &released, LONG, Some("node-b")).await;
+    assert_eq!(seen, loads(&[("node-a", 3), ("node-b", 1)]));
+    let (_, seen) = reserve(&store, &user("carol"), LONG, None).await;
+    assert_eq!(seen, loads(&[("node-a", 3), ("node-b", 2)]));
+
+    // A place past its hold counts for nothing.
+    let dave = user("dave");
+    reserve(&store, &dave, SHORT, Some("node-b")).await;
+    let (_, seen) = reserve(&store, &user("carol"), LONG, None).await;
+    assert_eq!(seen, loads(&[("node-a", 3), ("node-b", 3)]));
+    let deadline = tokio::time::Instant::now() + PATIENCE;
+    loop {
+        let (_, seen) = reserve(&store, &user("carol"), LONG, None).await;
+        if seen == loads(&[("node-a", 3), ("node-b", 2)]) {
+            break;
+        }
+        assert_eq!(seen, loads(&[("node-a", 3), ("node-b", 3)]));
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "dave's place outlived its hold"
+        );
+        tokio::time::sleep(POLL).await;
+    }
+}
+
+/// Placements take turns across nodes: 60 at once, each choosing the
+/// least loaded node, end 20 to a node, as if made one after another.
+/// Counted from the same loads at once, they would pile onto one node.
+pub async fn concurrent_placements_take_turns(store: Arc<dyn Store>) {
+    const USERS: usize = 60;
+    for id in ["node-a", "node-b", "node-c"] {
+        let mut n = node(id);
+        n.capacity = 1_000;
+        store.heartbeat(&n).await.unwrap();
+    }
+    let placements = (0..USERS).map(|i| {
+        let store = store.clone();
+        tokio::spawn(async move {
+            let u = user(&format!("user-{i:02}"));
+            let least_loaded = |nodes: &[NodeView]| {
+                nodes
+                    .iter()
+                    .min_by_key(|n| (n.load, n.id.clone()))
+                    .map(|n| n.id.clone())
+            };
+            store
+                .reserve_place(&u, LONG, &least_loaded)
+                .await
+                .unwrap()
+                .node
+        })
+    });
+    let mut chosen = std::collections::BTreeMap::<String, usize>::new();
+    for placed in futures_join(placements).await {
+        *chosen.entry(placed.unwrap()).or_default() += 1;
+    }
+    let want: std::collections::BTreeMap<String, usize> = ["node-a", "node-b", "node-c"]
+        .iter()
+        .map(|n| ((*n).to_owned(), USERS / 3))
+        .collect();
+    assert_eq!(chosen, want);
 }
 
 /// record_activity raises mains' last_active, never lowers it, leaves

@@ -309,6 +309,21 @@ impl NodeRecord {
     }
 }
 
+/// The choice [`Store::reserve_place`] asks for: given every node with its
+/// live load (by the store's clock and counts), the node to reserve a
+/// place on, or `None` for none. A pure function, such as
+/// [`berth_core::policy::place`]; it runs while placements are held.
+pub type ChooseNode<'a> = dyn Fn(&[NodeView]) -> Option<String> + Send + Sync + 'a;
+
+/// What [`Store::reserve_place`] did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Placement {
+    /// The node a place was reserved on; `None` when the choice was none.
+    pub node: Option<String>,
+    /// The nodes as the choice saw them, loads before this reservation.
+    pub nodes: Vec<NodeView>,
+}
+
 /// berth's persistent state. One implementation per database.
 ///
 /// All lease methods are single conditional statements; success is judged
@@ -498,6 +513,23 @@ pub trait Store: Send + Sync + 'static {
         ttl: Duration,
     ) -> Result<NodeClaim, StoreError>;
 
+    /// Reserves a place for a new instance of `user` on the node `choose`
+    /// picks, for `hold` (by the store's clock), as one step across nodes:
+    /// placements take turns, so each sees the places reserved by those
+    /// before it. `choose` is given every node's row as a [`NodeView`]
+    /// whose `load` is its live count, not the number its last heartbeat
+    /// reported: the leases it holds and has not released, plus the places
+    /// reserved for it that are still held and whose user's lease has not
+    /// been claimed since (the claim's lease counts instead). A user has at
+    /// most one reservation; a new one replaces it. Nothing is recorded
+    /// when `choose` picks no node.
+    async fn reserve_place(
+        &self,
+        user: &UserId,
+        hold: Duration,
+        choose: &ChooseNode<'_>,
+    ) -> Result<Placement, StoreError>;
+
     // --- accounts of isolated instances (design §6) --------------------------
 
     /// The host uid of `slug`'s account, allocated on first use: the uid
@@ -601,7 +633,7 @@ mod tests {
             ..record
         };
         assert_eq!(
-            place(None, &[up.view(up.heartbeat + 1_000)], 30_000).as_deref(),
+            place("alice", None, &[], &[up.view(up.heartbeat + 1_000)], 30_000).as_deref(),
             Some("node-a")
         );
     }

@@ -309,6 +309,13 @@ impl Dialect for Postgres {
     const LOCK_USER_TOKENS: Option<&'static str> =
         Some("SELECT pg_advisory_xact_lock(hashtextextended('berth-tokens:' || $1, 0))");
 
+    /// Placements take turns, whichever node they run on: under READ
+    /// COMMITTED two concurrent ones would count the same loads and choose
+    /// the same node. Each statement after the lock reads afresh, so it
+    /// sees the reservations committed before it.
+    const LOCK_PLACEMENTS: Option<&'static str> =
+        Some("SELECT pg_advisory_xact_lock(hashtextextended('berth-placements', 0))");
+
     fn bind_pairs<'q>(
         query: Query<'q, Self>,
         pairs: Vec<(&'q str, i64)>,

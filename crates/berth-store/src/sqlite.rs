@@ -4,7 +4,7 @@
 //! operations and their statements are shared with PostgreSQL (`sql/`);
 //! this file opens and checks the database and says how SQLite spells what
 //! the shared statements cannot: its clock ([`now_ms!`]), the bulk renew and
-//! activity statements, which take their lists as one JSON array, and how
+//! activity statements, which take their lists as one JSON object, and how
 //! its errors map onto [`StoreError`].
 
 use std::path::Path;
@@ -159,6 +159,17 @@ fn db_err(e: sqlx::Error) -> StoreError {
     }
 }
 
+/// (text, integer) pairs written as one JSON object, `{"text": integer, …}`,
+/// in order and keeping repeated keys: `json_each` then yields each pair as
+/// its `key` and `value`, with no per-pair parse of an inner array.
+struct KeyedPairs<'a, 'q>(&'a [(&'q str, i64)]);
+
+impl serde::Serialize for KeyedPairs<'_, '_> {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.collect_map(self.0.iter().map(|(k, v)| (*k, *v)))
+    }
+}
+
 impl SqlBackend for SqliteStore {
     type Db = Sqlite;
 
@@ -174,24 +185,25 @@ impl SqlBackend for SqliteStore {
 impl Dialect for Sqlite {
     const NOW_MS: &'static str = now_ms!();
 
-    /// `$3` is a JSON array of `[user, epoch]` pairs: one bind however many
-    /// leases, and the row-value `IN` is answered from an index SQLite
-    /// builds over the subquery, so the cost stays O(n log n).
+    /// `$3` is a JSON object mapping each user to the epoch it is held at:
+    /// one bind however many leases. The statement walks that object and
+    /// looks each user up by primary key, so it costs one parse of the
+    /// object and one lookup per lease. The unary `+` on `holder` keeps
+    /// SQLite from driving the update from the holder index instead, which
+    /// would scan the whole object once per lease the node holds.
     const RENEW: &'static str = concat!(
         "UPDATE leases SET lease_until = ",
         now_ms!(),
-        " + $2 ",
-        "WHERE holder = $1 AND NOT released AND (user_id, epoch) IN (",
-        "SELECT json_extract(value, '$[0]'), json_extract(value, '$[1]') FROM json_each($3)",
-        ") RETURNING user_id"
+        " + $2 FROM json_each($3) AS held ",
+        "WHERE leases.user_id = held.key AND leases.epoch = held.value ",
+        "AND +leases.holder = $1 AND NOT leases.released RETURNING leases.user_id"
     );
 
-    /// `$1` is a JSON array of `[user, millis]` pairs. Grouping first means
-    /// a user named twice gets the larger time rather than whichever row
-    /// the join happened to pick.
+    /// `$1` is a JSON object mapping users to times; a user may be named
+    /// twice (the object keeps both). Grouping first means such a user gets
+    /// the larger time rather than whichever row the join happened to pick.
     const ACTIVITY: &'static str = "UPDATE instances SET last_active = activity.t \
-         FROM (SELECT json_extract(value, '$[0]') AS u, max(json_extract(value, '$[1]')) AS t \
-               FROM json_each($1) GROUP BY u) AS activity \
+         FROM (SELECT key AS u, max(value) AS t FROM json_each($1) GROUP BY key) AS activity \
          WHERE instances.user_id = activity.u AND instances.role = 'main' \
            AND activity.t > instances.last_active";
 
@@ -200,11 +212,17 @@ impl Dialect for Sqlite {
     /// parent check and insert see no concurrent mint of the same user.
     const LOCK_USER_TOKENS: Option<&'static str> = None;
 
+    /// None needed: a placement's transaction writes first (it drops
+    /// expired reservations), which takes SQLite's one write lock before it
+    /// counts.
+    const LOCK_PLACEMENTS: Option<&'static str> = None;
+
     fn bind_pairs<'q>(
         query: Query<'q, Self>,
         pairs: Vec<(&'q str, i64)>,
     ) -> Result<Query<'q, Self>, StoreError> {
-        let json = serde_json::to_string(&pairs).map_err(|e| StoreError::Query(e.to_string()))?;
+        let json = serde_json::to_string(&KeyedPairs(&pairs))
+            .map_err(|e| StoreError::Query(e.to_string()))?;
         Ok(query.bind(json))
     }
 

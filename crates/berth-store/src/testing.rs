@@ -9,8 +9,9 @@ use berth_core::policy::CrashState;
 use berth_core::{Epoch, Instance, Role, Slug, UnixMillis, UserId};
 
 use crate::{
-    ClaimOutcome, InstanceFilter, LaunchParams, LeaseRecord, MintOutcome, NewToken, NodeClaim,
-    NodeRecord, Store, StoreError, TakeoverPolicy, TokenOwner, TokenRecord, UidRange,
+    ChooseNode, ClaimOutcome, InstanceFilter, LaunchParams, LeaseRecord, MintOutcome, NewToken,
+    NodeClaim, NodeRecord, Placement, Store, StoreError, TakeoverPolicy, TokenOwner, TokenRecord,
+    UidRange,
 };
 
 /// What runs before every `renew_leases` of an [`InterceptRenew`]: it may
@@ -151,5 +152,13 @@ impl<H: RenewHook> Store for InterceptRenew<H> {
     }
     async fn claim_node(&self, n: &str, d: &str, ttl: Duration) -> Result<NodeClaim, StoreError> {
         self.inner.claim_node(n, d, ttl).await
+    }
+    async fn reserve_place(
+        &self,
+        u: &UserId,
+        hold: Duration,
+        choose: &ChooseNode<'_>,
+    ) -> Result<Placement, StoreError> {
+        self.inner.reserve_place(u, hold, choose).await
     }
 }

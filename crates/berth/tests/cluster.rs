@@ -601,9 +601,9 @@ async fn a_captured_forwarded_request_can_be_neither_replayed_nor_mined_for_the_
     let others = start_nodes(root.path(), &db, &["node-b"], "").await;
     let b = &others[0];
 
-    // alice runs on node-a (placement breaks the tie by the smaller id).
-    let (status, body) = a.post("/users/alice/instance", json!({})).await;
-    assert_eq!(status, 201, "{body}");
+    // alice runs on node-a, behind the relay: launched there the way
+    // another node asks it to, whatever placement would choose.
+    let body = launch_signed(&a, "node-a", "alice").await;
     assert_eq!(body["instance"]["node"], "node-a", "{body}");
     let token = a.user_token("alice").await;
     let r = b
@@ -1218,13 +1218,16 @@ async fn manual_takeover_moves_a_user_whose_holder_was_killed() {
         .post("/users/alice/instance", json!({ "folder": "proj" }))
         .await;
     assert_eq!(status, 201, "{body}");
-    assert_eq!(body["instance"]["node"], "node-a", "{body}");
+    // The node that runs alice first, the survivor second.
+    let holder = holder_of(&nodes, &body).await;
+    nodes.swap(0, holder);
+    let survivor = id_of(&nodes[1]).await;
     let old_pid = instance_pids(&nodes[0].data_dir, "alice", "main");
     assert_eq!(old_pid.len(), 1);
     let old_pid = old_pid[0];
 
     nodes[0].kill9();
-    // The lease runs out and node-a's heartbeat goes stale: node-b reports
+    // The lease runs out and the holder's heartbeat goes stale: the survivor reports
     // it, with the holder not alive, but under "manual" does nothing.
     let b = &nodes[1];
     eventually(
@@ -1281,7 +1284,7 @@ async fn manual_takeover_moves_a_user_whose_holder_was_killed() {
         String::from_utf8_lossy(&out.stderr)
     );
     let main = b.running_main("alice", Some(u64::from(old_pid))).await;
-    assert_eq!(main["node"], "node-b", "{main}");
+    assert_eq!(main["node"], survivor.as_str(), "{main}");
     assert_eq!(
         main["folder"], "proj",
         "launched with its parameters: {main}"
@@ -1304,7 +1307,12 @@ async fn with_evidence_a_dead_holders_users_are_relaunched_elsewhere() {
         )
         .await;
     assert_eq!(status, 201, "{body}");
-    assert_eq!(body["instance"]["node"], "node-a", "{body}");
+    // Placement chose either node (ties go by a hash of the user): the
+    // one that runs alice comes first, the survivor second.
+    if body["instance"]["node"] == "node-b" {
+        nodes.swap(0, 1);
+    }
+    let survivor = id_of(&nodes[1]).await;
     let old_epoch = body["instance"]["epoch"].as_i64().unwrap();
     let old_pid = instance_pids(&nodes[0].data_dir, "alice", "main")[0];
     let uid_of = |pid: u32| {
@@ -1317,10 +1325,12 @@ async fn with_evidence_a_dead_holders_users_are_relaunched_elsewhere() {
     let b = &nodes[1];
     let main = eventually(
         Duration::from_secs(60),
-        "alice relaunched on node-b",
+        "alice relaunched on the survivor",
         || async {
             let main = b.main_of("alice").await;
-            (main["node"] == "node-b" && main["status"] == "running" && main["ready"] == true)
+            (main["node"] == survivor.as_str()
+                && main["status"] == "running"
+                && main["ready"] == true)
                 .then_some(main)
         },
     )
@@ -1363,16 +1373,16 @@ async fn a_forwarded_request_is_never_forwarded_again() {
     let db = fresh_db().await;
     let root = tempfile::tempdir().unwrap();
     let nodes = start_nodes(root.path(), &db, &["node-a", "node-b"], "").await;
-    let (a, b) = (&nodes[0], &nodes[1]);
 
-    // alice runs on node-a (placement breaks the tie by the smaller id).
-    let (status, body) = a.post("/users/alice/instance", json!({})).await;
+    // alice runs where placement puts her (`a`); `b` is the other node.
+    let (status, body) = nodes[0].post("/users/alice/instance", json!({})).await;
     assert_eq!(status, 201, "{body}");
-    assert_eq!(body["instance"]["node"], "node-a", "{body}");
+    let holder = holder_of(&nodes, &body).await;
+    let (a, b) = (&nodes[holder], &nodes[1 - holder]);
     let alice = pids_everywhere(&nodes, "alice");
     assert_eq!(alice.len(), 1, "{alice:?}");
 
-    // An ordinary request through node-b is forwarded to node-a…
+    // An ordinary request through `b` is forwarded to `a`…
     let token = a.user_token("alice").await;
     let r = b
         .http
@@ -1383,8 +1393,8 @@ async fn a_forwarded_request_is_never_forwarded_again() {
         .unwrap();
     assert_eq!(r.status().as_u16(), 200);
     assert!(r.text().await.unwrap().contains("alice"));
-    // …but one that node-b received as forwarded is not: node-b wakes
-    // alice itself, and its claim meets node-a's live lease (a browser's
+    // …but one that `b` received as forwarded is not: `b` wakes
+    // alice itself, and its claim meets `a`'s live lease (a browser's
     // navigation would get the starting page instead, whose reload is
     // routed afresh: `a_browser_through_another_node_…`).
     let (status, body) = forwarded_get(b, "alice").await;
@@ -1393,39 +1403,59 @@ async fn a_forwarded_request_is_never_forwarded_again() {
     assert_eq!(error["error"], "lease_busy", "{body}");
     assert_eq!(pids_everywhere(&nodes, "alice"), alice, "alice untouched");
 
-    // bob last ran on node-a, so placement sends him there (sticky)…
+    // bob last ran on the node placement chose for him (`home`; `away` is
+    // the other), so placement sends him there again (sticky)…
     let (status, body) = a.post("/users/bob/instance", json!({})).await;
     assert_eq!(status, 201, "{body}");
-    assert_eq!(body["instance"]["node"], "node-a", "{body}");
+    let bob_home = holder_of(&nodes, &body).await;
+    let (home, away) = (&nodes[bob_home], &nodes[1 - bob_home]);
+    let home_id = id_of(home).await;
     assert_eq!(a.delete("/users/bob/instance").await, 204);
     eventually(Duration::from_secs(30), "bob stopped", || async {
         pids_everywhere(&nodes, "bob").is_empty().then_some(())
     })
     .await;
     let bob_token = a.user_token("bob").await;
-    let r = b
+    let r = away
         .http
-        .get(format!("{}/u/bob/", b.url))
+        .get(format!("{}/u/bob/", away.url))
         .bearer_auth(&bob_token)
         .send()
         .await
         .unwrap();
     assert_eq!(r.status().as_u16(), 200);
-    assert_eq!(a.main_of("bob").await["node"], "node-a");
+    assert_eq!(a.main_of("bob").await["node"], home_id.as_str());
     assert_eq!(a.delete("/users/bob/instance").await, 204);
     eventually(Duration::from_secs(30), "bob stopped again", || async {
         pids_everywhere(&nodes, "bob").is_empty().then_some(())
     })
     .await;
-    // …yet a request forwarded to node-b wakes him on node-b, where it
+    // …yet a request forwarded to `away` wakes him on `away`, where it
     // landed.
-    let (status, page) = forwarded_get(b, "bob").await;
+    let (status, page) = forwarded_get(away, "bob").await;
     assert_eq!(status, 200, "{page}");
     assert!(page.contains(r#"<b id="user">bob</b>"#), "{page}");
-    assert_eq!(b.main_of("bob").await["node"], "node-b");
+    assert_eq!(b.main_of("bob").await["node"], id_of(away).await.as_str());
     let bob = pids_everywhere(&nodes, "bob");
     assert_eq!(bob.len(), 1, "{bob:?}");
-    assert_eq!(bob[0].0, 1, "bob runs on node-b: {bob:?}");
+    assert_eq!(bob[0].0, 1 - bob_home, "bob runs on `away`: {bob:?}");
+}
+
+/// Which of `nodes` runs the instance a launch answered with (its
+/// `instance.node`). Placement breaks ties between equally loaded nodes by
+/// a hash of the user, so a new user on an empty cluster may land on any
+/// node: a test that needs "the owner" and "another node" takes them from
+/// the answer.
+async fn holder_of(nodes: &[Node], launched: &Value) -> usize {
+    let holder = launched["instance"]["node"]
+        .as_str()
+        .unwrap_or_else(|| panic!("no node in {launched}"));
+    for (i, node) in nodes.iter().enumerate() {
+        if id_of(node).await == holder {
+            return i;
+        }
+    }
+    panic!("{holder} is none of the nodes: {launched}")
 }
 
 /// The id of `node`, as the nodes table has it (what a node-to-node call
@@ -1470,16 +1500,17 @@ async fn a_fence_acts_only_on_exactly_the_running_epoch() {
     let db = fresh_db().await;
     let root = tempfile::tempdir().unwrap();
     let nodes = start_nodes(root.path(), &db, &["node-a", "node-b"], "").await;
-    let (a, b) = (&nodes[0], &nodes[1]);
 
     // Two launches, so the running epoch has a real predecessor.
-    let (status, body) = a.post("/users/alice/instance", json!({})).await;
+    let (status, body) = nodes[0].post("/users/alice/instance", json!({})).await;
     assert_eq!(status, 201, "{body}");
     let first = body["instance"]["epoch"].as_i64().unwrap();
-    assert_eq!(a.delete("/users/alice/instance").await, 204);
-    let (status, body) = a.post("/users/alice/instance", json!({})).await;
+    assert_eq!(nodes[0].delete("/users/alice/instance").await, 204);
+    let (status, body) = nodes[0].post("/users/alice/instance", json!({})).await;
     assert_eq!(status, 201, "{body}");
-    assert_eq!(body["instance"]["node"], "node-a", "{body}");
+    // `a` runs her (placement's choice), `b` is the other node.
+    let holder = holder_of(&nodes, &body).await;
+    let (a, b) = (&nodes[holder], &nodes[1 - holder]);
     let epoch = body["instance"]["epoch"].as_i64().unwrap();
     assert!(epoch > first, "{first} then {epoch}");
     let running = a.running_main("alice", None).await;
@@ -1858,10 +1889,16 @@ impl Events {
 
 /// Launches `user` on `node` itself, the way another node asks it to.
 async fn launch_on(node: &Node, user: &str) -> Value {
+    launch_signed(node, &id_of(node).await, user).await
+}
+
+/// [`launch_on`] for a node whose id is known (`id_of` finds a node by the
+/// URL it advertises, which a node behind a relay does not share).
+async fn launch_signed(node: &Node, id: &str, user: &str) -> Value {
     let r = berth_testkit::signed_request(
         &node.http,
         SECRET,
-        &id_of(node).await,
+        id,
         reqwest::Method::POST,
         &node.internal(&format!("/users/{user}/launch")),
         Some(&json!({})),
@@ -1879,42 +1916,44 @@ fn token_of(answer: &Value) -> String {
     url.split_once("?token=").unwrap().1.to_owned()
 }
 
-/// Issue 10's acceptance: alice runs on node-a, bob on node-b, and every
-/// request below goes through node-b. Each operation acts on node-a, where
+/// Issue 10's acceptance: alice runs on `a` (the node placement chose), bob on `b`, and every
+/// request below goes through `b`. Each operation acts on `a`, where
 /// alice runs: her logs (and a followed log, streamed), restart (a new pid
-/// on node-a), probe, watchdog, restart-all (both nodes, each user with its
+/// on `a`), probe, watchdog, restart-all (both nodes, each user with its
 /// node), stop (the process is gone when the answer comes, the record is
-/// stopped), her stages streamed live, and a breaker reset. node-b never
+/// stopped), her stages streamed live, and a breaker reset. `b` never
 /// runs anything of alice's.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_operation_through_another_node_acts_on_the_owner() {
     let db = fresh_db().await;
     let root = tempfile::tempdir().unwrap();
     let nodes = start_gated_nodes(root.path(), &db, &["node-a", "node-b"]).await;
-    let (a, b) = (&nodes[0], &nodes[1]);
-    let (status, body) = a.post("/users/alice/instance", json!({})).await;
+    let (status, body) = nodes[0].post("/users/alice/instance", json!({})).await;
     assert_eq!(status, 201, "{body}");
-    assert_eq!(body["instance"]["node"], "node-a", "{body}");
-    // bob on node-b: asked of node-b the way another node asks (placement
-    // would break the tie between two empty nodes towards node-a).
+    // `a` is the node placement chose for alice, `b` the other.
+    let holder = holder_of(&nodes, &body).await;
+    let (a, b) = (&nodes[holder], &nodes[1 - holder]);
+    let (a_id, b_id) = (id_of(a).await, id_of(b).await);
+    // bob on `b`: asked of `b` the way another node asks, so he runs there
+    // whatever placement would choose.
     let body = launch_on(b, "bob").await;
-    assert_eq!(body["instance"]["node"], "node-b", "{body}");
+    assert_eq!(body["instance"]["node"], b_id.as_str(), "{body}");
     let mut alice = a.running_main("alice", None).await;
     let token = a.user_token("alice").await;
     let only_on_a = |pid: u64, what: &str| {
         assert_eq!(
             instance_pids(&a.data_dir, "alice", "main"),
             [pid as u32],
-            "{what}: alice on node-a"
+            "{what}: alice on `a`"
         );
         assert!(
             instance_pids(&b.data_dir, "alice", "main").is_empty(),
-            "{what}: nothing of alice's on node-b"
+            "{what}: nothing of alice's on `b`"
         );
     };
     only_on_a(alice["pid"].as_u64().unwrap(), "launched");
 
-    // logs: node-a's file (node-b has none), with her port on node-a.
+    // logs: `a`'s file (`b` has none), with her port on `a`.
     let (status, logs) = b.get("/users/alice/instance/logs?tail=10").await;
     assert_eq!(status, 200, "{logs}");
     let port = alice["port"].as_u64().unwrap();
@@ -1927,8 +1966,8 @@ async fn every_operation_through_another_node_acts_on_the_owner() {
         "{logs}"
     );
 
-    // logs, followed: one streamed answer through node-b; a restart
-    // through node-b (a new pid, on node-a) writes its new token line
+    // logs, followed: one streamed answer through `b`; a restart
+    // through `b` (a new pid, on `a`) writes its new token line
     // into it.
     let followed = b
         .http
@@ -1943,7 +1982,7 @@ async fn every_operation_through_another_node_acts_on_the_owner() {
     assert!(first.contains("berth-demo: "), "{first}");
     let (status, restarted) = b.post("/users/alice/instance/restart", json!({})).await;
     assert_eq!(status, 200, "{restarted}");
-    assert_eq!(restarted["instance"]["node"], "node-a", "{restarted}");
+    assert_eq!(restarted["instance"]["node"], a_id.as_str(), "{restarted}");
     let pid = restarted["instance"]["pid"].as_u64().unwrap();
     assert_ne!(Some(pid), alice["pid"].as_u64(), "a new process");
     assert!(
@@ -1962,9 +2001,9 @@ async fn every_operation_through_another_node_acts_on_the_owner() {
     }
     drop(lines);
 
-    // The CLI follows the same stream: `berth logs alice -f` against node-b
+    // The CLI follows the same stream: `berth logs alice -f` against `b`
     // prints the last line, then the next start's line when a probe
-    // through node-b restarts her on node-a.
+    // through `b` restarts her on `a`.
     let mut cli = berth()
         .command()
         .args(["logs", "alice", "-f", "--tail", "1"])
@@ -1995,7 +2034,7 @@ async fn every_operation_through_another_node_acts_on_the_owner() {
     assert_eq!(status, 200, "{report}");
     assert_eq!(report["ok"], true, "{report}");
     alice = a.running_main("alice", Some(pid)).await;
-    assert_eq!(alice["node"], "node-a", "{alice}");
+    assert_eq!(alice["node"], a_id.as_str(), "{alice}");
     only_on_a(alice["pid"].as_u64().unwrap(), "probed");
     loop {
         let line = next_printed(&printed);
@@ -2006,17 +2045,17 @@ async fn every_operation_through_another_node_acts_on_the_owner() {
     let _ = cli.kill();
     let _ = cli.wait();
 
-    // watchdog: started on node-a, in alice's home there.
+    // watchdog: started on `a`, in alice's home there.
     let (status, watchdog) = b.post("/users/alice/watchdog", json!({})).await;
     assert_eq!(status, 201, "{watchdog}");
-    assert_eq!(watchdog["node"], "node-a", "{watchdog}");
+    assert_eq!(watchdog["node"], a_id.as_str(), "{watchdog}");
     eventually(Duration::from_secs(30), "the watchdog's run", || async {
         std::fs::read_to_string(home_of(a, "alice").join("watchdog-ran"))
             .ok()
             .filter(|runs| runs.contains("watchdog"))
     })
     .await;
-    assert!(!home_of(b, "alice").exists(), "alice has no home on node-b");
+    assert!(!home_of(b, "alice").exists(), "alice has no home on `b`");
 
     // restart-all: both nodes, each user with its node, each restarted
     // where it runs.
@@ -2039,19 +2078,19 @@ async fn every_operation_through_another_node_acts_on_the_owner() {
     assert_eq!(
         results,
         [
-            ("alice".to_owned(), "node-a".to_owned(), true),
-            ("bob".to_owned(), "node-b".to_owned(), true)
+            ("alice".to_owned(), a_id.clone(), true),
+            ("bob".to_owned(), b_id.clone(), true)
         ],
         "{all}"
     );
     let restarted_bob = b.running_main("bob", bob["pid"].as_u64()).await;
-    assert_eq!(restarted_bob["node"], "node-b");
+    assert_eq!(restarted_bob["node"], b_id.as_str());
     assert_eq!(instance_pids(&b.data_dir, "bob", "main").len(), 1);
     let old = alice["pid"].as_u64();
     alice = a.running_main("alice", old).await;
     only_on_a(alice["pid"].as_u64().unwrap(), "restarted by restart-all");
 
-    // stop: when node-b answers, alice's process is gone and her record
+    // stop: when `b` answers, alice's process is gone and her record
     // says stopped.
     let pid = alice["pid"].as_u64().unwrap();
     assert_eq!(b.delete("/users/alice/instance").await, 204);
@@ -2064,12 +2103,12 @@ async fn every_operation_through_another_node_acts_on_the_owner() {
         assert_eq!(node.status_of("alice").await, "stopped", "via {}", node.url);
     }
 
-    // progress: alice's next start is held on node-a; her stages stream
-    // through node-b as they happen, and the stream ends once she is ready.
+    // progress: alice's next start is held on `a`; her stages stream
+    // through `b` as they happen, and the stream ends once she is ready.
     std::fs::write(home_of(a, "alice").join("hold"), "").unwrap();
     let (status, body) = b.post("/users/alice/instance?wait=false", json!({})).await;
     assert_eq!(status, 201, "{body}");
-    assert_eq!(body["instance"]["node"], "node-a", "sticky: {body}");
+    assert_eq!(body["instance"]["node"], a_id.as_str(), "sticky: {body}");
     let progress = b
         .http
         .get(b.api("/users/alice/instance/progress"))
@@ -2104,8 +2143,8 @@ async fn every_operation_through_another_node_acts_on_the_owner() {
     alice = a.running_main("alice", None).await;
     only_on_a(alice["pid"].as_u64().unwrap(), "relaunched");
 
-    // breaker/reset: a crash loop on node-a opens alice's breaker; a reset
-    // through node-b clears it.
+    // breaker/reset: a crash loop on `a` opens alice's breaker; a reset
+    // through `b` clears it.
     std::fs::write(home_of(a, "alice").join("crash"), "").unwrap();
     signal(
         alice["pid"].as_u64().unwrap() as u32,
@@ -2131,18 +2170,24 @@ async fn every_operation_through_another_node_acts_on_the_owner() {
     std::fs::remove_file(home_of(a, "alice").join("crash")).unwrap();
     let (status, body) = b.post("/users/alice/instance", json!({})).await;
     assert_eq!(status, 201, "a launch without force: {body}");
-    assert_eq!(body["instance"]["node"], "node-a", "{body}");
+    assert_eq!(body["instance"]["node"], a_id.as_str(), "{body}");
     assert!(instance_pids(&b.data_dir, "alice", "main").is_empty());
 
-    // status: dave ran on node-b, stopped, and runs on node-a now; node-b,
-    // which remembers him stopped, answers what node-a knows.
-    assert_eq!(launch_on(b, "dave").await["instance"]["node"], "node-b");
+    // status: dave ran on `b`, stopped, and runs on `a` now; `b`,
+    // which remembers him stopped, answers what `a` knows.
+    assert_eq!(
+        launch_on(b, "dave").await["instance"]["node"],
+        b_id.as_str()
+    );
     assert_eq!(b.delete("/users/dave/instance").await, 204);
-    assert_eq!(launch_on(a, "dave").await["instance"]["node"], "node-a");
+    assert_eq!(
+        launch_on(a, "dave").await["instance"]["node"],
+        a_id.as_str()
+    );
     let main = b.main_of("dave").await;
     assert_eq!(
         (main["node"].as_str(), main["status"].as_str()),
-        (Some("node-a"), Some("running")),
+        (Some(a_id.as_str()), Some("running")),
         "{main}"
     );
 }
@@ -2158,12 +2203,16 @@ async fn a_browser_through_another_node_sees_the_starting_page_at_once() {
     let db = fresh_db().await;
     let root = tempfile::tempdir().unwrap();
     let nodes = start_gated_nodes(root.path(), &db, &["node-a", "node-b"]).await;
-    let (a, b) = (&nodes[0], &nodes[1]);
-    // carol has run on node-a: her next start is placed there (sticky),
-    // and held.
-    let (status, body) = a.post("/users/carol/instance", json!({})).await;
+    // carol has run on one node (placement's choice, `a`): her next start
+    // is placed there (sticky), and held.
+    let (status, body) = nodes[0].post("/users/carol/instance", json!({})).await;
     assert_eq!(status, 201, "{body}");
-    assert_eq!(body["instance"]["node"], "node-a", "{body}");
+    let (a, b) = if body["instance"]["node"] == "node-b" {
+        (&nodes[1], &nodes[0])
+    } else {
+        (&nodes[0], &nodes[1])
+    };
+    let a_id = id_of(a).await;
     assert_eq!(a.delete("/users/carol/instance").await, 204);
     std::fs::write(home_of(a, "carol").join("hold"), "").unwrap();
 
@@ -2184,7 +2233,7 @@ async fn a_browser_through_another_node_sees_the_starting_page_at_once() {
     let main = a.main_of("carol").await;
     assert_eq!(
         (main["node"].as_str(), main["status"].as_str()),
-        (Some("node-a"), Some("starting")),
+        (Some(a_id.as_str()), Some("starting")),
         "{main}"
     );
     assert!(instance_pids(&b.data_dir, "carol", "main").is_empty());
@@ -2238,12 +2287,12 @@ async fn follow_logs(node: &Node, user: &str) -> reqwest::Response {
 }
 
 /// Issue 9's per-user stream cap holds on the node that runs a user however
-/// many nodes relay the user's streams: a followed log asked of node-b
-/// holds a slot on node-b and one on node-a, alice's owner. With
-/// `max_upgrades_per_user = 2`, two streams held on node-a stop a third
-/// relayed through node-b (node-a's `429 too_many_streams` comes back
-/// through node-b with its code), and two relayed through node-b stop a
-/// third asked of node-a directly, and one more asked of node-b. Closed
+/// many nodes relay the user's streams: a followed log asked of `b`
+/// holds a slot on `b` and one on `a`, alice's owner. With
+/// `max_upgrades_per_user = 2`, two streams held on `a` stop a third
+/// relayed through `b` (`a`'s `429 too_many_streams` comes back
+/// through `b` with its code), and two relayed through `b` stop a
+/// third asked of `a` directly, and one more asked of `b`. Closed
 /// streams give their slots back on both nodes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_relayed_stream_holds_a_slot_on_both_nodes() {
@@ -2266,10 +2315,11 @@ async fn a_relayed_stream_holds_a_slot_on_both_nodes() {
         .unwrap();
         nodes.push(node);
     }
-    let (a, b) = (&nodes[0], &nodes[1]);
-    let (status, body) = a.post("/users/alice/instance", json!({})).await;
+    let (status, body) = nodes[0].post("/users/alice/instance", json!({})).await;
     assert_eq!(status, 201, "{body}");
-    assert_eq!(body["instance"]["node"], "node-a", "{body}");
+    // `a` runs alice (placement's choice), `b` relays.
+    let holder = holder_of(&nodes, &body).await;
+    let (a, b) = (&nodes[holder], &nodes[1 - holder]);
     a.running_main("alice", None).await;
     let refused = |r: reqwest::Response, what: &'static str| async move {
         assert_eq!(r.status(), 429, "{what}");
@@ -2284,18 +2334,18 @@ async fn a_relayed_stream_holds_a_slot_on_both_nodes() {
         );
     };
 
-    // Two held on node-a: node-b admits a third, node-a refuses it.
+    // Two held on `a`: `b` admits a third, `a` refuses it.
     let mut direct = Vec::new();
     for _ in 0..2 {
         direct.push(Events::new(follow_logs(a, "alice").await));
     }
-    refused(follow_logs(b, "alice").await, "a third, through node-b").await;
+    refused(follow_logs(b, "alice").await, "a third, through `b`").await;
 
-    // Those closed, two through node-b: each a live stream of alice's log.
+    // Those closed, two through `b`: each a live stream of alice's log.
     drop(direct);
     let mut relayed = Vec::new();
     for n in 0..2 {
-        let r = eventually(Duration::from_secs(60), "node-a's slots back", || async {
+        let r = eventually(Duration::from_secs(60), "`a`'s slots back", || async {
             let r = follow_logs(b, "alice").await;
             (r.status() == 200).then_some(r)
         })
@@ -2306,8 +2356,8 @@ async fn a_relayed_stream_holds_a_slot_on_both_nodes() {
         assert!(first.contains("berth-demo: "), "{first}");
         relayed.push(lines);
     }
-    refused(follow_logs(a, "alice").await, "a third, on node-a itself").await;
-    refused(follow_logs(b, "alice").await, "a third, through node-b").await;
+    refused(follow_logs(a, "alice").await, "a third, on `a` itself").await;
+    refused(follow_logs(b, "alice").await, "a third, through `b`").await;
 
     drop(relayed);
     eventually(
@@ -2319,4 +2369,126 @@ async fn a_relayed_stream_holds_a_slot_on_both_nodes() {
         },
     )
     .await;
+}
+
+/// A login storm: `USERS` users launched at once, a third through each of
+/// three nodes (`[cluster] capacity = capacity` on each, or the default,
+/// the size of the port range). Every launch is answered 201 (none is
+/// refused for capacity), every user runs exactly once, and the live
+/// instances per node, by the store's records and by processes, are
+/// returned.
+async fn launch_storm(capacity: Option<u32>) -> std::collections::BTreeMap<String, usize> {
+    const USERS: usize = 90;
+    let db = fresh_db().await;
+    let root = tempfile::tempdir().unwrap();
+    let extra = capacity.map_or_else(String::new, |c| format!("[cluster]\ncapacity = {c}\n"));
+    let ids = ["node-a", "node-b", "node-c"];
+    let mut nodes = Vec::new();
+    for id in ids {
+        let (dir, db, extra) = (root.path().join(id), db.clone(), extra.clone());
+        // Leases as long as production's: 90 programs starting at once
+        // load a small test machine for seconds, which the short test
+        // leases would turn into fences and failovers.
+        let lease = "ttl_ms = 30000\nrenew_ms = 10000\nfence_after_ms = 20000\n";
+        nodes.push(Node::from(
+            tokio::task::spawn_blocking(move || {
+                berth().start_cluster_custom(&dir, &db, id, SECRET, lease, "", &extra)
+            })
+            .await
+            .unwrap(),
+        ));
+    }
+    // Every node has heartbeaten its capacity before the storm.
+    eventually(Duration::from_secs(30), "three nodes listed", || async {
+        let (_, listed) = nodes[0].get("/nodes").await;
+        let up = listed["nodes"].as_array().map_or(0, |n| {
+            n.iter()
+                .filter(|n| n["status"] == "up" && n["capacity"].as_u64() > Some(0))
+                .count()
+        });
+        (up == 3).then_some(())
+    })
+    .await;
+    let client = reqwest::Client::builder()
+        .pool_max_idle_per_host(USERS)
+        .timeout(Duration::from_secs(120))
+        .build()
+        .unwrap();
+    let launches = (0..USERS).map(|u| {
+        let node = &nodes[u % nodes.len()];
+        let request = client
+            .post(node.api(&format!("/users/storm{u}/instance?wait=false")))
+            .bearer_auth(&node.token)
+            .json(&json!({}));
+        async move {
+            match request.send().await {
+                Ok(r) => (
+                    r.status().as_u16(),
+                    r.json::<Value>().await.unwrap_or(Value::Null),
+                ),
+                Err(e) => (0, json!({ "transport": e.to_string() })),
+            }
+        }
+    });
+    let answers = futures_util::future::join_all(launches).await;
+    let refused: Vec<_> = answers
+        .iter()
+        .enumerate()
+        .filter(|(_, (status, _))| *status != 201)
+        .collect();
+    assert!(
+        refused.is_empty(),
+        "{} not created: {refused:?}",
+        refused.len()
+    );
+    // All of them come up.
+    eventually(Duration::from_secs(180), "every user running", || async {
+        let (_, listed) = nodes[0].get("/instances").await;
+        let running = listed["instances"].as_array().map_or(0, |all| {
+            all.iter()
+                .filter(|r| r["role"] == "main" && r["status"] == "running")
+                .count()
+        });
+        (running == USERS).then_some(())
+    })
+    .await;
+    let (_, listed) = nodes[0].get("/instances").await;
+    let mut per_node = std::collections::BTreeMap::<String, usize>::new();
+    for record in listed["instances"].as_array().unwrap() {
+        if record["role"] == "main" && record["status"] == "running" {
+            *per_node
+                .entry(record["node"].as_str().unwrap().to_owned())
+                .or_default() += 1;
+        }
+    }
+    // The processes agree: one per user, on the node its record names.
+    let mut by_process = std::collections::BTreeMap::<String, usize>::new();
+    for u in 0..USERS {
+        let user = format!("storm{u}");
+        let pids = pids_everywhere(&nodes, &user);
+        assert_eq!(pids.len(), 1, "{user}: {pids:?}");
+        *by_process.entry(ids[pids[0].0].to_owned()).or_default() += 1;
+    }
+    assert_eq!(per_node, by_process);
+    eprintln!("instances per node: {per_node:?}");
+    per_node
+}
+
+/// Three nodes of 40 take a storm of 90: all run, nothing is refused, no
+/// node holds more than 45 (nor more than its 40). Placement counts each
+/// node's leases and reserved places live, in the store, so the launches
+/// of a burst see each other instead of the nodes' last heartbeats.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_login_storm_spreads_over_nodes_of_forty() {
+    let per_node = launch_storm(Some(40)).await;
+    assert_eq!(per_node.values().sum::<usize>(), 90, "{per_node:?}");
+    assert!(per_node.values().all(|n| *n <= 40), "{per_node:?}");
+}
+
+/// Without capacity limits a storm of 90 is spread too: no node above 45.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_login_storm_spreads_without_capacity_limits() {
+    let per_node = launch_storm(None).await;
+    assert_eq!(per_node.len(), 3, "{per_node:?}");
+    assert!(per_node.values().all(|n| *n <= 45), "{per_node:?}");
 }

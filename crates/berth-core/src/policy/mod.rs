@@ -11,5 +11,5 @@ mod reap;
 pub mod supervision;
 
 pub use crash::{CrashDecision, CrashPolicy, CrashState, LaunchKind};
-pub use placement::{NodeState, NodeView, place};
+pub use placement::{NodeState, NodeView, no_room, place, places_left};
 pub use reap::{IdleAction, ReapCandidate, ReapPlan, ReapPolicy, plan_reaping, select_for_reaping};

@@ -11,8 +11,9 @@
 //!
 //! * [`Dialect`], on sqlx's database type: the store's clock as SQL, the two
 //!   bulk statements (renew, activity) whose lists SQLite takes as one JSON
-//!   array and PostgreSQL as parallel arrays, and the lock that makes mints
-//!   of one user take turns where the database does not serialise writers;
+//!   object and PostgreSQL as parallel arrays, and the locks that make mints
+//!   of one user, and placements, take turns where the database does not
+//!   serialise writers;
 //! * [`SqlBackend`], on the store type: its connection pool and how it
 //!   reports a database error (PostgreSQL names its server).
 //!
@@ -58,6 +59,12 @@ pub(crate) trait Dialect: Database<Row: RecordRow> {
     /// that mints of one user take turns across nodes; `None` where the
     /// database already serialises the transaction's writes.
     const LOCK_USER_TOKENS: Option<&'static str>;
+
+    /// Run first in a placement's transaction, so that placements take
+    /// turns across nodes and each counts the places the ones before it
+    /// reserved; `None` where the database already serialises the
+    /// transaction's writes.
+    const LOCK_PLACEMENTS: Option<&'static str>;
 
     /// Binds a list of (text, integer) pairs as the next argument(s) of
     /// [`Dialect::RENEW`] and [`Dialect::ACTIVITY`]: one bind however long

@@ -39,6 +39,7 @@ macro_rules! embedded_migrations {
             (7, "node_identity", embedded_migrations!(@file $dir, "0007_node_identity.sql")),
             (8, "hibernated", embedded_migrations!(@file $dir, "0008_hibernated.sql")),
             (9, "internal_url", embedded_migrations!(@file $dir, "0009_internal_url.sql")),
+            (10, "placements", embedded_migrations!(@file $dir, "0010_placements.sql")),
         ]
     };
     (@file $dir:literal, $name:literal) => {

@@ -55,6 +55,9 @@ pub(crate) struct Statements {
     pub(crate) nodes_list: String,
     pub(crate) node_claim: String,
     pub(crate) node_get: String,
+    pub(crate) placements_drop_expired: String,
+    pub(crate) placement_nodes: String,
+    pub(crate) placement_put: String,
     pub(crate) account_get: String,
     pub(crate) account_take_next: String,
     pub(crate) account_highest: String,
@@ -295,6 +298,33 @@ impl Statements {
                 "SELECT id, advertise_url, internal_url, capacity, load, status, heartbeat \
                  FROM nodes WHERE id = $1",
             ),
+
+            // --- placement ----------------------------------------------
+            placements_drop_expired: sql("DELETE FROM placements WHERE held_until < {now}"),
+            // Every node's row with `load` replaced by its live count: the
+            // leases it holds and has not released (expired ones too: their
+            // instance may still run there, frozen, until another node
+            // claims the lease), plus the places reserved for it whose
+            // user's lease has not been claimed since (a claim bumps the
+            // epoch past the reservation's, and the lease counts instead).
+            placement_nodes: sql(concat!(
+                "SELECT n.id, n.advertise_url, n.internal_url, n.capacity, n.status, n.heartbeat, {now} AS now, ",
+                "(SELECT count(*) FROM leases l WHERE l.holder = n.id AND NOT l.released) ",
+                "+ (SELECT count(*) FROM placements p WHERE p.node = n.id AND p.held_until >= {now} ",
+                "AND NOT EXISTS (SELECT 1 FROM leases l WHERE l.user_id = p.user_id AND l.epoch > p.epoch)",
+                ") AS load FROM nodes n ORDER BY n.id"
+            )),
+            // Reserves a place for user $1 on node $2 for $3 ms, recording
+            // the user's lease epoch now; replaces the user's earlier
+            // reservation. (`WHERE true` lets SQLite read the upsert after
+            // an INSERT … SELECT.)
+            placement_put: sql(concat!(
+                "INSERT INTO placements (user_id, node, epoch, held_until) ",
+                "SELECT $1, $2, COALESCE((SELECT epoch FROM leases WHERE user_id = $1), 0), ",
+                "{now} + $3 WHERE true ",
+                "ON CONFLICT (user_id) DO UPDATE SET node = excluded.node, ",
+                "epoch = excluded.epoch, held_until = excluded.held_until"
+            )),
 
             // --- accounts -----------------------------------------------
             account_get: sql("SELECT uid FROM accounts WHERE slug = $1"),

@@ -13,9 +13,9 @@ use super::rows::{
 };
 use super::{Dialect, SqlBackend};
 use crate::{
-    ACCOUNT_ATTEMPTS, ClaimOutcome, InstanceFilter, LaunchParams, LeaseRecord, MintOutcome,
-    NewToken, NodeClaim, NodeRecord, Store, StoreError, TakeoverPolicy, TokenOwner, TokenRecord,
-    UidRange, account_bounds, check_patch_size,
+    ACCOUNT_ATTEMPTS, ChooseNode, ClaimOutcome, InstanceFilter, LaunchParams, LeaseRecord,
+    MintOutcome, NewToken, NodeClaim, NodeRecord, Placement, Store, StoreError, TakeoverPolicy,
+    TokenOwner, TokenRecord, UidRange, account_bounds, check_patch_size,
 };
 
 #[async_trait]
@@ -107,6 +107,7 @@ impl<B: SqlBackend> Store for B {
         }
         let pairs = activity.iter().map(|(u, t)| (u.as_str(), *t)).collect();
         self.stmt(<B::Db as Dialect>::ACTIVITY)
+            .one_off()
             .bind_pairs(pairs)?
             .execute()
             .await?;
@@ -145,6 +146,7 @@ impl<B: SqlBackend> Store for B {
         let pairs = held.iter().map(|(u, e)| (u.as_str(), *e)).collect();
         let rows = self
             .stmt(<B::Db as Dialect>::RENEW)
+            .one_off()
             .bind(node)
             .bind(ttl_ms(ttl))
             .bind_pairs(pairs)?
@@ -455,6 +457,37 @@ impl<B: SqlBackend> Store for B {
                 "the row of node {node} vanished during its claim; try again"
             ))),
         }
+    }
+
+    async fn reserve_place(
+        &self,
+        user: &UserId,
+        hold: Duration,
+        choose: &ChooseNode<'_>,
+    ) -> Result<Placement, StoreError> {
+        let sql = self.sql();
+        let mut tx = Tx::begin(self).await?;
+        if let Some(lock) = <B::Db as Dialect>::LOCK_PLACEMENTS {
+            tx.stmt(lock).execute().await?;
+        }
+        tx.stmt(&sql.placements_drop_expired).execute().await?;
+        let rows = tx.stmt(&sql.placement_nodes).fetch_all().await?;
+        let mut nodes = Vec::with_capacity(rows.len());
+        for row in &rows {
+            let now: UnixMillis = get(row, "now")?;
+            nodes.push(node_from_row(row)?.view(now));
+        }
+        let node = choose(&nodes);
+        if let Some(node) = &node {
+            tx.stmt(&sql.placement_put)
+                .bind(user.as_str())
+                .bind(node)
+                .bind(ttl_ms(hold))
+                .execute()
+                .await?;
+        }
+        tx.commit().await?;
+        Ok(Placement { node, nodes })
     }
 
     async fn account_uid(&self, slug: &str, range: UidRange) -> Result<u32, StoreError> {

@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use axum::http::uri::Authority;
-use berth_core::policy::{NodeState, NodeView, place};
+use berth_core::policy::{NodeState, NodeView, no_room, place};
 use berth_core::{Epoch, SpawnError, UserId};
 use berth_proxy::Locate;
 use berth_store::{LeaseRecord, NodeRecord, NodeStatus, Store, StoreError};
@@ -35,6 +35,12 @@ use super::peer::{PeerClient, PeerNode};
 /// routing tolerate a second of staleness (the lease catches races), and
 /// the store is spared one query per request.
 pub const NODES_MAX_AGE: Duration = Duration::from_secs(1);
+/// How long a place reserved by placement counts against its node when the
+/// node never claims the user's lease (a launch that failed before its
+/// claim). A claim ends the reservation at once; this only bounds how long
+/// a failed launch makes its node look one fuller. Long enough for a busy
+/// node to reach the claim of a launch it was sent.
+const PLACE_HOLD: Duration = Duration::from_secs(30);
 /// How long a remote owner is remembered for the proxy.
 const OWNER_MAX_AGE: Duration = Duration::from_secs(1);
 /// Bound of the remote-owner cache.
@@ -86,26 +92,68 @@ pub enum Decision {
     Owner(String),
     /// No live lease, and placement chose another node: ask it to launch.
     Place(String),
-    /// No live lease, and no node can take a new instance.
-    NoCapacity,
+    /// No live lease, and no node can take a new instance: why, naming the
+    /// capacity left.
+    NoCapacity(String),
 }
 
-/// Design §7.3: a live lease held elsewhere names the owner; with none,
-/// place the instance (§8.3), sticky to the last holder.
-pub fn decide(me: &str, lease: Option<&LeaseView>, nodes: &[NodeView], ttl_ms: i64) -> Decision {
-    let holder = lease.and_then(|l| l.holder.as_deref());
-    if let (Some(holder), true) = (holder, lease.is_some_and(|l| l.live)) {
-        return if holder == me {
-            Decision::Local
-        } else {
-            Decision::Owner(holder.to_owned())
-        };
+impl Decision {
+    /// The node placement chose: `me` for [`Decision::Local`], the other
+    /// node for [`Decision::Place`]; `None` otherwise.
+    fn placed_on(&self, me: &str) -> Option<String> {
+        match self {
+            Decision::Local => Some(me.to_owned()),
+            Decision::Place(node) => Some(node.clone()),
+            Decision::Owner(_) | Decision::NoCapacity(_) => None,
+        }
     }
-    match place(holder, nodes, ttl_ms) {
+}
+
+/// What a live lease says: this node or another one holds it. `None`
+/// without a live lease (none, released, or expired): then the user is
+/// placed.
+fn owner(me: &str, lease: Option<&LeaseView>) -> Option<Decision> {
+    let lease = lease.filter(|l| l.live)?;
+    let holder = lease.holder.as_deref()?;
+    Some(if holder == me {
+        Decision::Local
+    } else {
+        Decision::Owner(holder.to_owned())
+    })
+}
+
+/// Where a launch goes once placement chose `chosen` (or nothing) among
+/// `nodes`, without the nodes in `refused`.
+fn placed(
+    me: &str,
+    chosen: Option<String>,
+    nodes: &[NodeView],
+    ttl_ms: i64,
+    refused: &[String],
+) -> Decision {
+    match chosen {
         Some(node) if node == me => Decision::Local,
         Some(node) => Decision::Place(node),
-        None => Decision::NoCapacity,
+        None => Decision::NoCapacity(no_room(nodes, ttl_ms, refused)),
     }
+}
+
+/// Where `user`'s launch goes: a live lease names the owner; with none,
+/// placement chooses among `nodes` (sticky to the last holder), passing
+/// over the nodes in `refused`.
+pub fn decide(
+    me: &str,
+    user: &UserId,
+    lease: Option<&LeaseView>,
+    nodes: &[NodeView],
+    ttl_ms: i64,
+    refused: &[String],
+) -> Decision {
+    owner(me, lease).unwrap_or_else(|| {
+        let sticky = lease.and_then(|l| l.holder.as_deref());
+        let chosen = place(user.as_str(), sticky, refused, nodes, ttl_ms);
+        placed(me, chosen, nodes, ttl_ms, refused)
+    })
 }
 
 /// Where a user's operations other than a launch run (stop, restart,
@@ -340,15 +388,28 @@ impl Cluster {
             .map(LeaseView::of))
     }
 
-    /// Where `user`'s main should be launched from, now ([`decide`]).
-    pub async fn decide(&self, user: &UserId) -> Result<Decision, SpawnError> {
+    /// Where `user`'s main should be launched from, now: the live lease's
+    /// holder, else the node placement chooses ([`decide`]'s rule), passing
+    /// over the nodes in `refused`. The choice is made inside the store's
+    /// placement step, against every node's live count, and a place is
+    /// reserved on the chosen node there, so the launches of a burst see
+    /// each other's choices instead of all picking the same node.
+    pub async fn decide(&self, user: &UserId, refused: &[String]) -> Result<Decision, SpawnError> {
         let lease = self.lease(user).await?;
-        let snapshot = self.snapshot(NODES_MAX_AGE).await?;
-        Ok(decide(
+        if let Some(owner) = owner(&self.node_id, lease.as_ref()) {
+            return Ok(owner);
+        }
+        let (me, ttl_ms) = (self.node_id.as_str(), self.ttl_ms());
+        let choose = |nodes: &[NodeView]| {
+            decide(me, user, lease.as_ref(), nodes, ttl_ms, refused).placed_on(me)
+        };
+        let placement = self.store.reserve_place(user, PLACE_HOLD, &choose).await?;
+        Ok(placed(
             &self.node_id,
-            lease.as_ref(),
-            &snapshot.views(),
-            self.ttl_ms(),
+            placement.node,
+            &placement.nodes,
+            ttl_ms,
+            refused,
         ))
     }
 
@@ -491,13 +552,6 @@ pub fn remote_locate(node: &PeerNode) -> Result<Locate, SpawnError> {
         endpoint,
         node: node.id.clone(),
     })
-}
-
-/// The error a [`Decision::NoCapacity`] is answered with.
-pub(crate) fn no_capacity() -> SpawnError {
-    SpawnError::CapacityExhausted(
-        "no live, up node of the cluster has room for a new instance".to_owned(),
-    )
 }
 
 /// Node views for the decision tables (here and in `failover`).
@@ -686,14 +740,45 @@ mod tests {
                 Decision::Local,
             ),
             (
-                "nobody has room",
+                "nobody has room: the refusal names the capacity left",
                 None,
                 &[up("a", 1, 1), up("b", 2, 2)],
-                Decision::NoCapacity,
+                Decision::NoCapacity(
+                    "no node of the cluster has room for a new instance: 0 of 3 places left \
+                     (a: 1 of 1 taken; b: 2 of 2 taken)"
+                        .into(),
+                ),
             ),
         ];
+        let alice = UserId::parse("alice").unwrap();
         for (name, lease, nodes, want) in cases {
-            assert_eq!(&decide("a", lease.as_ref(), nodes, TTL), want, "{name}");
+            assert_eq!(
+                &decide("a", &alice, lease.as_ref(), nodes, TTL, &[]),
+                want,
+                "{name}"
+            );
+        }
+        // Nodes that refused the launch are passed over: the next freest,
+        // then this node, then none.
+        let refused = |ids: &[&str]| ids.iter().map(|s| (*s).to_owned()).collect::<Vec<_>>();
+        let cases: &[(&[&str], Decision)] = &[
+            (&["b"], Decision::Place("c".into())),
+            (&["b", "c"], Decision::Local),
+            (
+                &["a", "b", "c"],
+                Decision::NoCapacity(
+                    "no node of the cluster has room for a new instance: 0 of 30 places left \
+                     (a: 5 of 10 taken, refused; b: 1 of 10 taken, refused; c: 3 of 10 taken, refused)"
+                        .into(),
+                ),
+            ),
+        ];
+        for (gone, want) in cases {
+            assert_eq!(
+                &decide("a", &alice, None, &nodes, TTL, &refused(gone)),
+                want,
+                "refused {gone:?}"
+            );
         }
     }
 

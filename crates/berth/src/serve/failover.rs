@@ -91,7 +91,7 @@ pub fn plan_failovers(
             steps.push(report("takeover = \"manual\": take it over explicitly"));
             continue;
         }
-        match place(Some(&e.holder), &nodes, ttl_ms) {
+        match place(e.user.as_str(), Some(&e.holder), &[], &nodes, ttl_ms) {
             Some(chosen) => {
                 if chosen == me {
                     steps.push(FailoverStep::Relaunch {

@@ -14,7 +14,9 @@
 //! They share one hop loop ([`Ops::hop`]): decide the node from the lease
 //! (a launch or probe by [`decide`], which may place a new instance; the
 //! rest by [`home`]); run here, or call that node; a `lease_busy` answer
-//! names the holder, which is followed, at most [`MAX_HOPS`] calls in all.
+//! names the holder, which is followed, at most [`MAX_HOPS`] times; a node
+//! that refuses a launch for capacity is passed over and the user placed
+//! again, until a node takes it or none has room.
 //! A call that arrived from another node ([`Via::Peer`]) is never
 //! forwarded again: it runs here, after checking that no other node holds
 //! the lease (else it answers `lease_busy`, and the caller follows). So a
@@ -43,13 +45,14 @@ use serde::de::IgnoredAny;
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
-use super::cluster::{Cluster, Decision, no_capacity, remote_locate};
+use super::cluster::{Cluster, Decision, remote_locate};
 use super::peer::{PeerClient, PeerNode, UserCall};
 use crate::sse::{LOG_LINE_EVENT, STAGE_EVENT};
 
-/// Calls to other nodes per operation, in all: a `lease_busy` answer is
-/// followed to the holder it names, twice at most (nodes' views differ
-/// for a moment; they never loop long).
+/// Calls per operation answered `lease_busy`: such an answer is followed
+/// to the holder it names, twice at most (nodes' views differ for a
+/// moment; they never loop long). Refusals for capacity are not counted:
+/// each passes over one node, so they end with the nodes.
 pub const MAX_HOPS: usize = 3;
 /// Added to a remote call's budget for the network and the callee's own
 /// bookkeeping.
@@ -228,14 +231,20 @@ impl Ops {
             return op.local(self, user).await;
         }
         let me = cluster.node_id();
+        // Nodes that refused this launch for capacity: placed again
+        // without them, so a user is refused only when no node has room.
+        let mut refused: Vec<String> = Vec::new();
         let mut decision = match O::ROUTE {
-            Route::Launch => cluster.decide(user).await?,
+            Route::Launch => cluster.decide(user, &refused).await?,
             Route::Home => cluster.home(user).await?,
         };
-        for _ in 0..MAX_HOPS {
+        let mut calls = 0;
+        while calls < MAX_HOPS {
             let (result, tried) = match &decision {
                 Decision::Local => (op.local(self, user).await, me.to_owned()),
-                Decision::NoCapacity => return Err(no_capacity()),
+                Decision::NoCapacity(why) => {
+                    return Err(SpawnError::CapacityExhausted(why.clone()));
+                }
                 Decision::Owner(node) | Decision::Place(node) => {
                     let target = Target {
                         node: cluster.peer(node).await?,
@@ -252,11 +261,22 @@ impl Ops {
                     expired: false,
                     ..
                 }) if !holder.is_empty() && holder != tried => {
+                    calls += 1;
                     decision = if holder == me {
                         Decision::Local
                     } else {
                         Decision::Owner(holder)
                     };
+                }
+                // The node chosen for a new instance is full by its own
+                // count (the store's differed): place the user again
+                // without it. Each node is passed over once, so this ends.
+                Err(SpawnError::CapacityExhausted(why))
+                    if O::ROUTE == Route::Launch && !refused.contains(&tried) =>
+                {
+                    tracing::info!(%user, node = %tried, %why, "the node refused a launch for capacity; placing it elsewhere");
+                    refused.push(tried);
+                    decision = cluster.decide(user, &refused).await?;
                 }
                 other => return other,
             }
