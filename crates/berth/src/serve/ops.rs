@@ -591,11 +591,11 @@ impl UserOp for Launch {
     }
 
     async fn remote(&self, ops: &Ops, to: &Target, user: &UserId) -> Result<Launched, SpawnError> {
-        let budget = if self.wait {
-            ops.budgets.ready_timeout + MARGIN
-        } else {
-            MARGIN
-        };
+        // Even without waiting for readiness, the callee starts the
+        // program before it answers, and a login storm queues starts on
+        // every node: a slow answer is a busy node, not a lost one, so
+        // either way the call may take as long as a start may.
+        let budget = ops.budgets.ready_timeout + MARGIN;
         let body = serde_json::to_value(&self.request)
             .map_err(|e| SpawnError::Internal(format!("cannot encode a launch: {e}")))?;
         let call = UserCall::post("launch", budget)

@@ -306,9 +306,17 @@ impl PeerClient {
 }
 
 fn unreachable_peer(node: &str, base: &str, e: &reqwest::Error) -> SpawnError {
+    // reqwest's own message ("error sending request") hides the cause:
+    // a refused connection, a timeout, a connection the peer closed.
+    let mut reason = format!("{base}: {e}");
+    let mut source = std::error::Error::source(e);
+    while let Some(cause) = source {
+        reason.push_str(&format!(": {cause}"));
+        source = cause.source();
+    }
     SpawnError::NodeUnreachable {
         node: node.to_owned(),
-        reason: format!("{base}: {e}"),
+        reason,
     }
 }
 
