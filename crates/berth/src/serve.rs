@@ -373,6 +373,11 @@ async fn runtime(
     let local = LocalRuntime::new(local, Some(accounts))
         .await
         .context("cannot start the local runtime")?;
+    // Others' leftovers cost every packet of the host; failing to remove
+    // them costs this berth nothing.
+    if let Err(e) = local.sweep_leftovers(&data_lock::in_use).await {
+        tracing::warn!(error = %e, "cannot remove the leftovers of gone berths");
+    }
     Ok(local)
 }
 

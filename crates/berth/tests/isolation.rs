@@ -1277,6 +1277,103 @@ async fn a_hundred_start_stop_cycles_leave_nothing_behind() {
     );
 }
 
+/// Whether the nftables table of the berth with `data_dir` exists.
+fn table_listed(data_dir: &Path) -> bool {
+    let table = berth_local::isolation::nft_table_name(&data_dir.canonicalize().unwrap());
+    let out = Command::new("nft")
+        .args(["list", "tables", "inet"])
+        .output()
+        .unwrap();
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .any(|l| l.trim() == format!("table inet {table}"))
+}
+
+/// What a berth at `user` leaves in the kernel: its table and cgroup
+/// parents stay while an instance of it may be adopted, and go once none
+/// can be: at its graceful stop with none left, else at the start of the
+/// next berth on the host once it is gone (killed, or its data dir
+/// deleted) with none left.
+#[tokio::test(flavor = "multi_thread")]
+async fn leftovers_stay_while_an_instance_may_need_them_and_go_after() {
+    if !privileged("leftovers") {
+        return;
+    }
+    let slot = slot();
+    let config = |ports: u16, uids: u32| {
+        format!(
+            "[instance]\nport_range = [{ports}, {}]\n\n\
+             [isolation]\nmode = \"user\"\nbase_uid = {uids}\nuid_count = 100\n",
+            ports + 9,
+        )
+    };
+    let leftovers = |node: &Node| {
+        (
+            table_listed(&node.data_dir),
+            support::cgroup_parents(&node.data_dir).len(),
+        )
+    };
+    let start_one = |i: u16, dir: &Path| {
+        Node::start(
+            dir,
+            &config(slot.ports + i * 10, slot.base_uid + u32::from(i) * 100),
+        )
+    };
+    let dirs: Vec<_> = (0..4).map(|_| tempfile::tempdir().unwrap()).collect();
+
+    // A stops gracefully with no instance left: nothing stays.
+    let mut a = start_one(0, dirs[0].path());
+    launch(&a, "passing").await;
+    assert_eq!(
+        leftovers(&a),
+        (true, 4),
+        "table, and memory, pids, cpu, freezer"
+    );
+    assert_eq!(a.delete("/users/passing/instance").await, 204);
+    assert!(a.terminate().success());
+    assert_eq!(leftovers(&a), (false, 0));
+
+    // B is killed with an instance running, C and D with none; then D's
+    // data dir is deleted.
+    let mut b = start_one(1, dirs[1].path());
+    let staying = launch(&b, "staying").await;
+    b.kill9();
+    let mut gone = Vec::new();
+    for (i, dir) in [(2, dirs[2].path()), (3, dirs[3].path())] {
+        let mut node = start_one(i, dir);
+        launch(&node, "brief").await;
+        assert_eq!(node.delete("/users/brief/instance").await, 204);
+        node.kill9();
+        gone.push(node);
+    }
+    let d_parents: Vec<PathBuf> = support::cgroup_parents(&gone[1].data_dir)
+        .into_iter()
+        .map(|(_, p)| p)
+        .collect();
+    let d_table = berth_local::isolation::nft_table_name(&gone[1].data_dir.canonicalize().unwrap());
+    std::fs::remove_dir_all(&gone[1].data_dir).unwrap();
+
+    // The next berth on the host removes C's and D's, and keeps B's.
+    let next_dir = tempfile::tempdir().unwrap();
+    let next = start_one(0, next_dir.path());
+    assert_eq!(leftovers(&gone[0]), (false, 0), "C: its berth is gone");
+    let listed = Command::new("nft")
+        .args(["list", "tables"])
+        .output()
+        .unwrap();
+    assert!(
+        !String::from_utf8_lossy(&listed.stdout).contains(&d_table),
+        "D: its data dir is gone"
+    );
+    assert!(d_parents.iter().all(|p| !p.exists()), "{d_parents:?}");
+    assert_eq!(leftovers(&b), (true, 4), "B's instance may be adopted");
+    assert!(alive(staying["pid"].as_u64().unwrap()));
+    assert!(table_listed(&next.data_dir));
+
+    b.kill_instances();
+    support::remove_isolation_leftovers(&b.data_dir);
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn adopted_instances_stay_confined_and_keep_their_limits_after_a_restart() {
     if !privileged("survival") {

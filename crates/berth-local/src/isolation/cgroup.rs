@@ -355,6 +355,43 @@ impl Parents {
             Parents::V2 { parent } => vec![parent],
         }
     }
+
+    /// Whether any process lives in a cgroup under these parents: an
+    /// instance of their berth runs (or is frozen). A directory that
+    /// cannot be read counts as holding one.
+    pub fn hold_processes(&self) -> bool {
+        self.dirs().into_iter().any(|parent| {
+            let entries = match fs::read_dir(parent) {
+                Ok(entries) => entries,
+                Err(e) => return e.kind() != io::ErrorKind::NotFound,
+            };
+            entries
+                .filter_map(Result::ok)
+                .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
+                .any(|leaf| {
+                    fs::read_to_string(leaf.path().join("cgroup.procs"))
+                        .map_or(true, |procs| !parse_procs(&procs).is_empty())
+                })
+        })
+    }
+
+    /// Removes the parents and the empty instance cgroups under them, once
+    /// their berth has no instance left ([`Parents::hold_processes`]).
+    /// Returns what could not be removed.
+    pub fn remove(&self) -> Vec<(PathBuf, io::Error)> {
+        let mut failed = Vec::new();
+        for parent in self.dirs() {
+            let leaves = fs::read_dir(parent).into_iter().flatten().flatten();
+            let leaves = leaves.filter(|e| e.file_type().is_ok_and(|t| t.is_dir()));
+            for dir in leaves.map(|e| e.path()).chain([parent.to_owned()]) {
+                match fs::remove_dir(&dir) {
+                    Err(e) if e.kind() != io::ErrorKind::NotFound => failed.push((dir, e)),
+                    _ => {}
+                }
+            }
+        }
+        failed
+    }
 }
 
 /// The files and values that give a v1 cgroup `limits`, per controller

@@ -2,9 +2,11 @@
 //!
 //! Construction: owner matching (`meta skuid`) on the `output` hook, in
 //! one `inet` table per berth (named after its data dir, so berths on one
-//! host never touch each other's rules). Every rule applies only to
-//! sockets owned by a uid of the configured account range; berth (root)
-//! and every other local user are untouched.
+//! host never touch each other's rules; the table's comment names the data
+//! dir). Every rule applies only to sockets owned by a uid of the
+//! configured account range: the output chain's one rule sends those to
+//! the chain `instance`, so every other packet of the host (berth's, other
+//! users') costs one comparison per berth table.
 //!
 //! * **port guard**: an instance uid may open a TCP connection to a port
 //!   of the instance port range only if the pair `uid . port` is in the
@@ -79,10 +81,68 @@ pub struct ListenerCap {
     pub per_account: u32,
 }
 
+/// The comment of the table of the berth whose data dir is `data_dir`,
+/// which a later berth reads to find that data dir (see
+/// [`table_data_dir`]); `None` for a path nft cannot quote or hold.
+pub fn table_comment(data_dir: &Path) -> Option<String> {
+    let dir = data_dir.to_str()?;
+    let fits = COMMENT_PREFIX.len() + dir.len() <= COMMENT_MAX;
+    (fits && !dir.contains(['"', '\n', '\\'])).then(|| format!("{COMMENT_PREFIX}{dir}"))
+}
+
+/// What a table comment starts with; the data dir follows.
+const COMMENT_PREFIX: &str = "berth data dir ";
+/// The longest comment nft takes, in bytes.
+const COMMENT_MAX: usize = 128;
+
+/// One table as `nft -a -t list table` shows it: the data dir its comment
+/// names and its handle, which a table made again in its place does not
+/// share.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ListedTable {
+    pub data_dir: PathBuf,
+    pub handle: u64,
+}
+
+/// The table in `listing` (the output of `nft -a -t list table inet
+/// <table>`), if its comment is one of berth's.
+pub fn parse_listed_table(listing: &str) -> Option<ListedTable> {
+    let handle = listing
+        .lines()
+        .next()?
+        .split_once("# handle ")?
+        .1
+        .trim()
+        .parse()
+        .ok()?;
+    let data_dir = listing.lines().find_map(|line| {
+        let quoted = line.trim().strip_prefix("comment \"")?.strip_suffix('"')?;
+        Some(PathBuf::from(quoted.strip_prefix(COMMENT_PREFIX)?))
+    })?;
+    Some(ListedTable { data_dir, handle })
+}
+
+/// berth's tables in `listing` (the output of `nft list tables`).
+pub fn berth_tables(listing: &str) -> Vec<String> {
+    listing
+        .lines()
+        .filter_map(|line| line.trim().strip_prefix("table inet "))
+        .filter(|name| is_table_name(name))
+        .map(str::to_owned)
+        .collect()
+}
+
+/// Whether `name` has the form [`table_name`] gives.
+fn is_table_name(name: &str) -> bool {
+    name.strip_prefix("berth_")
+        .is_some_and(|hex| hex.len() == 8 && hex.bytes().all(|b| b.is_ascii_hexdigit()))
+}
+
 /// The whole table as an `nft -f` script that replaces any table of that
 /// name in one transaction. `own_ports` starts empty.
 pub fn ruleset(
     table: &str,
+    comment: Option<&str>,
     uids: UidRange,
     ports: &RangeInclusive<u16>,
     listeners: &ListenerCap,
@@ -101,7 +161,7 @@ pub fn ruleset(
                 "\tset berth_conns {\n\t\ttype uid\n\t\tsize 65535\n\t\tflags dynamic\n\t}\n"
                     .to_owned(),
                 format!(
-                    "\t\t{who} tcp dport {{ {} }} fib daddr type local ct state new \
+                    "\t\ttcp dport {{ {} }} fib daddr type local ct state new \
                      add @berth_conns {{ meta skuid ct count over {} }} reject with tcp reset\n",
                     list.join(", "),
                     listeners.per_account
@@ -109,23 +169,30 @@ pub fn ruleset(
             )
         }
     };
+    let comment = comment
+        .map(|c| format!("\tcomment \"{c}\"\n"))
+        .unwrap_or_default();
     format!(
         "table inet {table} {{}}\n\
          delete table inet {table}\n\
          table inet {table} {{\n\
+         {comment}\
          \tset own_ports {{\n\
          \t\ttype uid . inet_service\n\
          \t}}\n\
          {conns_set}\
+         \tchain instance {{\n\
+         {conns_rule}\
+         \t\ttcp dport {range} meta skuid . tcp dport @own_ports accept\n\
+         \t\ttcp dport {range} reject with tcp reset\n\
+         \t\tip daddr {{ {v4} }} reject\n\
+         \t\tip6 daddr {{ {v6} }} reject\n\
+         \t\tfib daddr type local ip daddr != 127.0.0.0/8 reject\n\
+         \t\tfib daddr type local ip6 daddr != ::1 reject\n\
+         \t}}\n\
          \tchain output {{\n\
          \t\ttype filter hook output priority filter; policy accept;\n\
-         {conns_rule}\
-         \t\t{who} tcp dport {range} meta skuid . tcp dport @own_ports accept\n\
-         \t\t{who} tcp dport {range} reject with tcp reset\n\
-         \t\t{who} ip daddr {{ {v4} }} reject\n\
-         \t\t{who} ip6 daddr {{ {v6} }} reject\n\
-         \t\t{who} fib daddr type local ip daddr != 127.0.0.0/8 reject\n\
-         \t\t{who} fib daddr type local ip6 daddr != ::1 reject\n\
+         \t\t{who} jump instance\n\
          \t}}\n\
          }}\n"
     )
@@ -155,28 +222,44 @@ async fn run_nft(
     what: &'static str,
     script: &str,
 ) -> Result<(), GuardError> {
+    nft_output(nft, &["-f", "-"], Some(script), table, what)
+        .await
+        .map(drop)
+}
+
+/// Runs `nft args`, with `stdin` as its input, and returns what it printed.
+async fn nft_output(
+    nft: &Path,
+    args: &[&str],
+    stdin: Option<&str>,
+    table: &str,
+    what: &'static str,
+) -> Result<String, GuardError> {
     let spawn_error = |source| GuardError::Spawn {
         nft: nft.to_owned(),
         source,
     };
     let mut child = tokio::process::Command::new(nft)
-        .args(["-f", "-"])
+        .args(args)
         .env_clear()
-        .stdin(Stdio::piped())
-        .stdout(Stdio::null())
+        .stdin(if stdin.is_some() {
+            Stdio::piped()
+        } else {
+            Stdio::null()
+        })
+        .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .kill_on_drop(true)
         .spawn()
         .map_err(spawn_error)?;
-    if let Some(mut stdin) = child.stdin.take() {
-        stdin
-            .write_all(script.as_bytes())
+    if let (Some(mut pipe), Some(script)) = (child.stdin.take(), stdin) {
+        pipe.write_all(script.as_bytes())
             .await
             .map_err(spawn_error)?;
     }
     let out = child.wait_with_output().await.map_err(spawn_error)?;
     if out.status.success() {
-        Ok(())
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
     } else {
         Err(GuardError::Refused {
             what,
@@ -191,6 +274,8 @@ async fn run_nft(
 pub(crate) struct Guard {
     nft: PathBuf,
     table: String,
+    /// See [`table_comment`].
+    comment: Option<String>,
     uids: UidRange,
     ports: RangeInclusive<u16>,
     listeners: ListenerCap,
@@ -201,14 +286,15 @@ pub(crate) struct Guard {
 impl Guard {
     pub fn new(
         nft: PathBuf,
-        table: String,
+        data_dir: &Path,
         uids: UidRange,
         ports: RangeInclusive<u16>,
         listeners: ListenerCap,
     ) -> Guard {
         Guard {
             nft,
-            table,
+            table: table_name(data_dir),
+            comment: table_comment(data_dir),
             uids,
             ports,
             listeners,
@@ -224,7 +310,13 @@ impl Guard {
     /// transaction: the rules never lapse, and a previous berth's pairs are
     /// gone.
     pub async fn install(&self) -> Result<(), GuardError> {
-        let script = ruleset(&self.table, self.uids, &self.ports, &self.listeners);
+        let script = ruleset(
+            &self.table,
+            self.comment.as_deref(),
+            self.uids,
+            &self.ports,
+            &self.listeners,
+        );
         run_nft(&self.nft, &self.table, "creation", &script).await?;
         self.granted
             .lock()
@@ -273,10 +365,40 @@ impl Guard {
         .await
     }
 
-    /// Deletes this berth's table, if there is one (at level `none`, so a
-    /// table left by an earlier run at another level does not linger).
+    /// Deletes this berth's table.
+    pub async fn remove(&self) -> Result<(), GuardError> {
+        Self::remove_table(&self.nft, &self.table).await
+    }
+
+    /// Deletes the table `table`, if there is one.
     pub async fn remove_table(nft: &Path, table: &str) -> Result<(), GuardError> {
         let script = format!("table inet {table} {{}}\ndelete table inet {table}\n");
+        run_nft(nft, table, "removal", &script).await
+    }
+
+    /// The names of every berth's table on this host.
+    pub async fn list_tables(nft: &Path) -> Result<Vec<String>, GuardError> {
+        let listing = nft_output(nft, &["list", "tables", "inet"], None, "*", "listing").await?;
+        Ok(berth_tables(&listing))
+    }
+
+    /// `table` as listed now, if its comment is one of berth's.
+    pub async fn listed(nft: &Path, table: &str) -> Result<Option<ListedTable>, GuardError> {
+        let listing = nft_output(
+            nft,
+            &["-a", "-t", "list", "table", "inet", table],
+            None,
+            table,
+            "listing",
+        )
+        .await?;
+        Ok(parse_listed_table(&listing))
+    }
+
+    /// Deletes the table `table` if it is still the one with `handle`: a
+    /// berth that made it again meanwhile keeps its own.
+    pub async fn remove_listed(nft: &Path, table: &str, handle: u64) -> Result<(), GuardError> {
+        let script = format!("delete table inet handle {handle}\n");
         run_nft(nft, table, "removal", &script).await
     }
 }
@@ -295,21 +417,41 @@ mod tests {
             ports: vec![8000, 9464],
             per_account: 50,
         };
-        let script = ruleset("berth_0a1b2c3d", uids, &(20000..=20099), &listeners);
+        let script = ruleset(
+            "berth_0a1b2c3d",
+            Some("berth data dir /var/lib/berth"),
+            uids,
+            &(20000..=20099),
+            &listeners,
+        );
         assert!(
             script.starts_with("table inet berth_0a1b2c3d {}\ndelete table inet berth_0a1b2c3d\n")
         );
         for rule in [
-            "meta skuid 200000-200999 tcp dport 20000-20099 meta skuid . tcp dport @own_ports accept",
-            "meta skuid 200000-200999 tcp dport 20000-20099 reject with tcp reset",
-            "meta skuid 200000-200999 ip daddr { 169.254.169.254, 100.100.100.200 } reject",
-            "meta skuid 200000-200999 fib daddr type local ip daddr != 127.0.0.0/8 reject",
-            "meta skuid 200000-200999 tcp dport { 8000, 9464 } fib daddr type local ct state new \
+            "comment \"berth data dir /var/lib/berth\"",
+            "tcp dport 20000-20099 meta skuid . tcp dport @own_ports accept",
+            "tcp dport 20000-20099 reject with tcp reset",
+            "ip daddr { 169.254.169.254, 100.100.100.200 } reject",
+            "fib daddr type local ip daddr != 127.0.0.0/8 reject",
+            "tcp dport { 8000, 9464 } fib daddr type local ct state new \
              add @berth_conns { meta skuid ct count over 50 } reject with tcp reset",
             "set berth_conns {\n\t\ttype uid\n\t\tsize 65535\n\t\tflags dynamic\n\t}",
         ] {
             assert!(script.contains(rule), "{rule} missing from\n{script}");
         }
+        // Every packet not an instance's costs the output chain one match.
+        let output = script.split("chain output").nth(1).unwrap();
+        let rules: Vec<&str> = output
+            .lines()
+            .map(str::trim)
+            .filter(|l| !l.is_empty() && !l.starts_with("type ") && !l.starts_with('}'))
+            .filter(|l| *l != "{")
+            .collect();
+        assert_eq!(
+            rules,
+            ["meta skuid 200000-200999 jump instance"],
+            "{output}"
+        );
         // No listener, or no cap: no set and no rule.
         for none in [
             ListenerCap::default(),
@@ -318,7 +460,7 @@ mod tests {
                 per_account: 0,
             },
         ] {
-            let script = ruleset("berth_x", uids, &(20000..=20099), &none);
+            let script = ruleset("berth_x", None, uids, &(20000..=20099), &none);
             assert!(!script.contains("berth_conns"), "{script}");
         }
         assert_eq!(
@@ -335,6 +477,37 @@ mod tests {
         assert_eq!(a, table_name(Path::new("/var/lib/berth")));
         assert_eq!(a.len(), "berth_".len() + 8);
         assert!(a.chars().all(|c| c.is_ascii_alphanumeric() || c == '_'));
+    }
+
+    #[test]
+    fn a_tables_comment_names_its_data_dir_for_a_later_berth() {
+        let dir = Path::new("/var/lib/berth two");
+        let comment = table_comment(dir).unwrap();
+        // As `nft -t list table` prints it.
+        let listing = format!(
+            "table inet berth_0a1b2c3d {{ # handle 4412\n\tcomment \"{comment}\"\n\
+             \tset own_ports {{ # handle 2\n\t}}\n}}\n"
+        );
+        assert_eq!(
+            parse_listed_table(&listing),
+            Some(ListedTable {
+                data_dir: dir.to_owned(),
+                handle: 4412
+            })
+        );
+        let no_comment = "table inet berth_0a1b2c3d { # handle 7\n}\n";
+        assert_eq!(parse_listed_table(no_comment), None);
+        let other = "table inet x { # handle 7\n\tcomment \"other\"\n}\n";
+        assert_eq!(parse_listed_table(other), None);
+        // Paths nft cannot quote, or too long for a comment: no comment.
+        assert_eq!(table_comment(Path::new("/a\"b")), None);
+        assert_eq!(table_comment(&Path::new("/").join("d".repeat(120))), None);
+        assert_eq!(
+            berth_tables(
+                "table inet berth_0a1b2c3d\ntable ip nat\ntable inet berth_zz\ntable inet filter\n"
+            ),
+            ["berth_0a1b2c3d"]
+        );
     }
 
     #[test]

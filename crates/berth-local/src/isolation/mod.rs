@@ -30,6 +30,7 @@ pub(crate) mod child;
 pub(crate) mod etc;
 pub(crate) mod fsafe;
 pub(crate) mod guard;
+pub(crate) mod leftovers;
 pub mod sweep;
 
 use std::path::{Path, PathBuf};
@@ -206,10 +207,7 @@ impl Isolator {
             Some(path) => format!("at {}", path.display()),
             None => "in PATH, /usr/sbin and /sbin".to_owned(),
         };
-        let nft = match nft {
-            Some(path) => path.is_file().then(|| path.to_owned()),
-            None => guard::find_nft(std::env::var("PATH").ok().as_deref()),
-        };
+        let nft = resolve_nft(nft);
         let table = guard::table_name(data_dir);
         if level == Isolation::None {
             if let Some(nft) = nft.filter(|_| nix::unistd::geteuid().is_root()) {
@@ -232,7 +230,8 @@ impl Isolator {
         if !clashes.is_empty() {
             let names: Vec<String> = clashes.iter().map(|(n, u)| format!("{n} ({u})")).collect();
             return Err(HostError::Config(format!(
-                "the account uid range {}-{} includes accounts of this host: {}; instances must                  never share a uid with them; choose another [isolation] base_uid",
+                "the account uid range {}-{} includes accounts of this host: {}; instances must \
+                 never share a uid with them; choose another [isolation] base_uid",
                 uids.first,
                 uids.last().unwrap_or(uids.first),
                 names.join(", ")
@@ -278,13 +277,22 @@ impl Isolator {
             }
         };
         let nft = nft.ok_or(HostError::NoNft { level, looked })?;
-        let guard = guard::Guard::new(nft, table, uids, ports.clone(), listeners.clone());
+        let guard = guard::Guard::new(nft, data_dir, uids, ports.clone(), listeners.clone());
         guard.install().await?;
         Ok(Some(Isolator {
             level,
             guard,
             cgroups,
         }))
+    }
+}
+
+/// The `nft` program: the configured one if it exists, else the one found
+/// in `PATH`, /usr/sbin or /sbin.
+pub(crate) fn resolve_nft(configured: Option<&Path>) -> Option<PathBuf> {
+    match configured {
+        Some(path) => path.is_file().then(|| path.to_owned()),
+        None => guard::find_nft(std::env::var("PATH").ok().as_deref()),
     }
 }
 

@@ -39,7 +39,7 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use crate::isolation::{Account, Isolator, Limits, UidRange};
+use crate::isolation::{Account, Isolator, Limits, UidRange, leftovers};
 use crate::paths::{UserPaths, check_socket_room, create_private_dir};
 use crate::ports::{PortPool, bind_free};
 use crate::shim::{ShimCommand, ShimError, ShimHandle, ShimLauncher};
@@ -184,6 +184,25 @@ fn spawn_failed(e: ShimError) -> RuntimeError {
 }
 
 impl LocalRuntime {
+    /// Removes the nftables tables and cgroup parents that other berths
+    /// of this host left behind and no instance needs (see
+    /// [`crate::isolation::leftovers`]): as root, where `nft` is found.
+    /// `in_use` tells whether a live process holds a data dir's lock.
+    /// Returns the tables removed.
+    pub async fn sweep_leftovers(
+        &self,
+        in_use: &(dyn Fn(&Path) -> bool + Sync),
+    ) -> Result<Vec<String>, LocalError> {
+        let nft = crate::isolation::resolve_nft(self.config.nft.as_deref());
+        let Some(nft) = nft.filter(|_| nix::unistd::geteuid().is_root()) else {
+            return Ok(Vec::new());
+        };
+        let own = crate::isolation::nft_table_name(&self.config.data_dir);
+        Ok(leftovers::sweep(&nft, &own, in_use)
+            .await
+            .map_err(crate::isolation::HostError::from)?)
+    }
+
     /// Checks the settings, prepares the data dir and, at levels `user`
     /// and `sandbox`, the host (the guards' table, the cgroup parents: see
     /// [`crate::isolation`]); `accounts` gives each user's uid there.
@@ -888,6 +907,11 @@ impl Runtime for LocalRuntime {
         self.tracker.close();
         self.tracker.wait().await;
         self.shims.shutdown().await;
+        if let Some(isolated) = &self.isolated {
+            let isolator = &isolated.isolator;
+            let runs_left = self.runs.len();
+            leftovers::remove_own(&isolator.guard, isolator.cgroups.as_ref(), runs_left).await;
+        }
     }
 }
 

@@ -50,6 +50,10 @@ impl Run {
 pub(super) struct Runs(Arc<Mutex<HashMap<RuntimeRef, Run>>>);
 
 impl Runs {
+    /// How many runs are followed.
+    pub fn len(&self) -> usize {
+        self.lock().len()
+    }
     pub fn insert(&self, r: RuntimeRef, run: Run) {
         self.lock().insert(r, run);
     }

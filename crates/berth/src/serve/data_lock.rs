@@ -116,6 +116,35 @@ impl DataDirLock {
     }
 }
 
+/// Whether a live process holds `data_dir`'s lock, read from the kernel's
+/// table of locks (`/proc/locks`) without taking the lock: taking it, even
+/// for a moment, could make a berth starting there refuse. A data dir
+/// that cannot be checked counts as in use.
+pub fn in_use(data_dir: &Path) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    let meta = match std::fs::metadata(data_dir.join(LOCK_FILE)) {
+        Ok(meta) => meta,
+        // No lock file: no berth serves from here.
+        Err(e) => return e.kind() != std::io::ErrorKind::NotFound,
+    };
+    let dev = meta.dev();
+    let (major, minor) = (nix::sys::stat::major(dev), nix::sys::stat::minor(dev));
+    std::fs::read_to_string("/proc/locks")
+        .map_or(true, |locks| flock_held(&locks, major, minor, meta.ino()))
+}
+
+/// Whether `locks` (the text of `/proc/locks`) lists a `flock` on the file
+/// `major:minor:inode`. The kernel prints each lock as, e.g.,
+/// `3: FLOCK  ADVISORY  WRITE 1234 fd:01:5678 0 EOF` (device numbers in
+/// hex); a lock another waits for is listed with `->` and is not held.
+fn flock_held(locks: &str, major: u64, minor: u64, inode: u64) -> bool {
+    let file = format!("{major:02x}:{minor:02x}:{inode}");
+    locks.lines().any(|line| {
+        let fields: Vec<&str> = line.split_whitespace().collect();
+        fields.get(1) == Some(&"FLOCK") && fields.get(5) == Some(&file.as_str())
+    })
+}
+
 /// The id (first line, 32 hex digits) and the pid (second line) in the
 /// file, each if well-formed.
 fn read_contents(file: &mut File) -> std::io::Result<(Option<String>, Option<u32>)> {
@@ -165,6 +194,28 @@ mod tests {
         let other = tempfile::tempdir().unwrap();
         let other = DataDirLock::acquire(other.path()).unwrap();
         assert_ne!(other.identity(), identity);
+    }
+
+    #[test]
+    fn in_use_reads_the_kernels_locks_without_taking_them() {
+        let dir = tempfile::tempdir().unwrap();
+        assert!(!in_use(dir.path()), "never served from");
+        let lock = DataDirLock::acquire(dir.path()).unwrap();
+        assert!(in_use(dir.path()));
+        // Still held afterwards: nothing was taken or given up.
+        assert!(DataDirLock::acquire(dir.path()).is_err());
+        drop(lock);
+        assert!(!in_use(dir.path()), "the lock file stays, the lock is gone");
+
+        let locks = "1: FLOCK  ADVISORY  WRITE 77 fd:01:5678 0 EOF\n\
+                     2: POSIX  ADVISORY  WRITE 78 fd:01:999 0 EOF\n\
+                     2: -> FLOCK  ADVISORY  WRITE 79 fd:01:999 0 EOF\n";
+        assert!(flock_held(locks, 0xfd, 1, 5678));
+        assert!(
+            !flock_held(locks, 0xfd, 1, 999),
+            "a POSIX lock, and a waiter"
+        );
+        assert!(!flock_held(locks, 0xfd, 2, 5678), "another device");
     }
 
     #[test]

@@ -187,7 +187,7 @@ pub fn instance_cgroups(data_dir: &Path) -> Vec<std::path::PathBuf> {
 /// instances' cgroups, as (mount name, path), in every hierarchy this
 /// process belongs to (berth runs in the test's own cgroups) where they
 /// exist.
-fn cgroup_parents(data_dir: &Path) -> Vec<(String, std::path::PathBuf)> {
+pub fn cgroup_parents(data_dir: &Path) -> Vec<(String, std::path::PathBuf)> {
     let Ok(canonical) = data_dir.canonicalize() else {
         return Vec::new();
     };
