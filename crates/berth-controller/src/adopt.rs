@@ -1,6 +1,6 @@
-//! Adoption at start (design §4.7): what to do with each instance the
-//! runtime still runs (or last ran) and each live record the store holds
-//! for this node. [`plan`] is pure; [`Shared::adopt_all`] acts on it.
+//! Adoption at start: what to do with each instance the runtime still
+//! runs (or last ran) and each live record the store holds for this
+//! node. [`plan`] is pure; [`Shared::adopt_all`] acts on it.
 
 use std::collections::HashMap;
 use std::sync::Arc;

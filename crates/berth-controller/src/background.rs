@@ -108,12 +108,12 @@ impl Shared {
     /// after a good renew, extend the runtime's deadlines, heartbeat.
     pub(crate) async fn renew_tick(self: &Arc<Self>) {
         // A renew proves the leases this node's only as of when it was
-        // *sent* (design §3): an answer that arrives after `fence_after`
-        // (a slow link, a paused process) may describe leases that have
-        // expired and been claimed by another node since. So the deadline
-        // it earns runs from here, not from when the answer came, and a
-        // late answer neither thaws nor extends anything. Taken before the
-        // keeper's own clock, so never later than it.
+        // *sent*: an answer that arrives after `fence_after` (a slow link,
+        // a paused process) may describe leases that have expired and been
+        // claimed by another node since. So the deadline it earns runs
+        // from here, not from when the answer came, and a late answer
+        // neither thaws nor extends anything. Taken before the keeper's
+        // own clock, so never later than it.
         let sent = Instant::now();
         let deadline = saturating_add(sent, self.fencer.config().fence_after());
         // No timeout here, on purpose: the fence timer in `renew_loop`

@@ -1,7 +1,7 @@
-//! The crash policy and breaker through the store (design §4.3): crash
-//! history is persisted, so a restarted berth does not hand a crash-looping
-//! user a fresh budget. The decisions are `berth_core::policy::CrashPolicy`'s;
-//! this part loads, saves and runs the operator's hook.
+//! The crash policy and breaker through the store: crash history is persisted,
+//! so a restarted berth does not hand a crash-looping user a fresh budget. The
+//! decisions are `berth_core::policy::CrashPolicy`'s; this part loads, saves
+//! and runs the operator's hook.
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -16,7 +16,7 @@ const STOP_MARGIN: Duration = Duration::from_secs(2);
 /// most: never less often than the renew interval).
 const LEASE_RECHECK: Duration = Duration::from_millis(200);
 
-/// The operator's `on_breaker_open` hook (design §4.3).
+/// The operator's `on_breaker_open` hook.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct BreakerHook {
     /// The program and its arguments; not waited on.
@@ -52,7 +52,7 @@ pub struct ControllerConfig {
     /// listener); sent with the heartbeat. Empty on a single node.
     pub internal_url: String,
     /// A start that is not ready within this is killed and counted as a
-    /// crash (design §4.2).
+    /// crash.
     pub ready_timeout: Duration,
     /// SIGTERM (or its equivalent), then a kill after this.
     pub stop_grace: Duration,
@@ -68,7 +68,7 @@ pub struct ControllerConfig {
     /// on an unproven lease. Off on one node (SQLite): nobody else can take
     /// a lease over.
     pub fencing: bool,
-    /// A watchdog command is configured (the runtime runs it, design §4.4).
+    /// A watchdog command is configured (the runtime runs it).
     pub watchdog: bool,
     /// How many mains this node runs at most (`[cluster] capacity`);
     /// `None`: the runtime's own limit ([`Runtime::capacity`]), if it has
@@ -92,7 +92,7 @@ pub struct ControllerConfig {
 }
 
 impl ControllerConfig {
-    /// The defaults of design §4 for node `node_id`.
+    /// The default settings for node `node_id`.
     pub fn new(node_id: impl Into<String>) -> Self {
         Self {
             node_id: node_id.into(),

@@ -1,7 +1,7 @@
-//! The node's side of the lease (design §3, §7.3): claims through the
-//! [`LeaseKeeper`] (so it renews exactly the epochs instances run under),
-//! the question "may this instance run?", and the bookkeeping of frozen
-//! mains that a good renew thaws.
+//! The node's side of the lease: claims through the [`LeaseKeeper`] (so
+//! it renews exactly the epochs instances run under), the question "may
+//! this instance run?", and the bookkeeping of frozen mains that a good
+//! renew thaws.
 //!
 //! The runtime calls themselves (freeze, thaw, extend, kill) are made by
 //! the renew tick (`background.rs`); this part only decides whom they are

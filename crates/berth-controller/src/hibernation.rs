@@ -1,6 +1,6 @@
-//! Hibernation (design §4.5): an idle main is frozen with its memory and
-//! sockets intact, its lease still held and renewed, and resumed by the
-//! next request in microseconds.
+//! Hibernation: an idle main is frozen with its memory and sockets
+//! intact, its lease still held and renewed, and resumed by the next
+//! request in microseconds.
 //!
 //! Two reasons keep a main frozen, and each is kept apart: hibernation
 //! (here, `Slot::is_hibernated`) and fencing (the fencer's frozen map, set

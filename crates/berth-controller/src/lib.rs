@@ -1,5 +1,5 @@
-//! berth's controller (design §5): everything that does not depend on
-//! where a program runs, written once for every runtime.
+//! berth's controller: everything that does not depend on where a
+//! program runs, written once for every runtime.
 //!
 //! A [`Controller`] runs one node. It drives a [`Runtime`] (local shims,
 //! Kubernetes pods) and keeps its state in a [`Store`]:

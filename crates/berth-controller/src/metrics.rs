@@ -1,4 +1,4 @@
-//! The controller's Prometheus metrics (design §11).
+//! The controller's Prometheus metrics.
 //!
 //! Names are registered without the `berth_` prefix: the binary's registry
 //! adds it (`Registry::with_prefix("berth")`), so `instances` is served as
@@ -34,7 +34,7 @@ pub(crate) struct Metrics {
     pub hibernation: HibernationMetrics,
 }
 
-/// Hibernation's series (design §4.5, §11), registered next to the rest.
+/// Hibernation's series, registered next to the rest.
 #[derive(Debug, Clone)]
 pub(crate) struct HibernationMetrics {
     /// Mains hibernated on this node now.

@@ -1,8 +1,8 @@
-//! Users' recorded slugs (design §9): the store records one slug per user
-//! the first time they are needed, and it names every file, directory and
-//! object of theirs from then on, on every node. The controller resolves
-//! it and hands it to the runtime in each [`InstanceSpec`]; the runtime
-//! never derives a slug from an id.
+//! Users' recorded slugs: the store records one slug per user the first
+//! time they are needed, and it names every file, directory and object of
+//! theirs from then on, on every node. The controller resolves it and
+//! hands it to the runtime in each [`InstanceSpec`]; the runtime never
+//! derives a slug from an id.
 //!
 //! A user first recorded by this version may have a data root under the
 //! slug an earlier berth derived (`UserId::legacy_slug`): if the runtime

@@ -2,7 +2,7 @@ use std::fmt;
 
 use crate::{InvalidUserId, UnixMillis, UserId};
 
-/// The stable error codes of the HTTP API (design §8.4, a contract).
+/// The stable error codes of the HTTP API (a contract).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum ErrorCode {
     InvalidUser,

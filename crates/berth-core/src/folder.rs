@@ -1,5 +1,5 @@
-//! The working folder a launch asks for (design §9): relative to the
-//! user's workspace, and never outside it.
+//! The working folder a launch asks for: relative to the user's
+//! workspace, and never outside it.
 
 use std::path::{Component, Path};
 

@@ -16,8 +16,8 @@ const MAX_HASHED_PREFIX: usize = 14;
 /// Characters of SHA-256 in a hashed slug: 26 base32 characters carry 130
 /// bits, so two distinct ids share a slug only by a SHA-256 collision.
 const HASH_CHARS: usize = 26;
-/// Longest slug of either kind (design §9: within 53, so `berth-<slug>`
-/// fits a 63-character Kubernetes name; 43 here, see [`MAX_HASHED_PREFIX`]).
+/// Longest slug of either kind (within 53, so `berth-<slug>` fits a
+/// 63-character Kubernetes name; 43 here, see [`MAX_HASHED_PREFIX`]).
 pub const MAX_SLUG_LEN: usize = MAX_HASHED_PREFIX + 3 + HASH_CHARS;
 /// The readable prefix of the slugs of berth before issue 9, which ended in
 /// 8 hex digits (32 bits) of SHA-256.
@@ -43,7 +43,7 @@ pub enum InvalidUserId {
     ForbiddenChar(char),
 }
 
-/// A user id from the operator's identity system, validated (design §9).
+/// A user id from the operator's identity system, validated.
 ///
 /// A valid id is 1–128 bytes of UTF-8 with no control characters, no `/`,
 /// `\` or NUL, and no leading `.`. The raw id never reaches a path, a shell,

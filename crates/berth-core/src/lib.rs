@@ -3,8 +3,7 @@
 //! This crate holds what the rest of the system agrees on and nothing that
 //! does I/O:
 //!
-//! * [`UserId`] and [`Slug`]: validated user ids and their file/DNS-safe form
-//!   (design §9);
+//! * [`UserId`] and [`Slug`]: validated user ids and their file/DNS-safe form;
 //! * the instance model ([`Instance`], [`Role`], [`InstanceStatus`], …);
 //! * [`SpawnError`] and the stable [`ErrorCode`]s the HTTP API exposes;
 //! * the [`Spawner`] trait, the node-local surface the API and the proxy

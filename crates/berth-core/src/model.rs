@@ -5,10 +5,10 @@ use serde::{Deserialize, Serialize};
 
 use crate::{UnixMillis, UserId};
 
-/// A lease's fencing token: +1 on every successful claim (design §3).
+/// A lease's fencing token: +1 on every successful claim.
 pub type Epoch = i64;
 
-/// Patches larger than this are refused with `payload_too_large` (design §5).
+/// Patches larger than this are refused with `payload_too_large`.
 pub const MAX_PATCH_BYTES: usize = 256 * 1024;
 
 /// What an instance is for.
@@ -17,7 +17,7 @@ pub const MAX_PATCH_BYTES: usize = 256 * 1024;
 pub enum Role {
     /// The user's workspace.
     Main,
-    /// A one-shot repair run after a crash (design §4.4).
+    /// A one-shot repair run after a crash.
     Watchdog,
 }
 
@@ -47,7 +47,7 @@ impl FromStr for Role {
     }
 }
 
-/// Where an instance is in its lifecycle (design §4.1).
+/// Where an instance is in its lifecycle.
 ///
 /// `starting → running ⇄ hibernated`, `running → (crashed → starting …) |
 /// stopped | failed`, `hibernated → stopped`
@@ -58,8 +58,8 @@ pub enum InstanceStatus {
     Starting,
     /// Ready; the proxy forwards to it.
     Running,
-    /// Ready, but frozen while idle (design §4.5): memory and sockets kept,
-    /// lease held. The proxy still routes to it, resuming it first.
+    /// Ready, but frozen while idle: memory and sockets kept, lease
+    /// held. The proxy still routes to it, resuming it first.
     Hibernated,
     /// Exited without being asked to; a restart is scheduled.
     Crashed,
@@ -124,7 +124,7 @@ impl FromStr for InstanceStatus {
     }
 }
 
-/// One running copy of the configured program for one user (design §4.1).
+/// One running copy of the configured program for one user.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Instance {
     /// Unique per launch; a crash restart keeps it, a new launch replaces it.
@@ -214,7 +214,7 @@ impl fmt::Display for Endpoint {
     }
 }
 
-/// An open crash breaker (design §4.3).
+/// An open crash breaker.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct BreakerInfo {
     /// How many times the breaker has opened for this user.
@@ -238,7 +238,7 @@ pub struct LaunchRequest {
     pub force: bool,
 }
 
-/// The answer of `restart_and_probe` (design §4.6).
+/// The answer of `restart_and_probe`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ProbeReport {
     pub ok: bool,
@@ -255,7 +255,7 @@ pub struct RestartResult {
 }
 
 /// Where a spawn of a main is, as its progress stream reports it (the API's
-/// `…/instance/progress`, design §8.4):
+/// `…/instance/progress`):
 ///
 /// `queued → spawning → waiting_for_ready → ready`, or `failed` with the
 /// reason at any point. A crashed main whose restart waits for its backoff

@@ -1,4 +1,4 @@
-//! The runtime seam (design §5): how a program is run, and nothing else.
+//! The runtime seam: how a program is run, and nothing else.
 //!
 //! A [`Runtime`] starts an [`InstanceSpec`] and hands back a [`Started`]
 //! handle: an opaque [`RuntimeRef`] the controller records, where the
@@ -63,7 +63,7 @@ pub struct Capabilities {
     /// memory and sockets but is not scheduled.
     pub freeze: bool,
     /// [`Runtime::extend_fence`]: the runtime freezes the instance on its
-    /// own when its deadline passes, even while berth is down (design §4.7).
+    /// own when its deadline passes, even while berth is down.
     pub fence_deadline: bool,
 }
 
@@ -76,8 +76,8 @@ pub struct Capacity {
     pub reason: String,
 }
 
-/// The patch of an instance (design §5): content for a new launch, or
-/// whatever the runtime materialised last time, for a restart.
+/// The patch of an instance: content for a new launch, or whatever the
+/// runtime materialised last time, for a restart.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Patch {
     /// Use what the previous start of this user's role materialised.
@@ -116,8 +116,7 @@ pub struct InstanceSpec {
     /// Extra environment for the program.
     pub env: Vec<(String, String)>,
     /// For a watchdog: what it is to repair (the crashed main's record, as
-    /// JSON), which the runtime materialises and names in `BERTH_HANDOFF`
-    /// (design §4.4).
+    /// JSON), which the runtime materialises and names in `BERTH_HANDOFF`.
     pub handoff: Option<String>,
 }
 
@@ -125,8 +124,8 @@ pub struct InstanceSpec {
 #[derive(Debug)]
 pub struct Started {
     pub runtime_ref: RuntimeRef,
-    /// The program's process id, where there is one (design §4.1 shows it
-    /// to operators); identity is `runtime_ref`, never this.
+    /// The program's process id, where there is one (`berth ls` shows
+    /// it to operators); identity is `runtime_ref`, never this.
     pub pid: Option<u32>,
     /// Where the instance listens, once ready; `None` for watchdogs.
     pub endpoint: Option<Endpoint>,
@@ -217,7 +216,7 @@ pub enum RuntimeError {
     Failed(String),
 }
 
-/// How a program is run (design §5). See the module docs.
+/// How a program is run. See the module docs.
 #[async_trait]
 pub trait Runtime: Send + Sync + 'static {
     /// A short name for logs and errors (`local`, `kubernetes`).

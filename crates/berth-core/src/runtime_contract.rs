@@ -419,8 +419,8 @@ pub async fn freeze_and_thaw_when_declared(h: &dyn Harness) {
     runtime.shutdown().await;
 }
 
-/// The fencing hole (design §4.5): a frozen instance asked to stop, or
-/// killed, ends without running again; no `Thawed` comes before its exit.
+/// The fencing hole: a frozen instance asked to stop, or killed, ends
+/// without running again; no `Thawed` comes before its exit.
 pub async fn a_frozen_instance_is_killed_without_running_again(h: &dyn Harness) {
     let runtime = h.runtime(&Program::Serve).await;
     if !runtime.capabilities().freeze {

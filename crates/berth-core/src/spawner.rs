@@ -10,7 +10,7 @@ use crate::{
 /// How long a client is told to wait when an instance is still starting.
 pub const STARTING_RETRY_MS: u64 = 2000;
 
-/// The lifecycle seam between the API/proxy and a backend (design §5).
+/// The lifecycle seam between the API/proxy and a backend.
 ///
 /// Backends: local processes (`berth-local`) and, later, Kubernetes pods.
 /// The API and the proxy depend on this trait only.
@@ -57,10 +57,10 @@ pub trait Spawner: Send + Sync + 'static {
     async fn reset_breaker(&self, user: &UserId) -> Result<(), SpawnError>;
 
     /// Restarts every main this node owns, with bounded concurrency, and
-    /// reports one result per user (design §4.6).
+    /// reports one result per user.
     async fn restart_all_mains(&self) -> Vec<RestartResult>;
 
-    /// Starts the one-shot repair job for `user` (design §4.4).
+    /// Starts the one-shot repair job for `user`.
     async fn spawn_watchdog(&self, user: &UserId) -> Result<Instance, SpawnError>;
 
     /// The user's main and watchdog records.
@@ -101,11 +101,10 @@ pub trait Spawner: Send + Sync + 'static {
     /// and backs off); one lookup, as the proxy asks on every request.
     fn touch(&self, user: &UserId) -> bool;
 
-    /// Freezes the user's running main with its memory intact (design
-    /// §4.5), after its `pre_hibernate` hook; its lease stays held. A
-    /// hibernated main is left as it is. Fails with `not_found` without a
-    /// running main, and with `invalid_request` where the runtime cannot
-    /// freeze.
+    /// Freezes the user's running main with its memory intact, after its
+    /// `pre_hibernate` hook; its lease stays held. A hibernated main is
+    /// left as it is. Fails with `not_found` without a running main, and
+    /// with `invalid_request` where the runtime cannot freeze.
     async fn hibernate(&self, user: &UserId) -> Result<Instance, SpawnError> {
         Err(SpawnError::InvalidRequest(format!(
             "this backend cannot hibernate the instance of {user}"
@@ -142,7 +141,7 @@ pub trait Spawner: Send + Sync + 'static {
 
     /// Fences the user's main on this node if, and only if, it runs under
     /// lease `epoch`: kills it at once, records it stopped, and forgets the
-    /// lease (design §3 "Fence the right node": the message names the old
+    /// lease (ARCHITECTURE.md, invariant 14: the message names the old
     /// holder's epoch, so it can never hit a newer instance). Returns
     /// whether an instance was fenced. Backends without leases fence
     /// nothing.
@@ -180,9 +179,8 @@ pub async fn wait_ready(
     readiness_answer(user, current, breaker)
 }
 
-/// What a client gets for an instance it waited on (design §7.2, §8.4):
-/// the one mapping from readiness to errors, for the API and the proxy
-/// alike.
+/// What a client gets for an instance it waited on: the one mapping
+/// from readiness to errors, for the API and the proxy alike.
 ///
 /// * ready and running → the instance;
 /// * failed → `instance_circuit_open` while the breaker is open, else

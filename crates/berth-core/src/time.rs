@@ -4,7 +4,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 ///
 /// Used for records shown to people (`started_at`, `last_active`, breaker
 /// cooldowns). Lease expiry never uses a node's wall clock: it is judged by
-/// the store's clock (design §3).
+/// the store's clock.
 pub type UnixMillis = i64;
 
 /// The current wall-clock time as [`UnixMillis`].

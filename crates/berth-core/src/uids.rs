@@ -1,6 +1,6 @@
-//! The host uids instance accounts are allocated from (design §6): plain
-//! data shared by the store, which allocates them, and the local runtime,
-//! which runs programs under them.
+//! The host uids instance accounts are allocated from: plain data shared
+//! by the store, which allocates them, and the local runtime, which runs
+//! programs under them.
 
 /// The host uids instance accounts are allocated from: `first`, `first +
 /// 1`, … `first + count - 1`. The gid of an account is its uid.

@@ -1,6 +1,6 @@
-//! The `[kubernetes]` table (design §8.6, §10) and what the runtime needs
-//! from the rest of the config. [`KubernetesConfig::validate`] checks every
-//! value before any object is made, and each error names its key.
+//! The `[kubernetes]` table and what the runtime needs from the rest of the
+//! config. [`KubernetesConfig::validate`] checks every value before any
+//! object is made, and each error names its key.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -264,8 +264,8 @@ fn yes() -> bool {
     true
 }
 
-/// The optional file-service sidecar (design §5's `ensure_file_service`):
-/// a second container with the user's volume, reachable through the
+/// The optional file-service sidecar (`[kubernetes] file_service`): a
+/// second container with the user's volume, reachable through the
 /// user's Service on port `port` (named `files`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]

@@ -1,5 +1,5 @@
-//! berth's Kubernetes runtime (design §5, §10): each user's instance is a
-//! Pod, with a headless Service (its endpoint), a ConfigMap (its patch), a
+//! berth's Kubernetes runtime: each user's instance is a Pod, with a
+//! headless Service (its endpoint), a ConfigMap (its patch), a
 //! NetworkPolicy (ingress only from berth; no egress to private ranges or
 //! metadata services unless configured) and storage (a claim per user, or
 //! a `subPath` of one shared claim).
@@ -55,8 +55,8 @@ use std::time::Duration;
 pub use config::{ConfigError, EndpointMode, KubernetesConfig};
 pub use runtime::{EndpointResolver, K8sRuntime, ServiceDns, connect};
 
-/// How the runtime tells that an instance is ready (design §4.2), besides
-/// the pod's own `Ready` condition.
+/// How the runtime tells that an instance is ready, besides the pod's
+/// own `Ready` condition.
 #[derive(Debug, Clone)]
 pub enum Readiness {
     /// Ready once the pod is, and a line of its log matches; the first

@@ -1,7 +1,7 @@
-//! The objects of one user (design §10), as pure functions of the config
-//! and plain per-instance data: a Pod per role, a headless Service, a
-//! ConfigMap for the patch (and one for a watchdog's handoff), a
-//! NetworkPolicy, and a PersistentVolumeClaim in `per_user` storage mode.
+//! The objects of one user, as pure functions of the config and plain
+//! per-instance data: a Pod per role, a headless Service, a ConfigMap for
+//! the patch (and one for a watchdog's handoff), a NetworkPolicy, and a
+//! PersistentVolumeClaim in `per_user` storage mode.
 //!
 //! Each builder writes the object as JSON and converts it to its
 //! k8s-openapi type with [`strict`](crate::config::strict), so a field

@@ -1,6 +1,6 @@
-//! Object names, labels and annotations (design §9, §10): the only places
-//! a user's identity reaches Kubernetes. Names and label values come from
-//! the slug, never the raw id; the raw id travels only as an annotation
+//! Object names, labels and annotations: the only places a user's
+//! identity reaches Kubernetes. Names and label values come from the
+//! slug, never the raw id; the raw id travels only as an annotation
 //! value, which may hold any text.
 
 use std::collections::BTreeMap;
@@ -112,7 +112,7 @@ mod tests {
 
     use super::*;
 
-    /// The ids design §9 calls tricky, and a few more.
+    /// User ids that are tricky to name objects after, and a few more.
     pub(crate) fn tricky_ids() -> Vec<String> {
         vec![
             "alice".into(),

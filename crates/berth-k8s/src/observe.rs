@@ -14,7 +14,7 @@ use k8s_openapi::api::core::v1::{ContainerState, ContainerStateTerminated, Pod};
 use crate::manifest::MAIN_CONTAINER;
 use crate::names;
 
-/// How much of a message becomes an exit's `stderr_tail` (design §4.1).
+/// How much of a message becomes an exit's `stderr_tail`.
 pub const TAIL_CHARS: usize = 500;
 
 /// Waiting reasons after which a container never starts without a change

@@ -1,7 +1,7 @@
 //! How the local runtime tells that a starting instance is ready (the
 //! isolation level and limits live in [`crate::isolation`]).
 
-/// How berth decides that a starting instance is ready (design §4.2).
+/// How berth decides that a starting instance is ready.
 #[derive(Debug, Clone)]
 pub enum Readiness {
     /// A stdout/stderr line matches; the first capture group is the launch

@@ -1,7 +1,7 @@
 //! Where a user's files live: the user-owned data root and berth's own run
 //! directory, plus the validation of the requested working folder.
 //!
-//! Paths are built from the slug only, never from the raw user id (design §9).
+//! Paths are built from the slug only, never from the raw user id.
 
 use std::fs::DirBuilder;
 use std::os::unix::fs::{DirBuilderExt, PermissionsExt};

@@ -1,4 +1,4 @@
-//! Sends a request to an instance and streams the answer back (design §7.2).
+//! Sends a request to an instance and streams the answer back.
 //!
 //! * Bodies are hyper [`Incoming`] streams passed through in both
 //!   directions, so memory stays flat however large they are, and a slow
@@ -117,8 +117,8 @@ pub struct ForwardConfig {
     pub pool_idle_timeout: Duration,
     pub pool_max_idle_per_host: usize,
     /// Whether bytes from the instance to the client on an upgraded
-    /// connection count as activity (design §4.5: by default only the
-    /// client's do, so a tab that only receives lets its instance idle).
+    /// connection count as activity (by default only the client's do, so
+    /// a tab that only receives lets its instance idle).
     pub server_traffic_is_activity: bool,
 }
 
@@ -606,8 +606,7 @@ impl Forwarder {
                 };
                 // What the client sends is activity, and wakes a hibernated
                 // instance (on a WebSocket, its data frames only); what the
-                // instance sends counts only if so configured (design
-                // §4.5).
+                // instance sends counts only if so configured.
                 let mut client = Touching::new(
                     TokioIo::new(client),
                     spawner.clone(),

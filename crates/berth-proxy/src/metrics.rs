@@ -1,6 +1,6 @@
-//! The proxy's metrics (design §11): how long proxied requests take to be
-//! answered, by status class only (no per-user labels: a series per user
-//! would grow with the users).
+//! The proxy's metrics: how long proxied requests take to be answered,
+//! by status class only (no per-user labels: a series per user would
+//! grow with the users).
 
 use std::time::Duration;
 

@@ -30,8 +30,8 @@ use crate::wake::{ClusterHook, Locate, Wake, Waker};
 pub struct ProxyConfig {
     /// Route `<slug>.<base_domain>` too; `None`: path routing only.
     pub base_domain: Option<String>,
-    /// Route `/u/<user>/` on any host (design §8.2: on by default only
-    /// without a base domain, since it puts every app on one origin).
+    /// Route `/u/<user>/` on any host (on by default only without a
+    /// base domain, since it puts every app on one origin).
     pub path_routing: bool,
     /// Remove `/u/<user>` from the path sent upstream.
     pub strip_prefix: bool,

@@ -1,5 +1,4 @@
-//! Which user a request is for, and where that user's instance listens
-//! (design §7.1).
+//! Which user a request is for, and where that user's instance listens.
 //!
 //! Two pieces:
 //!
@@ -290,7 +289,7 @@ impl Router {
             Target::Path { user, .. } => user.as_ref(),
             Target::Host { label } => match self.table.user_for_slug(label) {
                 Some(user) => return Ok(self.route_of(user)),
-                // A plain DNS label is its own user's slug (design §9).
+                // A plain DNS label is its own user's slug.
                 None if Slug::is_plain(label) => label.as_ref(),
                 None => return Err(RouteError::UnknownHost),
             },

@@ -1,5 +1,5 @@
-//! Wake on request (design §7.2): a request for a user without a running
-//! instance starts one.
+//! Wake on request: a request for a user without a running instance
+//! starts one.
 //!
 //! A browser navigation gets the "starting" page at once (it follows the
 //! progress stream and reloads); any other request waits up to
@@ -23,9 +23,9 @@ use hyper::http::uri::Authority;
 use crate::respond::{self, ProxyBody};
 use crate::route::{InstanceAddr, RouteTable};
 
-/// Where a user's instance should be served from, in a cluster (design
-/// §7.3). Asked only when this node has no running instance for the user,
-/// so a local hit never pays for it.
+/// Where a user's instance should be served from, in a cluster. Asked
+/// only when this node has no running instance for the user, so a local
+/// hit never pays for it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Locate {
     /// Wake the instance here.

@@ -270,7 +270,7 @@ async fn a_query_token_becomes_a_cookie_and_a_redirect() {
 }
 
 /// The admin token is never turned into, nor accepted as, a cookie: the
-/// pages of the app the admin opens could use it (design §8.2).
+/// pages of the app the admin opens could use it.
 #[tokio::test]
 async fn the_admin_token_never_becomes_a_cookie() {
     let h = Harness::start(|_, _| {}).await;
@@ -588,7 +588,7 @@ async fn an_api_request_wakes_the_instance_in_one_round_trip() {
 
 /// The starting page reloads itself until the app answers. It does not
 /// follow the API's progress stream: the API accepts no browser cookie, and
-/// the user cookie is scoped to the app (design §8.2).
+/// the user cookie is scoped to the app.
 #[tokio::test]
 async fn a_browser_gets_the_starting_page_that_reloads() {
     let h = Harness::start(|_, _| {}).await;

@@ -1,4 +1,4 @@
-//! Lease settings and the node-side lease holder (design §3).
+//! Lease settings and the node-side lease holder.
 //!
 //! [`LeaseConfig`] checks the timing invariants once, at construction.
 //! [`LeaseKeeper`] remembers which leases this node holds and at which epoch,

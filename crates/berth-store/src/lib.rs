@@ -1,10 +1,10 @@
 //! berth's persistent state.
 //!
 //! * [`Store`]: the one trait every backend implements — instance records
-//!   (a main's fenced by its lease epoch), the fenced lease (design §3),
-//!   launch parameters, crash/breaker state, user tokens, admin sessions,
-//!   nodes, the per-user accounts (host uids) of isolated instances, and
-//!   each user's recorded slug (design §9);
+//!   (a main's fenced by its lease epoch), the fenced lease, launch
+//!   parameters, crash/breaker state, user tokens, admin sessions, nodes,
+//!   the per-user accounts (host uids) of isolated instances, and each
+//!   user's recorded slug;
 //! * [`SqliteStore`]: the embedded single-node backend;
 //! * [`PgStore`]: the PostgreSQL backend a cluster of nodes shares; both
 //!   are one implementation over SQL (`sql/`: the operations and their
@@ -79,7 +79,7 @@ pub enum StoreError {
         current_node: String,
     },
     /// `slug` is already recorded for another user: two ids never share a
-    /// slug (design §9), so `user` was not given it. Nothing changed.
+    /// slug, so `user` was not given it. Nothing changed.
     #[error("the slug {slug:?} is already recorded for another user; refused it for {user}")]
     SlugTaken { user: UserId, slug: String },
 }
@@ -182,7 +182,7 @@ pub struct LaunchParams {
     pub patch: Option<String>,
 }
 
-/// A user token as it is listed: everything but its secret (design §8.2).
+/// A user token as it is listed: everything but its secret.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct TokenRecord {
     /// The public handle, for listing and revoking.
@@ -367,7 +367,7 @@ pub trait Store: Send + Sync + 'static {
     /// statement.
     async fn record_activity(&self, activity: &[(UserId, UnixMillis)]) -> Result<(), StoreError>;
 
-    // --- the lease (design §3) ----------------------------------------------
+    // --- the lease ----------------------------------------------------------
 
     /// Claims the main lease of `user` for `node` for `ttl`: creates the row
     /// if needed, then one conditional update. Succeeds when the lease is
@@ -434,13 +434,13 @@ pub trait Store: Send + Sync + 'static {
     ) -> Result<(), StoreError>;
     async fn get_launch_params(&self, user: &UserId) -> Result<Option<LaunchParams>, StoreError>;
 
-    // --- crash history and breaker (design §4.3) ----------------------------
+    // --- crash history and breaker ------------------------------------------
 
     async fn load_crash_state(&self, user: &UserId) -> Result<CrashState, StoreError>;
     /// Saves the state; a clear state deletes the row.
     async fn save_crash_state(&self, user: &UserId, state: &CrashState) -> Result<(), StoreError>;
 
-    // --- user tokens (stored hashed; design §8.2) ---------------------------
+    // --- user tokens (stored hashed) ----------------------------------------
 
     /// Records a new user token, as one atomic step across nodes: drops the
     /// user's expired tokens, refuses when the user already has
@@ -457,7 +457,7 @@ pub trait Store: Send + Sync + 'static {
     /// `id`.
     async fn revoke_token(&self, user: &UserId, id: &str) -> Result<Vec<String>, StoreError>;
 
-    // --- admin sessions (design §8.2) ----------------------------------------
+    // --- admin sessions -----------------------------------------------------
 
     /// Records a session by the hash of its secret; drops expired sessions.
     /// Returns when it expires, by the store's clock.
@@ -472,7 +472,7 @@ pub trait Store: Send + Sync + 'static {
     /// Ends a session. Returns whether there was one.
     async fn delete_session(&self, secret_hash: &str) -> Result<bool, StoreError>;
 
-    // --- users and their slugs (design §9) ------------------------------------
+    // --- users and their slugs ----------------------------------------------
 
     /// The slug recorded for `user`, if one is.
     async fn user_slug(&self, user: &UserId) -> Result<Option<Slug>, StoreError>;
@@ -484,7 +484,7 @@ pub trait Store: Send + Sync + 'static {
     /// the table's two unique constraints decide every race.
     async fn record_user_slug(&self, user: &UserId, slug: &Slug) -> Result<Slug, StoreError>;
 
-    // --- nodes (design §8.1) -------------------------------------------------
+    // --- nodes --------------------------------------------------------------
 
     /// Inserts or updates the node's row and stamps its heartbeat with the
     /// store's clock.
@@ -530,7 +530,7 @@ pub trait Store: Send + Sync + 'static {
         choose: &ChooseNode<'_>,
     ) -> Result<Placement, StoreError>;
 
-    // --- accounts of isolated instances (design §6) --------------------------
+    // --- accounts of isolated instances -------------------------------------
 
     /// The host uid of `slug`'s account, allocated on first use: the uid
     /// after the highest one of `range` already taken (so uids are handed
@@ -544,8 +544,8 @@ pub trait Store: Send + Sync + 'static {
     async fn list_accounts(&self) -> Result<Vec<(String, u32)>, StoreError>;
 }
 
-/// Refuses a patch larger than design §9 allows before it reaches SQL; the
-/// schema checks the same bound.
+/// Refuses a patch larger than `berth_core::MAX_PATCH_BYTES` before it
+/// reaches SQL; the schema checks the same bound.
 fn check_patch_size(user: &UserId, patch: Option<&str>) -> Result<(), StoreError> {
     match patch {
         Some(p) if p.len() > berth_core::MAX_PATCH_BYTES => Err(StoreError::Query(format!(

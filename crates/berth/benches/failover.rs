@@ -1,5 +1,5 @@
-//! Failover benchmark (cluster mode, design §3): how long a user is away
-//! when the node running them dies.
+//! Failover benchmark (cluster mode): how long a user is away when the
+//! node running them dies.
 //!
 //! Each run starts three real `berth serve` nodes on one PostgreSQL (a
 //! fresh database on the testkit's throwaway server, or on

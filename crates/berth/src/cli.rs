@@ -1,4 +1,4 @@
-//! The command line (design §8.5).
+//! The command line.
 
 use std::path::PathBuf;
 

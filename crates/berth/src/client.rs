@@ -1,4 +1,4 @@
-//! The client commands: thin calls to the HTTP API (design §8.4).
+//! The client commands: thin calls to the HTTP API.
 //!
 //! Answers are shown for people ([`render`]: lists as aligned tables,
 //! coloured on a terminal; records as short summaries), or with `--json`

@@ -328,8 +328,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
 
 /// The runtime this node runs programs with: the one place the config
 /// chooses it. A `[kubernetes]` table selects the Kubernetes runtime (a
-/// pod per user, design §10); otherwise programs run on this host under
-/// shims.
+/// pod per user); otherwise programs run on this host under shims.
 async fn runtime(
     config: &Config,
     node_id: &str,

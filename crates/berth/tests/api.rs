@@ -482,10 +482,10 @@ async fn serve_runs_on_embedded_defaults() {
     assert_eq!(mode & 0o777, 0o600);
 }
 
-/// berth authenticates before it reads a body (design §8.2): a client
-/// that sends headers and only half of its body gets its 401 at once,
-/// while the rest is still missing; an authenticated one gets 413 for a
-/// declared length over the limit, before it sends anything.
+/// berth authenticates before it reads a body: a client that sends
+/// headers and only half of its body gets its 401 at once, while the
+/// rest is still missing; an authenticated one gets 413 for a declared
+/// length over the limit, before it sends anything.
 #[tokio::test(flavor = "multi_thread")]
 async fn the_body_is_read_only_after_authentication() {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};

@@ -1,5 +1,5 @@
 //! Cluster mode end to end: several real `berth serve` nodes sharing one
-//! PostgreSQL database (design §3, §7.3, §8.1–§8.4).
+//! PostgreSQL database.
 //!
 //! One throwaway PostgreSQL cluster serves the whole test binary
 //! (`berth-testkit`, or `BERTH_TEST_PG_URL`); every test gets a fresh
@@ -1366,8 +1366,8 @@ async fn forwarded_get(node: &Node, user: &str) -> (u16, String) {
 }
 
 /// A request another node forwarded is served where it lands, never
-/// forwarded again (design: "Cluster mode", Routing): nodes whose views
-/// differ for a moment cannot bounce a request between them.
+/// forwarded again (ARCHITECTURE.md, "Cluster mode", Routing): nodes
+/// whose views differ for a moment cannot bounce a request between them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_forwarded_request_is_never_forwarded_again() {
     let db = fresh_db().await;

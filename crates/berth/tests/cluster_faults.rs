@@ -1,7 +1,7 @@
-//! Fault injection for cluster mode (design §3, §4.7, §7.3): real `berth
-//! serve` nodes on loopback sharing one real PostgreSQL, and faults done
-//! for real — `kill -9` and `SIGSTOP` of a node, a TCP relay between a node
-//! and the database that is cut and healed, a restart of PostgreSQL.
+//! Fault injection for cluster mode: real `berth serve` nodes on loopback
+//! sharing one real PostgreSQL, and faults done for real — `kill -9` and
+//! `SIGSTOP` of a node, a TCP relay between a node and the database that is
+//! cut and healed, a restart of PostgreSQL.
 //!
 //! The evidence that a user never had two writers is a *journal*: every
 //! instance runs `berth demo-app --journal <dir>/journal-<slug>.log`, which
@@ -61,9 +61,9 @@ struct EpochRun {
 
 /// Checks a demo-app journal, the lines `<epoch> <counter>` that every
 /// instance of one user appended: no line of an older epoch may follow a
-/// line of a newer one (that would be two writers at once, design §3).
-/// Returns the epochs in order. A last line without its newline is still
-/// being written and is ignored.
+/// line of a newer one (that would be two writers at once). Returns the
+/// epochs in order. A last line without its newline is still being
+/// written and is ignored.
 fn check_journal(text: &str) -> Result<Vec<EpochRun>, String> {
     let complete = text.rfind('\n').map_or("", |end| &text[..=end]);
     let mut runs: Vec<EpochRun> = Vec::new();
@@ -1031,8 +1031,8 @@ async fn start_unreachable(root: &Path, db: &str, instance: &str) -> Node {
 /// A renew that ran in the database but whose answer arrives after the
 /// TTL proves nothing any more: another node may hold the lease by then.
 /// The late "renewed" must neither thaw the frozen instance nor extend its
-/// shim's deadline (design §3: the fence clock runs from when the renew
-/// was *sent*).
+/// shim's deadline (ARCHITECTURE.md, invariant 3: the fence clock runs
+/// from when the renew was *sent*).
 ///
 /// node-a reaches PostgreSQL through a relay that holds back answers with
 /// result rows (the renew's `RETURNING`) longer than the TTL, and

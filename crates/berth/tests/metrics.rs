@@ -2,8 +2,9 @@
 //! (`[metrics] token`), which opens `/metrics` and nothing else, or an
 //! unauthenticated address of its own (`[metrics] listen`), which serves
 //! nothing else; the proxy's request-duration histogram; and, after a
-//! scripted scenario, every series of design §11 once, under its one
-//! name, holding what happened, read with a strict OpenMetrics parser.
+//! scripted scenario, every series berth exports (README, "Metrics")
+//! once, under its one name, holding what happened, read with a strict
+//! OpenMetrics parser.
 
 mod support;
 
@@ -252,9 +253,9 @@ impl Scraped {
 }
 
 /// Two launches, one crash, one stop and 100 proxied requests, then
-/// `/metrics`: it parses; each series of design §11 is there once, with
-/// the `berth_` prefix once; and the instance, restart, spawn-to-ready and
-/// proxy series count exactly what happened.
+/// `/metrics`: it parses; each series of README's "Metrics" is there
+/// once, with the `berth_` prefix once; and the instance, restart,
+/// spawn-to-ready and proxy series count exactly what happened.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_scripted_scenario_is_counted_under_one_name_each() {
     let dir = tempfile::tempdir().unwrap();
@@ -308,8 +309,8 @@ async fn a_scripted_scenario_is_counted_under_one_name_each() {
         );
     }
 
-    // Design §11's series, with their types (a counter's samples end in
-    // `_total`).
+    // The series of README's "Metrics", with their types (a counter's
+    // samples end in `_total`).
     for (name, kind) in [
         ("berth_instances", SampleType::Gauge),
         ("berth_spawn_to_ready_seconds", SampleType::Histogram),

@@ -432,10 +432,10 @@ async fn freeze_and_thaw() {
     exit_of(&mut handle, &spec.state_path).await;
 }
 
-/// The fencing hole of design §4.5: a frozen program asked to stop is
-/// killed while frozen, never thawed so that it could act on SIGTERM (its
-/// lease may be another node's by then). Its TERM handler writes a file:
-/// that file never appears.
+/// The fencing hole (ARCHITECTURE.md, invariant 3): a frozen program
+/// asked to stop is killed while frozen, never thawed so that it could
+/// act on SIGTERM (its lease may be another node's by then). Its TERM
+/// handler writes a file: that file never appears.
 ///
 /// The shell forks its child before it is ready and then only waits: a
 /// shell that keeps starting commands (`while :; do sleep 0.05; done`) may

@@ -1,7 +1,7 @@
-//! Slugs end to end (issue 9, design §9): two ids that shared one 32-bit
-//! slug under earlier versions get distinct slugs and distinct data roots
-//! through the real binary; the slug berth uses is the one the store
-//! recorded, so a data root made under an earlier slug stays where it is.
+//! Slugs end to end (issue 9): two ids that shared one 32-bit slug under
+//! earlier versions get distinct slugs and distinct data roots through
+//! the real binary; the slug berth uses is the one the store recorded, so
+//! a data root made under an earlier slug stays where it is.
 
 mod support;
 

@@ -4,8 +4,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::{BreakerInfo, UnixMillis};
 
-/// The crash policy's numbers (design §4.3). `Default` gives the documented
-/// defaults.
+/// The crash policy's numbers. `Default` gives the documented defaults.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CrashPolicy {
     /// First restart delay; doubled for every crash in the streak.

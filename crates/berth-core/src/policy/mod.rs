@@ -2,8 +2,8 @@
 //!
 //! Nothing here reads a clock, spawns a process or touches the store: the
 //! caller passes `now` and the state in, and acts on the decision that comes
-//! out. That keeps every number of design §4.3 and §4.5, and the placement
-//! rules of §8.3, testable in a table.
+//! out. That keeps every number of the crash policy and the idle
+//! reaper, and the placement rules, testable in a table.
 
 mod crash;
 mod placement;

@@ -2,8 +2,7 @@ use std::time::Duration;
 
 use crate::{InstanceStatus, UnixMillis};
 
-/// What the reaper does with a main that has been idle long enough
-/// (design §4.5).
+/// What the reaper does with a main that has been idle long enough.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum IdleAction {
     /// Freeze it with its memory intact after `hibernate_after`; stop it
@@ -24,7 +23,7 @@ impl IdleAction {
     }
 }
 
-/// The idle reaper's numbers (design §4.5).
+/// The idle reaper's numbers.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ReapPolicy {
     /// Stop running mains idle longer than this when they are not

@@ -1,4 +1,4 @@
-//! Supervision of one main instance as a pure state machine (design §4).
+//! Supervision of one main instance as a pure state machine.
 //!
 //! [`Supervision::step`] takes what happened ([`Event`]) and returns what
 //! to do ([`Action`]); the controller's per-instance task performs the
@@ -16,7 +16,7 @@ use crate::UnixMillis;
 use crate::policy::{CrashDecision, CrashPolicy};
 use crate::runtime::ExitStatus;
 
-/// `last_error` keeps at most this many characters (design §4.1).
+/// `last_error` keeps at most this many characters.
 pub const MAX_ERROR_CHARS: usize = 500;
 
 /// What the record says when a lost lease ended the instance.
@@ -32,18 +32,18 @@ pub const MAX_PORT_RETRIES: u32 = 3;
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SupervisionConfig {
     /// A start that is not ready within this is killed and counted as a
-    /// crash (design §4.2).
+    /// crash.
     pub ready_timeout: Duration,
     /// SIGTERM, then SIGKILL after this.
     pub stop_grace: Duration,
     /// Extra time after the grace for the runtime to report the exit
     /// before the instance is killed outright.
     pub stop_margin: Duration,
-    /// Uptime after which a crash starts a new episode (design §4.3).
+    /// Uptime after which a crash starts a new episode.
     pub stable: Duration,
     /// Exit codes that mean "do not restart".
     pub no_restart_exit_codes: Vec<i32>,
-    /// A watchdog command is configured (design §4.4).
+    /// A watchdog command is configured.
     pub watchdog: bool,
     /// The lease must be proven before a crashed main runs again (cluster
     /// mode; on one node nobody else can take it).
@@ -379,9 +379,9 @@ impl Supervision {
 
     fn send_stop(&mut self, config: &SupervisionConfig, kind: StopKind) -> Vec<Action> {
         self.phase = Phase::Stopping;
-        // A frozen program is never thawed to be stopped (design §4.5):
-        // frozen for fencing, another node may hold its lease by now, and
-        // a program that flushes on SIGTERM would write as a stale holder.
+        // A frozen program is never thawed to be stopped: frozen for
+        // fencing, another node may hold its lease by now, and a program
+        // that flushes on SIGTERM would write as a stale holder.
         let signal = match kind {
             StopKind::Fenced => Action::Kill,
             StopKind::Requested(_) if self.frozen => Action::Kill,

@@ -1,4 +1,4 @@
-//! Isolation of instances from berth and from each other (design §6).
+//! Isolation of instances from berth and from each other.
 //!
 //! Three levels:
 //!
@@ -41,7 +41,7 @@ pub use berth_core::UidRange;
 pub use guard::ListenerCap;
 pub use guard::table_name as nft_table_name;
 
-/// Isolation level (design §6).
+/// Isolation level.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Isolation {

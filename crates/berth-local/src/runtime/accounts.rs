@@ -1,7 +1,7 @@
-//! The isolation side of running a program (design §6), as the runtime
-//! uses it: whose account a user's programs run under, and the port guard's
-//! grant of each instance's own port. What the shim sets up before the
-//! program runs is in [`crate::isolation`].
+//! The isolation side of running a program, as the runtime uses it: whose
+//! account a user's programs run under, and the port guard's grant of each
+//! instance's own port. What the shim sets up before the program runs is in
+//! [`crate::isolation`].
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};

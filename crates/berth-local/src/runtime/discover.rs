@@ -1,4 +1,4 @@
-//! Discovery at start (design §4.7): the shims a previous berth left under
+//! Discovery at start: the shims a previous berth left under
 //! `<data_dir>/run/<slug>/<role>.json`, attached to when alive.
 
 use std::path::{Path, PathBuf};

@@ -1,5 +1,5 @@
-//! [`LocalRuntime`]: the local runtime (design §5, §6). It runs each
-//! instance as a program on this host under its own shim, and implements
+//! [`LocalRuntime`]: the local runtime. It runs each instance as a
+//! program on this host under its own shim, and implements
 //! [`berth_core::runtime::Runtime`]: start a spec, stop, kill, freeze,
 //! thaw and extend a fence deadline by reference, discover the shims a
 //! previous berth left, and read and follow logs.
@@ -77,9 +77,9 @@ pub struct LocalRuntimeConfig {
     pub log_max_bytes: u64,
     /// Extension of the materialised patch file `patches/main.<ext>`.
     pub patch_ext: String,
-    /// The watchdog program (design §4.4), same placeholders.
+    /// The watchdog program, same placeholders.
     pub watchdog_command: Option<Vec<String>>,
-    /// How instances are isolated (design §6).
+    /// How instances are isolated.
     pub isolation: Isolation,
     /// The host uids of instance accounts (levels `user` and `sandbox`).
     pub uids: UidRange,

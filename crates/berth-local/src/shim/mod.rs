@@ -1,6 +1,6 @@
 //! The shim: the small parent process that keeps one instance alive while
-//! berth itself comes and goes (design §4.7, in the spirit of
-//! containerd-shim and podman's conmon).
+//! berth itself comes and goes (in the spirit of containerd-shim and
+//! podman's conmon).
 //!
 //! berth re-executes itself once as the zygote (`berth shim`, see
 //! [`ShimLauncher`]), which forks one shim per instance: berth hands it a

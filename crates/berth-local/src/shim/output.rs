@@ -13,7 +13,7 @@ use tokio::sync::{mpsc, oneshot};
 /// endless line cannot make the shim buffer without bound.
 const MAX_PIECE: usize = 64 * 1024;
 
-/// How many characters of stderr the state keeps (design §4.1).
+/// How many characters of stderr the state keeps.
 pub(crate) const TAIL_CHARS: usize = 500;
 
 /// Raw bytes kept to produce [`TAIL_CHARS`] characters: a UTF-8 character

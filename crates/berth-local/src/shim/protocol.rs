@@ -118,8 +118,8 @@ pub struct ShimState {
 #[serde(tag = "cmd", rename_all = "snake_case")]
 pub enum ShimCommand {
     /// SIGTERM to the group, SIGKILL after `grace_ms`. A frozen group is
-    /// killed at once instead: it is never thawed to be stopped (design
-    /// §4.5), since it may be frozen because its lease is in doubt.
+    /// killed at once instead: it is never thawed to be stopped, since
+    /// it may be frozen because its lease is in doubt.
     Stop { grace_ms: u64 },
     /// SIGKILL to the group now (the lease is lost).
     Kill,

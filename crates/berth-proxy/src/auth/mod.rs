@@ -1,4 +1,4 @@
-//! Who is calling, and may they reach this user (design §8.2).
+//! Who is calling, and may they reach this user.
 //!
 //! berth keeps two kinds of credential apart:
 //!

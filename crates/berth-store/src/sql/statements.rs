@@ -161,10 +161,10 @@ impl Statements {
                 "CAST(NULL AS boolean) AS holder_alive FROM leases ",
                 "WHERE holder = $1 AND NOT released AND lease_until >= {now} ORDER BY user_id"
             )),
-            // The claim of user $1's lease for node $2, for $3 ms (design
-            // §3, invariant 1). $4 is true when expired leases may be taken
-            // from a holder whose heartbeat is older than one TTL (or which
-            // never registered a heartbeat at all).
+            // The claim of user $1's lease for node $2, for $3 ms
+            // (invariant 1 in ARCHITECTURE.md). $4 is true when expired
+            // leases may be taken from a holder whose heartbeat is older
+            // than one TTL (or which never registered a heartbeat at all).
             //
             // PostgreSQL, under READ COMMITTED: a claimer that finds the row
             // locked by a concurrent claim waits, then re-checks this WHERE

@@ -1,5 +1,5 @@
-//! berth's configuration: a TOML file (design §8.6), then environment, then
-//! flags. Unknown keys are errors that name the key, the file and the line.
+//! berth's configuration: a TOML file, then environment, then flags.
+//! Unknown keys are errors that name the key, the file and the line.
 //!
 //! Layering: [`Config::load`] reads the file (or starts from the defaults)
 //! and applies the `BERTH_*` environment; [`Config::apply_overrides`] applies

@@ -1,5 +1,5 @@
 //! The file format: [`Config`] and its sections, one struct per TOML
-//! table, with the defaults of design §8.6.
+//! table, with their defaults (README, "Configure it").
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -40,7 +40,7 @@ pub struct Config {
     pub cluster: ClusterSection,
     pub metrics: MetricsSection,
     /// `[kubernetes]`: its presence runs every instance as a pod
-    /// (`berth-k8s`) instead of a local process (design §10).
+    /// (`berth-k8s`) instead of a local process.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub kubernetes: Option<berth_k8s::KubernetesConfig>,
     /// Where each value came from, for error messages.
@@ -148,7 +148,7 @@ pub struct LeaseSection {
     pub takeover: berth_store::TakeoverPolicy,
 }
 
-/// `[auth]`: user tokens and admin sessions (design §8.2).
+/// `[auth]`: user tokens and admin sessions.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct AuthSection {
@@ -212,7 +212,7 @@ impl Default for ClusterSection {
     }
 }
 
-/// `[metrics]`: who may read `/metrics` besides the admin (design §11).
+/// `[metrics]`: who may read `/metrics` besides the admin.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct MetricsSection {
@@ -227,7 +227,7 @@ pub struct MetricsSection {
     pub listen: Option<String>,
 }
 
-/// `[isolation]` (design §6).
+/// `[isolation]`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct IsolationConfig {

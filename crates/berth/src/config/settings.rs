@@ -177,9 +177,9 @@ impl Config {
         ])
     }
 
-    /// How instances are judged ready (design §4.2). A configured regex or
-    /// HTTP path wins; the default command gets the demo-app's token line;
-    /// any other command is ready when `GET /` answers.
+    /// How instances are judged ready. A configured regex or HTTP path
+    /// wins; the default command gets the demo-app's token line; any other
+    /// command is ready when `GET /` answers.
     pub fn readiness(&self) -> Result<Readiness, ConfigError> {
         let i = &self.instance;
         if let Some(pattern) = &i.ready_token_regex {

@@ -1,5 +1,5 @@
-//! The admin page at `/admin/` (design §11): static HTML, CSS and script
-//! compiled into the binary, so nothing is built or installed beside it.
+//! The admin page at `/admin/`: static HTML, CSS and script compiled
+//! into the binary, so nothing is built or installed beside it.
 //!
 //! The page holds no data. Everything it shows comes from API calls it
 //! makes once signed in (the admin session in host mode, the admin token

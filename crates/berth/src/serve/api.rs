@@ -178,8 +178,8 @@ impl ApiState {
         Ok(self.auth.caller(method, headers).await?)
     }
 
-    /// One of this node's slots for a long-lived stream of `user`'s (design
-    /// §8.2: one user's streams cannot starve the others): `429
+    /// One of this node's slots for a long-lived stream of `user`'s (one
+    /// user's streams cannot starve the others): `429
     /// too_many_streams` at the user's cap, `503 capacity_exhausted` when
     /// the node is full. The stream that holds it gives it back when it
     /// ends or its client leaves ([`holding`]).

@@ -1,4 +1,4 @@
-//! Who is calling the API, and the credentials berth mints (design §8.2).
+//! Who is calling the API, and the credentials berth mints.
 //!
 //! The API accepts two credentials and nothing else:
 //!
@@ -153,8 +153,8 @@ impl Authenticator {
         self.shared.purge();
     }
 
-    /// The caller of an API request (design §8.2): a Bearer token, else
-    /// the admin session cookie under the same-origin and CSRF rules.
+    /// The caller of an API request: a Bearer token, else the admin
+    /// session cookie under the same-origin and CSRF rules.
     pub async fn caller(&self, method: &Method, headers: &HeaderMap) -> Result<Caller, Refusal> {
         if let Some(token) = bearer(headers) {
             // An explicit token decides alone: a wrong one is not rescued

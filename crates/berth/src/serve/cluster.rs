@@ -1,6 +1,5 @@
-//! Cluster mode (design §3, §7.3, §8.1, §8.3): where a user's instance
-//! runs, and where each operation on it goes, when several nodes share a
-//! PostgreSQL store.
+//! Cluster mode: where a user's instance runs, and where each operation
+//! on it goes, when several nodes share a PostgreSQL store.
 //!
 //! * [`decide`] (pure): where a launch goes. A live lease names the owner;
 //!   otherwise placement picks a node (sticky to the last holder).
@@ -488,7 +487,7 @@ impl Cluster {
     }
 
     /// Asks `node` to fence `user`'s instance if it still runs under
-    /// `epoch` (design §3 "Fence the right node"). Best effort: the old
+    /// `epoch` (ARCHITECTURE.md, invariant 14). Best effort: the old
     /// holder is usually gone, and its shim freezes the instance anyway.
     pub async fn fence_remote(&self, node: &str, user: &UserId, epoch: Epoch) {
         if node == self.node_id {

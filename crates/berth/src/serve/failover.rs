@@ -1,4 +1,4 @@
-//! The failover scan (design §3 "No silent takeover"): every renew
+//! The failover scan (ARCHITECTURE.md, "Cluster mode"): every renew
 //! interval, each node reads the expired leases and relaunches the users
 //! whose holder is gone, with evidence, that placement gives to it; the
 //! rest are reported once per epoch for an operator (`berth takeover`).
@@ -50,8 +50,9 @@ pub enum FailoverStep {
     },
 }
 
-/// Design §3 "No silent takeover": decides, for every expired lease of a
-/// main that was live, whether this node relaunches it.
+/// No silent takeover (ARCHITECTURE.md, "Cluster mode"): decides, for
+/// every expired lease of a main that was live, whether this node
+/// relaunches it.
 ///
 /// * holder alive, or liveness unknown → report (no evidence it is gone);
 /// * `manual` → report;

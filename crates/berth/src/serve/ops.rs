@@ -1,6 +1,6 @@
 //! The use cases: every per-user operation, written once, for every caller
-//! (design §5: "every per-user operation runs on the node that owns the
-//! user").
+//! (ARCHITECTURE.md, invariant 21: every per-user operation runs on the
+//! node that owns the user).
 //!
 //! The public API, the node-to-node API, the proxy (through its cluster
 //! hook) and the failover scan all call [`Ops`]: [`Ops::ensure_running`],
@@ -58,7 +58,7 @@ pub const MAX_HOPS: usize = 3;
 /// bookkeeping.
 const MARGIN: Duration = Duration::from_secs(10);
 /// What a probe may take on the node that runs it: its restart budget
-/// and settle time (design §4.6).
+/// and settle time.
 const PROBE_BUDGET: Duration = Duration::from_millis(62_500);
 /// What a remote restart-all may take: every main of a node, restarted a
 /// few at a time.
@@ -319,8 +319,8 @@ impl Ops {
         }
     }
 
-    /// Hibernates `user`'s main where it runs (design §4.5): frozen with
-    /// its memory intact, its lease kept.
+    /// Hibernates `user`'s main where it runs: frozen with its memory
+    /// intact, its lease kept.
     pub async fn hibernate(&self, user: &UserId, via: Via) -> Result<Instance, SpawnError> {
         self.hop(user, via, &Hibernation::Hibernate).await
     }
@@ -348,7 +348,7 @@ impl Ops {
     }
 
     /// Restarts (or force-launches) `user`'s main and reports whether it
-    /// stays up (design §4.6).
+    /// stays up.
     pub async fn probe(&self, user: &UserId, via: Via) -> Result<ProbeReport, SpawnError> {
         self.hop(user, via, &Probe).await
     }

@@ -1,11 +1,11 @@
-//! Calls from one node to another (design §7.3, §8.2): the transport of
-//! the use cases that run on the node owning a user (`ops`), the fence of
-//! an old holder, and the token-cache purge, sent to the callee's
-//! node-to-node listener. Every call is signed with the cluster secret
-//! ([`berth_proxy::peer_auth`]), which itself never travels; an
-//! error answer's JSON maps back to the [`SpawnError`] it came from, so an
-//! error keeps its code and HTTP meaning across nodes (a `lease_busy` from
-//! the callee is followed by the caller's hop loop).
+//! Calls from one node to another: the transport of the use cases that run
+//! on the node owning a user (`ops`), the fence of an old holder, and the
+//! token-cache purge, sent to the callee's node-to-node listener. Every
+//! call is signed with the cluster secret ([`berth_proxy::peer_auth`]),
+//! which itself never travels; an error answer's JSON maps back to the
+//! [`SpawnError`] it came from, so an error keeps its code and HTTP
+//! meaning across nodes (a `lease_busy` from the callee is followed by the
+//! caller's hop loop).
 
 use std::time::Duration;
 
@@ -320,9 +320,9 @@ fn unreachable_peer(node: &str, base: &str, e: &reqwest::Error) -> SpawnError {
     }
 }
 
-/// The [`SpawnError`] an API error answer stands for, by its `error` code
-/// (design §8.4), so that it is answered again with the same code and
-/// status. Codes only a peer's own auth can produce (`unauthorized`,
+/// The [`SpawnError`] an API error answer stands for, by its `error`
+/// code, so that it is answered again with the same code and status.
+/// Codes only a peer's own auth can produce (`unauthorized`,
 /// `forbidden`) mean this node's cluster secret is wrong: an internal
 /// error here, not the caller's fault.
 pub fn error_from_json(user: &UserId, status: u16, body: &Value) -> SpawnError {

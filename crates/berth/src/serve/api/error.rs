@@ -1,5 +1,5 @@
-//! API errors: `{"error": code, "message": …, …}` with the code's status
-//! (design §8.4), and the count of every error answered.
+//! API errors: `{"error": code, "message": …, …}` with the code's
+//! status, and the count of every error answered.
 
 use axum::extract::State;
 use axum::http::{HeaderValue, StatusCode, header};

@@ -5,8 +5,7 @@
 //!
 //! Extractors run in the order of the handler's arguments, so every
 //! handler takes its caller first: an unauthenticated client learns
-//! nothing about which ids are valid, and no body is read for it
-//! (design §8.2).
+//! nothing about which ids are valid, and no body is read for it.
 
 use std::sync::Arc;
 
@@ -55,8 +54,8 @@ impl FromRequestParts<Arc<ApiState>> for UserCall {
     }
 }
 
-/// What a user token may do on its own user (design §8.2); everything else
-/// is the admin's. `action` is the route after `{user}/`, as declared
+/// What a user token may do on its own user; everything else is the
+/// admin's. `action` is the route after `{user}/`, as declared
 /// (`instance/logs`, `tokens/{id}`). `patch`, `folder` and `force` are
 /// checked on the launch body itself.
 pub fn user_may(method: &Method, action: &str, users_may_patch: bool) -> bool {
@@ -252,8 +251,7 @@ pub async fn read_body(headers: &HeaderMap, body: Body) -> Result<Bytes, ApiErro
 /// 415 for any request whose body is declared as something other than
 /// JSON. Form and text bodies are what a page on another site can send
 /// without asking the browser for permission (no CORS preflight), so no
-/// endpoint takes them (design §8.2). A request without `Content-Type` is
-/// read as JSON.
+/// endpoint takes them. A request without `Content-Type` is read as JSON.
 pub async fn refuse_non_json_bodies(
     request: axum::extract::Request,
     next: axum::middleware::Next,

@@ -1,5 +1,5 @@
-//! Node-to-node routes (`/internal/v1/…`, design §7.3): what another node
-//! asks of this one, on the listener of their own (`[cluster]
+//! Node-to-node routes (`/internal/v1/…`): what another node asks of
+//! this one, on the listener of their own (`[cluster]
 //! internal_listen`), signed with the cluster secret ([`authenticate`],
 //! then [`PeerCall`], [`Peer`]). Each runs the use case here with
 //! [`Via::Peer`]: never forwarded again, and answered with `lease_busy`

@@ -1,8 +1,8 @@
-//! `GET /metrics` and who may read it (design §11): the admin, or a
-//! Prometheus scraper with the read-only `[metrics] token`, which opens
-//! this route and nothing else. `[metrics] listen` serves the same text
-//! without authentication on an address of its own ([`router`]), for a
-//! scraper that holds no secret at all.
+//! `GET /metrics` and who may read it: the admin, or a Prometheus
+//! scraper with the read-only `[metrics] token`, which opens this route
+//! and nothing else. `[metrics] listen` serves the same text without
+//! authentication on an address of its own ([`router`]), for a scraper
+//! that holds no secret at all.
 
 use std::sync::Arc;
 
