@@ -198,9 +198,14 @@ fn init_tracing(log_format: &str) -> anyhow::Result<()> {
 /// this host makes risky.
 fn startup_warnings(config: &Config) -> Vec<String> {
     let root = nix::unistd::geteuid().is_root();
+    // berth raises its soft limit to the hard one at start.
+    let own_open_files = nix::sys::resource::getrlimit(nix::sys::resource::Resource::RLIMIT_NOFILE)
+        .ok()
+        .map(|(_, hard)| hard);
     [
         config.port_range_warning(crate::config::ephemeral_port_range()),
         config.open_files_warning(root, crate::config::file_max()),
+        config.host_limits_warning(crate::config::pid_max(), own_open_files),
     ]
     .into_iter()
     .flatten()

@@ -40,6 +40,15 @@ pub fn ephemeral_port_range() -> Option<(u16, u16)> {
     }
 }
 
+/// The kernel's `pid_max`, if it can be read.
+pub fn pid_max() -> Option<u64> {
+    std::fs::read_to_string("/proc/sys/kernel/pid_max")
+        .ok()?
+        .trim()
+        .parse()
+        .ok()
+}
+
 /// The host's `fs.file-max`, if it can be read.
 pub fn file_max() -> Option<u64> {
     std::fs::read_to_string("/proc/sys/fs/file-max")

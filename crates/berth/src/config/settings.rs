@@ -19,6 +19,13 @@ use super::sections::{Config, HookConfig, IdleActionConfig};
 /// the launch token.
 pub const DEMO_READY_REGEX: &str = r"berth-demo: http://127\.0\.0\.1:\d+/\?token=([A-Za-z0-9_-]+)";
 
+/// Processes and threads an instance takes at least: its shim (the
+/// process and the three threads it keeps) and its program.
+pub const PIDS_PER_INSTANCE: u64 = 5;
+/// berth's descriptors per instance at least: the shim's socket, a pooled
+/// connection to the program, and a client's connection.
+pub const FILES_PER_INSTANCE: u64 = 3;
+
 impl Config {
     /// The store URL: configured, or `sqlite://<data_dir>/berth.db`.
     pub fn store_url(&self) -> String {
@@ -393,16 +400,58 @@ impl Config {
         if level == berth_local::Isolation::None || self.kubernetes.is_some() {
             return None;
         }
-        let [start, end] = self.instance.port_range;
-        let capacity = self
-            .cluster
-            .capacity
-            .unwrap_or_else(|| u32::from(end).saturating_sub(u32::from(start)) + 1);
         berth_local::open_files_warning(
             self.isolation.open_files_max,
-            u64::from(capacity),
+            u64::from(self.local_capacity()),
             file_max?,
         )
+    }
+
+    /// How many instances this node may run: `[cluster] capacity`, else
+    /// one per port of the instance port range.
+    fn local_capacity(&self) -> u32 {
+        let [start, end] = self.instance.port_range;
+        self.cluster
+            .capacity
+            .unwrap_or_else(|| u32::from(end).saturating_sub(u32::from(start)) + 1)
+    }
+
+    /// A warning when this host cannot hold as many instances as berth
+    /// may run here: the kernel's `pid_max` (each instance takes
+    /// [`PIDS_PER_INSTANCE`] at least) or berth's own open-files limit
+    /// (`own_open_files`, after raising it; each instance holds
+    /// [`FILES_PER_INSTANCE`] of berth's descriptors). Programs run on
+    /// this host only without `[kubernetes]`.
+    pub fn host_limits_warning(
+        &self,
+        pid_max: Option<u64>,
+        own_open_files: Option<u64>,
+    ) -> Option<String> {
+        if self.kubernetes.is_some() {
+            return None;
+        }
+        let capacity = u64::from(self.local_capacity());
+        let mut short = Vec::new();
+        if let Some(pid_max) = pid_max.filter(|&m| m < capacity * PIDS_PER_INSTANCE) {
+            short.push(format!(
+                "kernel.pid_max is {pid_max}, below {} (sysctl kernel.pid_max)",
+                capacity * PIDS_PER_INSTANCE
+            ));
+        }
+        if let Some(files) = own_open_files.filter(|&f| f < capacity * FILES_PER_INSTANCE) {
+            short.push(format!(
+                "berth may open {files} files, below {} (LimitNOFILE= in its unit, or ulimit -n)",
+                capacity * FILES_PER_INSTANCE
+            ));
+        }
+        (!short.is_empty()).then(|| {
+            format!(
+                "up to {capacity} instances may run here ([cluster] capacity, or the size of \
+                 port_range), more than this host holds: {}; launches past that fail. Raise \
+                 the limits or lower the capacity",
+                short.join("; ")
+            )
+        })
     }
 
     /// `[proxy] body_min_bytes_per_s` and `body_grace_ms` (a grace of 0: no
@@ -544,6 +593,31 @@ mod tests {
         let none = parse("[isolation]\nmode = \"none\"\n").unwrap();
         assert_eq!(none.open_files_warning(true, Some(1)), None);
         assert_eq!(c.open_files_warning(true, None), None);
+    }
+
+    #[test]
+    fn a_capacity_past_the_hosts_limits_is_warned_about_with_the_numbers() {
+        let c = parse("[cluster]\ncapacity = 10000\n").unwrap();
+        assert_eq!(c.host_limits_warning(Some(50_000), Some(30_000)), None);
+        assert_eq!(
+            c.host_limits_warning(None, None),
+            None,
+            "unreadable: no word"
+        );
+        let warning = c.host_limits_warning(Some(32_768), Some(1024)).unwrap();
+        for part in [
+            "10000 instances",
+            "pid_max is 32768, below 50000",
+            "1024 files, below 30000",
+        ] {
+            assert!(warning.contains(part), "{part}: {warning}");
+        }
+        let pids_only = c.host_limits_warning(Some(32_768), Some(1 << 20)).unwrap();
+        assert!(!pids_only.contains("files"), "{pids_only}");
+        // Without a capacity, one instance per port of the range.
+        let ranged = parse("[instance]\nport_range = [30000, 30149]\n").unwrap();
+        assert_eq!(ranged.host_limits_warning(Some(750), Some(450)), None);
+        assert!(ranged.host_limits_warning(Some(749), None).is_some());
     }
 
     #[test]
