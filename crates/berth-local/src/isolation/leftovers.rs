@@ -27,7 +27,7 @@ pub(crate) fn is_leftover(berth_alive: bool, instances_left: bool) -> bool {
 }
 
 /// Removes this berth's table and cgroup parents when no instance of it
-/// runs any more (`runs_left` is what it still follows).
+/// runs any more (`runs_left`: the runs it still follows or has found).
 pub(crate) async fn remove_own(guard: &Guard, parents: Option<&Parents>, runs_left: usize) {
     let instances_left = runs_left > 0 || parents.is_some_and(Parents::hold_processes);
     if instances_left {

@@ -909,7 +909,8 @@ impl Runtime for LocalRuntime {
         self.shims.shutdown().await;
         if let Some(isolated) = &self.isolated {
             let isolator = &isolated.isolator;
-            let runs_left = self.runs.len();
+            // Found but not yet adopted counts too: those shims run.
+            let runs_left = self.runs.len() + lock(&self.found).len();
             leftovers::remove_own(&isolator.guard, isolator.cgroups.as_ref(), runs_left).await;
         }
     }
