@@ -1585,75 +1585,79 @@ pub async fn a_slug_recorded_for_one_user_is_refused_for_another(store: Arc<dyn 
 pub async fn concurrent_first_records_agree_on_one_slug(store: Arc<dyn Store>) {
     // The window in which the same row inserted twice trips the slug's
     // constraint is narrow: many users raise the odds of hitting it.
-    for n in 0..32 {
+    for n in 0..64 {
         let bob = user(&format!("bob-{n}"));
-        let barrier = Arc::new(tokio::sync::Barrier::new(8));
-        let tasks: Vec<_> = (0..8)
-            .map(|_| {
-                let (store, bob, barrier) = (store.clone(), bob.clone(), barrier.clone());
-                tokio::spawn(async move {
-                    barrier.wait().await;
-                    store.record_user_slug(&bob, &bob.slug()).await
-                })
-            })
-            .collect();
-        for t in tasks {
-            assert_eq!(t.await.unwrap().unwrap(), bob.slug(), "{bob}");
+        let answers = race(&store, |store, _| {
+            let bob = bob.clone();
+            async move { store.record_user_slug(&bob, &bob.slug()).await }
+        })
+        .await;
+        for answer in answers {
+            assert_eq!(answer.unwrap(), bob.slug(), "{bob}");
         }
     }
 
     let alice = user("alice");
-    let barrier = Arc::new(tokio::sync::Barrier::new(8));
-    let tasks: Vec<_> = (0..8)
-        .map(|i| {
-            let (store, alice, barrier) = (store.clone(), alice.clone(), barrier.clone());
-            tokio::spawn(async move {
-                barrier.wait().await;
-                store
-                    .record_user_slug(&alice, &slug(&format!("candidate-{i}")))
-                    .await
-                    .unwrap()
-            })
-        })
-        .collect();
-    let mut answers = Vec::new();
-    for t in tasks {
-        answers.push(t.await.unwrap());
-    }
+    let answers = race(&store, |store, i| {
+        let alice = alice.clone();
+        async move {
+            let candidate = slug(&format!("candidate-{i}"));
+            store.record_user_slug(&alice, &candidate).await.unwrap()
+        }
+    })
+    .await;
     let recorded = store.user_slug(&alice).await.unwrap().unwrap();
     assert!(answers.iter().all(|a| *a == recorded), "{answers:?}");
 
-    let barrier = Arc::new(tokio::sync::Barrier::new(8));
-    let tasks: Vec<_> = (0..8)
-        .map(|i| {
-            let (store, barrier) = (store.clone(), barrier.clone());
-            tokio::spawn(async move {
-                let who = user(&format!("racer-{i}"));
-                barrier.wait().await;
-                (
-                    who.clone(),
-                    store.record_user_slug(&who, &slug("contested")).await,
-                )
-            })
-        })
-        .collect();
+    let racer = |i: usize| user(&format!("racer-{i}"));
+    let answers = race(&store, |store, i| async move {
+        store.record_user_slug(&racer(i), &slug("contested")).await
+    })
+    .await;
     let mut winners = Vec::new();
-    for t in tasks {
-        match t.await.unwrap() {
-            (who, Ok(s)) => {
+    for (i, answer) in answers.into_iter().enumerate() {
+        match answer {
+            Ok(s) => {
                 assert_eq!(s, slug("contested"));
-                winners.push(who);
+                winners.push(racer(i));
             }
-            (_, Err(StoreError::SlugTaken { .. })) => {}
-            (who, Err(e)) => panic!("{who}: {e}"),
+            Err(StoreError::SlugTaken { .. }) => {}
+            Err(e) => panic!("{}: {e}", racer(i)),
         }
     }
     assert_eq!(winners.len(), 1, "{winners:?}");
-    for i in 0..8 {
-        let who = user(&format!("racer-{i}"));
-        let expected = (who == winners[0]).then(|| slug("contested"));
-        assert_eq!(store.user_slug(&who).await.unwrap(), expected);
+    for i in 0..RACERS {
+        let expected = (racer(i) == winners[0]).then(|| slug("contested"));
+        assert_eq!(store.user_slug(&racer(i)).await.unwrap(), expected);
     }
+}
+
+/// How many nodes [`race`] stands for.
+const RACERS: usize = 8;
+
+/// Runs `call(store, i)` for i in `0..RACERS` at once, as many nodes
+/// would, all released together; the answers in order of `i`.
+async fn race<T, F, Fut>(store: &Arc<dyn Store>, call: F) -> Vec<T>
+where
+    T: Send + 'static,
+    F: Fn(Arc<dyn Store>, usize) -> Fut,
+    Fut: std::future::Future<Output = T> + Send + 'static,
+{
+    let barrier = Arc::new(tokio::sync::Barrier::new(RACERS));
+    let tasks: Vec<_> = (0..RACERS)
+        .map(|i| {
+            let (barrier, call) = (barrier.clone(), call(store.clone(), i));
+            tokio::spawn(async move {
+                barrier.wait().await;
+                call.await
+            })
+        })
+        .collect();
+    let mut answers = Vec::with_capacity(RACERS);
+    for task in tasks {
+        answers.push(task.await.unwrap());
+    }
+    answers
 }
 
 /// heartbeat inserts, then updates, a node's row and stamps it with the
