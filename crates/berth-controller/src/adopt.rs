@@ -1,14 +1,19 @@
 //! Adoption at start: what to do with each instance the runtime still
 //! runs (or last ran) and each live record the store holds for this
-//! node. [`plan`] is pure; [`Shared::adopt_all`] acts on it.
+//! node. [`plan`] and [`in_waves`] are pure; [`Shared::adopt_all`] acts on
+//! them, many users at once: each step waits on the store and the
+//! runtime, not on the CPU, so one at a time would make a node of
+//! thousands wait minutes for its last user.
 
 use std::collections::HashMap;
 use std::sync::Arc;
 
+use futures_util::{StreamExt, TryStreamExt};
+
 use berth_core::policy::supervision::FENCED_ERROR;
 use berth_core::runtime::{Discovered, ExitStatus};
 use berth_core::{Epoch, Instance, InstanceStatus, Role, Slug, UserId};
-use berth_store::InstanceFilter;
+use berth_store::{InstanceFilter, StoreError};
 
 use crate::driver::{self, Begin, Run};
 use crate::users::{Entry, Slot};
@@ -104,6 +109,35 @@ pub(crate) fn plan(
     steps
 }
 
+/// How many users adoption works on at once.
+const ADOPT_CONCURRENCY: usize = 64;
+
+/// `steps` in the order adoption takes them: first every removal (each
+/// alone: they free ports and accounts that a restart may need), then one
+/// group per user, its steps in plan order (a main and its watchdog share
+/// a slot). Groups of one wave run at once.
+pub(crate) fn in_waves(steps: Vec<Step>) -> (Vec<Step>, Vec<Vec<Step>>) {
+    let (removals, rest): (Vec<Step>, Vec<Step>) = steps
+        .into_iter()
+        .partition(|s| matches!(s, Step::Remove { .. }));
+    let mut groups: Vec<Vec<Step>> = Vec::new();
+    let mut group_of: HashMap<UserId, usize> = HashMap::new();
+    for step in rest {
+        let user = match &step {
+            Step::Adopt { record, .. } | Step::CrashedWhileAway { record, .. } => &record.user,
+            Step::Remove { .. } => continue,
+        };
+        match group_of.get(user) {
+            Some(&i) => groups[i].push(step),
+            None => {
+                group_of.insert(user.clone(), groups.len());
+                groups.push(vec![step]);
+            }
+        }
+    }
+    (removals, groups)
+}
+
 /// The exit of an instance that ended while berth was away without saying
 /// how.
 fn unknown_exit() -> ExitStatus {
@@ -141,38 +175,65 @@ impl Shared {
         // A live instance is filed under its user's recorded slug; a user
         // recorded by no earlier berth gets one now (keeping an earlier
         // slug's data, see `recorded_slug`).
-        let mut slugs: HashMap<UserId, Slug> = HashMap::new();
-        for record in records.iter().filter(|r| r.status.is_live()) {
-            if !slugs.contains_key(&record.user) {
-                let slug = self.recorded_slug(&record.user).await?;
-                slugs.insert(record.user.clone(), slug);
-            }
-        }
-        for step in plan(&found, &records, |u| slugs.get(u).cloned()) {
-            match step {
-                Step::Adopt { found: i, record } => {
-                    tracing::info!(user = %record.user, role = %record.role, pid = ?record.pid,
-                        "adopting a running instance");
-                    self.adopt(record, &found[i], &held).await;
+        let mut live_users: Vec<&UserId> = records
+            .iter()
+            .filter(|r| r.status.is_live())
+            .map(|r| &r.user)
+            .collect();
+        live_users.sort();
+        live_users.dedup();
+        let slugs: HashMap<UserId, Slug> = futures_util::stream::iter(live_users)
+            .map(|user| async move {
+                let slug = self.recorded_slug(user).await?;
+                Ok::<_, StoreError>((user.clone(), slug))
+            })
+            .buffer_unordered(ADOPT_CONCURRENCY)
+            .try_collect()
+            .await?;
+        let (removals, groups) = in_waves(plan(&found, &records, |u| slugs.get(u).cloned()));
+        let (found, held) = (&found, &held);
+        futures_util::stream::iter(removals)
+            .for_each_concurrent(ADOPT_CONCURRENCY, |step| self.take(step, found, held))
+            .await;
+        futures_util::stream::iter(groups)
+            .for_each_concurrent(ADOPT_CONCURRENCY, |group| async move {
+                for step in group {
+                    self.take(step, found, held).await;
                 }
-                Step::Remove { found: i, reason } => {
-                    let f = &found[i];
-                    if f.alive {
-                        tracing::warn!(slug = %f.slug, role = %f.role, %reason,
-                            "ending an instance with no matching record");
-                    }
-                    if let Err(e) = self.runtime.remove(f).await {
-                        tracing::warn!(slug = %f.slug, error = %e, "could not remove the instance");
-                    }
-                }
-                Step::CrashedWhileAway { record, exit } => {
-                    tracing::warn!(user = %record.user, role = %record.role,
-                        "instance ended while berth was away");
-                    self.recover(record, exit, &held).await;
-                }
-            }
-        }
+            })
+            .await;
         Ok(())
+    }
+
+    /// Carries out one step of the plan.
+    async fn take(
+        self: &Arc<Self>,
+        step: Step,
+        found: &[Discovered],
+        held: &HashMap<UserId, Epoch>,
+    ) {
+        match step {
+            Step::Adopt { found: i, record } => {
+                tracing::info!(user = %record.user, role = %record.role, pid = ?record.pid,
+                    "adopting a running instance");
+                self.adopt(record, &found[i], held).await;
+            }
+            Step::Remove { found: i, reason } => {
+                let f = &found[i];
+                if f.alive {
+                    tracing::warn!(slug = %f.slug, role = %f.role, %reason,
+                        "ending an instance with no matching record");
+                }
+                if let Err(e) = self.runtime.remove(f).await {
+                    tracing::warn!(slug = %f.slug, error = %e, "could not remove the instance");
+                }
+            }
+            Step::CrashedWhileAway { record, exit } => {
+                tracing::warn!(user = %record.user, role = %record.role,
+                    "instance ended while berth was away");
+                self.recover(record, exit, held).await;
+            }
+        }
     }
 
     /// The slot of a live record's user (its slug was recorded before the
@@ -366,6 +427,68 @@ mod tests {
             token: None,
             exit: None,
         }
+    }
+
+    #[test]
+    fn removals_go_first_then_each_users_steps_together_in_plan_order() {
+        let a_main = record("alice", Role::Main, InstanceStatus::Running);
+        let a_dog = record("alice", Role::Watchdog, InstanceStatus::Running);
+        let b_main = record("bob", Role::Main, InstanceStatus::Running);
+        let steps = vec![
+            Step::Adopt {
+                found: 0,
+                record: a_main.clone(),
+            },
+            Step::Remove {
+                found: 1,
+                reason: "x".into(),
+            },
+            Step::CrashedWhileAway {
+                record: b_main.clone(),
+                exit: None,
+            },
+            Step::Adopt {
+                found: 2,
+                record: a_dog.clone(),
+            },
+            Step::Remove {
+                found: 3,
+                reason: "y".into(),
+            },
+        ];
+        let (removals, groups) = in_waves(steps);
+        assert_eq!(
+            removals,
+            [
+                Step::Remove {
+                    found: 1,
+                    reason: "x".into()
+                },
+                Step::Remove {
+                    found: 3,
+                    reason: "y".into()
+                }
+            ]
+        );
+        assert_eq!(
+            groups,
+            [
+                vec![
+                    Step::Adopt {
+                        found: 0,
+                        record: a_main
+                    },
+                    Step::Adopt {
+                        found: 2,
+                        record: a_dog
+                    }
+                ],
+                vec![Step::CrashedWhileAway {
+                    record: b_main,
+                    exit: None
+                }],
+            ]
+        );
     }
 
     fn plan_of(found: &[Discovered], records: &[Instance]) -> Vec<Step> {
