@@ -41,6 +41,8 @@ use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::sync::Mutex;
 
+use tokio::sync::{mpsc, oneshot};
+
 use tokio::io::AsyncWriteExt;
 
 use super::UidRange;
@@ -269,7 +271,70 @@ async fn nft_output(
     }
 }
 
-/// One berth's guard: its table, and the `own_ports` pairs it added.
+/// One change to `own_ports`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Change {
+    /// Lets `uid` connect to `port`; a pair another uid held on that port
+    /// goes in the same transaction.
+    Grant { uid: u32, port: u16 },
+    /// Takes back the pair on `port`, if any.
+    Revoke { port: u16 },
+}
+
+/// The `nft -f` script that makes `changes`, in order, to an `own_ports`
+/// that holds `granted` (port → uid), and the entries of `granted` it
+/// changes (`None`: removed). An empty script: nothing to do.
+fn batch(
+    table: &str,
+    granted: &HashMap<u16, u32>,
+    changes: &[Change],
+) -> (String, HashMap<u16, Option<u32>>) {
+    let mut script = String::new();
+    let mut updates: HashMap<u16, Option<u32>> = HashMap::new();
+    for &change in changes {
+        let port = match change {
+            Change::Grant { port, .. } | Change::Revoke { port } => port,
+        };
+        let current = updates
+            .get(&port)
+            .copied()
+            .unwrap_or_else(|| granted.get(&port).copied());
+        let wanted = match change {
+            Change::Grant { uid, .. } => Some(uid),
+            Change::Revoke { .. } => None,
+        };
+        if current == wanted {
+            continue;
+        }
+        if let Some(old) = current {
+            script.push_str(&element(table, "delete", old, port));
+        }
+        if let Some(uid) = wanted {
+            script.push_str(&element(table, "add", uid, port));
+        }
+        updates.insert(port, wanted);
+    }
+    (script, updates)
+}
+
+/// Changes waiting for the batcher at most; a launch burst beyond it
+/// waits to send its own.
+const QUEUED_CHANGES: usize = 1024;
+/// Changes one `nft` run makes at most.
+const BATCH_MAX: usize = 512;
+
+/// A change and where its outcome goes.
+#[derive(Debug)]
+struct Request {
+    change: Change,
+    done: oneshot::Sender<Result<(), GuardError>>,
+}
+
+/// One berth's guard: its table, and the task that changes `own_ports`.
+///
+/// Changes go through one task, which makes every change queued by the
+/// time it is free in one `nft` run: a burst of launches (or adoption
+/// after a restart) pays a process per batch, not per instance.
 #[derive(Debug)]
 pub(crate) struct Guard {
     nft: PathBuf,
@@ -279,8 +344,9 @@ pub(crate) struct Guard {
     uids: UidRange,
     ports: RangeInclusive<u16>,
     listeners: ListenerCap,
-    /// port → uid of every pair in `own_ports`.
-    granted: Mutex<HashMap<u16, u32>>,
+    changes: mpsc::Sender<Request>,
+    /// The batcher's receiving end until [`Guard::install`] starts it.
+    pending: Mutex<Option<mpsc::Receiver<Request>>>,
 }
 
 impl Guard {
@@ -291,6 +357,7 @@ impl Guard {
         ports: RangeInclusive<u16>,
         listeners: ListenerCap,
     ) -> Guard {
+        let (changes, pending) = mpsc::channel(QUEUED_CHANGES);
         Guard {
             nft,
             table: table_name(data_dir),
@@ -298,7 +365,8 @@ impl Guard {
             uids,
             ports,
             listeners,
-            granted: Mutex::new(HashMap::new()),
+            changes,
+            pending: Mutex::new(Some(pending)),
         }
     }
 
@@ -307,8 +375,9 @@ impl Guard {
     }
 
     /// (Re)creates the table with an empty `own_ports`, in one
-    /// transaction: the rules never lapse, and a previous berth's pairs are
-    /// gone.
+    /// transaction (the rules never lapse, and a previous berth's pairs
+    /// are gone), then starts the task that changes `own_ports`. Call
+    /// once, in a tokio runtime: the task ends when the guard is dropped.
     pub async fn install(&self) -> Result<(), GuardError> {
         let script = ruleset(
             &self.table,
@@ -318,51 +387,44 @@ impl Guard {
             &self.listeners,
         );
         run_nft(&self.nft, &self.table, "creation", &script).await?;
-        self.granted
+        let pending = self
+            .pending
             .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clear();
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take();
+        if let Some(requests) = pending {
+            tokio::spawn(apply_changes(
+                self.nft.clone(),
+                self.table.clone(),
+                requests,
+            ));
+        }
         Ok(())
     }
 
     /// Lets `uid` connect to `port` (its own instance's). A pair another
     /// uid held on that port is deleted in the same transaction.
     pub async fn grant(&self, uid: u32, port: u16) -> Result<(), GuardError> {
-        let previous = {
-            let granted = self.granted.lock().unwrap_or_else(|e| e.into_inner());
-            granted.get(&port).copied()
-        };
-        if previous == Some(uid) {
-            return Ok(());
-        }
-        let mut script = String::new();
-        if let Some(old) = previous {
-            script.push_str(&element(&self.table, "delete", old, port));
-        }
-        script.push_str(&element(&self.table, "add", uid, port));
-        run_nft(&self.nft, &self.table, "port grant", &script).await?;
-        self.granted
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(port, uid);
-        Ok(())
+        self.change(Change::Grant { uid, port }).await
     }
 
     /// Takes back the pair on `port`, if any.
     pub async fn revoke(&self, port: u16) -> Result<(), GuardError> {
-        let Some(uid) = ({
-            let mut granted = self.granted.lock().unwrap_or_else(|e| e.into_inner());
-            granted.remove(&port)
-        }) else {
-            return Ok(());
+        self.change(Change::Revoke { port }).await
+    }
+
+    async fn change(&self, change: Change) -> Result<(), GuardError> {
+        let (done, outcome) = oneshot::channel();
+        let gone = || GuardError::Refused {
+            what: "port change",
+            table: self.table.clone(),
+            stderr: "the guard's task is gone".to_owned(),
         };
-        run_nft(
-            &self.nft,
-            &self.table,
-            "port revocation",
-            &element(&self.table, "delete", uid, port),
-        )
-        .await
+        self.changes
+            .send(Request { change, done })
+            .await
+            .map_err(|_| gone())?;
+        outcome.await.map_err(|_| gone())?
     }
 
     /// Deletes this berth's table.
@@ -400,6 +462,59 @@ impl Guard {
     pub async fn remove_listed(nft: &Path, table: &str, handle: u64) -> Result<(), GuardError> {
         let script = format!("delete table inet handle {handle}\n");
         run_nft(nft, table, "removal", &script).await
+    }
+}
+
+/// The task behind [`Guard`]: takes every change queued (up to
+/// [`BATCH_MAX`]), makes them in one `nft` run, and answers each. When
+/// the run is refused, each change of it is tried alone, so one bad
+/// change fails only itself. Ends when the guard is dropped.
+async fn apply_changes(nft: PathBuf, table: String, mut requests: mpsc::Receiver<Request>) {
+    let mut granted: HashMap<u16, u32> = HashMap::new();
+    // Runs `changes` as one transaction; on success `granted` follows.
+    async fn make(
+        nft: &Path,
+        table: &str,
+        granted: &mut HashMap<u16, u32>,
+        changes: &[Change],
+    ) -> Result<(), GuardError> {
+        let (script, updates) = batch(table, granted, changes);
+        if !script.is_empty() {
+            run_nft(nft, table, "port change", &script).await?;
+        }
+        for (port, uid) in updates {
+            match uid {
+                Some(uid) => granted.insert(port, uid),
+                None => granted.remove(&port),
+            };
+        }
+        Ok(())
+    }
+    while let Some(first) = requests.recv().await {
+        let mut taken = vec![first];
+        while taken.len() < BATCH_MAX {
+            match requests.try_recv() {
+                Ok(request) => taken.push(request),
+                Err(_) => break,
+            }
+        }
+        let changes: Vec<Change> = taken.iter().map(|r| r.change).collect();
+        match make(&nft, &table, &mut granted, &changes).await {
+            Ok(()) => {
+                for request in taken {
+                    let _ = request.done.send(Ok(()));
+                }
+            }
+            Err(e) if taken.len() == 1 => {
+                let _ = taken.remove(0).done.send(Err(e));
+            }
+            Err(_) => {
+                for request in taken {
+                    let outcome = make(&nft, &table, &mut granted, &[request.change]).await;
+                    let _ = request.done.send(outcome);
+                }
+            }
+        }
     }
 }
 
@@ -477,6 +592,53 @@ mod tests {
         assert_eq!(a, table_name(Path::new("/var/lib/berth")));
         assert_eq!(a.len(), "berth_".len() + 8);
         assert!(a.chars().all(|c| c.is_ascii_alphanumeric() || c == '_'));
+    }
+
+    #[test]
+    fn a_batch_makes_its_changes_in_order_against_what_is_granted() {
+        let granted = HashMap::from([(20001, 200_001), (20002, 200_002)]);
+        let (script, updates) = batch(
+            "t",
+            &granted,
+            &[
+                Change::Grant {
+                    uid: 200_001,
+                    port: 20001,
+                },
+                Change::Grant {
+                    uid: 200_003,
+                    port: 20002,
+                },
+                Change::Revoke { port: 20009 },
+                Change::Grant {
+                    uid: 200_004,
+                    port: 20004,
+                },
+                Change::Revoke { port: 20004 },
+                Change::Revoke { port: 20001 },
+            ],
+        );
+        assert_eq!(
+            script,
+            "delete element inet t own_ports { 200002 . 20002 }\n\
+             add element inet t own_ports { 200003 . 20002 }\n\
+             add element inet t own_ports { 200004 . 20004 }\n\
+             delete element inet t own_ports { 200004 . 20004 }\n\
+             delete element inet t own_ports { 200001 . 20001 }\n"
+        );
+        assert_eq!(
+            updates,
+            HashMap::from([(20002, Some(200_003)), (20004, None), (20001, None)])
+        );
+        let (script, updates) = batch(
+            "t",
+            &granted,
+            &[Change::Grant {
+                uid: 200_002,
+                port: 20002,
+            }],
+        );
+        assert!(script.is_empty() && updates.is_empty(), "already granted");
     }
 
     #[test]
