@@ -319,30 +319,46 @@ class Berth:
             found.append((state.get("shim_pid"), state.get("pid")))
         return found
 
-    def remove_isolation_leftovers(self):
-        try:
-            canonical = os.path.realpath(self.data).encode()
-        except OSError:
-            return
-        tag = hashlib.sha256(canonical).hexdigest()[:8]
-        subprocess.run(["nft", "delete", "table", "inet", f"berth_{tag}"],
-                       stderr=subprocess.DEVNULL, check=False)
+    def tag(self):
+        """The 8 hex digits that name this berth's nftables table and
+        cgroup parents (a hash of its canonical data dir)."""
+        return hashlib.sha256(os.path.realpath(self.data).encode()).hexdigest()[:8]
+
+    def table(self):
+        return f"berth_{self.tag()}"
+
+    def cgroup_parents(self):
+        """This berth's cgroup parent directories that exist, in every
+        hierarchy this process belongs to (berth runs in the same ones)."""
         with open("/proc/self/cgroup") as f:
             lines = f.read().splitlines()
+        found = []
         for line in lines:
             _, controllers, path = line.split(":", 2)
             for mount in controllers.split(",") + [controllers]:
-                parent = os.path.join("/sys/fs/cgroup", mount or "unified",
-                                      path.lstrip("/"), f"berth-{tag}")
-                for leaf in glob.glob(os.path.join(parent, "*", "")):
-                    try:
-                        os.rmdir(leaf)
-                    except OSError:
-                        pass
-                try:
-                    os.rmdir(parent)
-                except OSError:
-                    pass
+                parent = os.path.realpath(os.path.join(
+                    "/sys/fs/cgroup", mount or "unified", path.lstrip("/"), f"berth-{self.tag()}"))
+                if os.path.isdir(parent) and parent not in found:
+                    found.append(parent)
+        return found
+
+    def instance_cgroups(self):
+        return [leaf for parent in self.cgroup_parents()
+                for leaf in glob.glob(os.path.join(parent, "*", ""))]
+
+    def remove_isolation_leftovers(self):
+        subprocess.run(["nft", "delete", "table", "inet", self.table()],
+                       stderr=subprocess.DEVNULL, check=False)
+        for leaf in self.instance_cgroups():
+            try:
+                os.rmdir(leaf)
+            except OSError:
+                pass
+        for parent in self.cgroup_parents():
+            try:
+                os.rmdir(parent)
+            except OSError:
+                pass
 
     def close(self):
         # 1. Stop the users the normal way (instances outlive berth).

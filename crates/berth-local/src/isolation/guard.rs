@@ -29,8 +29,9 @@
 //!
 //! Why this over a network namespace per instance: it keeps instances on
 //! the host's loopback, where berth's proxy reaches them at the address
-//! they print, costs one `nft` run per launch instead of a veth pair and
-//! addresses per instance, and the rules survive berth: an instance
+//! they print, costs a share of one `nft` run per launch (see [`Guard`])
+//! instead of a veth pair and addresses per instance, and the rules
+//! survive berth: an instance
 //! adopted after a restart is never unguarded. The table is recreated
 //! atomically (one `nft -f` transaction) at start, which drops entries a
 //! previous berth left; adopted instances add theirs back.
