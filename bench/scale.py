@@ -1,0 +1,186 @@
+#!/usr/bin/env python3
+"""Scale benchmark of issue 19 (one node), standard library only.
+
+    sudo python3 bench/scale.py [--n 100,1000] [--isolation user] [--launchers 16]
+
+For each N, one `berth serve` (isolation `user` by default, the default
+as root; port range of N + 50 ports, so its capacity holds N) runs the
+built-in demo app for N users, and the script measures:
+
+* launch: N launches through the API (`wait=true`) from `--launchers`
+  client threads; wall time, launches per second, failures;
+* while all N run: berth's RSS, the shims' and programs' PSS per
+  instance, and `/healthz` latency (median and p99 of 500 sequential
+  GETs);
+* re-adoption: `kill -9` of berth, then a new berth on the same data dir;
+  the time from its start to its listening line (berth adopts every
+  instance before it listens), and a check that all N are running with
+  the pids they had;
+* stop: every user stopped through the API (16 client threads); wall time;
+* leftovers: shims and programs still alive, port-guard elements and
+  instance cgroups left once all are stopped (all must be 0).
+
+N of 10,000 needs `kernel.pid_max` above 5 per instance (sysctl
+kernel.pid_max=4194304) and berth's open-files limit above 3 per instance
+(`ulimit -n`); berth warns at start when they are short.
+
+The binary is taken as given (default target/release/berth); nothing is
+built here. Every process started is cleaned up (see bench/spawn.py).
+"""
+
+import argparse
+import concurrent.futures
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import spawn  # noqa: E402  (the Berth harness, shared with the spawn bench)
+
+
+def launch_all(berth, users, launchers):
+    """Launches every user; returns (wall seconds, failures)."""
+
+    def one(chunk):
+        failed = []
+        conn = berth.connection()
+        try:
+            for user in chunk:
+                status, body, _ = berth.launch(conn, user)
+                if status != 201:
+                    failed.append((user, status, body[:200].decode(errors="replace")))
+        finally:
+            conn.close()
+        return failed
+
+    chunks = [users[i::launchers] for i in range(launchers)]
+    start = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(launchers) as pool:
+        failures = [f for failed in pool.map(one, chunks) for f in failed]
+    return time.perf_counter() - start, failures
+
+
+def healthz(berth, n=500):
+    conn = berth.connection()
+    times = []
+    try:
+        for _ in range(n):
+            start = time.perf_counter()
+            conn.request("GET", "/healthz")
+            resp = conn.getresponse()
+            resp.read()
+            times.append(time.perf_counter() - start)
+            if resp.status != 200:
+                raise RuntimeError(f"/healthz answered {resp.status}")
+    finally:
+        conn.close()
+    times.sort()
+    return {
+        "median_ms": round(statistics.median(times) * 1000, 3),
+        "p99_ms": round(times[int(len(times) * 0.99) - 1] * 1000, 3),
+    }
+
+
+def running_mains(berth):
+    conn = berth.connection()
+    try:
+        conn.request("GET", "/api/v1/instances?status=running", headers=berth.headers())
+        resp = conn.getresponse()
+        listed = json.loads(resp.read())
+    finally:
+        conn.close()
+    return {i["user"]: i.get("pid") for i in listed["instances"] if i["role"] == "main"}
+
+
+def instance_pss_kib(berth):
+    pids = [p for pair in berth.shims() for p in pair if isinstance(p, int) and p > 0]
+    return sum(spawn.pss_kib(p) for p in pids)
+
+
+def port_guard_elements(berth):
+    out = subprocess.run(
+        ["nft", "-j", "list", "set", "inet", berth.table(), "own_ports"],
+        capture_output=True, text=True, check=False)
+    if out.returncode != 0:
+        return 0
+    for item in json.loads(out.stdout)["nftables"]:
+        if "set" in item:
+            return len(item["set"].get("elem", []))
+    return 0
+
+
+def live_instance_processes(berth, patience=30):
+    """Shims and programs still alive once every stop answered: a shim
+    ends a moment after its program, so this waits up to `patience`
+    seconds for them to be gone."""
+    deadline = time.monotonic() + patience
+    while True:
+        alive = sum(1 for pair in berth.shims() for p in pair
+                    if isinstance(p, int) and p > 0 and spawn.pid_alive(p))
+        if alive == 0 or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.1)
+
+
+def one_scale(args, n):
+    # Below the kernel's ephemeral range (32768+), whose ports the
+    # script's own client sockets take, up to N of 12,700.
+    ports = (20000, 20000 + n + 49)
+    with spawn.Berth(args.berth, isolation=args.isolation, ports=ports, base_uid=args.base_uid,
+                     parent=args.tmp) as berth:
+        users = [f"scale{i}" for i in range(n)]
+        row = {"n": n, "isolation": args.isolation, "machine_before": spawn.machine()}
+        seconds, failures = launch_all(berth, users, args.launchers)
+        row["launch"] = {"seconds": round(seconds, 2), "per_s": round(n / seconds, 1),
+                         "failures": len(failures), "first_failures": failures[:3]}
+        spawn.log(f"scale: {n} launched in {seconds:.1f} s ({n / seconds:.1f}/s), "
+                  f"{len(failures)} failed")
+        row["berth_rss_mib"] = round(spawn.rss_kib(berth.proc.pid) / 1024, 1)
+        row["pss_per_instance_kib"] = round(instance_pss_kib(berth) / n)
+        row["healthz"] = healthz(berth)
+        before = running_mains(berth)
+
+        berth.proc.send_signal(signal.SIGKILL)
+        berth.proc.wait()
+        start = time.perf_counter()
+        berth.start()
+        row["readopt_s"] = round(time.perf_counter() - start, 2)
+        after = running_mains(berth)
+        row["readopted"] = sum(1 for u, pid in before.items() if after.get(u) == pid)
+        row["berth_rss_after_readopt_mib"] = round(spawn.rss_kib(berth.proc.pid) / 1024, 1)
+        spawn.log(f"scale: re-adopted {row['readopted']} of {len(before)} in "
+                  f"{row['readopt_s']} s")
+
+        start = time.perf_counter()
+        berth.stop_all(workers=16)
+        row["stop_all_s"] = round(time.perf_counter() - start, 2)
+        row["left"] = {
+            "processes": live_instance_processes(berth),
+            "port_guard_elements": port_guard_elements(berth) if args.isolation != "none" else 0,
+            "instance_cgroups": len(berth.instance_cgroups()),
+        }
+        row["machine_after"] = spawn.machine()
+        return row
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--n", default="100,1000", help="comma-separated instance counts")
+    parser.add_argument("--isolation", default="user", choices=["none", "user", "sandbox"])
+    parser.add_argument("--launchers", type=int, default=16, help="client threads launching")
+    parser.add_argument("--berth", default=os.path.join(spawn.REPO, "target/release/berth"))
+    parser.add_argument("--base-uid", type=int, default=600000)
+    parser.add_argument("--tmp", default=None, help="where the data dir is made")
+    args = parser.parse_args()
+    if args.isolation != "none" and os.geteuid() != 0:
+        sys.exit("scale: isolation levels user and sandbox need root")
+    rows = [one_scale(args, int(n)) for n in args.n.split(",")]
+    print(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
