@@ -4,6 +4,8 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use futures_util::StreamExt;
+
 use berth_core::runtime::{Discovered, ExitStatus, OutOfMemory, RuntimeRef};
 use berth_core::{Role, UserId};
 
@@ -24,11 +26,14 @@ pub(super) struct FoundShim {
     pub handle: Option<ShimHandle>,
 }
 
-/// Every shim state file under `run_dir`, attached to when alive.
+/// Shims attached to at once: each attach waits on its shim's answer.
+const ATTACH_CONCURRENCY: usize = 64;
+
+/// Every shim state file under `run_dir`, attached to when alive, in the
+/// order of their directories' names.
 pub(super) async fn scan(run_dir: &Path) -> Vec<FoundShim> {
-    let mut found = Vec::new();
     let Ok(entries) = std::fs::read_dir(run_dir) else {
-        return found;
+        return Vec::new();
     };
     let mut dirs: Vec<(String, PathBuf)> = entries
         .filter_map(Result::ok)
@@ -36,26 +41,33 @@ pub(super) async fn scan(run_dir: &Path) -> Vec<FoundShim> {
         .filter_map(|e| Some((e.file_name().into_string().ok()?, e.path())))
         .collect();
     dirs.sort();
-    for (slug, dir) in dirs {
-        for role in [Role::Main, Role::Watchdog] {
-            let state_path = dir.join(format!("{}.json", role.as_str()));
-            if !state_path.exists() {
-                continue;
-            }
+    let files: Vec<(String, Role, PathBuf)> = dirs
+        .into_iter()
+        .flat_map(|(slug, dir)| {
+            [Role::Main, Role::Watchdog].map(|role| {
+                let state_path = dir.join(format!("{}.json", role.as_str()));
+                (slug.clone(), role, state_path)
+            })
+        })
+        .filter(|(_, _, state_path)| state_path.exists())
+        .collect();
+    futures_util::stream::iter(files)
+        .map(|(dir_slug, role, state_path)| async move {
             let (state, handle) = match ShimHandle::attach(&state_path).await {
                 Ok((handle, state)) => (Some(state), Some(handle)),
                 Err(_) => (ShimHandle::read_state(&state_path).ok(), None),
             };
-            found.push(FoundShim {
-                dir_slug: slug.clone(),
+            FoundShim {
+                dir_slug,
                 role,
                 state_path,
                 state,
                 handle,
-            });
-        }
-    }
-    found
+            }
+        })
+        .buffered(ATTACH_CONCURRENCY)
+        .collect()
+        .await
 }
 
 impl FoundShim {
