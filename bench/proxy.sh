@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Proxy benchmark of issue 3: berth against nginx and configurable-http-proxy.
+# Proxy benchmark: berth against nginx and configurable-http-proxy.
 #
 #   bench/proxy.sh                      # one round, 10 s per wrk run
 #   ROUNDS=3 bench/proxy.sh             # three rounds; the table shows medians

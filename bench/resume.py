@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Hibernation benchmark of issue 13 (single node), standard library only.
+"""Hibernation benchmark (single node), standard library only.
 
     python3 bench/resume.py [--berth target/release/berth] [--rounds 50] [--users 100]
 

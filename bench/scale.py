@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Scale benchmark of issue 19 (one node), standard library only.
+"""Scale benchmark of one node, standard library only.
 
     sudo python3 bench/scale.py [--n 100,1000] [--isolation user] [--launchers 16]
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Spawn benchmarks of issues 2 and 8 (single node), standard library only.
+"""Spawn benchmarks (single node), standard library only.
 
     python3 bench/spawn.py spawn-to-ready [--runs 50]
     python3 bench/spawn.py concurrent     [--users 200]

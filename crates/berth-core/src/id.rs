@@ -19,7 +19,7 @@ const HASH_CHARS: usize = 26;
 /// Longest slug of either kind (within 53, so `berth-<slug>` fits a
 /// 63-character Kubernetes name; 43 here, see [`MAX_HASHED_PREFIX`]).
 pub const MAX_SLUG_LEN: usize = MAX_HASHED_PREFIX + 3 + HASH_CHARS;
-/// The readable prefix of the slugs of berth before issue 9, which ended in
+/// The readable prefix of the slugs of berth before slugs were recorded, which ended in
 /// 8 hex digits (32 bits) of SHA-256.
 const LEGACY_PREFIX: usize = 32;
 /// Characters escaped in a path segment: everything but RFC 3986
@@ -87,7 +87,7 @@ impl UserId {
         Slug::of(&self.0)
     }
 
-    /// The slug an earlier berth (before issue 9) gave this id: the same
+    /// The slug an earlier berth (before slugs were recorded) gave this id: the same
     /// readable prefix, up to 32 characters, then `---` and only 8 hex
     /// digits of SHA-256, so distinct ids could share it. Used only to find
     /// a data root such a berth created; never recorded for a new user.
@@ -318,7 +318,7 @@ mod tests {
         assert!(!slug.as_str().contains("----"), "{slug}");
     }
 
-    /// The pair from issue 9: one 32-bit slug under earlier versions, so
+    /// A pair that shared one 32-bit slug under earlier versions, so
     /// the second user got the first one's data root.
     #[test]
     fn the_colliding_pair_of_issue_9_gets_two_slugs() {

@@ -1,4 +1,4 @@
-//! Counted limits on what all clients and users share (issue 9):
+//! Counted limits on what all clients and users share:
 //!
 //! * [`ConnLimits`]: open client connections, in all and per client
 //!   address, so one address cannot take every connection berth has;

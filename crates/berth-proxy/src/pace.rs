@@ -1,4 +1,4 @@
-//! A lower bound on how fast a request body arrives (issue 9), so that a
+//! A lower bound on how fast a request body arrives, so that a
 //! client trickling a body cannot hold a connection, an upstream
 //! connection and the upstream's attention for as long as it likes.
 //!

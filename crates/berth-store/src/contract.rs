@@ -1548,7 +1548,11 @@ pub async fn a_slug_recorded_for_one_user_is_refused_for_another(store: Arc<dyn 
     let first = user("alice*{@(.:$*corp");
     let second = user("alice<;|<@(:{corp");
     let shared = first.legacy_slug();
-    assert_eq!(second.legacy_slug(), shared, "the collision of issue 9");
+    assert_eq!(
+        second.legacy_slug(),
+        shared,
+        "the old slug rule's collision"
+    );
     store.record_user_slug(&first, &shared).await.unwrap();
     let err = store.record_user_slug(&second, &shared).await.unwrap_err();
     match &err {

@@ -1,4 +1,4 @@
-//! End-to-end acceptance of single-node berth (issue 2): the real binary,
+//! End-to-end acceptance of single-node berth: the real binary,
 //! real instances (`berth demo-app`), real SQLite, real sockets.
 
 mod support;

@@ -1916,7 +1916,7 @@ fn token_of(answer: &Value) -> String {
     url.split_once("?token=").unwrap().1.to_owned()
 }
 
-/// Issue 10's acceptance: alice runs on `a` (the node placement chose), bob on `b`, and every
+/// Across nodes: alice runs on `a` (the node placement chose), bob on `b`, and every
 /// request below goes through `b`. Each operation acts on `a`, where
 /// alice runs: her logs (and a followed log, streamed), restart (a new pid
 /// on `a`), probe, watchdog, restart-all (both nodes, each user with its
@@ -2286,7 +2286,7 @@ async fn follow_logs(node: &Node, user: &str) -> reqwest::Response {
         .unwrap()
 }
 
-/// Issue 9's per-user stream cap holds on the node that runs a user however
+/// The per-user stream cap holds on the node that runs a user however
 /// many nodes relay the user's streams: a followed log asked of `b`
 /// holds a slot on `b` and one on `a`, alice's owner. With
 /// `max_upgrades_per_user = 2`, two streams held on `a` stop a third

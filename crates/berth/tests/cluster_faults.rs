@@ -907,7 +907,7 @@ async fn a_node_cut_from_the_database_freezes_then_thaws_without_a_restart() {
     assert!(nodes[0].is_running());
 }
 
-/// The fencing hole of issue 10: a node cut off from the database freezes
+/// The fencing hole: a node cut off from the database freezes
 /// its instance; an operator then stops that user through the node's own
 /// API. The program is killed while frozen, never thawed to act on SIGTERM:
 /// its TERM handler (`--journal-on-term`, which writes one last journal
@@ -1370,7 +1370,7 @@ async fn recovered(
     now
 }
 
-// --- hibernation and fencing: two reasons to be frozen (issue 13) -----------
+// --- hibernation and fencing: two reasons to be frozen -----------------------
 
 /// alice is hibernated on node-a (asked through node-b: it reaches the
 /// owner). node-a is then cut from the database past `fence_after`, so the

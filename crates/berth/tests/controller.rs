@@ -1134,7 +1134,7 @@ async fn a_crash_is_not_restarted_while_the_lease_is_unproven() {
     spawner.teardown().await;
 }
 
-/// Launch robustness (issue 10): another socket takes a launch's port just
+/// Launch robustness: another socket takes a launch's port just
 /// before the program binds it. The program fails, its port held by
 /// someone else: the launch still comes up, at once, on another port,
 /// without charging the crash budget.
@@ -1330,7 +1330,7 @@ async fn logs_are_followed_as_they_grow() {
     spawner.teardown().await;
 }
 
-/// The fencing hole (issue 10): a main frozen because its lease could not
+/// The fencing hole: a main frozen because its lease could not
 /// be proven is never thawed to be stopped. Its TERM handler, which
 /// "flushes state", must not run: the lease may be another node's by then.
 /// Asked to stop, it is killed while frozen. The shell only waits once

@@ -1,4 +1,4 @@
-//! Front-door security (issue 9), replayed as an attacker would against
+//! Front-door security, replayed as an attacker would against
 //! the real `berth` binary: a user's app trying to ride on an admin's
 //! browser, a page on another origin posting forms, an app planting
 //! berth's cookies, tokens that should no longer work, and request targets

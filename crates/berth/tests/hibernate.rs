@@ -1,4 +1,4 @@
-//! Hibernation (issue 13): an idle instance is frozen with its memory
+//! Hibernation: an idle instance is frozen with its memory
 //! intact and resumed by the next request, end to end with the real
 //! binary, real instances and real sockets. Frozen means stopped by the
 //! kernel: every process of the instance shows state `T` in

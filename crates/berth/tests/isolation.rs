@@ -1,4 +1,4 @@
-//! Isolation (issue 8), proven by attack: every boundary is crossed, or
+//! Isolation, proven by attack: every boundary is crossed, or
 //! rather tried, from inside a program berth started, the hostile program
 //! of `support/breach.py`, driven by the test through berth's own proxy.
 //!

@@ -1,4 +1,4 @@
-//! Launch robustness at scale (issue 10): 500 users launched at once on
+//! Launch robustness at scale: 500 users launched at once on
 //! one real `berth serve` all come up, with no failures: no store pool
 //! starved, no descriptor limit hit, no port given twice.
 //!

@@ -1,4 +1,4 @@
-//! Resource exhaustion (issue 9), replayed against the real binary: half-sent
+//! Resource exhaustion, replayed against the real binary: half-sent
 //! unauthenticated bodies, a trickled body, one user holding many
 //! WebSockets, progress streams or followed logs, and one address holding
 //! many connections.
@@ -83,7 +83,7 @@ fn sample_rss(pid: u32, done: Arc<AtomicBool>, max: Arc<AtomicU64>) -> tokio::ta
     })
 }
 
-/// The attack of issue 9: 200 clients announce 1 MiB bodies without a
+/// The attack: 200 clients announce 1 MiB bodies without a
 /// token, send half and go quiet. berth must answer each 401 without
 /// reading (let alone buffering) the body, and close: its memory barely
 /// moves. A third go to the API, a third to the proxy, and a third to the

@@ -1,4 +1,4 @@
-//! End-to-end acceptance of the proxy (issue 3): the real binary, real
+//! End-to-end acceptance of the proxy: the real binary, real
 //! instances (`berth demo-app`, Python's http.server, Jupyter Server),
 //! real sockets.
 

@@ -1,4 +1,4 @@
-//! Slugs end to end (issue 9): two ids that shared one 32-bit slug under
+//! Slugs end to end: two ids that shared one 32-bit slug under
 //! earlier versions get distinct slugs and distinct data roots through
 //! the real binary; the slug berth uses is the one the store recorded, so
 //! a data root made under an earlier slug stays where it is.
@@ -19,7 +19,7 @@ use serde_json::json;
 use support::{BERTH, Node, eventually, instance_pids};
 
 const PATIENCE: Duration = Duration::from_secs(60);
-/// The two ids of issue 9: both were `alice-corp---eb9ba467` before.
+/// Two ids that collided under the old slug rule: both were `alice-corp---eb9ba467` before.
 const FIRST: &str = "alice*{@(.:$*corp";
 const SECOND: &str = "alice<;|<@(:{corp";
 

@@ -281,7 +281,7 @@ pub struct ProxyConfig {
     /// upgrades) and API progress streams; more get `503`.
     pub max_upgrades: usize,
 
-    // --- exhaustion limits (issue 9) -----------------------------------------
+    // --- exhaustion limits -------------------------------------------------
     /// Open client connections at most; more are closed at once.
     pub max_connections: usize,
     /// Open connections at most from one client address (an IPv4 address
