@@ -14,7 +14,6 @@ mod browser;
 mod support;
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
 use std::time::Duration;
 
 use browser::{BASE, Browser};
@@ -24,18 +23,10 @@ use support::{Node, eventually};
 
 const PATIENCE: Duration = Duration::from_secs(60);
 
-/// A config with its own port range (tests run in parallel), running
-/// `upstream.py` as every user's program, plus `instance` keys and whole
-/// tables in `extra`.
+/// A config on ports of its own running `upstream.py`, plus `instance`
+/// keys and whole tables in `extra`.
 fn config(n: u16, instance: &str, extra: &str) -> String {
-    let start = 29_200 + n * 20;
-    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/programs/upstream.py");
-    format!(
-        "[instance]\nport_range = [{start}, {}]\ncommand = [\"python3\", \"{}\", \"{{port}}\"]\n\
-         ready_token_regex = \"^upstream: listening\"\n{instance}\n{extra}\n",
-        start + 19,
-        script.display()
-    )
+    support::upstream_config(29_200 + n * 20, instance, extra)
 }
 
 fn host_mode(n: u16, instance: &str) -> String {

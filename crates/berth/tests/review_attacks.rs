@@ -11,7 +11,6 @@
 mod support;
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
 use std::time::Duration;
 
 use serde_json::{Value, json};
@@ -24,17 +23,10 @@ const PATIENCE: Duration = Duration::from_secs(60);
 
 const BASE: &str = "berth.test";
 
-/// A config with its own port range (tests run in parallel), running
-/// `upstream.py` as every user's program, plus whole tables in `extra`.
+/// A config on ports of its own running `upstream.py`, plus whole tables
+/// in `extra`.
 fn config(n: u16, extra: &str) -> String {
-    let start = 31_400 + n * 20;
-    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/programs/upstream.py");
-    format!(
-        "[instance]\nport_range = [{start}, {}]\ncommand = [\"python3\", \"{}\", \"{{port}}\"]\n\
-         ready_token_regex = \"^upstream: listening\"\n{extra}\n",
-        start + 19,
-        script.display()
-    )
+    support::upstream_config(31_400 + n * 20, "", extra)
 }
 
 fn host_mode(n: u16) -> String {

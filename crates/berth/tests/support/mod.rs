@@ -128,6 +128,21 @@ impl Node {
     }
 }
 
+/// A config running `tests/programs/upstream.py` as every user's program
+/// on the 20 ports from `first_port` (tests run in parallel, each on its
+/// own ports), plus `[instance]` keys in `instance` and whole tables in
+/// `extra`.
+pub fn upstream_config(first_port: u16, instance: &str, extra: &str) -> String {
+    let script =
+        std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/programs/upstream.py");
+    format!(
+        "[instance]\nport_range = [{first_port}, {}]\ncommand = [\"python3\", \"{}\", \"{{port}}\"]\n\
+         ready_token_regex = \"^upstream: listening\"\n{instance}\n{extra}\n",
+        first_port + 19,
+        script.display()
+    )
+}
+
 /// What berth at level `user` or `sandbox` leaves in the kernel on purpose
 /// when it stops (instances outlive it, guarded and limited): its nftables
 /// table and its cgroups. A test's berth is gone for good, so they go too,
