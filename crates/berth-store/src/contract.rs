@@ -27,8 +27,9 @@ use berth_core::policy::{CrashState, NodeState, NodeView};
 use berth_core::{Epoch, Instance, InstanceStatus, Role, Slug, UnixMillis, UserId};
 
 use crate::{
-    ClaimOutcome, InstanceFilter, LaunchParams, MintOutcome, NewToken, NodeClaim, NodeRecord,
-    NodeStatus, Store, StoreError, TakeoverPolicy, TokenRecord, UidRange,
+    ClaimOutcome, InstanceFilter, LaunchParams, LoginAttempt, MintOutcome, NewToken, NodeClaim,
+    NodeRecord, NodeStatus, SessionOwner, SessionRecord, Store, StoreError, TakeoverPolicy,
+    TokenRecord, UidRange,
 };
 
 /// A lease that runs out while a test watches.
@@ -92,6 +93,7 @@ macro_rules! store_contract_tests {
             child_tokens_never_outlive_their_parent,
             revocation_takes_every_descendant_and_only_them,
             sessions_live_until_they_expire_or_end,
+            login_attempts_and_hops_are_taken_once,
             user_slug_is_recorded_once_and_kept,
             a_slug_recorded_for_one_user_is_refused_for_another,
             concurrent_first_records_agree_on_one_slug,
@@ -1495,22 +1497,103 @@ pub async fn revocation_takes_every_descendant_and_only_them(store: Arc<dyn Stor
     );
 }
 
-/// Admin sessions are found by hash until they expire or are ended.
+/// Sessions are found by hash, with their owner, until they expire or are
+/// ended.
 pub async fn sessions_live_until_they_expire_or_end(store: Arc<dyn Store>) {
+    let admin = SessionOwner {
+        user: None,
+        admin: true,
+        token_id: None,
+    };
+    let alice = SessionOwner {
+        user: Some(user("alice")),
+        admin: false,
+        token_id: Some("root-1".into()),
+    };
     let before = store.now().await.unwrap();
-    let long = store.create_session("s-long", LONG).await.unwrap();
+    let long = store.create_session("s-long", &admin, LONG).await.unwrap();
     assert!(long >= before + LONG.as_millis() as i64, "{long}");
-    store.create_session("s-short", SHORT).await.unwrap();
-    assert_eq!(store.session_expiry("s-long").await.unwrap(), Some(long));
-    assert_eq!(store.session_expiry("nope").await.unwrap(), None);
+    store
+        .create_session("s-short", &admin, SHORT)
+        .await
+        .unwrap();
+    let signed_in = store.create_session("s-alice", &alice, LONG).await.unwrap();
+    let found = |expires_at, owner: &SessionOwner| SessionRecord {
+        owner: owner.clone(),
+        expires_at,
+    };
+    assert_eq!(
+        store.session("s-long").await.unwrap(),
+        Some(found(long, &admin))
+    );
+    assert_eq!(
+        store.session("s-alice").await.unwrap(),
+        Some(found(signed_in, &alice))
+    );
+    assert_eq!(store.session("nope").await.unwrap(), None);
     let deadline = std::time::Instant::now() + PATIENCE;
-    while store.session_expiry("s-short").await.unwrap().is_some() {
+    while store.session("s-short").await.unwrap().is_some() {
         assert!(std::time::Instant::now() < deadline, "never expired");
         tokio::time::sleep(POLL).await;
     }
     assert!(store.delete_session("s-long").await.unwrap());
     assert!(!store.delete_session("s-long").await.unwrap());
-    assert_eq!(store.session_expiry("s-long").await.unwrap(), None);
+    assert_eq!(store.session("s-long").await.unwrap(), None);
+}
+
+/// A sign-in's state and a hop's code are each good once, and only while
+/// they live.
+pub async fn login_attempts_and_hops_are_taken_once(store: Arc<dyn Store>) {
+    let attempt = LoginAttempt {
+        pkce_verifier: "verifier".into(),
+        nonce: "nonce".into(),
+        return_to: "/u/alice/".into(),
+    };
+    store
+        .create_login_attempt("state-1", &attempt, LONG)
+        .await
+        .unwrap();
+    store
+        .create_login_attempt("state-short", &attempt, SHORT)
+        .await
+        .unwrap();
+    assert_eq!(
+        store.take_login_attempt("state-1").await.unwrap(),
+        Some(attempt.clone())
+    );
+    assert_eq!(store.take_login_attempt("state-1").await.unwrap(), None);
+    assert_eq!(store.take_login_attempt("unknown").await.unwrap(), None);
+    let alice = user("alice");
+    store
+        .create_login_hop("code-1", &alice, "root-1", LONG)
+        .await
+        .unwrap();
+    store
+        .create_login_hop("code-short", &alice, "root-1", SHORT)
+        .await
+        .unwrap();
+    // Both short ones were made by now.
+    let made = store.now().await.unwrap();
+    assert_eq!(
+        store.take_login_hop("code-1").await.unwrap(),
+        Some((alice.clone(), "root-1".to_owned()))
+    );
+    assert_eq!(store.take_login_hop("code-1").await.unwrap(), None);
+    // Past their life, neither is found (and the next create sweeps them).
+    let deadline = std::time::Instant::now() + PATIENCE;
+    loop {
+        let now = store.now().await.unwrap();
+        if now > made + SHORT.as_millis() as i64 {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the clock never moved"
+        );
+        tokio::time::sleep(POLL).await;
+    }
+    assert_eq!(store.take_login_attempt("state-short").await.unwrap(), None);
+    assert_eq!(store.take_login_hop("code-short").await.unwrap(), None);
 }
 
 fn slug(s: &str) -> Slug {

@@ -242,6 +242,34 @@ pub struct TokenOwner {
 }
 pub use berth_core::UidRange;
 
+/// Whose a session is: the admin token's, or a signed-in user's.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct SessionOwner {
+    /// `None`: a session made from the admin token.
+    pub user: Option<UserId>,
+    /// Whether the session may do what the admin may.
+    pub admin: bool,
+    /// The user token the login's app cookies are minted under.
+    pub token_id: Option<String>,
+}
+
+/// A live session, as [`Store::session`] finds it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SessionRecord {
+    pub owner: SessionOwner,
+    pub expires_at: UnixMillis,
+}
+
+/// What the callback of a sign-in needs, kept between the redirect to the
+/// provider and the way back.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LoginAttempt {
+    pub pkce_verifier: String,
+    pub nonce: String,
+    /// Where the user goes once signed in (a URL berth made or checked).
+    pub return_to: String,
+}
+
 /// How often an account allocation retries after losing a race for a uid
 /// to another node. Each retry means another account was created, so this
 /// bounds only pathological contention.
@@ -457,20 +485,48 @@ pub trait Store: Send + Sync + 'static {
     /// `id`.
     async fn revoke_token(&self, user: &UserId, id: &str) -> Result<Vec<String>, StoreError>;
 
-    // --- admin sessions -----------------------------------------------------
+    // --- sessions and sign-in -------------------------------------------------
 
     /// Records a session by the hash of its secret; drops expired sessions.
     /// Returns when it expires, by the store's clock.
     async fn create_session(
         &self,
         secret_hash: &str,
+        owner: &SessionOwner,
         ttl: Duration,
     ) -> Result<UnixMillis, StoreError>;
-    /// When the live session with this hash expires; `None` if there is
-    /// none (unknown, expired or ended).
-    async fn session_expiry(&self, secret_hash: &str) -> Result<Option<UnixMillis>, StoreError>;
+    /// The live session with this hash; `None` if there is none (unknown,
+    /// expired or ended).
+    async fn session(&self, secret_hash: &str) -> Result<Option<SessionRecord>, StoreError>;
     /// Ends a session. Returns whether there was one.
     async fn delete_session(&self, secret_hash: &str) -> Result<bool, StoreError>;
+    /// Records a sign-in in progress by the hash of its `state`; drops
+    /// expired ones.
+    async fn create_login_attempt(
+        &self,
+        state_hash: &str,
+        attempt: &LoginAttempt,
+        ttl: Duration,
+    ) -> Result<(), StoreError>;
+    /// Takes (deletes and returns) the live sign-in of this `state` hash:
+    /// a second take of one state finds nothing.
+    async fn take_login_attempt(
+        &self,
+        state_hash: &str,
+    ) -> Result<Option<LoginAttempt>, StoreError>;
+    /// Records a one-time code that opens `user`'s app under token
+    /// `token_id`; drops expired codes.
+    async fn create_login_hop(
+        &self,
+        code_hash: &str,
+        user: &UserId,
+        token_id: &str,
+        ttl: Duration,
+    ) -> Result<(), StoreError>;
+    /// Takes (deletes and returns) the live code of this hash: the user and
+    /// the token id it was made for.
+    async fn take_login_hop(&self, code_hash: &str)
+    -> Result<Option<(UserId, String)>, StoreError>;
 
     // --- users and their slugs ----------------------------------------------
 

@@ -9,9 +9,9 @@ use berth_core::policy::CrashState;
 use berth_core::{Epoch, Instance, Role, Slug, UnixMillis, UserId};
 
 use crate::{
-    ChooseNode, ClaimOutcome, InstanceFilter, LaunchParams, LeaseRecord, MintOutcome, NewToken,
-    NodeClaim, NodeRecord, Placement, Store, StoreError, TakeoverPolicy, TokenOwner, TokenRecord,
-    UidRange,
+    ChooseNode, ClaimOutcome, InstanceFilter, LaunchParams, LeaseRecord, LoginAttempt, MintOutcome,
+    NewToken, NodeClaim, NodeRecord, Placement, SessionOwner, SessionRecord, Store, StoreError,
+    TakeoverPolicy, TokenOwner, TokenRecord, UidRange,
 };
 
 /// What runs before every `renew_leases` of an [`InterceptRenew`]: it may
@@ -123,11 +123,39 @@ impl<H: RenewHook> Store for InterceptRenew<H> {
     async fn revoke_token(&self, u: &UserId, id: &str) -> Result<Vec<String>, StoreError> {
         self.inner.revoke_token(u, id).await
     }
-    async fn create_session(&self, h: &str, ttl: Duration) -> Result<UnixMillis, StoreError> {
-        self.inner.create_session(h, ttl).await
+    async fn create_session(
+        &self,
+        h: &str,
+        o: &SessionOwner,
+        ttl: Duration,
+    ) -> Result<UnixMillis, StoreError> {
+        self.inner.create_session(h, o, ttl).await
     }
-    async fn session_expiry(&self, h: &str) -> Result<Option<UnixMillis>, StoreError> {
-        self.inner.session_expiry(h).await
+    async fn session(&self, h: &str) -> Result<Option<SessionRecord>, StoreError> {
+        self.inner.session(h).await
+    }
+    async fn create_login_attempt(
+        &self,
+        h: &str,
+        a: &LoginAttempt,
+        ttl: Duration,
+    ) -> Result<(), StoreError> {
+        self.inner.create_login_attempt(h, a, ttl).await
+    }
+    async fn take_login_attempt(&self, h: &str) -> Result<Option<LoginAttempt>, StoreError> {
+        self.inner.take_login_attempt(h).await
+    }
+    async fn create_login_hop(
+        &self,
+        h: &str,
+        u: &UserId,
+        t: &str,
+        ttl: Duration,
+    ) -> Result<(), StoreError> {
+        self.inner.create_login_hop(h, u, t, ttl).await
+    }
+    async fn take_login_hop(&self, h: &str) -> Result<Option<(UserId, String)>, StoreError> {
+        self.inner.take_login_hop(h).await
     }
     async fn delete_session(&self, h: &str) -> Result<bool, StoreError> {
         self.inner.delete_session(h).await

@@ -40,6 +40,7 @@ macro_rules! embedded_migrations {
             (8, "hibernated", embedded_migrations!(@file $dir, "0008_hibernated.sql")),
             (9, "internal_url", embedded_migrations!(@file $dir, "0009_internal_url.sql")),
             (10, "placements", embedded_migrations!(@file $dir, "0010_placements.sql")),
+            (11, "logins", embedded_migrations!(@file $dir, "0011_logins.sql")),
         ]
     };
     (@file $dir:literal, $name:literal) => {

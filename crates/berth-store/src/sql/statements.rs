@@ -49,6 +49,12 @@ pub(crate) struct Statements {
     pub(crate) session_create: String,
     pub(crate) session_expiry: String,
     pub(crate) session_delete: String,
+    pub(crate) login_attempts_drop_expired: String,
+    pub(crate) login_attempt_create: String,
+    pub(crate) login_attempt_take: String,
+    pub(crate) login_hops_drop_expired: String,
+    pub(crate) login_hop_create: String,
+    pub(crate) login_hop_take: String,
     pub(crate) user_slug_get: String,
     pub(crate) user_slug_insert: String,
     pub(crate) heartbeat: String,
@@ -247,16 +253,38 @@ impl Statements {
                    UNION SELECT t.id FROM tokens t JOIN doomed d ON t.parent_id = d.id \
                  ) DELETE FROM tokens WHERE id IN (SELECT id FROM doomed) RETURNING id"),
 
-            // --- admin sessions -----------------------------------------
+            // --- sessions and sign-in -----------------------------------
             sessions_drop_expired: sql("DELETE FROM sessions WHERE expires_at <= {now}"),
             session_create: sql(concat!(
-                "INSERT INTO sessions (secret_hash, created_at, expires_at) ",
-                "SELECT $1, c.now, c.now + $2 FROM (SELECT {now} AS now) c RETURNING expires_at"
+                "INSERT INTO sessions (secret_hash, created_at, expires_at, user_id, admin, token_id) ",
+                "SELECT $1, c.now, c.now + $2, $3, $4, $5 FROM (SELECT {now} AS now) c ",
+                "RETURNING expires_at"
             )),
-            session_expiry: sql(
-                "SELECT expires_at FROM sessions WHERE secret_hash = $1 AND expires_at > {now}",
-            ),
+            session_expiry: sql(concat!(
+                "SELECT expires_at, user_id, admin, token_id FROM sessions ",
+                "WHERE secret_hash = $1 AND expires_at > {now}"
+            )),
             session_delete: sql("DELETE FROM sessions WHERE secret_hash = $1"),
+            login_attempts_drop_expired: sql(
+                "DELETE FROM login_attempts WHERE expires_at <= {now}",
+            ),
+            login_attempt_create: sql(concat!(
+                "INSERT INTO login_attempts (state_hash, pkce_verifier, nonce, return_to, expires_at) ",
+                "VALUES ($1, $2, $3, $4, {now} + $5)"
+            )),
+            login_attempt_take: sql(concat!(
+                "DELETE FROM login_attempts WHERE state_hash = $1 AND expires_at > {now} ",
+                "RETURNING pkce_verifier, nonce, return_to"
+            )),
+            login_hops_drop_expired: sql("DELETE FROM login_hops WHERE expires_at <= {now}"),
+            login_hop_create: sql(concat!(
+                "INSERT INTO login_hops (code_hash, user_id, token_id, expires_at) ",
+                "VALUES ($1, $2, $3, {now} + $4)"
+            )),
+            login_hop_take: sql(concat!(
+                "DELETE FROM login_hops WHERE code_hash = $1 AND expires_at > {now} ",
+                "RETURNING user_id, token_id"
+            )),
 
             // --- users and their slugs -----------------------------------
             user_slug_get: sql("SELECT slug FROM users WHERE user_id = $1"),

@@ -14,8 +14,9 @@ use super::rows::{
 use super::{Dialect, SqlBackend};
 use crate::{
     ACCOUNT_ATTEMPTS, ChooseNode, ClaimOutcome, InstanceFilter, LaunchParams, LeaseRecord,
-    MintOutcome, NewToken, NodeClaim, NodeRecord, Placement, Store, StoreError, TakeoverPolicy,
-    TokenOwner, TokenRecord, UidRange, account_bounds, check_patch_size,
+    LoginAttempt, MintOutcome, NewToken, NodeClaim, NodeRecord, Placement, SessionOwner,
+    SessionRecord, Store, StoreError, TakeoverPolicy, TokenOwner, TokenRecord, UidRange,
+    account_bounds, check_patch_size,
 };
 
 #[async_trait]
@@ -335,6 +336,7 @@ impl<B: SqlBackend> Store for B {
     async fn create_session(
         &self,
         secret_hash: &str,
+        owner: &SessionOwner,
         ttl: Duration,
     ) -> Result<UnixMillis, StoreError> {
         let sql = self.sql();
@@ -344,6 +346,9 @@ impl<B: SqlBackend> Store for B {
             .stmt(&sql.session_create)
             .bind(secret_hash)
             .bind(ttl_ms(ttl))
+            .bind(owner.user.as_ref().map(UserId::as_str))
+            .bind(i64::from(owner.admin))
+            .bind(owner.token_id.as_deref())
             .fetch_one()
             .await?;
         let expires_at = get(&row, "expires_at")?;
@@ -351,13 +356,97 @@ impl<B: SqlBackend> Store for B {
         Ok(expires_at)
     }
 
-    async fn session_expiry(&self, secret_hash: &str) -> Result<Option<UnixMillis>, StoreError> {
-        let row = self
+    async fn session(&self, secret_hash: &str) -> Result<Option<SessionRecord>, StoreError> {
+        let Some(row) = self
             .stmt(&self.sql().session_expiry)
             .bind(secret_hash)
             .fetch_optional()
+            .await?
+        else {
+            return Ok(None);
+        };
+        let user: Option<String> = get(&row, "user_id")?;
+        let admin: i64 = get(&row, "admin")?;
+        Ok(Some(SessionRecord {
+            owner: SessionOwner {
+                user: user.map(parse_user).transpose()?,
+                admin: admin != 0,
+                token_id: get(&row, "token_id")?,
+            },
+            expires_at: get(&row, "expires_at")?,
+        }))
+    }
+
+    async fn create_login_attempt(
+        &self,
+        state_hash: &str,
+        attempt: &LoginAttempt,
+        ttl: Duration,
+    ) -> Result<(), StoreError> {
+        let sql = self.sql();
+        let mut tx = Tx::begin(self).await?;
+        tx.stmt(&sql.login_attempts_drop_expired).execute().await?;
+        tx.stmt(&sql.login_attempt_create)
+            .bind(state_hash)
+            .bind(attempt.pkce_verifier.as_str())
+            .bind(attempt.nonce.as_str())
+            .bind(attempt.return_to.as_str())
+            .bind(ttl_ms(ttl))
+            .execute()
             .await?;
-        row.map(|row| get(&row, "expires_at")).transpose()
+        tx.commit().await
+    }
+
+    async fn take_login_attempt(
+        &self,
+        state_hash: &str,
+    ) -> Result<Option<LoginAttempt>, StoreError> {
+        let row = self
+            .stmt(&self.sql().login_attempt_take)
+            .bind(state_hash)
+            .fetch_optional()
+            .await?;
+        row.map(|row| {
+            Ok(LoginAttempt {
+                pkce_verifier: get(&row, "pkce_verifier")?,
+                nonce: get(&row, "nonce")?,
+                return_to: get(&row, "return_to")?,
+            })
+        })
+        .transpose()
+    }
+
+    async fn create_login_hop(
+        &self,
+        code_hash: &str,
+        user: &UserId,
+        token_id: &str,
+        ttl: Duration,
+    ) -> Result<(), StoreError> {
+        let sql = self.sql();
+        let mut tx = Tx::begin(self).await?;
+        tx.stmt(&sql.login_hops_drop_expired).execute().await?;
+        tx.stmt(&sql.login_hop_create)
+            .bind(code_hash)
+            .bind(user.as_str())
+            .bind(token_id)
+            .bind(ttl_ms(ttl))
+            .execute()
+            .await?;
+        tx.commit().await
+    }
+
+    async fn take_login_hop(
+        &self,
+        code_hash: &str,
+    ) -> Result<Option<(UserId, String)>, StoreError> {
+        let row = self
+            .stmt(&self.sql().login_hop_take)
+            .bind(code_hash)
+            .fetch_optional()
+            .await?;
+        row.map(|row| Ok((parse_user(get(&row, "user_id")?)?, get(&row, "token_id")?)))
+            .transpose()
     }
 
     async fn delete_session(&self, secret_hash: &str) -> Result<bool, StoreError> {
