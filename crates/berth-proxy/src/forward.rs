@@ -59,6 +59,7 @@ use tokio::net::TcpStream;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
+use crate::credential::{CredentialHeader, Scrubber, scrub_headers};
 use crate::limits::{ConnPermit, StreamLimits, StreamPermit, StreamRefused};
 use crate::pace::{BodyPace, BodyTooSlow, PacedBody};
 use crate::pool::{Conn, ForwardedBody, Pool};
@@ -120,6 +121,9 @@ pub struct ForwardConfig {
     /// connection count as activity (by default only the client's do, so
     /// a tab that only receives lets its instance idle).
     pub server_traffic_is_activity: bool,
+    /// The header that presents an instance's launch token to it
+    /// ([`crate::credential`]); `None`: the program gets no credential.
+    pub credential: Option<CredentialHeader>,
 }
 
 impl Default for ForwardConfig {
@@ -132,6 +136,7 @@ impl Default for ForwardConfig {
             pool_idle_timeout: Duration::from_secs(60),
             pool_max_idle_per_host: 64,
             server_traffic_is_activity: false,
+            credential: None,
         }
     }
 }
@@ -202,6 +207,7 @@ pub struct Forwarder {
     streams: Arc<StreamLimits>,
     body_pace: Option<BodyPace>,
     server_traffic_is_activity: bool,
+    credential: Option<CredentialHeader>,
     spawner: Arc<dyn Spawner>,
     tasks: TaskTracker,
     cancel: CancellationToken,
@@ -278,6 +284,7 @@ impl Forwarder {
             streams: StreamLimits::new(config.max_upgrades, config.max_upgrades_per_user),
             body_pace: config.body_pace,
             server_traffic_is_activity: config.server_traffic_is_activity,
+            credential: config.credential.clone(),
             spawner,
             tasks,
             cancel,
@@ -337,6 +344,21 @@ impl Forwarder {
         let (mut parts, body) = req.into_parts();
         rewrite_request_headers(&mut parts.headers, conn, upgrade, keep_forwarded_user);
         parts.version = Version::HTTP_11;
+        // The instance's own secret: presented to it, kept from the client.
+        let launch_token = self
+            .spawner
+            .launch_token(&to.user)
+            .filter(|t| !t.is_empty());
+        if let Some(token) = &launch_token {
+            if let Some(credential) = &self.credential {
+                credential.present(&mut parts.headers, token);
+            }
+            // Plain bodies, so that the token can be found in them.
+            parts.headers.insert(
+                header::ACCEPT_ENCODING,
+                HeaderValue::from_static("identity"),
+            );
+        }
 
         // Origin-form: the request line carries the path only. The
         // client's Host is passed through as it is: apps check it against
@@ -379,6 +401,13 @@ impl Forwarder {
             response
                 .headers_mut()
                 .insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
+        }
+        if let Some(token) = &launch_token {
+            scrub_headers(response.headers_mut(), token);
+            if let Some(scrubber) = Scrubber::new(token).filter(|_| !switched) {
+                response.headers_mut().remove(header::CONTENT_LENGTH);
+                return response.map(|body| Either::Left(body.scrubbed(scrubber)));
+            }
         }
         response.map(Either::Left)
     }

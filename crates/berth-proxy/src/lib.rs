@@ -68,6 +68,7 @@
 //! ```
 
 pub mod auth;
+pub mod credential;
 pub mod forward;
 pub mod limits;
 pub mod metrics;

@@ -37,6 +37,7 @@ use tokio_util::task::TaskTracker;
 
 use berth_core::Reach;
 
+use crate::credential::Scrubber;
 use crate::forward::UpstreamBody;
 
 /// One upstream connection: the future that does its I/O.
@@ -263,6 +264,15 @@ impl Pool {
 pub struct ForwardedBody {
     body: Incoming,
     lease: Option<Lease>,
+    /// Removes the instance's launch token from the body as it streams.
+    scrub: Option<Scrub>,
+}
+
+struct Scrub {
+    scrubber: Scrubber,
+    /// A trailers frame that waits for the held-back bytes to go first.
+    trailers: Option<Frame<Bytes>>,
+    done: bool,
 }
 
 struct Lease {
@@ -274,14 +284,46 @@ struct Lease {
 impl ForwardedBody {
     /// A body whose connection is someone else's business (an upgrade).
     pub(crate) fn plain(body: Incoming) -> Self {
-        Self { body, lease: None }
+        Self {
+            body,
+            lease: None,
+            scrub: None,
+        }
     }
 
     pub(crate) fn pooled(body: Incoming, conn: Conn, pool: Arc<Pool>, key: Authority) -> Self {
         Self {
             body,
             lease: Some(Lease { conn, pool, key }),
+            scrub: None,
         }
+    }
+
+    /// The same body without any occurrence of `scrubber`'s secret.
+    pub(crate) fn scrubbed(mut self, scrubber: Scrubber) -> Self {
+        self.scrub = Some(Scrub {
+            scrubber,
+            trailers: None,
+            done: false,
+        });
+        self
+    }
+
+    /// The next frame of the upstream body, driving its connection.
+    fn poll_inner(
+        &mut self,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+        if let Some(lease) = self.lease.as_mut() {
+            lease.conn.poll_io(cx);
+        }
+        let frame = Pin::new(&mut self.body).poll_frame(cx);
+        if let Poll::Ready(None | Some(Err(_))) = frame {
+            self.release();
+        } else if self.lease.is_some() && self.body.is_end_stream() {
+            self.release();
+        }
+        frame
     }
 
     fn release(&mut self) {
@@ -323,24 +365,67 @@ impl Body for ForwardedBody {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
         let this = self.get_mut();
-        if let Some(lease) = this.lease.as_mut() {
-            lease.conn.poll_io(cx);
+        if this.scrub.is_none() {
+            return this.poll_inner(cx);
         }
-        let frame = Pin::new(&mut this.body).poll_frame(cx);
-        if let Poll::Ready(None | Some(Err(_))) = frame {
-            this.release();
-        } else if this.lease.is_some() && this.body.is_end_stream() {
-            this.release();
+        loop {
+            if let Some(scrub) = this.scrub.as_mut() {
+                if let Some(trailers) = scrub.trailers.take() {
+                    return Poll::Ready(Some(Ok(trailers)));
+                }
+                if scrub.done {
+                    return Poll::Ready(None);
+                }
+            }
+            let frame = std::task::ready!(this.poll_inner(cx));
+            let Some(scrub) = this.scrub.as_mut() else {
+                return Poll::Ready(frame);
+            };
+            match frame {
+                Some(Ok(frame)) => match frame.into_data() {
+                    Ok(data) => {
+                        let clean = scrub.scrubber.push(&data);
+                        if !clean.is_empty() {
+                            return Poll::Ready(Some(Ok(Frame::data(clean))));
+                        }
+                    }
+                    Err(trailers) => {
+                        scrub.trailers = Some(trailers);
+                        scrub.done = true;
+                        let held = scrub.scrubber.finish();
+                        if !held.is_empty() {
+                            return Poll::Ready(Some(Ok(Frame::data(held))));
+                        }
+                    }
+                },
+                None => {
+                    scrub.done = true;
+                    let held = scrub.scrubber.finish();
+                    if !held.is_empty() {
+                        return Poll::Ready(Some(Ok(Frame::data(held))));
+                    }
+                }
+                Some(Err(e)) => {
+                    scrub.done = true;
+                    return Poll::Ready(Some(Err(e)));
+                }
+            }
         }
-        frame
     }
 
     fn is_end_stream(&self) -> bool {
-        self.body.is_end_stream()
+        match &self.scrub {
+            None => self.body.is_end_stream(),
+            Some(scrub) => scrub.done && scrub.trailers.is_none(),
+        }
     }
 
     fn size_hint(&self) -> SizeHint {
-        self.body.size_hint()
+        match self.scrub {
+            None => self.body.size_hint(),
+            // Scrubbing may shorten the body.
+            Some(_) => SizeHint::default(),
+        }
     }
 }
 

@@ -49,6 +49,9 @@ pub struct ProxyConfig {
     pub allow_cross_origin_requests: bool,
     /// Where request durations are recorded.
     pub metrics: ProxyMetrics,
+    /// berth serves a sign-in page: a browser without a credential for an
+    /// app is sent there rather than answered 401.
+    pub sign_in: bool,
 }
 
 impl Default for ProxyConfig {
@@ -64,6 +67,7 @@ impl Default for ProxyConfig {
             forward: ForwardConfig::default(),
             allow_cross_origin_requests: false,
             metrics: ProxyMetrics::default(),
+            sign_in: false,
         }
     }
 }
@@ -134,7 +138,8 @@ impl Proxy {
             ),
             gate: {
                 let gate = Gate::new(auth, config.auth_mode, config.trusted_proxies)
-                    .with_header_secret(config.header_secret);
+                    .with_header_secret(config.header_secret)
+                    .with_sign_in(config.sign_in);
                 match &cluster {
                     Some(c) => gate.with_cluster(c.auth.clone()),
                     None => gate,

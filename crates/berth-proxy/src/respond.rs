@@ -123,6 +123,28 @@ pub fn unauthorized(navigation: bool) -> Response<ProxyBody> {
     response
 }
 
+/// 401 with a reason of its own, as a page or as JSON.
+pub fn unauthorized_because(navigation: bool, message: &str) -> Response<ProxyBody> {
+    let mut response = if navigation {
+        page(
+            StatusCode::UNAUTHORIZED,
+            "Sign-in required",
+            &format!("<h1>Sign-in required</h1>\n<p>{}</p>", html_escape(message)),
+        )
+    } else {
+        json_error(
+            StatusCode::UNAUTHORIZED,
+            ErrorCode::Unauthorized.as_str(),
+            message,
+            &[],
+        )
+    };
+    response
+        .headers_mut()
+        .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+    response
+}
+
 /// 403: a valid credential of someone else.
 pub fn forbidden(navigation: bool) -> Response<ProxyBody> {
     if navigation {
@@ -228,12 +250,23 @@ pub fn starting_page(user: &UserId, progress_url: Option<&str>) -> Response<Prox
 }
 
 fn page(status: StatusCode, title: &str, body: &str) -> Response<ProxyBody> {
-    let html = format!(
-        "<!doctype html>\n<html>\n<head>\n<meta charset=\"utf-8\">\n<title>{title}</title>\n\
-         <style>body {{ font-family: system-ui, sans-serif; max-width: 36rem; margin: 4rem auto; }}</style>\n\
+    full(
+        status,
+        "text/html; charset=utf-8",
+        html_document(title, body),
+    )
+}
+
+/// The plain page berth answers a browser with: `title` and `body` are
+/// HTML already (escape what came from elsewhere with [`html_escape`]).
+pub fn html_document(title: &str, body: &str) -> String {
+    format!(
+        "<!doctype html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n\
+         <meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">\n\
+         <title>{title}</title>\n\
+         <style>body {{ font-family: system-ui, sans-serif; max-width: 36rem; margin: 4rem auto; padding: 0 1rem; }}</style>\n\
          </head>\n<body>\n{body}\n</body>\n</html>\n"
-    );
-    full(status, "text/html; charset=utf-8", html)
+    )
 }
 
 /// `s` as a JSON string literal.

@@ -142,6 +142,20 @@ pub enum Command {
         #[command(flatten)]
         client: ClientArgs,
     },
+    /// Mint a short-lived link that opens a user's app in a browser, print
+    /// it, and open it where there is a desktop browser.
+    Open {
+        user: String,
+        /// How long the link (and the browser session it starts) lives.
+        #[arg(long, value_name = "SECS", default_value_t = 3600,
+              value_parser = clap::value_parser!(u64).range(1..))]
+        ttl: u64,
+        /// Only print the link.
+        #[arg(long)]
+        no_browser: bool,
+        #[command(flatten)]
+        client: ClientArgs,
+    },
     /// Configuration tools.
     Config {
         #[command(subcommand)]
@@ -289,7 +303,7 @@ mod tests {
             );
             checked += 1;
         }
-        assert_eq!(checked, 15, "the fourteen client commands and config check");
+        assert_eq!(checked, 16, "the fifteen client commands and config check");
         let serve = cli.find_subcommand("serve").unwrap();
         assert!(
             serve

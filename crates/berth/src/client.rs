@@ -201,25 +201,25 @@ pub async fn run(command: Command) -> anyhow::Result<ExitCode> {
                     .await?;
                 out.show(&answer, render::revoked);
             } else {
-                let body = ttl.map(|secs| serde_json::json!({ "ttl_s": secs }));
-                let mut answer = api
-                    .send(Method::POST, &user_path(&user, &["tokens"]), &[], body)
-                    .await?;
-                let token = answer
-                    .get("token")
-                    .and_then(Value::as_str)
-                    .ok_or_else(|| anyhow!("the API answered without a token: {answer}"))?
-                    .to_owned();
-                // In path mode the link is this client's URL plus the base
-                // path (it may carry a prefix the server cannot know); in
-                // host mode only the server knows the user's host name.
-                if answer.get("routing").and_then(Value::as_str) != Some("host") {
-                    let open = api.open_url(&user, &token);
-                    if let Value::Object(map) = &mut answer {
-                        map.insert("url".into(), Value::String(open.to_string()));
-                    }
-                }
+                let answer = mint_link(&api, &user, ttl).await?;
                 out.show(&answer, |a, _| render::minted(a, now()));
+            }
+        }
+        Command::Open {
+            user,
+            ttl,
+            no_browser,
+            client,
+        } => {
+            let user = parse_user(&user)?;
+            let (api, out) = Api::with_output(&client)?;
+            let answer = mint_link(&api, &user, Some(ttl)).await?;
+            out.show(&answer, |a, _| render::opened(a, now()));
+            if let Some(url) = answer.get("url").and_then(Value::as_str)
+                && !no_browser
+                && !client.json
+            {
+                open_in_browser(url);
             }
         }
         Command::Serve(_) | Command::DemoApp(_) | Command::Config { .. } => {
@@ -227,6 +227,56 @@ pub async fn run(command: Command) -> anyhow::Result<ExitCode> {
         }
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// Mints a token for `user` and answers the API's answer with `url`, the
+/// link that opens their app once with it.
+async fn mint_link(api: &Api, user: &UserId, ttl: Option<u64>) -> anyhow::Result<Value> {
+    let body = ttl.map(|secs| serde_json::json!({ "ttl_s": secs }));
+    let mut answer = api
+        .send(Method::POST, &user_path(user, &["tokens"]), &[], body)
+        .await?;
+    let token = answer
+        .get("token")
+        .and_then(Value::as_str)
+        .ok_or_else(|| anyhow!("the API answered without a token: {answer}"))?
+        .to_owned();
+    // In path mode the link is this client's URL plus the base path (it
+    // may carry a prefix the server cannot know); in host mode only the
+    // server knows the user's host name.
+    if answer.get("routing").and_then(Value::as_str) != Some("host") {
+        let open = api.open_url(user, &token);
+        if let Value::Object(map) = &mut answer {
+            map.insert("url".into(), Value::String(open.to_string()));
+        }
+    }
+    Ok(answer)
+}
+
+/// Opens `url` in the desktop's browser, where there is a desktop (a
+/// display to show it on); elsewhere printing the link was all there was
+/// to do. A browser that fails to start is reported, not fatal: the link
+/// is printed already.
+fn open_in_browser(url: &str) {
+    let desktop = ["DISPLAY", "WAYLAND_DISPLAY"]
+        .iter()
+        .any(|var| std::env::var_os(var).is_some_and(|v| !v.is_empty()));
+    let opener = if cfg!(target_os = "macos") {
+        "open"
+    } else if desktop {
+        "xdg-open"
+    } else {
+        return;
+    };
+    let started = std::process::Command::new(opener)
+        .arg(url)
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn();
+    if let Err(e) = started {
+        eprintln!("berth: could not start {opener} to open the link: {e}");
+    }
 }
 
 /// How answers are printed: the API's JSON (`--json`), or for people.

@@ -96,7 +96,12 @@ fn serve(args: &ServeArgs) -> anyhow::Result<()> {
     // Read into the config; from here on they need not be in the
     // environment, where /proc/<pid>/environ would show them (the store
     // URL may carry the database's password).
-    scrub_secrets_from_environment(&["BERTH_ADMIN_TOKEN", "BERTH_CLUSTER_SECRET", "BERTH_STORE"]);
+    scrub_secrets_from_environment(&[
+        "BERTH_ADMIN_TOKEN",
+        "BERTH_CLUSTER_SECRET",
+        "BERTH_STORE",
+        config::OIDC_CLIENT_SECRET_ENV,
+    ]);
     config.apply_overrides(&args.overrides());
     config.read_secret_files()?;
     config.validate()?;

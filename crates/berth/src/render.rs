@@ -267,9 +267,28 @@ pub fn launched(answer: &Value, verb: &str, palette: Palette) -> Option<String> 
         text_of(instance.get("epoch")),
     );
     if let Some(url) = answer.get("url").and_then(Value::as_str) {
-        let _ = writeln!(out, "open: {url}");
+        if answer.get("sign_in") == Some(&Value::Bool(true)) {
+            let _ = writeln!(out, "open: {url}");
+        } else {
+            // Without a sign-in page a browser needs a link that carries a
+            // token; the app's bare address would answer 401.
+            let _ = writeln!(
+                out,
+                "open: run `berth open {user}` for a link that signs a browser in (the app is at {url})"
+            );
+        }
     }
     Some(out)
+}
+
+/// A short-lived link (`berth open`): where it leads and how long.
+pub fn opened(answer: &Value, now: i64) -> Option<String> {
+    let user = answer.get("user")?.as_str()?;
+    let url = answer.get("url")?.as_str()?;
+    Some(format!(
+        "link for {user}, good until {}:\nopen: {url}\n",
+        time_of(answer.get("expires_at"), now)
+    ))
 }
 
 /// A user's status (`{user, main, watchdog, breaker}`) as labelled lines.
@@ -505,12 +524,20 @@ mod tests {
         let answer = json!({
             "instance": {"user": "carol", "status": "running", "ready": true, "node": "n1",
                          "port": 20001, "pid": 42, "epoch": 3},
-            "url": "http://127.0.0.1:8000/u/carol/?token=t"
+            "url": "http://127.0.0.1:8000/u/carol/",
+            "sign_in": true
         });
         assert_eq!(
             launched(&answer, "started", PLAIN).unwrap(),
             "carol started: running on n1 (port 20001, pid 42, epoch 3)\n\
-             open: http://127.0.0.1:8000/u/carol/?token=t\n"
+             open: http://127.0.0.1:8000/u/carol/\n"
+        );
+        let mut no_sign_in = answer.clone();
+        no_sign_in["sign_in"] = json!(false);
+        assert!(
+            launched(&no_sign_in, "started", PLAIN)
+                .unwrap()
+                .ends_with("open: run `berth open carol` for a link that signs a browser in (the app is at http://127.0.0.1:8000/u/carol/)\n")
         );
         assert_eq!(
             probe("carol", &json!({"ok": false, "reason": "exited"}), PLAIN),

@@ -22,6 +22,8 @@ mod auth;
 mod cluster;
 mod data_lock;
 mod failover;
+mod home;
+pub(crate) mod login;
 mod metrics;
 mod ops;
 mod peer;
@@ -222,6 +224,13 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         }),
         _ => None,
     };
+    let login = config
+        .auth
+        .oidc
+        .as_ref()
+        .map(|o| login::Oidc::new(login::settings(o, &public_url)))
+        .transpose()?
+        .map(Arc::new);
     let proxy = berth_proxy::Proxy::start_clustered(
         proxy_config(&config, ready_timeout, proxy_metrics)?,
         spawner_dyn,
@@ -244,6 +253,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         event_streams: api::events::EventStreams::default(),
         scrapers: api::scrape::Scrapers::new(config.metrics.token.as_deref())?,
         streams: proxy.streams().clone(),
+        login,
     });
     if let Some(listener) = metrics_listener {
         tasks.spawn(api::scrape::serve_unauthenticated(
@@ -475,10 +485,18 @@ fn proxy_config(
             max_upgrades_per_user: p.max_upgrades_per_user,
             body_pace: config.body_pace(),
             server_traffic_is_activity: config.reap.server_traffic_is_activity,
+            credential: config
+                .instance
+                .credential_header
+                .as_deref()
+                .map(berth_proxy::credential::CredentialHeader::parse)
+                .transpose()
+                .context("instance.credential_header")?,
             ..Default::default()
         },
         allow_cross_origin_requests: config.instance.allow_cross_origin_requests,
         metrics,
+        sign_in: config.auth.oidc.is_some(),
     })
 }
 

@@ -118,26 +118,43 @@ async fn http_server(node: &Node, what: &str) {
 
 async fn jupyter(node: &Node, what: &str) {
     let url = launch(node, what).await;
-    let token = url
-        .split("token=")
-        .nth(1)
-        .unwrap_or_else(|| panic!("{what}: no launch token in {url}"))
-        .to_owned();
-    // alice's berth token as her cookie, Jupyter's as its own header: each
-    // side checks its own, and berth's never reaches Jupyter.
+    // The launch token is Jupyter's secret: berth hands out the app's
+    // address only, and presents the token to Jupyter itself.
+    assert!(!url.contains("token"), "{what}: {url}");
+    let (_, logs) = node.get("/users/alice/instance/logs?tail=200").await;
+    let token = logs["lines"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|l| l.as_str())
+        .find_map(|l| l.split("token=").nth(1))
+        .map(|t| t.trim().to_owned())
+        .unwrap_or_else(|| panic!("{what}: Jupyter printed no token: {logs}"));
+    // alice's berth cookie alone: Jupyter asks for nothing more, since
+    // berth adds `Authorization: token …` on the way.
     let alice = node.user_token("alice").await;
-    let r = node
-        .http
-        .get(format!("{}/u/alice/api/status", node.url))
-        .header("Cookie", format!("berth_token={alice}"))
-        .header("Authorization", format!("token {token}"))
-        .timeout(Duration::from_secs(60))
-        .send()
-        .await
-        .unwrap();
+    let get = |path: &str| {
+        node.http
+            .get(format!("{}/u/alice/{path}", node.url))
+            .header("Cookie", format!("berth_token={alice}"))
+            .timeout(Duration::from_secs(60))
+            .send()
+    };
+    let r = get("api/status").await.unwrap();
     assert_eq!(r.status(), 200, "{what}");
     let status: serde_json::Value = r.json().await.unwrap();
     assert!(status.get("started").is_some(), "{what}: {status}");
+    // Nothing Jupyter answers carries its token to the browser.
+    for path in ["", "tree", "api/me", "login?next=%2Fu%2Falice%2Ftree"] {
+        let r = get(path).await.unwrap();
+        let head = format!("{:?}", r.headers());
+        let body = r.text().await.unwrap();
+        assert!(!head.contains(&token), "{what}: /{path} headers: {head}");
+        assert!(
+            !body.contains(&token),
+            "{what}: /{path} body carries the token"
+        );
+    }
 }
 
 #[tokio::test(flavor = "multi_thread")]

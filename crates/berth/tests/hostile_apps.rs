@@ -553,3 +553,82 @@ async fn berth_status_shows_a_servers_escape_sequences_as_text() {
     assert!(error.1.contains(SHOWN), "{error:?}");
     server.await.unwrap();
 }
+
+// --- the program's own credential ------------------------------------------------
+
+/// The launch token alice's program printed in its ready line, read from
+/// her log as the admin can.
+async fn launch_token_of(node: &Node, user: &str) -> String {
+    let (_, logs) = node
+        .get(&format!("/users/{user}/instance/logs?tail=50"))
+        .await;
+    logs["lines"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(Value::as_str)
+        .find_map(|l| l.split(" token=").nth(1))
+        .map(|t| t.trim().to_owned())
+        .unwrap_or_else(|| panic!("no launch token in {logs}"))
+}
+
+/// With `credential_header`, berth presents the program's launch token on
+/// every request it forwards, whatever the client sent in its place; and a
+/// program that echoes its token back (redirect, cookie, header, a body
+/// that splits it across chunks) gives it away to nobody.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_launch_token_is_presented_upstream_and_never_reaches_the_browser() {
+    let dir = tempfile::tempdir().unwrap();
+    let node = Node::start(
+        dir.path(),
+        &support::upstream_config_with_launch_token(
+            29_200 + 9 * 20,
+            "credential_header = \"Authorization: token {launch_token}\"",
+            "",
+        ),
+    );
+    let (status, body) = node.post("/users/alice/instance", json!({})).await;
+    assert_eq!(status, 201, "{body}");
+    assert!(
+        !body.to_string().contains("token="),
+        "the launch answer names no token: {body}"
+    );
+    let token = launch_token_of(&node, "alice").await;
+    assert!(!body.to_string().contains(&token), "{body}");
+    let alice = node.user_token("alice").await;
+    let http = client(&node);
+    let app = format!("{}/u/alice/", node.url);
+
+    // Presented: the program sees its own token, not the client's forgery.
+    let r = http
+        .get(format!("{app}echo"))
+        .header("Cookie", format!("berth_token={alice}"))
+        .header("Authorization", "token forged-by-the-client")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let seen: Value = r.json().await.unwrap();
+    // (The echo of the header itself comes back scrubbed: the program
+    // judges it.)
+    assert_eq!(seen["token_presented"], true, "{seen}");
+
+    // Never shown: every way the program gives it away comes back without it.
+    let r = http
+        .get(format!("{app}leak"))
+        .header("Cookie", format!("berth_token={alice}"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 302);
+    let headers = format!("{:?}", r.headers());
+    // Each copy becomes `*` (a byte no hex token holds).
+    assert_eq!(values(&r, "location"), ["/lab?token=*"], "{headers}");
+    assert_eq!(values(&r, "x-token"), ["*"], "{headers}");
+    assert!(!headers.contains(&token), "{headers}");
+    let page = r.text().await.unwrap();
+    assert_eq!(
+        page, "<a href=\"?token=*\">lab</a> *.",
+        "the body without the token"
+    );
+}

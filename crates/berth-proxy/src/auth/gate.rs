@@ -10,7 +10,9 @@ use hyper::{Method, Response, StatusCode, Uri};
 use super::caller::{Access, Credential};
 use super::cookies::CookieScope;
 use super::extract::{bearer, berth_cookies};
-use super::link::{QueryToken, is_cookie_safe, query_token, same_host_location};
+use super::link::{
+    QueryToken, is_cookie_safe, query_hop, query_token, same_host_location, sign_in_location,
+};
 use super::secret::SharedSecret;
 use super::tokens::{AuthError, Authenticator};
 use super::trusted::{AuthMode, FORWARDED_USER, PROXY_SECRET, TrustedProxies, is_https};
@@ -35,6 +37,9 @@ pub struct Gate {
     trusted: TrustedProxies,
     cluster: Option<Arc<PeerAuth>>,
     header_secret: Option<SharedSecret>,
+    /// Send a browser without a credential to berth's sign-in page
+    /// instead of answering 401.
+    sign_in: bool,
 }
 
 impl Gate {
@@ -45,7 +50,15 @@ impl Gate {
             trusted,
             cluster: None,
             header_secret: None,
+            sign_in: false,
         }
+    }
+
+    /// Sends a browser that has no credential for the app to berth's
+    /// sign-in page (which brings it back once signed in).
+    pub fn with_sign_in(mut self, sign_in: bool) -> Self {
+        self.sign_in = sign_in;
+        self
     }
 
     /// Also accepts requests forwarded by another node: signed for this
@@ -136,6 +149,11 @@ impl Gate {
                 .exchange_query_token(q, uri, conn, headers, user, scope, navigation)
                 .await);
         }
+        if let Some(q) = uri.query().and_then(query_hop) {
+            return Err(self
+                .exchange_hop(q, uri, conn, headers, user, scope, navigation)
+                .await);
+        }
         if let Some(token) = bearer(headers) {
             match self.auth.access(token, user).await {
                 // API clients (and berth's own tests) send the admin token
@@ -169,7 +187,51 @@ impl Gate {
                 Err(respond::forbidden(navigation))
             };
         }
+        if self.sign_in && navigation && matches!(*method, Method::GET | Method::HEAD) {
+            let host = headers
+                .get(hyper::header::HOST)
+                .and_then(|h| h.to_str().ok())
+                .unwrap_or_default();
+            let target = uri.path_and_query().map_or("/", |pq| pq.as_str());
+            let host_mode = matches!(scope, CookieScope::Host);
+            if let Some(location) =
+                sign_in_location(host_mode, host, target, is_https(headers, conn))
+                    .and_then(|l| HeaderValue::try_from(l).ok())
+            {
+                return Err(respond::redirect(StatusCode::SEE_OTHER, location, None));
+            }
+        }
         Err(respond::unauthorized(navigation))
+    }
+
+    /// Spends a one-time sign-in code: the user cookie for the user it was
+    /// made for, on this app only.
+    #[allow(clippy::too_many_arguments)]
+    async fn exchange_hop(
+        &self,
+        q: QueryToken,
+        uri: &Uri,
+        conn: &ConnInfo,
+        headers: &HeaderMap,
+        user: &UserId,
+        scope: &CookieScope<'_>,
+        navigation: bool,
+    ) -> Response<ProxyBody> {
+        match self.auth.redeem_hop(&q.token).await {
+            Ok(Some(redeemed)) if &redeemed.user == user => cookie_and_redirect(
+                &redeemed.token,
+                uri,
+                &q.rest,
+                is_https(headers, conn),
+                scope,
+            ),
+            Ok(Some(_)) => respond::forbidden(navigation),
+            Ok(None) => respond::unauthorized_because(
+                navigation,
+                "This sign-in link was already used or has expired. Sign in again.",
+            ),
+            Err(e) => store_unavailable(&e),
+        }
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -205,23 +267,35 @@ impl Gate {
                 &[],
             );
         }
-        let https = is_https(headers, conn);
-        let cookie = scope.user_cookie(&q.token, https).to_string();
-        let location = same_host_location(uri.path(), &q.rest);
-        match (
-            HeaderValue::try_from(location),
-            HeaderValue::try_from(cookie),
-        ) {
-            (Ok(location), Ok(cookie)) => {
-                respond::redirect(StatusCode::SEE_OTHER, location, Some(cookie))
-            }
-            _ => respond::json_error(
-                StatusCode::BAD_REQUEST,
-                ErrorCode::InvalidRequest.as_str(),
-                "cannot redirect to this URL",
-                &[],
-            ),
+        cookie_and_redirect(&q.token, uri, &q.rest, is_https(headers, conn), scope)
+    }
+}
+
+/// Stores `token` as the user cookie of `scope` and sends the browser on
+/// to the same URL without the one-shot parameter (`rest` is the query
+/// without it).
+fn cookie_and_redirect(
+    token: &str,
+    uri: &Uri,
+    rest: &str,
+    https: bool,
+    scope: &CookieScope<'_>,
+) -> Response<ProxyBody> {
+    let cookie = scope.user_cookie(token, https).to_string();
+    let location = same_host_location(uri.path(), rest);
+    match (
+        HeaderValue::try_from(location),
+        HeaderValue::try_from(cookie),
+    ) {
+        (Ok(location), Ok(cookie)) => {
+            respond::redirect(StatusCode::SEE_OTHER, location, Some(cookie))
         }
+        _ => respond::json_error(
+            StatusCode::BAD_REQUEST,
+            ErrorCode::InvalidRequest.as_str(),
+            "cannot redirect to this URL",
+            &[],
+        ),
     }
 }
 

@@ -54,11 +54,14 @@ pub use cookies::{
 };
 pub use extract::{BerthCookies, bearer, berth_cookies};
 pub use gate::{Gate, Pass};
-pub use link::{QueryToken, TOKEN_QUERY, is_cookie_safe, query_token, same_host_location};
+pub use link::{
+    HOP_QUERY, QueryToken, TOKEN_QUERY, is_cookie_safe, query_hop, query_token, same_host_location,
+};
 pub use secret::{InvalidSecret, SharedSecret, TokenHash};
 pub use strip::{sets_berth_cookie, strip_credentials};
 pub use tokens::{
-    AuthError, Authenticator, DEFAULT_CACHE_ENTRIES, DEFAULT_CACHE_TTL, TokenStore, UserTokenInfo,
+    AuthError, Authenticator, DEFAULT_CACHE_ENTRIES, DEFAULT_CACHE_TTL, Redeemed, TokenStore,
+    UserTokenInfo,
 };
 pub use trusted::{AuthMode, FORWARDED_USER, InvalidIpNet, PROXY_SECRET, TrustedProxies, is_https};
 

@@ -34,6 +34,22 @@ pub struct UserTokenInfo {
 pub trait TokenStore: Send + Sync + 'static {
     /// The live user token whose hash (lowercase hex SHA-256) this is.
     async fn lookup(&self, hash_hex: &str) -> Result<Option<UserTokenInfo>, AuthError>;
+
+    /// Spends the one-time sign-in code whose hash this is, and answers
+    /// the user it was made for with a fresh token of theirs for the
+    /// user cookie. `None`: no such live code (unknown, expired, or spent).
+    /// Without sign-in there are no codes.
+    async fn redeem_hop(&self, _code_hash_hex: &str) -> Result<Option<Redeemed>, AuthError> {
+        Ok(None)
+    }
+}
+
+/// What a spent sign-in code gave.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Redeemed {
+    pub user: UserId,
+    /// A user token of `user`, for the cookie.
+    pub token: String,
 }
 
 /// Checks tokens: the admin hash in constant time, user tokens through a
@@ -122,6 +138,11 @@ impl Authenticator {
             Some(info) => verdict(&info.user, &info.id),
             None => Access::Unauthenticated,
         })
+    }
+
+    /// Spends a one-time sign-in code ([`TokenStore::redeem_hop`]).
+    pub async fn redeem_hop(&self, code: &str) -> Result<Option<Redeemed>, AuthError> {
+        self.store.redeem_hop(&TokenHash::of(code).to_hex()).await
     }
 
     /// Forgets every cached user token, so the next use of each asks the

@@ -22,6 +22,9 @@ pub const ENV_VARS: &[(&str, &str)] = &[
     ("log_format", "BERTH_LOG_FORMAT"),
 ];
 
+/// The OpenID client secret, when `[auth.oidc]` does not name a file.
+pub const OIDC_CLIENT_SECRET_ENV: &str = "BERTH_OIDC_CLIENT_SECRET";
+
 /// Values given on the command line; `None` leaves the lower layers alone.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Overrides {
@@ -109,6 +112,15 @@ impl Config {
             self.provenance
                 .keys
                 .insert(key.to_owned(), Origin::Env(var));
+        }
+        if let Some(oidc) = &mut self.auth.oidc
+            && let Some(secret) = env(OIDC_CLIENT_SECRET_ENV).filter(|v| !v.is_empty())
+        {
+            oidc.client_secret = Some(secret);
+            self.provenance.keys.insert(
+                "auth.oidc.client_secret".to_owned(),
+                Origin::Env(OIDC_CLIENT_SECRET_ENV),
+            );
         }
     }
 

@@ -25,9 +25,9 @@ mod settings;
 mod validate;
 
 pub use error::ConfigError;
-pub use load::Overrides;
+pub use load::{OIDC_CLIENT_SECRET_ENV, Overrides};
 pub use secrets::refuse_readable_by_others;
-pub use sections::Config;
+pub use sections::{Config, OidcSection};
 
 /// The kernel's ephemeral port range (`net.ipv4.ip_local_port_range`),
 /// if it can be read.

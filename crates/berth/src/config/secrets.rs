@@ -66,6 +66,7 @@ impl Config {
                 refuse_readable_by_others(&file, &held.join(", "))?;
             }
         }
+        self.read_oidc_client_secret()?;
         let Some(path) = self.store_file.clone() else {
             return Ok(());
         };
@@ -91,6 +92,45 @@ impl Config {
         // A bad URL is reported where the file was named.
         if let Some(origin) = self.provenance.keys.get("store_file").cloned() {
             self.provenance.keys.insert("store".to_owned(), origin);
+        }
+        Ok(())
+    }
+
+    /// The OpenID client secret from `[auth.oidc] client_secret_file`.
+    fn read_oidc_client_secret(&mut self) -> Result<(), ConfigError> {
+        let Some(path) = self
+            .auth
+            .oidc
+            .as_ref()
+            .and_then(|o| o.client_secret_file.clone())
+        else {
+            return Ok(());
+        };
+        if self
+            .auth
+            .oidc
+            .as_ref()
+            .is_some_and(|o| o.client_secret.is_some())
+        {
+            return Err(self.invalid(
+                "auth.oidc.client_secret_file",
+                "is set together with BERTH_OIDC_CLIENT_SECRET; set only one of them",
+            ));
+        }
+        refuse_readable_by_others(&path, "the OpenID client secret")?;
+        let text = std::fs::read_to_string(&path).map_err(|source| ConfigError::SecretFile {
+            path: path.clone(),
+            source,
+        })?;
+        let secret = text.trim();
+        if secret.is_empty() {
+            return Err(self.invalid(
+                "auth.oidc.client_secret_file",
+                format!("{} is empty", path.display()),
+            ));
+        }
+        if let Some(oidc) = &mut self.auth.oidc {
+            oidc.client_secret = Some(secret.to_owned());
         }
         Ok(())
     }

@@ -57,6 +57,10 @@ pub struct InstanceConfig {
     /// berth's own environment variables passed to instances.
     pub env_allowlist: Vec<String>,
     pub ready_token_regex: Option<String>,
+    /// `Name: value` with `{launch_token}` in the value: the header the
+    /// proxy adds to every request it forwards to the instance, so that
+    /// the program's own login never shows (needs `ready_token_regex`).
+    pub credential_header: Option<String>,
     pub ready_http_path: Option<String>,
     /// Neither regex nor HTTP path: wait for a TCP connect.
     pub ready_tcp: bool,
@@ -166,8 +170,71 @@ pub struct AuthSection {
     /// this bounds how long a node it could not reach may accept the token.
     /// 0: every use asks the store.
     pub token_cache_s: u64,
-    /// How long an admin page session lasts.
+    /// How long a session lasts: the admin page's, and a signed-in
+    /// user's (their app cookies end with it).
     pub session_ttl_s: u64,
+    /// Sign-in through an OpenID provider; `None`: no sign-in page.
+    pub oidc: Option<OidcSection>,
+}
+
+/// `[auth.oidc]`: sign-in through an OpenID Connect provider
+/// (authorization code flow with PKCE, `state` and `nonce`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct OidcSection {
+    /// The provider's issuer URL; its discovery document is fetched from
+    /// `<issuer>/.well-known/openid-configuration`.
+    pub issuer: String,
+    pub client_id: String,
+    /// A file (mode 0600) holding the client secret. Else the secret comes
+    /// from `BERTH_OIDC_CLIENT_SECRET`; never from the config text.
+    pub client_secret_file: Option<PathBuf>,
+    /// The secret itself, read from the environment or the file.
+    #[serde(skip)]
+    pub client_secret: Option<String>,
+    pub scopes: Vec<String>,
+    /// The ID token claim that names the berth user: `sub`, `email`,
+    /// `preferred_username`, or a claim outside the standard set.
+    pub user_claim: String,
+    /// The claim that lists a user's groups (an array of strings).
+    pub groups_claim: String,
+    /// Who may sign in: these user ids, and members of these groups.
+    pub allowed_users: Vec<String>,
+    pub allowed_groups: Vec<String>,
+    /// Lets every user the provider authenticates sign in (both lists
+    /// empty is refused without it).
+    pub allow_any_user: bool,
+    /// Members of this group also get the admin page.
+    pub admin_group: Option<String>,
+    /// Where the provider sends the browser back:
+    /// `<berth host URL>/login/callback`, registered at the provider.
+    /// Default: this node's public URL plus `/login/callback`.
+    pub redirect_url: Option<String>,
+    /// How far the provider's clock may be ahead or behind.
+    pub clock_skew_s: u64,
+}
+
+impl Default for OidcSection {
+    fn default() -> Self {
+        Self {
+            issuer: String::new(),
+            client_id: String::new(),
+            client_secret_file: None,
+            client_secret: None,
+            scopes: ["openid", "profile", "email"]
+                .into_iter()
+                .map(str::to_owned)
+                .collect(),
+            user_claim: "preferred_username".to_owned(),
+            groups_claim: "groups".to_owned(),
+            allowed_users: Vec::new(),
+            allowed_groups: Vec::new(),
+            allow_any_user: false,
+            admin_group: None,
+            redirect_url: None,
+            clock_skew_s: 60,
+        }
+    }
 }
 
 impl Default for AuthSection {
@@ -178,6 +245,7 @@ impl Default for AuthSection {
             max_tokens_per_user: 20,
             token_cache_s: 10,
             session_ttl_s: 12 * 3600,
+            oidc: None,
         }
     }
 }
@@ -336,6 +404,7 @@ impl Default for InstanceConfig {
                 .map(str::to_owned)
                 .collect(),
             ready_token_regex: None,
+            credential_header: None,
             ready_http_path: None,
             ready_tcp: false,
             ready_timeout_s: 60,

@@ -278,6 +278,17 @@ impl Config {
         if let Some(pattern) = &i.ready_token_regex {
             self.compile_ready_regex(pattern)?;
         }
+        if let Some(text) = &i.credential_header {
+            berth_proxy::credential::CredentialHeader::parse(text)
+                .map_err(|e| self.invalid("instance.credential_header", e.to_string()))?;
+            if i.ready_token_regex.is_none() {
+                return Err(self.invalid(
+                    "instance.credential_header",
+                    "needs instance.ready_token_regex: the launch token it presents is the one \
+                     that regex captures",
+                ));
+            }
+        }
         if let Some(path) = &i.ready_http_path
             && !path.starts_with('/')
         {
@@ -504,6 +515,77 @@ impl Config {
                 "auth.session_ttl_s",
                 "must be between 1 and 2592000 (30 days)",
             ));
+        }
+        if let Some(oidc) = &a.oidc {
+            self.validate_oidc(oidc)?;
+        }
+        Ok(())
+    }
+
+    fn validate_oidc(&self, o: &super::sections::OidcSection) -> Result<(), ConfigError> {
+        let web_url = |key: &str, text: &str| -> Result<reqwest::Url, ConfigError> {
+            let url = reqwest::Url::parse(text)
+                .map_err(|e| self.invalid(key, format!("{text:?} is not a URL: {e}")))?;
+            if !matches!(url.scheme(), "http" | "https") || url.host_str().is_none() {
+                return Err(self.invalid(key, format!("{text:?} must be an http(s) URL")));
+            }
+            Ok(url)
+        };
+        web_url("auth.oidc.issuer", &o.issuer)?;
+        if o.client_id.is_empty() {
+            return Err(self.invalid("auth.oidc.client_id", "must be set"));
+        }
+        if o.client_secret.is_none() {
+            return Err(self.invalid(
+                "auth.oidc.client_secret_file",
+                "no client secret: name a file (mode 0600) here, or set BERTH_OIDC_CLIENT_SECRET \
+                 (a secret in the config text is refused: it travels with the file)",
+            ));
+        }
+        if !o.scopes.iter().any(|s| s == "openid") {
+            return Err(self.invalid("auth.oidc.scopes", "must include \"openid\""));
+        }
+        if !crate::serve::login::user_claim_supported(&o.user_claim) {
+            return Err(self.invalid(
+                "auth.oidc.user_claim",
+                format!(
+                    "{:?} is a standard claim berth does not read as a user id; use sub, email, \
+                     preferred_username, or a claim of your provider's own",
+                    o.user_claim
+                ),
+            ));
+        }
+        if o.allowed_users.is_empty() && o.allowed_groups.is_empty() && !o.allow_any_user {
+            return Err(self.invalid(
+                "auth.oidc.allowed_users",
+                "nobody may sign in: list allowed_users or allowed_groups, or set \
+                 allow_any_user = true to let everyone the provider knows in",
+            ));
+        }
+        if let Some(bad) = o
+            .allowed_users
+            .iter()
+            .find(|u| berth_core::UserId::parse(u).is_err())
+        {
+            return Err(self.invalid(
+                "auth.oidc.allowed_users",
+                format!("{bad:?} is not a valid user id"),
+            ));
+        }
+        if let Some(url) = &o.redirect_url {
+            let url = web_url("auth.oidc.redirect_url", url)?;
+            if url.path() != crate::serve::login::CALLBACK_PATH {
+                return Err(self.invalid(
+                    "auth.oidc.redirect_url",
+                    format!(
+                        "must be the berth host's {} (the path berth serves the callback on)",
+                        crate::serve::login::CALLBACK_PATH
+                    ),
+                ));
+            }
+        }
+        if o.clock_skew_s > 600 {
+            return Err(self.invalid("auth.oidc.clock_skew_s", "must be at most 600"));
         }
         Ok(())
     }

@@ -7,8 +7,15 @@
 //! anyone leaks nothing. Its headers keep it to its own scripts and
 //! styles, its own origin's API, and out of frames.
 
+use std::sync::Arc;
+
 use axum::Router;
-use axum::http::{HeaderValue, StatusCode, header};
+use axum::extract::State;
+use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, header};
+use berth_proxy::respond::{html_document, html_escape};
+
+use super::api::ApiState;
+use super::auth::Caller;
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 
@@ -24,7 +31,7 @@ const CONTENT_SECURITY_POLICY: &str = "default-src 'none'; script-src 'self'; \
      form-action 'self'; frame-ancestors 'none'";
 
 /// The page's routes; the API router merges them.
-pub fn routes<S: Clone + Send + Sync + 'static>() -> Router<S> {
+pub fn routes() -> Router<Arc<ApiState>> {
     Router::new()
         // Relative, so a prefix a reverse proxy adds is kept.
         .route(
@@ -36,10 +43,7 @@ pub fn routes<S: Clone + Send + Sync + 'static>() -> Router<S> {
                 )
             }),
         )
-        .route(
-            "/admin/",
-            get(|| async { asset("text/html; charset=utf-8", INDEX_HTML) }),
-        )
+        .route("/admin/", get(index))
         .route(
             "/admin/admin.js",
             get(|| async { asset("text/javascript; charset=utf-8", ADMIN_JS) }),
@@ -50,7 +54,32 @@ pub fn routes<S: Clone + Send + Sync + 'static>() -> Router<S> {
         )
 }
 
-fn asset(content_type: &'static str, body: &'static str) -> Response {
+/// The page, unless the browser is signed in as a user outside the admin
+/// group: they get a plain refusal rather than a page whose every call
+/// would fail.
+async fn index(State(state): State<Arc<ApiState>>, headers: HeaderMap) -> Response {
+    if let Ok(session) = state.auth.session(&Method::GET, &headers).await
+        && let (Some(user), Caller::User { .. }) = (&session.owner.user, session.caller())
+    {
+        let body = html_document(
+            "Not an admin",
+            &format!(
+                "<h1>Not an admin</h1>\n<p>You are signed in as <b>{}</b>, who is not in the admin \
+                 group. <a href=\"/\">Your home page</a>.</p>",
+                html_escape(user.as_str())
+            ),
+        );
+        let mut response = (StatusCode::FORBIDDEN, body).into_response();
+        response.headers_mut().insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("text/html; charset=utf-8"),
+        );
+        return response;
+    }
+    asset("text/html; charset=utf-8", INDEX_HTML)
+}
+
+pub(super) fn asset(content_type: &'static str, body: &'static str) -> Response {
     let mut response = body.into_response();
     let headers = response.headers_mut();
     headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(content_type));

@@ -17,6 +17,7 @@ pub mod events;
 mod extract;
 mod internal;
 pub mod scrape;
+mod signin;
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -77,6 +78,8 @@ pub struct ApiState {
     /// WebSockets: a progress or log stream takes a slot for as long as it
     /// is open (on each node it passes through).
     pub streams: Arc<berth_proxy::limits::StreamLimits>,
+    /// Sign-in through an OpenID provider (`[auth.oidc]`).
+    pub login: Option<Arc<super::login::Oidc>>,
 }
 
 type AppState = State<Arc<ApiState>>;
@@ -121,6 +124,8 @@ pub fn router(state: Arc<ApiState>) -> Router {
         .route("/api/v1/node/undrain", post(undrain))
         .route("/api/v1/events", get(events::events))
         .merge(super::admin::routes())
+        .merge(signin::routes())
+        .merge(super::home::routes())
         .fallback(no_such_route)
         .method_not_allowed_fallback(no_such_route)
         .layer(axum::middleware::from_fn_with_state(
@@ -223,7 +228,9 @@ impl ApiState {
     }
 
     /// `{instance, url}` for a launch or restart (201 for a new instance):
-    /// the URL opens the user's app with its launch token.
+    /// the URL of the user's app. The launch token is the program's secret
+    /// and is never part of it (the proxy presents it; see
+    /// `berth_proxy::credential`).
     fn launched(
         &self,
         user: &UserId,
@@ -231,11 +238,7 @@ impl ApiState {
         headers: &HeaderMap,
         https: bool,
     ) -> Response {
-        let base = self.app_url(user, headers, https);
-        let url = match &launched.launch_token {
-            Some(token) => format!("{base}?token={token}"),
-            None => base,
-        };
+        let url = self.app_url(user, headers, https);
         let status = if launched.created {
             StatusCode::CREATED
         } else {
@@ -243,7 +246,12 @@ impl ApiState {
         };
         (
             status,
-            axum::Json(json!({ "instance": launched.instance, "url": url })),
+            axum::Json(json!({
+                "instance": launched.instance,
+                "url": url,
+                // Whether a browser that opens `url` can sign in there.
+                "sign_in": self.login.is_some(),
+            })),
         )
             .into_response()
     }

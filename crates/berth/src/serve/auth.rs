@@ -35,7 +35,7 @@ use berth_proxy::auth::{
     AuthError, CSRF_HEADER, SESSION_COOKIE, SESSION_COOKIE_HOST, TokenHash, TokenStore,
     UserTokenInfo, bearer, berth_cookies,
 };
-use berth_store::{MintOutcome, NewToken, Store, StoreError, TokenRecord};
+use berth_store::{MintOutcome, NewToken, SessionOwner, Store, StoreError, TokenRecord};
 use cookie::{Cookie, SameSite};
 use sha2::{Digest, Sha256};
 use subtle::ConstantTimeEq;
@@ -48,13 +48,41 @@ pub use berth_proxy::auth::Caller;
 pub const ADMIN_TOKEN_FILE: &str = "admin.token";
 
 /// User tokens, looked up in the store (only on a cache miss).
-struct StoreTokens(Arc<dyn Store>);
+struct StoreTokens {
+    store: Arc<dyn Store>,
+    /// How long a sign-in's tokens may live (each is capped by the
+    /// sign-in's root token).
+    session_ttl: Duration,
+}
 
 #[async_trait]
 impl TokenStore for StoreTokens {
+    async fn redeem_hop(
+        &self,
+        code_hash_hex: &str,
+    ) -> Result<Option<berth_proxy::auth::Redeemed>, AuthError> {
+        let unavailable = |e: StoreError| AuthError::Store(e.to_string());
+        let Some((user, root_id)) = self
+            .store
+            .take_login_hop(code_hash_hex)
+            .await
+            .map_err(unavailable)?
+        else {
+            return Ok(None);
+        };
+        match mint_login_token(self.store.as_ref(), &user, Some(&root_id), self.session_ttl)
+            .await
+            .map_err(unavailable)?
+        {
+            Some((token, _)) => Ok(Some(berth_proxy::auth::Redeemed { user, token })),
+            // The sign-in ended (logout) between the code and its use.
+            None => Ok(None),
+        }
+    }
+
     async fn lookup(&self, hash_hex: &str) -> Result<Option<UserTokenInfo>, AuthError> {
         let owner = self
-            .0
+            .store
             .use_token(hash_hex)
             .await
             .map_err(|e| AuthError::Store(e.to_string()))?;
@@ -115,6 +143,20 @@ pub struct Session {
     secret_hash: String,
     pub csrf_token: String,
     pub expires_at: UnixMillis,
+    pub owner: SessionOwner,
+}
+
+impl Session {
+    /// Who the session acts as in the API.
+    pub fn caller(&self) -> Caller {
+        match (&self.owner.user, self.owner.admin) {
+            (Some(user), false) => Caller::User {
+                user: user.clone(),
+                token_id: self.owner.token_id.clone().unwrap_or_default(),
+            },
+            _ => Caller::Admin,
+        }
+    }
 }
 
 /// Checks credentials, mints user tokens and sessions.
@@ -130,7 +172,10 @@ impl Authenticator {
         Self {
             shared: berth_proxy::auth::Authenticator::with_cache(
                 admin_token,
-                Arc::new(StoreTokens(store.clone())),
+                Arc::new(StoreTokens {
+                    store: store.clone(),
+                    session_ttl: settings.session_ttl,
+                }),
                 berth_proxy::auth::DEFAULT_CACHE_ENTRIES,
                 settings.token_cache,
             ),
@@ -167,8 +212,7 @@ impl Authenticator {
         }
         let cookies = berth_cookies(headers);
         if cookies.session_tokens().next().is_some() {
-            self.session(method, headers).await?;
-            return Ok(Caller::Admin);
+            return Ok(self.session(method, headers).await?.caller());
         }
         if cookies.user_tokens().next().is_some() {
             return Err(Refusal::Unauthenticated(
@@ -186,31 +230,37 @@ impl Authenticator {
     /// `method`: any `Origin` must be the berth host, and a method other
     /// than GET/HEAD needs that `Origin` and the CSRF header.
     pub async fn session(&self, method: &Method, headers: &HeaderMap) -> Result<Session, Refusal> {
-        if !self.settings.sessions {
-            return Err(Refusal::Unauthenticated(SESSIONS_OFF.into()));
-        }
         // Every session cookie is tried, in the order sent: an app's script
         // on a sibling subdomain can plant one for the whole domain over
-        // plain HTTP, and it must neither shadow the admin's own nor lock
-        // the admin out.
+        // plain HTTP, and it must neither shadow the user's own nor lock
+        // them out.
         let cookies = berth_cookies(headers);
         let mut live = None;
         let mut any = false;
         for secret in cookies.session_tokens() {
             any = true;
             let secret_hash = TokenHash::of(secret).to_hex();
-            if let Some(expires_at) = self.store.session_expiry(&secret_hash).await? {
-                live = Some((secret, secret_hash, expires_at));
+            if let Some(record) = self.store.session(&secret_hash).await? {
+                // An admin session never counts while apps share the
+                // API's origin (none can be made then; this holds one
+                // made before path routing was switched on).
+                if record.owner.admin && !self.settings.sessions {
+                    continue;
+                }
+                live = Some((secret, secret_hash, record));
                 break;
             }
         }
-        let Some((secret, secret_hash, expires_at)) = live else {
-            return Err(Refusal::Unauthenticated(if any {
+        let Some((secret, secret_hash, record)) = live else {
+            return Err(Refusal::Unauthenticated(if !self.settings.sessions {
+                SESSIONS_OFF.into()
+            } else if any {
                 "the session has ended; sign in again".into()
             } else {
                 "no session cookie".into()
             }));
         };
+        let expires_at = record.expires_at;
         let csrf_token = csrf_token_for(secret);
         let safe = matches!(*method, Method::GET | Method::HEAD);
         match origin_matches_host(headers) {
@@ -241,6 +291,7 @@ impl Authenticator {
             secret_hash,
             csrf_token,
             expires_at,
+            owner: record.owner,
         })
     }
 
@@ -250,17 +301,51 @@ impl Authenticator {
         if !self.settings.sessions {
             return Err(Refusal::Forbidden(SESSIONS_OFF.into()));
         }
+        let owner = SessionOwner {
+            user: None,
+            admin: true,
+            token_id: None,
+        };
+        // Strict: the admin page is only ever opened from itself.
+        self.open_session(&owner, SameSite::Strict, https).await
+    }
+
+    /// Starts the session of a user who signed in at the provider. An
+    /// admin-group member gets an admin session only where admin sessions
+    /// may exist (apps on their own origins). `Lax`, unlike the admin
+    /// token's session: the sign-in arrives by a redirect from the
+    /// provider's site, and a `Strict` cookie would not be sent on the
+    /// rest of that redirect chain.
+    pub async fn start_user_session(
+        &self,
+        mut owner: SessionOwner,
+        https: bool,
+    ) -> Result<NewSession, Refusal> {
+        owner.admin &= self.settings.sessions;
+        self.open_session(&owner, SameSite::Lax, https).await
+    }
+
+    async fn open_session(
+        &self,
+        owner: &SessionOwner,
+        same_site: SameSite,
+        https: bool,
+    ) -> Result<NewSession, Refusal> {
         let secret =
             random_token().map_err(|e| Refusal::Store(StoreError::Query(e.to_string())))?;
         let expires_at = self
             .store
-            .create_session(&TokenHash::of(&secret).to_hex(), self.settings.session_ttl)
+            .create_session(
+                &TokenHash::of(&secret).to_hex(),
+                owner,
+                self.settings.session_ttl,
+            )
             .await?;
         let max_age = time_secs(self.settings.session_ttl);
         let cookie = Cookie::build((session_cookie_name(https), secret.clone()))
             .path("/")
             .http_only(true)
-            .same_site(SameSite::Strict)
+            .same_site(same_site)
             .secure(https)
             .max_age(max_age)
             .build();
@@ -277,7 +362,6 @@ impl Authenticator {
         let mut cookie = Cookie::build((session_cookie_name(https), ""))
             .path("/")
             .http_only(true)
-            .same_site(SameSite::Strict)
             .secure(https)
             .build();
         cookie.make_removal();
@@ -314,6 +398,42 @@ impl Authenticator {
             MintOutcome::ParentGone => Minted::ParentGone,
         })
     }
+}
+
+/// The public ids of a sign-in's tokens start with this, so that lists
+/// can tell them from tokens minted for scripts.
+pub const LOGIN_TOKEN_PREFIX: &str = "login-";
+
+/// Mints a token of a sign-in: its root (`parent` `None`), or an app
+/// cookie's token under the root, which the store caps at the root's
+/// expiry. Sign-in tokens do not count against the per-user cap (which
+/// is for tokens minted on purpose); they end with the sign-in. `None`
+/// when the root is gone.
+pub async fn mint_login_token(
+    store: &dyn Store,
+    user: &UserId,
+    parent: Option<&str>,
+    ttl: Duration,
+) -> Result<Option<(String, String)>, StoreError> {
+    let token = random_token().map_err(|e| StoreError::Query(e.to_string()))?;
+    let id = format!(
+        "{LOGIN_TOKEN_PREFIX}{}",
+        random_id().map_err(|e| StoreError::Query(e.to_string()))?
+    );
+    let outcome = store
+        .mint_token(&NewToken {
+            id: &id,
+            user,
+            token_hash: &TokenHash::of(&token).to_hex(),
+            ttl,
+            parent,
+            max_live: u32::MAX,
+        })
+        .await?;
+    Ok(match outcome {
+        MintOutcome::Minted(_) => Some((token, id)),
+        MintOutcome::TooMany { .. } | MintOutcome::ParentGone => None,
+    })
 }
 
 /// What a mint produced.

@@ -83,8 +83,6 @@ pub struct Launched {
     /// A new instance (201), or the one already running (200).
     pub created: bool,
     pub instance: Instance,
-    /// The launch token the program printed, if any (for the app's URL).
-    pub launch_token: Option<String>,
 }
 
 /// One user's outcome of a restart-all, with the node that ran it.
@@ -437,7 +435,6 @@ impl Ops {
                 return Ok(Launched {
                     created: false,
                     instance: self.current_main(user).await?,
-                    launch_token: self.spawner.launch_token(user),
                 });
             }
             Err(e) => return Err(e),
@@ -453,7 +450,6 @@ impl Ops {
         Ok(Launched {
             created: false,
             instance,
-            launch_token: self.spawner.launch_token(user),
         })
     }
 
@@ -541,14 +537,6 @@ impl Ops {
         }
         berth_core::wait_ready(self.spawner.as_ref(), user, self.budgets.ready_timeout).await
     }
-
-    fn launched(&self, user: &UserId, created: bool, instance: Instance) -> Launched {
-        Launched {
-            created,
-            instance,
-            launch_token: self.spawner.launch_token(user),
-        }
-    }
 }
 
 /// The request that relaunches `user` as they were last launched (folder
@@ -587,7 +575,7 @@ impl UserOp for Launch {
             Err(e) => return Err(e),
         };
         let instance = ops.ready(user, instance, self.wait).await?;
-        Ok(ops.launched(user, created, instance))
+        Ok(Launched { created, instance })
     }
 
     async fn remote(&self, ops: &Ops, to: &Target, user: &UserId) -> Result<Launched, SpawnError> {
@@ -700,7 +688,10 @@ impl UserOp for Restart {
     async fn local(&self, ops: &Ops, user: &UserId) -> Result<Launched, SpawnError> {
         let instance = ops.spawner.restart_main(user).await?;
         let instance = ops.ready(user, instance, true).await?;
-        Ok(ops.launched(user, false, instance))
+        Ok(Launched {
+            created: false,
+            instance,
+        })
     }
 
     async fn remote(&self, ops: &Ops, to: &Target, user: &UserId) -> Result<Launched, SpawnError> {

@@ -26,10 +26,15 @@ by their Content-Length or, when chunked, chunk by chunk.
   {"POST": n, "upgrade": n, …}: whether a browser's request got through.
 * GET .../print?text=TEXT: TEXT is written to stdout (the user's log) as
   it is, control characters included.
+* GET .../leak: gives away this program's launch token (printed in its
+  ready line, `token=…`) every way a response can: in a Location, a
+  Set-Cookie and a header of its own, and in a chunked body that splits it
+  across chunks. A hostile or careless program's answer.
 """
 
 import http.server
 import json
+import secrets
 import signal
 import socketserver
 import sys
@@ -38,6 +43,8 @@ import time
 import urllib.parse
 
 POKES = {}
+# The launch token this run prints in its ready line.
+TOKEN = secrets.token_hex(24)
 POKES_LOCK = threading.Lock()
 
 
@@ -89,6 +96,10 @@ class Handler(http.server.BaseHTTPRequestHandler):
             "path": self.path,
             "headers": [[k.lower(), v] for k, v in self.headers.items()],
             "body_bytes": len(body),
+            # Whether the request presented this program's launch token, as
+            # a program that guards itself with it checks.
+            "token_presented": self.headers.get_all("Authorization", [])
+            == [f"token {TOKEN}"],
         }
         route = self.path.split("?")[0]
         query = urllib.parse.parse_qs(urllib.parse.urlsplit(self.path).query)
@@ -106,6 +117,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
             sys.stdout.write(query.get("text", [""])[0] + "\n")
             sys.stdout.flush()
             self.answer({"printed": True})
+        elif route.endswith("/leak"):
+            self.leak()
         elif route.endswith("/flaky"):
             self.drop_next = True
             self.answer(seen)
@@ -122,6 +135,21 @@ class Handler(http.server.BaseHTTPRequestHandler):
             )
         else:
             self.answer(seen)
+
+    def leak(self):
+        self.send_response(302)
+        self.send_header("Location", f"/lab?token={TOKEN}")
+        self.send_header("Set-Cookie", f"app_token={TOKEN}; Path=/")
+        self.send_header("X-Token", TOKEN)
+        self.send_header("Content-Type", "text/html")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        half = len(TOKEN) // 2
+        for piece in [f'<a href="?token={TOKEN[:half]}', f'{TOKEN[half:]}">lab</a> ', TOKEN, "."]:
+            data = piece.encode()
+            self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+            self.wfile.flush()
+        self.wfile.write(b"0\r\n\r\n")
 
     def say(self, query):
         data = query.get("body", [""])[0].encode()
@@ -162,7 +190,7 @@ def main():
         log("bound at last")
     else:
         server = Server(("127.0.0.1", port), Handler)
-        log(f"listening on {port}")
+        log(f"listening on {port} token={TOKEN}")
     server.serve_forever()
 
 

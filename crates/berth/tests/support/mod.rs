@@ -133,11 +133,26 @@ impl Node {
 /// own ports), plus `[instance]` keys in `instance` and whole tables in
 /// `extra`.
 pub fn upstream_config(first_port: u16, instance: &str, extra: &str) -> String {
+    upstream_config_ready_by(first_port, "^upstream: listening", instance, extra)
+}
+
+/// [`upstream_config`] whose ready line also gives berth the program's
+/// launch token (`token=…`).
+pub fn upstream_config_with_launch_token(first_port: u16, instance: &str, extra: &str) -> String {
+    upstream_config_ready_by(
+        first_port,
+        "^upstream: listening on \\\\d+ token=(\\\\w+)",
+        instance,
+        extra,
+    )
+}
+
+fn upstream_config_ready_by(first_port: u16, regex: &str, instance: &str, extra: &str) -> String {
     let script =
         std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/programs/upstream.py");
     format!(
         "[instance]\nport_range = [{first_port}, {}]\ncommand = [\"python3\", \"{}\", \"{{port}}\"]\n\
-         ready_token_regex = \"^upstream: listening\"\n{instance}\n{extra}\n",
+         ready_token_regex = \"{regex}\"\n{instance}\n{extra}\n",
         first_port + 19,
         script.display()
     )

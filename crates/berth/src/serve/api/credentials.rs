@@ -60,6 +60,13 @@ pub async fn mint_token(
     }
     let parent = match &caller {
         Caller::Admin => None,
+        // A signed-in user's own tokens live their own life, not the
+        // sign-in's: they are not minted under its root.
+        Caller::User { token_id, .. }
+            if token_id.starts_with(crate::serve::auth::LOGIN_TOKEN_PREFIX) =>
+        {
+            None
+        }
         Caller::User { token_id, .. } => Some(token_id.as_str()),
     };
     let ttl = ttl_s.map(Duration::from_secs);
@@ -126,7 +133,7 @@ pub async fn revoke_token(
     revoke(&state, &user, &id).await.map(no_store)
 }
 
-async fn revoke(state: &ApiState, user: &UserId, id: &str) -> ApiResult {
+pub(super) async fn revoke(state: &ApiState, user: &UserId, id: &str) -> ApiResult {
     let revoked = state.store.revoke_token(user, id).await?;
     if revoked.is_empty() {
         return Err(ApiError::new(
@@ -190,12 +197,22 @@ pub async fn start_session(
 
 /// `GET /api/v1/session`: the current session's CSRF token and expiry, for
 /// an admin page that was reloaded.
-pub async fn show_session(State(state): AppState, method: Method, headers: HeaderMap) -> ApiResult {
+pub async fn show_session(
+    State(state): AppState,
+    Https(https): Https,
+    method: Method,
+    headers: HeaderMap,
+) -> ApiResult {
     let session = state.auth.session(&method, &headers).await?;
+    let user = session.owner.user.as_ref();
     Ok(no_store(
         axum::Json(json!({
             "csrf_token": session.csrf_token,
             "expires_at": session.expires_at,
+            // A signed-in user's session (absent for the admin token's).
+            "user": user,
+            "admin": matches!(session.caller(), Caller::Admin),
+            "app_url": user.map(|u| state.app_url(u, &headers, https)),
         }))
         .into_response(),
     ))
