@@ -204,6 +204,16 @@ fn longest_prefix_suffix(text: &[u8], secret: &[u8]) -> usize {
         .unwrap_or(0)
 }
 
+/// `text` with every occurrence of `secret` replaced as [`Scrubber`] does:
+/// for what berth shows of an instance besides its answers (its log).
+pub fn scrub_text(text: &str, secret: &str) -> String {
+    if secret.is_empty() {
+        return text.to_owned();
+    }
+    let marker = char::from(marker_for(secret.as_bytes()));
+    text.replace(secret, marker.encode_utf8(&mut [0; 4]))
+}
+
 /// Replaces `secret` in every response header value that carries it (a
 /// `Location` to `?token=…`, a cookie, a debug header), as [`Scrubber`]
 /// does in bodies.
@@ -315,6 +325,12 @@ mod tests {
         );
         assert_eq!(Scrubber::new("a*b").unwrap().marker(), b'~');
         assert!(Scrubber::new("").is_none());
+    }
+
+    #[test]
+    fn text_loses_the_secret() {
+        assert_eq!(scrub_text("a tok b tok", "tok"), "a * b *");
+        assert_eq!(scrub_text("plain", ""), "plain");
     }
 
     #[test]

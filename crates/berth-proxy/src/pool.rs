@@ -264,8 +264,9 @@ impl Pool {
 pub struct ForwardedBody {
     body: Incoming,
     lease: Option<Lease>,
-    /// Removes the instance's launch token from the body as it streams.
-    scrub: Option<Scrub>,
+    /// Replaces the instance's launch token in the body as it streams.
+    /// Boxed: rare, and every answer's body carries the field.
+    scrub: Option<Box<Scrub>>,
 }
 
 struct Scrub {
@@ -301,11 +302,11 @@ impl ForwardedBody {
 
     /// The same body without any occurrence of `scrubber`'s secret.
     pub(crate) fn scrubbed(mut self, scrubber: Scrubber) -> Self {
-        self.scrub = Some(Scrub {
+        self.scrub = Some(Box::new(Scrub {
             scrubber,
             trailers: None,
             done: false,
-        });
+        }));
         self
     }
 

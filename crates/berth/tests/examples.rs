@@ -29,16 +29,16 @@ fn example(name: &str) -> PathBuf {
 
 fn jupyter_installed() -> bool {
     let installed = std::process::Command::new("jupyter")
-        .args(["server", "--version"])
+        .args(["lab", "--version"])
         .output()
         .is_ok_and(|o| o.status.success());
     if !installed {
         // scripts/test installs it, so in CI a missing Jupyter is a failure.
         assert!(
             std::env::var_os("CI").is_none(),
-            "`jupyter server` is not installed; scripts/test installs it"
+            "`jupyter lab` is not installed; scripts/test installs it"
         );
-        println!("SKIPPED the Jupyter example: `jupyter server` is not installed");
+        println!("SKIPPED the Jupyter example: `jupyter lab` is not installed");
     }
     installed
 }
@@ -121,15 +121,7 @@ async fn jupyter(node: &Node, what: &str) {
     // The launch token is Jupyter's secret: berth hands out the app's
     // address only, and presents the token to Jupyter itself.
     assert!(!url.contains("token"), "{what}: {url}");
-    let (_, logs) = node.get("/users/alice/instance/logs?tail=200").await;
-    let token = logs["lines"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .filter_map(|l| l.as_str())
-        .find_map(|l| l.split("token=").nth(1))
-        .map(|t| t.trim().to_owned())
-        .unwrap_or_else(|| panic!("{what}: Jupyter printed no token: {logs}"));
+    let token = support::launch_token_in_log(node, "alice").await;
     // alice's berth cookie alone: Jupyter asks for nothing more, since
     // berth adds `Authorization: token …` on the way.
     let alice = node.user_token("alice").await;

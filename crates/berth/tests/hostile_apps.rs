@@ -556,22 +556,6 @@ async fn berth_status_shows_a_servers_escape_sequences_as_text() {
 
 // --- the program's own credential ------------------------------------------------
 
-/// The launch token alice's program printed in its ready line, read from
-/// her log as the admin can.
-async fn launch_token_of(node: &Node, user: &str) -> String {
-    let (_, logs) = node
-        .get(&format!("/users/{user}/instance/logs?tail=50"))
-        .await;
-    logs["lines"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .filter_map(Value::as_str)
-        .find_map(|l| l.split(" token=").nth(1))
-        .map(|t| t.trim().to_owned())
-        .unwrap_or_else(|| panic!("no launch token in {logs}"))
-}
-
 /// With `credential_header`, berth presents the program's launch token on
 /// every request it forwards, whatever the client sent in its place; and a
 /// program that echoes its token back (redirect, cookie, header, a body
@@ -593,7 +577,7 @@ async fn the_launch_token_is_presented_upstream_and_never_reaches_the_browser() 
         !body.to_string().contains("token="),
         "the launch answer names no token: {body}"
     );
-    let token = launch_token_of(&node, "alice").await;
+    let token = support::launch_token_in_log(&node, "alice").await;
     assert!(!body.to_string().contains(&token), "{body}");
     let alice = node.user_token("alice").await;
     let http = client(&node);

@@ -16,8 +16,8 @@ use std::collections::BTreeMap;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use data_encoding::BASE64URL_NOPAD;
-use oidc::{OidcClient, OidcProvider, OidcUser, TAMPER_MODES};
-use reqwest::{StatusCode, Url, header};
+use oidc::{Agent, OidcClient, OidcProvider, OidcUser, TAMPER_MODES, form_action, location};
+use reqwest::{StatusCode, Url};
 use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
 
@@ -57,77 +57,6 @@ fn random_token() -> String {
 fn now() -> i64 {
     let since = SystemTime::now().duration_since(UNIX_EPOCH).unwrap();
     i64::try_from(since.as_secs()).unwrap()
-}
-
-/// A user agent: follows no redirect by itself and keeps cookies by name
-/// (the provider's cookies are few and their paths do not overlap in a
-/// way that matters here).
-struct Agent {
-    http: reqwest::Client,
-    cookies: BTreeMap<String, String>,
-}
-
-impl Agent {
-    fn new() -> Agent {
-        Agent {
-            http: reqwest::Client::builder()
-                .redirect(reqwest::redirect::Policy::none())
-                .build()
-                .unwrap(),
-            cookies: BTreeMap::new(),
-        }
-    }
-
-    fn cookie_header(&self) -> String {
-        let pairs: Vec<String> = self
-            .cookies
-            .iter()
-            .map(|(k, v)| format!("{k}={v}"))
-            .collect();
-        pairs.join("; ")
-    }
-
-    fn remember(&mut self, response: &reqwest::Response) {
-        for set in response.headers().get_all(header::SET_COOKIE) {
-            let set = set.to_str().unwrap();
-            let (pair, attributes) = set.split_once(';').unwrap_or((set, ""));
-            let (name, value) = pair.split_once('=').unwrap();
-            let attributes = attributes.to_ascii_lowercase();
-            // The provider clears a cookie with an empty value that
-            // expired in 1970.
-            if value.is_empty() || attributes.contains("expires=thu, 01 jan 1970") {
-                self.cookies.remove(name.trim());
-            } else {
-                self.cookies
-                    .insert(name.trim().to_owned(), value.to_owned());
-            }
-        }
-    }
-
-    async fn get(&mut self, url: &str) -> reqwest::Response {
-        let response = self
-            .http
-            .get(url)
-            .header(header::COOKIE, self.cookie_header())
-            .send()
-            .await
-            .unwrap_or_else(|e| panic!("GET {url}: {e}"));
-        self.remember(&response);
-        response
-    }
-
-    async fn post_form(&mut self, url: &str, form: &[(&str, &str)]) -> reqwest::Response {
-        let response = self
-            .http
-            .post(url)
-            .header(header::COOKIE, self.cookie_header())
-            .form(form)
-            .send()
-            .await
-            .unwrap_or_else(|e| panic!("POST {url}: {e}"));
-        self.remember(&response);
-        response
-    }
 }
 
 /// One authorization request's secrets.
@@ -179,28 +108,6 @@ enum SignIn {
     Code(String),
     /// The login form refused the credentials: its answer.
     Refused { status: StatusCode, page: String },
-}
-
-/// The `Location` of a redirect, made absolute against `base`.
-fn location(response: &reqwest::Response, base: &str) -> String {
-    let location = response
-        .headers()
-        .get(header::LOCATION)
-        .expect("a Location")
-        .to_str()
-        .unwrap();
-    Url::parse(base)
-        .unwrap()
-        .join(location)
-        .unwrap()
-        .to_string()
-}
-
-/// The login form's `action` on the provider's login page.
-fn form_action(page: &str) -> &str {
-    let start = page.find(r#"action=""#).expect("a form") + r#"action=""#.len();
-    let end = start + page[start..].find('"').unwrap();
-    &page[start..end]
 }
 
 /// Runs `auth` through the provider as a browser would, filling its login

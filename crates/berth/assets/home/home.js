@@ -143,6 +143,16 @@
     $('restart').addEventListener('click', () => act('Restart', 'POST', '/instance/restart', {}));
     $('hibernate').addEventListener('click', () => act('Hibernate', 'POST', '/instance/hibernate', {}));
     $('stop').addEventListener('click', () => act('Stop', 'DELETE', '/instance'));
+    // Signing out goes through fetch, which sends this page's Origin (a
+    // form would send "null" under this page's no-referrer policy).
+    $('sign-out').addEventListener('submit', async (event) => {
+      event.preventDefault();
+      try {
+        await fetch('/logout', { method: 'POST', credentials: 'same-origin', headers: { 'X-Berth-CSRF': csrf } });
+      } finally {
+        location.assign('/logout');
+      }
+    });
     $('mint').addEventListener('submit', async (event) => {
       event.preventDefault();
       try {

@@ -57,6 +57,8 @@ const ATTEMPT_TTL: Duration = Duration::from_secs(600);
 pub const REFETCH_AFTER: Duration = Duration::from_secs(30);
 /// How long a call to the provider may take.
 const PROVIDER_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long the check that the provider is up may take.
+const PROBE_TIMEOUT: Duration = Duration::from_secs(3);
 
 /// Standard claims that do not name a user (or are localized, or are about
 /// the token itself), so cannot be `user_claim`.
@@ -277,7 +279,6 @@ pub fn settings(o: &crate::config::OidcSection, public_url: &str) -> OidcSetting
 /// What the provider published, fetched once and kept.
 struct Provider {
     client: OidcClient,
-    fetched: Instant,
 }
 
 /// The relying party: begins and finishes sign-ins.
@@ -285,6 +286,8 @@ pub struct Oidc {
     settings: OidcSettings,
     http: reqwest::Client,
     cached: RwLock<Option<Arc<Provider>>>,
+    /// When the keys were last fetched again for an unknown key.
+    last_refetch: std::sync::Mutex<Option<Instant>>,
     /// One fetch of the provider's documents at a time; those waiting use
     /// its result. Held across the fetch on purpose: that is its job, and
     /// sign-in is not a hot path.
@@ -312,6 +315,7 @@ impl Oidc {
             settings,
             http,
             cached: RwLock::new(None),
+            last_refetch: std::sync::Mutex::new(None),
             fetching: tokio::sync::Mutex::new(()),
         })
     }
@@ -330,16 +334,23 @@ impl Oidc {
         }
     }
 
-    /// Fetches the discovery document and keys anew, unless the copy held
-    /// is newer than `stale` (another task fetched meanwhile) or younger
-    /// than [`REFETCH_AFTER`].
+    /// Fetches the discovery document and keys: the first time, or again
+    /// for a key the copy `stale` lacks, unless another task fetched
+    /// meanwhile or the last such refetch was under [`REFETCH_AFTER`] ago.
     async fn fetch(&self, stale: Option<&Arc<Provider>>) -> Result<Arc<Provider>, LoginError> {
         let _turn = self.fetching.lock().await;
         if let Some(current) = self.cached() {
-            let fetched_meanwhile = stale.is_none_or(|s| !Arc::ptr_eq(s, &current));
-            if fetched_meanwhile || current.fetched.elapsed() < REFETCH_AFTER {
+            let Some(stale) = stale.filter(|s| Arc::ptr_eq(s, &current)) else {
                 return Ok(current);
+            };
+            let mut last = self
+                .last_refetch
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
+            if last.is_some_and(|at| at.elapsed() < REFETCH_AFTER) {
+                return Ok(stale.clone());
             }
+            *last = Some(Instant::now());
         }
         let issuer = IssuerUrl::new(self.settings.issuer.clone())
             .map_err(|e| LoginError::ProviderBroken(format!("issuer URL: {e}")))?;
@@ -354,18 +365,41 @@ impl Oidc {
             Some(ClientSecret::new(self.settings.client_secret.clone())),
         )
         .set_redirect_uri(redirect);
-        let provider = Arc::new(Provider {
-            client,
-            fetched: Instant::now(),
-        });
+        let provider = Arc::new(Provider { client });
         *self.cached.write().unwrap_or_else(PoisonError::into_inner) = Some(provider.clone());
         Ok(provider)
+    }
+
+    /// Whether the provider answers now. Sending a browser to a provider
+    /// that is down would leave it on an error of the browser's; asking
+    /// first lets berth say so itself. One small request, to the
+    /// discovery document, which providers serve from memory.
+    async fn reachable(&self) -> Result<(), LoginError> {
+        let url = format!(
+            "{}/.well-known/openid-configuration",
+            self.settings.issuer.trim_end_matches('/')
+        );
+        let answer = self
+            .http
+            .get(&url)
+            .timeout(PROBE_TIMEOUT)
+            .send()
+            .await
+            .map_err(|e| LoginError::ProviderDown(error_chain(&e)))?;
+        if answer.status().is_server_error() {
+            return Err(LoginError::ProviderDown(format!(
+                "its discovery document answers {}",
+                answer.status()
+            )));
+        }
+        Ok(())
     }
 
     /// Starts a sign-in that ends at `return_to`: records it and answers
     /// the provider's authorization URL.
     pub async fn begin(&self, store: &dyn Store, return_to: &str) -> Result<String, LoginError> {
         let provider = self.provider().await?;
+        self.reachable().await?;
         let (challenge, verifier) = PkceCodeChallenge::new_random_sha256();
         let mut request = provider.client.authorize_url(
             CoreAuthenticationFlow::AuthorizationCode,

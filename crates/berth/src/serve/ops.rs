@@ -539,6 +539,21 @@ impl Ops {
     }
 }
 
+impl Ops {
+    /// `line` of `user`'s log without the launch token: the program's
+    /// secret, which berth never shows (see `berth_proxy::credential`).
+    fn without_launch_token(&self, user: &UserId, line: String) -> String {
+        scrubbed(self.spawner.as_ref(), user, line)
+    }
+}
+
+fn scrubbed(spawner: &dyn Spawner, user: &UserId, line: String) -> String {
+    match spawner.launch_token(user) {
+        Some(token) if line.contains(&token) => berth_proxy::credential::scrub_text(&line, &token),
+        _ => line,
+    }
+}
+
 /// The request that relaunches `user` as they were last launched (folder
 /// and patch kept in the store), e.g. on another node after a failover.
 pub(crate) async fn stored_launch_request(
@@ -737,7 +752,11 @@ impl UserOp for Logs {
     const ROUTE: Route = Route::Home;
 
     async fn local(&self, ops: &Ops, user: &UserId) -> Result<Vec<String>, SpawnError> {
-        ops.spawner.logs(user, self.tail).await
+        let lines = ops.spawner.logs(user, self.tail).await?;
+        Ok(lines
+            .into_iter()
+            .map(|line| ops.without_launch_token(user, line))
+            .collect())
     }
 
     async fn remote(
@@ -767,8 +786,13 @@ impl UserOp for FollowLogs {
         user: &UserId,
     ) -> Result<BoxStream<'static, String>, SpawnError> {
         let lines = ops.spawner.follow_logs(user, self.tail).await?;
-        Ok(stream::unfold(lines, |mut lines| async move {
-            lines.recv().await.map(|line| (line, lines))
+        let (spawner, user) = (ops.spawner.clone(), user.clone());
+        Ok(stream::unfold(lines, move |mut lines| {
+            let (spawner, user) = (spawner.clone(), user.clone());
+            async move {
+                let line = lines.recv().await?;
+                Some((scrubbed(spawner.as_ref(), &user, line), lines))
+            }
         })
         .boxed())
     }

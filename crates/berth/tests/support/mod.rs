@@ -158,6 +158,33 @@ fn upstream_config_ready_by(first_port: u16, regex: &str, instance: &str, extra:
     )
 }
 
+/// The launch token `user`'s program printed (`token=…` in its ready
+/// line), read from its log file under `data_dir` as only berth's own user
+/// can: berth shows it to nobody, the API's log lines included, which this
+/// checks on the way.
+pub async fn launch_token_in_log(node: &berth_testkit::Node, user: &str) -> String {
+    let log = node.data_dir.join("users").join(user).join("logs/main.log");
+    let text = std::fs::read_to_string(&log).unwrap_or_else(|e| panic!("{}: {e}", log.display()));
+    let token = text
+        .lines()
+        .find_map(|l| l.split("token=").nth(1))
+        .map(|t| {
+            t.split(|c: char| !c.is_ascii_alphanumeric() && c != '_' && c != '-')
+                .next()
+                .unwrap_or_default()
+                .to_owned()
+        })
+        .unwrap_or_else(|| panic!("no launch token in {}", log.display()));
+    let (_, logs) = node
+        .get(&format!("/users/{user}/instance/logs?tail=200"))
+        .await;
+    assert!(
+        !logs.to_string().contains(&token),
+        "the API's log lines carry the launch token: {logs}"
+    );
+    token
+}
+
 /// What berth at level `user` or `sandbox` leaves in the kernel on purpose
 /// when it stops (instances outlive it, guarded and limited): its nftables
 /// table and its cgroups. A test's berth is gone for good, so they go too,

@@ -15,12 +15,14 @@
 
 #![allow(dead_code)]
 
+use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
+use reqwest::{Url, header};
 use serde::Serialize;
 use serde_json::{Map, Value, json};
 
@@ -424,4 +426,97 @@ impl Drop for OidcProvider {
             eprintln!("oidc-provider's log:\n{}", log.unwrap_or_default());
         }
     }
+}
+
+/// A user agent: follows no redirect by itself and keeps cookies by name
+/// (the provider's cookies are few and their paths do not overlap in a
+/// way that matters here).
+pub struct Agent {
+    pub http: reqwest::Client,
+    pub cookies: BTreeMap<String, String>,
+}
+
+impl Agent {
+    pub fn new() -> Agent {
+        Agent {
+            http: reqwest::Client::builder()
+                .redirect(reqwest::redirect::Policy::none())
+                .build()
+                .unwrap(),
+            cookies: BTreeMap::new(),
+        }
+    }
+
+    pub fn cookie_header(&self) -> String {
+        let pairs: Vec<String> = self
+            .cookies
+            .iter()
+            .map(|(k, v)| format!("{k}={v}"))
+            .collect();
+        pairs.join("; ")
+    }
+
+    pub fn remember(&mut self, response: &reqwest::Response) {
+        for set in response.headers().get_all(header::SET_COOKIE) {
+            let set = set.to_str().unwrap();
+            let (pair, attributes) = set.split_once(';').unwrap_or((set, ""));
+            let (name, value) = pair.split_once('=').unwrap();
+            let attributes = attributes.to_ascii_lowercase();
+            // The provider clears a cookie with an empty value that
+            // expired in 1970.
+            if value.is_empty() || attributes.contains("expires=thu, 01 jan 1970") {
+                self.cookies.remove(name.trim());
+            } else {
+                self.cookies
+                    .insert(name.trim().to_owned(), value.to_owned());
+            }
+        }
+    }
+
+    pub async fn get(&mut self, url: &str) -> reqwest::Response {
+        let response = self
+            .http
+            .get(url)
+            .header(header::COOKIE, self.cookie_header())
+            .send()
+            .await
+            .unwrap_or_else(|e| panic!("GET {url}: {e}"));
+        self.remember(&response);
+        response
+    }
+
+    pub async fn post_form(&mut self, url: &str, form: &[(&str, &str)]) -> reqwest::Response {
+        let response = self
+            .http
+            .post(url)
+            .header(header::COOKIE, self.cookie_header())
+            .form(form)
+            .send()
+            .await
+            .unwrap_or_else(|e| panic!("POST {url}: {e}"));
+        self.remember(&response);
+        response
+    }
+}
+
+/// The `Location` of a redirect, made absolute against `base`.
+pub fn location(response: &reqwest::Response, base: &str) -> String {
+    let location = response
+        .headers()
+        .get(header::LOCATION)
+        .expect("a Location")
+        .to_str()
+        .unwrap();
+    Url::parse(base)
+        .unwrap()
+        .join(location)
+        .unwrap()
+        .to_string()
+}
+
+/// The login form's `action` on the provider's login page.
+pub fn form_action(page: &str) -> &str {
+    let start = page.find(r#"action=""#).expect("a form") + r#"action=""#.len();
+    let end = start + page[start..].find('"').unwrap();
+    &page[start..end]
 }

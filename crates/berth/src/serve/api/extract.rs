@@ -256,6 +256,11 @@ pub async fn refuse_non_json_bodies(
     request: axum::extract::Request,
     next: axum::middleware::Next,
 ) -> Response {
+    // Signing out is a plain form of berth's own pages, with no body to
+    // read, and refused from other origins by its handler.
+    if request.uri().path() == crate::serve::login::LOGOUT_PATH {
+        return next.run(request).await;
+    }
     if let Some(value) = request.headers().get(header::CONTENT_TYPE) {
         let text = value.to_str().unwrap_or_default();
         let mime = text

@@ -47,7 +47,7 @@ pub fn routes() -> Router<Arc<ApiState>> {
     Router::new()
         .route(LOGIN_PATH, get(login))
         .route(CALLBACK_PATH, get(callback))
-        .route(LOGOUT_PATH, post(logout))
+        .route(LOGOUT_PATH, post(logout).get(signed_out_page))
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -185,6 +185,16 @@ async fn callback(
         response.headers_mut().append(header::SET_COOKIE, cookie);
     }
     response
+}
+
+/// `GET /logout`: where a page that signed out sends the browser. It ends
+/// nothing itself (a link can point here).
+async fn signed_out_page() -> Response {
+    page(
+        StatusCode::OK,
+        "Signed out",
+        &format!("You are signed out. <a href=\"{LOGIN_PATH}\">Sign in again</a>."),
+    )
 }
 
 /// `POST /logout`: ends the session and every app cookie of its sign-in.
