@@ -792,13 +792,12 @@ async fn a_user_token_launches_only_with_the_defaults() {
         "still open"
     );
 
-    // Her own status and logs, yes; restart, probe, watchdog and the
-    // admin's lists, no; bob, nothing.
+    // Her own status and logs, yes (and restart: tests/login.rs); probe,
+    // watchdog and the admin's lists, no; bob, nothing.
     for (method, path, want) in [
         ("GET", "/users/alice/instance", 200),
         ("GET", "/users/alice/instance/logs", 200),
         ("GET", "/users/alice/tokens", 200),
-        ("POST", "/users/alice/instance/restart", 403),
         ("POST", "/users/alice/instance/probe", 403),
         ("POST", "/users/alice/watchdog", 403),
         ("GET", "/instances", 403),

@@ -496,6 +496,14 @@ async fn host_mode_in_a_browser_sign_in_home_page_admin_and_logout() {
         .await
         .unwrap();
     wait_text(c, "state", "hibernated").await;
+    c.find(Locator::Id("restart"))
+        .await
+        .unwrap()
+        .click()
+        .await
+        .unwrap();
+    wait_text(c, "message", "Restart: done.").await;
+    wait_text(c, "state", "running").await;
     c.find(Locator::Css("#mint button"))
         .await
         .unwrap()
@@ -741,4 +749,75 @@ async fn path_mode_in_a_browser_alice_lands_in_jupyterlab_and_runs_a_cell() {
     assert_eq!(after.status(), StatusCode::UNAUTHORIZED);
     browser.close().await;
     bob_browser.close().await;
+}
+
+/// What a sign-in costs on berth's side when the user's instance already
+/// runs and the provider already knows the browser: the time from
+/// `/login` to the app's answer, less the time spent waiting on the
+/// provider. Printed for BENCHMARKS.md; nothing here is asserted about
+/// time.
+#[tokio::test(flavor = "multi_thread")]
+async fn sign_in_time_is_measured() {
+    const ROUNDS: usize = 30;
+    let setup = setup(Mode::Path, &upstream(3)).await;
+    let app = format!("{}/u/alice/echo", setup.berth);
+    // The first sign-in types the password and starts alice's instance.
+    let mut warm = new_agent(&setup);
+    let done = sign_in(
+        &mut warm,
+        &setup,
+        "/u/alice/echo",
+        ("alice", "alice-password"),
+    )
+    .await;
+    assert_eq!(done.status, StatusCode::SEE_OTHER, "{}", done.page);
+    assert_eq!(warm.get(&app).await.status(), StatusCode::OK);
+    let provider_session: Vec<(String, String)> = warm
+        .cookies
+        .iter()
+        .filter(|(name, _)| !name.starts_with("berth_"))
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    let mut totals = Vec::new();
+    let mut at_provider = Vec::new();
+    for _ in 0..ROUNDS {
+        // A browser that is signed in at the provider, not at berth.
+        let mut agent = new_agent(&setup);
+        agent.cookies.extend(provider_session.iter().cloned());
+        let mut url = format!("{}/login?next=/u/alice/echo", setup.berth);
+        let mut provider = Duration::ZERO;
+        let started = std::time::Instant::now();
+        loop {
+            let hop = std::time::Instant::now();
+            let response = agent.get(&url).await;
+            if url.starts_with(setup.idp.issuer()) {
+                provider += hop.elapsed();
+            }
+            if !response.status().is_redirection() {
+                assert_eq!(response.status(), StatusCode::OK, "{url}");
+                assert_eq!(url, app);
+                break;
+            }
+            url = location(&response, &url);
+        }
+        totals.push(started.elapsed());
+        at_provider.push(provider);
+    }
+    let median = |mut v: Vec<Duration>| {
+        v.sort();
+        v[v.len() / 2]
+    };
+    let berth: Vec<Duration> = totals
+        .iter()
+        .zip(&at_provider)
+        .map(|(t, p)| t.saturating_sub(*p))
+        .collect();
+    println!(
+        "sign-in to a running app, {ROUNDS} rounds: median total {:.1} ms, at the provider {:.1} ms, \
+         berth's part {:.1} ms (max {:.1} ms)",
+        median(totals).as_secs_f64() * 1000.0,
+        median(at_provider).as_secs_f64() * 1000.0,
+        median(berth.clone()).as_secs_f64() * 1000.0,
+        berth.iter().max().unwrap().as_secs_f64() * 1000.0,
+    );
 }

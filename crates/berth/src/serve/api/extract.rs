@@ -61,7 +61,12 @@ impl FromRequestParts<Arc<ApiState>> for UserCall {
 pub fn user_may(method: &Method, action: &str, users_may_patch: bool) -> bool {
     match (method, action) {
         (&Method::GET, "instance" | "instance/progress" | "instance/logs" | "tokens")
-        | (&Method::POST, "instance" | "instance/hibernate" | "instance/resume" | "tokens")
+        // A restart relaunches with the parameters of the last launch, so
+        // it gives a user nothing a stop and a start would not.
+        | (
+            &Method::POST,
+            "instance" | "instance/restart" | "instance/hibernate" | "instance/resume" | "tokens",
+        )
         | (&Method::DELETE, "instance") => true,
         (&Method::DELETE, action) => action
             .strip_prefix("tokens/")
@@ -309,7 +314,7 @@ mod tests {
             (Method::GET, "tokens", false, true),
             (Method::POST, "tokens", false, true),
             (Method::DELETE, "tokens/{id}", false, true),
-            (Method::POST, "instance/restart", true, false),
+            (Method::POST, "instance/restart", false, true),
             (Method::POST, "instance/hibernate", false, true),
             (Method::POST, "instance/resume", false, true),
             (Method::POST, "instance/probe", true, false),
