@@ -342,6 +342,7 @@ impl Forwarder {
         };
 
         let (mut parts, body) = req.into_parts();
+        let head = parts.method == Method::HEAD;
         rewrite_request_headers(&mut parts.headers, conn, upgrade, keep_forwarded_user);
         parts.version = Version::HTTP_11;
         // The instance's own secret: presented to it, kept from the client.
@@ -404,7 +405,15 @@ impl Forwarder {
         }
         if let Some(token) = &launch_token {
             scrub_headers(response.headers_mut(), token);
-            if let Some(scrubber) = Scrubber::new(token).filter(|_| !switched) {
+            // Only an answer that has a body has one to scrub (and keeps
+            // its Content-Length otherwise).
+            let bodiless = switched
+                || head
+                || matches!(
+                    response.status(),
+                    StatusCode::NO_CONTENT | StatusCode::NOT_MODIFIED
+                );
+            if let Some(scrubber) = Scrubber::new(token).filter(|_| !bodiless) {
                 response.headers_mut().remove(header::CONTENT_LENGTH);
                 return response.map(|body| Either::Left(body.scrubbed(scrubber)));
             }

@@ -228,7 +228,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         .auth
         .oidc
         .as_ref()
-        .map(|o| login::Oidc::new(login::settings(o, &public_url)))
+        .map(|o| login::settings(o, &public_url).and_then(login::Oidc::new))
         .transpose()?
         .map(Arc::new);
     let proxy = berth_proxy::Proxy::start_clustered(

@@ -238,7 +238,11 @@ async fn long_waits_show_progress_only_on_a_terminal() {
     let out = node.cli(&["start", "carol"]);
     let stdout = stdout_of(&out);
     assert!(stdout.starts_with("carol started: running on "), "{stdout}");
-    assert!(stdout.contains("\nopen: http://"), "{stdout}");
+    // Without a sign-in page, how to get a link that opens the app.
+    assert!(
+        stdout.contains("\nopen: run `berth open carol` for a link"),
+        "{stdout}"
+    );
     assert!(
         out.stderr.is_empty(),
         "{}",
@@ -304,4 +308,72 @@ async fn serve_logs_json_lines_with_the_flag() {
     assert_eq!(out.status.code(), Some(2));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("xml") && err.contains("json"), "{err}");
+}
+
+/// `berth open USER` prints a short-lived link that opens the user's app,
+/// and hands it to the desktop's browser where there is a display.
+#[tokio::test(flavor = "multi_thread")]
+async fn berth_open_prints_a_link_that_opens_the_app_and_hands_it_to_the_desktop() {
+    let dir = tempfile::tempdir().unwrap();
+    let node = Node::start(dir.path(), &ports(9));
+    let printed = stdout_of(&node.cli(&["open", "alice", "--no-browser"]));
+    let link = printed
+        .lines()
+        .find_map(|l| l.strip_prefix("open: "))
+        .unwrap_or_else(|| panic!("no link in {printed:?}"))
+        .to_owned();
+    assert!(link.contains("/u/alice/?berth_token="), "{link}");
+    assert!(printed.contains("good until"), "{printed}");
+    // The link becomes alice's cookie, and the cookie opens her app.
+    let http = reqwest::Client::builder()
+        .redirect(reqwest::redirect::Policy::none())
+        .build()
+        .unwrap();
+    let hop = http.get(&link).send().await.unwrap();
+    assert_eq!(hop.status(), 303);
+    let cookie = hop.headers()["set-cookie"].to_str().unwrap().to_owned();
+    let pair = cookie.split(';').next().unwrap();
+    let app = http
+        .get(format!("{}/u/alice/", node.url))
+        .header("Cookie", pair)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(app.status(), 200);
+
+    // With a display, the link goes to xdg-open (here a stand-in that
+    // writes down what it was given).
+    let bin = dir.path().join("bin");
+    std::fs::create_dir(&bin).unwrap();
+    let seen = dir.path().join("opened");
+    let opener = bin.join("xdg-open");
+    std::fs::write(
+        &opener,
+        format!("#!/bin/sh\nprintf '%s' \"$1\" > {}\n", seen.display()),
+    )
+    .unwrap();
+    std::fs::set_permissions(&opener, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let path = format!("{}:{}", bin.display(), std::env::var("PATH").unwrap());
+    let out = std::process::Command::new(BERTH)
+        .args(["open", "alice"])
+        .env("BERTH_URL", &node.url)
+        .env("BERTH_DATA_DIR", &node.data_dir)
+        .env_remove("BERTH_TOKEN")
+        .env("DISPLAY", ":99")
+        .env("PATH", path)
+        .output()
+        .unwrap();
+    let printed = stdout_of(&out);
+    let link = printed
+        .lines()
+        .find_map(|l| l.strip_prefix("open: "))
+        .unwrap()
+        .to_owned();
+    let opened = eventually(PATIENCE, "xdg-open to be given the link", || async {
+        std::fs::read_to_string(&seen)
+            .ok()
+            .filter(|s| !s.is_empty())
+    })
+    .await;
+    assert_eq!(opened, link);
 }

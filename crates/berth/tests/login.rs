@@ -424,12 +424,11 @@ async fn sign_in_in_browser(c: &Client, user: &str, password: &str) {
         .await
         .unwrap();
     form.send_keys(password).await.unwrap();
-    c.find(Locator::Id("submit"))
-        .await
-        .unwrap()
-        .click()
-        .await
-        .unwrap();
+    click(c, Locator::Id("submit")).await;
+}
+
+async fn click(c: &Client, what: Locator<'_>) {
+    c.find(what).await.unwrap().click().await.unwrap();
 }
 
 async fn current_path(c: &Client) -> String {
@@ -489,27 +488,12 @@ async fn host_mode_in_a_browser_sign_in_home_page_admin_and_logout() {
     wait_text(c, "who", "signed in as alice").await;
     wait_text(c, "state", "running").await;
     screenshot(c, "home-host-1280.png").await;
-    c.find(Locator::Id("hibernate"))
-        .await
-        .unwrap()
-        .click()
-        .await
-        .unwrap();
+    click(c, Locator::Id("hibernate")).await;
     wait_text(c, "state", "hibernated").await;
-    c.find(Locator::Id("restart"))
-        .await
-        .unwrap()
-        .click()
-        .await
-        .unwrap();
+    click(c, Locator::Id("restart")).await;
     wait_text(c, "message", "Restart: done.").await;
     wait_text(c, "state", "running").await;
-    c.find(Locator::Css("#mint button"))
-        .await
-        .unwrap()
-        .click()
-        .await
-        .unwrap();
+    click(c, Locator::Css("#mint button")).await;
     let token = eventually(PATIENCE, "a minted token", || async {
         let t = c
             .find(Locator::Id("minted-token"))
@@ -572,12 +556,7 @@ async fn host_mode_in_a_browser_sign_in_home_page_admin_and_logout() {
         .to_owned();
     c.goto(&home).await.unwrap();
     wait_text(c, "who", "alice").await;
-    c.find(Locator::Css("#sign-out button"))
-        .await
-        .unwrap()
-        .click()
-        .await
-        .unwrap();
+    click(c, Locator::Css("#sign-out button")).await;
     let signed_out = eventually(PATIENCE, "the sign-out page", || async {
         let s = c.source().await.ok()?;
         (!s.contains("id=\"who\"")).then_some(s)
@@ -725,12 +704,7 @@ async fn path_mode_in_a_browser_alice_lands_in_jupyterlab_and_runs_a_cell() {
         .to_owned();
     c.goto(&format!("{}/", setup.berth)).await.unwrap();
     wait_text(c, "who", "alice").await;
-    c.find(Locator::Css("#sign-out button"))
-        .await
-        .unwrap()
-        .click()
-        .await
-        .unwrap();
+    click(c, Locator::Css("#sign-out button")).await;
     eventually(PATIENCE, "the sign-out page", || async {
         c.source()
             .await

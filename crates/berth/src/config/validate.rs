@@ -535,13 +535,6 @@ impl Config {
         if o.client_id.is_empty() {
             return Err(self.invalid("auth.oidc.client_id", "must be set"));
         }
-        if o.client_secret.is_none() {
-            return Err(self.invalid(
-                "auth.oidc.client_secret_file",
-                "no client secret: name a file (mode 0600) here, or set BERTH_OIDC_CLIENT_SECRET \
-                 (a secret in the config text is refused: it travels with the file)",
-            ));
-        }
         if !o.scopes.iter().any(|s| s == "openid") {
             return Err(self.invalid("auth.oidc.scopes", "must include \"openid\""));
         }

@@ -376,22 +376,19 @@ impl Authenticator {
         parent: Option<&str>,
         ttl: Option<Duration>,
     ) -> Result<Minted, StoreError> {
-        let token = random_token().map_err(|e| StoreError::Query(e.to_string()))?;
         let id = random_id().map_err(|e| StoreError::Query(e.to_string()))?;
         let ttl = ttl.map_or(self.settings.user_token_ttl, |t| {
             t.min(self.settings.user_token_ttl)
         });
-        let outcome = self
-            .store
-            .mint_token(&NewToken {
-                id: &id,
-                user,
-                token_hash: &TokenHash::of(&token).to_hex(),
-                ttl,
-                parent,
-                max_live: self.settings.max_tokens_per_user,
-            })
-            .await?;
+        let (token, outcome) = mint_with_id(
+            self.store.as_ref(),
+            user,
+            &id,
+            parent,
+            ttl,
+            self.settings.max_tokens_per_user,
+        )
+        .await?;
         Ok(match outcome {
             MintOutcome::Minted(record) => Minted::Token { token, record },
             MintOutcome::TooMany { live } => Minted::TooMany { live },
@@ -415,25 +412,39 @@ pub async fn mint_login_token(
     parent: Option<&str>,
     ttl: Duration,
 ) -> Result<Option<(String, String)>, StoreError> {
-    let token = random_token().map_err(|e| StoreError::Query(e.to_string()))?;
     let id = format!(
         "{LOGIN_TOKEN_PREFIX}{}",
         random_id().map_err(|e| StoreError::Query(e.to_string()))?
     );
-    let outcome = store
-        .mint_token(&NewToken {
-            id: &id,
-            user,
-            token_hash: &TokenHash::of(&token).to_hex(),
-            ttl,
-            parent,
-            max_live: u32::MAX,
-        })
-        .await?;
+    let (token, outcome) = mint_with_id(store, user, &id, parent, ttl, u32::MAX).await?;
     Ok(match outcome {
         MintOutcome::Minted(_) => Some((token, id)),
         MintOutcome::TooMany { .. } | MintOutcome::ParentGone => None,
     })
+}
+
+/// Mints a token of `user` with public id `id`: its secret, and what the
+/// store made of it.
+async fn mint_with_id(
+    store: &dyn Store,
+    user: &UserId,
+    id: &str,
+    parent: Option<&str>,
+    ttl: Duration,
+    max_live: u32,
+) -> Result<(String, MintOutcome), StoreError> {
+    let token = random_token().map_err(|e| StoreError::Query(e.to_string()))?;
+    let outcome = store
+        .mint_token(&NewToken {
+            id,
+            user,
+            token_hash: &TokenHash::of(&token).to_hex(),
+            ttl,
+            parent,
+            max_live,
+        })
+        .await?;
+    Ok((token, outcome))
 }
 
 /// What a mint produced.

@@ -253,12 +253,21 @@ pub struct OidcSettings {
 }
 
 /// [`OidcSettings`] from a validated `[auth.oidc]`; the callback is on
-/// `public_url` unless the section names it.
-pub fn settings(o: &crate::config::OidcSection, public_url: &str) -> OidcSettings {
-    OidcSettings {
+/// `public_url` unless the section names it. The client secret is looked
+/// for only here, when berth serves: `berth config check` reads no
+/// environment.
+pub fn settings(o: &crate::config::OidcSection, public_url: &str) -> anyhow::Result<OidcSettings> {
+    let Some(client_secret) = o.client_secret.clone() else {
+        anyhow::bail!(
+            "[auth.oidc] has no client secret: set BERTH_OIDC_CLIENT_SECRET, or name a file \
+             (mode 0600) in client_secret_file (a secret in the config text is refused: it \
+             travels with the file)"
+        );
+    };
+    Ok(OidcSettings {
         issuer: o.issuer.clone(),
         client_id: o.client_id.clone(),
-        client_secret: o.client_secret.clone().unwrap_or_default(),
+        client_secret,
         scopes: o.scopes.clone(),
         redirect_url: o
             .redirect_url
@@ -273,7 +282,7 @@ pub fn settings(o: &crate::config::OidcSection, public_url: &str) -> OidcSetting
             allow_any_user: o.allow_any_user,
             admin_group: o.admin_group.clone(),
         },
-    }
+    })
 }
 
 /// What the provider published, fetched once and kept.
