@@ -288,6 +288,19 @@ async fn each_bad_sign_in_is_refused_with_a_clear_page() {
     )
     .await;
 
+    // carol is of the admin group, but in path mode every app shares this
+    // origin: she gets a user's session, and no admin page.
+    let mut carol = new_agent(&setup);
+    let done = sign_in(&mut carol, &setup, "/", ("carol", "carol-password")).await;
+    assert_eq!(done.status, StatusCode::SEE_OTHER, "{}", done.page);
+    let admin = carol.get(&format!("{}/admin/", setup.berth)).await;
+    assert_eq!(admin.status(), StatusCode::FORBIDDEN);
+    assert!(admin.text().await.unwrap().contains("Not an admin"));
+    let instances = carol
+        .get(&format!("{}/api/v1/instances", setup.berth))
+        .await;
+    assert_eq!(instances.status(), StatusCode::FORBIDDEN);
+
     // alice's sign-in works; the same callback again is a replay.
     let mut agent = new_agent(&setup);
     let done = sign_in(&mut agent, &setup, "/", alice).await;
@@ -383,6 +396,14 @@ async fn host_mode_logout_ends_the_app_cookie_too() {
     // The code was spent.
     let mut thief = new_agent(&setup);
     assert_eq!(thief.get(&hop).await.status(), StatusCode::UNAUTHORIZED);
+    // A fresh code of alice's opens nothing on bob's host.
+    let mut again = new_agent(&setup);
+    let done = sign_in(&mut again, &setup, &app, ("alice", "alice-password")).await;
+    let code = done.location.unwrap();
+    let code = code.split("berth_hop=").nth(1).unwrap();
+    let bobs = format!("http://bob.{BASE}:{}/echo?berth_hop={code}", setup.port);
+    assert_eq!(thief.get(&bobs).await.status(), StatusCode::FORBIDDEN);
+    assert!(!thief.cookies.contains_key("berth_token"));
 
     let out = alice
         .post_form(&format!("{}/logout", setup.berth), &[])
