@@ -452,6 +452,28 @@ async fn click(c: &Client, what: Locator<'_>) {
     c.find(what).await.unwrap().click().await.unwrap();
 }
 
+/// Moves the focus with Tab until the element `id` has it, then presses
+/// Enter: the page works without a pointer.
+async fn press_by_keyboard(c: &Client, id: &str) {
+    use fantoccini::actions::{InputSource, KeyAction, KeyActions};
+    let press = |key: char| {
+        KeyActions::new("keyboard".to_owned())
+            .then(KeyAction::Down { value: key })
+            .then(KeyAction::Up { value: key })
+    };
+    const TAB: char = '\u{E004}';
+    const ENTER: char = '\u{E007}';
+    for _ in 0..30 {
+        c.perform_actions(press(TAB)).await.unwrap();
+        let focused = c.active_element().await.unwrap();
+        if focused.attr("id").await.unwrap().as_deref() == Some(id) {
+            c.perform_actions(press(ENTER)).await.unwrap();
+            return;
+        }
+    }
+    panic!("Tab never reached #{id}");
+}
+
 async fn current_path(c: &Client) -> String {
     let url = c.current_url().await.unwrap();
     format!("{}{}", url.host_str().unwrap_or(""), url.path())
@@ -509,7 +531,8 @@ async fn host_mode_in_a_browser_sign_in_home_page_admin_and_logout() {
     wait_text(c, "who", "signed in as alice").await;
     wait_text(c, "state", "running").await;
     screenshot(c, "home-host-1280.png").await;
-    click(c, Locator::Id("hibernate")).await;
+    // By keyboard alone: Tab to Hibernate, then Enter.
+    press_by_keyboard(c, "hibernate").await;
     wait_text(c, "state", "hibernated").await;
     click(c, Locator::Id("restart")).await;
     wait_text(c, "message", "Restart: done.").await;

@@ -92,11 +92,38 @@ async fn raw(node: &Node, request: &str) -> Raw {
         .nth(1)
         .and_then(|s| s.parse().ok())
         .unwrap_or(0);
+    let chunked = head.lines().skip(1).any(|l| {
+        l.split_once(':').is_some_and(|(n, v)| {
+            n.trim().eq_ignore_ascii_case("transfer-encoding") && v.trim() == "chunked"
+        })
+    });
     Raw {
         status,
         head: head.to_owned(),
-        body: body.to_owned(),
+        body: if chunked {
+            dechunk(body)
+        } else {
+            body.to_owned()
+        },
     }
+}
+
+/// A chunked body's data. (An instance that prints a launch token has its
+/// answers streamed through the proxy's scrubber, which sends them
+/// chunked.)
+fn dechunk(mut body: &str) -> String {
+    let mut data = String::new();
+    while let Some((size, rest)) = body.split_once("\r\n") {
+        let Ok(size) = usize::from_str_radix(size.trim(), 16) else {
+            break;
+        };
+        if size == 0 || rest.len() < size {
+            break;
+        }
+        data.push_str(&rest[..size]);
+        body = rest[size..].trim_start_matches("\r\n");
+    }
+    data
 }
 
 /// The values of header `name` in a program's report of a request
