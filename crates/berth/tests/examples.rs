@@ -11,21 +11,12 @@
 
 mod support;
 
-use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use serde_json::json;
 use support::{Node, StartOptions};
 
 const NOBODY: u32 = 65_534;
-
-fn example(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../examples")
-        .join(name)
-        .canonicalize()
-        .unwrap()
-}
 
 fn jupyter_installed() -> bool {
     let installed = std::process::Command::new("jupyter")
@@ -56,7 +47,7 @@ fn serve(name: &str, run_as: Option<u32>) -> (tempfile::TempDir, Node) {
             nix::unistd::chown(path, Some(uid.into()), Some(uid.into())).unwrap();
         }
     }
-    let config = example(name);
+    let config = support::example(name);
     let options = StartOptions {
         run_as,
         ..StartOptions::default()

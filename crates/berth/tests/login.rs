@@ -73,14 +73,6 @@ fn upstream(n: u16) -> String {
     support::upstream_config(29_700 + n * 20, "", "")
 }
 
-fn example(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../examples")
-        .join(name)
-        .canonicalize()
-        .unwrap()
-}
-
 /// Starts a provider and berth on `program` (config text with the
 /// `[instance]` to run), apps in `mode`.
 async fn setup(mode: Mode, program: &str) -> Setup {
@@ -683,7 +675,7 @@ const done = arguments[arguments.length - 1];
 /// cookie.
 #[tokio::test(flavor = "multi_thread")]
 async fn path_mode_in_a_browser_alice_lands_in_jupyterlab_and_runs_a_cell() {
-    let shipped = std::fs::read_to_string(example("jupyter.toml")).unwrap();
+    let shipped = std::fs::read_to_string(support::example("jupyter.toml")).unwrap();
     let setup = setup(Mode::Path, &shipped).await;
     let app = format!("{}/u/alice/", setup.berth);
     let browser = Browser::start().await;

@@ -158,6 +158,15 @@ fn upstream_config_ready_by(first_port: u16, regex: &str, instance: &str, extra:
     )
 }
 
+/// The shipped `examples/<name>`.
+pub fn example(name: &str) -> std::path::PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../examples")
+        .join(name)
+        .canonicalize()
+        .unwrap()
+}
+
 /// The launch token `user`'s program printed (`token=…` in its ready
 /// line), read from its log file under `data_dir` as only berth's own user
 /// can: berth shows it to nobody, the API's log lines included, which this
