@@ -12,7 +12,7 @@
 //   CSRF token back from GET /api/v1/session.
 //
 // * Path mode (apps are served under /u/<user>/ on this very origin): berth
-//   makes no sessions, since every app's script could ride on such a
+//   makes no admin sessions, since every app's script could ride on such a
 //   cookie. The token is then held in this tab's memory only, in the
 //   closure below, and sent as Bearer. Never in a cookie, localStorage or
 //   sessionStorage: those belong to the origin, and so to every app on it,
@@ -604,7 +604,7 @@
       return;
     }
     if (response.status !== 403) throw await errorOf(response);
-    // 403: the token is the admin's, but berth makes no sessions while
+    // 403: the token is the admin's, but berth makes no admin sessions while
     // apps share this origin (path mode). Keep the token in memory only.
     const check = await fetch(API + '/nodes', {
       headers: { Authorization: 'Bearer ' + token },
