@@ -539,14 +539,8 @@ impl Ops {
     }
 }
 
-impl Ops {
-    /// `line` of `user`'s log without the launch token: the program's
-    /// secret, which berth never shows (see `berth_proxy::credential`).
-    fn without_launch_token(&self, user: &UserId, line: String) -> String {
-        scrubbed(self.spawner.as_ref(), user, line)
-    }
-}
-
+/// `line` of `user`'s log without the launch token: the program's secret,
+/// which berth never shows (see `berth_proxy::credential`).
 fn scrubbed(spawner: &dyn Spawner, user: &UserId, line: String) -> String {
     match spawner.launch_token(user) {
         Some(token) if line.contains(&token) => berth_proxy::credential::scrub_text(&line, &token),
@@ -755,7 +749,7 @@ impl UserOp for Logs {
         let lines = ops.spawner.logs(user, self.tail).await?;
         Ok(lines
             .into_iter()
-            .map(|line| ops.without_launch_token(user, line))
+            .map(|line| scrubbed(ops.spawner.as_ref(), user, line))
             .collect())
     }
 
