@@ -27,6 +27,7 @@
 //! whatever its session or process group, so a program that calls `setsid`
 //! cannot escape the freeze the way it escapes a SIGSTOP to its group.
 
+use std::collections::{BTreeSet, HashSet};
 use std::fs;
 use std::io::{self, Write};
 use std::path::{Path, PathBuf};
@@ -672,10 +673,12 @@ pub fn shim_pid_of_leaf(leaf: &str) -> Option<u32> {
 /// processes cannot be removed and is reported.
 pub fn remove_stale(
     parents: &Parents,
-    keep: &[String],
+    keep: &HashSet<String>,
     shim_alive: impl Fn(u32) -> bool,
 ) -> Vec<(PathBuf, io::Error)> {
-    let mut stale: Vec<String> = Vec::new();
+    // Sets, not lists: a node of thousands has thousands of leaves under
+    // each parent.
+    let mut stale: BTreeSet<String> = BTreeSet::new();
     for parent in parents.dirs() {
         let Ok(entries) = fs::read_dir(parent) else {
             continue;
@@ -688,7 +691,7 @@ pub fn remove_stale(
             {
                 continue;
             }
-            stale.push(name);
+            stale.insert(name);
         }
     }
     let mut failed = Vec::new();

@@ -740,7 +740,7 @@ impl Runtime for LocalRuntime {
             .as_ref()
             .and_then(|i| i.isolator.cgroups.as_ref())
         {
-            let keep: Vec<String> = shims
+            let keep: std::collections::HashSet<String> = shims
                 .iter()
                 .filter(|s| s.handle.is_some())
                 .filter_map(|s| s.state.as_ref())

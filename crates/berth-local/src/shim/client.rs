@@ -41,6 +41,11 @@ pub enum ShimError {
     Io(#[from] std::io::Error),
 }
 
+/// The read buffer of a shim connection. Events are short lines (a longer
+/// one is read in several fills), and berth keeps one connection per
+/// instance: the default 8 KiB would cost a node of 10,000 instances 80 MiB.
+const EVENT_BUFFER: usize = 1024;
+
 /// A connection to one shim: receives its events.
 pub struct ShimHandle {
     /// `None` when the shim had already finished by the time we connected:
@@ -355,7 +360,7 @@ async fn connect(expected: &ShimState) -> Result<(ShimHandle, ShimState), ShimEr
         Err(e) => return Err(ShimError::Io(e)),
     };
     let (read, write) = stream.into_split();
-    let mut events = BufReader::new(read).lines();
+    let mut events = BufReader::with_capacity(EVENT_BUFFER, read).lines();
     let first = match tokio::time::timeout(HELLO_TIMEOUT, events.next_line()).await {
         Ok(Ok(Some(line))) => line,
         Ok(Ok(None)) => {
