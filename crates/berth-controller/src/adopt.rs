@@ -14,6 +14,7 @@ use berth_core::policy::supervision::FENCED_ERROR;
 use berth_core::runtime::{Discovered, ExitStatus};
 use berth_core::{Epoch, Instance, InstanceStatus, Role, Slug, UserId};
 use berth_store::{InstanceFilter, StoreError};
+use tokio::sync::OwnedMutexGuard;
 
 use crate::driver::{self, Begin, Run};
 use crate::users::{Entry, Slot};
@@ -59,6 +60,13 @@ pub(crate) fn plan(
 ) -> Vec<Step> {
     let mut steps = Vec::new();
     let live: Vec<&Instance> = records.iter().filter(|r| r.status.is_live()).collect();
+    // The store keeps one record per user and role; looked up, not
+    // searched, so a node of thousands plans in linear time.
+    let live_index: HashMap<(&UserId, Role), usize> = live
+        .iter()
+        .enumerate()
+        .map(|(idx, r)| ((&r.user, r.role), idx))
+        .collect();
     let mut matched = vec![false; live.len()];
     for (i, f) in found.iter().enumerate() {
         let Some(user) = &f.user else {
@@ -71,10 +79,7 @@ pub(crate) fn plan(
         let verdict = if slug_of(user).is_none_or(|slug| slug.as_str() != f.slug) {
             Err("its user does not belong where it is filed".to_owned())
         } else {
-            match live
-                .iter()
-                .position(|r| r.user == *user && r.role == f.role)
-            {
+            match live_index.get(&(user, f.role)).copied() {
                 None => Err("no live store record on this node".to_owned()),
                 Some(idx) if matched[idx] => Err("another instance matched its record".to_owned()),
                 Some(idx) => mismatch(f, live[idx]).map_or(Ok(idx), Err),
@@ -150,8 +155,40 @@ fn unknown_exit() -> ExitStatus {
     }
 }
 
+/// Adoption as planned at start, to be carried out while berth serves.
+///
+/// Every user it will adopt has a slot already, marked as awaiting
+/// adoption, whose lifecycle lock this holds: a launch of such a user
+/// answers "starting" rather than start a second instance, and a stop or
+/// restart waits for the adoption to end.
+pub(crate) struct Adoption {
+    found: Vec<Discovered>,
+    held: HashMap<UserId, Epoch>,
+    removals: Vec<Step>,
+    groups: Vec<Group>,
+}
+
+/// One user's steps, and the lock that keeps the user's other lifecycle
+/// operations out until they are taken.
+struct Group {
+    slot: Option<Arc<Slot>>,
+    _lifecycle: Option<OwnedMutexGuard<()>>,
+    steps: Vec<Step>,
+}
+
+fn step_user(step: &Step) -> Option<&UserId> {
+    match step {
+        Step::Adopt { record, .. } | Step::CrashedWhileAway { record, .. } => Some(&record.user),
+        Step::Remove { .. } => None,
+    }
+}
+
 impl Shared {
-    pub(crate) async fn adopt_all(self: &Arc<Self>) -> Result<(), ControllerError> {
+    /// Reads what the store records for this node and what the runtime
+    /// still runs, plans adoption, and marks every user it will adopt (see
+    /// [`Adoption`]). Starts nothing: [`Shared::adopt_all`] does.
+    pub(crate) async fn plan_adoption(self: &Arc<Self>) -> Result<Adoption, ControllerError> {
+        let began = std::time::Instant::now();
         let filter = InstanceFilter {
             node: Some(self.node_id().to_owned()),
             ..InstanceFilter::default()
@@ -172,6 +209,12 @@ impl Shared {
                 runtime: self.runtime.name(),
                 message: e.to_string(),
             })?;
+        tracing::info!(
+            found = found.len(),
+            records = records.len(),
+            seconds = began.elapsed().as_secs_f64(),
+            "listed what the runtime runs and the store records"
+        );
         // A live instance is filed under its user's recorded slug; a user
         // recorded by no earlier berth gets one now (keeping an earlier
         // slug's data, see `recorded_slug`).
@@ -191,18 +234,74 @@ impl Shared {
             .try_collect()
             .await?;
         let (removals, groups) = in_waves(plan(&found, &records, |u| slugs.get(u).cloned()));
+        let mut marked = Vec::with_capacity(groups.len());
+        for steps in groups {
+            let slot = steps
+                .first()
+                .and_then(step_user)
+                .and_then(|user| Some(self.users.insert(user, slugs.get(user)?.clone())));
+            let lifecycle = match &slot {
+                Some(slot) => {
+                    slot.set_awaiting_adoption(true);
+                    Some(Arc::clone(&slot.lifecycle).lock_owned().await)
+                }
+                None => None,
+            };
+            marked.push(Group {
+                slot,
+                _lifecycle: lifecycle,
+                steps,
+            });
+        }
+        let awaiting = marked.iter().filter(|g| g.slot.is_some()).count();
+        tracing::info!(
+            users = awaiting,
+            seconds = began.elapsed().as_secs_f64(),
+            "adoption planned"
+        );
+        self.publisher.adoption_pending(awaiting);
+        Ok(Adoption {
+            found,
+            held,
+            removals,
+            groups: marked,
+        })
+    }
+
+    /// Carries out `adoption`, many users at once; each user's mark and
+    /// lock go as soon as that user's steps are taken. Stops taking new
+    /// users when the controller stops (their instances run on, for the
+    /// next berth to adopt).
+    pub(crate) async fn adopt_all(self: &Arc<Self>, adoption: Adoption) {
+        let started = std::time::Instant::now();
+        let Adoption {
+            found,
+            held,
+            removals,
+            groups,
+        } = adoption;
+        let users = groups.len();
         let (found, held) = (&found, &held);
         futures_util::stream::iter(removals)
             .for_each_concurrent(ADOPT_CONCURRENCY, |step| self.take(step, found, held))
             .await;
         futures_util::stream::iter(groups)
+            .take_until(self.cancel.cancelled())
             .for_each_concurrent(ADOPT_CONCURRENCY, |group| async move {
-                for step in group {
+                for step in group.steps {
                     self.take(step, found, held).await;
+                }
+                if let Some(slot) = &group.slot {
+                    slot.set_awaiting_adoption(false);
+                    self.publisher.adoption_ended();
                 }
             })
             .await;
-        Ok(())
+        tracing::info!(
+            users,
+            seconds = started.elapsed().as_secs_f64(),
+            "adoption ended"
+        );
     }
 
     /// Carries out one step of the plan.
@@ -275,6 +374,7 @@ impl Shared {
         let Some(slot) = self.prepare_slot(&record).await else {
             return;
         };
+        let listed = record.clone();
         if record.status == InstanceStatus::Hibernated {
             // Hibernated as recorded and frozen as found: it stays so until
             // a request resumes it (no renew thaws it). Found running, the
@@ -311,16 +411,19 @@ impl Shared {
         let ready = record.ready || (found.ready && record.role == Role::Main);
         let (entry, stops) = Entry::new(record.clone(), started.endpoint.clone());
         self.publisher.install(&slot, entry);
-        let stored = self
-            .publisher
-            .publish(
-                &slot,
-                &record,
-                started.endpoint.clone(),
-                Some("re-attached".into()),
-            )
-            .await;
-        self.on_store_refusal(&slot.user, &stored);
+        let message = Some("re-attached".to_owned());
+        if record == listed {
+            // The store holds this record already: a node of thousands
+            // adopts without a write per instance.
+            self.publisher
+                .announce(&slot, &record, started.endpoint.clone(), message);
+        } else {
+            let stored = self
+                .publisher
+                .publish(&slot, &record, started.endpoint.clone(), message)
+                .await;
+            self.on_store_refusal(&slot.user, &stored);
+        }
         match record.role {
             Role::Main => driver::start_main(
                 self,

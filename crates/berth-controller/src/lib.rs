@@ -98,10 +98,11 @@ pub(crate) struct Shared {
 }
 
 impl Controller {
-    /// Adopts what `runtime` still runs for this node (checking each
-    /// instance against the store), then starts the background work: lease
-    /// renewal with fencing and the heartbeat, the reaper, the activity
-    /// flush.
+    /// Plans the adoption of what `runtime` still runs for this node
+    /// (checking each instance against the store), starts the background
+    /// work (lease renewal with fencing and the heartbeat, the reaper, the
+    /// activity flush), and returns while the adoption goes on: a user it
+    /// has not reached yet is told "starting" (see `adopt.rs`).
     pub async fn start(
         runtime: Arc<dyn Runtime>,
         store: Arc<dyn Store>,
@@ -149,15 +150,14 @@ impl Controller {
             cancel: CancellationToken::new(),
         });
         shared.keep_earlier_data().await;
-        if let Err(e) = shared.adopt_all().await {
-            // Drivers started for instances adopted so far must not outlive
-            // a controller that failed to start.
-            shared.cancel.cancel();
-            shared.tasks.close();
-            shared.tasks.wait().await;
-            return Err(e);
-        }
+        let adoption = shared.plan_adoption().await?;
         shared.start_background();
+        // Adopted while berth serves: /healthz and the users adopted so far
+        // need not wait for the last of thousands.
+        let adopting = Arc::clone(&shared);
+        shared
+            .tasks
+            .spawn(async move { adopting.adopt_all(adoption).await });
         Ok(Arc::new(Controller { shared }))
     }
 

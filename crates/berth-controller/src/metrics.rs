@@ -31,6 +31,8 @@ pub(crate) struct Metrics {
     pub lease_renew_failures: Counter,
     pub fenced: Counter,
     pub store_errors: Counter,
+    /// Users found running at start whose adoption has not ended.
+    pub awaiting_adoption: Gauge,
     pub hibernation: HibernationMetrics,
 }
 
@@ -89,6 +91,7 @@ impl Metrics {
             lease_renew_failures: Counter::default(),
             fenced: Counter::default(),
             store_errors: Counter::default(),
+            awaiting_adoption: Gauge::default(),
             hibernation: HibernationMetrics::new(),
         }
     }
@@ -156,6 +159,11 @@ impl Metrics {
             "Store errors met by the controller's background work",
             self.store_errors.clone(),
         );
+        registry.register(
+            "instances_awaiting_adoption",
+            "Users whose instance was found running at start and is not adopted yet",
+            self.awaiting_adoption.clone(),
+        );
         self.hibernation.register(registry);
     }
 }
@@ -189,6 +197,7 @@ mod tests {
                 "berth_lease_renew_failures counter",
                 "berth_fenced_instances counter",
                 "berth_controller_store_errors counter",
+                "berth_instances_awaiting_adoption gauge",
                 "berth_hibernated_instances gauge",
                 "berth_hibernations counter",
                 "berth_resumes counter",

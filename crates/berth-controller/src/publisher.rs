@@ -27,6 +27,8 @@ pub(crate) struct Publisher {
     tokens: RwLock<HashMap<UserId, String>>,
     events: broadcast::Sender<InstanceEvent>,
     /// Live mains on this node (for capacity and the heartbeat's load).
+    /// Mains awaiting adoption (`metrics.awaiting_adoption`) are live
+    /// here too, though not installed yet.
     live_mains: AtomicU32,
 }
 
@@ -64,8 +66,29 @@ impl Publisher {
         self.events.subscribe()
     }
 
+    /// Live mains, counting those still awaiting adoption. While a user's
+    /// adoption is ending its main may be counted twice, which errs on
+    /// the side of refusing a launch at the capacity's edge.
     pub fn live_mains(&self) -> u32 {
-        self.live_mains.load(Ordering::Relaxed)
+        self.live_mains
+            .load(Ordering::Relaxed)
+            .saturating_add(self.awaiting_adoption())
+    }
+
+    pub fn awaiting_adoption(&self) -> u32 {
+        u32::try_from(self.metrics.awaiting_adoption.get()).unwrap_or(0)
+    }
+
+    /// `n` more users await adoption.
+    pub fn adoption_pending(&self, n: usize) {
+        self.metrics
+            .awaiting_adoption
+            .inc_by(i64::try_from(n).unwrap_or(i64::MAX));
+    }
+
+    /// One user's adoption ended (adopted, recovered, or given up).
+    pub fn adoption_ended(&self) {
+        self.metrics.awaiting_adoption.dec();
     }
 
     /// Keeps the by-status gauge and the live-main count in step with one

@@ -130,6 +130,15 @@ impl Spawner for Controller {
         // already running.
         if let Some(slot) = self.shared.users.existing(user) {
             slot.touch(unix_millis_now());
+            // Its instance runs and is being adopted: the lifecycle lock
+            // would keep a second launch out anyway, but the client is
+            // told at once rather than made to wait for the adoption.
+            if slot.awaits_adoption() {
+                return Err(SpawnError::Starting {
+                    user: user.clone(),
+                    retry_after_ms: berth_core::STARTING_RETRY_MS,
+                });
+            }
             self.shared.resume(&slot).await?;
         }
         self.launch_claiming(user, request, Claim::Acquire).await

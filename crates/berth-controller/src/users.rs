@@ -86,8 +86,9 @@ pub(crate) struct Slot {
     pub user: UserId,
     pub slug: Slug,
     /// Serialises lifecycle operations (launch, stop, restart) of this user.
-    /// Never taken on the proxy's hot path.
-    pub lifecycle: tokio::sync::Mutex<()>,
+    /// Never taken on the proxy's hot path. Shared so that adoption can
+    /// hold it from before berth serves until the user is adopted.
+    pub lifecycle: Arc<tokio::sync::Mutex<()>>,
     /// Keeps two watchdog starts (explicit and after a crash) apart.
     pub watchdog_lock: tokio::sync::Mutex<()>,
     state: Mutex<SlotState>,
@@ -102,6 +103,10 @@ pub(crate) struct Slot {
     /// request sees it and resumes, or the hibernator sees the request and
     /// backs off; a request can never reach a program frozen under it.
     hibernated: AtomicBool,
+    /// Found running at start and not adopted yet: adoption holds the
+    /// lifecycle lock, and a launch answers "starting" instead of waiting
+    /// for it.
+    awaiting_adoption: AtomicBool,
     /// The main's current record, for `wait_for_ready`.
     pub main_watch: watch::Sender<Option<Instance>>,
     /// The last event published about the main, a launch's `queued` and
@@ -155,6 +160,14 @@ impl Slot {
         self.hibernated.store(hibernated, Ordering::SeqCst);
     }
 
+    pub fn awaits_adoption(&self) -> bool {
+        self.awaiting_adoption.load(Ordering::SeqCst)
+    }
+
+    pub fn set_awaiting_adoption(&self, awaiting: bool) {
+        self.awaiting_adoption.store(awaiting, Ordering::SeqCst);
+    }
+
     /// Activity newer than the last flush, if any.
     pub fn unflushed(&self) -> Option<i64> {
         let t = self.last_active();
@@ -199,12 +212,13 @@ impl Users {
                 Arc::new(Slot {
                     user: user.clone(),
                     slug,
-                    lifecycle: tokio::sync::Mutex::new(()),
+                    lifecycle: Arc::new(tokio::sync::Mutex::new(())),
                     watchdog_lock: tokio::sync::Mutex::new(()),
                     state: Mutex::new(SlotState::default()),
                     last_active: AtomicI64::new(0),
                     flushed_active: AtomicI64::new(0),
                     hibernated: AtomicBool::new(false),
+                    awaiting_adoption: AtomicBool::new(false),
                     main_watch: watch::channel(None).0,
                     last_main_event: Mutex::new(None),
                 })

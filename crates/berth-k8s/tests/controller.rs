@@ -138,6 +138,12 @@ async fn a_restarted_berth_adopts_its_pods_recreates_nothing_and_removes_orphans
     stray.shutdown().await;
 
     let second = env.controller(command, quick_crashes()).await;
+    // The controller adopts after it starts: alice's record says running
+    // before and after, her route says she is adopted.
+    eventually("alice to be adopted", || {
+        second.endpoint_for(&alice).is_some()
+    })
+    .await;
     let after = running(&second, &alice).await;
     assert_eq!(
         pod_uid(&env.double, &alice).as_deref(),

@@ -98,9 +98,10 @@ impl Waker {
     pub async fn wake(&self, user: &UserId, navigation: bool, progress_url: Option<&str>) -> Wake {
         match self.spawner.launch(user, LaunchRequest::default()).await {
             Ok(_) | Err(SpawnError::AlreadyRunning { .. }) => {}
-            // Another node holds the lease: a browser is shown the starting
-            // page, whose reload is routed afresh.
-            Err(SpawnError::LeaseBusy { .. }) if navigation => {
+            // Another node holds the lease (a browser is shown the starting
+            // page, whose reload is routed afresh), or the instance runs
+            // and berth, just restarted, has not adopted it yet.
+            Err(SpawnError::LeaseBusy { .. } | SpawnError::Starting { .. }) if navigation => {
                 return Wake::Respond(respond::starting_page(user, progress_url));
             }
             Err(e) => {

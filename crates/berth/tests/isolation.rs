@@ -16,28 +16,12 @@ use std::time::Duration;
 
 use serde_json::{Value, json};
 use support::{
-    Node, StartOptions, alive, eventually, instance_pids, proc_state, processes_of_uids, zygote_of,
+    Node, StartOptions, alive, eventually, instance_pids, privileged, proc_state,
+    processes_of_uids, zygote_of,
 };
 
 const BREACH: &str = include_str!("support/breach.py");
 const PATIENCE: Duration = Duration::from_secs(60);
-
-/// Whether this test can run here: root and `nft`. In CI both are a must.
-fn privileged(test: &str) -> bool {
-    let root = nix::unistd::geteuid().is_root();
-    let nft = ["/usr/sbin/nft", "/sbin/nft", "/usr/bin/nft"]
-        .iter()
-        .any(|p| Path::new(p).is_file());
-    if root && nft {
-        return true;
-    }
-    assert!(
-        std::env::var_os("CI").is_none(),
-        "{test} needs root and nftables (scripts/test installs nftables; CI runs as root)"
-    );
-    println!("SKIPPED {test}: needs root and nftables");
-    false
-}
 
 /// A port block and an account range of the test's own, so tests running
 /// at once never share a port or a uid.

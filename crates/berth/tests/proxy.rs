@@ -563,3 +563,157 @@ async fn an_email_like_user_reaches_the_app_under_its_encoded_base_path() {
     );
     node.kill_instances();
 }
+
+/// A test device in front of the real `nft` (berth takes it through
+/// `[isolation] nft`): of a script on stdin, the lines naming the held
+/// port wait until the gate file exists (or berth is gone, or five
+/// minutes have passed); every other line goes through at once. Anything
+/// else is passed to `nft` as it is.
+const NFT_GATE: &str = r#"#!/usr/bin/python3
+import os, subprocess, sys, time
+REAL, HELD, GATE = "@REAL@", " . @PORT@ }", "@GATE@"
+berth, deadline = os.getppid(), time.monotonic() + 300
+if sys.argv[1:] != ["-f", "-"]:
+    os.execv(REAL, [REAL] + sys.argv[1:])
+lines = sys.stdin.read().splitlines(True)
+held = [l for l in lines if HELD in l]
+rest = [l for l in lines if HELD not in l]
+def run(part):
+    return subprocess.run([REAL, "-f", "-"], input="".join(part), text=True).returncode if part else 0
+code = run(rest)
+while held and not os.path.exists(GATE) and os.getppid() == berth and time.monotonic() < deadline:
+    time.sleep(0.01)
+sys.exit(code or run(held))
+"#;
+
+/// berth serves while it adopts. After a `kill -9`, a new berth listens
+/// before it has adopted every instance: `/healthz` answers, a user
+/// already adopted is served, and a user not reached yet gets the starting
+/// page (a browser) or `503 instance_starting` (an API client), never a
+/// second instance. What keeps one user's adoption waiting is
+/// [`NFT_GATE`]: the port grant that gives that user's instance its port
+/// back waits for the test.
+#[tokio::test(flavor = "multi_thread")]
+async fn berth_serves_while_it_adopts_and_never_starts_a_second_instance() {
+    if !support::privileged("berth_serves_while_it_adopts_and_never_starts_a_second_instance") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let mut node = Node::start(dir.path(), &config(11, "", ""));
+    let mut before = Vec::new();
+    for user in ["held", "free"] {
+        let (status, body) = node
+            .post(&format!("/users/{user}/instance"), serde_json::json!({}))
+            .await;
+        assert_eq!(status, 201, "{body}");
+        let pid = body["instance"]["pid"].as_u64().unwrap();
+        let port = body["instance"]["port"].as_u64().unwrap();
+        let programs = support::instance_pids(&node.data_dir, user, "main");
+        assert!(!programs.is_empty(), "{user} runs");
+        before.push((user, pid, port, programs));
+    }
+    node.kill9();
+
+    let gate = dir.path().join("gate");
+    std::fs::create_dir(&gate).unwrap();
+    let real = ["/usr/sbin/nft", "/sbin/nft", "/usr/bin/nft"]
+        .into_iter()
+        .find(|p| std::path::Path::new(p).is_file())
+        .unwrap();
+    let nft = gate.join("nft");
+    let open = gate.join("open");
+    let script = NFT_GATE
+        .replace("@REAL@", real)
+        .replace("@PORT@", &before[0].2.to_string())
+        .replace("@GATE@", &open.display().to_string());
+    std::fs::write(&nft, script).unwrap();
+    std::fs::set_permissions(&nft, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let config_path = dir.path().join("berth.toml");
+    let config = std::fs::read_to_string(&config_path).unwrap();
+    let gated = config.replacen(
+        "[isolation]\n",
+        &format!("[isolation]\nnft = \"{}\"\n", nft.display()),
+        1,
+    );
+    assert_ne!(gated, config, "the config has an [isolation] table");
+    std::fs::write(&config_path, gated).unwrap();
+    node.restart();
+
+    let health = node
+        .http
+        .get(format!("{}/healthz", node.url))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(health.status(), 200);
+    // The store says "running" before and after adoption; being served
+    // is what shows the adoption.
+    let free_token = node.user_token("free").await;
+    let page = eventually(PATIENCE, "free's app, once adopted", || async {
+        let r = get(&node, "/u/free/", &free_token).await;
+        if r.status() == 200 {
+            return Some(r.text().await.unwrap());
+        }
+        assert_eq!(r.status(), 503, "only `starting` before");
+        None
+    })
+    .await;
+    assert!(page.contains("free"), "{page}");
+    let free = node.running_main("free", None).await;
+    assert_eq!(free["pid"].as_u64(), Some(before[1].1), "free adopted");
+    assert_eq!(
+        node.metric("berth_instances_awaiting_adoption").await,
+        Some(1.0),
+        "held waits at the gate"
+    );
+
+    let (_, held_pid, _, held_programs) = &before[0];
+    let held_token = node.user_token("held").await;
+    let cookie = format!("berth_token={held_token}");
+    let navigate = || {
+        node.http
+            .get(format!("{}/u/held/", node.url))
+            .header("Cookie", &cookie)
+            .header("Accept", "text/html")
+            .header("Sec-Fetch-Mode", "navigate")
+            .send()
+    };
+    let r = navigate().await.unwrap();
+    assert_eq!(r.status(), 202);
+    let page = r.text().await.unwrap();
+    assert!(page.contains("Starting the workspace of held"), "{page}");
+    let (status, body) = node
+        .post("/users/held/instance", serde_json::json!({}))
+        .await;
+    assert_eq!(status, 503, "{body}");
+    assert_eq!(body["error"], "instance_starting", "{body}");
+    let r = get(&node, "/u/held/", &held_token).await;
+    assert_eq!(r.status(), 503, "an API client is told to retry");
+    assert_eq!(
+        &support::instance_pids(&node.data_dir, "held", "main"),
+        held_programs,
+        "no second instance"
+    );
+
+    std::fs::write(&open, "").unwrap();
+    let held = node.running_main("held", None).await;
+    assert_eq!(held["pid"].as_u64(), Some(*held_pid), "held adopted");
+    let page = eventually(PATIENCE, "held's app", || async {
+        let r = navigate().await.unwrap();
+        (r.status() == 200).then_some(())?;
+        Some(r.text().await.unwrap())
+    })
+    .await;
+    assert!(page.contains("held"), "{page}");
+    assert_eq!(
+        node.metric("berth_instances_awaiting_adoption").await,
+        Some(0.0)
+    );
+    for (user, _, _, programs) in [&before[0], &before[1]] {
+        assert_eq!(
+            &support::instance_pids(&node.data_dir, user, "main"),
+            programs,
+            "{user} runs the one instance it had"
+        );
+    }
+}

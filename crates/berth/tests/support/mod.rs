@@ -194,6 +194,23 @@ pub async fn launch_token_in_log(node: &berth_testkit::Node, user: &str) -> Stri
     token
 }
 
+/// Whether this test can run here: root and `nft`. In CI both are a must.
+pub fn privileged(test: &str) -> bool {
+    let root = nix::unistd::geteuid().is_root();
+    let nft = ["/usr/sbin/nft", "/sbin/nft", "/usr/bin/nft"]
+        .iter()
+        .any(|p| Path::new(p).is_file());
+    if root && nft {
+        return true;
+    }
+    assert!(
+        std::env::var_os("CI").is_none(),
+        "{test} needs root and nftables (scripts/test installs nftables; CI runs as root)"
+    );
+    println!("SKIPPED {test}: needs root and nftables");
+    false
+}
+
 /// What berth at level `user` or `sandbox` leaves in the kernel on purpose
 /// when it stops (instances outlive it, guarded and limited): its nftables
 /// table and its cgroups. A test's berth is gone for good, so they go too,
