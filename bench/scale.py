@@ -13,9 +13,10 @@ built-in demo app for N users, and the script measures:
   instance, and `/healthz` latency (median and p99 of 500 sequential
   GETs);
 * re-adoption: `kill -9` of berth, then a new berth on the same data dir;
-  the time from its start to its listening line (berth adopts every
-  instance before it listens), and a check that all N are running with
-  the pids they had;
+  the time from its start to its listening line, the time to its
+  "adoption ended" line with `/healthz` asked all the while (berth serves
+  while it adopts), and a check that all N are running with the pids
+  they had;
 * stop: every user stopped through the API (16 client threads); wall time;
 * leftovers: shims and programs still alive, port-guard elements and
   instance cgroups left once all are stopped (all must be 0).
@@ -30,8 +31,10 @@ built here. Every process started is cleaned up (see bench/spawn.py).
 
 import argparse
 import concurrent.futures
+import http.client
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -96,6 +99,64 @@ def running_mains(berth):
     return {i["user"]: i.get("pid") for i in listed["instances"] if i["role"] == "main"}
 
 
+def await_adoption(berth, start, patience=600):
+    """Waits for berth's "adoption ended" line, asking `/healthz` all the
+    while; returns (seconds from `start` to that line, the `/healthz`
+    answers meanwhile: count, failures, median and p99). A kept-alive
+    connection berth closed is asked again on a new one: only a request
+    that fails on a fresh connection counts as a failure."""
+    times, failures = [], 0
+    conn = berth.connection()
+    deadline = time.monotonic() + patience
+    log = open(berth.log_path, "rb")
+    seen = b""
+
+    def ask(conn):
+        t0 = time.perf_counter()
+        conn.request("GET", "/healthz")
+        resp = conn.getresponse()
+        resp.read()
+        return resp.status, time.perf_counter() - t0
+
+    try:
+        while time.monotonic() < deadline:
+            # The tail of the last read too: the line may come in two.
+            seen = seen[-32:] + log.read()
+            if b"adoption ended" in seen:
+                ended = time.perf_counter() - start
+                break
+            try:
+                status, took = ask(conn)
+            except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError):
+                conn.close()
+                conn = berth.connection()
+                try:
+                    status, took = ask(conn)
+                except OSError:
+                    failures += 1
+                    conn.close()
+                    conn = berth.connection()
+                    continue
+            except OSError:
+                failures += 1
+                conn.close()
+                conn = berth.connection()
+                continue
+            failures += status != 200
+            times.append(took)
+        else:
+            raise RuntimeError(f"adoption did not end in {patience} s")
+    finally:
+        conn.close()
+        log.close()
+    times.sort()
+    answers = {"count": len(times), "failures": failures}
+    if times:
+        answers["median_ms"] = round(statistics.median(times) * 1000, 3)
+        answers["p99_ms"] = round(times[max(int(len(times) * 0.99) - 1, 0)] * 1000, 3)
+    return round(ended, 2), answers
+
+
 def instance_pss_kib(berth):
     pids = [p for pair in berth.shims() for p in pair if isinstance(p, int) and p > 0]
     return sum(spawn.pss_kib(p) for p in pids)
@@ -130,8 +191,11 @@ def one_scale(args, n):
     # Below the kernel's ephemeral range (32768+), whose ports the
     # script's own client sockets take, up to N of 12,700.
     ports = (20000, 20000 + n + 49)
+    # Nothing is reaped or hibernated: a launch of 10,000 outlasts the idle
+    # time, and every instance must still run when it is counted.
+    reap = "idle_ttl_s = 0\nhibernate_after_s = 0\n"
     with spawn.Berth(args.berth, isolation=args.isolation, ports=ports, base_uid=args.base_uid,
-                     parent=args.tmp) as berth:
+                     parent=args.tmp, reap_extra=reap) as berth:
         users = [f"scale{i}" for i in range(n)]
         row = {"n": n, "isolation": args.isolation, "machine_before": spawn.machine()}
         seconds, failures = launch_all(berth, users, args.launchers)
@@ -148,7 +212,8 @@ def one_scale(args, n):
         berth.proc.wait()
         start = time.perf_counter()
         berth.start()
-        row["readopt_s"] = round(time.perf_counter() - start, 2)
+        row["listening_s"] = round(time.perf_counter() - start, 2)
+        row["readopt_s"], row["healthz_while_adopting"] = await_adoption(berth, start)
         after = running_mains(berth)
         row["readopted"] = sum(1 for u, pid in before.items() if after.get(u) == pid)
         row["berth_rss_after_readopt_mib"] = round(spawn.rss_kib(berth.proc.pid) / 1024, 1)
@@ -164,6 +229,9 @@ def one_scale(args, n):
             "instance_cgroups": len(berth.instance_cgroups()),
         }
         row["machine_after"] = spawn.machine()
+        if args.keep_log:
+            os.makedirs(args.keep_log, exist_ok=True)
+            shutil.copy(berth.log_path, os.path.join(args.keep_log, f"berth-{n}.log"))
         return row
 
 
@@ -175,6 +243,8 @@ def main():
     parser.add_argument("--berth", default=os.path.join(spawn.REPO, "target/release/berth"))
     parser.add_argument("--base-uid", type=int, default=600000)
     parser.add_argument("--tmp", default=None, help="where the data dir is made")
+    parser.add_argument("--keep-log", default=None,
+                        help="a directory to copy berth's log of the re-adoption run to")
     args = parser.parse_args()
     if args.isolation != "none" and os.geteuid() != 0:
         sys.exit("scale: isolation levels user and sandbox need root")
