@@ -79,6 +79,8 @@ macro_rules! store_contract_tests {
             renew_of_expired_untaken_lease_succeeds,
             renew_does_not_revive_released_lease,
             renew_thousands_in_one_call,
+            renew_gives_every_lease_the_same_time,
+            renew_lists_a_user_named_twice_once,
             release_keeps_holder_hint_and_frees_lease,
             expired_lease_with_live_holder_is_busy_expired,
             expired_lease_with_stale_holder_needs_evidence_policy,
@@ -832,6 +834,75 @@ pub async fn renew_thousands_in_one_call(store: Arc<dyn Store>) {
     renewed.sort();
     assert_eq!(renewed.len(), N - N / 100);
     assert_eq!(renewed, expected);
+}
+
+/// Every lease one renew extends gets the same `lease_until`, read from
+/// the store's clock, whether all the leases named are still held or some
+/// are lost.
+pub async fn renew_gives_every_lease_the_same_time(store: Arc<dyn Store>) {
+    let users: Vec<UserId> = (0..5).map(|i| user(&format!("user-{i}"))).collect();
+    let mut held = Vec::new();
+    for u in &users {
+        held.push((u.clone(), claimed(&store, u, "node-a", LONG).await));
+    }
+    let before = store.now().await.unwrap();
+    assert_eq!(
+        store.renew_leases("node-a", &held, LONG).await.unwrap(),
+        users
+    );
+    let mut times = Vec::new();
+    for u in &users {
+        times.push(store.get_lease(u).await.unwrap().unwrap().lease_until);
+    }
+    assert!(times.iter().all(|t| *t == times[0]), "{times:?}");
+    assert!(
+        times[0].unwrap() >= before + LONG.as_millis() as i64,
+        "{times:?} at {before}"
+    );
+
+    // user-0 is lost to a new claim; the other four are renewed together.
+    claimed(&store, &users[0], "node-a", LONG).await;
+    let lost_until = store
+        .get_lease(&users[0])
+        .await
+        .unwrap()
+        .unwrap()
+        .lease_until;
+    let mut renewed = store.renew_leases("node-a", &held, LONG).await.unwrap();
+    renewed.sort();
+    assert_eq!(renewed, users[1..]);
+    let mut times = Vec::new();
+    for u in &users[1..] {
+        times.push(store.get_lease(u).await.unwrap().unwrap().lease_until);
+    }
+    assert!(times.iter().all(|t| *t == times[0]), "{times:?}");
+    assert_eq!(
+        store
+            .get_lease(&users[0])
+            .await
+            .unwrap()
+            .unwrap()
+            .lease_until,
+        lost_until
+    );
+}
+
+/// A user named twice, with the same epoch or beside an old one, is
+/// renewed and listed once.
+pub async fn renew_lists_a_user_named_twice_once(store: Arc<dyn Store>) {
+    let alice = user("alice");
+    let bob = user("bob");
+    let old = claimed(&store, &alice, "node-a", LONG).await;
+    let a = claimed(&store, &alice, "node-a", LONG).await;
+    let b = claimed(&store, &bob, "node-a", LONG).await;
+    for held in [
+        [(alice.clone(), a), (bob.clone(), b), (alice.clone(), a)],
+        [(alice.clone(), old), (bob.clone(), b), (alice.clone(), a)],
+    ] {
+        let mut renewed = store.renew_leases("node-a", &held, LONG).await.unwrap();
+        renewed.sort();
+        assert_eq!(renewed, vec![alice.clone(), bob.clone()], "{held:?}");
+    }
 }
 
 /// Release ends the lease now but keeps the holder as a hint; it is fenced

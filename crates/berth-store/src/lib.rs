@@ -418,8 +418,10 @@ pub trait Store: Send + Sync + 'static {
     ) -> Result<ClaimOutcome, StoreError>;
 
     /// Extends every lease in `held` that `node` still holds at the given
-    /// epoch, in one statement. Returns the users whose lease was extended;
-    /// the others are lost.
+    /// epoch (and has not released), all to the same moment by the store's
+    /// clock, in one statement: the leases are renewed together or not at
+    /// all. Returns the users whose lease was extended, each once; the
+    /// others are lost.
     async fn renew_leases(
         &self,
         node: &str,

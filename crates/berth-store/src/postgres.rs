@@ -38,6 +38,22 @@ macro_rules! now_ms {
     };
 }
 
+/// [`Dialect::RENEW`] up to its `RETURNING`, shared with
+/// [`Dialect::RENEW_QUIET`].
+macro_rules! renew {
+    () => {
+        concat!(
+            "UPDATE leases SET lease_until = clock.now + $2 ",
+            "FROM (SELECT ",
+            now_ms!(),
+            " AS now) AS clock, ",
+            "unnest($3::text[], $4::bigint[]) AS held(user_id, epoch) ",
+            "WHERE leases.user_id = held.user_id AND leases.epoch = held.epoch ",
+            "AND leases.holder = $1 AND NOT leases.released"
+        )
+    };
+}
+
 /// The PostgreSQL schema, embedded so a deployed binary needs no files
 /// beside it.
 static MIGRATIONS: &[(i64, &str, &str)] = embedded_migrations!("postgres");
@@ -283,16 +299,9 @@ impl Dialect for Postgres {
     /// 10 000 leases are one statement with four binds. The clock is read
     /// once for the whole statement (a one-row join), so every renewed
     /// lease gets the same `lease_until`.
-    const RENEW: &'static str = concat!(
-        "UPDATE leases SET lease_until = clock.now + $2 ",
-        "FROM (SELECT ",
-        now_ms!(),
-        " AS now) AS clock, ",
-        "unnest($3::text[], $4::bigint[]) AS held(user_id, epoch) ",
-        "WHERE leases.user_id = held.user_id AND leases.epoch = held.epoch ",
-        "AND leases.holder = $1 AND NOT leases.released ",
-        "RETURNING leases.user_id"
-    );
+    const RENEW: &'static str = concat!(renew!(), " RETURNING leases.user_id");
+
+    const RENEW_QUIET: &'static str = renew!();
 
     /// `$1`/`$2` are users and times as parallel arrays. Grouping first
     /// means a user named twice gets the larger time rather than whichever

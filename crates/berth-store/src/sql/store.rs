@@ -144,13 +144,35 @@ impl<B: SqlBackend> Store for B {
         if held.is_empty() {
             return Ok(Vec::new());
         }
-        let pairs = held.iter().map(|(u, e)| (u.as_str(), *e)).collect();
+        let pairs = || held.iter().map(|(u, e)| (u.as_str(), *e)).collect();
+        // Every lease is normally still held, and then the list of those
+        // renewed is the caller's own: reading it back costs a row per
+        // lease. So the update first runs without, and counts: a lease row
+        // is written at most once, and only for a user named, so as many
+        // rows written as pairs named means every lease was renewed (and
+        // no user was named twice).
+        let mut tx = Tx::begin(self).await?;
+        let written = tx
+            .stmt(<B::Db as Dialect>::RENEW_QUIET)
+            .one_off()
+            .bind(node)
+            .bind(ttl_ms(ttl))
+            .bind_pairs(pairs())?
+            .execute()
+            .await?;
+        if written == held.len() as u64 {
+            tx.commit().await?;
+            return Ok(held.iter().map(|(u, _)| u.clone()).collect());
+        }
+        // Some lease is lost (or a user was named twice): undone, the
+        // update runs again as one statement that names what it extended.
+        tx.rollback().await?;
         let rows = self
             .stmt(<B::Db as Dialect>::RENEW)
             .one_off()
             .bind(node)
             .bind(ttl_ms(ttl))
-            .bind_pairs(pairs)?
+            .bind_pairs(pairs())?
             .fetch_all()
             .await?;
         rows.iter()
