@@ -43,11 +43,10 @@ macro_rules! now_ms {
 macro_rules! renew {
     () => {
         concat!(
-            "UPDATE leases SET lease_until = clock.now + $2 ",
-            "FROM (SELECT ",
+            "UPDATE leases SET lease_until = (SELECT ",
             now_ms!(),
-            " AS now) AS clock, ",
-            "unnest($3::text[], $4::bigint[]) AS held(user_id, epoch) ",
+            ") + $2 ",
+            "FROM (SELECT unnest($3::text[]) AS user_id, unnest($4::bigint[]) AS epoch) AS held ",
             "WHERE leases.user_id = held.user_id AND leases.epoch = held.epoch ",
             "AND leases.holder = $1 AND NOT leases.released"
         )
