@@ -811,8 +811,9 @@ pub async fn renew_does_not_revive_released_lease(store: Arc<dyn Store>) {
     assert!(store.get_lease(&alice).await.unwrap().unwrap().released);
 }
 
-/// One renew call covers thousands of leases, and reports exactly the ones
-/// still held among them.
+/// One renew call covers thousands of leases (enough for a store to split
+/// the work: PostgreSQL's does from 2,000), gives them all the same
+/// `lease_until`, and reports exactly the ones still held among them.
 pub async fn renew_thousands_in_one_call(store: Arc<dyn Store>) {
     const N: usize = 2_000;
     let mut held = Vec::with_capacity(N);
@@ -821,6 +822,19 @@ pub async fn renew_thousands_in_one_call(store: Arc<dyn Store>) {
         let epoch = claimed(&store, &u, "node-a", LONG).await;
         held.push((u, epoch));
     }
+    let all: Vec<UserId> = held.iter().map(|(u, _)| u.clone()).collect();
+    let mut renewed = store.renew_leases("node-a", &held, LONG).await.unwrap();
+    renewed.sort();
+    assert_eq!(renewed, all);
+    let leases = store.leases_held_by("node-a").await.unwrap();
+    assert_eq!(leases.len(), N);
+    assert!(
+        leases
+            .iter()
+            .all(|l| l.lease_until == leases[0].lease_until),
+        "more than one lease_until after one renew"
+    );
+
     // Every 100th lease moves on to a new epoch: those are lost.
     let mut expected: Vec<UserId> = Vec::new();
     for (i, (u, _)) in held.iter().enumerate() {

@@ -210,6 +210,10 @@ impl Dialect for Sqlite {
 
     const RENEW_QUIET: &'static str = renew!();
 
+    /// SQLite runs one writer at a time: a renew split over connections
+    /// would only take turns.
+    const RENEW_PART: Option<&'static str> = None;
+
     /// `$1` is a JSON object mapping users to times; a user may be named
     /// twice (the object keeps both). Grouping first means such a user gets
     /// the larger time rather than whichever row the join happened to pick.

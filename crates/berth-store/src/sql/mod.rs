@@ -56,6 +56,13 @@ pub(crate) trait Dialect: Database<Row: RecordRow> {
     /// the two differ.
     const RENEW_QUIET: &'static str;
 
+    /// [`Dialect::RENEW_QUIET`] for one part of a renew split over
+    /// connections that write in parallel: `$2` is the new `lease_until`
+    /// itself (read once from the store's clock for all the parts), and
+    /// `$5` and `$6` are the part's first and last user in byte order.
+    /// `None` where the database runs one writer at a time.
+    const RENEW_PART: Option<&'static str>;
+
     /// Raises `last_active` of the users' mains to the times given by
     /// [`Dialect::bind_pairs`] (user, time), the larger one for a user
     /// named twice.
