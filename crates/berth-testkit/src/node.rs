@@ -513,6 +513,21 @@ impl Node {
             .as_u16()
     }
 
+    /// The status `/healthz` answers with (no token needed).
+    ///
+    /// # Panics
+    ///
+    /// When the node does not answer.
+    pub async fn healthz(&self) -> u16 {
+        self.http
+            .get(format!("{}/healthz", self.url))
+            .send()
+            .await
+            .expect("GET /healthz")
+            .status()
+            .as_u16()
+    }
+
     /// The user's main record, or `Null`.
     pub async fn main_of(&self, user: &str) -> Value {
         self.get(&format!("/users/{user}/instance")).await.1["main"].clone()

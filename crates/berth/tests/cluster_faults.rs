@@ -1359,13 +1359,7 @@ async fn recovered(
     }
     for node in nodes {
         assert!(node.is_running(), "{} exited", node.url);
-        let r = node
-            .http
-            .get(format!("{}/healthz", node.url))
-            .send()
-            .await
-            .unwrap();
-        assert_eq!(r.status().as_u16(), 200);
+        assert_eq!(node.healthz().await, 200);
     }
     now
 }

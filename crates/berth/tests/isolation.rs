@@ -588,13 +588,7 @@ async fn an_instance_past_its_memory_limit_is_killed_reported_and_restarted() {
     // Restarted under the crash policy, and the others never noticed.
     node.running_main("alice", pid).await;
     assert_eq!(probe(&node, "bob", "ping", &[]).await["ok"], true);
-    let health = node
-        .http
-        .get(format!("{}/healthz", node.url))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(health.status(), 200);
+    assert_eq!(node.healthz().await, 200);
     let main = node.main_of("alice").await;
     assert_eq!(main["last_error"], "out of memory (limit 64 MiB)", "{main}");
     node.kill_instances();
@@ -680,13 +674,7 @@ async fn a_fork_bomb_is_capped_by_pids_max() {
             .unwrap();
         assert!(current <= pids_max, "pids.current {current}");
         // berth and bob answer meanwhile.
-        let health = node
-            .http
-            .get(format!("{}/healthz", node.url))
-            .send()
-            .await
-            .unwrap();
-        assert_eq!(health.status(), 200);
+        assert_eq!(node.healthz().await, 200);
         assert_eq!(probe(&node, "bob", "ping", &[]).await["ok"], true);
         tokio::time::sleep(Duration::from_millis(50)).await;
     }

@@ -94,13 +94,7 @@ async fn two_hundred_half_sent_unauthenticated_bodies_get_401_in_flat_memory() {
     let node = Node::start(dir.path(), &config(0, "", "body_grace_ms = 5000"));
     let to = addr(&node);
     let pid = node.pid().unwrap();
-    let r = node
-        .http
-        .get(format!("{}/healthz", node.url))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 200);
+    assert_eq!(node.healthz().await, 200);
     let baseline = rss_kib(pid).unwrap();
     let done = Arc::new(AtomicBool::new(false));
     let max = Arc::new(AtomicU64::new(baseline));
