@@ -528,6 +528,16 @@ impl Node {
             .as_u16()
     }
 
+    /// Waits until berth has adopted every instance it found at start:
+    /// it serves while it adopts, and a user not adopted yet is told
+    /// "starting".
+    pub async fn adopted(&self) {
+        eventually(RUNNING_PATIENCE, "the adoption to end", || async {
+            (self.metric("berth_instances_awaiting_adoption").await == Some(0.0)).then_some(())
+        })
+        .await;
+    }
+
     /// The user's main record, or `Null`.
     pub async fn main_of(&self, user: &str) -> Value {
         self.get(&format!("/users/{user}/instance")).await.1["main"].clone()

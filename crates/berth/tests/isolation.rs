@@ -1361,6 +1361,7 @@ async fn adopted_instances_stay_confined_and_keep_their_limits_after_a_restart()
 
     node.kill9();
     let node = start(dir.path(), &config);
+    node.adopted().await;
     let main = node.running_main("alice", None).await;
     assert_eq!(main["pid"], alice["pid"], "adopted, not restarted");
 
