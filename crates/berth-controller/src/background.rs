@@ -103,7 +103,7 @@ impl Shared {
             .collect()
     }
 
-    /// One renew tick: renew every lease with one store call, fence the lost
+    /// One renew tick: renew every lease in one statement, fence the lost
     /// ones, freeze everything when the self-fence deadline passed, thaw
     /// after a good renew, extend the runtime's deadlines, heartbeat.
     pub(crate) async fn renew_tick(self: &Arc<Self>) {

@@ -156,7 +156,7 @@ impl Fencer {
         self.fencing && self.lease.fence_due(Instant::now())
     }
 
-    /// Renews every held lease with one store call; the ones found lost.
+    /// Renews every held lease in one statement; the ones found lost.
     pub async fn renew_all(&self) -> Result<Vec<(UserId, Epoch)>, StoreError> {
         Ok(self.lease.renew_all().await?.lost)
     }

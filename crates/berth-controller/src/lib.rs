@@ -4,7 +4,7 @@
 //! A [`Controller`] runs one node. It drives a [`Runtime`] (local shims,
 //! Kubernetes pods) and keeps its state in a [`Store`]:
 //!
-//! * the lease: claims, renew-all in one store call per tick, self-fencing
+//! * the lease: claims, renew-all in one statement per tick, self-fencing
 //!   (freeze at the fence deadline, kill when lost, thaw after a good
 //!   renew, extend the runtime's own deadline), takeover (`fencer.rs`,
 //!   `background.rs`);

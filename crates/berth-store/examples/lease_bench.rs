@@ -1,7 +1,7 @@
 //! Lease benchmarks (not tests): how long one node's renew tick (renew-all,
-//! one `Store::renew_leases` call) takes with 10 000 and with 100 000
-//! leases, and how many claims per second 8 concurrent claimers get, on
-//! SQLite and on PostgreSQL.
+//! one statement) takes with 10 000 and with 100 000 leases, and how many
+//! claims per second 8 concurrent claimers get, on SQLite and on
+//! PostgreSQL.
 //!
 //! ```text
 //! cargo run --release -p berth-store --example lease_bench
@@ -43,7 +43,7 @@ fn median(mut v: Vec<Duration>) -> Duration {
 }
 
 /// Claims `n` leases for one node (8 at a time), then times `ticks` renews
-/// of all of them, one call each.
+/// of all of them in one statement each.
 async fn renew_tick(store: Arc<dyn Store>, n: usize, ticks: usize) -> (Duration, Duration) {
     let next = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let tasks: Vec<_> = (0..CLAIMERS)
@@ -145,7 +145,7 @@ async fn bench(name: &str, open: impl AsyncFn() -> Arc<dyn Store>) {
     for n in lease_counts() {
         let (med, min) = renew_tick(open().await, n, ticks).await;
         println!(
-            "{name:<10} renew-all, {n} leases, one call: median {:.1} ms, min {:.1} ms ({ticks} ticks)",
+            "{name:<10} renew-all, {n} leases, one statement: median {:.1} ms, min {:.1} ms ({ticks} ticks)",
             med.as_secs_f64() * 1e3,
             min.as_secs_f64() * 1e3
         );

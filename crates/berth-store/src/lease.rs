@@ -2,8 +2,8 @@
 //!
 //! [`LeaseConfig`] checks the timing invariants once, at construction.
 //! [`LeaseKeeper`] remembers which leases this node holds and at which epoch,
-//! renews all of them with one store call per tick, and tracks the
-//! self-fence deadline on the node's monotonic clock.
+//! renews all of them in one statement per tick, and tracks the self-fence
+//! deadline on the node's monotonic clock.
 //!
 //! The fence clock is deliberately conservative: it is one instant for the
 //! whole node, moved only by a renew tick that succeeded (to the moment that
@@ -205,7 +205,7 @@ impl LeaseKeeper {
         lock(&self.held).insert(user, epoch);
     }
 
-    /// Renews every held lease with one store call. Forgets and reports the
+    /// Renews every held lease in one statement. Forgets and reports the
     /// lost ones. A successful tick moves the fence deadline, measured from
     /// when the renew was *sent*.
     pub async fn renew_all(&self) -> Result<RenewReport, StoreError> {

@@ -418,11 +418,8 @@ pub trait Store: Send + Sync + 'static {
     ) -> Result<ClaimOutcome, StoreError>;
 
     /// Extends every lease in `held` that `node` still holds at the given
-    /// epoch (and has not released), all to the same moment by the store's
-    /// clock. Returns the users whose lease was extended, each once; the
-    /// others are lost. A large list may be written in parts (in parallel,
-    /// on PostgreSQL), so an error may come after some of the leases were
-    /// extended; never one the node does not hold.
+    /// epoch, in one statement. Returns the users whose lease was extended;
+    /// the others are lost.
     async fn renew_leases(
         &self,
         node: &str,

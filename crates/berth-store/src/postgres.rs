@@ -38,32 +38,6 @@ macro_rules! now_ms {
     };
 }
 
-/// The renew statements, from the new `lease_until` to the end of the
-/// condition they add: [`Dialect::RENEW`] without its `RETURNING`, and
-/// [`Dialect::RENEW_PART`].
-///
-/// The arrays are unnested in the select list: in `FROM`, `unnest` is a
-/// function scan that first stores every row in a tuplestore (which spills
-/// to disk past `work_mem` at 100,000 leases); in the select list it
-/// streams.
-macro_rules! renew {
-    ($until:expr, $and:expr) => {
-        concat!(
-            "UPDATE leases SET lease_until = ",
-            $until,
-            " FROM (SELECT unnest($3::text[]) AS user_id, unnest($4::bigint[]) AS epoch) AS held ",
-            "WHERE leases.user_id = held.user_id AND leases.epoch = held.epoch ",
-            "AND leases.holder = $1 AND NOT leases.released",
-            $and
-        )
-    };
-    () => {
-        // The clock as an uncorrelated subquery: read once, before the
-        // first row is written.
-        renew!(concat!("(SELECT ", now_ms!(), ") + $2"), "")
-    };
-}
-
 /// The PostgreSQL schema, embedded so a deployed binary needs no files
 /// beside it.
 static MIGRATIONS: &[(i64, &str, &str)] = embedded_migrations!("postgres");
@@ -306,16 +280,19 @@ impl Dialect for Postgres {
     const NOW_MS: &'static str = now_ms!();
 
     /// `$3`/`$4` are the held users and their epochs as parallel arrays, so
-    /// 10 000 leases are one statement with four binds.
-    const RENEW: &'static str = concat!(renew!(), " RETURNING leases.user_id");
-
-    const RENEW_QUIET: &'static str = renew!();
-
-    /// The range condition on `user_id` is implied by the join (every user
-    /// of the part lies between its first and last); it is there so each
-    /// part's hash table holds only its own share of the node's leases.
-    const RENEW_PART: Option<&'static str> =
-        Some(renew!("$2", " AND leases.user_id BETWEEN $5 AND $6"));
+    /// 10 000 leases are one statement with four binds. The clock is read
+    /// once for the whole statement (a one-row join), so every renewed
+    /// lease gets the same `lease_until`.
+    const RENEW: &'static str = concat!(
+        "UPDATE leases SET lease_until = clock.now + $2 ",
+        "FROM (SELECT ",
+        now_ms!(),
+        " AS now) AS clock, ",
+        "unnest($3::text[], $4::bigint[]) AS held(user_id, epoch) ",
+        "WHERE leases.user_id = held.user_id AND leases.epoch = held.epoch ",
+        "AND leases.holder = $1 AND NOT leases.released ",
+        "RETURNING leases.user_id"
+    );
 
     /// `$1`/`$2` are users and times as parallel arrays. Grouping first
     /// means a user named twice gets the larger time rather than whichever

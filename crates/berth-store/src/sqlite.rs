@@ -31,21 +31,6 @@ macro_rules! now_ms {
     };
 }
 
-/// [`Dialect::RENEW`] up to its `RETURNING`, shared with
-/// [`Dialect::RENEW_QUIET`]. SQLite reads its clock once per statement, so
-/// every lease the statement extends gets the same `lease_until`.
-macro_rules! renew {
-    () => {
-        concat!(
-            "UPDATE leases SET lease_until = ",
-            now_ms!(),
-            " + $2 FROM json_each($3) AS held ",
-            "WHERE leases.user_id = held.key AND leases.epoch = held.value ",
-            "AND +leases.holder = $1 AND NOT leases.released"
-        )
-    };
-}
-
 /// How long a connection waits on another writer's lock before the query
 /// fails with [`StoreError::Unavailable`]. Lease writes are tiny, so a wait
 /// this long means something is wrong rather than merely busy.
@@ -206,13 +191,13 @@ impl Dialect for Sqlite {
     /// object and one lookup per lease. The unary `+` on `holder` keeps
     /// SQLite from driving the update from the holder index instead, which
     /// would scan the whole object once per lease the node holds.
-    const RENEW: &'static str = concat!(renew!(), " RETURNING leases.user_id");
-
-    const RENEW_QUIET: &'static str = renew!();
-
-    /// SQLite runs one writer at a time: a renew split over connections
-    /// would only take turns.
-    const RENEW_PART: Option<&'static str> = None;
+    const RENEW: &'static str = concat!(
+        "UPDATE leases SET lease_until = ",
+        now_ms!(),
+        " + $2 FROM json_each($3) AS held ",
+        "WHERE leases.user_id = held.key AND leases.epoch = held.value ",
+        "AND +leases.holder = $1 AND NOT leases.released RETURNING leases.user_id"
+    );
 
     /// `$1` is a JSON object mapping users to times; a user may be named
     /// twice (the object keeps both). Grouping first means such a user gets

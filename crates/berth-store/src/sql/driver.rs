@@ -273,10 +273,4 @@ impl<'a, B: SqlBackend> Tx<'a, B> {
         let backend = self.backend;
         self.tx.commit().await.map_err(|e| backend.err(e))
     }
-
-    /// Undoes everything the transaction's statements did.
-    pub(crate) async fn rollback(self) -> Result<(), StoreError> {
-        let backend = self.backend;
-        self.tx.rollback().await.map_err(|e| backend.err(e))
-    }
 }

@@ -46,22 +46,9 @@ pub(crate) trait Dialect: Database<Row: RecordRow> {
 
     /// Extends the leases of `$1` (the node) by `$2` (milliseconds) that it
     /// holds at the epochs given by [`Dialect::bind_pairs`] (user, epoch),
-    /// all to the same moment (the store's clock read once), returning the
-    /// `user_id` of each lease extended. Released leases are not revived:
-    /// release ended them on purpose.
+    /// returning the `user_id` of each lease extended. Released leases are
+    /// not revived: release ended them on purpose.
     const RENEW: &'static str;
-
-    /// [`Dialect::RENEW`] returning no rows: the store compares how many it
-    /// wrote with how many users it named, and reads the list only when
-    /// the two differ.
-    const RENEW_QUIET: &'static str;
-
-    /// [`Dialect::RENEW_QUIET`] for one part of a renew split over
-    /// connections that write in parallel: `$2` is the new `lease_until`
-    /// itself (read once from the store's clock for all the parts), and
-    /// `$5` and `$6` are the part's first and last user in byte order.
-    /// `None` where the database runs one writer at a time.
-    const RENEW_PART: Option<&'static str>;
 
     /// Raises `last_active` of the users' mains to the times given by
     /// [`Dialect::bind_pairs`] (user, time), the larger one for a user

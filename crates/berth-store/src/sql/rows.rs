@@ -41,7 +41,6 @@ macro_rules! embedded_migrations {
             (9, "internal_url", embedded_migrations!(@file $dir, "0009_internal_url.sql")),
             (10, "placements", embedded_migrations!(@file $dir, "0010_placements.sql")),
             (11, "logins", embedded_migrations!(@file $dir, "0011_logins.sql")),
-            (12, "leases_holder", embedded_migrations!(@file $dir, "0012_leases_holder.sql")),
         ]
     };
     (@file $dir:literal, $name:literal) => {

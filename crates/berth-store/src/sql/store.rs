@@ -144,29 +144,13 @@ impl<B: SqlBackend> Store for B {
         if held.is_empty() {
             return Ok(Vec::new());
         }
-        // Every lease is normally still held, and then the list of those
-        // renewed is the caller's own: reading it back costs a row per
-        // lease. So the update first runs without, and counts: a lease row
-        // is written at most once, and only for a user named, so as many
-        // rows written as pairs named means every lease was renewed (and
-        // no user was named twice).
-        let all_renewed = match <B::Db as Dialect>::RENEW_PART {
-            Some(part) if held.len() >= SPLIT_RENEW_FROM => {
-                renew_in_halves(self, part, node, held, ttl).await?
-            }
-            _ => renew_quietly(self, node, held, ttl).await?,
-        };
-        if all_renewed {
-            return Ok(held.iter().map(|(u, _)| u.clone()).collect());
-        }
-        // Some lease is lost (or a user was named twice): the update runs
-        // again as one statement that names what it extended.
+        let pairs = held.iter().map(|(u, e)| (u.as_str(), *e)).collect();
         let rows = self
             .stmt(<B::Db as Dialect>::RENEW)
             .one_off()
             .bind(node)
             .bind(ttl_ms(ttl))
-            .bind_pairs(pairs(held))?
+            .bind_pairs(pairs)?
             .fetch_all()
             .await?;
         rows.iter()
@@ -643,104 +627,6 @@ impl<B: SqlBackend> Store for B {
         rows.iter()
             .map(|row| Ok((get(row, "slug")?, narrow(get(row, "uid")?, "accounts.uid")?)))
             .collect()
-    }
-}
-
-/// From how many leases a renew is split in two halves that write in
-/// parallel, where the dialect can ([`Dialect::RENEW_PART`]). Measured on
-/// PostgreSQL at 500 leases the split gained nothing (its extra round
-/// trips cost what the halves save), at 2,000 a little, and at 10,000 and
-/// 100,000 it took the tick to about 0.6 of one statement's time.
-const SPLIT_RENEW_FROM: usize = 2_000;
-
-fn pairs(held: &[(UserId, Epoch)]) -> Vec<(&str, i64)> {
-    held.iter().map(|(u, e)| (u.as_str(), *e)).collect()
-}
-
-/// [`Dialect::RENEW_QUIET`] in a transaction, committed only when it
-/// renewed every lease named; otherwise undone. Whether it was committed.
-async fn renew_quietly<B: SqlBackend>(
-    backend: &B,
-    node: &str,
-    held: &[(UserId, Epoch)],
-    ttl: Duration,
-) -> Result<bool, StoreError> {
-    let mut tx = Tx::begin(backend).await?;
-    let written = tx
-        .stmt(<B::Db as Dialect>::RENEW_QUIET)
-        .one_off()
-        .bind(node)
-        .bind(ttl_ms(ttl))
-        .bind_pairs(pairs(held))?
-        .execute()
-        .await?;
-    if written == held.len() as u64 {
-        tx.commit().await?;
-        Ok(true)
-    } else {
-        tx.rollback().await?;
-        Ok(false)
-    }
-}
-
-/// Renews the leases in two halves by user, each its own statement on its
-/// own connection, so that the database writes both at once. Every lease
-/// gets the same `lease_until`: the store's clock read once, plus `ttl`.
-/// Each half commits when it renewed every lease in it; true when both
-/// did. A half that did not is undone; the other one's renewals stand,
-/// and the caller's single statement renews again what is still held.
-async fn renew_in_halves<B: SqlBackend>(
-    backend: &B,
-    sql: &str,
-    node: &str,
-    held: &[(UserId, Epoch)],
-    ttl: Duration,
-) -> Result<bool, StoreError> {
-    let mut pairs = pairs(held);
-    pairs.sort_unstable();
-    // A user named twice cannot count as all renewed anyway; split across
-    // the halves, both would wait on the one row.
-    if pairs.windows(2).any(|w| w[0].0 == w[1].0) {
-        return Ok(false);
-    }
-    let until = backend.now().await?.saturating_add(ttl_ms(ttl));
-    let (low, high) = pairs.split_at(pairs.len() / 2);
-    let (low, high) = tokio::try_join!(
-        renew_part(backend, sql, node, until, low),
-        renew_part(backend, sql, node, until, high),
-    )?;
-    Ok(low && high)
-}
-
-/// One half of [`renew_in_halves`]: [`Dialect::RENEW_PART`] over `part`
-/// (sorted by user), committed only when it renewed all of it.
-async fn renew_part<B: SqlBackend>(
-    backend: &B,
-    sql: &str,
-    node: &str,
-    until: UnixMillis,
-    part: &[(&str, i64)],
-) -> Result<bool, StoreError> {
-    let (Some(&(first, _)), Some(&(last, _))) = (part.first(), part.last()) else {
-        return Ok(true);
-    };
-    let mut tx = Tx::begin(backend).await?;
-    let written = tx
-        .stmt(sql)
-        .one_off()
-        .bind(node)
-        .bind(until)
-        .bind_pairs(part.to_vec())?
-        .bind(first)
-        .bind(last)
-        .execute()
-        .await?;
-    if written == part.len() as u64 {
-        tx.commit().await?;
-        Ok(true)
-    } else {
-        tx.rollback().await?;
-        Ok(false)
     }
 }
 

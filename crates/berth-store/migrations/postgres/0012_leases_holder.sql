@@ -1,5 +1,0 @@
--- berth's PostgreSQL schema, version 12. It mirrors
--- migrations/sqlite/0012_leases_holder.sql, which takes lease_until out of
--- SQLite's holder index so that a renew does not rewrite the index. Here
--- the holder index never held lease_until (0001_init.sql: renews stay HOT
--- updates), so nothing changes.
