@@ -417,6 +417,10 @@ struct StoreAccounts(Arc<dyn Store>);
 
 #[async_trait]
 impl Accounts for StoreAccounts {
+    async fn all(&self) -> Result<Vec<(String, u32)>, String> {
+        self.0.list_accounts().await.map_err(|e| e.to_string())
+    }
+
     async fn uid(&self, slug: &str, range: UidRange) -> Result<u32, String> {
         self.0
             .account_uid(slug, range)

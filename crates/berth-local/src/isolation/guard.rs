@@ -321,13 +321,14 @@ fn batch(
 /// Changes waiting for the batcher at most; a launch burst beyond it
 /// waits to send its own.
 const QUEUED_CHANGES: usize = 1024;
-/// Changes one `nft` run makes at most.
+/// Changes one `nft` run takes at most, unless one request alone holds
+/// more (see [`Guard::queue_grants`]).
 const BATCH_MAX: usize = 512;
 
-/// A change and where its outcome goes.
+/// Changes made together, and where their outcome goes.
 #[derive(Debug)]
 struct Request {
-    change: Change,
+    changes: Vec<Change>,
     done: oneshot::Sender<Result<(), GuardError>>,
 }
 
@@ -414,18 +415,42 @@ impl Guard {
         self.change(Change::Revoke { port }).await
     }
 
+    /// Queues a grant of every `(uid, port)` pair, made in one `nft` run
+    /// however many, and returns once it is queued, before it is made: a
+    /// change queued after it is made after it. Adoption after a restart
+    /// gives thousands of instances their ports back this way, without
+    /// waiting on the guard for each; a grant that fails here is reported
+    /// by the per-instance grant that follows it.
+    pub async fn queue_grants(&self, pairs: &[(u32, u16)]) -> Result<(), GuardError> {
+        let changes = pairs
+            .iter()
+            .map(|&(uid, port)| Change::Grant { uid, port })
+            .collect();
+        let (done, _unawaited) = oneshot::channel();
+        self.changes
+            .send(Request { changes, done })
+            .await
+            .map_err(|_| self.gone())
+    }
+
     async fn change(&self, change: Change) -> Result<(), GuardError> {
         let (done, outcome) = oneshot::channel();
-        let gone = || GuardError::Refused {
+        self.changes
+            .send(Request {
+                changes: vec![change],
+                done,
+            })
+            .await
+            .map_err(|_| self.gone())?;
+        outcome.await.map_err(|_| self.gone())?
+    }
+
+    fn gone(&self) -> GuardError {
+        GuardError::Refused {
             what: "port change",
             table: self.table.clone(),
             stderr: "the guard's task is gone".to_owned(),
-        };
-        self.changes
-            .send(Request { change, done })
-            .await
-            .map_err(|_| gone())?;
-        outcome.await.map_err(|_| gone())?
+        }
     }
 
     /// Deletes this berth's table.
@@ -466,10 +491,11 @@ impl Guard {
     }
 }
 
-/// The task behind [`Guard`]: takes every change queued (up to
-/// [`BATCH_MAX`]), makes them in one `nft` run, and answers each. When
-/// the run is refused, each change of it is tried alone, so one bad
-/// change fails only itself. Ends when the guard is dropped.
+/// The task behind [`Guard`]: takes every request queued (while they
+/// hold fewer than [`BATCH_MAX`] changes), makes their changes in one
+/// `nft` run, and answers each. When the run is refused, each request of
+/// it is tried alone, so one bad request fails only itself. Ends when the
+/// guard is dropped.
 async fn apply_changes(nft: PathBuf, table: String, mut requests: mpsc::Receiver<Request>) {
     let mut granted: HashMap<u16, u32> = HashMap::new();
     // Runs `changes` as one transaction; on success `granted` follows.
@@ -492,14 +518,21 @@ async fn apply_changes(nft: PathBuf, table: String, mut requests: mpsc::Receiver
         Ok(())
     }
     while let Some(first) = requests.recv().await {
+        let mut count = first.changes.len();
         let mut taken = vec![first];
-        while taken.len() < BATCH_MAX {
+        while count < BATCH_MAX {
             match requests.try_recv() {
-                Ok(request) => taken.push(request),
+                Ok(request) => {
+                    count += request.changes.len();
+                    taken.push(request);
+                }
                 Err(_) => break,
             }
         }
-        let changes: Vec<Change> = taken.iter().map(|r| r.change).collect();
+        let changes: Vec<Change> = taken
+            .iter()
+            .flat_map(|r| r.changes.iter().copied())
+            .collect();
         match make(&nft, &table, &mut granted, &changes).await {
             Ok(()) => {
                 for request in taken {
@@ -511,7 +544,7 @@ async fn apply_changes(nft: PathBuf, table: String, mut requests: mpsc::Receiver
             }
             Err(_) => {
                 for request in taken {
-                    let outcome = make(&nft, &table, &mut granted, &[request.change]).await;
+                    let outcome = make(&nft, &table, &mut granted, &request.changes).await;
                     let _ = request.done.send(outcome);
                 }
             }

@@ -21,6 +21,8 @@ use crate::isolation::{Account, Isolator};
 pub trait Accounts: Send + Sync + 'static {
     /// The uid of `slug`'s account, allocated from `range` on first use.
     async fn uid(&self, slug: &str, range: UidRange) -> Result<u32, String>;
+    /// Every account allocated so far, as `(slug, uid)`.
+    async fn all(&self) -> Result<Vec<(String, u32)>, String>;
 }
 
 /// The runtime's isolation at levels `user` and `sandbox`.
@@ -69,6 +71,28 @@ impl Isolated {
             .entry(slug.as_str().to_owned())
             .or_insert(account.clone());
         Ok(account)
+    }
+
+    /// Reads every account at once: discovery does, so that adopting
+    /// thousands of instances asks for none of their accounts one by one.
+    /// On failure each is read when first needed, as without it.
+    pub async fn read_all_accounts(&self) {
+        let all = match self.accounts.all().await {
+            Ok(all) => all,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot read the accounts; reading each when needed");
+                return;
+            }
+        };
+        let mut known = self.known.lock().unwrap_or_else(PoisonError::into_inner);
+        for (slug, uid) in all {
+            let account = Account {
+                uid,
+                gid: uid,
+                name: slug.clone(),
+            };
+            known.entry(slug).or_insert(account);
+        }
     }
 
     /// Lets `account` connect to its own instance's `port` (the port guard

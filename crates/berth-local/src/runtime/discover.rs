@@ -27,7 +27,7 @@ pub(super) struct FoundShim {
 }
 
 /// Shims attached to at once: each attach waits on its shim's answer.
-const ATTACH_CONCURRENCY: usize = 64;
+const ATTACH_CONCURRENCY: usize = 256;
 
 /// Every shim state file under `run_dir`, attached to when alive, in the
 /// order of their directories' names.

@@ -758,17 +758,33 @@ impl Runtime for LocalRuntime {
                 tracing::warn!(dir = %dir.display(), error = %e, "a stale instance cgroup remains");
             }
         }
-        let mut found = lock(&self.found);
         let mut out = Vec::with_capacity(shims.len());
-        for shim in shims {
-            let discovered = shim.describe();
-            if let Some(state) = &shim.state
-                && let Some(port) = state.port.filter(|_| state.role == Role::Main)
-            {
-                self.reserve_found(&state.instance_id, &shim.dir_slug, port);
+        // The account each live main runs as, as its shim recorded it, and
+        // its port: granted again below, all at once.
+        let mut grants = Vec::new();
+        {
+            let mut found = lock(&self.found);
+            for shim in shims {
+                let discovered = shim.describe();
+                if let Some(state) = &shim.state
+                    && let Some(port) = state.port.filter(|_| state.role == Role::Main)
+                {
+                    self.reserve_found(&state.instance_id, &shim.dir_slug, port);
+                    if let Some(uid) = state.uid.filter(|_| discovered.alive) {
+                        grants.push((uid, port));
+                    }
+                }
+                found.insert(discovered.runtime_ref.clone(), shim);
+                out.push(discovered);
             }
-            found.insert(discovered.runtime_ref.clone(), shim);
-            out.push(discovered);
+        }
+        if let Some(isolated) = &self.isolated
+            && !grants.is_empty()
+        {
+            if let Err(e) = isolated.isolator.guard.queue_grants(&grants).await {
+                tracing::warn!(error = %e, "could not queue the found instances' port grants");
+            }
+            isolated.read_all_accounts().await;
         }
         Ok(out)
     }
@@ -795,7 +811,8 @@ impl Runtime for LocalRuntime {
             state.role == Role::Main && matches!(self.config.readiness, Readiness::TokenRegex(_));
         let port = state.port.filter(|_| state.role == Role::Main);
         // The guard's table was made afresh at start: the adopted instance
-        // gets its own port back.
+        // gets its own port back. `discover` queued the grant already, so
+        // this waits for it (a no-op when it was made) and reports it.
         let account = match (&self.isolated, &found.user) {
             (Some(isolated), Some(user)) => Some(isolated.account(&user.slug()).await),
             _ => None,
