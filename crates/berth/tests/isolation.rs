@@ -652,6 +652,8 @@ async fn a_fork_bomb_is_capped_by_pids_max() {
             (1024u64 << 20).to_string()
         );
         assert_eq!(read_in("cpu.cfs_quota_us").trim(), "100000");
+        // Not written: the kernel's default, which the quota is against.
+        assert_eq!(read_in("cpu.cfs_period_us").trim(), "100000");
     } else {
         assert_eq!(read_in("memory.max").trim(), (1024u64 << 20).to_string());
         assert_eq!(read_in("cpu.max").trim(), "100000 100000");

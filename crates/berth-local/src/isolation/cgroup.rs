@@ -398,6 +398,11 @@ impl Parents {
 /// The files and values that give a v1 cgroup `limits`, per controller
 /// directory (`memory`, `pids`, `cpu`), in the order they must be written.
 /// `optional` files may be absent (swap accounting is a boot option).
+///
+/// `cpu.cfs_period_us` is left at the kernel's default, which is
+/// [`CPU_PERIOD_US`]: each write of a CFS bandwidth file makes the kernel
+/// check every CPU cgroup on the host, so a second write would add a cost
+/// that grows with the number of instances to every launch.
 pub fn v1_limit_files(limits: &Limits) -> Vec<(&'static str, &'static str, String, bool)> {
     let bytes = limits.memory_max_mb.saturating_mul(1024 * 1024).to_string();
     vec![
@@ -405,7 +410,6 @@ pub fn v1_limit_files(limits: &Limits) -> Vec<(&'static str, &'static str, Strin
         // Must not be below the memory limit, so it comes second.
         ("memory", "memory.memsw.limit_in_bytes", bytes, true),
         ("pids", "pids.max", limits.pids_max.to_string(), false),
-        ("cpu", "cpu.cfs_period_us", CPU_PERIOD_US.to_string(), false),
         (
             "cpu",
             "cpu.cfs_quota_us",
@@ -1260,7 +1264,11 @@ mod tests {
         assert_eq!(v1[1].1, "memory.memsw.limit_in_bytes");
         assert!(v1[1].3, "memsw is optional");
         assert_eq!(v1[2], ("pids", "pids.max", "32".to_owned(), false));
-        assert_eq!(v1[4].2, "150000");
+        assert_eq!(
+            v1[3],
+            ("cpu", "cpu.cfs_quota_us", "150000".to_owned(), false)
+        );
+        assert_eq!(v1.len(), 4, "the period stays the kernel's default");
         let v2 = v2_limit_files(&limits);
         assert_eq!(v2[0], ("memory.max", "67108864".to_owned(), false));
         assert_eq!(v2[3], ("pids.max", "32".to_owned(), false));
@@ -1269,7 +1277,7 @@ mod tests {
             cpu_max_percent: 0,
             ..limits
         };
-        assert_eq!(v1_limit_files(&unlimited_cpu)[4].2, "-1");
+        assert_eq!(v1_limit_files(&unlimited_cpu)[3].2, "-1");
         assert_eq!(v2_limit_files(&unlimited_cpu)[4].1, "max 100000");
     }
 
