@@ -225,7 +225,16 @@ impl Shared {
             .collect();
         live_users.sort();
         live_users.dedup();
-        let slugs: HashMap<UserId, Slug> = futures_util::stream::iter(live_users)
+        // Read in one go; only a user no earlier berth recorded is asked
+        // about alone.
+        let mut slugs: HashMap<UserId, Slug> = self
+            .store
+            .user_slugs_on(self.node_id())
+            .await?
+            .into_iter()
+            .collect();
+        let unrecorded = live_users.into_iter().filter(|u| !slugs.contains_key(*u));
+        let recorded: Vec<(UserId, Slug)> = futures_util::stream::iter(unrecorded)
             .map(|user| async move {
                 let slug = self.recorded_slug(user).await?;
                 Ok::<_, StoreError>((user.clone(), slug))
@@ -233,6 +242,7 @@ impl Shared {
             .buffer_unordered(ADOPT_CONCURRENCY)
             .try_collect()
             .await?;
+        slugs.extend(recorded);
         let (removals, groups) = in_waves(plan(&found, &records, |u| slugs.get(u).cloned()));
         let mut marked = Vec::with_capacity(groups.len());
         for steps in groups {

@@ -383,6 +383,19 @@ impl MainDriver {
     }
 
     async fn mark_ready(&mut self) {
+        // A main adopted as ready is recorded so already: a node of
+        // thousands adopts without a store write per instance.
+        let recorded_ready = self.slot.record(Role::Main).is_some_and(|i| {
+            i.id == self.id
+                && i.ready
+                && matches!(
+                    i.status,
+                    InstanceStatus::Running | InstanceStatus::Hibernated
+                )
+        });
+        if recorded_ready {
+            return;
+        }
         let done = self
             .shared
             .modify(&self.slot, Role::Main, &self.id, None, |entry| {

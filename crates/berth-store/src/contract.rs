@@ -95,6 +95,7 @@ macro_rules! store_contract_tests {
             sessions_live_until_they_expire_or_end,
             login_attempts_and_hops_are_taken_once,
             user_slug_is_recorded_once_and_kept,
+            user_slugs_on_a_node_are_read_at_once,
             a_slug_recorded_for_one_user_is_refused_for_another,
             concurrent_first_records_agree_on_one_slug,
             nodes_heartbeat_upsert_and_list,
@@ -1623,6 +1624,41 @@ pub async fn user_slug_is_recorded_once_and_kept(store: Arc<dyn Store>) {
     );
     assert_eq!(store.user_slug(&plain).await.unwrap(), Some(slug("bob")));
     assert_eq!(store.user_slug(&user("carol")).await.unwrap(), None);
+}
+
+/// One read gives the recorded slug of every user with an instance record
+/// on a node (a main, a watchdog or both: once), and no other user's.
+pub async fn user_slugs_on_a_node_are_read_at_once(store: Arc<dyn Store>) {
+    let odd = user("alice*{@(.:$*corp");
+    let legacy = odd.legacy_slug();
+    store.record_user_slug(&odd, &legacy).await.unwrap();
+    for (u, node) in [("bob", "node-a"), ("carol", "node-b"), ("dave", "node-b")] {
+        store.record_user_slug(&user(u), &slug(u)).await.unwrap();
+        store
+            .put_instance(&instance(u, Role::Main, node, None))
+            .await
+            .unwrap();
+    }
+    for role in [Role::Main, Role::Watchdog] {
+        let mut i = instance("x", role, "node-a", None);
+        i.user = odd.clone();
+        store.put_instance(&i).await.unwrap();
+    }
+    // erin has a slug but no record.
+    store
+        .record_user_slug(&user("erin"), &slug("erin"))
+        .await
+        .unwrap();
+    let mut on_a = store.user_slugs_on("node-a").await.unwrap();
+    on_a.sort();
+    assert_eq!(on_a, [(odd, legacy), (user("bob"), slug("bob"))]);
+    let mut on_b = store.user_slugs_on("node-b").await.unwrap();
+    on_b.sort();
+    assert_eq!(
+        on_b,
+        [(user("carol"), slug("carol")), (user("dave"), slug("dave"))]
+    );
+    assert_eq!(store.user_slugs_on("node-c").await.unwrap(), []);
 }
 
 /// Two ids never share a slug: recording one user's slug for another is

@@ -532,6 +532,9 @@ pub trait Store: Send + Sync + 'static {
 
     /// The slug recorded for `user`, if one is.
     async fn user_slug(&self, user: &UserId) -> Result<Option<Slug>, StoreError>;
+    /// The recorded slug of every user with an instance record on `node`,
+    /// in one read (a restart of a node of thousands asks for them all).
+    async fn user_slugs_on(&self, node: &str) -> Result<Vec<(UserId, Slug)>, StoreError>;
     /// Records `slug` for `user` unless a slug is recorded for them
     /// already, and returns the user's recorded slug: the one recorded
     /// before (whatever `slug` says: a user's slug never changes), else

@@ -163,6 +163,9 @@ impl<H: RenewHook> Store for InterceptRenew<H> {
     async fn user_slug(&self, u: &UserId) -> Result<Option<Slug>, StoreError> {
         self.inner.user_slug(u).await
     }
+    async fn user_slugs_on(&self, n: &str) -> Result<Vec<(UserId, Slug)>, StoreError> {
+        self.inner.user_slugs_on(n).await
+    }
     async fn record_user_slug(&self, u: &UserId, s: &Slug) -> Result<Slug, StoreError> {
         self.inner.record_user_slug(u, s).await
     }

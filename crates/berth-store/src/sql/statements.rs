@@ -57,6 +57,7 @@ pub(crate) struct Statements {
     pub(crate) login_hop_take: String,
     pub(crate) user_slug_get: String,
     pub(crate) user_slug_insert: String,
+    pub(crate) user_slugs_on_node: String,
     pub(crate) heartbeat: String,
     pub(crate) nodes_list: String,
     pub(crate) node_claim: String,
@@ -296,6 +297,8 @@ impl Statements {
                 "INSERT INTO users (user_id, slug, created_at) VALUES ($1, $2, {now}) \
                  ON CONFLICT (user_id) DO NOTHING",
             ),
+            user_slugs_on_node: sql("SELECT DISTINCT users.user_id, users.slug FROM users \
+                 JOIN instances ON instances.user_id = users.user_id WHERE instances.node = $1"),
 
             // --- nodes --------------------------------------------------
             heartbeat: sql(concat!(

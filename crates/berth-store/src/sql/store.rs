@@ -467,6 +467,22 @@ impl<B: SqlBackend> Store for B {
         row.map(|row| parse_slug(get(&row, "slug")?)).transpose()
     }
 
+    async fn user_slugs_on(&self, node: &str) -> Result<Vec<(UserId, Slug)>, StoreError> {
+        let rows = self
+            .stmt(&self.sql().user_slugs_on_node)
+            .bind(node)
+            .fetch_all()
+            .await?;
+        rows.iter()
+            .map(|row| {
+                Ok((
+                    parse_user(get(row, "user_id")?)?,
+                    parse_slug(get(row, "slug")?)?,
+                ))
+            })
+            .collect()
+    }
+
     async fn record_user_slug(&self, user: &UserId, slug: &Slug) -> Result<Slug, StoreError> {
         if let Some(recorded) = self.user_slug(user).await? {
             return Ok(recorded);
