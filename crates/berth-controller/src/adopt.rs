@@ -312,6 +312,7 @@ impl Shared {
             seconds = started.elapsed().as_secs_f64(),
             "adoption ended"
         );
+        self.adopted.send_replace(true);
     }
 
     /// Carries out one step of the plan.

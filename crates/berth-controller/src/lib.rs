@@ -95,6 +95,8 @@ pub(crate) struct Shared {
     metrics: Metrics,
     tasks: TaskTracker,
     cancel: CancellationToken,
+    /// Becomes true when the adoption begun at start has ended.
+    adopted: tokio::sync::watch::Sender<bool>,
 }
 
 impl Controller {
@@ -148,6 +150,7 @@ impl Controller {
             config,
             tasks: TaskTracker::new(),
             cancel: CancellationToken::new(),
+            adopted: tokio::sync::watch::Sender::new(false),
         });
         shared.keep_earlier_data().await;
         let adoption = shared.plan_adoption().await?;
@@ -159,6 +162,14 @@ impl Controller {
             .tasks
             .spawn(async move { adopting.adopt_all(adoption).await });
         Ok(Arc::new(Controller { shared }))
+    }
+
+    /// Resolves once the adoption [`Controller::start`] began has ended:
+    /// every user it planned is adopted, or the controller stopped first.
+    pub async fn adopted(&self) {
+        let mut ended = self.shared.adopted.subscribe();
+        // The sender lives as long as `self`, so this cannot fail.
+        let _ = ended.wait_for(|ended| *ended).await;
     }
 
     /// Prometheus metrics of this controller.

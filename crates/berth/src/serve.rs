@@ -22,6 +22,7 @@ mod auth;
 mod cluster;
 mod data_lock;
 mod failover;
+mod heap;
 mod home;
 pub(crate) mod login;
 mod metrics;
@@ -157,6 +158,15 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     let tasks = TaskTracker::new();
     let cancel = CancellationToken::new();
     let spawner_dyn = spawner.clone() as Arc<dyn Spawner>;
+    {
+        let (controller, cancel) = (spawner.clone(), cancel.clone());
+        tasks.spawn(async move {
+            tokio::select! {
+                () = controller.adopted() => heap::give_back_freed(),
+                () = cancel.cancelled() => {}
+            }
+        });
+    }
     let (cluster, peer_auth) = if config.is_postgres() {
         let key = ClusterKey::new(config.cluster_secret.as_deref().unwrap_or_default());
         // One nonce cache for both kinds of signed request this node takes.
