@@ -8,15 +8,17 @@ as root; port range of N + 50 ports, so its capacity holds N) runs the
 built-in demo app for N users, and the script measures:
 
 * launch: N launches through the API (`wait=true`) from `--launchers`
-  client threads; wall time, launches per second, failures;
+  client threads; wall time, launches per second overall and over the
+  last tenth of them (the rate with nearly N running), failures;
 * while all N run: berth's RSS, the shims' and programs' PSS per
   instance, and `/healthz` latency (median and p99 of 500 sequential
   GETs);
 * re-adoption: `kill -9` of berth, then a new berth on the same data dir;
   the time from its start to its listening line, the time to its
   "adoption ended" line with `/healthz` asked all the while (berth serves
-  while it adopts), and a check that all N are running with the pids
-  they had;
+  while it adopts), berth's RSS then and 2 s later, and a check that all
+  N are running with the pids they had (and berth's RSS after that
+  listing);
 * stop: every user stopped through the API (16 client threads); wall time;
 * leftovers: shims and programs still alive, port-guard elements and
   instance cgroups left once all are stopped (all must be 0).
@@ -46,7 +48,9 @@ import spawn  # noqa: E402  (the Berth harness, shared with the spawn bench)
 
 
 def launch_all(berth, users, launchers):
-    """Launches every user; returns (wall seconds, failures)."""
+    """Launches every user; returns (wall seconds, failures, the rate of
+    the last tenth of the launches: the rate with nearly N running)."""
+    done = []
 
     def one(chunk):
         failed = []
@@ -54,6 +58,7 @@ def launch_all(berth, users, launchers):
         try:
             for user in chunk:
                 status, body, _ = berth.launch(conn, user)
+                done.append(time.perf_counter())
                 if status != 201:
                     failed.append((user, status, body[:200].decode(errors="replace")))
         finally:
@@ -64,7 +69,11 @@ def launch_all(berth, users, launchers):
     start = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(launchers) as pool:
         failures = [f for failed in pool.map(one, chunks) for f in failed]
-    return time.perf_counter() - start, failures
+    done.sort()
+    tenth = max(len(done) // 10, 1)
+    last = done[-tenth:]
+    late_rate = (len(last) - 1) / (last[-1] - last[0]) if len(last) > 1 and last[-1] > last[0] else None
+    return time.perf_counter() - start, failures, late_rate
 
 
 def healthz(berth, n=500):
@@ -198,8 +207,9 @@ def one_scale(args, n):
                      parent=args.tmp, reap_extra=reap) as berth:
         users = [f"scale{i}" for i in range(n)]
         row = {"n": n, "isolation": args.isolation, "machine_before": spawn.machine()}
-        seconds, failures = launch_all(berth, users, args.launchers)
+        seconds, failures, late_rate = launch_all(berth, users, args.launchers)
         row["launch"] = {"seconds": round(seconds, 2), "per_s": round(n / seconds, 1),
+                         "last_tenth_per_s": late_rate and round(late_rate, 1),
                          "failures": len(failures), "first_failures": failures[:3]}
         spawn.log(f"scale: {n} launched in {seconds:.1f} s ({n / seconds:.1f}/s), "
                   f"{len(failures)} failed")
@@ -214,9 +224,16 @@ def one_scale(args, n):
         berth.start()
         row["listening_s"] = round(time.perf_counter() - start, 2)
         row["readopt_s"], row["healthz_while_adopting"] = await_adoption(berth, start)
+        # Before the listing below: its answer (every instance's record)
+        # is the largest thing berth builds, and would count here. Taken
+        # as the adoption ends, and again once berth has given the heap the
+        # adoption freed back (it does so right after).
+        row["berth_rss_after_readopt_mib"] = round(spawn.rss_kib(berth.proc.pid) / 1024, 1)
+        time.sleep(2)
+        row["berth_rss_settled_mib"] = round(spawn.rss_kib(berth.proc.pid) / 1024, 1)
         after = running_mains(berth)
         row["readopted"] = sum(1 for u, pid in before.items() if after.get(u) == pid)
-        row["berth_rss_after_readopt_mib"] = round(spawn.rss_kib(berth.proc.pid) / 1024, 1)
+        row["berth_rss_after_listing_mib"] = round(spawn.rss_kib(berth.proc.pid) / 1024, 1)
         spawn.log(f"scale: re-adopted {row['readopted']} of {len(before)} in "
                   f"{row['readopt_s']} s")
 
