@@ -26,6 +26,8 @@
 //! It depends on `berth-core` and `berth-store` only: no runtime is named
 //! here.
 
+#![forbid(unsafe_code)]
+
 mod adopt;
 mod background;
 mod breaker;

@@ -23,6 +23,8 @@
 //! assert!(UserId::parse("..").is_err());
 //! ```
 
+#![forbid(unsafe_code)]
+
 mod error;
 mod folder;
 mod id;

@@ -17,6 +17,12 @@
 //! berth does. Every wait polls until a generous deadline; nothing asserts
 //! on timing.
 
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "test support: a case's panic is its failure report"
+)]
+
 use std::sync::Arc;
 use std::time::Duration;
 

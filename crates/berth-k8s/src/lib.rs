@@ -41,6 +41,8 @@
 //! user rests on the API server's one object per name instead (see
 //! `ARCHITECTURE.md`, "Kubernetes").
 
+#![forbid(unsafe_code)]
+
 pub mod config;
 pub mod manifest;
 pub mod names;

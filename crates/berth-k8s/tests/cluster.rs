@@ -13,6 +13,12 @@
 //! Without `BERTH_K8S_TEST_CLAIM` every test user gets its own claim,
 //! which needs a default storage class; the claims are deleted at the end.
 
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "a test: an unwrap is its assertion"
+)]
+
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;

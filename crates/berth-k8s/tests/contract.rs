@@ -3,6 +3,12 @@
 //! **double**. Each case gets its own double; the programs are real `sh`
 //! scripts that the double's stand-in kubelet runs as pods.
 
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "a test: an unwrap is its assertion"
+)]
+
 mod support;
 
 use std::sync::Arc;

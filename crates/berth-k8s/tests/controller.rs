@@ -4,6 +4,12 @@
 //! orphan pod is removed, a pod deleted behind berth's back is restarted
 //! through the crash policy, and a crash-looping pod opens the breaker.
 
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "a test: an unwrap is its assertion"
+)]
+
 mod support;
 
 use std::sync::Arc;

@@ -5,6 +5,12 @@
 //! outdated one replaced), epoch-fenced deletes, scheduling failures, the
 //! Service's endpoint, and watchdog pods.
 
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "a test: an unwrap is its assertion"
+)]
+
 mod support;
 
 use std::time::Duration;

@@ -4,6 +4,12 @@
 //! `kubernetes-validate`, which works offline. `scripts/test` installs it
 //! into `target/test-venv`.
 
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "a test: an unwrap is its assertion"
+)]
+
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 use std::process::Command;

@@ -4,6 +4,12 @@
 //!
 //! `cargo run --release -p berth-localnet --example localnet_cost`
 
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "a measurement tool: a failure ends the run with its message"
+)]
+
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};

@@ -67,6 +67,8 @@
 //! # }
 //! ```
 
+#![forbid(unsafe_code)]
+
 pub mod auth;
 pub mod credential;
 pub mod forward;

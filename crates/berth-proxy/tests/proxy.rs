@@ -4,6 +4,12 @@
 //! exercised end to end in crates/berth/tests/proxy.rs and proxy_e2e.rs
 //! (README, "Test it", says which behaviour is tested where).
 
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "a test: an unwrap is its assertion"
+)]
+
 mod support;
 
 use std::net::SocketAddr;

@@ -13,6 +13,12 @@
 //! Knobs: `BENCH_LEASES` (lease counts, comma-separated: `10000,100000`),
 //! `BENCH_TICKS` (11), `BENCH_SECS` (3).
 
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "a measurement tool: a failure ends the run with its message"
+)]
+
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 

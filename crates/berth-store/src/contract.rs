@@ -19,6 +19,12 @@
 //! Lease expiry is waited for by polling the store until a deadline, never
 //! by asserting on how long something took.
 
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "test support: a case's panic is its failure report"
+)]
+
 use std::any::Any;
 use std::sync::Arc;
 use std::time::Duration;

@@ -23,6 +23,8 @@
 //! read-then-write, and expiry and liveness are measured with the store's
 //! own clock.
 
+#![forbid(unsafe_code)]
+
 #[cfg(feature = "contract-tests")]
 pub mod contract;
 pub mod lease;

@@ -55,6 +55,13 @@
 //! may take a few seconds the first time; call them from a multi-threaded
 //! runtime or `spawn_blocking` when other tasks must keep running.
 
+#![forbid(unsafe_code)]
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "test support: a panic is the failing test's report"
+)]
+
 use std::fs::OpenOptions;
 use std::io::Write;
 use std::net::{Ipv4Addr, TcpListener};

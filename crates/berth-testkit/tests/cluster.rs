@@ -1,6 +1,12 @@
 //! The throwaway cluster starts, serves separate databases, stops and
 //! starts, and leaves nothing behind when dropped.
 
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "a test: an unwrap is its assertion"
+)]
+
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 

@@ -21,6 +21,12 @@
 //! A benchmark target rather than an example so that it runs the `berth`
 //! binary built with it (`CARGO_BIN_EXE_berth`, release profile).
 
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "a measurement tool: a failure ends the run with its message"
+)]
+
 #[path = "../tests/support/mod.rs"]
 mod support;
 

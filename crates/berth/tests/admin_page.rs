@@ -15,6 +15,12 @@
 //! Needs Debian's `chromium` and `chromium-driver` (`scripts/test`
 //! installs them); without them the browser tests fail, saying so.
 
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "a test: an unwrap is its assertion"
+)]
+
 #[path = "support/browser.rs"]
 mod browser;
 mod support;

@@ -1,6 +1,12 @@
 //! End-to-end acceptance of single-node berth: the real binary,
 //! real instances (`berth demo-app`), real SQLite, real sockets.
 
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "a test: an unwrap is its assertion"
+)]
+
 mod support;
 
 use std::time::Duration;

@@ -1,5 +1,11 @@
 //! Client commands without a server: their errors must say what is wrong.
 
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "a test: an unwrap is its assertion"
+)]
+
 use std::process::{Command, Output};
 
 fn berth(args: &[&str]) -> Output {

@@ -5,6 +5,12 @@
 //! (a pseudo-terminal made by util-linux's `script`), and `berth serve
 //! --log-format json`.
 
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "a test: an unwrap is its assertion"
+)]
+
 mod support;
 
 use std::collections::BTreeSet;

@@ -7,6 +7,12 @@
 //! 2 s) so expiry is seen in seconds. Everything polls until a deadline;
 //! nothing asserts on timing. Each `Node`'s drop kills its instances.
 
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "a test: an unwrap is its assertion"
+)]
+
 mod support;
 
 use std::path::Path;

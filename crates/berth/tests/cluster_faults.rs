@@ -23,6 +23,12 @@
 //! fault-free paths and the basic failover and manual takeover; the tests
 //! here add the faults and the journal.
 
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "a test: an unwrap is its assertion"
+)]
+
 mod support;
 
 use std::collections::BTreeMap;

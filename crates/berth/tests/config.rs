@@ -1,5 +1,11 @@
 //! `berth config check` on the shipped examples and on broken files.
 
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "a test: an unwrap is its assertion"
+)]
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 

@@ -6,6 +6,12 @@
 //! until a deadline instead of sleeping, and stops its users before it
 //! ends; a guard also SIGKILLs whatever a failing test left behind.
 
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "a test: an unwrap is its assertion"
+)]
+
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;

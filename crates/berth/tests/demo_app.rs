@@ -1,6 +1,12 @@
 //! `berth demo-app` as a real process: the ready line, the page, the
 //! WebSocket echo, the streaming endpoints and the test flags.
 
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "a test: an unwrap is its assertion"
+)]
+
 use std::io::{BufRead, BufReader, Read};
 use std::net::TcpListener;
 use std::path::Path;

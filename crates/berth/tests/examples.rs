@@ -9,6 +9,12 @@
 //! `dsh.toml` names the original system's program, which is not available
 //! to install; `tests/config.rs` checks that preset instead.
 
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "a test: an unwrap is its assertion"
+)]
+
 mod support;
 
 use std::time::Duration;

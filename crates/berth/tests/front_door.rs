@@ -8,6 +8,12 @@
 //! to berth's loopback address, so every request carries the Host header a
 //! browser would send.
 
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "a test: an unwrap is its assertion"
+)]
+
 mod support;
 
 use std::net::SocketAddr;

@@ -6,6 +6,12 @@
 //! program's group), and the same pids run again after the resume. The
 //! cgroup freezer of level `sandbox` is tested in `isolation.rs`.
 
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "a test: an unwrap is its assertion"
+)]
+
 mod support;
 
 use std::collections::BTreeSet;

@@ -9,6 +9,12 @@
 //! the same rules are also checked header by header, which needs no
 //! browser.
 
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "a test: an unwrap is its assertion"
+)]
+
 #[path = "support/browser.rs"]
 mod browser;
 mod support;

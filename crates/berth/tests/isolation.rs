@@ -6,6 +6,12 @@
 //! own) and nftables; CI runs them as root. Run elsewhere without root,
 //! they say so and pass without testing anything; with `CI` set they fail.
 
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "a test: an unwrap is its assertion"
+)]
+
 mod support;
 
 use std::os::unix::fs::{MetadataExt, PermissionsExt};

@@ -17,6 +17,12 @@
 //! short lease timings (TTL 3 s) so that a takeover happens in seconds.
 //! Everything polls until a deadline; nothing asserts on timing.
 
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "a test: an unwrap is its assertion"
+)]
+
 mod support;
 
 use std::path::{Path, PathBuf};

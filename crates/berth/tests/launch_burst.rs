@@ -9,6 +9,12 @@
 //! ports, not the race the fresh-port restart handles (`controller.rs`
 //! takes a launch's port just before the program binds it).
 
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "a test: an unwrap is its assertion"
+)]
+
 mod support;
 
 use std::collections::BTreeSet;

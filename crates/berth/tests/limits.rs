@@ -3,6 +3,12 @@
 //! WebSockets, progress streams or followed logs, and one address holding
 //! many connections.
 
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "a test: an unwrap is its assertion"
+)]
+
 mod support;
 
 use std::net::SocketAddr;

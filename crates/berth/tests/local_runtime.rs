@@ -8,6 +8,12 @@
 //! Each harness has its own data dir and its own port range, so the cases
 //! run in parallel; a guard SIGKILLs whatever a failing case left behind.
 
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "a test: an unwrap is its assertion"
+)]
+
 use std::collections::BTreeMap;
 use std::ops::RangeInclusive;
 use std::path::PathBuf;

@@ -6,6 +6,12 @@
 //! `examples/jupyter.toml` as shipped (its text, with an `[auth.oidc]`
 //! table after it).
 
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "a test: an unwrap is its assertion"
+)]
+
 #[path = "support/browser.rs"]
 mod browser;
 #[path = "support/oidc.rs"]

@@ -6,6 +6,12 @@
 //! once, under its one name, holding what happened, read with a strict
 //! OpenMetrics parser.
 
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "a test: an unwrap is its assertion"
+)]
+
 mod support;
 
 use std::collections::HashMap;

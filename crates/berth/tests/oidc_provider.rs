@@ -8,6 +8,12 @@
 //! Needs Node.js and npm's oidc-provider (`scripts/test` installs them);
 //! without them these tests fail, saying so.
 
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "a test: an unwrap is its assertion"
+)]
+
 #[path = "support/oidc.rs"]
 mod oidc;
 mod support;

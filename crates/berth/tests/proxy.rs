@@ -2,6 +2,12 @@
 //! instances (`berth demo-app`, Python's http.server, Jupyter Server),
 //! real sockets.
 
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "a test: an unwrap is its assertion"
+)]
+
 mod support;
 
 use std::net::SocketAddr;

@@ -9,6 +9,12 @@
 //! Credential stripping and header auth mode are not here: they are tested
 //! with the front door's own tests.
 
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "a test: an unwrap is its assertion"
+)]
+
 mod support;
 
 use std::net::SocketAddr;

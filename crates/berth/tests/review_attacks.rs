@@ -8,6 +8,12 @@
 //! requests it gets on `…/poke` by method: the oracle for "this request
 //! reached an instance".
 
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "a test: an unwrap is its assertion"
+)]
+
 mod support;
 
 use std::net::SocketAddr;

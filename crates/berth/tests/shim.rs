@@ -1,6 +1,12 @@
 //! The shim, driven through the real `berth shim` binary (the zygote that
 //! forks each shim) with real programs.
 
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "a test: an unwrap is its assertion"
+)]
+
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 use std::time::Duration;

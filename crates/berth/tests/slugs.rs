@@ -3,6 +3,12 @@
 //! the real binary; the slug berth uses is the one the store recorded, so
 //! a data root made under an earlier slug stays where it is.
 
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "a test: an unwrap is its assertion"
+)]
+
 mod support;
 
 use std::collections::BTreeMap;

@@ -18,6 +18,12 @@
 //!   and map a Service to the local port its pod listens on
 //!   ([`ApiServerDouble::resolver`]).
 
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "a test double: a panic is the failing test's report"
+)]
+
 mod kubelet;
 mod server;
 mod store;

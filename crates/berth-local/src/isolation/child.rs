@@ -432,10 +432,8 @@ impl ChildPlan {
     /// As [`ChildPlan::enter`].
     unsafe fn enter_sandbox(&self, sb: &SandboxPlan) -> io::Result<()> {
         // SAFETY: unshare(2) takes flags only.
-        self.check(
-            unsafe { libc::unshare(libc::CLONE_NEWNS) }.into(),
-            "create a mount namespace",
-        )?;
+        let ret = unsafe { libc::unshare(libc::CLONE_NEWNS) };
+        self.check(ret.into(), "create a mount namespace")?;
         self.check(
             sys::mount(None, c"/", None, libc::MS_REC | libc::MS_PRIVATE, None),
             "make the mounts private",
@@ -574,24 +572,19 @@ impl ChildPlan {
                 rlim_max: value,
             };
             // SAFETY: setrlimit(2) reads the struct and keeps no pointer.
-            self.check(
-                unsafe { libc::setrlimit(resource, &limit) }.into(),
-                "set rlimits",
-            )?;
+            let ret = unsafe { libc::setrlimit(resource, &limit) };
+            self.check(ret.into(), "set rlimits")?;
         }
         // Raw system calls, not glibc's wrappers (which would signal every
         // thread the shim had): each changes the credentials of this thread
         // only, which in a single-threaded child is the whole process.
         // SAFETY: setgroups(2) with a null list of length 0.
-        self.check(
-            unsafe { libc::syscall(libc::SYS_setgroups, 0usize, std::ptr::null::<libc::gid_t>()) },
-            "drop supplementary groups",
-        )?;
+        let ret =
+            unsafe { libc::syscall(libc::SYS_setgroups, 0usize, std::ptr::null::<libc::gid_t>()) };
+        self.check(ret, "drop supplementary groups")?;
         // SAFETY: setresgid(2) with plain ids.
-        self.check(
-            unsafe { libc::syscall(libc::SYS_setresgid, self.gid, self.gid, self.gid) },
-            "set the gid",
-        )?;
+        let ret = unsafe { libc::syscall(libc::SYS_setresgid, self.gid, self.gid, self.gid) };
+        self.check(ret, "set the gid")?;
         // The bounding set can only be emptied with CAP_SETPCAP, so before
         // the uid changes.
         for cap in 0..=self.cap_last {
@@ -602,20 +595,16 @@ impl ChildPlan {
             }
         }
         // SAFETY: PR_CAP_AMBIENT takes integer arguments.
-        self.check(
-            unsafe {
-                prctl(
-                    libc::PR_CAP_AMBIENT,
-                    libc::PR_CAP_AMBIENT_CLEAR_ALL as libc::c_ulong,
-                )
-            },
-            "clear ambient capabilities",
-        )?;
+        let ret = unsafe {
+            prctl(
+                libc::PR_CAP_AMBIENT,
+                libc::PR_CAP_AMBIENT_CLEAR_ALL as libc::c_ulong,
+            )
+        };
+        self.check(ret, "clear ambient capabilities")?;
         // SAFETY: setresuid(2) with plain ids.
-        self.check(
-            unsafe { libc::syscall(libc::SYS_setresuid, self.uid, self.uid, self.uid) },
-            "set the uid",
-        )?;
+        let ret = unsafe { libc::syscall(libc::SYS_setresuid, self.uid, self.uid, self.uid) };
+        self.check(ret, "set the uid")?;
         // Leaving root cleared the effective and permitted sets; this
         // clears the inheritable one too.
         let header = CapHeader {
@@ -629,15 +618,12 @@ impl ChildPlan {
         }; 2];
         // SAFETY: capset(2) reads a header and two data structs, both
         // alive for the call.
-        self.check(
-            unsafe { libc::syscall(libc::SYS_capset, &header as *const CapHeader, data.as_ptr()) },
-            "drop capabilities",
-        )?;
+        let ret =
+            unsafe { libc::syscall(libc::SYS_capset, &header as *const CapHeader, data.as_ptr()) };
+        self.check(ret, "drop capabilities")?;
         // SAFETY: PR_SET_NO_NEW_PRIVS takes integer arguments.
-        self.check(
-            unsafe { prctl(libc::PR_SET_NO_NEW_PRIVS, 1) },
-            "set no_new_privs",
-        )
+        let ret = unsafe { prctl(libc::PR_SET_NO_NEW_PRIVS, 1) };
+        self.check(ret, "set no_new_privs")
     }
 
     /// Sets the parent-death signal and makes sure the shim did not die
@@ -648,10 +634,8 @@ impl ChildPlan {
     /// As [`ChildPlan::enter`].
     unsafe fn check_parent(&self) -> io::Result<()> {
         // SAFETY: PR_SET_PDEATHSIG takes a signal number.
-        self.check(
-            unsafe { prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong) },
-            "set the parent-death signal",
-        )?;
+        let ret = unsafe { prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong) };
+        self.check(ret, "set the parent-death signal")?;
         let gone = match self.parent {
             // SAFETY: getppid(2) takes nothing.
             ParentCheck::Pid(shim) => (unsafe { libc::getppid() }) != shim,
