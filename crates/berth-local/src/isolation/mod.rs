@@ -151,6 +151,17 @@ pub(crate) struct Account {
     pub name: String,
 }
 
+impl Account {
+    /// The account of the user filed under `slug`, whose host uid is `uid`.
+    pub fn of(slug: String, uid: u32) -> Account {
+        Account {
+            uid,
+            gid: uid,
+            name: slug,
+        }
+    }
+}
+
 /// The isolation part of a shim spec: what the shim sets up before it
 /// executes the program.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -60,11 +60,7 @@ impl Isolated {
             .uid(slug.as_str(), self.uids)
             .await
             .map_err(|e| RuntimeError::Failed(format!("cannot read the account of {slug}: {e}")))?;
-        let account = Account {
-            uid,
-            gid: uid,
-            name: slug.as_str().to_owned(),
-        };
+        let account = Account::of(slug.as_str().to_owned(), uid);
         self.known
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
@@ -86,11 +82,7 @@ impl Isolated {
         };
         let mut known = self.known.lock().unwrap_or_else(PoisonError::into_inner);
         for (slug, uid) in all {
-            let account = Account {
-                uid,
-                gid: uid,
-                name: slug.clone(),
-            };
+            let account = Account::of(slug.clone(), uid);
             known.entry(slug).or_insert(account);
         }
     }
