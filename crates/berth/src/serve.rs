@@ -5,8 +5,10 @@
 //! — in a cluster — the refusal of a node id that is already live, then the
 //! listener is bound (so the default advertised URL is the real address),
 //! then the runtime the config chooses and the controller over it (which
-//! adopts the instances a previous berth left running), one heartbeat, and only then does the listener serve, so no
-//! request sees a half-built node. The public listener serves both:
+//! plans the adoption of the instances a previous berth left running, and
+//! adopts them while berth serves), one heartbeat, and only then does the
+//! listener serve, so no request sees a half-built node. The public
+//! listener serves both:
 //! `berth_proxy`'s server sends user routes (`/u/<user>/…`,
 //! `<slug>.<base_domain>`) to the proxy and everything else to the API
 //! router. In a cluster a second listener (`[cluster] internal_listen`,
