@@ -558,39 +558,15 @@ async fn an_email_like_user_reaches_the_app_under_its_encoded_base_path() {
     node.kill_instances();
 }
 
-/// A test device in front of the real `nft` (berth takes it through
-/// `[isolation] nft`): of a script on stdin, the lines naming the held
-/// port wait until the gate file exists (or berth is gone, or five
-/// minutes have passed); every other line goes through at once. Anything
-/// else is passed to `nft` as it is.
-const NFT_GATE: &str = r#"#!/usr/bin/python3
-import os, subprocess, sys, time
-REAL, HELD, GATE = "@REAL@", " . @PORT@ }", "@GATE@"
-berth, deadline = os.getppid(), time.monotonic() + 300
-if sys.argv[1:] != ["-f", "-"]:
-    os.execv(REAL, [REAL] + sys.argv[1:])
-lines = sys.stdin.read().splitlines(True)
-held = [l for l in lines if HELD in l]
-rest = [l for l in lines if HELD not in l]
-def run(part):
-    return subprocess.run([REAL, "-f", "-"], input="".join(part), text=True).returncode if part else 0
-code = run(rest)
-while held and not os.path.exists(GATE) and os.getppid() == berth and time.monotonic() < deadline:
-    time.sleep(0.01)
-sys.exit(code or run(held))
-"#;
-
 /// berth serves while it adopts. After a `kill -9`, a new berth listens
-/// before it has adopted every instance: `/healthz` answers, and a user
-/// not adopted yet gets the starting page (a browser) or `503
-/// instance_starting` (an API client), never a second instance. What keeps one user's adoption waiting is
-/// [`NFT_GATE`]: the port grant that gives that user's instance its port
-/// back waits for the test.
+/// before it has adopted every instance: `/healthz` answers, a user
+/// already adopted is served, and a user not adopted yet gets the
+/// starting page (a browser) or `503 instance_starting` (an API client),
+/// never a second instance. What keeps one user's adoption waiting is its
+/// shim, stopped by the test: it takes berth's connection and does not
+/// greet it until the test lets it run again.
 #[tokio::test(flavor = "multi_thread")]
 async fn berth_serves_while_it_adopts_and_never_starts_a_second_instance() {
-    if !support::privileged("berth_serves_while_it_adopts_and_never_starts_a_second_instance") {
-        return;
-    }
     let dir = tempfile::tempdir().unwrap();
     let mut node = Node::start(dir.path(), &config(11, "", ""));
     let mut before = Vec::new();
@@ -600,50 +576,40 @@ async fn berth_serves_while_it_adopts_and_never_starts_a_second_instance() {
             .await;
         assert_eq!(status, 201, "{body}");
         let pid = body["instance"]["pid"].as_u64().unwrap();
-        let port = body["instance"]["port"].as_u64().unwrap();
         let programs = support::instance_pids(&node.data_dir, user, "main");
         assert!(!programs.is_empty(), "{user} runs");
-        before.push((user, pid, port, programs));
+        before.push((user, pid, programs));
     }
     node.kill9();
-
-    let gate = dir.path().join("gate");
-    std::fs::create_dir(&gate).unwrap();
-    let real = ["/usr/sbin/nft", "/sbin/nft", "/usr/bin/nft"]
-        .into_iter()
-        .find(|p| std::path::Path::new(p).is_file())
-        .unwrap();
-    let nft = gate.join("nft");
-    let open = gate.join("open");
-    let script = NFT_GATE
-        .replace("@REAL@", real)
-        .replace("@PORT@", &before[0].2.to_string())
-        .replace("@GATE@", &open.display().to_string());
-    std::fs::write(&nft, script).unwrap();
-    std::fs::set_permissions(&nft, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
-    let config_path = dir.path().join("berth.toml");
-    let config = std::fs::read_to_string(&config_path).unwrap();
-    let gated = config.replacen(
-        "[isolation]\n",
-        &format!("[isolation]\nnft = \"{}\"\n", nft.display()),
-        1,
-    );
-    assert_ne!(gated, config, "the config has an [isolation] table");
-    std::fs::write(&config_path, gated).unwrap();
+    let state: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(node.data_dir.join("run/held/main.json")).unwrap())
+            .unwrap();
+    let held_shim = u32::try_from(state["shim_pid"].as_u64().unwrap()).unwrap();
+    signal(held_shim, nix::sys::signal::Signal::SIGSTOP);
     node.restart();
 
-    // Listening before the adoption has ended. (Whether `free` is adopted
-    // meanwhile depends on whether its grant went to `nft` in the run
-    // that holds `held`'s: the guard makes its changes one run at a
-    // time.)
+    // `free` is adopted and served while `held` still waits.
     assert_eq!(node.healthz().await, 200);
-    let awaiting = node.metric("berth_instances_awaiting_adoption").await;
-    assert!(
-        awaiting >= Some(1.0),
-        "held waits at the gate: {awaiting:?}"
+    let free_token = node.user_token("free").await;
+    let page = eventually(PATIENCE, "free's app, once adopted", || async {
+        let r = get(&node, "/u/free/", &free_token).await;
+        if r.status() == 200 {
+            return Some(r.text().await.unwrap());
+        }
+        assert_eq!(r.status(), 503, "only `starting` before");
+        None
+    })
+    .await;
+    assert!(page.contains("free"), "{page}");
+    let free = node.running_main("free", None).await;
+    assert_eq!(free["pid"].as_u64(), Some(before[1].1), "free adopted");
+    assert_eq!(
+        node.metric("berth_instances_awaiting_adoption").await,
+        Some(1.0),
+        "held waits on its shim"
     );
 
-    let (_, held_pid, _, held_programs) = &before[0];
+    let (_, held_pid, held_programs) = &before[0];
     let held_token = node.user_token("held").await;
     let cookie = format!("berth_token={held_token}");
     let navigate = || {
@@ -671,22 +637,7 @@ async fn berth_serves_while_it_adopts_and_never_starts_a_second_instance() {
         "no second instance"
     );
 
-    std::fs::write(&open, "").unwrap();
-    // The store says "running" before and after adoption; being served
-    // is what shows the adoption.
-    let free_token = node.user_token("free").await;
-    let page = eventually(PATIENCE, "free's app, once adopted", || async {
-        let r = get(&node, "/u/free/", &free_token).await;
-        if r.status() == 200 {
-            return Some(r.text().await.unwrap());
-        }
-        assert_eq!(r.status(), 503, "only `starting` before");
-        None
-    })
-    .await;
-    assert!(page.contains("free"), "{page}");
-    let free = node.running_main("free", None).await;
-    assert_eq!(free["pid"].as_u64(), Some(before[1].1), "free adopted");
+    signal(held_shim, nix::sys::signal::Signal::SIGCONT);
     let held = node.running_main("held", None).await;
     assert_eq!(held["pid"].as_u64(), Some(*held_pid), "held adopted");
     let page = eventually(PATIENCE, "held's app", || async {
@@ -700,7 +651,7 @@ async fn berth_serves_while_it_adopts_and_never_starts_a_second_instance() {
         node.metric("berth_instances_awaiting_adoption").await,
         Some(0.0)
     );
-    for (user, _, _, programs) in [&before[0], &before[1]] {
+    for (user, _, programs) in [&before[0], &before[1]] {
         assert_eq!(
             &support::instance_pids(&node.data_dir, user, "main"),
             programs,

@@ -556,6 +556,29 @@ async fn program_dies_with_its_shim_and_attach_says_gone() {
     assert!(matches!(error, ShimError::Gone(_)), "{error}");
 }
 
+/// A shim that takes the connection and does not greet is killed, and its
+/// program with it: berth cannot supervise it, and must not start a
+/// second instance beside it. The test stops the shim (SIGSTOP) to make it
+/// silent.
+#[tokio::test]
+async fn a_silent_shim_is_killed_with_its_program() {
+    let dir = tempfile::tempdir().unwrap();
+    let spec = spec(dir.path(), &["sleep", "1000"]);
+    let (_first, state, _reaper) = spawn(&spec).await.unwrap();
+    let shim_start = stat(state.shim_pid).unwrap().1;
+    kill(Pid::from_raw(state.shim_pid as i32), Signal::SIGSTOP).unwrap();
+
+    let error = ShimHandle::attach_within(&spec.state_path, Duration::from_millis(300))
+        .await
+        .err()
+        .unwrap();
+    assert!(matches!(error, ShimError::Silent(_)), "{error}");
+    poll_until("the silent shim and its program are gone", || {
+        !alive(state.shim_pid, shim_start) && !alive(state.pid, state.pid_start)
+    })
+    .await;
+}
+
 #[tokio::test]
 async fn second_client_attaches_and_shares_events() {
     let dir = tempfile::tempdir().unwrap();

@@ -698,27 +698,36 @@ pub fn remove_stale(
             stale.insert(name);
         }
     }
-    let mut failed = Vec::new();
-    for leaf in stale {
-        let cgroup = InstanceCgroup::new(parents.clone(), leaf.clone());
-        let orphaned = shim_pid_of_leaf(&leaf).is_some_and(|pid| !shim_alive(pid));
-        match cgroup.freezer().filter(|f| orphaned && f.dir.is_dir()) {
-            Some(freezer) => match freezer.kill_all() {
-                // Dying processes keep a cgroup busy for a moment.
-                Ok(()) => failed.extend(cgroup.remove()),
-                Err(e) => failed.push((freezer.dir.clone(), io::Error::other(e.to_string()))),
-            },
-            None => {
-                for dir in cgroup.dirs() {
-                    match fs::remove_dir(&dir) {
-                        Err(e) if e.kind() != io::ErrorKind::NotFound => failed.push((dir, e)),
-                        _ => {}
-                    }
-                }
-            }
-        }
+    stale
+        .iter()
+        .flat_map(|leaf| remove_stale_leaf(parents, leaf, &shim_alive))
+        .collect()
+}
+
+/// Removes one instance cgroup of [`remove_stale`]'s, killing its
+/// processes first when its shim is gone.
+pub fn remove_stale_leaf(
+    parents: &Parents,
+    leaf: &str,
+    shim_alive: impl Fn(u32) -> bool,
+) -> Vec<(PathBuf, io::Error)> {
+    let cgroup = InstanceCgroup::new(parents.clone(), leaf.to_owned());
+    let orphaned = shim_pid_of_leaf(leaf).is_some_and(|pid| !shim_alive(pid));
+    match cgroup.freezer().filter(|f| orphaned && f.dir.is_dir()) {
+        Some(freezer) => match freezer.kill_all() {
+            // Dying processes keep a cgroup busy for a moment.
+            Ok(()) => cgroup.remove(),
+            Err(e) => vec![(freezer.dir.clone(), io::Error::other(e.to_string()))],
+        },
+        None => cgroup
+            .dirs()
+            .into_iter()
+            .filter_map(|dir| match fs::remove_dir(&dir) {
+                Err(e) if e.kind() != io::ErrorKind::NotFound => Some((dir, e)),
+                _ => None,
+            })
+            .collect(),
     }
-    failed
 }
 
 /// How an instance is frozen, stopped and killed: through the handle that

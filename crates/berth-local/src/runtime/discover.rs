@@ -1,18 +1,25 @@
 //! Discovery at start: the shims a previous berth left under
-//! `<data_dir>/run/<slug>/<role>.json`, attached to when alive.
+//! `<data_dir>/run/<slug>/<role>.json`. Listing reads their state files
+//! only; each is attached to in its own user's adoption step, so one
+//! slow shim holds up its own user and no other.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use futures_util::StreamExt;
-
 use berth_core::runtime::{Discovered, ExitStatus, OutOfMemory, RuntimeRef};
 use berth_core::{Role, UserId};
 
-use crate::shim::{ShimCommand, ShimHandle, ShimState};
+use crate::isolation::cgroup::{self, Parents};
+use crate::shim::{ShimCommand, ShimError, ShimHandle, ShimState, procfs};
 
 /// How long [`FoundShim::remove`] waits for a killed shim to go.
 const REMOVE_WAIT: Duration = Duration::from_secs(5);
+
+/// How long a found shim may take to greet berth before it is killed (see
+/// [`ShimError::Silent`]). Generous, because only its own user waits
+/// meanwhile (on the starting page), and killing it costs that user's
+/// program its memory.
+const GREETING_PATIENCE: Duration = Duration::from_secs(30);
 
 /// A shim state file found on disk.
 pub(super) struct FoundShim {
@@ -22,16 +29,20 @@ pub(super) struct FoundShim {
     pub state_path: PathBuf,
     /// `None` when the state file could not be read.
     pub state: Option<ShimState>,
-    /// The connection, when a live shim answered.
-    pub handle: Option<ShimHandle>,
+    /// Whether its shim runs, as far as [`ShimHandle::check_running`]
+    /// tells without asking it.
+    pub running: bool,
 }
 
-/// Shims attached to at once: each attach waits on its shim's answer.
-const ATTACH_CONCURRENCY: usize = 256;
+/// Every shim state file under `run_dir`, in the order of their
+/// directories' names.
+pub(super) async fn scan(run_dir: PathBuf) -> Vec<FoundShim> {
+    tokio::task::spawn_blocking(move || scan_now(&run_dir))
+        .await
+        .unwrap_or_default()
+}
 
-/// Every shim state file under `run_dir`, attached to when alive, in the
-/// order of their directories' names.
-pub(super) async fn scan(run_dir: &Path) -> Vec<FoundShim> {
+fn scan_now(run_dir: &Path) -> Vec<FoundShim> {
     let Ok(entries) = std::fs::read_dir(run_dir) else {
         return Vec::new();
     };
@@ -51,23 +62,22 @@ pub(super) async fn scan(run_dir: &Path) -> Vec<FoundShim> {
         })
         .filter(|(_, _, state_path)| state_path.exists())
         .collect();
-    futures_util::stream::iter(files)
-        .map(|(dir_slug, role, state_path)| async move {
-            let (state, handle) = match ShimHandle::attach(&state_path).await {
-                Ok((handle, state)) => (Some(state), Some(handle)),
-                Err(_) => (ShimHandle::read_state(&state_path).ok(), None),
-            };
+    files
+        .into_iter()
+        .map(|(dir_slug, role, state_path)| {
+            let state = ShimHandle::read_state(&state_path).ok();
+            let running = state
+                .as_ref()
+                .is_some_and(|state| ShimHandle::check_running(state).is_ok());
             FoundShim {
                 dir_slug,
                 role,
                 state_path,
                 state,
-                handle,
+                running,
             }
         })
-        .buffered(ATTACH_CONCURRENCY)
         .collect()
-        .await
 }
 
 impl FoundShim {
@@ -102,7 +112,7 @@ impl FoundShim {
             instance_id: state.instance_id.clone(),
             epoch: state.epoch,
             runtime_ref: super::ref_of(state.pid, state.pid_start),
-            alive: self.handle.is_some() && state.role == self.role,
+            alive: self.running && state.role == self.role,
             frozen: state.frozen,
             ready: state.ready,
             token: state.token.clone(),
@@ -116,10 +126,27 @@ impl FoundShim {
         }
     }
 
+    /// Connects to the shim. One that stays silent is killed, and what it
+    /// leaves (its files, and its cgroup with anything still in it) is
+    /// removed: berth cannot supervise it, and the user's next instance
+    /// must not start beside it.
+    pub async fn attach(
+        &self,
+        cgroups: Option<&Parents>,
+    ) -> Result<(ShimHandle, ShimState), ShimError> {
+        let attached = ShimHandle::attach_within(&self.state_path, GREETING_PATIENCE).await;
+        if let Err(e @ ShimError::Silent(_)) = &attached {
+            tracing::warn!(path = %self.state_path.display(), error = %e,
+                "a found shim did not answer");
+            self.remove_leftovers(cgroups);
+        }
+        attached
+    }
+
     /// Ends a live shim's program (SIGKILL through the shim), waits for the
     /// shim to go, and deletes its state file and socket.
-    pub async fn remove(self) {
-        if let Some(mut handle) = self.handle {
+    pub async fn remove(self, cgroups: Option<&Parents>) {
+        if let Ok((mut handle, _)) = self.attach(cgroups).await {
             if let Err(e) = handle.control().send(ShimCommand::Kill).await {
                 tracing::warn!(path = %self.state_path.display(), error = %e,
                     "could not stop the shim");
@@ -130,7 +157,24 @@ impl FoundShim {
                     "the removed shim has not exited yet");
             }
         }
+        self.remove_leftovers(None);
+    }
+
+    /// Deletes the state file and socket and, given the cgroup parents,
+    /// the instance's cgroup, killing what runs in it once its shim is
+    /// gone.
+    fn remove_leftovers(&self, cgroups: Option<&Parents>) {
         let _ = std::fs::remove_file(&self.state_path);
         let _ = std::fs::remove_file(self.state_path.with_extension("sock"));
+        let leaf = self
+            .state
+            .as_ref()
+            .and_then(|state| state.cgroup.first())
+            .and_then(|dir| Some(dir.file_name()?.to_string_lossy().into_owned()));
+        if let (Some(parents), Some(leaf)) = (cgroups, leaf) {
+            for (dir, e) in cgroup::remove_stale_leaf(parents, &leaf, procfs::exists) {
+                tracing::warn!(dir = %dir.display(), error = %e, "a silent shim's cgroup remains");
+            }
+        }
     }
 }

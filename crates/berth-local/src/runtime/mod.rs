@@ -42,7 +42,7 @@ use tokio_util::task::TaskTracker;
 use crate::isolation::{Account, Isolator, Limits, UidRange, leftovers};
 use crate::paths::{UserPaths, check_socket_room, create_private_dir};
 use crate::ports::{PortPool, bind_free};
-use crate::shim::{ShimCommand, ShimError, ShimHandle, ShimLauncher};
+use crate::shim::{ShimCommand, ShimError, ShimLauncher, procfs};
 use crate::{Isolation, LocalError, MIN_LOG_MAX_BYTES, Readiness};
 
 pub use self::accounts::Accounts;
@@ -278,6 +278,11 @@ impl LocalRuntime {
             tracker: TaskTracker::new(),
             cancel: CancellationToken::new(),
         }))
+    }
+
+    /// The parents of instance cgroups, when instances get cgroups.
+    fn cgroup_parents(&self) -> Option<&crate::isolation::cgroup::Parents> {
+        self.isolated.as_ref()?.isolator.cgroups.as_ref()
     }
 
     fn paths(&self, slug: &Slug) -> UserPaths {
@@ -732,17 +737,13 @@ impl Runtime for LocalRuntime {
     }
 
     async fn discover(&self) -> Result<Vec<Discovered>, RuntimeError> {
-        let shims = discover::scan(&self.config.data_dir.join("run")).await;
+        let shims = discover::scan(self.config.data_dir.join("run")).await;
         // Instance cgroups no running shim uses are left by shims killed
         // before they could remove them.
-        if let Some(parents) = self
-            .isolated
-            .as_ref()
-            .and_then(|i| i.isolator.cgroups.as_ref())
-        {
+        if let Some(parents) = self.cgroup_parents() {
             let keep: std::collections::HashSet<String> = shims
                 .iter()
-                .filter(|s| s.handle.is_some())
+                .filter(|s| s.running)
                 .filter_map(|s| s.state.as_ref())
                 .flat_map(|state| state.cgroup.iter())
                 .filter_map(|d| Some(d.file_name()?.to_string_lossy().into_owned()))
@@ -750,9 +751,8 @@ impl Runtime for LocalRuntime {
             let parents = parents.clone();
             // A shim's pid, read from its cgroup's name: a pid reused since
             // counts as alive, which only leaves its cgroup in place.
-            let shim_alive = |pid: u32| Path::new(&format!("/proc/{pid}")).exists();
             let removal = tokio::task::spawn_blocking(move || {
-                crate::isolation::cgroup::remove_stale(&parents, &keep, shim_alive)
+                crate::isolation::cgroup::remove_stale(&parents, &keep, procfs::exists)
             });
             for (dir, e) in removal.await.unwrap_or_default() {
                 tracing::warn!(dir = %dir.display(), error = %e, "a stale instance cgroup remains");
@@ -791,22 +791,13 @@ impl Runtime for LocalRuntime {
 
     async fn adopt(&self, found: &Discovered) -> Result<Started, RuntimeError> {
         let shim = lock(&self.found).remove(&found.runtime_ref);
-        let Some(FoundShim {
-            state: Some(state),
-            handle,
-            state_path,
-            ..
-        }) = shim
-        else {
+        let Some(shim) = shim.filter(|shim| shim.state.is_some()) else {
             return Err(RuntimeError::Gone(found.runtime_ref.clone()));
         };
-        let handle = match handle {
-            Some(handle) => handle,
-            None => match ShimHandle::attach(&state_path).await {
-                Ok((handle, _)) => handle,
-                Err(_) => return Err(RuntimeError::Gone(found.runtime_ref.clone())),
-            },
+        let Ok((handle, state)) = shim.attach(self.cgroup_parents()).await else {
+            return Err(RuntimeError::Gone(found.runtime_ref.clone()));
         };
+        let state_path = shim.state_path;
         let by_regex =
             state.role == Role::Main && matches!(self.config.readiness, Readiness::TokenRegex(_));
         let port = state.port.filter(|_| state.role == Role::Main);
@@ -871,7 +862,7 @@ impl Runtime for LocalRuntime {
         {
             self.unreserve(&state.instance_id).await;
         }
-        shim.remove().await;
+        shim.remove(self.cgroup_parents()).await;
         Ok(())
     }
 

@@ -37,6 +37,11 @@ pub enum ShimError {
     /// No live shim answers at this state file / socket.
     #[error("no live shim: {0}")]
     Gone(String),
+    /// A shim took the connection but did not greet in time. It was
+    /// killed, and its program with it: berth cannot supervise it, and
+    /// must not start a second instance beside it.
+    #[error("silent shim, killed: {0}")]
+    Silent(String),
     #[error("shim i/o: {0}")]
     Io(#[from] std::io::Error),
 }
@@ -117,7 +122,7 @@ impl ShimHandle {
                 )));
             }
         };
-        let error = match connect(&state).await {
+        let error = match connect(&state, HELLO_TIMEOUT).await {
             Ok(connected) => return Ok(connected),
             Err(ShimError::Gone(why)) => match Self::read_state(&spec.state_path) {
                 Ok(recorded) if recorded.exit.is_some() && same_program(&recorded, &state) => {
@@ -149,12 +154,31 @@ impl ShimHandle {
     /// state file may still hold the program's exit: see
     /// [`ShimHandle::read_state`]).
     pub async fn attach(state_path: &Path) -> Result<(ShimHandle, ShimState), ShimError> {
+        Self::attach_within(state_path, HELLO_TIMEOUT).await
+    }
+
+    /// [`ShimHandle::attach`], waiting up to `patience` for the greeting.
+    /// A shim that takes the connection and stays silent that long is
+    /// killed ([`ShimError::Silent`]).
+    pub async fn attach_within(
+        state_path: &Path,
+        patience: Duration,
+    ) -> Result<(ShimHandle, ShimState), ShimError> {
         let state = match Self::read_state(state_path) {
             Err(ShimError::Io(e)) if e.kind() == io::ErrorKind::NotFound => {
                 return Err(ShimError::Gone(format!("no state file {state_path:?}")));
             }
             other => other?,
         };
+        Self::check_running(&state)?;
+        connect(&state, patience).await
+    }
+
+    /// Whether the shim `state` describes still runs, as far as the state
+    /// file and the process table tell without asking it: its program's
+    /// exit is not recorded and its pid exists (a pid reused since is
+    /// told apart only by connecting).
+    pub fn check_running(state: &ShimState) -> Result<(), ShimError> {
         if let Some(exit) = state.exit {
             return Err(ShimError::Gone(format!(
                 "program of {} has exited ({exit:?})",
@@ -169,7 +193,7 @@ impl ShimHandle {
                 state.shim_pid, state.instance_id
             )));
         }
-        connect(&state).await
+        Ok(())
     }
 
     /// Reads a state file without connecting.
@@ -347,8 +371,11 @@ fn same_program(a: &ShimState, b: &ShimState) -> bool {
 
 /// Connects to the shim `expected` describes and checks that its Hello is
 /// about the same program, so a stale state file or a reused pid is never
-/// mistaken for the instance.
-async fn connect(expected: &ShimState) -> Result<(ShimHandle, ShimState), ShimError> {
+/// mistaken for the instance. A shim silent for `patience` is killed.
+async fn connect(
+    expected: &ShimState,
+    patience: Duration,
+) -> Result<(ShimHandle, ShimState), ShimError> {
     let socket = &expected.socket_path;
     let stream = match UnixStream::connect(socket).await {
         Ok(stream) => stream,
@@ -359,9 +386,18 @@ async fn connect(expected: &ShimState) -> Result<(ShimHandle, ShimState), ShimEr
         }
         Err(e) => return Err(ShimError::Io(e)),
     };
+    // The process that took the connection, held before waiting: only the
+    // shim binds its socket, and a pidfd never names another process.
+    let listener = stream
+        .peer_cred()
+        .ok()
+        .and_then(|cred| cred.pid())
+        .and_then(|pid| u32::try_from(pid).ok())
+        .filter(|&pid| pid == expected.shim_pid)
+        .map(|pid| PidFd::open(pid).map_or(Doomed::Pid(pid), Doomed::PidFd));
     let (read, write) = stream.into_split();
     let mut events = BufReader::with_capacity(EVENT_BUFFER, read).lines();
-    let first = match tokio::time::timeout(HELLO_TIMEOUT, events.next_line()).await {
+    let first = match tokio::time::timeout(patience, events.next_line()).await {
         Ok(Ok(Some(line))) => line,
         Ok(Ok(None)) => {
             return Err(ShimError::Gone(format!(
@@ -375,9 +411,18 @@ async fn connect(expected: &ShimState) -> Result<(ShimHandle, ShimState), ShimEr
         }
         Ok(Err(e)) => return Err(ShimError::Io(e)),
         Err(_) => {
-            return Err(ShimError::Shim(format!(
-                "no greeting on {socket:?} within {}s",
-                HELLO_TIMEOUT.as_secs()
+            let Some(listener) = listener else {
+                return Err(ShimError::Shim(format!(
+                    "no greeting on {socket:?}, whose listener is not shim {}",
+                    expected.shim_pid
+                )));
+            };
+            // Killing the shim takes the program with it (parent-death
+            // signal).
+            kill_and_wait(Some(listener)).await;
+            return Err(ShimError::Silent(format!(
+                "no greeting on {socket:?} within {:.1}s",
+                patience.as_secs_f64()
             )));
         }
     };

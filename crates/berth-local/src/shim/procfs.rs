@@ -34,6 +34,11 @@ pub(crate) fn parse_stat(content: &str) -> Option<ProcStat> {
 }
 
 /// Reads and parses `/proc/<pid>/stat`.
+/// Whether a process `pid` exists (a pid reused since counts).
+pub(crate) fn exists(pid: u32) -> bool {
+    std::path::Path::new(&format!("/proc/{pid}")).exists()
+}
+
 pub(crate) fn read_stat(pid: u32) -> io::Result<ProcStat> {
     let content = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
     parse_stat(&content).ok_or_else(|| {
