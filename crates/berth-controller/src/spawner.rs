@@ -229,7 +229,7 @@ impl Spawner for Controller {
     }
 
     async fn spawn_watchdog(&self, user: &UserId) -> Result<Instance, SpawnError> {
-        // Refused before anything is recorded (invariant 6).
+        // Refused before anything is recorded (invariant 14).
         if !self.shared.config.watchdog {
             return Err(SpawnError::NotFound {
                 user: user.clone(),

@@ -141,7 +141,7 @@ pub trait Spawner: Send + Sync + 'static {
 
     /// Fences the user's main on this node if, and only if, it runs under
     /// lease `epoch`: kills it at once, records it stopped, and forgets the
-    /// lease (ARCHITECTURE.md, invariant 14: the message names the old
+    /// lease (ARCHITECTURE.md, invariant 7: the message names the old
     /// holder's epoch, so it can never hit a newer instance). Returns
     /// whether an instance was fenced. Backends without leases fence
     /// nothing.

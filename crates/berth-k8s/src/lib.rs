@@ -39,7 +39,7 @@
 //! Kubernetes cannot pause a container or stop it on a deadline of its
 //! own, so [`K8sRuntime::capabilities`] declares neither; one instance per
 //! user rests on the API server's one object per name instead (see
-//! `ARCHITECTURE.md`, "Kubernetes").
+//! `docs/design.md`, "How fencing maps onto Kubernetes").
 
 #![forbid(unsafe_code)]
 

@@ -21,7 +21,8 @@ pub const USER_ANNOTATION: &str = "berth.dev/user";
 /// Annotation (pods): the instance id the pod runs.
 pub const INSTANCE_ANNOTATION: &str = "berth.dev/instance";
 /// Annotation (pods): the lease epoch the pod is managed under. Only ever
-/// raised, by the replica that holds the lease (see `ARCHITECTURE.md`).
+/// raised, by the replica that holds the lease (see `docs/design.md`,
+/// "How fencing maps onto Kubernetes").
 pub const EPOCH_ANNOTATION: &str = "berth.dev/epoch";
 /// Annotation (pods): the berth node (replica) that manages the pod.
 pub const NODE_ANNOTATION: &str = "berth.dev/node";

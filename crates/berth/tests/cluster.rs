@@ -1372,7 +1372,7 @@ async fn forwarded_get(node: &Node, user: &str) -> (u16, String) {
 }
 
 /// A request another node forwarded is served where it lands, never
-/// forwarded again (ARCHITECTURE.md, "Cluster mode", Routing): nodes
+/// forwarded again (ARCHITECTURE.md, invariant 10): nodes
 /// whose views differ for a moment cannot bounce a request between them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_forwarded_request_is_never_forwarded_again() {

@@ -438,7 +438,7 @@ async fn freeze_and_thaw() {
     exit_of(&mut handle, &spec.state_path).await;
 }
 
-/// The fencing hole (ARCHITECTURE.md, invariant 3): a frozen program
+/// The fencing hole (ARCHITECTURE.md, invariant 4): a frozen program
 /// asked to stop is killed while frozen, never thawed so that it could
 /// act on SIGTERM (its lease may be another node's by then). Its TERM
 /// handler writes a file: that file never appears.

@@ -1,5 +1,5 @@
 //! berth's credentials never reach a program, and a program cannot set
-//! them (invariant 9 in ARCHITECTURE.md).
+//! them (invariant 21 in ARCHITECTURE.md).
 
 use cookie::Cookie;
 use hyper::header::{self, HeaderMap, HeaderValue};

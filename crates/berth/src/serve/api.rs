@@ -9,7 +9,7 @@
 //! ([`user_may`](extract::user_may)). Handlers do no lifecycle work
 //! themselves: they call the use cases in `ops`, which run them on the
 //! node that owns the user. Adding an endpoint is one route and one
-//! handler (ARCHITECTURE.md, "How to add an endpoint").
+//! handler (ARCHITECTURE.md, "How to add …", an endpoint).
 
 mod credentials;
 mod error;

@@ -487,7 +487,7 @@ impl Cluster {
     }
 
     /// Asks `node` to fence `user`'s instance if it still runs under
-    /// `epoch` (ARCHITECTURE.md, invariant 14). Best effort: the old
+    /// `epoch` (ARCHITECTURE.md, invariant 7). Best effort: the old
     /// holder is usually gone, and its shim freezes the instance anyway.
     pub async fn fence_remote(&self, node: &str, user: &UserId, epoch: Epoch) {
         if node == self.node_id {

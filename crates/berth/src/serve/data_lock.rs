@@ -1,6 +1,6 @@
 //! The data dir's lock: proof that no other live process uses this data
 //! dir, and the data dir's identity that a node records in its row
-//! (ARCHITECTURE.md, "Node identity across restarts").
+//! (docs/design.md, "Node identity across restarts").
 //!
 //! `berth serve` takes an exclusive `flock` on `<data_dir>/node.lock` before
 //! anything else and holds it for its whole life. The kernel drops the lock

@@ -1,4 +1,4 @@
-//! The failover scan (ARCHITECTURE.md, "Cluster mode"): every renew
+//! The failover scan (docs/design.md, "Failover"): every renew
 //! interval, each node reads the expired leases and relaunches the users
 //! whose holder is gone, with evidence, that placement gives to it; the
 //! rest are reported once per epoch for an operator (`berth takeover`).
@@ -50,7 +50,7 @@ pub enum FailoverStep {
     },
 }
 
-/// No silent takeover (ARCHITECTURE.md, "Cluster mode"): decides, for
+/// No silent takeover (docs/design.md, "Failover"): decides, for
 /// every expired lease of a main that was live, whether this node
 /// relaunches it.
 ///

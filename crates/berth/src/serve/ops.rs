@@ -1,5 +1,5 @@
 //! The use cases: every per-user operation, written once, for every caller
-//! (ARCHITECTURE.md, invariant 21: every per-user operation runs on the
+//! (ARCHITECTURE.md, invariant 9: every per-user operation runs on the
 //! node that owns the user).
 //!
 //! The public API, the node-to-node API, the proxy (through its cluster
@@ -306,7 +306,7 @@ impl Ops {
     /// if it runs the user's main itself, it stops it here: ending what
     /// runs here needs no lease to be safe, and a node whose instance is
     /// frozen for want of the database must still be able to end it (it is
-    /// killed while frozen, never thawed: ARCHITECTURE.md, invariant 3).
+    /// killed while frozen, never thawed: ARCHITECTURE.md, invariant 4).
     pub async fn stop(&self, user: &UserId, via: Via) -> Result<(), SpawnError> {
         match self.hop(user, via, &Stop).await {
             Err(SpawnError::StoreUnavailable(why)) if self.runs_here(user).await => {
