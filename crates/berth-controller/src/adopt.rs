@@ -114,8 +114,10 @@ pub(crate) fn plan(
     steps
 }
 
-/// How many users adoption works on at once.
-const ADOPT_CONCURRENCY: usize = 64;
+/// How many users adoption works on at once. Each user's step mostly
+/// waits (a local shim's greeting, a store query), so the bound is there
+/// to cap what is in flight, not to share the CPU.
+const ADOPT_CONCURRENCY: usize = 256;
 
 /// `steps` in the order adoption takes them: first every removal (each
 /// alone: they free ports and accounts that a restart may need), then one
