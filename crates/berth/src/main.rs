@@ -110,6 +110,7 @@ fn serve(args: &ServeArgs) -> anyhow::Result<()> {
         tracing::warn!("{warning}");
     }
     raise_open_files_limit();
+    serve::heap::tune_allocator();
 
     let mut builder = tokio::runtime::Builder::new_multi_thread();
     // Only `#[tokio::main]` reads this variable; the builder does not.

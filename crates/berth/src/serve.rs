@@ -24,7 +24,7 @@ mod auth;
 mod cluster;
 mod data_lock;
 mod failover;
-mod heap;
+pub(crate) mod heap;
 mod home;
 pub(crate) mod login;
 mod metrics;
