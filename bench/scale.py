@@ -17,8 +17,8 @@ built-in demo app for N users, and the script measures:
   the time from its start to its listening line, the time to its
   "adoption ended" line with `/healthz` asked all the while (berth serves
   while it adopts), berth's RSS then and 2 s later, and a check that all
-  N are running with the pids they had (and berth's RSS after that
-  listing);
+  N are running with the pids they had (and berth's RSS right after that
+  listing, and 11 s later, once berth has given freed memory back);
 * stop: every user stopped through the API (16 client threads); wall time;
 * leftovers: shims and programs still alive, port-guard elements and
   instance cgroups left once all are stopped (all must be 0).
@@ -47,9 +47,18 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import spawn  # noqa: E402  (the Berth harness, shared with the spawn bench)
 
 
+def rate(times):
+    """Launches per second over `times` (sorted completion times)."""
+    if len(times) < 2 or times[-1] <= times[0]:
+        return None
+    return (len(times) - 1) / (times[-1] - times[0])
+
+
 def launch_all(berth, users, launchers):
     """Launches every user; returns (wall seconds, failures, the rate of
-    the last tenth of the launches: the rate with nearly N running)."""
+    the last tenth of the launches: the rate with nearly N running, and
+    the rate of launches 100 to 600: the rate with about 100 running, in
+    the same run, when N is at least 1,000)."""
     done = []
 
     def one(chunk):
@@ -71,9 +80,8 @@ def launch_all(berth, users, launchers):
         failures = [f for failed in pool.map(one, chunks) for f in failed]
     done.sort()
     tenth = max(len(done) // 10, 1)
-    last = done[-tenth:]
-    late_rate = (len(last) - 1) / (last[-1] - last[0]) if len(last) > 1 and last[-1] > last[0] else None
-    return time.perf_counter() - start, failures, late_rate
+    early = rate(done[100:600]) if len(done) >= 1000 else None
+    return time.perf_counter() - start, failures, rate(done[-tenth:]), early
 
 
 def healthz(berth, n=500):
@@ -207,9 +215,10 @@ def one_scale(args, n):
                      parent=args.tmp, reap_extra=reap) as berth:
         users = [f"scale{i}" for i in range(n)]
         row = {"n": n, "isolation": args.isolation, "machine_before": spawn.machine()}
-        seconds, failures, late_rate = launch_all(berth, users, args.launchers)
+        seconds, failures, late_rate, early_rate = launch_all(berth, users, args.launchers)
         row["launch"] = {"seconds": round(seconds, 2), "per_s": round(n / seconds, 1),
                          "last_tenth_per_s": late_rate and round(late_rate, 1),
+                         "launches_100_to_600_per_s": early_rate and round(early_rate, 1),
                          "failures": len(failures), "first_failures": failures[:3]}
         spawn.log(f"scale: {n} launched in {seconds:.1f} s ({n / seconds:.1f}/s), "
                   f"{len(failures)} failed")
@@ -234,6 +243,9 @@ def one_scale(args, n):
         after = running_mains(berth)
         row["readopted"] = sum(1 for u, pid in before.items() if after.get(u) == pid)
         row["berth_rss_after_listing_mib"] = round(spawn.rss_kib(berth.proc.pid) / 1024, 1)
+        # berth gives freed memory back every 10 s (serve/heap.rs).
+        time.sleep(11)
+        row["berth_rss_listing_settled_mib"] = round(spawn.rss_kib(berth.proc.pid) / 1024, 1)
         spawn.log(f"scale: re-adopted {row['readopted']} of {len(before)} in "
                   f"{row['readopt_s']} s")
 

@@ -163,10 +163,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     {
         let (controller, cancel) = (spawner.clone(), cancel.clone());
         tasks.spawn(async move {
-            tokio::select! {
-                () = controller.adopted() => heap::give_back_freed(),
-                () = cancel.cancelled() => {}
-            }
+            heap::give_back_freed_while_serving(controller.adopted(), cancel).await;
         });
     }
     let (cluster, peer_auth) = if config.is_postgres() {
