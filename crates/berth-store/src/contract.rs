@@ -22,6 +22,7 @@
 #![allow(
     clippy::unwrap_used,
     clippy::expect_used,
+    clippy::panic,
     reason = "test support: a case's panic is its failure report"
 )]
 

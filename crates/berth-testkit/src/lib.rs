@@ -59,6 +59,7 @@
 #![allow(
     clippy::unwrap_used,
     clippy::expect_used,
+    clippy::panic,
     reason = "test support: a panic is the failing test's report"
 )]
 

@@ -24,6 +24,7 @@
 #![allow(
     clippy::unwrap_used,
     clippy::expect_used,
+    clippy::panic,
     reason = "a measurement tool: a failure ends the run with its message"
 )]
 

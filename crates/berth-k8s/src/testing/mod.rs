@@ -21,6 +21,7 @@
 #![allow(
     clippy::unwrap_used,
     clippy::expect_used,
+    clippy::panic,
     reason = "a test double: a panic is the failing test's report"
 )]
 
