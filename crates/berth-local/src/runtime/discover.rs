@@ -21,6 +21,10 @@ const REMOVE_WAIT: Duration = Duration::from_secs(5);
 /// program its memory.
 const GREETING_PATIENCE: Duration = Duration::from_secs(30);
 
+/// [`GREETING_PATIENCE`] for a shim adoption ends anyway: removals come
+/// before every user's adoption, so a silent one would hold up them all.
+const REMOVAL_PATIENCE: Duration = Duration::from_secs(5);
+
 /// A shim state file found on disk.
 pub(super) struct FoundShim {
     /// The directory it was found in.
@@ -134,7 +138,15 @@ impl FoundShim {
         &self,
         cgroups: Option<&Parents>,
     ) -> Result<(ShimHandle, ShimState), ShimError> {
-        let attached = ShimHandle::attach_within(&self.state_path, GREETING_PATIENCE).await;
+        self.attach_within(cgroups, GREETING_PATIENCE).await
+    }
+
+    async fn attach_within(
+        &self,
+        cgroups: Option<&Parents>,
+        patience: Duration,
+    ) -> Result<(ShimHandle, ShimState), ShimError> {
+        let attached = ShimHandle::attach_within(&self.state_path, patience).await;
         if let Err(e @ ShimError::Silent(_)) = &attached {
             tracing::warn!(path = %self.state_path.display(), error = %e,
                 "a found shim did not answer");
@@ -146,7 +158,7 @@ impl FoundShim {
     /// Ends a live shim's program (SIGKILL through the shim), waits for the
     /// shim to go, and deletes its state file and socket.
     pub async fn remove(self, cgroups: Option<&Parents>) {
-        if let Ok((mut handle, _)) = self.attach(cgroups).await {
+        if let Ok((mut handle, _)) = self.attach_within(cgroups, REMOVAL_PATIENCE).await {
             if let Err(e) = handle.control().send(ShimCommand::Kill).await {
                 tracing::warn!(path = %self.state_path.display(), error = %e,
                     "could not stop the shim");
