@@ -122,11 +122,15 @@ impl Env {
         self.start_on(setup, self.store.clone()).await
     }
 
+    /// Returns once the adoption at start has ended: these tests look at
+    /// what was adopted (serving while adopting is `tests/proxy.rs`'s).
     async fn start_on(&self, setup: Setup, store: Arc<dyn Store>) -> Arc<Controller> {
         let runtime = LocalRuntime::new(setup.runtime, None).await.unwrap();
-        Controller::start(runtime, store, setup.controller)
+        let controller = Controller::start(runtime, store, setup.controller)
             .await
-            .unwrap()
+            .unwrap();
+        controller.adopted().await;
+        controller
     }
 }
 

@@ -331,7 +331,10 @@ async fn controller(data: &Path, ports: u16, store: Arc<dyn Store>) -> Arc<Contr
         ..ControllerConfig::new("node-a")
     };
     let runtime = LocalRuntime::new(runtime, None).await.unwrap();
-    Controller::start(runtime, store, config).await.unwrap()
+    let controller = Controller::start(runtime, store, config).await.unwrap();
+    // What these tests look at is the adoption's outcome.
+    controller.adopted().await;
+    controller
 }
 
 /// A node that starts over a store whose lease rows name it (the sticky
