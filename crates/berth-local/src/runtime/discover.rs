@@ -178,15 +178,18 @@ impl FoundShim {
     fn remove_leftovers(&self, cgroups: Option<&Parents>) {
         let _ = std::fs::remove_file(&self.state_path);
         let _ = std::fs::remove_file(self.state_path.with_extension("sock"));
-        let leaf = self
-            .state
-            .as_ref()
-            .and_then(|state| state.cgroup.first())
-            .and_then(|dir| Some(dir.file_name()?.to_string_lossy().into_owned()));
+        let leaf = self.state.as_ref().and_then(cgroup_leaf);
         if let (Some(parents), Some(leaf)) = (cgroups, leaf) {
             for (dir, e) in cgroup::remove_stale_leaf(parents, &leaf, procfs::exists) {
                 tracing::warn!(dir = %dir.display(), error = %e, "a silent shim's cgroup remains");
             }
         }
     }
+}
+
+/// The name of the instance cgroup a shim recorded (one name under every
+/// controller's parent).
+pub(super) fn cgroup_leaf(state: &ShimState) -> Option<String> {
+    let dir = state.cgroup.first()?;
+    Some(dir.file_name()?.to_string_lossy().into_owned())
 }

@@ -745,8 +745,7 @@ impl Runtime for LocalRuntime {
                 .iter()
                 .filter(|s| s.running)
                 .filter_map(|s| s.state.as_ref())
-                .flat_map(|state| state.cgroup.iter())
-                .filter_map(|d| Some(d.file_name()?.to_string_lossy().into_owned()))
+                .filter_map(discover::cgroup_leaf)
                 .collect();
             let parents = parents.clone();
             // A shim's pid, read from its cgroup's name: a pid reused since

@@ -386,15 +386,15 @@ async fn connect(
         }
         Err(e) => return Err(ShimError::Io(e)),
     };
-    // The process that took the connection, held before waiting: only the
-    // shim binds its socket, and a pidfd never names another process.
+    // The process that took the connection: only the shim binds its
+    // socket. While the connection stays open its pid is not reused, so a
+    // pidfd opened once it has been silent too long still names it.
     let listener = stream
         .peer_cred()
         .ok()
         .and_then(|cred| cred.pid())
         .and_then(|pid| u32::try_from(pid).ok())
-        .filter(|&pid| pid == expected.shim_pid)
-        .map(|pid| PidFd::open(pid).map_or(Doomed::Pid(pid), Doomed::PidFd));
+        .filter(|&pid| pid == expected.shim_pid);
     let (read, write) = stream.into_split();
     let mut events = BufReader::with_capacity(EVENT_BUFFER, read).lines();
     let first = match tokio::time::timeout(patience, events.next_line()).await {
@@ -419,7 +419,8 @@ async fn connect(
             };
             // Killing the shim takes the program with it (parent-death
             // signal).
-            kill_and_wait(Some(listener)).await;
+            let doomed = PidFd::open(listener).map_or(Doomed::Pid(listener), Doomed::PidFd);
+            kill_and_wait(Some(doomed)).await;
             return Err(ShimError::Silent(format!(
                 "no greeting on {socket:?} within {:.1}s",
                 patience.as_secs_f64()
