@@ -190,6 +190,18 @@ pub fn kill_instances_under(data_dir: &Path) {
 /// The shim zygote (`berth shim`) that the `berth serve` with pid `berth`
 /// started, if it runs.
 pub fn zygote_of(berth: u32) -> Option<u32> {
+    helper_of(berth, None)
+}
+
+/// The guard's `nft` runner (`berth shim nft-runner NFT`) that the `berth
+/// serve` with pid `berth` started, if it runs.
+pub fn nft_runner_of(berth: u32) -> Option<u32> {
+    helper_of(berth, Some(b"nft-runner"))
+}
+
+/// A live child of `berth` run as `berth shim`, followed by `mode` (none:
+/// nothing follows).
+fn helper_of(berth: u32, mode: Option<&[u8]>) -> Option<u32> {
     std::fs::read_dir("/proc").ok()?.find_map(|entry| {
         let pid: u32 = entry.ok()?.file_name().to_str()?.parse().ok()?;
         let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
@@ -201,8 +213,12 @@ pub fn zygote_of(berth: u32) -> Option<u32> {
             .parse()
             .ok()?;
         let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
-        let is_shim = cmdline.split(|&b| b == 0).nth(1) == Some(b"shim".as_slice());
-        (ppid == berth && is_shim && alive(u64::from(pid))).then_some(pid)
+        let args: Vec<&[u8]> = cmdline
+            .split(|&b| b == 0)
+            .filter(|a| !a.is_empty())
+            .collect();
+        let is_helper = args.get(1) == Some(&b"shim".as_slice()) && args.get(2).copied() == mode;
+        (ppid == berth && is_helper && alive(u64::from(pid))).then_some(pid)
     })
 }
 

@@ -1,6 +1,7 @@
 //! The `berth` binary: `berth serve`, the built-in `demo-app`, the client
-//! commands, and the hidden `berth shim`, the zygote that forks the shim
-//! supervising each instance.
+//! commands, and the hidden `berth shim`, berth's helper processes: the
+//! zygote that forks the shim supervising each instance, and the guard's
+//! `nft` runner.
 
 mod cli;
 mod client;

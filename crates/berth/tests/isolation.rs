@@ -23,7 +23,7 @@ use std::time::Duration;
 
 use serde_json::{Value, json};
 use support::{
-    Node, StartOptions, alive, eventually, instance_pids, privileged, proc_state,
+    Node, StartOptions, alive, eventually, instance_pids, nft_runner_of, privileged, proc_state,
     processes_of_uids, zygote_of,
 };
 
@@ -343,11 +343,12 @@ async fn secrets_stay_out_of_reach(mode: &str) {
     );
     assert_eq!(scan["leaks"], json!([]), "{scan}");
 
-    // And as root, every process of berth's: berth, its zygote, the shims
-    // and the programs.
+    // And as root, every process of berth's: berth, its zygote, its guard's
+    // nft runner, the shims and the programs.
     let berth = node.pid().unwrap();
     let zygote = zygote_of(berth).expect("the zygote runs");
-    let mut checked = vec![berth, zygote];
+    let runner = nft_runner_of(berth).expect("the nft runner runs");
+    let mut checked = vec![berth, zygote, runner];
     for user in ["alice", "bob"] {
         let state = state_of(&node, user);
         checked.push(state["shim_pid"].as_u64().unwrap() as u32);
@@ -750,6 +751,74 @@ async fn the_port_guard_keeps_instances_off_each_others_ports_in_a_sandbox() {
     if privileged("port guard, sandbox") {
         the_port_guard_holds("sandbox").await;
     }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_guard_runs_nft_from_a_small_process_and_guards_on_when_it_dies() {
+    if !privileged("nft runner") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let slot = slot();
+    let node = start(
+        dir.path(),
+        &breach_config(dir.path(), &slot, "user", "", ""),
+    );
+    let alice = launch(&node, "alice").await;
+    let berth = node.pid().unwrap();
+    let runner = nft_runner_of(berth).expect("the guard's nft runner runs");
+    // Each `nft` it starts copies its descriptor table: stdin, stdout and
+    // stderr only, where berth holds two more per running instance.
+    let open: Vec<String> = std::fs::read_dir(format!("/proc/{runner}/fd"))
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    assert!(open.len() <= 3, "the runner holds {open:?}");
+
+    // The runner dies (the OOM killer, an operator's kill): launches go on,
+    // and so does the guard.
+    support::signal(runner, nix::sys::signal::Signal::SIGKILL);
+    eventually(PATIENCE, "the runner gone", || async {
+        (!alive(u64::from(runner)) || proc_state(runner) == Some('Z')).then_some(())
+    })
+    .await;
+    let bob = launch(&node, "bob").await;
+    let bob_port = bob["port"].as_u64().unwrap();
+    let holds = |port: u64| {
+        own_ports_elements(&node.data_dir)
+            .iter()
+            .any(|pair| pair["concat"][1] == port)
+    };
+    assert!(holds(bob_port), "bob's pair is not in own_ports");
+    let to_bob = probe(
+        &node,
+        "alice",
+        "connect",
+        &[("host", "127.0.0.1"), ("port", &bob_port.to_string())],
+    )
+    .await;
+    assert!(
+        refused(&to_bob, &["ECONNREFUSED"]),
+        "alice reached bob: {to_bob}"
+    );
+    let bob_to_self = probe(
+        &node,
+        "bob",
+        "connect",
+        &[("host", "127.0.0.1"), ("port", &bob_port.to_string())],
+    )
+    .await;
+    assert_eq!(bob_to_self["ok"], true, "{bob_to_self}");
+    // A revoke after the runner died is made too: alice's pair goes.
+    let alice_port = alice["port"].as_u64().unwrap();
+    assert!(holds(alice_port), "alice's pair is not in own_ports");
+    assert_eq!(node.delete("/users/alice/instance").await, 204);
+    eventually(PATIENCE, "alice's pair revoked", || async {
+        (!holds(alice_port)).then_some(())
+    })
+    .await;
+    node.kill_instances();
 }
 
 /// Two network namespaces: `host` (where berth runs, with a non-loopback

@@ -47,6 +47,7 @@ use tokio::sync::{mpsc, oneshot};
 use tokio::io::AsyncWriteExt;
 
 use super::UidRange;
+use super::nft_runner::{NftRunner, Ran};
 
 /// Addresses of cloud metadata services.
 const METADATA_V4: [&str; 2] = ["169.254.169.254", "100.100.100.200"];
@@ -349,6 +350,9 @@ pub(crate) struct Guard {
     changes: mpsc::Sender<Request>,
     /// The batcher's receiving end until [`Guard::install`] starts it.
     pending: Mutex<Option<mpsc::Receiver<Request>>>,
+    /// berth's helper-process command, which [`Guard::install`] starts as
+    /// the batcher's [`NftRunner`]; empty: the batcher runs `nft` itself.
+    helper: Vec<String>,
 }
 
 impl Guard {
@@ -358,6 +362,7 @@ impl Guard {
         uids: UidRange,
         ports: RangeInclusive<u16>,
         listeners: ListenerCap,
+        helper: Vec<String>,
     ) -> Guard {
         let (changes, pending) = mpsc::channel(QUEUED_CHANGES);
         Guard {
@@ -369,6 +374,7 @@ impl Guard {
             listeners,
             changes,
             pending: Mutex::new(Some(pending)),
+            helper,
         }
     }
 
@@ -378,8 +384,11 @@ impl Guard {
 
     /// (Re)creates the table with an empty `own_ports`, in one
     /// transaction (the rules never lapse, and a previous berth's pairs
-    /// are gone), then starts the task that changes `own_ports`. Call
-    /// once, in a tokio runtime: the task ends when the guard is dropped.
+    /// are gone), then starts the task that changes `own_ports`, and the
+    /// [`NftRunner`] it runs `nft` through. Call once, at berth's start
+    /// (the runner gets a copy of berth's descriptor table as it is then),
+    /// in a tokio runtime: the task and the runner end when the guard is
+    /// dropped.
     pub async fn install(&self) -> Result<(), GuardError> {
         let script = ruleset(
             &self.table,
@@ -395,9 +404,21 @@ impl Guard {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .take();
         if let Some(requests) = pending {
+            let runner = if self.helper.is_empty() {
+                None
+            } else {
+                NftRunner::start(&self.helper, &self.nft)
+                    .await
+                    .inspect_err(|e| {
+                        tracing::warn!(error = %e, "cannot start the guard's nft runner; berth \
+                            runs nft itself, at a cost that grows with the instances running");
+                    })
+                    .ok()
+            };
             tokio::spawn(apply_changes(
                 self.nft.clone(),
                 self.table.clone(),
+                runner,
                 requests,
             ));
         }
@@ -491,23 +512,61 @@ impl Guard {
     }
 }
 
+/// Runs `script`, a port change, through `runner` while it works, else
+/// through an `nft` berth starts itself. A runner that fails is dropped
+/// (which kills it) and the script is run again without it: a runner
+/// that died did so before `nft` made the script, or after (then `add`
+/// finds its pairs made, and a `delete` that finds its pair gone fails
+/// the script, which is reported, as any refused change).
+async fn run_port_change(
+    nft: &Path,
+    runner: &mut Option<NftRunner>,
+    table: &str,
+    script: &str,
+) -> Result<(), GuardError> {
+    if let Some(working) = runner.as_mut() {
+        match working.run(script).await {
+            Ok(Ran::Made) => return Ok(()),
+            Ok(Ran::Refused(stderr)) => {
+                return Err(GuardError::Refused {
+                    what: "port change",
+                    table: table.to_owned(),
+                    stderr,
+                });
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "the guard's nft runner failed; berth runs nft \
+                    itself from now on, at a cost that grows with the instances running");
+                *runner = None;
+            }
+        }
+    }
+    run_nft(nft, table, "port change", script).await
+}
+
 /// The task behind [`Guard`]: takes every request queued (while they
 /// hold fewer than [`BATCH_MAX`] changes), makes their changes in one
 /// `nft` run, and answers each. When the run is refused, each request of
 /// it is tried alone, so one bad request fails only itself. Ends when the
 /// guard is dropped.
-async fn apply_changes(nft: PathBuf, table: String, mut requests: mpsc::Receiver<Request>) {
+async fn apply_changes(
+    nft: PathBuf,
+    table: String,
+    mut runner: Option<NftRunner>,
+    mut requests: mpsc::Receiver<Request>,
+) {
     let mut granted: HashMap<u16, u32> = HashMap::new();
     // Runs `changes` as one transaction; on success `granted` follows.
     async fn make(
         nft: &Path,
+        runner: &mut Option<NftRunner>,
         table: &str,
         granted: &mut HashMap<u16, u32>,
         changes: &[Change],
     ) -> Result<(), GuardError> {
         let (script, updates) = batch(table, granted, changes);
         if !script.is_empty() {
-            run_nft(nft, table, "port change", &script).await?;
+            run_port_change(nft, runner, table, &script).await?;
         }
         for (port, uid) in updates {
             match uid {
@@ -533,7 +592,7 @@ async fn apply_changes(nft: PathBuf, table: String, mut requests: mpsc::Receiver
             .iter()
             .flat_map(|r| r.changes.iter().copied())
             .collect();
-        match make(&nft, &table, &mut granted, &changes).await {
+        match make(&nft, &mut runner, &table, &mut granted, &changes).await {
             Ok(()) => {
                 for request in taken {
                     let _ = request.done.send(Ok(()));
@@ -544,7 +603,8 @@ async fn apply_changes(nft: PathBuf, table: String, mut requests: mpsc::Receiver
             }
             Err(_) => {
                 for request in taken {
-                    let outcome = make(&nft, &table, &mut granted, &request.changes).await;
+                    let outcome =
+                        make(&nft, &mut runner, &table, &mut granted, &request.changes).await;
                     let _ = request.done.send(outcome);
                 }
             }

@@ -31,6 +31,7 @@ pub(crate) mod etc;
 pub(crate) mod fsafe;
 pub(crate) mod guard;
 pub(crate) mod leftovers;
+pub(crate) mod nft_runner;
 pub mod sweep;
 
 use std::path::{Path, PathBuf};
@@ -213,6 +214,7 @@ impl Isolator {
         ports: &std::ops::RangeInclusive<u16>,
         listeners: &guard::ListenerCap,
         nft: Option<&Path>,
+        helper: &[String],
     ) -> Result<Option<Isolator>, HostError> {
         let looked = match nft {
             Some(path) => format!("at {}", path.display()),
@@ -288,7 +290,14 @@ impl Isolator {
             }
         };
         let nft = nft.ok_or(HostError::NoNft { level, looked })?;
-        let guard = guard::Guard::new(nft, data_dir, uids, ports.clone(), listeners.clone());
+        let guard = guard::Guard::new(
+            nft,
+            data_dir,
+            uids,
+            ports.clone(),
+            listeners.clone(),
+            helper.to_vec(),
+        );
         guard.install().await?;
         Ok(Some(Isolator {
             level,

@@ -91,8 +91,9 @@ pub struct LocalRuntimeConfig {
     /// The `nft` program of the guards; `None`: looked up in `PATH`,
     /// `/usr/sbin` and `/sbin`.
     pub nft: Option<PathBuf>,
-    /// The executable and leading arguments that run the shim zygote (which
-    /// forks every shim); normally `current_exe()` and `["shim"]`.
+    /// The executable and leading arguments that run berth's helper
+    /// processes: the shim zygote (which forks every shim) and the guard's
+    /// `nft` runner; normally `current_exe()` and `["shim"]`.
     pub shim_command: Vec<String>,
 }
 
@@ -227,6 +228,7 @@ impl LocalRuntime {
             &config.port_range,
             &config.listeners,
             config.nft.as_deref(),
+            &config.shim_command,
         )
         .await?;
         let isolated = match (isolator, accounts) {

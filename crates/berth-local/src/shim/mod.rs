@@ -61,4 +61,21 @@ mod zygote;
 pub use client::{ShimControl, ShimError, ShimHandle};
 pub use launcher::ShimLauncher;
 pub use protocol::{ExitInfo, ShimCommand, ShimEvent, ShimSpec, ShimState, SpawnReport};
-pub use zygote::run;
+pub(crate) use zygote::close_stray_descriptors;
+
+/// The entry of berth's helper processes, `berth shim …`: the zygote
+/// (no further argument) or the guard's `nft` runner (`nft-runner NFT`).
+/// Returns the exit code.
+pub fn run() -> i32 {
+    let mut args = std::env::args_os().skip(2);
+    match (args.next(), args.next()) {
+        (None, _) => zygote::run(),
+        (Some(mode), Some(nft)) if mode == crate::isolation::nft_runner::NFT_RUNNER_ARG => {
+            crate::isolation::nft_runner::serve(std::path::Path::new(&nft))
+        }
+        (mode, _) => {
+            diag!("unknown helper mode {mode:?}");
+            2
+        }
+    }
+}

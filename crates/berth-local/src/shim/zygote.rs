@@ -54,7 +54,7 @@ const MAX_CACHED_PATTERNS: usize = 16;
 
 /// Serves fork requests on stdin until berth closes it. Returns the exit
 /// code.
-pub fn run() -> i32 {
+pub(super) fn run() -> i32 {
     // Start every shim from a clean slate, whatever berth was started with:
     // no ignored signals (SIG_IGN survives exec into the program) and no
     // stray descriptors (one inherited from berth's parent would be held by
@@ -236,10 +236,10 @@ fn redirect_null(fd: RawFd) -> nix::Result<()> {
     nix::unistd::dup2(null.as_raw_fd(), fd).map(drop)
 }
 
-/// Closes every descriptor above stderr. At this point the zygote has
-/// opened none of its own, so each one is a stray inherited from berth's
-/// parent.
-fn close_stray_descriptors() {
+/// Closes every descriptor above stderr. A helper process (the zygote, the
+/// guard's `nft` runner) calls it before it opens any of its own, so each
+/// one is a stray inherited from berth's parent.
+pub(crate) fn close_stray_descriptors() {
     let Ok(entries) = std::fs::read_dir("/proc/self/fd") else {
         return;
     };
