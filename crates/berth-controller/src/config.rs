@@ -56,11 +56,16 @@ pub struct ControllerConfig {
     pub ready_timeout: Duration,
     /// SIGTERM (or its equivalent), then a kill after this.
     pub stop_grace: Duration,
+    /// Restart backoff and the circuit breaker's thresholds.
     pub crash: CrashPolicy,
     /// Exit codes that mean "do not restart".
     pub no_restart_exit_codes: Vec<i32>,
+    /// Run each time a user's breaker opens; `None` runs nothing.
     pub on_breaker_open: Option<BreakerHook>,
+    /// When idle mains are hibernated or stopped, and how many are kept.
     pub reap: ReapPolicy,
+    /// The lease's timing (TTL, renew interval, fence deadline), already
+    /// checked against invariant 2.
     pub lease: LeaseConfig,
     /// Cluster mode (PostgreSQL): an instance runs only while its lease is
     /// proven, so the fence deadline is enforced, a node freezes its

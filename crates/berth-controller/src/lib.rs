@@ -27,6 +27,7 @@
 //! here.
 
 #![forbid(unsafe_code)]
+#![warn(missing_docs)]
 
 mod adopt;
 mod background;
@@ -64,13 +65,21 @@ use crate::users::{Entry, Slot, Users};
 /// Why a controller could not start.
 #[derive(Debug, thiserror::Error)]
 pub enum ControllerError {
+    /// The [`ControllerConfig`] is unusable (an empty node id or hook
+    /// command); the message says which setting.
     #[error("{0}")]
     Config(String),
+    /// The store could not list this node's records or leases, which the
+    /// adoption at start is planned from.
     #[error(transparent)]
     Store(#[from] StoreError),
+    /// The runtime could not say what it still runs, so nothing can be
+    /// adopted safely.
     #[error("the {runtime} runtime cannot list its instances: {message}")]
     Discover {
+        /// The runtime's name, as it gives it.
         runtime: &'static str,
+        /// The runtime's own error.
         message: String,
     },
 }

@@ -5,18 +5,33 @@ use crate::{InvalidUserId, UnixMillis, UserId};
 /// The stable error codes of the HTTP API (a contract).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum ErrorCode {
+    /// The user id in the request is not a valid [`UserId`].
     InvalidUser,
+    /// The request is malformed or asks for something its target cannot
+    /// do (a bad folder, a missing field, an action not allowed now).
     InvalidRequest,
+    /// The user, instance, token or route asked for does not exist.
     NotFound,
+    /// The user already has a live instance of the role asked for.
     AlreadyRunning,
+    /// The user's crash breaker is open: no launch until its cooldown ends,
+    /// unless forced.
     InstanceCircuitOpen,
+    /// The instance is on its way up (or being adopted); ask again soon.
     InstanceStarting,
+    /// Another node holds the user's lease; the answer names it.
     LeaseBusy,
+    /// No credential, or one that is not valid.
     Unauthorized,
+    /// A valid credential that may not do this.
     Forbidden,
+    /// The request body (a patch, say) is over its limit.
     PayloadTooLarge,
+    /// The runtime could not start the program, or it never became ready.
     SpawnFailed,
+    /// The node (or the runtime) has no room for another instance.
     CapacityExhausted,
+    /// The store cannot be reached.
     StoreUnavailable,
     /// A user already has as many live tokens as `[auth]
     /// max_tokens_per_user` allows.
@@ -34,10 +49,12 @@ pub enum ErrorCode {
     /// down, paused or cut off, and either comes back or loses the lease
     /// to another node. A moment's condition, not berth's fault.
     NodeUnreachable,
+    /// Anything else: a fault of berth's, not of the request.
     Internal,
 }
 
 impl ErrorCode {
+    /// The code as the API writes it in an error's JSON (`snake_case`).
     pub fn as_str(self) -> &'static str {
         match self {
             ErrorCode::InvalidUser => "invalid_user",
@@ -98,39 +115,78 @@ pub const NODE_UNREACHABLE_RETRY_MS: u64 = 1000;
 /// Why a lifecycle operation failed. Every variant maps to one [`ErrorCode`].
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum SpawnError {
+    /// The user id given is not a valid one.
     #[error("invalid user id: {0}")]
     InvalidUser(#[from] InvalidUserId),
+    /// The request cannot be carried out as given; the message says why.
     #[error("invalid request: {0}")]
     InvalidRequest(String),
+    /// The user has no such thing to act on (a live main, a watchdog
+    /// command, …).
     #[error("user {user} has no {what}")]
-    NotFound { user: UserId, what: &'static str },
+    NotFound {
+        /// Whose it would be.
+        user: UserId,
+        /// What is missing, in words.
+        what: &'static str,
+    },
+    /// The user already has a live instance of that role.
     #[error("user {user} already has a live instance")]
-    AlreadyRunning { user: UserId },
+    AlreadyRunning {
+        /// Whose instance it is.
+        user: UserId,
+    },
+    /// The user's crash breaker is open: launches are refused until the
+    /// cooldown ends.
     #[error(
         "the crash breaker is open for user {user} after {opens} open(s); retry after {retry_at} (unix ms)"
     )]
     CircuitOpen {
+        /// Whose breaker it is.
         user: UserId,
+        /// How many times it has opened; each opening doubles the cooldown,
+        /// up to a limit.
         opens: u32,
         /// When the cooldown ends, wall clock.
         retry_at: UnixMillis,
     },
+    /// The user's instance is starting, or awaiting adoption: the answer
+    /// comes once it is up.
     #[error("the instance of user {user} is still starting")]
-    Starting { user: UserId, retry_after_ms: u64 },
+    Starting {
+        /// Whose instance it is.
+        user: UserId,
+        /// When the client should ask again.
+        retry_after_ms: u64,
+    },
+    /// Another node holds the user's lease: the operation belongs there.
     #[error("the lease of user {user} is held by node {holder}")]
     LeaseBusy {
+        /// Whose lease it is.
         user: UserId,
+        /// The node that holds it.
         holder: String,
         /// True when the holder's lease has expired but there is no evidence
         /// that the holder is gone: an operator must take it over.
         expired: bool,
     },
+    /// A launch's patch is larger than [`crate::MAX_PATCH_BYTES`].
     #[error("patch is {size} bytes; the limit is {limit}")]
-    PayloadTooLarge { size: usize, limit: usize },
+    PayloadTooLarge {
+        /// The patch's size, in bytes.
+        size: usize,
+        /// The most allowed, in bytes.
+        limit: usize,
+    },
+    /// The runtime could not start the program, or it was not ready in
+    /// time; the runtime's message.
     #[error("spawn failed: {0}")]
     SpawnFailed(String),
+    /// No room for another instance on this node or in its runtime; the
+    /// message says whose limit.
     #[error("capacity exhausted: {0}")]
     CapacityExhausted(String),
+    /// The store could not be reached.
     #[error("store unavailable: {0}")]
     StoreUnavailable(String),
     /// A user's long-lived streams are at their cap (on the node that
@@ -139,12 +195,19 @@ pub enum SpawnError {
     TooManyStreams(String),
     /// Another node, asked to act for a user, did not answer.
     #[error("node {node} did not answer: {reason}")]
-    NodeUnreachable { node: String, reason: String },
+    NodeUnreachable {
+        /// The node that was asked.
+        node: String,
+        /// What went wrong with the call.
+        reason: String,
+    },
+    /// Any other failure; a fault of berth's, not of the request.
     #[error("internal error: {0}")]
     Internal(String),
 }
 
 impl SpawnError {
+    /// The stable code this error is answered with.
     pub fn code(&self) -> ErrorCode {
         match self {
             SpawnError::InvalidUser(_) => ErrorCode::InvalidUser,

@@ -33,12 +33,17 @@ const PATH_SEGMENT: &AsciiSet = &NON_ALPHANUMERIC
 /// Why a string is not a valid [`UserId`].
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum InvalidUserId {
+    /// The id is the empty string.
     #[error("user id is empty")]
     Empty,
+    /// The id is longer than 128 bytes; its length in bytes.
     #[error("user id is {0} bytes long; the limit is {MAX_USER_ID_BYTES}")]
     TooLong(usize),
+    /// The id starts with `.`, so it could read as `.`, `..` or a hidden
+    /// file.
     #[error("user id starts with '.'")]
     LeadingDot,
+    /// The id holds a control character, `/` or `\`; the first one found.
     #[error("user id contains the forbidden character {0:?}")]
     ForbiddenChar(char),
 }
@@ -73,6 +78,8 @@ impl UserId {
         Ok(Self(raw.to_owned()))
     }
 
+    /// The id as given. Never use it in a path, a shell command, SQL text
+    /// or a Kubernetes name.
     pub fn as_str(&self) -> &str {
         &self.0
     }
@@ -188,6 +195,7 @@ impl Slug {
         }
     }
 
+    /// The slug's text: a DNS label, safe in a file name.
     pub fn as_str(&self) -> &str {
         &self.0
     }

@@ -24,6 +24,7 @@
 //! ```
 
 #![forbid(unsafe_code)]
+#![warn(missing_docs)]
 
 mod error;
 mod folder;

@@ -22,6 +22,7 @@ pub enum Role {
 }
 
 impl Role {
+    /// The role's name, as records, events and the API spell it.
     pub fn as_str(self) -> &'static str {
         match self {
             Role::Main => "main",
@@ -70,6 +71,7 @@ pub enum InstanceStatus {
 }
 
 impl InstanceStatus {
+    /// The status's name, as records, events and the API spell it.
     pub fn as_str(self) -> &'static str {
         match self {
             InstanceStatus::Starting => "starting",
@@ -98,6 +100,8 @@ impl InstanceStatus {
         matches!(self, InstanceStatus::Running | InstanceStatus::Hibernated)
     }
 
+    /// Stopped or failed: nothing of the instance runs or is held, and
+    /// nothing more happens to it.
     pub fn is_terminal(self) -> bool {
         !self.is_live()
     }
@@ -129,13 +133,17 @@ impl FromStr for InstanceStatus {
 pub struct Instance {
     /// Unique per launch; a crash restart keeps it, a new launch replaces it.
     pub id: String,
+    /// Whose instance it is.
     pub user: UserId,
+    /// Main or watchdog.
     pub role: Role,
+    /// Where it is in its lifecycle.
     pub status: InstanceStatus,
     /// The node that runs it.
     pub node: String,
     /// The lease epoch it runs under (0 for watchdogs, which hold no lease).
     pub epoch: Epoch,
+    /// The port of its endpoint, when the current run has one.
     pub port: Option<u16>,
     /// The program's process id, where the runtime has one; shown to
     /// operators. The instance's identity is `runtime_ref`, never this.
@@ -147,12 +155,19 @@ pub struct Instance {
     pub runtime_ref: Option<crate::runtime::RuntimeRef>,
     /// Working directory, relative to the user's workspace.
     pub folder: String,
+    /// When the current run started (a crash restart sets it anew).
     pub started_at: UnixMillis,
+    /// The runtime reported the current run ready.
     pub ready: bool,
+    /// Crash restarts since this launch.
     pub restarts: u32,
     /// Tail of stderr, at most 500 characters.
     pub last_error: Option<String>,
+    /// The exit code of the last run that ended, when the runtime reported
+    /// one.
     pub exit_code: Option<i32>,
+    /// When its user last used it (proxied traffic, or a touch); the
+    /// reaper measures idleness from it.
     pub last_active: UnixMillis,
     /// When it was last hibernated; set while `status` is `hibernated`.
     #[serde(default)]
@@ -162,7 +177,9 @@ pub struct Instance {
 /// A user's main and watchdog instances.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct UserStatus {
+    /// The main's record, if the user has one.
     pub main: Option<Instance>,
+    /// The watchdog's record, if the user has one.
     pub watchdog: Option<Instance>,
     /// What the node that runs the user does with an idle instance:
     /// `hibernate`, or `stop` (configured so, or its runtime cannot freeze).
@@ -173,8 +190,11 @@ pub struct UserStatus {
 /// Where the proxy sends a user's traffic.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct Endpoint {
+    /// A host name or IP address.
     pub host: String,
+    /// The TCP port.
     pub port: u16,
+    /// How the address must be dialled and checked.
     #[serde(flatten, default)]
     pub reach: Reach,
 }
@@ -219,7 +239,10 @@ impl fmt::Display for Endpoint {
 pub struct BreakerInfo {
     /// How many times the breaker has opened for this user.
     pub opens: u32,
+    /// When it last opened (wall clock).
     pub opened_at: UnixMillis,
+    /// When its cooldown ends (wall clock); launches are refused until
+    /// then unless forced.
     pub cooldown_until: UnixMillis,
 }
 
@@ -241,15 +264,20 @@ pub struct LaunchRequest {
 /// The answer of `restart_and_probe`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ProbeReport {
+    /// The main became ready and was still running after the settle time.
     pub ok: bool,
+    /// What happened, in words, for either answer.
     pub reason: String,
 }
 
 /// One user's outcome in `restart_all_mains`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RestartResult {
+    /// Whose main it was.
     pub user: UserId,
+    /// The restart succeeded.
     pub ok: bool,
+    /// Why it did not, when it did not.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
 }
@@ -280,6 +308,7 @@ pub enum Stage {
 }
 
 impl Stage {
+    /// The stage's name, as progress streams spell it (`snake_case`).
     pub fn as_str(self) -> &'static str {
         match self {
             Stage::Queued => "queued",
@@ -323,12 +352,18 @@ impl fmt::Display for Stage {
 /// progress streams (and read back from another node's stream).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct InstanceEvent {
+    /// Whose instance changed.
     pub user: UserId,
+    /// Which of the user's instances.
     pub role: Role,
+    /// Its status after the change.
     pub status: InstanceStatus,
+    /// Whether it is ready after the change.
     pub ready: bool,
     /// Set while the instance is running and reachable.
     pub endpoint: Option<Endpoint>,
+    /// Why it changed, when that is worth saying (a crash's error, a
+    /// refused launch's reason, "restarted").
     #[serde(skip_serializing_if = "Option::is_none")]
     pub message: Option<String>,
     /// Where a spawn of the instance is; for a record's change,

@@ -42,9 +42,13 @@ pub const EVENT_BUFFER: usize = 64;
 pub struct RuntimeRef(String);
 
 impl RuntimeRef {
+    /// Wraps the runtime's own text; only the runtime that made it gives
+    /// it meaning.
     pub fn new(text: impl Into<String>) -> Self {
         Self(text.into())
     }
+
+    /// The text, as stored with the instance record.
     pub fn as_str(&self) -> &str {
         &self.0
     }
@@ -71,6 +75,7 @@ pub struct Capabilities {
 /// `capacity_exhausted` message an operator reads).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Capacity {
+    /// How many mains, at most.
     pub instances: u32,
     /// E.g. "one per port of 20000-29999".
     pub reason: String,
@@ -94,15 +99,18 @@ pub enum Patch {
 pub struct InstanceSpec {
     /// Unique per launch; a crash restart keeps it.
     pub instance_id: String,
+    /// Whose instance it is.
     pub user: UserId,
     /// The user's recorded slug: the only form of the id that may name a
     /// file, a DNS label or a Kubernetes object.
     pub slug: Slug,
+    /// Main or watchdog.
     pub role: Role,
     /// The lease epoch it runs under (0 for watchdogs).
     pub epoch: Epoch,
     /// Working directory relative to the user's workspace (validated).
     pub folder: String,
+    /// The patch to give the program, or the one given last time.
     pub patch: Patch,
     /// The port the previous start of this instance listened on; a runtime
     /// that allocates ports reuses it when it is still free, so a crash
@@ -123,6 +131,8 @@ pub struct InstanceSpec {
 /// A started (or adopted) instance.
 #[derive(Debug)]
 pub struct Started {
+    /// The runtime's name for this run, which the controller records and
+    /// hands back to address it.
     pub runtime_ref: RuntimeRef,
     /// The program's process id, where there is one (`berth ls` shows
     /// it to operators); identity is `runtime_ref`, never this.
@@ -138,7 +148,9 @@ pub struct Started {
 /// How a program ended.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ExitStatus {
+    /// The exit code, when the runtime reports one.
     pub code: Option<i32>,
+    /// The signal that ended it, when the runtime knows of one.
     pub signal: Option<i32>,
     /// The last ≤ 500 characters of its stderr.
     pub stderr_tail: String,
@@ -152,6 +164,7 @@ pub struct ExitStatus {
 /// An out-of-memory kill and the limit it hit.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct OutOfMemory {
+    /// The memory limit, in MiB.
     pub limit_mb: u64,
 }
 
@@ -162,11 +175,14 @@ pub enum RuntimeEvent {
     /// line, an HTTP or TCP probe, a pod's Ready condition); `token` is
     /// the captured launch token, if any.
     Ready {
+        /// The launch token the program announced, which the proxy
+        /// presents to it on every request.
         token: Option<String>,
     },
     /// The instance is frozen (by berth, or by the runtime's own fence
     /// deadline).
     Frozen,
+    /// The instance runs again after a freeze.
     Thawed,
     /// The program ended. Nothing follows.
     Exited(ExitStatus),
@@ -181,14 +197,21 @@ pub struct Discovered {
     pub user: Option<UserId>,
     /// The slug the instance was filed under.
     pub slug: String,
+    /// The role it was started as.
     pub role: Role,
+    /// The instance id it was started with ([`InstanceSpec::instance_id`]).
     pub instance_id: String,
+    /// The lease epoch it was started under.
     pub epoch: Epoch,
+    /// The runtime's name for it, compared with the stored record's.
     pub runtime_ref: RuntimeRef,
     /// Whether the instance still runs (a live shim, an existing pod).
     pub alive: bool,
+    /// It is frozen now.
     pub frozen: bool,
+    /// It passed its readiness check.
     pub ready: bool,
+    /// The launch token it announced when it became ready, if any.
     pub token: Option<String>,
     /// Set once it has ended.
     pub exit: Option<ExitStatus>,
@@ -206,12 +229,15 @@ pub enum RuntimeError {
     /// The runtime does not offer this capability.
     #[error("the {runtime} runtime cannot {what}")]
     Unsupported {
+        /// The runtime's name.
         runtime: &'static str,
+        /// What it was asked to do, in words.
         what: &'static str,
     },
     /// The instance is gone (or was never this runtime's).
     #[error("instance {0} is gone")]
     Gone(RuntimeRef),
+    /// Any other failure of the operation; the message says what.
     #[error("{0}")]
     Failed(String),
 }
@@ -222,6 +248,8 @@ pub trait Runtime: Send + Sync + 'static {
     /// A short name for logs and errors (`local`, `kubernetes`).
     fn name(&self) -> &'static str;
 
+    /// The optional operations this runtime really offers; the controller
+    /// asks for no other.
     fn capabilities(&self) -> Capabilities;
 
     /// Starts `spec`. Returns once the program runs (not once it is
@@ -243,6 +271,7 @@ pub trait Runtime: Send + Sync + 'static {
         Err(self.unsupported("freeze"))
     }
 
+    /// Lets a frozen instance run again.
     async fn thaw(&self, instance: &RuntimeRef) -> Result<(), RuntimeError> {
         let _ = instance;
         Err(self.unsupported("thaw"))

@@ -53,9 +53,18 @@ pub enum Program {
     /// Like [`Program::Serve`], but ignores SIGTERM: only a kill ends it.
     IgnoresTerm,
     /// Writes `stderr` to its stderr and exits at once with `code`.
-    Exits { code: i32, stderr: String },
+    Exits {
+        /// The exit code.
+        code: i32,
+        /// What it writes to its stderr before exiting.
+        stderr: String,
+    },
     /// A program that does not exist, named `name`.
-    Missing { name: String },
+    Missing {
+        /// The name the runtime is configured to run; its error must name
+        /// it.
+        name: String,
+    },
 }
 
 /// What a runtime under test comes with.
@@ -227,10 +236,12 @@ async fn killed_by(
     runtime.shutdown().await;
 }
 
+/// A kill ends a program that ignores SIGTERM, and the run is gone.
 pub async fn kill_ends_a_program_that_ignores_term(h: &dyn Harness) {
     killed_by(h, "bob", async |runtime, r| runtime.kill(r).await.unwrap()).await;
 }
 
+/// A stop whose grace runs out kills a program that ignores SIGTERM.
 pub async fn stop_kills_after_the_grace_period(h: &dyn Harness) {
     killed_by(h, "carol", async |runtime, r| {
         runtime.stop(r, Duration::from_millis(300)).await.unwrap();
@@ -238,6 +249,8 @@ pub async fn stop_kills_after_the_grace_period(h: &dyn Harness) {
     .await;
 }
 
+/// A program that exits by itself is reported exited with its own code
+/// and the tail of its stderr, not as a lost port race.
 pub async fn an_exit_is_reported_with_its_code_and_stderr(h: &dyn Harness) {
     let program = Program::Exits {
         code: 3,
@@ -255,6 +268,8 @@ pub async fn an_exit_is_reported_with_its_code_and_stderr(h: &dyn Harness) {
     runtime.shutdown().await;
 }
 
+/// A program that does not exist fails the start with
+/// [`RuntimeError::SpawnFailed`], whose message names it.
 pub async fn a_missing_program_fails_to_start_and_is_named(h: &dyn Harness) {
     let name = "no-such-program-xyz".to_owned();
     let runtime = h.runtime(&Program::Missing { name: name.clone() }).await;
@@ -278,6 +293,9 @@ async fn discovered(runtime: &dyn Runtime, instance_id: &str) -> Option<Discover
         .find(|d| d.instance_id == instance_id)
 }
 
+/// A run outlives its runtime's shutdown; a new runtime discovers it with
+/// its user, role, epoch, reference and token, adopts it, and can stop it;
+/// once ended it is discovered dead with its exit, or not at all.
 pub async fn a_restarted_runtime_discovers_and_adopts_a_running_instance(h: &dyn Harness) {
     let first = h.runtime(&Program::Serve).await;
     let frank = user("frank");
@@ -325,6 +343,8 @@ pub async fn a_restarted_runtime_discovers_and_adopts_a_running_instance(h: &dyn
     third.shutdown().await;
 }
 
+/// [`Runtime::remove`] ends a discovered instance nobody follows, and it
+/// is never discovered alive again.
 pub async fn remove_ends_an_orphan(h: &dyn Harness) {
     let first = h.runtime(&Program::Serve).await;
     let mut started = first.start(spec(&user("gina"), "i-orphan")).await.unwrap();
@@ -351,6 +371,8 @@ pub async fn remove_ends_an_orphan(h: &dyn Harness) {
     third.shutdown().await;
 }
 
+/// Logs are read with a tail, followed as new lines come, kept after the
+/// program ends, and empty for a user who never ran.
 pub async fn logs_are_read_and_followed(h: &dyn Harness) {
     let runtime = h.runtime(&Program::Serve).await;
     let hank = user("hank");
@@ -394,6 +416,9 @@ pub async fn logs_are_read_and_followed(h: &dyn Harness) {
     runtime.shutdown().await;
 }
 
+/// A runtime that declares freezing freezes and thaws, reporting both,
+/// and the thawed program still stops gracefully; one that does not
+/// answers [`RuntimeError::Unsupported`] to both.
 pub async fn freeze_and_thaw_when_declared(h: &dyn Harness) {
     let runtime = h.runtime(&Program::Serve).await;
     let mut started = runtime.start(spec(&user("ivan"), "i-1")).await.unwrap();
@@ -458,6 +483,10 @@ pub async fn a_frozen_instance_is_killed_without_running_again(h: &dyn Harness) 
     runtime.shutdown().await;
 }
 
+/// A runtime that declares a fence deadline freezes the instance on its
+/// own when the deadline passes, and extending the deadline does not thaw
+/// it; one that does not answers [`RuntimeError::Unsupported`] to
+/// [`Runtime::extend_fence`].
 pub async fn the_fence_deadline_freezes_when_declared(h: &dyn Harness) {
     let runtime = h.runtime(&Program::Serve).await;
     let mut spec = spec(&user("kate"), "i-1");

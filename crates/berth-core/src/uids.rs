@@ -6,7 +6,9 @@
 /// 1`, … `first + count - 1`. The gid of an account is its uid.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct UidRange {
+    /// The lowest uid of the range.
     pub first: u32,
+    /// How many uids it holds.
     pub count: u32,
 }
 
@@ -18,6 +20,8 @@ impl UidRange {
         (last < u32::MAX).then_some(last)
     }
 
+    /// Whether `uid` is in the range; never, when [`UidRange::last`] is
+    /// `None`.
     pub fn contains(&self, uid: u32) -> bool {
         self.last()
             .is_some_and(|last| (self.first..=last).contains(&uid))

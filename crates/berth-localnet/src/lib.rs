@@ -6,6 +6,8 @@
 //! * [`connect_in`]: a connection made inside a sandboxed instance's own
 //!   network namespace, and [`loopback_up`] for the namespace's maker.
 
+#![warn(missing_docs)]
+
 mod netns;
 mod owner;
 

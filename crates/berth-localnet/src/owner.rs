@@ -29,18 +29,41 @@ use netlink_sys::{Socket, SocketAddr as NetlinkAddr};
 /// Why the owner of a socket could not be told.
 #[derive(Debug, thiserror::Error)]
 pub enum SockDiagError {
+    /// The netlink socket could not be made, or the query sent or its
+    /// answer received; also the kernel's own error codes other than "no
+    /// such socket".
     #[error("cannot ask the kernel who owns a socket: {0}")]
     Io(#[from] io::Error),
+    /// The kernel has no TCP socket at `peer` connected to `local`: the
+    /// connection is already gone, or never was.
     #[error("the kernel knows no TCP socket at {peer} connected to {local}")]
-    NoSocket { local: SocketAddr, peer: SocketAddr },
+    NoSocket {
+        /// The caller's own end of the connection.
+        local: SocketAddr,
+        /// The end whose owner was asked for.
+        peer: SocketAddr,
+    },
+    /// One address is IPv4 and the other IPv6, so no single connection
+    /// joins them; nothing was asked of the kernel.
     #[error("{local} and {peer} are of different address families")]
-    MixedFamilies { local: SocketAddr, peer: SocketAddr },
+    MixedFamilies {
+        /// The caller's own end, as given.
+        local: SocketAddr,
+        /// The other end, as given.
+        peer: SocketAddr,
+    },
+    /// The kernel answered with something that is not a socket's record.
     #[error("the kernel's answer about a socket could not be read: {0}")]
     Answer(String),
+    /// The socket exists but another account owns it: a program other
+    /// than the expected one holds the port (see [`check_owner`]).
     #[error("the socket at {peer} belongs to uid {found}, not to the expected account {owner}")]
     Foreign {
+        /// The address whose socket was checked.
         peer: SocketAddr,
+        /// The uid that should own it.
         owner: u32,
+        /// The uid that does.
         found: u32,
     },
 }

@@ -20,20 +20,39 @@ use crate::{ClaimOutcome, Store, StoreError, TakeoverPolicy};
 /// Why lease settings were refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum LeaseConfigError {
+    /// The TTL is not more than twice the renew interval (invariant 2).
     #[error(
         "lease ttl_ms ({ttl_ms}) must be greater than 2 × renew_ms ({renew_ms}), so one slow renew cannot lose the lease"
     )]
-    TtlTooShort { ttl_ms: u128, renew_ms: u128 },
+    TtlTooShort {
+        /// The TTL given, in milliseconds.
+        ttl_ms: u128,
+        /// The renew interval given, in milliseconds.
+        renew_ms: u128,
+    },
+    /// The fence deadline is not before the TTL's end (invariant 2).
     #[error(
         "lease fence_after_ms ({fence_after_ms}) must be less than ttl_ms ({ttl_ms}), so a holder fences itself before others may claim"
     )]
-    FenceAfterTooLong { fence_after_ms: u128, ttl_ms: u128 },
+    FenceAfterTooLong {
+        /// The fence deadline given, in milliseconds.
+        fence_after_ms: u128,
+        /// The TTL given, in milliseconds.
+        ttl_ms: u128,
+    },
+    /// The renew interval is zero: the node would renew without pause.
     #[error("lease renew_ms must be greater than 0")]
     ZeroRenew,
+    /// The TTL is longer than [`MAX_TTL`].
     #[error(
         "lease ttl_ms ({ttl_ms}) must be at most {max_ms} (one day): longer leases leave a dead node's users unserved for that long"
     )]
-    TtlTooLong { ttl_ms: u128, max_ms: u128 },
+    TtlTooLong {
+        /// The TTL given, in milliseconds.
+        ttl_ms: u128,
+        /// [`MAX_TTL`], in milliseconds.
+        max_ms: u128,
+    },
 }
 
 /// The longest lease TTL accepted. Bounding the TTL bounds renew and
@@ -52,6 +71,9 @@ pub struct LeaseConfig {
 }
 
 impl LeaseConfig {
+    /// Checked settings: refused unless `ttl > 2 × renew`, `fence_after <
+    /// ttl` (invariant 2), `renew` is not zero and `ttl` is at most
+    /// [`MAX_TTL`].
     pub fn new(
         ttl: Duration,
         renew: Duration,
@@ -88,15 +110,24 @@ impl LeaseConfig {
             takeover,
         })
     }
+
+    /// How long a claim or renew holds the lease, by the store's clock.
     pub fn ttl(&self) -> Duration {
         self.ttl
     }
+
+    /// How often the node renews every lease it holds.
     pub fn renew(&self) -> Duration {
         self.renew
     }
+
+    /// How long after the last successful renew was sent the node freezes
+    /// its instances, unless another renew succeeds first.
     pub fn fence_after(&self) -> Duration {
         self.fence_after
     }
+
+    /// When this node may claim a lease that ran out under another node.
     pub fn takeover(&self) -> TakeoverPolicy {
         self.takeover
     }
@@ -266,10 +297,12 @@ impl LeaseKeeper {
         lock(&self.held).remove(user);
     }
 
+    /// The epoch at which this node holds `user`'s lease, if it does.
     pub fn epoch_of(&self, user: &UserId) -> Option<Epoch> {
         lock(&self.held).get(user).copied()
     }
 
+    /// Every lease this node holds, with its epoch.
     pub fn holdings(&self) -> Vec<(UserId, Epoch)> {
         lock(&self.held)
             .iter()

@@ -24,6 +24,7 @@
 //! own clock.
 
 #![forbid(unsafe_code)]
+#![warn(missing_docs)]
 
 #[cfg(feature = "contract-tests")]
 pub mod contract;
@@ -61,7 +62,12 @@ pub enum StoreError {
         "no free uid for a new account in {first}-{last}: every one is taken; widen the range \
          ([isolation] base_uid / uid_count)"
     )]
-    UidsExhausted { first: u32, last: u32 },
+    UidsExhausted {
+        /// The range's first uid.
+        first: u32,
+        /// The range's last uid (inclusive).
+        last: u32,
+    },
     /// The store URL is not one this build understands.
     #[error("unsupported store URL {0:?}: expected sqlite://… or postgres://…")]
     UnsupportedUrl(String),
@@ -73,17 +79,24 @@ pub enum StoreError {
          {current_node:?}); refused the change made under epoch {epoch}"
     )]
     Fenced {
+        /// Whose main record it is.
         user: UserId,
         /// The epoch the refused write carried.
         epoch: Epoch,
         /// The stored record's epoch and node.
         current_epoch: Epoch,
+        /// The node that wrote the stored record.
         current_node: String,
     },
     /// `slug` is already recorded for another user: two ids never share a
     /// slug, so `user` was not given it. Nothing changed.
     #[error("the slug {slug:?} is already recorded for another user; refused it for {user}")]
-    SlugTaken { user: UserId, slug: String },
+    SlugTaken {
+        /// The user the slug was refused for.
+        user: UserId,
+        /// The slug another user holds.
+        slug: String,
+    },
 }
 
 impl StoreError {
@@ -134,10 +147,19 @@ pub enum TakeoverPolicy {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ClaimOutcome {
     /// This node now holds the lease under `epoch`.
-    Claimed { epoch: Epoch },
+    Claimed {
+        /// The lease's new epoch, higher than any before it for this
+        /// user; the main's record is written under it.
+        epoch: Epoch,
+    },
     /// Another node holds it. `expired` is true when its lease ran out but
     /// there is no evidence it is gone (see [`TakeoverPolicy`]).
-    Busy { holder: String, expired: bool },
+    Busy {
+        /// The node that holds it.
+        holder: String,
+        /// Its lease ran out, but its holder may still be alive.
+        expired: bool,
+    },
 }
 
 /// How a starting node's claim on its id came out ([`Store::claim_node`]).
@@ -153,9 +175,13 @@ pub enum NodeClaim {
 /// One user's lease row, as reported to operators.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct LeaseRecord {
+    /// Whose lease it is.
     pub user: UserId,
     /// The holder, kept as a sticky hint after release.
     pub holder: Option<String>,
+    /// The epoch of the latest claim or takeover. Each raises it by one,
+    /// so it tells one holding of the lease from every other (invariants
+    /// 6 and 7).
     pub epoch: Epoch,
     /// When the lease ends, by the store's clock.
     pub lease_until: Option<UnixMillis>,
@@ -189,6 +215,7 @@ pub struct LaunchParams {
 pub struct TokenRecord {
     /// The public handle, for listing and revoking.
     pub id: String,
+    /// Whose token it is.
     pub user: UserId,
     /// The store's clock when it was minted.
     pub created_at: UnixMillis,
@@ -206,6 +233,7 @@ pub struct TokenRecord {
 pub struct NewToken<'a> {
     /// A fresh public id (random; unique across all tokens).
     pub id: &'a str,
+    /// Whom it is for.
     pub user: &'a UserId,
     /// The SHA-256 of the secret, lowercase hex.
     pub token_hash: &'a str,
@@ -222,9 +250,12 @@ pub struct NewToken<'a> {
 /// What [`Store::mint_token`] did.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum MintOutcome {
+    /// The token is recorded; its listing, with the expiry bounded by the
+    /// parent's.
     Minted(TokenRecord),
     /// The user already has `live` live tokens, the cap; nothing changed.
     TooMany {
+        /// How many live tokens the user has.
         live: u32,
     },
     /// The parent token is revoked, expired, or another user's.
@@ -234,9 +265,11 @@ pub enum MintOutcome {
 /// Who a live token belongs to, as [`Store::use_token`] finds it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TokenOwner {
+    /// Whose token it is.
     pub user: UserId,
     /// The token's public id.
     pub id: String,
+    /// When it stops working, by the store's clock.
     pub expires_at: UnixMillis,
     /// The store's clock at the lookup, so that the caller can tell how
     /// long the token has left by the store's clock.
@@ -258,7 +291,9 @@ pub struct SessionOwner {
 /// A live session, as [`Store::session`] finds it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SessionRecord {
+    /// Whose session it is.
     pub owner: SessionOwner,
+    /// When it ends, by the store's clock.
     pub expires_at: UnixMillis,
 }
 
@@ -266,7 +301,11 @@ pub struct SessionRecord {
 /// provider and the way back.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LoginAttempt {
+    /// The PKCE secret whose challenge went to the provider; the token
+    /// request sends it back to prove the same client asks.
     pub pkce_verifier: String,
+    /// The value the provider must put in the ID token, so that a token
+    /// issued for another sign-in is refused.
     pub nonce: String,
     /// Where the user goes once signed in (a URL berth made or checked).
     pub return_to: String,
@@ -280,8 +319,11 @@ const ACCOUNT_ATTEMPTS: usize = 64;
 /// Which instance records to list.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct InstanceFilter {
+    /// Only records in this status; `None`: any.
     pub status: Option<InstanceStatus>,
+    /// Only records written by this node; `None`: any.
     pub node: Option<String>,
+    /// Only records of this role; `None`: both.
     pub role: Option<Role>,
 }
 
@@ -289,15 +331,20 @@ pub struct InstanceFilter {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum NodeStatus {
+    /// Running and taking new instances.
     #[default]
     Up,
+    /// Keeps what it runs but takes nothing new (an operator's drain).
     Draining,
+    /// Shut down on purpose: it takes nothing new, and its id may be
+    /// claimed again at once (see [`Store::claim_node`]).
     Down,
 }
 
 /// A node's row in the `nodes` table.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct NodeRecord {
+    /// The node's id, unique in the cluster (invariant 8).
     pub id: String,
     /// Where clients, and other nodes forwarding app traffic, reach it.
     pub advertise_url: String,
@@ -309,6 +356,7 @@ pub struct NodeRecord {
     pub capacity: u32,
     /// How many mains it runs now.
     pub load: u32,
+    /// Whether it takes new instances.
     pub status: NodeStatus,
     /// Last heartbeat, by the store's clock (set by the store).
     pub heartbeat: UnixMillis,
@@ -375,8 +423,10 @@ pub trait Store: Send + Sync + 'static {
     /// overwrite the record of the node that holds it now. Watchdog records
     /// hold no lease (epoch 0) and are replaced unconditionally.
     async fn put_instance(&self, instance: &Instance) -> Result<(), StoreError>;
+    /// The record of `(user, role)`, if there is one.
     async fn get_instance(&self, user: &UserId, role: Role)
     -> Result<Option<Instance>, StoreError>;
+    /// Every record the filter lets through, ordered by user, then role.
     async fn list_instances(&self, filter: &InstanceFilter) -> Result<Vec<Instance>, StoreError>;
     /// Deletes the record of `(user, role)`, whoever wrote it; deleting
     /// nothing is not an error. For watchdogs, which hold no lease, and
@@ -438,6 +488,8 @@ pub trait Store: Send + Sync + 'static {
         epoch: Epoch,
     ) -> Result<bool, StoreError>;
 
+    /// `user`'s lease row, if one was ever claimed; its
+    /// [`LeaseRecord::holder_alive`] is `None`.
     async fn get_lease(&self, user: &UserId) -> Result<Option<LeaseRecord>, StoreError>;
     /// Every lease row; only expired ones with `expired_only`. Each row's
     /// [`LeaseRecord::holder_alive`] says whether its holder's last
@@ -462,10 +514,12 @@ pub trait Store: Send + Sync + 'static {
         folder: &str,
         patch: Option<&str>,
     ) -> Result<(), StoreError>;
+    /// What `user`'s main was last launched with, if anything was recorded.
     async fn get_launch_params(&self, user: &UserId) -> Result<Option<LaunchParams>, StoreError>;
 
     // --- crash history and breaker ------------------------------------------
 
+    /// `user`'s crash history and breaker; a clear state when none is kept.
     async fn load_crash_state(&self, user: &UserId) -> Result<CrashState, StoreError>;
     /// Saves the state; a clear state deletes the row.
     async fn save_crash_state(&self, user: &UserId, state: &CrashState) -> Result<(), StoreError>;

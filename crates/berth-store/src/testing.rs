@@ -18,13 +18,17 @@ use crate::{
 /// wait (to act while a renew is in flight) or fail the renew.
 #[async_trait]
 pub trait RenewHook: Send + Sync + 'static {
+    /// Runs before the renew reaches the store; an error is the renew's
+    /// answer, and the store is not asked.
     async fn before_renew(&self) -> Result<(), StoreError>;
 }
 
 /// A test double of a store: every call goes to `inner`, except that
 /// `renew_leases` first runs `hook`.
 pub struct InterceptRenew<H> {
+    /// The real store every call reaches.
     pub inner: Arc<dyn Store>,
+    /// Run before each `renew_leases`.
     pub hook: H,
 }
 

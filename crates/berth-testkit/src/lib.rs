@@ -56,6 +56,7 @@
 //! runtime or `spawn_blocking` when other tasks must keep running.
 
 #![forbid(unsafe_code)]
+#![warn(missing_docs)]
 #![allow(
     clippy::unwrap_used,
     clippy::expect_used,
@@ -127,16 +128,24 @@ pub enum PgClusterError {
     /// Running as root but the `postgres` user or `runuser` is missing.
     #[error("cannot run PostgreSQL as root: {0}")]
     NoPostgresUser(String),
+    /// A file or process operation failed.
     #[error("{what}: {source}")]
     Io {
+        /// What was being done.
         what: String,
+        /// The operating system's error.
         #[source]
         source: std::io::Error,
     },
     /// A PostgreSQL command failed; `output` is what it (and the server
     /// log) said.
     #[error("{what} failed: {output}")]
-    Command { what: String, output: String },
+    Command {
+        /// The command, or the step it was for.
+        what: String,
+        /// Its output, with the server log when there is one.
+        output: String,
+    },
     /// Stopping or starting a server this process does not own.
     #[error("{URL_ENV} names an external server, which tests may not stop or start")]
     External,

@@ -166,6 +166,7 @@ impl Berth {
         self
     }
 
+    /// The `berth` executable this value runs.
     pub fn bin(&self) -> &Path {
         &self.bin
     }
@@ -420,6 +421,8 @@ pub fn reachable_by_instances(dir: &Path) {
 pub struct Node {
     child: Option<Child>,
     berth: Berth,
+    /// The URL of its public listener (proxy and API), as berth printed
+    /// it.
     pub url: String,
     /// Where a cluster node takes node-to-node calls (`/internal/v1/…`):
     /// its own listener, on a free loopback port unless the config says
@@ -427,8 +430,12 @@ pub struct Node {
     pub internal_url: Option<String>,
     /// The admin token.
     pub token: String,
+    /// The directory it runs in, holding its `berth.toml` when one was
+    /// written.
     pub dir: PathBuf,
+    /// Its data dir, where it keeps its state and `admin.token`.
     pub data_dir: PathBuf,
+    /// A client for calls to it, shared by the helpers that make them.
     pub http: reqwest::Client,
 }
 

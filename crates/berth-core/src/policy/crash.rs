@@ -9,14 +9,17 @@ use crate::{BreakerInfo, UnixMillis};
 pub struct CrashPolicy {
     /// First restart delay; doubled for every crash in the streak.
     pub backoff_base: Duration,
+    /// The longest restart delay, however long the streak.
     pub backoff_max: Duration,
     /// Restarts allowed inside `window`; the next crash opens the breaker.
     pub max_restarts_in_window: u32,
+    /// How far back restarts are counted against the breaker.
     pub window: Duration,
     /// Continuous uptime that resets the crash streak.
     pub stable: Duration,
     /// Cooldown after the first open; doubled for every further open.
     pub cooldown: Duration,
+    /// The longest cooldown, however often the breaker has opened.
     pub max_cooldown: Duration,
 }
 
@@ -44,7 +47,11 @@ pub struct CrashState {
     pub restarts: Vec<UnixMillis>,
     /// How many times the breaker has opened.
     pub opens: u32,
+    /// When the breaker last opened; `None` if it never has, or was
+    /// cleared.
     pub opened_at: Option<UnixMillis>,
+    /// When the last opening's cooldown ends; the breaker is open until
+    /// then.
     pub cooldown_until: Option<UnixMillis>,
 }
 
@@ -71,10 +78,15 @@ impl CrashState {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum CrashDecision {
     /// Restart after this delay (jitter not yet applied).
-    Restart { delay: Duration },
+    Restart {
+        /// How long to wait before the restart.
+        delay: Duration,
+    },
     /// Too many restarts in the window: mark the instance `failed`.
     OpenBreaker {
+        /// How many times the breaker has opened, this one included.
         opens: u32,
+        /// When this opening's cooldown ends (wall clock).
         cooldown_until: UnixMillis,
     },
 }

@@ -17,17 +17,21 @@ use sha2::{Digest, Sha256};
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum NodeState {
+    /// Running and taking new instances.
     #[default]
     Up,
     /// Keeps what it runs, takes nothing new.
     Draining,
+    /// Shut down on purpose; takes nothing new.
     Down,
 }
 
 /// One node as placement sees it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct NodeView {
+    /// The node's id.
     pub id: String,
+    /// Whether it takes new instances, by its own account.
     pub status: NodeState,
     /// How many mains it is willing to run.
     pub capacity: u32,

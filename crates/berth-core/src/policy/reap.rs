@@ -15,6 +15,7 @@ pub enum IdleAction {
 }
 
 impl IdleAction {
+    /// The action's name, as the config file and a user's status spell it.
     pub fn as_str(self) -> &'static str {
         match self {
             IdleAction::Hibernate => "hibernate",
@@ -35,6 +36,7 @@ pub struct ReapPolicy {
     pub max_idle: usize,
     /// How often the reaper runs.
     pub interval: Duration,
+    /// Whether idle mains are hibernated or stopped.
     pub idle_action: IdleAction,
     /// Hibernate running mains idle longer than this; `None` never does.
     pub hibernate_after: Option<Duration>,
@@ -73,9 +75,11 @@ impl ReapPolicy {
 /// One main the reaper looks at.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ReapCandidate<K> {
+    /// The caller's handle on the main, handed back in the plan.
     pub key: K,
     /// `running` or `hibernated` (anything else is not looked at).
     pub status: InstanceStatus,
+    /// When it last saw activity (a request, a message, a touch).
     pub last_active: UnixMillis,
     /// Since when it is hibernated (for a hibernated main).
     pub hibernated_at: Option<UnixMillis>,

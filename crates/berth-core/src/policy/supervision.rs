@@ -110,13 +110,16 @@ pub enum Event {
     /// The program runs (a fresh start, a restart or an adoption) since
     /// `started_at`; `ready` when the runtime saw readiness already.
     Started {
+        /// When the run began (wall clock); uptime is measured from it.
         started_at: UnixMillis,
+        /// The runtime already saw it ready (an adopted run, say).
         ready: bool,
     },
     /// The runtime reports the instance ready.
     Ready,
     /// The runtime reports the instance frozen, or thawed.
     Frozen,
+    /// The runtime reports the instance running again after a freeze.
     Thawed,
     /// Someone asks the instance to end.
     Stop(StopKind),
@@ -125,13 +128,16 @@ pub enum Event {
     /// The outcome of [`Action::DecideCrash`]; `jitter_unit` is a random
     /// number in `[-1, 1]` for the restart delay's ±10 %.
     CrashDecided {
+        /// What the crash policy decided.
         decision: CrashDecision,
+        /// The random number the restart delay is spread by.
         jitter_unit: f64,
     },
     /// The outcome of [`Action::CheckLease`].
     Lease(LeaseCheck),
     /// [`Action::Respawn`] failed.
     SpawnFailed(String),
+    /// A timer armed by [`Action::Arm`] went off.
     Timer(Timer),
 }
 
@@ -150,8 +156,13 @@ pub enum LeaseEnd {
 pub struct Finish {
     /// `stopped` or `failed`.
     pub status: crate::InstanceStatus,
+    /// The last run's exit code, if it exited with one.
     pub exit_code: Option<i32>,
+    /// What the last run left to say (its stderr tail, or how and why it
+    /// ended), at most [`MAX_ERROR_CHARS`] characters; `None` after a
+    /// requested stop.
     pub last_error: Option<String>,
+    /// What becomes of the lease.
     pub lease: LeaseEnd,
     /// For the event feed.
     pub message: String,
@@ -169,12 +180,16 @@ pub enum PortChoice {
 /// What to do.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Action {
+    /// Start the timer to go off after the duration, replacing a pending
+    /// one of its kind.
     Arm(Timer, Duration),
+    /// Cancel the timer, if it is pending.
     Disarm(Timer),
     /// Record the instance running and ready, and route to it.
     MarkReady,
     /// Ask the runtime to stop the program gracefully.
     Stop {
+        /// How long the program may take before the runtime kills it.
         grace: Duration,
     },
     /// Kill the program at once (frozen or not).
@@ -184,17 +199,24 @@ pub enum Action {
     /// Load the crash state, apply the crash policy to a crash after
     /// `uptime`, save it, and answer with [`Event::CrashDecided`].
     DecideCrash {
+        /// How long the crashed run had been running.
         uptime: Duration,
     },
     /// Record the crash: status `crashed`, one more restart.
     RecordCrash {
+        /// The crash described as by [`describe_exit`]: the stderr tail,
+        /// or how the program ended.
         last_error: String,
+        /// The exit code, if it exited with one.
         exit_code: Option<i32>,
     },
     /// Start the watchdog (at most once per crash episode).
     SpawnWatchdog,
+    /// Run the operator's `on_breaker_open` hook: the breaker just opened.
     RunBreakerHook {
+        /// How many times the breaker has opened, this one included.
         opens: u32,
+        /// When its cooldown ends (wall clock).
         cooldown_until: UnixMillis,
     },
     /// Answer with [`Event::Lease`].
@@ -268,6 +290,8 @@ impl Supervision {
         }
     }
 
+    /// True once [`Action::Finish`] was returned; every later event is
+    /// ignored.
     pub fn is_ended(&self) -> bool {
         self.phase == Phase::Ended
     }
@@ -277,6 +301,8 @@ impl Supervision {
         self.phase == Phase::AwaitingLease && self.postponed
     }
 
+    /// True while the current run is ready and nothing stops or restarts
+    /// it.
     pub fn is_ready(&self) -> bool {
         self.ready && self.phase == Phase::Running
     }
