@@ -16,7 +16,8 @@ use crate::auth::{
     AuthMode, Authenticator, CookieScope, Credential, Gate, SharedSecret, TrustedProxies,
     strip_credentials,
 };
-use crate::forward::{ConnInfo, ForwardConfig, Forwarder, Upstream, wants_upgrade};
+use crate::conn::ConnInfo;
+use crate::forward::{ForwardConfig, Forwarder, Upstream, wants_upgrade};
 use crate::limits::StreamLimits;
 use crate::metrics::ProxyMetrics;
 use crate::peer_auth::{self, PeerAuth};

@@ -16,7 +16,7 @@ use super::link::{
 use super::secret::SharedSecret;
 use super::tokens::{AuthError, Authenticator};
 use super::trusted::{AuthMode, FORWARDED_USER, PROXY_SECRET, TrustedProxies, is_https};
-use crate::forward::ConnInfo;
+use crate::conn::ConnInfo;
 use crate::peer_auth::{self, PeerAuth, Refusal};
 use crate::respond::{self, ProxyBody};
 

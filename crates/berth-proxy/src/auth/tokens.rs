@@ -10,22 +10,13 @@ use berth_core::UserId;
 use super::cache::TokenCache;
 use super::caller::{Access, Caller};
 use super::secret::TokenHash;
+use super::user_token::UserTokenInfo;
 
 /// Why a credential could not be checked (not: why it was refused).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum AuthError {
     #[error("the token store is unavailable: {0}")]
     Store(String),
-}
-
-/// A live user token, as the store knows it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct UserTokenInfo {
-    pub user: UserId,
-    /// The token's public id.
-    pub id: String,
-    /// How long it has left, by the store's clock.
-    pub expires_in: Duration,
 }
 
 /// Where user token hashes are looked up; the binary implements it over the

@@ -6,7 +6,7 @@ use std::str::FromStr;
 
 use hyper::header::{HeaderMap, HeaderName};
 
-use crate::forward::ConnInfo;
+use crate::conn::ConnInfo;
 
 /// The header an SSO proxy names the user in (`auth = "header"`).
 pub static FORWARDED_USER: HeaderName = HeaderName::from_static("x-forwarded-user");

@@ -49,7 +49,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use berth_core::{ErrorCode, Reach, Spawner, UserId};
-use bytes::Bytes;
 use http_body_util::{Either, Empty};
 use hyper::body::{Body as _, Incoming};
 use hyper::header::{self, HeaderValue};
@@ -62,7 +61,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::credential::{CredentialHeader, Scrubber, scrub_headers};
-use crate::limits::{ConnPermit, StreamLimits, StreamPermit, StreamRefused};
+use crate::limits::{StreamLimits, StreamPermit, StreamRefused};
 use crate::pace::{BodyPace, BodyTooSlow, PacedBody};
 use crate::pool::{Conn, ForwardedBody, Pool};
 use crate::respond::{self, ProxyBody};
@@ -70,15 +69,11 @@ use crate::respond::{self, ProxyBody};
 mod headers;
 mod tunnel;
 
+pub use crate::conn::ConnInfo;
+pub use crate::upstream_body::UpstreamBody;
 pub use headers::{
     rewrite_request_headers, strip_hop_by_hop, upgrades_to_websocket, wants_upgrade,
 };
-
-/// The body sent upstream: the client's as it is (no body to read, as for
-/// a GET), the client's paced ([`crate::pace`]; boxed, so that the common
-/// bodiless request does not carry the pacer's state through every move),
-/// or nothing (a retry).
-pub type UpstreamBody = Either<Incoming, Either<Box<PacedBody<Incoming>>, Empty<Bytes>>>;
 
 fn no_body() -> UpstreamBody {
     Either::Right(Either::Right(Empty::new()))
@@ -119,48 +114,6 @@ impl Default for ForwardConfig {
             pool_max_idle_per_host: 64,
             server_traffic_is_activity: false,
             credential: None,
-        }
-    }
-}
-
-/// What the proxy knows about the client connection.
-#[derive(Debug, Clone)]
-pub struct ConnInfo {
-    pub peer: SocketAddr,
-    /// The peer's IP as a header value, rendered once per connection.
-    peer_ip: HeaderValue,
-    /// The peer is a trusted proxy: its `X-Forwarded-*` headers stand.
-    pub trusted: bool,
-    /// The connection's slots under the server's caps, if it has any.
-    permit: Option<Arc<ConnPermit>>,
-}
-
-impl ConnInfo {
-    pub fn new(peer: SocketAddr, trusted: bool) -> Self {
-        let peer_ip = HeaderValue::from_str(&peer.ip().to_string())
-            .unwrap_or_else(|_| HeaderValue::from_static("unknown"));
-        Self {
-            peer,
-            peer_ip,
-            trusted,
-            permit: None,
-        }
-    }
-
-    /// The connection holds `permit` (the server's caps).
-    #[must_use]
-    pub fn with_permit(mut self, permit: Arc<ConnPermit>) -> Self {
-        self.permit = Some(permit);
-        self
-    }
-
-    /// Stops counting the connection against its address, once a request
-    /// on it proved (by a valid signature) that another node sent it: a
-    /// node may hold many connections to this one from a single address,
-    /// and nodes on one host share it with every program there.
-    pub fn exempt_from_address_cap(&self) {
-        if let Some(permit) = &self.permit {
-            permit.exempt();
         }
     }
 }
