@@ -12,6 +12,8 @@ use crate::limits::ConnPermit;
 /// What the proxy knows about the client connection.
 #[derive(Debug, Clone)]
 pub struct ConnInfo {
+    /// The client's address as the socket sees it: a trusted proxy's, when
+    /// one is in front.
     pub peer: SocketAddr,
     /// The peer's IP as a header value, rendered once per connection.
     pub(crate) peer_ip: HeaderValue,
@@ -22,6 +24,8 @@ pub struct ConnInfo {
 }
 
 impl ConnInfo {
+    /// The facts of a connection from `peer`; `trusted` when `peer` is a
+    /// trusted proxy. It holds no permit until [`Self::with_permit`].
     pub fn new(peer: SocketAddr, trusted: bool) -> Self {
         let peer_ip = HeaderValue::from_str(&peer.ip().to_string())
             .unwrap_or_else(|_| HeaderValue::from_static("unknown"));

@@ -68,6 +68,7 @@
 //! ```
 
 #![forbid(unsafe_code)]
+#![warn(missing_docs)]
 
 pub mod auth;
 mod conn;

@@ -10,6 +10,7 @@ use berth_core::UserId;
 /// A live user token, as the store knows it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct UserTokenInfo {
+    /// The user the token belongs to.
     pub user: UserId,
     /// The token's public id.
     pub id: String,

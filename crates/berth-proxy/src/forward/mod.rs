@@ -90,9 +90,12 @@ pub struct ForwardConfig {
     /// How fast a request body streamed upstream must arrive; `None`: no
     /// bound.
     pub body_pace: Option<BodyPace>,
+    /// How long setting up a new upstream connection may take.
     pub connect_timeout: Duration,
     /// How long an unused upstream connection stays in the pool.
     pub pool_idle_timeout: Duration,
+    /// Idle upstream connections kept per endpoint; one more is closed
+    /// instead of pooled.
     pub pool_max_idle_per_host: usize,
     /// Whether bytes from the instance to the client on an upgraded
     /// connection count as activity (by default only the client's do, so
@@ -121,8 +124,13 @@ impl Default for ForwardConfig {
 /// Where one request goes.
 #[derive(Debug, Clone)]
 pub struct Upstream {
+    /// The user whose instance this is: the request counts as their
+    /// activity, and an upgrade against their cap on streams.
     pub user: Arc<UserId>,
+    /// The instance's `host:port`.
     pub authority: Authority,
+    /// The request target sent upstream: the path (without `/u/<user>` when
+    /// the prefix is stripped) and the query.
     pub path_and_query: PathAndQuery,
     /// How the address must be reached ([`berth_core::Endpoint::reach`]).
     pub reach: Reach,
