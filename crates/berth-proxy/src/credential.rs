@@ -30,14 +30,19 @@ pub struct CredentialHeader {
 /// Why a credential header setting is refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum CredentialHeaderError {
+    /// No `:` between the header's name and its value.
     #[error("expected `Name: value`, such as `Authorization: token {{launch_token}}`")]
     NoColon,
+    /// The name is not a valid header name.
     #[error("`{0}` is not a valid header name")]
     BadName(String),
+    /// The value does not hold `{launch_token}` exactly once.
     #[error("the value must contain {{launch_token}} exactly once")]
     NoPlaceholder,
+    /// The value holds characters a header cannot carry.
     #[error("the value holds characters a header cannot carry")]
     BadValue,
+    /// The name is a header the proxy sets or strips itself.
     #[error(
         "`{0}` is a header the proxy manages itself (hop-by-hop, Host, Cookie or forwarding headers)"
     )]
@@ -86,6 +91,7 @@ impl CredentialHeader {
         })
     }
 
+    /// The header the credential is sent in.
     pub fn name(&self) -> &HeaderName {
         &self.name
     }

@@ -68,8 +68,10 @@
 //! ```
 
 #![forbid(unsafe_code)]
+#![warn(missing_docs)]
 
 pub mod auth;
+mod conn;
 pub mod credential;
 pub mod forward;
 pub mod limits;
@@ -82,6 +84,7 @@ pub mod respond;
 pub mod route;
 pub mod server;
 pub mod shield;
+mod upstream_body;
 pub mod wake;
 pub mod ws_activity;
 
@@ -89,10 +92,6 @@ pub use metrics::ProxyMetrics;
 pub use pace::{BodyPace, BodyTooSlow, PacedBody};
 pub use pool::ForwardedBody;
 
-/// The request bodies the server hands its fallback (berth's API): the
-/// client's stream, bounded in pace ([`pace`]). The proxy paces the bodies
-/// it forwards itself, and only those it has to read.
-pub type RequestBody = PacedBody<hyper::body::Incoming>;
 pub use proxy::{Proxy, ProxyCluster, ProxyConfig, route_error};
-pub use server::{ServerConfig, serve};
+pub use server::{RequestBody, ServerConfig, serve};
 pub use wake::{ClusterHook, Locate};

@@ -36,11 +36,14 @@ fn give_slot(counter: &AtomicUsize) {
 /// not limit it). An IPv4-mapped IPv6 address counts as its IPv4 address.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum ClientKey {
+    /// An IPv4 client, or an IPv4-mapped IPv6 one.
     V4(Ipv4Addr),
+    /// An IPv6 client's /64: the upper 64 bits of its address.
     V6Prefix(u64),
 }
 
 impl ClientKey {
+    /// The key `ip` is counted under.
     pub fn of(ip: IpAddr) -> Self {
         match ip {
             IpAddr::V4(v4) => ClientKey::V4(v4),
@@ -59,8 +62,12 @@ impl ClientKey {
 /// Why a connection was not admitted.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 pub enum ConnRefused {
+    /// The node is at its cap on client connections (`max_connections`,
+    /// whose value this holds).
     #[error("berth has {0} client connections open, its limit (max_connections)")]
     Total(usize),
+    /// The client's address is at its own cap (`max_connections_per_ip`,
+    /// whose value this holds).
     #[error("this client address has {0} connections open, its limit (max_connections_per_ip)")]
     PerAddress(usize),
 }
@@ -78,6 +85,8 @@ pub struct ConnLimits {
 }
 
 impl ConnLimits {
+    /// Caps of `max_total` connections in all and `max_per_client` per
+    /// [`ClientKey`].
     pub fn new(max_total: usize, max_per_client: usize) -> Arc<Self> {
         Arc::new(Self {
             max_total,
@@ -173,14 +182,22 @@ impl Drop for ConnPermit {
 /// Why a long-lived stream was refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum StreamRefused {
+    /// The node is at its cap on long-lived streams (`max_upgrades`, whose
+    /// value this holds).
     #[error(
         "too many long-lived streams (WebSockets, progress and log streams) are open on this node ({0}, max_upgrades); try again later"
     )]
     Total(usize),
+    /// The user is at their own cap (`max_upgrades_per_user`).
     #[error(
         "{user} has {max} long-lived streams (WebSockets, progress and log streams) open, as many as one user may (max_upgrades_per_user); close one first"
     )]
-    PerUser { user: UserId, max: usize },
+    PerUser {
+        /// The user at their cap.
+        user: UserId,
+        /// The cap on one user's long-lived streams.
+        max: usize,
+    },
 }
 
 /// Shards of the per-user counts: streams of different users rarely meet
@@ -200,6 +217,8 @@ pub struct StreamLimits {
 }
 
 impl StreamLimits {
+    /// Caps of `max_total` long-lived streams in all and `max_per_user` per
+    /// user.
     pub fn new(max_total: usize, max_per_user: usize) -> Arc<Self> {
         Arc::new(Self {
             max_total,

@@ -67,7 +67,9 @@ impl BodyPace {
     "the request body arrived too slowly (it must average {min_bytes_per_s} bytes/s and never stall for {grace:?})"
 )]
 pub struct BodyTooSlow {
+    /// The average rate the body had to keep ([`BodyPace::min_bytes_per_s`]).
     pub min_bytes_per_s: u64,
+    /// The longest stall it was allowed ([`BodyPace::grace`]).
     pub grace: Duration,
 }
 
@@ -143,6 +145,7 @@ pub struct PacedBody<B> {
 }
 
 impl<B> PacedBody<B> {
+    /// `inner`, held to `pace`; with `None` it is passed through unbounded.
     pub fn new(inner: B, pace: Option<BodyPace>) -> Self {
         Self {
             inner,

@@ -94,9 +94,15 @@ type HmacSha256 = Hmac<Sha256>;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Subject<'a> {
     /// A node-to-node call (`/internal/v1/…`) with this body digest (hex).
-    Call { body_sha256: &'a str },
+    Call {
+        /// The SHA-256 of the call's body, in hex.
+        body_sha256: &'a str,
+    },
     /// App traffic forwarded to the node that runs `user`'s instance.
-    Forward { user: &'a str },
+    Forward {
+        /// The id of the user whose app the request is for.
+        user: &'a str,
+    },
 }
 
 /// The string a request's signature covers. Each part is on its own line,
@@ -135,19 +141,25 @@ impl std::fmt::Debug for ClusterKey {
 /// A signature's headers, to add to a request.
 #[derive(Debug, Clone)]
 pub struct Signed {
+    /// The headers that carry the signature, to add to the request as they
+    /// are.
     pub headers: Vec<(HeaderName, HeaderValue)>,
 }
 
 /// Why a request cannot be signed.
 #[derive(Debug, thiserror::Error)]
 pub enum CannotSign {
+    /// The system gave no random bytes for the nonce; the text says why.
     #[error("no randomness for a request's nonce: {0}")]
     NoRandomness(String),
+    /// The user id cannot be carried in a header.
     #[error("the user id cannot be sent in an HTTP header")]
     User,
 }
 
 impl ClusterKey {
+    /// The key made of the cluster secret `secret`; surrounding whitespace
+    /// is not part of it.
     pub fn new(secret: &str) -> Self {
         Self(secret.trim().as_bytes().into())
     }
@@ -271,28 +283,38 @@ fn header_value(s: String) -> HeaderValue {
 /// Why a call was refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum Refusal {
+    /// The request carries no signature.
     #[error(
         "requests from another node must be signed (X-Berth-Cluster-Signature); the cluster \
          secret itself is never accepted"
     )]
     Unsigned,
+    /// The signature headers are incomplete, repeated, or not in their
+    /// format.
     #[error("the call's signature headers are malformed")]
     Malformed,
+    /// The signature does not match: another secret, or a call signed for
+    /// another node.
     #[error(
         "the signature does not match: are the cluster secrets the same, and was the call meant \
          for this node?"
     )]
     BadSignature,
+    /// Signed too far from this node's clock; the gap in milliseconds.
     #[error(
         "the call was signed {0} ms away from this node's clock (at most {max} ms either way): \
          are the nodes' clocks in sync?",
         max = MAX_SKEW.as_millis()
     )]
     Stale(i64),
+    /// The nonce was seen before: the call is a replay.
     #[error("the call was already received once (its nonce is replayed)")]
     Replayed,
+    /// The body does not match the digest the signature covers.
     #[error("the body does not match its signed digest")]
     BodyMismatch,
+    /// Too many nonces are remembered to take another; the call is refused
+    /// rather than risk letting a replay through.
     #[error("too many node-to-node calls at once to remember their nonces")]
     Busy,
 }
@@ -342,6 +364,7 @@ impl std::fmt::Debug for PeerAuth {
 }
 
 impl PeerAuth {
+    /// Checks calls signed with `key` for the node `node_id` (this one).
     pub fn new(key: ClusterKey, node_id: impl Into<String>) -> Self {
         Self {
             key,

@@ -38,7 +38,7 @@ use tokio_util::task::TaskTracker;
 use berth_core::Reach;
 
 use crate::credential::Scrubber;
-use crate::forward::UpstreamBody;
+use crate::upstream_body::UpstreamBody;
 
 /// One upstream connection: the future that does its I/O.
 pub(crate) type Connection = http1::Connection<TokioIo<TcpStream>, UpstreamBody>;

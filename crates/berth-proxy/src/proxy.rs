@@ -16,7 +16,8 @@ use crate::auth::{
     AuthMode, Authenticator, CookieScope, Credential, Gate, SharedSecret, TrustedProxies,
     strip_credentials,
 };
-use crate::forward::{ConnInfo, ForwardConfig, Forwarder, Upstream, wants_upgrade};
+use crate::conn::ConnInfo;
+use crate::forward::{ForwardConfig, Forwarder, Upstream, wants_upgrade};
 use crate::limits::StreamLimits;
 use crate::metrics::ProxyMetrics;
 use crate::peer_auth::{self, PeerAuth};
@@ -35,13 +36,17 @@ pub struct ProxyConfig {
     pub path_routing: bool,
     /// Remove `/u/<user>` from the path sent upstream.
     pub strip_prefix: bool,
+    /// How callers are identified: by token, or by a trusted SSO proxy's
+    /// header.
     pub auth_mode: AuthMode,
+    /// The peers whose `X-Forwarded-*` headers are believed.
     pub trusted_proxies: TrustedProxies,
     /// In header mode, `X-Forwarded-User` counts only next to this secret
     /// in `X-Berth-Proxy-Secret`.
     pub header_secret: Option<SharedSecret>,
     /// How long a woken request waits for its instance.
     pub ready_timeout: Duration,
+    /// The forward layer's settings.
     pub forward: ForwardConfig,
     /// Let a page of another origin make a browser send state-changing
     /// requests and WebSocket upgrades to an app (for programs whose apps
@@ -76,7 +81,10 @@ impl Default for ProxyConfig {
 /// forwarded requests are signed (to other nodes) and checked (from them).
 #[derive(Clone)]
 pub struct ProxyCluster {
+    /// Finds (or starts) the instances of users this node does not run.
     pub hook: Arc<dyn ClusterHook>,
+    /// Signs requests forwarded to other nodes and checks those forwarded
+    /// here.
     pub auth: Arc<PeerAuth>,
 }
 
@@ -155,6 +163,7 @@ impl Proxy {
         })
     }
 
+    /// The route table, kept up to date from the spawner's events.
     pub fn routes(&self) -> &Arc<RouteTable> {
         self.router.table()
     }

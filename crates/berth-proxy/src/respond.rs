@@ -92,6 +92,8 @@ pub fn spawn_error(error: &SpawnError) -> Response<ProxyBody> {
     response
 }
 
+/// Sets `Retry-After` to `ms` in whole seconds, rounded up and at least
+/// one.
 pub fn set_retry_after(response: &mut Response<ProxyBody>, ms: u64) {
     let secs = ms.div_ceil(1000).max(1);
     if let Ok(v) = HeaderValue::from_str(&secs.to_string()) {
@@ -289,6 +291,8 @@ pub fn json_string(s: &str) -> String {
     out
 }
 
+/// `s` with HTML's special characters escaped, safe in text and in
+/// quoted attribute values.
 pub fn html_escape(s: &str) -> String {
     let mut out = String::with_capacity(s.len());
     for c in s.chars() {

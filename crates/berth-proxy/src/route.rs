@@ -27,7 +27,9 @@ pub const USER_PREFIX: &str = "/u/";
 /// A user and, if their instance is running, where it listens.
 #[derive(Debug, Clone)]
 pub struct Route {
+    /// Whose route this is.
     pub user: Arc<UserId>,
+    /// Where their instance listens; `None` while it is not running.
     pub upstream: Option<InstanceAddr>,
 }
 
@@ -36,6 +38,8 @@ pub struct Route {
 pub struct InstanceAddr {
     /// `host:port`.
     pub authority: Authority,
+    /// How the address must be reached: in which network namespace, and
+    /// which account must own the socket.
     pub reach: Reach,
 }
 
@@ -73,6 +77,7 @@ impl std::fmt::Debug for RouteTable {
 }
 
 impl RouteTable {
+    /// An empty table.
     pub fn new() -> Self {
         Self::default()
     }
@@ -175,8 +180,10 @@ pub enum Class {
 /// Why a request cannot be routed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum RouteError {
+    /// No `Host` header.
     #[error("the request has no Host header")]
     MissingHost,
+    /// The `Host` header is not a valid `host[:port]`.
     #[error("the Host header is not a valid host[:port]")]
     BadHost,
     /// An absolute-form target (`GET http://alice.example/ HTTP/1.1`)
@@ -184,8 +191,10 @@ pub enum RouteError {
     /// be told, and the two must never route differently.
     #[error("the request target's host differs from the Host header")]
     HostMismatch,
+    /// The user segment is not a user id; the text says why.
     #[error("the user segment is malformed: {0}")]
     InvalidUser(&'static str),
+    /// No user has this host name.
     #[error("no user has this host name")]
     UnknownHost,
     /// `/u/<user>` without the trailing slash: relative links of the app
@@ -203,10 +212,14 @@ pub enum Target<'a> {
         user: Cow<'a, str>,
         /// The segment as the request spelled it (percent-encoded).
         segment: &'a str,
+        /// The rest of the path, from the `/` after the segment.
         rest: &'a str,
     },
     /// `<label>.<base_domain>`, label lowercased.
-    Host { label: Cow<'a, str> },
+    Host {
+        /// The label in front of the base domain, lowercased.
+        label: Cow<'a, str>,
+    },
 }
 
 /// Reads targets out of requests and turns them into routes.
@@ -222,6 +235,10 @@ pub struct Router {
 }
 
 impl Router {
+    /// A router over `table`. `base_domain` turns host routing on (dots
+    /// around it and case do not matter; empty means off); `strip_prefix`
+    /// removes `/u/<user>` from the path sent upstream; `path_routing` routes
+    /// `/u/<user>/` on any host.
     pub fn new(
         table: Arc<RouteTable>,
         base_domain: Option<&str>,
@@ -240,6 +257,7 @@ impl Router {
         }
     }
 
+    /// The route table it looks users up in.
     pub fn table(&self) -> &Arc<RouteTable> {
         &self.table
     }

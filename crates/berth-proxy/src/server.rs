@@ -33,13 +33,17 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tower_service::Service;
 
-use crate::RequestBody;
-use crate::forward::ConnInfo;
+use crate::conn::ConnInfo;
 use crate::limits::ConnLimits;
 use crate::pace::{BodyPace, PacedBody};
 use crate::proxy::{Proxy, route_error};
 use crate::respond::ProxyBody;
 use crate::route::Class;
+
+/// The request bodies the server hands its fallback (berth's API): the
+/// client's stream, bounded in pace ([`crate::pace`]). The proxy paces the
+/// bodies it forwards itself, and only those it has to read.
+pub type RequestBody = PacedBody<Incoming>;
 
 /// Connection-level settings.
 #[derive(Debug, Clone)]

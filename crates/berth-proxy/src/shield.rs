@@ -32,7 +32,10 @@ pub enum AppSite<'a> {
     /// `/u/<segment>/` on berth's own origin, shared with berth and every
     /// other app. `base` is that path, the segment spelled as the request
     /// spelled it (browsers compare paths byte for byte).
-    Path { base: &'a str },
+    Path {
+        /// The app's base path, `/u/<segment>/`.
+        base: &'a str,
+    },
 }
 
 /// What becomes of one response header.
@@ -406,8 +409,11 @@ fn split_links(text: &str) -> Option<Vec<&str>> {
 /// guessed at).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Single<'a> {
+    /// Not sent.
     Absent,
+    /// Sent once, with this value.
     Once(&'a [u8]),
+    /// Sent more than once.
     Several,
 }
 
@@ -426,12 +432,15 @@ impl<'a> Single<'a> {
 /// What the proxy knows of a request's provenance, as the browser told it.
 #[derive(Debug, Clone, Copy)]
 pub struct RequestSite<'a> {
+    /// The request's method.
     pub method: &'a Method,
     /// An upgrade (WebSocket) handshake.
     pub upgrade: bool,
     /// The `Host` the request was routed by.
     pub host: Option<&'a [u8]>,
+    /// The `Origin` header.
     pub origin: Single<'a>,
+    /// The `Sec-Fetch-Site` header.
     pub fetch_site: Single<'a>,
 }
 

@@ -34,6 +34,7 @@ pub enum Locate {
     Remote {
         /// The owner node's `host:port`.
         endpoint: Authority,
+        /// The owner node's id, which the forwarded request is signed for.
         node: String,
     },
 }
@@ -75,6 +76,8 @@ impl std::fmt::Debug for Waker {
 }
 
 impl Waker {
+    /// Wakes instances through `spawner`, looking in `table` first, and
+    /// waits at most `ready_timeout` for one to be ready.
     pub fn new(spawner: Arc<dyn Spawner>, table: Arc<RouteTable>, ready_timeout: Duration) -> Self {
         Self {
             spawner,

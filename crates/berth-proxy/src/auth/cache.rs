@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use berth_core::UserId;
 
 use super::secret::TokenHash;
-use super::tokens::UserTokenInfo;
+use super::user_token::UserTokenInfo;
 
 /// hash → user, bounded, with a time to live no longer than the token's
 /// own. Reads take a shared lock; writes happen only on a miss and on a

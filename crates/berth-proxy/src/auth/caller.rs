@@ -5,10 +5,13 @@ use berth_core::UserId;
 /// An authenticated caller.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Caller {
+    /// The holder of the admin token.
     Admin,
     /// The holder of user token `token_id` (its public id).
     User {
+        /// The user the token belongs to.
         user: UserId,
+        /// The token's public id, never its secret.
         token_id: String,
     },
 }
@@ -39,8 +42,11 @@ pub enum Access {
 /// The credential that let a request through.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Credential {
+    /// A token in `Authorization: Bearer …`.
     Bearer,
+    /// The user cookie.
     Cookie,
+    /// `X-Forwarded-User` from a trusted SSO proxy, in header mode.
     ForwardedUser,
     /// Another node of the cluster forwarded the request for the user it
     /// names; such a request is never forwarded again.

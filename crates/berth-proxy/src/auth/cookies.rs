@@ -35,7 +35,10 @@ pub enum CookieScope<'a> {
     /// `/u/<segment>/` on a shared host: `Path=` that base path, with the
     /// segment exactly as the request spelled it (the browser compares
     /// paths byte for byte).
-    Path { segment: &'a str },
+    Path {
+        /// The `<segment>` of `/u/<segment>/`, byte for byte as requested.
+        segment: &'a str,
+    },
 }
 
 impl CookieScope<'_> {

@@ -32,9 +32,14 @@ fn bearer_token(value: &str) -> Option<&str> {
 /// cookie can neither shadow the real one nor get the request refused.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct BerthCookies<'a> {
+    /// Every [`USER_COOKIE`] value.
     pub user: Vec<&'a str>,
+    /// Every [`USER_COOKIE_HOST`] value: user cookies no other origin can
+    /// have set.
     pub user_host: Vec<&'a str>,
+    /// Every [`SESSION_COOKIE`] value.
     pub session: Vec<&'a str>,
+    /// Every [`SESSION_COOKIE_HOST`] value.
     pub session_host: Vec<&'a str>,
 }
 

@@ -16,13 +16,16 @@ use super::link::{
 use super::secret::SharedSecret;
 use super::tokens::{AuthError, Authenticator};
 use super::trusted::{AuthMode, FORWARDED_USER, PROXY_SECRET, TrustedProxies, is_https};
-use crate::forward::ConnInfo;
+use crate::conn::ConnInfo;
 use crate::peer_auth::{self, PeerAuth, Refusal};
 use crate::respond::{self, ProxyBody};
 
 /// What the gate decided about a request it lets through.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Pass {
+    /// The credential that let the request through. It decides what is
+    /// stripped before the program sees the request, and whether the request
+    /// may still be forwarded to another node.
     pub credential: Credential,
     /// Pass `X-Forwarded-User` on to the program: it came from the trusted
     /// SSO proxy (header mode).
@@ -43,6 +46,10 @@ pub struct Gate {
 }
 
 impl Gate {
+    /// A gate that checks tokens with `auth`, identifies callers as `mode`
+    /// says, and believes forwarded headers only from `trusted`. Sign-in,
+    /// cluster calls and the header secret are off until the `with_*`
+    /// methods turn them on.
     pub fn new(auth: Authenticator, mode: AuthMode, trusted: TrustedProxies) -> Self {
         Self {
             auth,
@@ -76,6 +83,7 @@ impl Gate {
         self
     }
 
+    /// The peers whose `X-Forwarded-*` headers are believed.
     pub fn trusted(&self) -> &TrustedProxies {
         &self.trusted
     }

@@ -33,7 +33,8 @@
 //! request), `link.rs` (the one-shot `?berth_token=` link), `strip.rs`
 //! (what never reaches a program, and what a program may not set),
 //! `tokens.rs` and `cache.rs` (checking tokens, and the user-token cache
-//! with its purge), `trusted.rs` (trusted proxies and header mode), and
+//! with its purge), `user_token.rs` (what the store knows of a user token,
+//! which both use), `trusted.rs` (trusted proxies and header mode), and
 //! `gate.rs` (the proxy's auth layer, which puts them together).
 
 mod cache;
@@ -46,6 +47,7 @@ mod secret;
 mod strip;
 mod tokens;
 mod trusted;
+mod user_token;
 
 pub use caller::{Access, Caller, Credential};
 pub use cookies::{
@@ -61,9 +63,9 @@ pub use secret::{InvalidSecret, SharedSecret, TokenHash};
 pub use strip::{sets_berth_cookie, strip_credentials};
 pub use tokens::{
     AuthError, Authenticator, DEFAULT_CACHE_ENTRIES, DEFAULT_CACHE_TTL, Redeemed, TokenStore,
-    UserTokenInfo,
 };
 pub use trusted::{AuthMode, FORWARDED_USER, InvalidIpNet, PROXY_SECRET, TrustedProxies, is_https};
+pub use user_token::UserTokenInfo;
 
 #[cfg(test)]
 mod test_support {

@@ -28,6 +28,8 @@ impl std::fmt::Debug for SharedSecret {
 pub struct InvalidSecret;
 
 impl SharedSecret {
+    /// The secret `secret`, trimmed; refused when it is empty or holds
+    /// anything but visible ASCII, which a header could not carry.
     pub fn new(secret: &str) -> Result<Self, InvalidSecret> {
         let secret = secret.trim();
         if secret.is_empty() || !secret.bytes().all(|b| b.is_ascii_graphic()) {
@@ -67,6 +69,7 @@ impl SharedSecret {
 pub struct TokenHash([u8; 32]);
 
 impl TokenHash {
+    /// The hash of `token`.
     pub fn of(token: &str) -> Self {
         Self(Sha256::digest(token.as_bytes()).into())
     }

@@ -10,22 +10,14 @@ use berth_core::UserId;
 use super::cache::TokenCache;
 use super::caller::{Access, Caller};
 use super::secret::TokenHash;
+use super::user_token::UserTokenInfo;
 
 /// Why a credential could not be checked (not: why it was refused).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum AuthError {
+    /// The store could not be asked; the text says why.
     #[error("the token store is unavailable: {0}")]
     Store(String),
-}
-
-/// A live user token, as the store knows it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct UserTokenInfo {
-    pub user: UserId,
-    /// The token's public id.
-    pub id: String,
-    /// How long it has left, by the store's clock.
-    pub expires_in: Duration,
 }
 
 /// Where user token hashes are looked up; the binary implements it over the
@@ -47,6 +39,7 @@ pub trait TokenStore: Send + Sync + 'static {
 /// What a spent sign-in code gave.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Redeemed {
+    /// The user the code was made for.
     pub user: UserId,
     /// A user token of `user`, for the cookie.
     pub token: String,
@@ -76,10 +69,14 @@ pub const DEFAULT_CACHE_ENTRIES: usize = 10_000;
 pub const DEFAULT_CACHE_TTL: Duration = Duration::from_secs(10);
 
 impl Authenticator {
+    /// Checks against `admin_token` and `store`, with the default cache
+    /// bounds ([`DEFAULT_CACHE_ENTRIES`], [`DEFAULT_CACHE_TTL`]).
     pub fn new(admin_token: &str, store: Arc<dyn TokenStore>) -> Self {
         Self::with_cache(admin_token, store, DEFAULT_CACHE_ENTRIES, DEFAULT_CACHE_TTL)
     }
 
+    /// Like [`Self::new`], with a user-token cache of at most `entries`
+    /// tokens (at least one), each trusted for at most `ttl`.
     pub fn with_cache(
         admin_token: &str,
         store: Arc<dyn TokenStore>,

@@ -6,7 +6,7 @@ use std::str::FromStr;
 
 use hyper::header::{HeaderMap, HeaderName};
 
-use crate::forward::ConnInfo;
+use crate::conn::ConnInfo;
 
 /// The header an SSO proxy names the user in (`auth = "header"`).
 pub static FORWARDED_USER: HeaderName = HeaderName::from_static("x-forwarded-user");
@@ -64,6 +64,7 @@ impl FromStr for AuthMode {
 pub struct TrustedProxies(Vec<ipnet::IpNet>);
 
 impl TrustedProxies {
+    /// Reads `trusted_proxies` entries, each an IP address or a CIDR block.
     pub fn parse<S: AsRef<str>>(entries: &[S]) -> Result<Self, InvalidIpNet> {
         entries
             .iter()
@@ -72,6 +73,8 @@ impl TrustedProxies {
             .map(Self)
     }
 
+    /// Whether `ip` is trusted. An IPv4-mapped IPv6 address counts as its
+    /// IPv4 address.
     pub fn contains(&self, ip: IpAddr) -> bool {
         let ip = canonical(ip);
         self.0.iter().any(|net| net.contains(&ip))

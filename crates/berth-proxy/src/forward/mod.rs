@@ -30,77 +30,54 @@
 //!   `max_upgrades` long-lived streams exist at a time, and at most
 //!   `max_upgrades_per_user` for one user ([`StreamLimits`], which the
 //!   API's progress and log streams share). What the client sends through
-//!   a WebSocket is activity only in data frames ([`ClientFrames`]: a
-//!   browser's automatic pongs are not the user's); through any other
-//!   upgrade, every byte is.
+//!   a WebSocket is activity only in data frames
+//!   ([`ClientFrames`](crate::ws_activity::ClientFrames): a browser's
+//!   automatic pongs are not the user's); through any other upgrade, every
+//!   byte is.
 //! * A request body that falls behind its pace ([`crate::pace`]) fails the
 //!   exchange with `408 request_timeout`, and the client connection closes.
+//!
+//! The header rules (what is hop-by-hop, the `X-Forwarded-*` headers,
+//! telling an upgrade) are in `headers.rs`; the byte tunnel an upgraded
+//! connection becomes, with its activity reports, in `tunnel.rs`.
 
 use std::future::Future;
 use std::io;
 use std::net::SocketAddr;
 use std::path::Path;
-use std::pin::Pin;
 use std::sync::Arc;
-use std::task::{Context, Poll};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use berth_core::{ErrorCode, Reach, Spawner, UserId};
-use bytes::Bytes;
 use http_body_util::{Either, Empty};
 use hyper::body::{Body as _, Incoming};
-use hyper::header::{self, HeaderMap, HeaderName, HeaderValue};
+use hyper::header::{self, HeaderValue};
 use hyper::http::uri::{Authority, PathAndQuery, Scheme};
 use hyper::{Method, Request, Response, StatusCode, Uri, Version};
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioIo;
-use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::credential::{CredentialHeader, Scrubber, scrub_headers};
-use crate::limits::{ConnPermit, StreamLimits, StreamPermit, StreamRefused};
+use crate::limits::{StreamLimits, StreamPermit, StreamRefused};
 use crate::pace::{BodyPace, BodyTooSlow, PacedBody};
 use crate::pool::{Conn, ForwardedBody, Pool};
 use crate::respond::{self, ProxyBody};
-use crate::ws_activity::ClientFrames;
 
-/// The body sent upstream: the client's as it is (no body to read, as for
-/// a GET), the client's paced ([`crate::pace`]; boxed, so that the common
-/// bodiless request does not carry the pacer's state through every move),
-/// or nothing (a retry).
-pub type UpstreamBody = Either<Incoming, Either<Box<PacedBody<Incoming>>, Empty<Bytes>>>;
+mod headers;
+mod tunnel;
+
+pub use crate::conn::ConnInfo;
+pub use crate::upstream_body::UpstreamBody;
+pub use headers::{
+    rewrite_request_headers, strip_hop_by_hop, upgrades_to_websocket, wants_upgrade,
+};
 
 fn no_body() -> UpstreamBody {
     Either::Right(Either::Right(Empty::new()))
 }
-
-static X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
-static X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
-static X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
-static KEEP_ALIVE: HeaderName = HeaderName::from_static("keep-alive");
-static PROXY_CONNECTION: HeaderName = HeaderName::from_static("proxy-connection");
-
-/// Hop-by-hop headers (RFC 9110 §7.6.1), besides those `Connection` names.
-fn hop_by_hop() -> [&'static HeaderName; 9] {
-    [
-        &header::CONNECTION,
-        &KEEP_ALIVE,
-        &PROXY_CONNECTION,
-        &header::PROXY_AUTHENTICATE,
-        &header::PROXY_AUTHORIZATION,
-        &header::TE,
-        &header::TRAILER,
-        &header::TRANSFER_ENCODING,
-        &header::UPGRADE,
-    ]
-}
-
-/// How long a tunnel goes between activity reports. Idle reaping works in
-/// minutes, so one `touch` a second per tunnel loses nothing and keeps a
-/// busy WebSocket from calling into the spawner on every frame.
-const TUNNEL_TOUCH_EVERY: Duration = Duration::from_secs(1);
 
 /// Forwarding settings.
 #[derive(Debug, Clone)]
@@ -113,9 +90,12 @@ pub struct ForwardConfig {
     /// How fast a request body streamed upstream must arrive; `None`: no
     /// bound.
     pub body_pace: Option<BodyPace>,
+    /// How long setting up a new upstream connection may take.
     pub connect_timeout: Duration,
     /// How long an unused upstream connection stays in the pool.
     pub pool_idle_timeout: Duration,
+    /// Idle upstream connections kept per endpoint; one more is closed
+    /// instead of pooled.
     pub pool_max_idle_per_host: usize,
     /// Whether bytes from the instance to the client on an upgraded
     /// connection count as activity (by default only the client's do, so
@@ -141,53 +121,16 @@ impl Default for ForwardConfig {
     }
 }
 
-/// What the proxy knows about the client connection.
-#[derive(Debug, Clone)]
-pub struct ConnInfo {
-    pub peer: SocketAddr,
-    /// The peer's IP as a header value, rendered once per connection.
-    peer_ip: HeaderValue,
-    /// The peer is a trusted proxy: its `X-Forwarded-*` headers stand.
-    pub trusted: bool,
-    /// The connection's slots under the server's caps, if it has any.
-    permit: Option<Arc<ConnPermit>>,
-}
-
-impl ConnInfo {
-    pub fn new(peer: SocketAddr, trusted: bool) -> Self {
-        let peer_ip = HeaderValue::from_str(&peer.ip().to_string())
-            .unwrap_or_else(|_| HeaderValue::from_static("unknown"));
-        Self {
-            peer,
-            peer_ip,
-            trusted,
-            permit: None,
-        }
-    }
-
-    /// The connection holds `permit` (the server's caps).
-    #[must_use]
-    pub fn with_permit(mut self, permit: Arc<ConnPermit>) -> Self {
-        self.permit = Some(permit);
-        self
-    }
-
-    /// Stops counting the connection against its address, once a request
-    /// on it proved (by a valid signature) that another node sent it: a
-    /// node may hold many connections to this one from a single address,
-    /// and nodes on one host share it with every program there.
-    pub fn exempt_from_address_cap(&self) {
-        if let Some(permit) = &self.permit {
-            permit.exempt();
-        }
-    }
-}
-
 /// Where one request goes.
 #[derive(Debug, Clone)]
 pub struct Upstream {
+    /// The user whose instance this is: the request counts as their
+    /// activity, and an upgrade against their cap on streams.
     pub user: Arc<UserId>,
+    /// The instance's `host:port`.
     pub authority: Authority,
+    /// The request target sent upstream: the path (without `/u/<user>` when
+    /// the prefix is stripped) and the query.
     pub path_and_query: PathAndQuery,
     /// How the address must be reached ([`berth_core::Endpoint::reach`]).
     pub reach: Reach,
@@ -634,42 +577,15 @@ impl Forwarder {
         let tasks = self.tasks.clone();
         self.tasks.spawn(async move {
             let _permit = permit;
-            let tunnel = async {
-                let (client, upstream) = match tokio::try_join!(client, upstream) {
-                    Ok(both) => both,
-                    Err(e) => {
-                        tracing::debug!(%user, error = %e, "upgrade did not complete");
-                        return;
-                    }
-                };
-                // What the client sends is activity, and wakes a hibernated
-                // instance (on a WebSocket, its data frames only); what the
-                // instance sends counts only if so configured.
-                let mut client = Touching::new(
-                    TokioIo::new(client),
-                    spawner.clone(),
-                    user.clone(),
-                    Reads::Wake(tasks),
-                );
-                if websocket {
-                    client.frames = Some(ClientFrames::new());
-                }
-                let upstream_reads = if server_counts {
-                    Reads::Touch
-                } else {
-                    Reads::Ignore
-                };
-                let mut upstream = Touching::new(
-                    TokioIo::new(upstream),
-                    spawner,
-                    user.clone(),
-                    upstream_reads,
-                );
-                match tokio::io::copy_bidirectional(&mut client, &mut upstream).await {
-                    Ok((up, down)) => tracing::debug!(%user, up, down, "tunnel closed"),
-                    Err(e) => tracing::debug!(%user, error = %e, "tunnel ended with an error"),
-                }
-            };
+            let tunnel = tunnel::run(
+                client,
+                upstream,
+                spawner,
+                user,
+                tasks,
+                server_counts,
+                websocket,
+            );
             tokio::select! {
                 () = tunnel => {}
                 () = cancel.cancelled() => {}
@@ -782,383 +698,4 @@ fn error_chain_has(
         source = e.source();
     }
     false
-}
-
-/// `Connection: upgrade` together with an `Upgrade` header.
-pub fn wants_upgrade(headers: &HeaderMap) -> bool {
-    headers.contains_key(header::UPGRADE) && lists_token(headers, header::CONNECTION, "upgrade")
-}
-
-/// `Upgrade: websocket` (a token of the list, in any case).
-pub fn upgrades_to_websocket(headers: &HeaderMap) -> bool {
-    lists_token(headers, header::UPGRADE, "websocket")
-}
-
-/// Whether any `name` header's comma-separated list holds `token` (in any
-/// case).
-fn lists_token(headers: &HeaderMap, name: header::HeaderName, token: &str) -> bool {
-    headers
-        .get_all(name)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .any(|t| t.trim().eq_ignore_ascii_case(token))
-}
-
-/// Removes hop-by-hop headers: the fixed set and every header `Connection`
-/// names. With `keep_upgrade`, `Upgrade` survives (the caller sets
-/// `Connection: upgrade` again).
-pub fn strip_hop_by_hop(headers: &mut HeaderMap, keep_upgrade: bool) {
-    // Most messages carry none of these: one pass over the names is then
-    // all it costs, instead of a lookup per hop-by-hop name.
-    if !headers.keys().any(is_hop_by_hop_name) {
-        return;
-    }
-    let upgrade = if keep_upgrade {
-        headers.get(header::UPGRADE).cloned()
-    } else {
-        None
-    };
-    // Browsers send one `Connection` value on nearly every request; only the
-    // rare request with several pays for a list.
-    let mut connection = headers.get_all(header::CONNECTION).iter();
-    let several = connection.next().is_some() && connection.next().is_some();
-    if several {
-        let values: Vec<HeaderValue> = headers
-            .get_all(header::CONNECTION)
-            .iter()
-            .cloned()
-            .collect();
-        for value in &values {
-            remove_named(headers, value);
-        }
-    } else if let Some(value) = headers.remove(header::CONNECTION) {
-        remove_named(headers, &value);
-        // Usually `Connection: keep-alive` was the only one.
-        if !headers.keys().any(is_hop_by_hop_name) {
-            if let Some(upgrade) = upgrade {
-                headers.insert(header::UPGRADE, upgrade);
-            }
-            return;
-        }
-    }
-    for name in hop_by_hop() {
-        headers.remove(name);
-    }
-    // Any other `Proxy-*`, and a bare `Proxy` (httpoxy: CGI-style programs
-    // would read it as HTTP_PROXY). Rare, so only a hit pays for the list.
-    let is_proxy_header = |name: &HeaderName| {
-        let name = name.as_str();
-        name == "proxy" || name.starts_with("proxy-")
-    };
-    if headers.keys().any(is_proxy_header) {
-        let names: Vec<HeaderName> = headers
-            .keys()
-            .filter(|n| is_proxy_header(n))
-            .cloned()
-            .collect();
-        for name in names {
-            headers.remove(name);
-        }
-    }
-    if let Some(upgrade) = upgrade {
-        headers.insert(header::UPGRADE, upgrade);
-    }
-}
-
-/// A fixed hop-by-hop header, `Proxy`, or any `Proxy-*`.
-fn is_hop_by_hop_name(name: &HeaderName) -> bool {
-    hop_by_hop().into_iter().any(|h| h == name) || {
-        let name = name.as_str();
-        name == "proxy" || name.starts_with("proxy-")
-    }
-}
-
-fn remove_named(headers: &mut HeaderMap, connection: &HeaderValue) {
-    let Ok(value) = connection.to_str() else {
-        return;
-    };
-    for token in value.split(',').map(str::trim).filter(|t| !t.is_empty()) {
-        // `close`, `keep-alive`, `upgrade` are options, not header names
-        // worth a lookup (keep-alive and upgrade are removed anyway).
-        if ["close", "keep-alive", "upgrade"]
-            .iter()
-            .any(|o| token.eq_ignore_ascii_case(o))
-        {
-            continue;
-        }
-        headers.remove(token);
-    }
-}
-
-/// The request headers as the instance sees them.
-pub fn rewrite_request_headers(
-    headers: &mut HeaderMap,
-    conn: &ConnInfo,
-    upgrade: bool,
-    keep_forwarded_user: bool,
-) {
-    strip_hop_by_hop(headers, upgrade);
-    // Room for the X-Forwarded-* headers: one growth at most.
-    headers.reserve(3);
-    if upgrade {
-        headers.insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
-    }
-    // berth already answered `Expect: 100-continue` by reading the body.
-    headers.remove(header::EXPECT);
-    if !keep_forwarded_user {
-        headers.remove(&crate::auth::FORWARDED_USER);
-    }
-    let forwarded_for = match headers.get(&X_FORWARDED_FOR) {
-        None => conn.peer_ip.clone(),
-        Some(existing) => {
-            let mut joined = Vec::with_capacity(existing.len() + 2 + conn.peer_ip.len());
-            joined.extend_from_slice(existing.as_bytes());
-            joined.extend_from_slice(b", ");
-            joined.extend_from_slice(conn.peer_ip.as_bytes());
-            HeaderValue::from_maybe_shared(Bytes::from(joined))
-                .unwrap_or_else(|_| conn.peer_ip.clone())
-        }
-    };
-    headers.insert(X_FORWARDED_FOR.clone(), forwarded_for);
-    if !(conn.trusted && headers.contains_key(&X_FORWARDED_PROTO)) {
-        headers.insert(X_FORWARDED_PROTO.clone(), HeaderValue::from_static("http"));
-    }
-    if !(conn.trusted && headers.contains_key(&X_FORWARDED_HOST)) {
-        match headers.get(header::HOST).cloned() {
-            Some(host) => {
-                headers.insert(X_FORWARDED_HOST.clone(), host);
-            }
-            None => {
-                headers.remove(&X_FORWARDED_HOST);
-            }
-        }
-    }
-}
-
-/// What reading from one side of a tunnel means.
-enum Reads {
-    /// Nothing: the bytes are not activity.
-    Ignore,
-    /// Activity.
-    Touch,
-    /// Activity, and a hibernated instance is resumed (on a task of the
-    /// proxy's; the bytes wait in the socket until the program runs).
-    Wake(TaskTracker),
-}
-
-/// An upgraded stream that reports reads as user activity, at most once
-/// per [`TUNNEL_TOUCH_EVERY`] (a count, never a store write per frame).
-struct Touching<T> {
-    io: T,
-    spawner: Arc<dyn Spawner>,
-    user: Arc<UserId>,
-    reads: Reads,
-    last_touch: Option<Instant>,
-    /// A WebSocket client's frames: only reads that carry data frames are
-    /// activity. `None`: every read is.
-    frames: Option<ClientFrames>,
-}
-
-impl<T> Touching<T> {
-    fn new(io: T, spawner: Arc<dyn Spawner>, user: Arc<UserId>, reads: Reads) -> Self {
-        Self {
-            io,
-            spawner,
-            user,
-            reads,
-            last_touch: None,
-            frames: None,
-        }
-    }
-
-    fn report(&mut self) {
-        if matches!(self.reads, Reads::Ignore) {
-            return;
-        }
-        let now = Instant::now();
-        if self
-            .last_touch
-            .is_some_and(|last| now.duration_since(last) < TUNNEL_TOUCH_EVERY)
-        {
-            return;
-        }
-        self.last_touch = Some(now);
-        let hibernated = self.spawner.touch(&self.user);
-        if let Reads::Wake(tasks) = &self.reads
-            && hibernated
-        {
-            let (spawner, user) = (self.spawner.clone(), self.user.clone());
-            tasks.spawn(async move {
-                if let Err(e) = spawner.resume(&user).await {
-                    tracing::warn!(%user, error = %e, "could not resume the instance");
-                }
-            });
-        }
-    }
-}
-
-impl<T: AsyncRead + Unpin> AsyncRead for Touching<T> {
-    fn poll_read(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &mut ReadBuf<'_>,
-    ) -> Poll<io::Result<()>> {
-        let this = self.get_mut();
-        let before = buf.filled().len();
-        let result = Pin::new(&mut this.io).poll_read(cx, buf);
-        if matches!(result, Poll::Ready(Ok(()))) && buf.filled().len() > before {
-            let active = match &mut this.frames {
-                Some(frames) => {
-                    let was_opaque = frames.is_opaque();
-                    let active = frames.feed(&buf.filled()[before..]);
-                    if frames.is_opaque() && !was_opaque {
-                        tracing::debug!(user = %this.user, "unreadable WebSocket frames; every byte is activity now");
-                    }
-                    active
-                }
-                None => true,
-            };
-            if active {
-                this.report();
-            }
-        }
-        result
-    }
-}
-
-impl<T: AsyncWrite + Unpin> AsyncWrite for Touching<T> {
-    fn poll_write(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        data: &[u8],
-    ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.get_mut().io).poll_write(cx, data)
-    }
-
-    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.get_mut().io).poll_flush(cx)
-    }
-
-    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.get_mut().io).poll_shutdown(cx)
-    }
-
-    fn poll_write_vectored(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        bufs: &[io::IoSlice<'_>],
-    ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.get_mut().io).poll_write_vectored(cx, bufs)
-    }
-
-    fn is_write_vectored(&self) -> bool {
-        self.io.is_write_vectored()
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn conn(trusted: bool) -> ConnInfo {
-        ConnInfo::new("10.1.2.3:5555".parse().unwrap(), trusted)
-    }
-
-    fn headers(pairs: &[(&'static str, &'static str)]) -> HeaderMap {
-        let mut h = HeaderMap::new();
-        for (k, v) in pairs {
-            h.append(*k, HeaderValue::from_static(v));
-        }
-        h
-    }
-
-    #[test]
-    fn hop_by_hop_headers_are_removed() {
-        let mut h = headers(&[
-            ("connection", "keep-alive, X-Secret"),
-            ("connection", "x-other"),
-            ("x-secret", "1"),
-            ("x-other", "1"),
-            ("keep-alive", "timeout=5"),
-            ("proxy-authorization", "Basic x"),
-            ("proxy", "http://evil:3128"),
-            ("proxy-whatever", "1"),
-            ("te", "trailers"),
-            ("trailer", "x"),
-            ("transfer-encoding", "chunked"),
-            ("upgrade", "websocket"),
-            ("host", "berth.test"),
-            ("accept", "*/*"),
-        ]);
-        rewrite_request_headers(&mut h, &conn(false), false, false);
-        let mut names: Vec<_> = h.keys().map(|k| k.as_str().to_owned()).collect();
-        names.sort();
-        assert_eq!(
-            names,
-            [
-                "accept",
-                "host",
-                "x-forwarded-for",
-                "x-forwarded-host",
-                "x-forwarded-proto"
-            ]
-        );
-    }
-
-    #[test]
-    fn upgrades_keep_upgrade() {
-        let mut h = headers(&[
-            ("connection", "Upgrade"),
-            ("upgrade", "websocket"),
-            ("host", "h"),
-        ]);
-        assert!(wants_upgrade(&h));
-        rewrite_request_headers(&mut h, &conn(false), true, false);
-        assert_eq!(h[header::UPGRADE], "websocket");
-        assert_eq!(h[header::CONNECTION], "upgrade");
-        assert!(!wants_upgrade(&headers(&[("upgrade", "websocket")])));
-        assert!(!wants_upgrade(&headers(&[("connection", "upgrade")])));
-    }
-
-    #[test]
-    fn websocket_upgrades_are_told_from_others() {
-        assert!(upgrades_to_websocket(&headers(&[("upgrade", "websocket")])));
-        assert!(upgrades_to_websocket(&headers(&[("upgrade", "WebSocket")])));
-        assert!(upgrades_to_websocket(&headers(&[(
-            "upgrade",
-            "foo, websocket"
-        )])));
-        assert!(!upgrades_to_websocket(&headers(&[("upgrade", "h2c")])));
-        assert!(!upgrades_to_websocket(&headers(&[(
-            "upgrade",
-            "websockets"
-        )])));
-        assert!(!upgrades_to_websocket(&headers(&[])));
-    }
-
-    #[test]
-    fn forwarded_headers_are_set_or_kept_from_trusted_peers() {
-        let spoofed = [
-            ("host", "berth.test:8000"),
-            ("x-forwarded-for", "1.1.1.1"),
-            ("x-forwarded-proto", "https"),
-            ("x-forwarded-host", "evil"),
-            ("x-forwarded-user", "admin"),
-        ];
-        let mut h = headers(&spoofed);
-        rewrite_request_headers(&mut h, &conn(false), false, false);
-        assert_eq!(h["x-forwarded-for"], "1.1.1.1, 10.1.2.3");
-        assert_eq!(h["x-forwarded-proto"], "http");
-        assert_eq!(h["x-forwarded-host"], "berth.test:8000");
-        assert!(!h.contains_key("x-forwarded-user"));
-        let mut h = headers(&spoofed);
-        rewrite_request_headers(&mut h, &conn(true), false, true);
-        assert_eq!(h["x-forwarded-proto"], "https");
-        assert_eq!(h["x-forwarded-host"], "evil");
-        assert_eq!(h["x-forwarded-user"], "admin");
-        let mut h = headers(&[("host", "h")]);
-        rewrite_request_headers(&mut h, &conn(false), false, false);
-        assert_eq!(h["x-forwarded-for"], "10.1.2.3");
-    }
 }
