@@ -107,19 +107,30 @@ impl FreezerKind {
 /// A freezer file could not be written or read.
 #[derive(Debug, thiserror::Error)]
 pub enum FreezeError {
+    /// A freeze or thaw request could not be written.
     #[error("cannot write {value:?} to the cgroup freezer {path}: {source}")]
     Write {
+        /// The request file.
         path: PathBuf,
+        /// The value that was to be written.
         value: &'static str,
+        /// What the kernel said.
         source: io::Error,
     },
+    /// The freezer's state or the cgroup's task list could not be read.
     #[error("cannot read the cgroup freezer {path}: {source}")]
-    Read { path: PathBuf, source: io::Error },
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// What the kernel said.
+        source: io::Error,
+    },
 }
 
 /// The freezer of one instance's cgroup.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CgroupFreezer {
+    /// Which interface its files follow, v1's or v2's.
     pub kind: FreezerKind,
     /// The instance's directory in the hierarchy that freezes.
     pub dir: PathBuf,

@@ -19,8 +19,11 @@ pub enum Layout {
     /// One directory per controller: the controller's mount point joined
     /// with berth's own cgroup in that hierarchy.
     V1 {
+        /// berth's cgroup under the `memory` controller.
         memory: PathBuf,
+        /// berth's cgroup under the `pids` controller.
         pids: PathBuf,
+        /// berth's cgroup under the `cpu` controller.
         cpu: PathBuf,
         /// The `freezer` controller's directory, when it is mounted.
         freezer: Option<PathBuf>,
@@ -29,8 +32,11 @@ pub enum Layout {
     /// (`/` at the root); whether it is mounted with `favordynmods`, which
     /// spares each join the kernel's wait for an RCU grace period.
     V2 {
+        /// Where the unified hierarchy is mounted.
         mount: PathBuf,
+        /// berth's own cgroup, as a path from the hierarchy's root.
         own: String,
+        /// Whether the mount has the `favordynmods` option.
         favordynmods: bool,
     },
 }
@@ -39,14 +45,23 @@ pub enum Layout {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "version", rename_all = "lowercase")]
 pub enum Parents {
+    /// A parent per v1 controller, each `berth-<id>` under berth's own
+    /// cgroup in that hierarchy.
     V1 {
+        /// The parent under the `memory` controller.
         memory: PathBuf,
+        /// The parent under the `pids` controller.
         pids: PathBuf,
+        /// The parent under the `cpu` controller.
         cpu: PathBuf,
+        /// The parent under the `freezer` controller, when it is mounted;
+        /// absent from specs written before berth used it.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         freezer: Option<PathBuf>,
     },
+    /// The one parent in the unified hierarchy.
     V2 {
+        /// `berth-<id>` under berth's own cgroup.
         parent: PathBuf,
     },
 }
@@ -54,7 +69,10 @@ pub enum Parents {
 /// One instance's cgroup: a directory per controller (v1) or one (v2).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct InstanceCgroup {
+    /// The parents it lives under, its berth's.
     pub parents: Parents,
+    /// Its directory's name under each parent:
+    /// `<instance>.<role>.<shim pid>`.
     pub leaf: String,
 }
 
@@ -245,6 +263,7 @@ impl Layout {
         }
     }
 
+    /// The cgroup version, 1 or 2, for logs.
     pub fn version(&self) -> u8 {
         match self {
             Layout::V1 { .. } => 1,
@@ -339,6 +358,8 @@ pub fn prepare_parents(layout: &Layout, parents: &Parents, pid: u32) -> Result<(
 }
 
 impl InstanceCgroup {
+    /// The cgroup named `leaf` under `parents`; nothing is created yet
+    /// ([`InstanceCgroup::create`] does that).
     pub fn new(parents: Parents, leaf: String) -> InstanceCgroup {
         InstanceCgroup { parents, leaf }
     }

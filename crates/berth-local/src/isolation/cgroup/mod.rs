@@ -56,30 +56,53 @@ pub use stale::{remove_stale, remove_stale_leaf, shim_pid_of_leaf};
 /// Why cgroups cannot be used; every message names what is missing.
 #[derive(Debug, thiserror::Error)]
 pub enum CgroupError {
+    /// A controller berth limits is neither mounted as v1 nor offered by
+    /// the v2 root; it names the controller.
     #[error(
         "cgroup {0} controller not mounted (neither as cgroup v1 nor in the cgroup v2 \
          hierarchy); instance cgroups need the memory, pids and cpu controllers"
     )]
     ControllerMissing(&'static str),
+    /// `/proc/self/mountinfo` or `/proc/self/cgroup` could not be read.
     #[error("cannot read {path}: {source}")]
-    Read { path: PathBuf, source: io::Error },
-    #[error("cgroup {what} {path}: {source}")]
-    Write {
-        what: &'static str,
+    Read {
+        /// The file.
         path: PathBuf,
+        /// What the kernel said.
         source: io::Error,
     },
+    /// A cgroup directory could not be made or one of its files written.
+    #[error("cgroup {what} {path}: {source}")]
+    Write {
+        /// The file written (`directory` for a directory made).
+        what: &'static str,
+        /// Its path.
+        path: PathBuf,
+        /// What the kernel said.
+        source: io::Error,
+    },
+    /// berth could not enable the controllers for its instances on v2:
+    /// its cgroup is not delegated to it.
     #[error(
         "cannot enable the memory, pids and cpu controllers below {path}: {source}; in cgroup v2 \
          berth needs a cgroup of its own that holds no other processes (systemd: run it as a \
          service with Delegate=yes)"
     )]
-    Delegation { path: PathBuf, source: io::Error },
+    Delegation {
+        /// berth's own cgroup, below which the controllers were asked for.
+        path: PathBuf,
+        /// What the kernel said.
+        source: io::Error,
+    },
+    /// A v1 host without the `freezer` controller, where instances could
+    /// not be frozen through their cgroups.
     #[error(
         "the cgroup v1 freezer controller is not mounted: instances could not be frozen through \
          their cgroups (mount it, or use cgroup v2)"
     )]
     NoFreezer,
+    /// `/proc/self/cgroup` names no cgroup of berth's in a hierarchy it
+    /// needs; it names the hierarchy.
     #[error("berth's own cgroup is not listed in /proc/self/cgroup for {0}")]
     OwnUnknown(&'static str),
 }
@@ -87,7 +110,9 @@ pub enum CgroupError {
 /// What the shim needs to give one instance its cgroup.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct CgroupSpec {
+    /// Where the instance's cgroup goes: under this berth's parents.
     pub parents: Parents,
+    /// The memory, pids and CPU limits written to it.
     pub limits: Limits,
 }
 
