@@ -8,7 +8,10 @@ pub enum Readiness {
     /// token.
     TokenRegex(regex::Regex),
     /// `GET <path>` on the instance's port answers below 500.
-    Http { path: String },
+    Http {
+        /// The path requested (a missing leading `/` is added).
+        path: String,
+    },
     /// A TCP connect to the instance's port succeeds.
     Tcp,
 }

@@ -36,13 +36,20 @@ pub use runtime::{Accounts, LocalRuntime, LocalRuntimeConfig};
 /// Why the local runtime could not start.
 #[derive(Debug, thiserror::Error)]
 pub enum LocalError {
+    /// The configuration cannot work as given (an empty command, no room
+    /// for socket paths, isolation without accounts); the message says why.
     #[error("{0}")]
     Config(String),
+    /// A directory berth needs (the data dir) could not be made or
+    /// resolved.
     #[error("cannot prepare {path}: {source}")]
     Io {
+        /// The directory.
         path: std::path::PathBuf,
+        /// What the file system said.
         source: std::io::Error,
     },
+    /// The host cannot isolate instances at the configured level.
     #[error(transparent)]
     Host(#[from] crate::isolation::HostError),
 }

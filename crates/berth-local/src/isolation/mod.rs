@@ -58,6 +58,8 @@ pub enum Isolation {
 }
 
 impl Isolation {
+    /// The level's name as configured and logged (`none`, `user`,
+    /// `sandbox`).
     pub fn as_str(self) -> &'static str {
         match self {
             Isolation::None => "none",
@@ -167,10 +169,13 @@ impl Account {
 /// executes the program.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct IsolationSpec {
+    /// The account's uid, which the program runs as.
     pub uid: u32,
+    /// The account's gid, its only group.
     pub gid: u32,
     /// The account name (passwd entry, `USER`, `LOGNAME`).
     pub name: String,
+    /// The rlimits the child sets before it executes the program.
     pub limits: Limits,
     /// Where the instance's cgroup goes, and its limits: at levels `user`
     /// and `sandbox`, on every host where berth could set up the cgroup
@@ -365,40 +370,62 @@ fn check_mount_setattr() -> Result<(), HostError> {
 /// names what is missing.
 #[derive(Debug, thiserror::Error)]
 pub enum HostError {
+    /// `user` and `sandbox` need root, and berth runs as another user.
     #[error(
         "isolation mode \"{0}\" needs berth to run as root: it runs every user's instances under \
          a uid of their own; run berth as root, or set [isolation] mode = \"none\" (instances \
          are then not isolated)"
     )]
     NotRoot(Isolation),
+    /// No `nft` program was found for the guards.
     #[error(
         "isolation mode \"{level}\" needs nftables for its port and egress guards, but the `nft` \
          program was not found (looked {looked}); install the nftables package"
     )]
-    NoNft { level: Isolation, looked: String },
+    NoNft {
+        /// The level that needs it.
+        level: Isolation,
+        /// Where berth looked, as the message shows it.
+        looked: String,
+    },
+    /// The guards' nftables table could not be set up.
     #[error("{0}")]
     Guard(#[from] guard::GuardError),
+    /// The instances' cgroups cannot be set up on this host.
     #[error("{0}")]
     Cgroup(#[from] cgroup::CgroupError),
+    /// The kernel lacks something the level needs; the message names it.
     #[error("{0}")]
     Kernel(String),
+    /// The isolation settings cannot work on this host (an empty uid
+    /// range, or one that holds the host's own accounts).
     #[error("{0}")]
     Config(String),
+    /// Instance accounts could not get through a parent of the data dir
+    /// to their own roots.
     #[error(
         "isolation mode \"{level}\": instances could not reach their data under {data_dir}: \
          {blocker} is not searchable by other users (mode {mode:04o}); make it searchable \
          (chmod o+x {blocker}) or choose a data_dir elsewhere"
     )]
     DataDirUnreachable {
+        /// The configured level.
         level: Isolation,
+        /// berth's data dir.
         data_dir: PathBuf,
+        /// The first ancestor that other users cannot search.
         blocker: PathBuf,
+        /// Its permission bits.
         mode: u32,
     },
+    /// A file the checks needed could not be read.
     #[error("{what} {path}: {source}")]
     Io {
+        /// What was being done, as the message's first words.
         what: &'static str,
+        /// The file.
         path: PathBuf,
+        /// What the file system said.
         source: std::io::Error,
     },
 }

@@ -30,6 +30,7 @@ const SWEEP_PAUSE: Duration = Duration::from_millis(1);
 /// One process of the account, as `/proc/<pid>/status` shows it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Member {
+    /// Its process id.
     pub pid: u32,
     /// The state letter: `R`, `S`, `D`, `T` (stopped), `t` (traced), `Z`…
     pub state: char,

@@ -66,6 +66,7 @@ pub struct LocalRuntimeConfig {
     /// Names of berth's own environment variables passed through
     /// (e.g. `PATH`, `LANG`).
     pub env_allowlist: Vec<String>,
+    /// How a starting instance is found ready.
     pub readiness: Readiness,
     /// Ports handed to instances; each checked free before use.
     pub port_range: RangeInclusive<u16>,

@@ -42,6 +42,8 @@ pub enum ShimError {
     /// must not start a second instance beside it.
     #[error("silent shim, killed: {0}")]
     Silent(String),
+    /// Reading a state file or talking over the socket failed in a way
+    /// none of the above accounts for.
     #[error("shim i/o: {0}")]
     Io(#[from] std::io::Error),
 }
@@ -228,6 +230,8 @@ impl ShimHandle {
         None
     }
 
+    /// A sender of commands to this shim, to keep while another task
+    /// waits for its events.
     pub fn control(&self) -> ShimControl {
         self.control.clone()
     }
@@ -240,6 +244,9 @@ impl ShimControl {
         }
     }
 
+    /// Writes `command` to the shim's socket. A shim that has gone, or
+    /// takes no command for a while, is an error; after any error the
+    /// connection takes no more commands.
     pub async fn send(&self, command: ShimCommand) -> Result<(), ShimError> {
         let mut line = serde_json::to_vec(&command)
             .map_err(|e| ShimError::Shim(format!("cannot encode command: {e}")))?;

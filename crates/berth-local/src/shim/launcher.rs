@@ -63,6 +63,8 @@ struct Zygote {
 }
 
 impl ShimLauncher {
+    /// A launcher whose zygote is `exe args…`; nothing starts until the
+    /// first [`ShimLauncher::spawn`].
     pub fn new(exe: impl Into<PathBuf>, args: Vec<String>) -> ShimLauncher {
         ShimLauncher {
             exe: exe.into(),

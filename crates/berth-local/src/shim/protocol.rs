@@ -14,10 +14,15 @@ use crate::isolation::IsolationSpec;
 /// Everything a shim needs to run one instance.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ShimSpec {
+    /// The instance's id, unique per launch; it names the instance's
+    /// cgroup and shows in the shim's log.
     pub instance_id: String,
     /// The raw user id (for reports only; paths use the slug).
     pub user: String,
+    /// Whether the instance is the user's workspace or a watchdog run.
     pub role: Role,
+    /// The lease epoch the instance runs under (0 for a watchdog), which
+    /// a restarted berth reads back when it adopts the instance.
     pub epoch: Epoch,
     /// The program and its arguments; `argv[0]` is looked up in `PATH` of
     /// [`ShimSpec::env`] when it has no `/`.
@@ -61,16 +66,24 @@ pub struct ShimSpec {
 #[serde(tag = "result", rename_all = "snake_case")]
 pub enum SpawnReport {
     /// The program runs; the socket is listening and the state file exists.
-    Spawned { state: ShimState },
+    Spawned {
+        /// The state as written to the state file.
+        state: ShimState,
+    },
     /// The program could not be started (missing, not executable, bad cwd).
     /// The message names the program. The shim exits right after.
-    Failed { error: String },
+    Failed {
+        /// Why, naming the program.
+        error: String,
+    },
 }
 
 /// How the program ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ExitInfo {
+    /// The exit code, when the program exited rather than being killed.
     pub code: Option<i32>,
+    /// The signal that killed the program, if one did.
     pub signal: Option<i32>,
     /// Set when the kernel killed the program for going over its cgroup's
     /// memory limit: the limit, in MiB.
@@ -81,11 +94,18 @@ pub struct ExitInfo {
 /// What the shim records about itself, in its state file.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ShimState {
+    /// [`ShimSpec::instance_id`].
     pub instance_id: String,
+    /// [`ShimSpec::user`].
     pub user: String,
+    /// [`ShimSpec::role`].
     pub role: Role,
+    /// [`ShimSpec::epoch`].
     pub epoch: Epoch,
+    /// Where the shim listens for commands ([`ShimSpec::socket_path`]).
     pub socket_path: PathBuf,
+    /// The shim's own pid, which a restarted berth checks before it
+    /// connects.
     pub shim_pid: u32,
     /// The program's pid, also its process group id.
     pub pid: u32,
@@ -101,6 +121,8 @@ pub struct ShimState {
     pub exit: Option<ExitInfo>,
     /// The last ≤ 500 characters of stderr.
     pub stderr_tail: String,
+    /// The program is frozen. Kept here, never read back from `/proc`,
+    /// where a process frozen by its cgroup does not look stopped.
     pub frozen: bool,
     /// The uid the program runs as, when isolated.
     #[serde(default)]
@@ -120,33 +142,50 @@ pub enum ShimCommand {
     /// SIGTERM to the group, SIGKILL after `grace_ms`. A frozen group is
     /// killed at once instead: it is never thawed to be stopped, since
     /// it may be frozen because its lease is in doubt.
-    Stop { grace_ms: u64 },
-    /// SIGKILL to the group now (the lease is lost).
+    Stop {
+        /// How long the program gets to exit after SIGTERM, in ms.
+        grace_ms: u64,
+    },
+    /// SIGKILL to the group and every process of the instance now (the
+    /// lease is lost).
     Kill,
-    /// SIGSTOP to the group.
+    /// Freeze every process of the instance (through its cgroup, its
+    /// account, or at level `none` SIGSTOP to its group).
     Freeze,
-    /// SIGCONT to the group.
+    /// Undo [`ShimCommand::Freeze`].
     Thaw,
     /// Move the fence deadline to `ms` from now.
-    Extend { ms: u64 },
+    Extend {
+        /// The new deadline, in ms from now.
+        ms: u64,
+    },
 }
 
 /// shim → berth. A client receives `Hello` first, on connecting.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "event", rename_all = "snake_case")]
 pub enum ShimEvent {
+    /// The greeting of a new connection: the shim's state as of now, so
+    /// the client misses nothing that happened before it connected.
     Hello {
+        /// The state, as the state file would hold it.
         state: ShimState,
     },
     /// The ready regex matched; `token` is its first capture, if any.
     Ready {
+        /// The launch token.
         token: Option<String>,
     },
+    /// The program is frozen (confirmed by its cgroup, or its request has
+    /// been in place for the confirmation's timeout).
     Frozen,
+    /// The program runs again after a freeze.
     Thawed,
     /// The program exited. The shim exits after sending this.
     Exited {
+        /// How it ended.
         exit: ExitInfo,
+        /// The last ≤ 500 characters of its stderr.
         stderr_tail: String,
     },
 }

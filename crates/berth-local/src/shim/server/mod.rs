@@ -1,0 +1,179 @@
+//! One shim: the process the zygote forks for each instance.
+//!
+//! `run` makes the forked process a shim (its own session, its signals,
+//! its runtime and blocking pool), then hands over to `start` (everything
+//! up to a running program, its socket and its state file) and to
+//! `supervise` (the program's life until it exits: commands, the fence
+//! deadline, freezing, killing and the exit report). `control` serves each
+//! connection to the shim's socket.
+
+mod control;
+mod start;
+mod supervise;
+
+use std::fs;
+use std::io::{self, Write};
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use nix::sys::signal::{self, SigHandler, Signal};
+use nix::unistd::Pid;
+use regex::bytes::Regex;
+
+use super::protocol::{ShimSpec, SpawnReport};
+use start::start;
+use supervise::supervise;
+
+/// Runs one shim in a process the zygote has just forked, whose stdout is
+/// the pipe berth reads the [`SpawnReport`] from. `ready_regex` is
+/// `spec.ready_regex` already compiled, if the zygote had it. Never returns
+/// until the program has exited; the caller exits with the returned code.
+pub(super) fn run(spec: ShimSpec, ready_regex: Option<Regex>) -> i32 {
+    // A new session: berth's death, its terminal and signals sent to its
+    // process group must not reach the shim. Fails only if the shim already
+    // leads a process group, in which case it is on its own anyway.
+    let _ = nix::unistd::setsid();
+    ignore_signal(Signal::SIGPIPE);
+    ignore_signal(Signal::SIGHUP);
+    // The program's orphans (a daemon that double-forked, a kernel that
+    // left its session) become the shim's children, not the host init's:
+    // the shim reaps them, so none lingers as a zombie that counts against
+    // the account's process limits on a host whose init does not reap.
+    if let Err(e) = nix::sys::prctl::set_child_subreaper(true) {
+        diag!("cannot become the program's subreaper: {e}");
+    }
+
+    // Single-threaded on purpose: the program's parent-death signal fires
+    // when the thread that spawned it exits, so that thread must be the one
+    // that lives as long as the shim.
+    let runtime = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .max_blocking_threads(BLOCKING_THREADS)
+        .thread_keep_alive(BLOCKING_KEEP_ALIVE)
+        .build()
+    {
+        Ok(runtime) => runtime,
+        Err(e) => {
+            let _ = report(&SpawnReport::Failed {
+                error: format!(
+                    "shim for program {:?}: cannot start runtime: {e}",
+                    program_name(&spec)
+                ),
+            });
+            return 2;
+        }
+    };
+    runtime.block_on(shim_main(spec, ready_regex))
+}
+
+fn ignore_signal(sig: Signal) {
+    // SAFETY: SIG_IGN installs no handler, so no code of ours ever runs in
+    // signal context; this happens before any other thread exists.
+    if let Err(e) = unsafe { signal::signal(sig, SigHandler::SigIgn) } {
+        diag!("cannot ignore {sig}: {e}");
+    }
+}
+
+/// Sends the one report line to the spawner; false if it could not be
+/// delivered (berth closed its end: it gave up on this shim, or is gone).
+fn report(report: &SpawnReport) -> bool {
+    let line = match serde_json::to_string(report) {
+        Ok(line) => line,
+        Err(e) => format!(r#"{{"result":"failed","error":"shim: cannot encode report: {e}"}}"#),
+    };
+    let mut stdout = io::stdout().lock();
+    writeln!(stdout, "{line}")
+        .and_then(|()| stdout.flush())
+        .is_ok()
+}
+
+/// Points stdin at /dev/null and stdout/stderr at `<state_path>.shim.log`,
+/// so the shim holds none of berth's pipes once berth has its report.
+fn detach_stdio(state_path: &Path) {
+    let mut log_path = state_path.as_os_str().to_os_string();
+    log_path.push(".shim.log");
+    let out = fs::OpenOptions::new()
+        .append(true)
+        .create(true)
+        .mode(0o600)
+        .open(&log_path)
+        .or_else(|_| fs::OpenOptions::new().write(true).open("/dev/null"));
+    if let Ok(out) = out {
+        let _ = nix::unistd::dup2(out.as_raw_fd(), 1);
+        let _ = nix::unistd::dup2(out.as_raw_fd(), 2);
+    }
+    if let Ok(null) = fs::File::open("/dev/null") {
+        let _ = nix::unistd::dup2(null.as_raw_fd(), 0);
+    }
+}
+
+fn program_name(spec: &ShimSpec) -> &str {
+    spec.argv.first().map_or("", String::as_str)
+}
+
+/// Threads of the blocking pool (log writes, sweeps and kills of the
+/// instance), all started before the program and kept for the shim's life:
+/// once a sandbox's shim has entered a new pid namespace for its children
+/// (`unshare(CLONE_NEWPID)`), the kernel refuses it any new thread.
+const BLOCKING_THREADS: usize = 3;
+
+/// Long enough that no pool thread ends while the shim lives.
+const BLOCKING_KEEP_ALIVE: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
+
+/// Starts every thread of the blocking pool now: tokio starts one for a
+/// task that finds none idle, so as many tasks that wait for each other
+/// make as many threads.
+async fn start_blocking_pool() {
+    let all_running = Arc::new(std::sync::Barrier::new(BLOCKING_THREADS));
+    let tasks: Vec<_> = (0..BLOCKING_THREADS)
+        .map(|_| {
+            let all_running = Arc::clone(&all_running);
+            tokio::task::spawn_blocking(move || {
+                all_running.wait();
+            })
+        })
+        .collect();
+    for task in tasks {
+        let _ = task.await;
+    }
+}
+
+async fn shim_main(spec: ShimSpec, ready_regex: Option<Regex>) -> i32 {
+    start_blocking_pool().await;
+    let started = match start(&spec, ready_regex) {
+        Ok(started) => started,
+        Err(error) => {
+            let _ = report(&SpawnReport::Failed { error });
+            return 1;
+        }
+    };
+    let delivered = report(&SpawnReport::Spawned {
+        state: started.state.clone(),
+    });
+    detach_stdio(&spec.state_path);
+    if !delivered {
+        // Nobody will track this program (berth timed out on the report or
+        // went away mid-launch), so it must not run. Supervising on records
+        // its exit in the state file like any other.
+        diag!(
+            "berth did not take the report; stopping {} pid {}",
+            spec.instance_id,
+            started.state.pid
+        );
+        let _ = signal::killpg(pid_of(started.state.pid), Signal::SIGKILL);
+    }
+    diag!(
+        "supervising {} pid {} ({:?})",
+        spec.instance_id,
+        started.state.pid,
+        program_name(&spec)
+    );
+    supervise(spec, started).await
+}
+
+fn pid_of(pid: u32) -> Pid {
+    Pid::from_raw(i32::try_from(pid).unwrap_or(i32::MAX))
+}

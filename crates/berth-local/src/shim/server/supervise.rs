@@ -1,0 +1,483 @@
+//! Supervising the program once it runs: commands from berth, the fence
+//! deadline, freezing, thawing and killing through the instance's handle,
+//! reaping orphans, and recording and announcing the exit.
+
+use std::fs;
+use std::io;
+use std::os::unix::process::ExitStatusExt;
+use std::path::PathBuf;
+use std::process::ExitStatus;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use nix::sys::signal::{self, Signal};
+use nix::unistd::Pid;
+use tokio::sync::{broadcast, mpsc, oneshot};
+use tokio::task::JoinSet;
+use tokio::time::Instant;
+
+use super::control::{from_own_uid, serve_client};
+use super::pid_of;
+use super::start::Started;
+use crate::isolation::cgroup::FreezeMechanism;
+use crate::isolation::{child, sweep};
+use crate::shim::output::{self, StderrTail, Stream};
+use crate::shim::protocol::{ExitInfo, ShimCommand, ShimEvent, ShimSpec, ShimState};
+use crate::shim::state_file;
+
+/// How long output may keep arriving after the program exited (from a
+/// process that escaped its group and still holds the pipes).
+const DRAIN_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// How long connected clients get to read the final `Exited` event.
+const FAREWELL_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Events a slow client may fall behind by before it is disconnected.
+const EVENT_BACKLOG: usize = 256;
+
+/// How long a freeze waits for the cgroup to say every task is frozen
+/// before it reports `Frozen` anyway (the request stays in place).
+const FREEZE_CONFIRM: Duration = Duration::from_secs(1);
+
+/// How often the cgroup's freezer state is read while a freeze settles.
+const FREEZE_POLL: Duration = Duration::from_millis(2);
+
+/// How often the shim looks for killed orphans to reap once the program
+/// has ended.
+const ORPHAN_POLL: Duration = Duration::from_millis(5);
+
+/// `ms` from now, saturating far in the future instead of overflowing.
+fn deadline_after(ms: u64) -> Instant {
+    let now = Instant::now();
+    now.checked_add(Duration::from_millis(ms))
+        .unwrap_or_else(|| now + Duration::from_secs(100 * 365 * 24 * 3600))
+}
+
+async fn sleep_until_opt(deadline: Option<Instant>) {
+    match deadline {
+        Some(deadline) => tokio::time::sleep_until(deadline).await,
+        None => std::future::pending().await,
+    }
+}
+
+/// The shim's view of its program while it runs.
+struct Shim {
+    state_path: PathBuf,
+    fencing: bool,
+    state: ShimState,
+    pgid: Pid,
+    /// The handle on every process of the instance.
+    freeze_by: FreezeMechanism,
+    /// Whether the last freeze was by SIGSTOP (no cgroup freezer, or one
+    /// that could not be written), so the thaw sends SIGCONT.
+    stopped_by_signal: bool,
+    events: broadcast::Sender<Arc<str>>,
+    tail: Arc<Mutex<StderrTail>>,
+}
+
+impl Shim {
+    fn refresh_tail(&mut self) {
+        if let Ok(tail) = self.tail.lock() {
+            self.state.stderr_tail = tail.text();
+        }
+    }
+
+    fn save(&mut self) {
+        self.refresh_tail();
+        if let Err(e) = state_file::write(&self.state_path, &self.state) {
+            diag!("writing {}: {e}", self.state_path.display());
+        }
+    }
+
+    fn emit(&self, event: &ShimEvent) {
+        if let Some(line) = event_line(event) {
+            // No receivers is fine: nobody is connected right now.
+            let _ = self.events.send(line);
+        }
+    }
+
+    fn hello(&mut self) -> Option<Arc<str>> {
+        self.refresh_tail();
+        event_line(&ShimEvent::Hello {
+            state: self.state.clone(),
+        })
+    }
+
+    fn signal_group(&self, sig: Signal) {
+        match signal::killpg(self.pgid, sig) {
+            Ok(()) | Err(nix::errno::Errno::ESRCH) => {}
+            Err(e) => diag!("{sig} to group {}: {e}", self.pgid),
+        }
+    }
+
+    /// Freezes the program: through its cgroup where it has one (every
+    /// process of the instance, whatever its session or group), else by
+    /// SIGSTOP to every process of its account, or (level `none`) to its
+    /// process group. `Frozen` is reported once the cgroup says so, or
+    /// after [`FREEZE_CONFIRM`]: the request stays in place, and a task not
+    /// frozen yet (in an uninterruptible sleep) freezes before it returns
+    /// to user space.
+    async fn freeze(&mut self) {
+        self.stopped_by_signal = false;
+        let by_signal = match &self.freeze_by {
+            FreezeMechanism::Cgroup(freezer) => match freezer.request(true) {
+                Ok(()) => {
+                    let deadline = Instant::now() + FREEZE_CONFIRM;
+                    loop {
+                        match freezer.is_frozen() {
+                            Ok(true) => break,
+                            Ok(false) if Instant::now() < deadline => {
+                                tokio::time::sleep(FREEZE_POLL).await;
+                            }
+                            Ok(false) => {
+                                diag!("cgroup not frozen after {FREEZE_CONFIRM:?}; still freezing");
+                                break;
+                            }
+                            Err(e) => {
+                                diag!("{e}");
+                                break;
+                            }
+                        }
+                    }
+                    false
+                }
+                Err(e) => {
+                    // Never less than a freeze by signal.
+                    diag!("{e}; freezing by SIGSTOP instead");
+                    true
+                }
+            },
+            FreezeMechanism::Uid(_) | FreezeMechanism::ProcessGroupSignal => true,
+        };
+        if by_signal {
+            self.signal_all(Signal::SIGSTOP).await;
+            self.stopped_by_signal = true;
+        }
+        self.state.frozen = true;
+        self.save();
+        self.emit(&ShimEvent::Frozen);
+    }
+
+    /// `sig` (SIGSTOP, SIGCONT or SIGKILL) to every process of the
+    /// program's account where it has one, else to its process group.
+    async fn signal_all(&self, sig: Signal) {
+        let Some(uid) = self.state.uid else {
+            self.signal_group(sig);
+            return;
+        };
+        let swept = tokio::task::spawn_blocking(move || match sig {
+            Signal::SIGSTOP => sweep::stop_all(uid),
+            Signal::SIGKILL => sweep::kill_all(uid),
+            _ => {
+                sweep::continue_all(uid);
+                Vec::new()
+            }
+        })
+        .await;
+        match swept {
+            Ok(left) if left.is_empty() => {}
+            Ok(left) => diag!("{sig} to uid {uid}: not taken yet by {left:?}"),
+            Err(e) => diag!("{sig} to uid {uid}: {e}"),
+        }
+    }
+
+    async fn thaw(&mut self) {
+        if let FreezeMechanism::Cgroup(freezer) = &self.freeze_by
+            && let Err(e) = freezer.request(false)
+        {
+            diag!("{e}");
+        }
+        if self.stopped_by_signal {
+            self.signal_all(Signal::SIGCONT).await;
+        }
+        self.stopped_by_signal = false;
+        self.state.frozen = false;
+        self.save();
+        self.emit(&ShimEvent::Thawed);
+    }
+
+    /// SIGKILL to the program's group and to every process of the handle
+    /// that holds the instance: a stopped process dies of SIGKILL, and so
+    /// does a frozen cgroup (see [`crate::isolation::cgroup::CgroupFreezer::kill_all`]). A frozen
+    /// program is killed, never thawed to be stopped.
+    async fn kill_all(&self) {
+        self.signal_group(Signal::SIGKILL);
+        match &self.freeze_by {
+            FreezeMechanism::Cgroup(freezer) => {
+                let freezer = freezer.clone();
+                match tokio::task::spawn_blocking(move || freezer.kill_all()).await {
+                    Ok(Ok(())) => {}
+                    Ok(Err(e)) => diag!("{e}"),
+                    Err(e) => diag!("killing the cgroup: {e}"),
+                }
+            }
+            FreezeMechanism::Uid(_) => self.signal_all(Signal::SIGKILL).await,
+            FreezeMechanism::ProcessGroupSignal => {}
+        }
+    }
+
+    fn ready(&mut self, token: Option<String>) {
+        self.state.ready = true;
+        self.state.token.clone_from(&token);
+        self.save();
+        self.emit(&ShimEvent::Ready { token });
+    }
+
+    async fn command(
+        &mut self,
+        command: ShimCommand,
+        fence: &mut Option<Instant>,
+        kill_at: &mut Option<Instant>,
+    ) {
+        match command {
+            ShimCommand::Stop { .. } if self.state.frozen => {
+                // Never thawed to be stopped: frozen by a fence deadline,
+                // its lease may be another node's by now, and a program
+                // that flushes on SIGTERM would write as a stale holder.
+                // SIGKILL ends a stopped group without running it.
+                diag!("stop of a frozen program: killing it without a thaw");
+                self.kill_all().await;
+            }
+            ShimCommand::Stop { grace_ms } => {
+                self.signal_group(Signal::SIGTERM);
+                let at = deadline_after(grace_ms);
+                *kill_at = Some(kill_at.map_or(at, |k| k.min(at)));
+            }
+            ShimCommand::Kill => self.kill_all().await,
+            ShimCommand::Freeze => self.freeze().await,
+            ShimCommand::Thaw => self.thaw().await,
+            ShimCommand::Extend { ms } => {
+                // Deliberately no thaw: only berth knows whether the lease
+                // is still its own.
+                if self.fencing {
+                    *fence = Some(deadline_after(ms));
+                }
+            }
+        }
+    }
+}
+
+fn event_line(event: &ShimEvent) -> Option<Arc<str>> {
+    match serde_json::to_string(event) {
+        Ok(mut line) => {
+            line.push('\n');
+            Some(line.into())
+        }
+        Err(e) => {
+            diag!("cannot encode event: {e}");
+            None
+        }
+    }
+}
+
+fn exit_info(status: &io::Result<ExitStatus>) -> ExitInfo {
+    match status {
+        Ok(status) => ExitInfo {
+            code: status.code(),
+            signal: status.signal(),
+            oom_limit_mb: None,
+        },
+        Err(_) => ExitInfo {
+            code: None,
+            signal: None,
+            oom_limit_mb: None,
+        },
+    }
+}
+
+/// Reaps the exited orphans the shim adopted as subreaper, never the
+/// program itself (its `Child` waits for that one). Returns how many
+/// children other than the program are left.
+fn reap_orphans(program: u32) -> usize {
+    use nix::sys::wait::{WaitPidFlag, WaitStatus, waitpid};
+    let Ok(tasks) = fs::read_dir("/proc/self/task") else {
+        return 0;
+    };
+    let mut left = 0;
+    for task in tasks.flatten() {
+        let Ok(children) = fs::read_to_string(task.path().join("children")) else {
+            continue;
+        };
+        for pid in children
+            .split_whitespace()
+            .filter_map(|p| p.parse::<u32>().ok())
+        {
+            if pid == program {
+                continue;
+            }
+            let Ok(raw) = i32::try_from(pid) else {
+                continue;
+            };
+            // Anything else: reaped now, or not a child any more.
+            if let Ok(WaitStatus::StillAlive) =
+                waitpid(Pid::from_raw(raw), Some(WaitPidFlag::WNOHANG))
+            {
+                left += 1;
+            }
+        }
+    }
+    left
+}
+
+pub(super) async fn supervise(spec: ShimSpec, started: Started) -> i32 {
+    let Started {
+        mut child,
+        state,
+        listener,
+        log,
+        ready_regex,
+        cgroup,
+        ends,
+        memory_max_mb,
+    } = started;
+    let tail = Arc::new(Mutex::new(StderrTail::default()));
+    let (piece_tx, piece_rx) = mpsc::channel(64);
+    let mut pumps = JoinSet::new();
+    if let Some(stdout) = child.stdout.take() {
+        pumps.spawn(output::pump(Stream::Stdout, stdout, piece_tx.clone()));
+    }
+    if let Some(stderr) = child.stderr.take() {
+        pumps.spawn(output::pump(Stream::Stderr, stderr, piece_tx.clone()));
+    }
+    drop(piece_tx);
+    let (ready_tx, mut ready_rx) = oneshot::channel();
+    let mut logger = tokio::spawn({
+        let tail = Arc::clone(&tail);
+        async move { output::log_writer(piece_rx, log, ready_regex, ready_tx, tail).await }
+    });
+
+    let (events, _) = broadcast::channel(EVENT_BACKLOG);
+    let mut shim = Shim {
+        state_path: spec.state_path.clone(),
+        fencing: spec.fence_ms.is_some(),
+        pgid: pid_of(state.pid),
+        freeze_by: FreezeMechanism::for_instance(cgroup.as_ref(), state.uid),
+        stopped_by_signal: false,
+        state,
+        events,
+        tail,
+    };
+    let (cmd_tx, mut cmd_rx) = mpsc::channel(32);
+    let mut clients = JoinSet::new();
+    let mut fence = spec.fence_ms.map(deadline_after);
+    let mut kill_at = None;
+    let mut awaiting_ready = true;
+    let program_pid = shim.state.pid;
+    let mut orphan_exits =
+        tokio::signal::unix::signal(tokio::signal::unix::SignalKind::child()).ok();
+
+    let status = loop {
+        tokio::select! {
+            status = child.wait() => break status,
+            Some(()) = async {
+                match orphan_exits.as_mut() {
+                    Some(exits) => exits.recv().await,
+                    None => std::future::pending().await,
+                }
+            } => {
+                reap_orphans(program_pid);
+            }
+            token = &mut ready_rx, if awaiting_ready => {
+                awaiting_ready = false;
+                if let Ok(token) = token {
+                    shim.ready(token);
+                }
+            }
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _)) if !from_own_uid(&stream) => {
+                    // Only berth (the shim's own uid) may command it: a
+                    // program must not kill, freeze or extend any instance.
+                    drop(stream);
+                }
+                Ok((stream, _)) => {
+                    // Subscribing and taking the Hello snapshot in one step
+                    // means the client misses no event and sees none twice.
+                    let events = shim.events.subscribe();
+                    if let Some(hello) = shim.hello() {
+                        clients.spawn(serve_client(stream, hello, events, cmd_tx.clone()));
+                    }
+                }
+                Err(e) => {
+                    diag!("accept: {e}");
+                    // E.g. out of descriptors: do not spin.
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+            },
+            Some(command) = cmd_rx.recv() => shim.command(command, &mut fence, &mut kill_at).await,
+            () = sleep_until_opt(fence) => {
+                fence = None;
+                diag!("fence deadline passed; freezing the program");
+                if !shim.state.frozen {
+                    shim.freeze().await;
+                }
+            }
+            () = sleep_until_opt(kill_at) => {
+                kill_at = None;
+                shim.kill_all().await;
+            }
+            Some(_) = clients.join_next(), if !clients.is_empty() => {}
+        }
+    };
+
+    // Never leave orphans: whatever the program started goes with it. Its
+    // pid is reaped, but the group id cannot be reused while members live.
+    shim.kill_all().await;
+    // What was killed dies a moment later; its orphans are reaped here.
+    let reaping_ends = Instant::now() + DRAIN_TIMEOUT;
+    while reap_orphans(program_pid) > 0 && Instant::now() < reaping_ends {
+        tokio::time::sleep(ORPHAN_POLL).await;
+    }
+    if tokio::time::timeout(DRAIN_TIMEOUT, &mut logger)
+        .await
+        .is_err()
+    {
+        diag!("output still open after exit; abandoning it");
+        pumps.abort_all();
+        logger.abort();
+    }
+    if awaiting_ready && let Ok(token) = ready_rx.try_recv() {
+        shim.ready(token);
+    }
+    let mut exit = exit_info(&status);
+    // In a sandbox the shim's child is the namespace's init, which reports
+    // how the program itself ended.
+    if let Some(status_pipe) = ends.as_ref().and_then(|e| e.status.as_ref())
+        && let Some((code, signal)) = child::decode_status(&child::read_pipe(status_pipe))
+    {
+        exit.code = code;
+        exit.signal = signal;
+    }
+    if let Some(cgroup) = &cgroup {
+        if exit.signal == Some(nix::libc::SIGKILL) && cgroup.oom_kills().unwrap_or(0) > 0 {
+            exit.oom_limit_mb = memory_max_mb;
+        }
+        for (dir, e) in cgroup.remove() {
+            diag!("cannot remove cgroup {}: {e}", dir.display());
+        }
+    }
+    drop(ends);
+    if let Err(e) = &status {
+        diag!("waiting for the program: {e}");
+    }
+    diag!("program exited: {exit:?}");
+    shim.state.exit = Some(exit);
+    shim.save();
+    drop(listener);
+    let _ = fs::remove_file(&spec.socket_path);
+    shim.emit(&ShimEvent::Exited {
+        exit,
+        stderr_tail: shim.state.stderr_tail.clone(),
+    });
+    // Clients drain what is queued, then see the channel close.
+    drop(shim);
+    drop(cmd_rx);
+    drop(cmd_tx);
+    let farewell = async { while clients.join_next().await.is_some() {} };
+    if tokio::time::timeout(FAREWELL_TIMEOUT, farewell)
+        .await
+        .is_err()
+    {
+        clients.abort_all();
+    }
+    0
+}
