@@ -81,7 +81,10 @@ pub fn table_name(data_dir: &Path) -> String {
 /// account may hold open to them at once (none: no cap).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct ListenerCap {
+    /// The ports berth listens on (its API and proxy).
     pub ports: Vec<u16>,
+    /// Connections one instance account may hold open to them at once;
+    /// 0: no cap.
     pub per_account: u32,
 }
 
