@@ -7,9 +7,9 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use ipnet::IpNet;
-use k8s_openapi::api::core::v1::Toleration;
+use k8s_openapi::api::core::v1::{PodSpec, Toleration};
 use serde::{Deserialize, Serialize};
-use serde_json::Value;
+use serde_json::{Map, Value, json};
 
 use crate::names::is_dns_label;
 
@@ -414,7 +414,7 @@ impl KubernetesConfig {
                 ));
             }
         }
-        crate::manifest::extra_pod_spec(self)?;
+        extra_pod_spec(self)?;
         if let Some(files) = &self.file_service {
             if files.image.trim().is_empty() {
                 return Err(bad("file_service.image", "must name a container image"));
@@ -541,6 +541,67 @@ impl KubernetesConfig {
         let bytes = parse_quantity(self.resources.limits.get("memory")?)?;
         Some((bytes / (1024.0 * 1024.0)).round() as u64)
     }
+}
+
+/// How the runtime tells that an instance is ready, besides the pod's
+/// own `Ready` condition.
+#[derive(Debug, Clone)]
+pub enum Readiness {
+    /// Ready once the pod is, and a line of its log matches; the first
+    /// capture group is the launch token. The pod has no readiness probe.
+    TokenRegex(regex::Regex),
+    /// The pod's readiness probe GETs this path (an answer below 400).
+    Http { path: String },
+    /// The pod's readiness probe connects to the port.
+    Tcp,
+}
+
+/// Everything the runtime needs: the `[kubernetes]` table and what it
+/// shares with every runtime.
+#[derive(Debug, Clone)]
+pub struct K8sRuntimeConfig {
+    pub kubernetes: KubernetesConfig,
+    /// This replica's node id: the pods it manages carry it, and it
+    /// discovers only those.
+    pub node: String,
+    /// `[instance] command`, unless `kubernetes.command` is set.
+    pub command: Vec<String>,
+    pub env: BTreeMap<String, String>,
+    pub readiness: Readiness,
+    pub watchdog_command: Option<Vec<String>>,
+    /// The patch file's extension.
+    pub patch_ext: String,
+    /// The pods' termination grace period (a stop passes its own).
+    pub stop_grace: Duration,
+}
+
+impl K8sRuntimeConfig {
+    /// Checks the `[kubernetes]` table and the rest.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        self.kubernetes.validate()?;
+        if self.kubernetes.command.is_none() && self.command.is_empty() {
+            return Err(ConfigError {
+                key: "command".into(),
+                reason: "no command: set kubernetes.command or [instance] command".into(),
+            });
+        }
+        Ok(())
+    }
+}
+
+/// The extra `pod_spec` fields as a JSON object, checked to be pod-spec
+/// fields.
+pub(crate) fn extra_pod_spec(config: &KubernetesConfig) -> Result<Map<String, Value>, ConfigError> {
+    let extra: Map<String, Value> = config
+        .pod_spec
+        .iter()
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    // Checked on a minimal spec, so only the extra fields can be dropped.
+    let mut probe = extra.clone();
+    probe.insert("containers".into(), json!([{ "name": "probe" }]));
+    strict::<PodSpec>(&Value::Object(probe), "pod_spec")?;
+    Ok(extra)
 }
 
 /// Deserializes `value` into `T`, refusing keys `T` would silently drop

@@ -48,10 +48,10 @@ use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
+use crate::config::{K8sRuntimeConfig, Readiness};
 use crate::manifest::{self, MAIN_CONTAINER, PodInput};
 use crate::names;
 use crate::observe::{self, PodView, Tracker};
-use crate::{K8sRuntimeConfig, Readiness};
 
 /// How many times a conflicting write is read and tried again.
 const CONFLICT_RETRIES: usize = 8;
@@ -146,7 +146,7 @@ fn grace_seconds(grace: Duration) -> u32 {
 /// kube's client for `[kubernetes]`: from `kubeconfig` (and `context`)
 /// when set, else as kube infers it (`KUBECONFIG`, `~/.kube/config`, or
 /// the service account of the pod berth runs in).
-pub async fn connect(config: &crate::KubernetesConfig) -> Result<Client, RuntimeError> {
+pub async fn connect(config: &crate::config::KubernetesConfig) -> Result<Client, RuntimeError> {
     use kube::config::{KubeConfigOptions, Kubeconfig};
     let options = KubeConfigOptions {
         context: config.context.clone(),

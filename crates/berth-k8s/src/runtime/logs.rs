@@ -11,7 +11,7 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 use super::{Inner, lock};
-use crate::Readiness;
+use crate::config::Readiness;
 use crate::manifest::MAIN_CONTAINER;
 
 /// Lines of an ended pod's log the runtime keeps for `logs`.

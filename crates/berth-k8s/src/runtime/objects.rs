@@ -100,7 +100,7 @@ impl Inner {
     pub(super) async fn ensure_objects(&self, spec: &InstanceSpec) -> Result<String, RuntimeError> {
         let k = &self.config.kubernetes;
         let (user, slug) = (&spec.user, &spec.slug);
-        let bad = |e: crate::ConfigError| RuntimeError::SpawnFailed(e.to_string());
+        let bad = |e: crate::config::ConfigError| RuntimeError::SpawnFailed(e.to_string());
         if let Some(claim) = manifest::claim(k, user, slug).map_err(bad)? {
             // A user's claim is never changed or deleted: it holds their data.
             match self.claims.create(&PostParams::default(), &claim).await {
