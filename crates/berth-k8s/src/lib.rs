@@ -42,6 +42,7 @@
 //! `docs/design.md`, "How fencing maps onto Kubernetes").
 
 #![forbid(unsafe_code)]
+#![warn(missing_docs)]
 
 pub mod config;
 pub mod manifest;

@@ -36,10 +36,15 @@ pub const FILES_CONTAINER: &str = "files";
 /// What one pod is made for.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PodInput<'a> {
+    /// The user the pod runs for.
     pub user: &'a UserId,
+    /// The user's slug, which names the pod and the user's objects.
     pub slug: &'a Slug,
+    /// The program, or its watchdog.
     pub role: Role,
+    /// The instance the pod runs, kept in an annotation.
     pub instance_id: &'a str,
+    /// The lease epoch the pod starts under, kept in an annotation.
     pub epoch: Epoch,
     /// Relative to the user's volume (validated by the controller).
     pub folder: &'a str,
@@ -469,6 +474,7 @@ pub const PRIVATE_V4: &[&str] = &[
 pub const PRIVATE_V6: &[&str] = &["fc00::/7", "fe80::/10"];
 /// The cloud metadata services.
 pub const METADATA_V4: &[&str] = &["169.254.169.254/32", "100.100.100.200/32"];
+/// The IPv6 cloud metadata service (AWS's).
 pub const METADATA_V6: &[&str] = &["fd00:ec2::254/128"];
 
 fn ip_block(cidr: &str, except: &[&str]) -> Value {

@@ -60,12 +60,14 @@ const FOLLOW_BUFFER: usize = 256;
 
 /// Where the proxy reaches a user's Service.
 pub trait EndpointResolver: Send + Sync + 'static {
+    /// Where to connect to `service` in `namespace`, whose port is `port`.
     fn endpoint(&self, namespace: &str, service: &str, port: u16) -> Endpoint;
 }
 
 /// The Service's cluster DNS name: `<service>.<namespace>.svc.<domain>`.
 #[derive(Debug, Clone)]
 pub struct ServiceDns {
+    /// The cluster's DNS domain (`cluster.local` unless configured).
     pub cluster_domain: String,
 }
 

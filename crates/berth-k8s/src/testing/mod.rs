@@ -96,6 +96,7 @@ impl ApiServerDouble {
         }
     }
 
+    /// The base URL the double serves on (`http://127.0.0.1:<port>`).
     pub fn url(&self) -> String {
         format!("http://{}", self.addr)
     }
@@ -132,11 +133,14 @@ impl ApiServerDouble {
             .unwrap_or(0)
     }
 
+    /// The stored object `name` of `kind` in `namespace`, as the JSON the
+    /// double keeps.
     pub fn object(&self, kind: Kind, namespace: &str, name: &str) -> Option<Value> {
         let key: Key = (kind, namespace.to_owned(), name.to_owned());
         lock(&self.shared.world).store.objects.get(&key).cloned()
     }
 
+    /// Every stored object of `kind`, in every namespace.
     pub fn objects(&self, kind: Kind) -> Vec<Value> {
         lock(&self.shared.world)
             .store
@@ -231,6 +235,8 @@ impl ApiServerDouble {
         self.shared.gate.send_replace(true);
     }
 
+    /// Lets the watches held back by [`ApiServerDouble::hold_watches`]
+    /// register.
     pub fn release_watches(&self) {
         let _world = lock(&self.shared.world);
         self.shared.gate.send_replace(false);
