@@ -7,9 +7,9 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use ipnet::IpNet;
-use k8s_openapi::api::core::v1::Toleration;
+use k8s_openapi::api::core::v1::{PodSpec, Toleration};
 use serde::{Deserialize, Serialize};
-use serde_json::Value;
+use serde_json::{Map, Value, json};
 
 use crate::names::is_dns_label;
 
@@ -17,7 +17,9 @@ use crate::names::is_dns_label;
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("kubernetes.{key}: {reason}")]
 pub struct ConfigError {
+    /// The key at fault, under `kubernetes.` (`storage.claim`).
     pub key: String,
+    /// What is wrong with its value, for a person to read.
     pub reason: String,
 }
 
@@ -52,14 +54,19 @@ pub struct KubernetesConfig {
     /// `BERTH_PORT`), and the Service's port.
     #[serde(default = "default_port")]
     pub port: u16,
+    /// The program container's requests and limits.
     #[serde(default)]
     pub resources: Resources,
+    /// Where each user's data lives.
     #[serde(default)]
     pub storage: Storage,
+    /// Who the program runs as.
     #[serde(default)]
     pub security: Security,
+    /// What the user's NetworkPolicy lets in and out.
     #[serde(default)]
     pub network: Network,
+    /// Node labels a pod must be placed on (its `nodeSelector`).
     #[serde(default)]
     pub node_selector: BTreeMap<String, String>,
     /// Kubernetes tolerations, as in a pod spec (`key`, `operator`,
@@ -120,8 +127,11 @@ fn default_cluster_domain() -> String {
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Resources {
+    /// What the scheduler sets aside for the container.
     #[serde(default)]
     pub requests: BTreeMap<String, String>,
+    /// The most the container may use; a `memory` limit is also what an
+    /// out-of-memory exit reports.
     #[serde(default)]
     pub limits: BTreeMap<String, String>,
 }
@@ -130,6 +140,7 @@ pub struct Resources {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Storage {
+    /// A claim per user, or one shared claim.
     #[serde(default)]
     pub mode: StorageMode,
     /// `per_user`: each claim's size.
@@ -165,6 +176,7 @@ fn default_mount_path() -> String {
 }
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+/// How users' volumes are provided (`storage.mode`).
 #[serde(rename_all = "snake_case")]
 pub enum StorageMode {
     /// A PersistentVolumeClaim `berth-<slug>` per user, never deleted by
@@ -182,12 +194,15 @@ pub enum StorageMode {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Security {
+    /// The uid the program runs as; never root.
     #[serde(default = "default_uid")]
     pub run_as_user: i64,
     /// `run_as_user` when unset.
     pub run_as_group: Option<i64>,
     /// `run_as_group` when unset: the volume is made writable for it.
     pub fs_group: Option<i64>,
+    /// Mount the container's root filesystem read-only; `/tmp` then gets a
+    /// scratch volume of its own.
     #[serde(default)]
     pub read_only_root_filesystem: bool,
 }
@@ -208,9 +223,12 @@ fn default_uid() -> i64 {
 }
 
 impl Security {
+    /// The gid the program runs as: `run_as_group`, else the uid.
     pub fn group(&self) -> i64 {
         self.run_as_group.unwrap_or(self.run_as_user)
     }
+    /// The group the volume is made writable for: `fs_group`, else
+    /// [`Security::group`].
     pub fn fs_group(&self) -> i64 {
         self.fs_group.unwrap_or_else(|| self.group())
     }
@@ -270,10 +288,13 @@ fn yes() -> bool {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct FileService {
+    /// The sidecar's container image.
     pub image: String,
     /// Its command (placeholders as for the program); the image's own when
     /// unset.
     pub command: Option<Vec<String>>,
+    /// The port it listens on, which the Service names `files`; it must
+    /// differ from the program's port.
     #[serde(default = "default_files_port")]
     pub port: u16,
 }
@@ -329,6 +350,7 @@ impl KubernetesConfig {
         }
     }
 
+    /// `start_timeout_s` as a [`Duration`].
     pub fn start_timeout(&self) -> Duration {
         Duration::from_secs(self.start_timeout_s)
     }
@@ -414,7 +436,7 @@ impl KubernetesConfig {
                 ));
             }
         }
-        crate::manifest::extra_pod_spec(self)?;
+        extra_pod_spec(self)?;
         if let Some(files) = &self.file_service {
             if files.image.trim().is_empty() {
                 return Err(bad("file_service.image", "must name a container image"));
@@ -541,6 +563,75 @@ impl KubernetesConfig {
         let bytes = parse_quantity(self.resources.limits.get("memory")?)?;
         Some((bytes / (1024.0 * 1024.0)).round() as u64)
     }
+}
+
+/// How the runtime tells that an instance is ready, besides the pod's
+/// own `Ready` condition.
+#[derive(Debug, Clone)]
+pub enum Readiness {
+    /// Ready once the pod is, and a line of its log matches; the first
+    /// capture group is the launch token. The pod has no readiness probe.
+    TokenRegex(regex::Regex),
+    /// The pod's readiness probe GETs this path (an answer below 400).
+    Http {
+        /// The path the probe requests.
+        path: String,
+    },
+    /// The pod's readiness probe connects to the port.
+    Tcp,
+}
+
+/// Everything the runtime needs: the `[kubernetes]` table and what it
+/// shares with every runtime.
+#[derive(Debug, Clone)]
+pub struct K8sRuntimeConfig {
+    /// The `[kubernetes]` table.
+    pub kubernetes: KubernetesConfig,
+    /// This replica's node id: the pods it manages carry it, and it
+    /// discovers only those.
+    pub node: String,
+    /// `[instance] command`, unless `kubernetes.command` is set.
+    pub command: Vec<String>,
+    /// `[instance] env`: variables for every pod. The controller's own and
+    /// berth's `BERTH_*` variables win over them.
+    pub env: BTreeMap<String, String>,
+    /// How a started pod is known to be ready.
+    pub readiness: Readiness,
+    /// `[watchdog] command`; without it no watchdog pod can start.
+    pub watchdog_command: Option<Vec<String>>,
+    /// The patch file's extension.
+    pub patch_ext: String,
+    /// The pods' termination grace period (a stop passes its own).
+    pub stop_grace: Duration,
+}
+
+impl K8sRuntimeConfig {
+    /// Checks the `[kubernetes]` table and the rest.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        self.kubernetes.validate()?;
+        if self.kubernetes.command.is_none() && self.command.is_empty() {
+            return Err(ConfigError {
+                key: "command".into(),
+                reason: "no command: set kubernetes.command or [instance] command".into(),
+            });
+        }
+        Ok(())
+    }
+}
+
+/// The extra `pod_spec` fields as a JSON object, checked to be pod-spec
+/// fields.
+pub(crate) fn extra_pod_spec(config: &KubernetesConfig) -> Result<Map<String, Value>, ConfigError> {
+    let extra: Map<String, Value> = config
+        .pod_spec
+        .iter()
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    // Checked on a minimal spec, so only the extra fields can be dropped.
+    let mut probe = extra.clone();
+    probe.insert("containers".into(), json!([{ "name": "probe" }]));
+    strict::<PodSpec>(&Value::Object(probe), "pod_spec")?;
+    Ok(extra)
 }
 
 /// Deserializes `value` into `T`, refusing keys `T` would silently drop

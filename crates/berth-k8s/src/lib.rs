@@ -42,6 +42,7 @@
 //! `docs/design.md`, "How fencing maps onto Kubernetes").
 
 #![forbid(unsafe_code)]
+#![warn(missing_docs)]
 
 pub mod config;
 pub mod manifest;
@@ -51,54 +52,5 @@ mod runtime;
 #[cfg(feature = "test-double")]
 pub mod testing;
 
-use std::collections::BTreeMap;
-use std::time::Duration;
-
-pub use config::{ConfigError, EndpointMode, KubernetesConfig};
+pub use config::{ConfigError, EndpointMode, K8sRuntimeConfig, KubernetesConfig, Readiness};
 pub use runtime::{EndpointResolver, K8sRuntime, ServiceDns, connect};
-
-/// How the runtime tells that an instance is ready, besides the pod's
-/// own `Ready` condition.
-#[derive(Debug, Clone)]
-pub enum Readiness {
-    /// Ready once the pod is, and a line of its log matches; the first
-    /// capture group is the launch token. The pod has no readiness probe.
-    TokenRegex(regex::Regex),
-    /// The pod's readiness probe GETs this path (an answer below 400).
-    Http { path: String },
-    /// The pod's readiness probe connects to the port.
-    Tcp,
-}
-
-/// Everything the runtime needs: the `[kubernetes]` table and what it
-/// shares with every runtime.
-#[derive(Debug, Clone)]
-pub struct K8sRuntimeConfig {
-    pub kubernetes: KubernetesConfig,
-    /// This replica's node id: the pods it manages carry it, and it
-    /// discovers only those.
-    pub node: String,
-    /// `[instance] command`, unless `kubernetes.command` is set.
-    pub command: Vec<String>,
-    pub env: BTreeMap<String, String>,
-    pub readiness: Readiness,
-    pub watchdog_command: Option<Vec<String>>,
-    /// The patch file's extension.
-    pub patch_ext: String,
-    /// The pods' termination grace period (a stop passes its own).
-    pub stop_grace: Duration,
-}
-
-impl K8sRuntimeConfig {
-    /// Checks the `[kubernetes]` table and the rest.
-    pub fn validate(&self) -> Result<(), ConfigError> {
-        self.kubernetes.validate()?;
-        if self.kubernetes.command.is_none() && self.command.is_empty() {
-            return Err(ConfigError {
-                key: "command".into(),
-                reason: "no command: set kubernetes.command or [instance] command".into(),
-            });
-        }
-        Ok(())
-    }
-}

@@ -12,14 +12,15 @@
 use std::collections::BTreeMap;
 
 use berth_core::{Epoch, Role, Slug, UserId};
-use k8s_openapi::api::core::v1::{ConfigMap, PersistentVolumeClaim, Pod, PodSpec, Service};
+use k8s_openapi::api::core::v1::{ConfigMap, PersistentVolumeClaim, Pod, Service};
 use k8s_openapi::api::networking::v1::NetworkPolicy;
 use serde_json::{Map, Value, json};
 use sha2::{Digest, Sha256};
 
-use crate::config::{ConfigError, KubernetesConfig, StorageMode, strict};
+use crate::config::{
+    ConfigError, K8sRuntimeConfig, KubernetesConfig, Readiness, StorageMode, extra_pod_spec, strict,
+};
 use crate::names::{self, EPOCH_ANNOTATION, INSTANCE_ANNOTATION, NODE_ANNOTATION};
-use crate::{K8sRuntimeConfig, Readiness};
 
 /// Where the patch ConfigMap is mounted.
 pub const PATCH_DIR: &str = "/berth/patch";
@@ -35,10 +36,15 @@ pub const FILES_CONTAINER: &str = "files";
 /// What one pod is made for.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PodInput<'a> {
+    /// The user the pod runs for.
     pub user: &'a UserId,
+    /// The user's slug, which names the pod and the user's objects.
     pub slug: &'a Slug,
+    /// The program, or its watchdog.
     pub role: Role,
+    /// The instance the pod runs, kept in an annotation.
     pub instance_id: &'a str,
+    /// The lease epoch the pod starts under, kept in an annotation.
     pub epoch: Epoch,
     /// Relative to the user's volume (validated by the controller).
     pub folder: &'a str,
@@ -163,21 +169,6 @@ fn quantities(map: &BTreeMap<String, String>) -> Value {
             .map(|(k, v)| (k.clone(), Value::String(v.clone())))
             .collect(),
     )
-}
-
-/// The extra `pod_spec` fields as a JSON object, checked to be pod-spec
-/// fields.
-pub(crate) fn extra_pod_spec(config: &KubernetesConfig) -> Result<Map<String, Value>, ConfigError> {
-    let extra: Map<String, Value> = config
-        .pod_spec
-        .iter()
-        .map(|(k, v)| (k.clone(), v.clone()))
-        .collect();
-    // Checked on a minimal spec, so only the extra fields can be dropped.
-    let mut probe = extra.clone();
-    probe.insert("containers".into(), json!([{ "name": "probe" }]));
-    strict::<PodSpec>(&Value::Object(probe), "pod_spec")?;
-    Ok(extra)
 }
 
 /// The pod of `input.role`. `None` when no command is configured for the
@@ -483,6 +474,7 @@ pub const PRIVATE_V4: &[&str] = &[
 pub const PRIVATE_V6: &[&str] = &["fc00::/7", "fe80::/10"];
 /// The cloud metadata services.
 pub const METADATA_V4: &[&str] = &["169.254.169.254/32", "100.100.100.200/32"];
+/// The IPv6 cloud metadata service (AWS's).
 pub const METADATA_V6: &[&str] = &["fd00:ec2::254/128"];
 
 fn ip_block(cidr: &str, except: &[&str]) -> Value {

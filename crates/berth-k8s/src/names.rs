@@ -11,6 +11,7 @@ use berth_core::{Role, Slug};
 pub const PREFIX: &str = "berth.dev";
 /// The standard label naming the tool that manages an object.
 pub const MANAGED_BY: &str = "app.kubernetes.io/managed-by";
+/// berth's value of [`MANAGED_BY`], which its one watch selects on.
 pub const MANAGED_BY_VALUE: &str = "berth";
 /// Label: the user's slug.
 pub const SLUG_LABEL: &str = "berth.dev/slug";

@@ -32,22 +32,31 @@ pub const FATAL_WAITING: &[&str] = &[
 /// Terminated reasons of a container that never ran its program.
 pub const START_FAILED: &[&str] = &["StartError", "ContainerCannotRun"];
 
+/// How a container ended, as its status tells.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Terminated {
+    /// The container's exit code.
     pub exit_code: i32,
+    /// The signal that ended it, when the container runtime reports one.
     pub signal: Option<i32>,
+    /// Kubernetes' one-word reason (`Error`, `OOMKilled`, `Completed`).
     pub reason: Option<String>,
+    /// Kubernetes' message, if any; it becomes the exit's stderr tail.
     pub message: Option<String>,
 }
 
 /// The program's container.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct ContainerView {
+    /// It runs now.
     pub running: bool,
     /// `(reason, message)`.
     pub waiting: Option<(String, String)>,
+    /// How it ended, once it has.
     pub terminated: Option<Terminated>,
+    /// How its previous run ended, after the kubelet restarted it.
     pub last_terminated: Option<Terminated>,
+    /// How many times the kubelet has restarted it.
     pub restart_count: i32,
 }
 
@@ -61,31 +70,46 @@ impl ContainerView {
 /// What the runtime reads from a pod.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct PodView {
+    /// The pod's name.
     pub name: String,
+    /// The pod's UID, which tells this object from another of the same name.
     pub uid: String,
     /// The object is gone from the API server.
     pub gone: bool,
     /// It has a deletion timestamp.
     pub deleting: bool,
+    /// It still carries berth's finalizer.
     pub finalized: bool,
     /// It has been bound to a node (so a kubelet will end it).
     pub scheduled: bool,
+    /// The pod's phase (`Pending`, `Running`, `Succeeded`, `Failed`); empty
+    /// before its first status.
     pub phase: String,
     /// The pod's own reason and message (`Evicted`, `DeadlineExceeded`).
     pub reason: Option<String>,
+    /// The message that goes with `reason`.
     pub message: Option<String>,
     /// Its `Ready` condition is `True`.
     pub ready: bool,
     /// Why the scheduler cannot place it, while it cannot.
     pub unschedulable: Option<String>,
+    /// The program's container.
     pub main: ContainerView,
+    /// The raw user id, from its annotation.
     pub user: Option<String>,
+    /// The user's slug, from its label.
     pub slug: Option<String>,
+    /// `main` or `watchdog`, from its label.
     pub role: Option<String>,
+    /// The instance id it runs, from its annotation.
     pub instance: Option<String>,
+    /// The lease epoch it is managed under, from its annotation.
     pub epoch: Option<Epoch>,
+    /// The berth replica that manages it, from its annotation.
     pub node: Option<String>,
+    /// The hash of the manifest it was made from.
     pub template: Option<String>,
+    /// The hash of the patch it started with.
     pub patch: Option<String>,
 }
 
@@ -117,6 +141,7 @@ fn state_parts(
 }
 
 impl PodView {
+    /// What `pod` says, with whatever it lacks read as empty or absent.
     pub fn of(pod: &Pod) -> PodView {
         let meta = &pod.metadata;
         let annotation = |key: &str| meta.annotations.as_ref().and_then(|a| a.get(key)).cloned();
@@ -268,6 +293,7 @@ fn lost(why: impl Into<String>) -> ExitStatus {
 /// What the runtime does for a run.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Step {
+    /// Send this event to the controller.
     Emit(RuntimeEvent),
     /// Read the pod's log for the launch token.
     ScanLog,
@@ -275,7 +301,9 @@ pub enum Step {
     /// let the pod go if it is being deleted; `delete` asks to delete it
     /// first (a pod berth will not let run on).
     Finish {
+        /// How the run ended.
         exit: ExitStatus,
+        /// Whether to delete the pod before reporting.
         delete: bool,
     },
 }
@@ -296,6 +324,9 @@ pub struct Tracker {
 }
 
 impl Tracker {
+    /// A tracker for the pod `uid`, run under `epoch`. With `needs_token`,
+    /// readiness waits for the launch token; `memory_limit_mb` goes into an
+    /// out-of-memory exit.
     pub fn new(
         uid: &str,
         epoch: Epoch,
@@ -315,6 +346,7 @@ impl Tracker {
         }
     }
 
+    /// The run is over: no step follows.
     pub fn is_done(&self) -> bool {
         self.done
     }

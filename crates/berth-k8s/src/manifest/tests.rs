@@ -4,8 +4,7 @@ use berth_core::{Role, UserId};
 use serde_json::{Value, json};
 
 use super::*;
-use crate::config::{FileService, KubernetesConfig, StorageMode};
-use crate::{K8sRuntimeConfig, Readiness};
+use crate::config::{FileService, K8sRuntimeConfig, KubernetesConfig, Readiness, StorageMode};
 
 pub(crate) fn runtime_config(k: KubernetesConfig) -> K8sRuntimeConfig {
     K8sRuntimeConfig {

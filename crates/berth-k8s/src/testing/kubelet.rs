@@ -23,21 +23,9 @@ use nix::unistd::Pid;
 use serde_json::{Value, json};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 
+use super::deletion::remove_if_finished;
 use super::store::Key;
-use super::{Shared, lock};
-
-/// What the kubelet knows of one pod, by UID.
-pub struct PodRun {
-    pub log: Vec<String>,
-    /// The program's output has ended.
-    pub log_closed: bool,
-    pub log_changed: Arc<tokio::sync::Notify>,
-    pub port: u16,
-    /// The program's process group, while it runs.
-    pub pgid: Option<i32>,
-    pub ready_override: Option<bool>,
-    pub restarts: i32,
-}
+use super::world::{PodRun, Shared, lock};
 
 fn now() -> String {
     k8s_openapi::jiff::Timestamp::now().to_string()
@@ -232,7 +220,7 @@ pub fn update(shared: &Shared, key: &Key, uid: &str, change: impl FnOnce(&mut Va
     }
     change(&mut pod);
     world.store.put(key.clone(), pod, "MODIFIED");
-    super::server::remove_if_finished(&mut world.store, key);
+    remove_if_finished(&mut world.store, key);
 }
 
 fn container_statuses(pod: &Value, main: Value) -> Value {

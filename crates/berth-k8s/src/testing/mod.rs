@@ -25,14 +25,17 @@
     reason = "a test double: a panic is the failing test's report"
 )]
 
+mod deletion;
+mod endpoints;
 mod kubelet;
 mod server;
 mod store;
+mod world;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex};
 
 use berth_core::Endpoint;
 use serde_json::{Value, json};
@@ -40,34 +43,12 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
+use endpoints::local_endpoint;
 pub use store::Kind;
-use store::{Key, Selector, Store};
+use store::{Key, Store};
+use world::{Shared, World, lock};
 
-use crate::EndpointResolver;
-
-pub(crate) struct World {
-    pub store: Store,
-    /// The kubelet's pods, by UID.
-    pub runs: HashMap<String, kubelet::PodRun>,
-    pub gone_served: usize,
-    pub unschedulable: bool,
-}
-
-pub(crate) struct Shared {
-    pub world: Mutex<World>,
-    /// Where volumes and pods' files live.
-    pub root: PathBuf,
-    pub cancel: CancellationToken,
-    pub tasks: TaskTracker,
-    /// True while new watches are held back. Changed and read only under
-    /// `world`'s lock, so that holding watches and registering one are
-    /// ordered (see `server::watch`).
-    pub gate: watch::Sender<bool>,
-}
-
-pub(crate) fn lock(m: &Mutex<World>) -> MutexGuard<'_, World> {
-    m.lock().unwrap_or_else(PoisonError::into_inner)
-}
+use crate::runtime::EndpointResolver;
 
 /// The double. Dropping it kills every program it runs.
 pub struct ApiServerDouble {
@@ -115,6 +96,7 @@ impl ApiServerDouble {
         }
     }
 
+    /// The base URL the double serves on (`http://127.0.0.1:<port>`).
     pub fn url(&self) -> String {
         format!("http://{}", self.addr)
     }
@@ -151,11 +133,14 @@ impl ApiServerDouble {
             .unwrap_or(0)
     }
 
+    /// The stored object `name` of `kind` in `namespace`, as the JSON the
+    /// double keeps.
     pub fn object(&self, kind: Kind, namespace: &str, name: &str) -> Option<Value> {
         let key: Key = (kind, namespace.to_owned(), name.to_owned());
         lock(&self.shared.world).store.objects.get(&key).cloned()
     }
 
+    /// Every stored object of `kind`, in every namespace.
     pub fn objects(&self, kind: Kind) -> Vec<Value> {
         lock(&self.shared.world)
             .store
@@ -250,6 +235,8 @@ impl ApiServerDouble {
         self.shared.gate.send_replace(true);
     }
 
+    /// Lets the watches held back by [`ApiServerDouble::hold_watches`]
+    /// register.
     pub fn release_watches(&self) {
         let _world = lock(&self.shared.world);
         self.shared.gate.send_replace(false);
@@ -288,82 +275,6 @@ impl Drop for ApiServerDouble {
         kubelet::kill_all(&self.shared);
         self.shared.cancel.cancel();
     }
-}
-
-fn local_endpoint(shared: &Shared, namespace: &str, service: &str) -> Option<SocketAddr> {
-    let world = lock(&shared.world);
-    let key: Key = (Kind::Service, namespace.to_owned(), service.to_owned());
-    let selector = world.store.objects.get(&key)?["spec"]["selector"]
-        .as_object()
-        .map(Selector::of_map)?;
-    world
-        .store
-        .objects
-        .iter()
-        .filter(|((k, ns, _), pod)| {
-            *k == Kind::Pod && ns == namespace && selector.matches(&pod["metadata"]["labels"])
-        })
-        .filter_map(|(_, pod)| world.runs.get(pod["metadata"]["uid"].as_str()?))
-        .map(|run| SocketAddr::from(([127, 0, 0, 1], run.port)))
-        .next()
-}
-
-/// The EndpointSlices of the Services in `namespace` whose labels match
-/// `selector`, as the cluster's EndpointSlice controller would keep them:
-/// one per Service and pod it selects, which lists the pod (with its
-/// `Ready` condition) at the local address and port its program listens
-/// on, under the Service's `http` port name. Made on each read; the
-/// double serves them for lists, not watches.
-pub(crate) fn endpoint_slices(shared: &Shared, namespace: &str, selector: &Selector) -> Vec<Value> {
-    let world = lock(&shared.world);
-    let mut slices = Vec::new();
-    for ((kind, ns, service), object) in &world.store.objects {
-        if *kind != Kind::Service || ns != namespace {
-            continue;
-        }
-        let labels = json!({ "kubernetes.io/service-name": service });
-        if !selector.matches(&labels) {
-            continue;
-        }
-        let Some(pod_selector) = object["spec"]["selector"].as_object().map(Selector::of_map)
-        else {
-            continue;
-        };
-        for ((k, pod_ns, pod_name), pod) in &world.store.objects {
-            if *k != Kind::Pod
-                || pod_ns != namespace
-                || !pod_selector.matches(&pod["metadata"]["labels"])
-            {
-                continue;
-            }
-            let uid = pod["metadata"]["uid"].as_str().unwrap_or_default();
-            let Some(run) = world.runs.get(uid) else {
-                continue;
-            };
-            let ready = pod["status"]["conditions"]
-                .as_array()
-                .into_iter()
-                .flatten()
-                .any(|c| c["type"] == "Ready" && c["status"] == "True");
-            slices.push(json!({
-                "apiVersion": "discovery.k8s.io/v1",
-                "kind": "EndpointSlice",
-                "metadata": {
-                    "name": format!("{service}-{}", &uid[..uid.len().min(8)]),
-                    "namespace": namespace,
-                    "labels": labels,
-                },
-                "addressType": "IPv4",
-                "endpoints": [{
-                    "addresses": ["127.0.0.1"],
-                    "conditions": { "ready": ready },
-                    "targetRef": { "kind": "Pod", "namespace": namespace, "name": pod_name, "uid": uid },
-                }],
-                "ports": [{ "name": "http", "port": run.port, "protocol": "TCP" }],
-            }));
-        }
-    }
-    slices
 }
 
 struct DoubleEndpoints {

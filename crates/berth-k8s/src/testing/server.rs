@@ -17,9 +17,11 @@ use axum::routing::get;
 use serde_json::{Value, json};
 use tokio::sync::mpsc;
 
+use super::deletion::{pod_ended, remove_if_finished, scheduled};
+use super::endpoints;
 use super::kubelet;
-use super::store::{Key, Kind, Selector, Store, Watcher, merge_patch, status};
-use super::{Shared, lock};
+use super::store::{Key, Kind, Selector, Watcher, merge_patch, status};
+use super::world::{Shared, lock};
 
 type Params = Query<HashMap<String, String>>;
 
@@ -90,33 +92,6 @@ fn parse(body: &Bytes) -> Result<Value, String> {
         return Ok(json!({}));
     }
     serde_json::from_slice(body).map_err(|e| format!("invalid body: {e}"))
-}
-
-fn pod_ended(pod: &Value) -> bool {
-    matches!(
-        pod["status"]["phase"].as_str(),
-        Some("Succeeded" | "Failed")
-    )
-}
-
-fn scheduled(pod: &Value) -> bool {
-    pod["spec"]["nodeName"].is_string()
-}
-
-/// Removes `key` if it is being deleted, no finalizer holds it, and (a
-/// pod) its containers are done or it never had a node.
-pub fn remove_if_finished(store: &mut Store, key: &Key) {
-    let Some(object) = store.objects.get(key) else {
-        return;
-    };
-    let deleting = object["metadata"]["deletionTimestamp"].is_string();
-    let held = object["metadata"]["finalizers"]
-        .as_array()
-        .is_some_and(|f| !f.is_empty());
-    let done = key.0 != Kind::Pod || pod_ended(object) || !scheduled(object);
-    if deleting && !held && done {
-        store.remove(key);
-    }
 }
 
 async fn create(
@@ -255,7 +230,7 @@ async fn list_or_watch(
 }
 
 /// EndpointSlices, read-only and listed only: the double makes them from
-/// its Services and the kubelet's ports (`super::endpoint_slices`).
+/// its Services and the kubelet's ports (`endpoints::endpoint_slices`).
 async fn endpoint_slices(
     State(shared): State<Arc<Shared>>,
     Path(ns): Path<String>,
@@ -268,7 +243,7 @@ async fn endpoint_slices(
         Ok(s) => s,
         Err(e) => return bad_request(&e),
     };
-    let items = super::endpoint_slices(&shared, &ns, &selector);
+    let items = endpoints::endpoint_slices(&shared, &ns, &selector);
     let rv = lock(&shared.world).store.rv().to_string();
     answer(
         200,

@@ -11,10 +11,15 @@ use tokio::sync::mpsc;
 /// The kinds the double serves.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Kind {
+    /// Pods, which the stand-in kubelet runs.
     Pod,
+    /// Services.
     Service,
+    /// ConfigMaps (a user's patch, a watchdog's hand-off).
     ConfigMap,
+    /// PersistentVolumeClaims.
     PersistentVolumeClaim,
+    /// NetworkPolicies (`networking.k8s.io`).
     NetworkPolicy,
 }
 
@@ -31,6 +36,7 @@ impl Kind {
         })
     }
 
+    /// Its resource name in URLs (`pods`).
     pub fn resource(self) -> &'static str {
         match self {
             Kind::Pod => "pods",
@@ -41,6 +47,7 @@ impl Kind {
         }
     }
 
+    /// Its objects' `kind` (`Pod`).
     pub fn name(self) -> &'static str {
         match self {
             Kind::Pod => "Pod",
@@ -51,6 +58,7 @@ impl Kind {
         }
     }
 
+    /// Its objects' `apiVersion`.
     pub fn api_version(self) -> &'static str {
         match self {
             Kind::NetworkPolicy => "networking.k8s.io/v1",

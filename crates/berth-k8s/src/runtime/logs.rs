@@ -1,0 +1,128 @@
+//! Reading pods' logs: the tail an ended pod leaves behind, and the
+//! launch token.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures_util::TryStreamExt;
+use futures_util::io::AsyncBufReadExt;
+use kube::api::LogParams;
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+
+use super::{Inner, lock};
+use crate::config::Readiness;
+use crate::manifest::MAIN_CONTAINER;
+
+/// Lines of an ended pod's log the runtime keeps for `logs`.
+const KEPT_LINES: usize = 1000;
+/// How much of a log adoption reads for the launch token.
+const TOKEN_SCAN_BYTES: i64 = 1 << 20;
+
+impl Inner {
+    /// Keeps the tail of `name`'s log for after the pod is gone.
+    pub(super) async fn keep_log(&self, name: &str) {
+        let params = LogParams {
+            container: Some(MAIN_CONTAINER.into()),
+            tail_lines: Some(KEPT_LINES as i64),
+            ..LogParams::default()
+        };
+        if let Ok(text) = self.pods.logs(name, &params).await {
+            let lines: Vec<String> = text.lines().map(str::to_owned).collect();
+            lock(&self.state).kept_logs.insert(name.to_owned(), lines);
+        }
+    }
+
+    /// Reads pod `name`'s log from its start until a line matches the
+    /// token regex; sends the token.
+    pub(super) fn scan_for_token(
+        self: &Arc<Self>,
+        name: &str,
+        found: mpsc::Sender<String>,
+        cancel: CancellationToken,
+    ) {
+        let Readiness::TokenRegex(regex) = &self.config.readiness else {
+            return;
+        };
+        let (regex, inner, name) = (regex.clone(), self.clone(), name.to_owned());
+        self.tasks.spawn(async move {
+            let params = LogParams {
+                container: Some(MAIN_CONTAINER.into()),
+                follow: true,
+                ..LogParams::default()
+            };
+            // Until found or the run ends (which cancels this): a stream
+            // that fails or is cut is read again from the start.
+            let scan = async {
+                loop {
+                    let once = async {
+                        let stream = inner.pods.log_stream(&name, &params).await?;
+                        let mut lines = std::pin::pin!(stream.lines());
+                        while let Some(line) = lines.try_next().await? {
+                            if let Some(token) = token_of(&regex, &line) {
+                                return Ok(Some(token));
+                            }
+                        }
+                        Ok::<_, Box<dyn std::error::Error + Send + Sync>>(None)
+                    };
+                    match once.await {
+                        Ok(Some(token)) => {
+                            let _ = found.send(token).await;
+                            return;
+                        }
+                        Ok(None) => {}
+                        Err(e) => {
+                            tracing::debug!(pod = %name, error = %e, "reading the log for the launch token failed");
+                        }
+                    }
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                }
+            };
+            tokio::select! {
+                _ = cancel.cancelled() => {}
+                () = scan => {}
+            }
+        });
+    }
+
+    /// The token in a whole log, for adoption.
+    pub(super) async fn token_in_log(&self, name: &str) -> Option<String> {
+        let Readiness::TokenRegex(regex) = &self.config.readiness else {
+            return None;
+        };
+        // The token is printed at start; a long log is not read whole.
+        let params = LogParams {
+            container: Some(MAIN_CONTAINER.into()),
+            limit_bytes: Some(TOKEN_SCAN_BYTES),
+            ..LogParams::default()
+        };
+        let text = self.pods.logs(name, &params).await.ok()?;
+        text.lines().find_map(|line| token_of(regex, line))
+    }
+}
+
+/// The launch token in `line`: the regex's first group, or the match.
+fn token_of(regex: &regex::Regex, line: &str) -> Option<String> {
+    let captures = regex.captures(line)?;
+    captures
+        .get(1)
+        .or_else(|| captures.get(0))
+        .map(|m| m.as_str().to_owned())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_token_is_the_first_group_or_the_match() {
+        let with_group = regex::Regex::new(r"token=(\w+)").unwrap();
+        assert_eq!(
+            token_of(&with_group, "x token=abc y").as_deref(),
+            Some("abc")
+        );
+        assert_eq!(token_of(&with_group, "nothing"), None);
+        let plain = regex::Regex::new(r"ready").unwrap();
+        assert_eq!(token_of(&plain, "is ready").as_deref(), Some("ready"));
+    }
+}

@@ -1,0 +1,49 @@
+//! The double's shared state: its object store and the kubelet's pods,
+//! behind one lock, with what the server's tasks share.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use super::store::Store;
+
+pub(crate) struct World {
+    pub store: Store,
+    /// The kubelet's pods, by UID.
+    pub runs: HashMap<String, PodRun>,
+    pub gone_served: usize,
+    pub unschedulable: bool,
+}
+
+pub(crate) struct Shared {
+    pub world: Mutex<World>,
+    /// Where volumes and pods' files live.
+    pub root: PathBuf,
+    pub cancel: CancellationToken,
+    pub tasks: TaskTracker,
+    /// True while new watches are held back. Changed and read only under
+    /// `world`'s lock, so that holding watches and registering one are
+    /// ordered (see `server::watch`).
+    pub gate: watch::Sender<bool>,
+}
+
+pub(crate) fn lock(m: &Mutex<World>) -> MutexGuard<'_, World> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// What the kubelet knows of one pod, by UID.
+pub struct PodRun {
+    pub log: Vec<String>,
+    /// The program's output has ended.
+    pub log_closed: bool,
+    pub log_changed: Arc<tokio::sync::Notify>,
+    pub port: u16,
+    /// The program's process group, while it runs.
+    pub pgid: Option<i32>,
+    pub ready_override: Option<bool>,
+    pub restarts: i32,
+}
