@@ -27,7 +27,6 @@
 //! here.
 
 #![forbid(unsafe_code)]
-#![warn(missing_docs)]
 
 mod adopt;
 mod background;

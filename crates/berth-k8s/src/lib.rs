@@ -42,7 +42,6 @@
 //! `docs/design.md`, "How fencing maps onto Kubernetes").
 
 #![forbid(unsafe_code)]
-#![warn(missing_docs)]
 
 pub mod config;
 pub mod manifest;

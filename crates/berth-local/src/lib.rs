@@ -7,8 +7,6 @@
 //! controller's (`berth-controller`); this crate knows nothing of the
 //! store.
 
-#![warn(missing_docs)]
-
 mod config;
 mod follow;
 pub mod isolation;

@@ -68,7 +68,6 @@
 //! ```
 
 #![forbid(unsafe_code)]
-#![warn(missing_docs)]
 
 pub mod auth;
 mod conn;

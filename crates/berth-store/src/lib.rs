@@ -24,7 +24,6 @@
 //! own clock.
 
 #![forbid(unsafe_code)]
-#![warn(missing_docs)]
 
 #[cfg(feature = "contract-tests")]
 pub mod contract;

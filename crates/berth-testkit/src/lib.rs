@@ -56,7 +56,6 @@
 //! runtime or `spawn_blocking` when other tasks must keep running.
 
 #![forbid(unsafe_code)]
-#![warn(missing_docs)]
 #![allow(
     clippy::unwrap_used,
     clippy::expect_used,
