@@ -30,6 +30,7 @@ mod folder;
 mod id;
 mod model;
 pub mod policy;
+mod program;
 pub mod runtime;
 #[cfg(feature = "runtime-contract")]
 pub mod runtime_contract;
@@ -44,6 +45,7 @@ pub use model::{
     BreakerInfo, Endpoint, Epoch, Instance, InstanceEvent, InstanceStatus, LaunchRequest,
     MAX_PATCH_BYTES, ProbeReport, Reach, RestartResult, Role, Stage, UserStatus,
 };
+pub use program::Readiness;
 pub use spawner::{STARTING_RETRY_MS, Spawner, readiness_answer, wait_ready};
 pub use time::{UnixMillis, unix_millis_now};
 pub use uids::UidRange;

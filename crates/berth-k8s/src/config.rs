@@ -6,6 +6,7 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::time::Duration;
 
+use berth_core::Readiness;
 use ipnet::IpNet;
 use k8s_openapi::api::core::v1::{PodSpec, Toleration};
 use serde::{Deserialize, Serialize};
@@ -563,22 +564,6 @@ impl KubernetesConfig {
         let bytes = parse_quantity(self.resources.limits.get("memory")?)?;
         Some((bytes / (1024.0 * 1024.0)).round() as u64)
     }
-}
-
-/// How the runtime tells that an instance is ready, besides the pod's
-/// own `Ready` condition.
-#[derive(Debug, Clone)]
-pub enum Readiness {
-    /// Ready once the pod is, and a line of its log matches; the first
-    /// capture group is the launch token. The pod has no readiness probe.
-    TokenRegex(regex::Regex),
-    /// The pod's readiness probe GETs this path (an answer below 400).
-    Http {
-        /// The path the probe requests.
-        path: String,
-    },
-    /// The pod's readiness probe connects to the port.
-    Tcp,
 }
 
 /// Everything the runtime needs: the `[kubernetes]` table and what it

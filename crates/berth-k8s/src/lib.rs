@@ -51,5 +51,5 @@ mod runtime;
 #[cfg(feature = "test-double")]
 pub mod testing;
 
-pub use config::{ConfigError, EndpointMode, K8sRuntimeConfig, KubernetesConfig, Readiness};
+pub use config::{ConfigError, EndpointMode, K8sRuntimeConfig, KubernetesConfig};
 pub use runtime::{EndpointResolver, K8sRuntime, ServiceDns, connect};

@@ -11,14 +11,14 @@
 
 use std::collections::BTreeMap;
 
-use berth_core::{Epoch, Role, Slug, UserId};
+use berth_core::{Epoch, Readiness, Role, Slug, UserId};
 use k8s_openapi::api::core::v1::{ConfigMap, PersistentVolumeClaim, Pod, Service};
 use k8s_openapi::api::networking::v1::NetworkPolicy;
 use serde_json::{Map, Value, json};
 use sha2::{Digest, Sha256};
 
 use crate::config::{
-    ConfigError, K8sRuntimeConfig, KubernetesConfig, Readiness, StorageMode, extra_pod_spec, strict,
+    ConfigError, K8sRuntimeConfig, KubernetesConfig, StorageMode, extra_pod_spec, strict,
 };
 use crate::names::{self, EPOCH_ANNOTATION, INSTANCE_ANNOTATION, NODE_ANNOTATION};
 

@@ -48,10 +48,11 @@ use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use crate::config::{K8sRuntimeConfig, Readiness};
+use crate::config::K8sRuntimeConfig;
 use crate::manifest::{self, MAIN_CONTAINER, PodInput};
 use crate::names;
 use crate::observe::{self, PodView, Tracker};
+use berth_core::Readiness;
 
 /// How many times a conflicting write is read and tried again.
 const CONFLICT_RETRIES: usize = 8;

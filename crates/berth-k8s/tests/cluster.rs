@@ -25,10 +25,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
+use berth_core::Readiness;
 use berth_core::runtime::{Runtime, RuntimeRef};
 use berth_core::runtime_contract::{self, Harness, Program, TOKEN};
 use berth_k8s::config::StorageMode;
-use berth_k8s::{K8sRuntime, K8sRuntimeConfig, KubernetesConfig, Readiness};
+use berth_k8s::{K8sRuntime, K8sRuntimeConfig, KubernetesConfig};
 use k8s_openapi::api::core::v1::{PersistentVolumeClaim, Pod};
 use kube::api::{Api, DeleteParams, ListParams};
 

@@ -16,11 +16,12 @@ mod support;
 
 use std::time::Duration;
 
+use berth_core::Readiness;
 use berth_core::Role;
 use berth_core::runtime::{InstanceSpec, Patch, Runtime, RuntimeError, RuntimeEvent};
 use berth_core::runtime_contract::{self, TOKEN};
 use berth_k8s::testing::{ApiServerDouble, Kind};
-use berth_k8s::{K8sRuntime, Readiness, names};
+use berth_k8s::{K8sRuntime, names};
 use support::*;
 
 fn spec(user: &berth_core::UserId, instance: &str, epoch: i64) -> InstanceSpec {

@@ -16,10 +16,11 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
+use berth_core::Readiness;
 use berth_core::{Role, UserId};
 use berth_k8s::config::{FileService, StorageMode};
 use berth_k8s::manifest::{self, PodInput};
-use berth_k8s::{K8sRuntimeConfig, KubernetesConfig, Readiness};
+use berth_k8s::{K8sRuntimeConfig, KubernetesConfig};
 use serde_json::Value;
 
 /// The oldest and newest Kubernetes versions berth supports.

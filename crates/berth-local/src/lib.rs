@@ -7,7 +7,6 @@
 //! controller's (`berth-controller`); this crate knows nothing of the
 //! store.
 
-mod config;
 mod follow;
 pub mod isolation;
 mod logs;
@@ -18,8 +17,6 @@ mod readiness;
 mod runtime;
 pub mod shim;
 mod template;
-
-pub use config::Readiness;
 
 /// The default number of ports of the instance range one instance may
 /// hold, its own included.

@@ -17,7 +17,7 @@ use tokio::net::TcpStream;
 
 use berth_core::Reach;
 
-use crate::Readiness;
+use berth_core::Readiness;
 
 /// How long one probe may take before it counts as "not yet".
 pub(crate) const PROBE_TIMEOUT: Duration = Duration::from_millis(500);

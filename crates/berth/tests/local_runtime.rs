@@ -22,12 +22,13 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU16, Ordering};
 
 use async_trait::async_trait;
+use berth_core::Readiness;
 use berth_core::runtime::{
     Capacity, InstanceSpec, Patch, Runtime, RuntimeError, RuntimeEvent, RuntimeRef,
 };
 use berth_core::runtime_contract::{self, Harness, Program, TOKEN};
 use berth_core::{Role, UserId};
-use berth_local::{Isolation, Limits, LocalRuntime, LocalRuntimeConfig, Readiness, UidRange};
+use berth_local::{Isolation, Limits, LocalRuntime, LocalRuntimeConfig, UidRange};
 
 const BERTH: &str = env!("CARGO_BIN_EXE_berth");
 

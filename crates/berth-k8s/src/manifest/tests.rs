@@ -4,7 +4,8 @@ use berth_core::{Role, UserId};
 use serde_json::{Value, json};
 
 use super::*;
-use crate::config::{FileService, K8sRuntimeConfig, KubernetesConfig, Readiness, StorageMode};
+use crate::config::{FileService, K8sRuntimeConfig, KubernetesConfig, StorageMode};
+use berth_core::Readiness;
 
 pub(crate) fn runtime_config(k: KubernetesConfig) -> K8sRuntimeConfig {
     K8sRuntimeConfig {

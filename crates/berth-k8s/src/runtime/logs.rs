@@ -11,8 +11,8 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 use super::{Inner, lock};
-use crate::config::Readiness;
 use crate::manifest::MAIN_CONTAINER;
+use berth_core::Readiness;
 
 /// Lines of an ended pod's log the runtime keeps for `logs`.
 const KEPT_LINES: usize = 1000;

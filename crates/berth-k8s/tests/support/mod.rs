@@ -7,11 +7,12 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
+use berth_core::Readiness;
 use berth_core::UserId;
 use berth_core::runtime::{RuntimeEvent, RuntimeRef, Started};
 use berth_core::runtime_contract::{self, TOKEN};
 use berth_k8s::testing::{ApiServerDouble, Kind};
-use berth_k8s::{K8sRuntime, K8sRuntimeConfig, KubernetesConfig, Readiness};
+use berth_k8s::{K8sRuntime, K8sRuntimeConfig, KubernetesConfig};
 
 pub const NS: &str = "berth";
 pub const WAIT: Duration = Duration::from_secs(30);

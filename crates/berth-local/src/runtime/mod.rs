@@ -43,7 +43,8 @@ use crate::isolation::{Account, Isolator, Limits, UidRange, leftovers};
 use crate::paths::{UserPaths, check_socket_room, create_private_dir};
 use crate::ports::{PortPool, bind_free};
 use crate::shim::{ShimCommand, ShimError, ShimLauncher, procfs};
-use crate::{Isolation, LocalError, MIN_LOG_MAX_BYTES, Readiness};
+use crate::{Isolation, LocalError, MIN_LOG_MAX_BYTES};
+use berth_core::Readiness;
 
 pub use self::accounts::Accounts;
 use self::accounts::Isolated;

@@ -12,11 +12,11 @@ use berth_core::runtime::{ExitStatus, OutOfMemory, RuntimeEvent, RuntimeRef};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
-use crate::Readiness;
 use crate::ports::bind_free;
 use crate::process::kill_instance;
 use crate::readiness::{PROBE_INTERVAL, probe};
 use crate::shim::{ExitInfo, ShimControl, ShimEvent, ShimHandle};
+use berth_core::Readiness;
 
 /// How often, and how far apart, a port is found held after its program
 /// exited before the exit counts as "another process holds the port": the

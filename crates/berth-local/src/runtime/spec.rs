@@ -8,13 +8,13 @@ use berth_core::Role;
 use berth_core::runtime::{InstanceSpec, Patch, RuntimeError};
 
 use super::LocalRuntimeConfig;
-use crate::Readiness;
 use crate::isolation::cgroup::CgroupSpec;
 use crate::isolation::fsafe::Owner;
 use crate::isolation::{Account, Isolation, IsolationSpec, Isolator, SandboxSpec};
 use crate::paths::UserPaths;
 use crate::shim::ShimSpec;
 use crate::template::{self, Vars};
+use berth_core::Readiness;
 
 fn path_string(p: &Path) -> String {
     p.to_string_lossy().into_owned()

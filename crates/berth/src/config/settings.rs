@@ -8,8 +8,9 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use berth_controller::{BreakerHook, ControllerConfig};
+use berth_core::Readiness;
 use berth_core::policy::{CrashPolicy, IdleAction, ReapPolicy};
-use berth_local::{Isolation, Limits, LocalRuntimeConfig, Readiness, UidRange};
+use berth_local::{Isolation, Limits, LocalRuntimeConfig, UidRange};
 use berth_store::lease::LeaseConfig;
 
 use super::error::ConfigError;
@@ -287,14 +288,10 @@ impl Config {
         let readiness = match self.readiness()? {
             // Without a regex, HTTP path or TCP, the local default is the
             // demo app's token line, which only the default command prints.
-            Readiness::TokenRegex(_) if i.ready_token_regex.is_none() => {
-                berth_k8s::Readiness::Http {
-                    path: "/".to_owned(),
-                }
-            }
-            Readiness::TokenRegex(regex) => berth_k8s::Readiness::TokenRegex(regex),
-            Readiness::Http { path } => berth_k8s::Readiness::Http { path },
-            Readiness::Tcp => berth_k8s::Readiness::Tcp,
+            Readiness::TokenRegex(_) if i.ready_token_regex.is_none() => Readiness::Http {
+                path: "/".to_owned(),
+            },
+            readiness => readiness,
         };
         let config = berth_k8s::K8sRuntimeConfig {
             kubernetes: kubernetes.clone(),
@@ -544,7 +541,7 @@ mod tests {
         assert!(k8s.command.is_empty(), "kubernetes.command is the pod's");
         // Not the demo app's token line: the pod runs another program.
         assert!(
-            matches!(&k8s.readiness, berth_k8s::Readiness::Http { path } if path == "/"),
+            matches!(&k8s.readiness, Readiness::Http { path } if path == "/"),
             "{:?}",
             k8s.readiness
         );
@@ -555,7 +552,7 @@ mod tests {
             .k8s_runtime_config("n")
             .unwrap()
             .unwrap();
-        assert!(matches!(k8s.readiness, berth_k8s::Readiness::TokenRegex(_)));
+        assert!(matches!(k8s.readiness, Readiness::TokenRegex(_)));
         assert_eq!(k8s.stop_grace, Duration::from_secs(7));
         // [instance] command serves when the table has none.
         let text =
@@ -566,7 +563,7 @@ mod tests {
             .unwrap()
             .unwrap();
         assert_eq!(k8s.command, ["x"]);
-        assert!(matches!(k8s.readiness, berth_k8s::Readiness::Tcp));
+        assert!(matches!(k8s.readiness, Readiness::Tcp));
     }
 
     #[test]
