@@ -334,7 +334,7 @@ pub fn error_from_json(user: &UserId, status: u16, body: &Value) -> SpawnError {
         "invalid_user" => SpawnError::InvalidRequest(message),
         "not_found" => SpawnError::NotFound {
             user: user.clone(),
-            what: "instance",
+            what: "instance".into(),
         },
         "already_running" => SpawnError::AlreadyRunning { user: user.clone() },
         "instance_circuit_open" => SpawnError::CircuitOpen {
