@@ -16,7 +16,9 @@ use super::AppState;
 pub struct ApiError {
     /// The body's code, which handlers' tests look at.
     pub(super) code: ErrorCode,
-    body: ErrorBody,
+    /// Boxed: every handler's `Result` carries an `ApiError`, and the
+    /// body is large.
+    body: Box<ErrorBody>,
 }
 
 pub type ApiResult<T = Response> = Result<T, ApiError>;
@@ -25,7 +27,7 @@ impl ApiError {
     pub fn new(code: ErrorCode, message: impl Into<String>) -> Self {
         Self {
             code,
-            body: ErrorBody::new(code, message),
+            body: Box::new(ErrorBody::new(code, message)),
         }
     }
 
@@ -48,7 +50,7 @@ impl From<SpawnError> for ApiError {
     fn from(e: SpawnError) -> Self {
         Self {
             code: e.code(),
-            body: ErrorBody::from_spawn_error(&e, unix_millis_now()),
+            body: Box::new(ErrorBody::from_spawn_error(&e, unix_millis_now())),
         }
     }
 }
@@ -64,7 +66,7 @@ impl IntoResponse for ApiError {
         let status = StatusCode::from_u16(self.code.http_status())
             .unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
         let retry_after_ms = self.body.retry_after_ms;
-        let mut response = (status, axum::Json(self.body)).into_response();
+        let mut response = (status, axum::Json(*self.body)).into_response();
         if let Some(ms) = retry_after_ms {
             let secs = ms.div_ceil(1000).max(1);
             if let Ok(v) = HeaderValue::from_str(&secs.to_string()) {
