@@ -68,7 +68,7 @@ impl Shared {
         let Some((instance, run, endpoint)) = routable_run(slot) else {
             return Err(SpawnError::NotFound {
                 user: user.clone(),
-                what: "running instance",
+                what: "running instance".into(),
             });
         };
         if slot.is_hibernated() {

@@ -262,7 +262,7 @@ impl Shared {
         if !self.config.watchdog {
             return Err(SpawnError::NotFound {
                 user: slot.user.clone(),
-                what: "watchdog command",
+                what: "watchdog command".into(),
             });
         }
         let _guard = slot.watchdog_lock.lock().await;

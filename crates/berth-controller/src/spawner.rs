@@ -158,7 +158,7 @@ impl Spawner for Controller {
         if self.shared.users.existing(user).is_none() {
             return Err(SpawnError::NotFound {
                 user: user.clone(),
-                what: "live main instance",
+                what: "live main instance".into(),
             });
         }
         self.run_locked(user, |shared, slot| async move {
@@ -167,7 +167,7 @@ impl Spawner for Controller {
                 None => {
                     return Err(SpawnError::NotFound {
                         user: slot.user.clone(),
-                        what: "live main instance",
+                        what: "live main instance".into(),
                     });
                 }
             };
@@ -233,7 +233,7 @@ impl Spawner for Controller {
         if !self.shared.config.watchdog {
             return Err(SpawnError::NotFound {
                 user: user.clone(),
-                what: "watchdog command",
+                what: "watchdog command".into(),
             });
         }
         let shared = Arc::clone(&self.shared);
@@ -432,7 +432,7 @@ impl Spawner for Controller {
                 // A request arrived meanwhile: it stays running, and says so.
                 None => slot.live_record(Role::Main).ok_or(SpawnError::NotFound {
                     user,
-                    what: "running instance",
+                    what: "running instance".into(),
                 }),
             }
         })
@@ -442,7 +442,7 @@ impl Spawner for Controller {
     async fn resume(&self, user: &UserId) -> Result<Instance, SpawnError> {
         let not_found = || SpawnError::NotFound {
             user: user.clone(),
-            what: "live instance",
+            what: "live instance".into(),
         };
         let slot = self.shared.users.existing(user).ok_or_else(not_found)?;
         slot.touch(unix_millis_now());

@@ -1,4 +1,7 @@
+use std::borrow::Cow;
 use std::fmt;
+
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 use crate::{InvalidUserId, UnixMillis, UserId};
 
@@ -54,6 +57,34 @@ pub enum ErrorCode {
 }
 
 impl ErrorCode {
+    /// Every code, for parsing one back from its string.
+    pub(crate) const ALL: [ErrorCode; 19] = [
+        ErrorCode::InvalidUser,
+        ErrorCode::InvalidRequest,
+        ErrorCode::NotFound,
+        ErrorCode::AlreadyRunning,
+        ErrorCode::InstanceCircuitOpen,
+        ErrorCode::InstanceStarting,
+        ErrorCode::LeaseBusy,
+        ErrorCode::Unauthorized,
+        ErrorCode::Forbidden,
+        ErrorCode::PayloadTooLarge,
+        ErrorCode::SpawnFailed,
+        ErrorCode::CapacityExhausted,
+        ErrorCode::StoreUnavailable,
+        ErrorCode::TooManyTokens,
+        ErrorCode::UnsupportedMediaType,
+        ErrorCode::TooManyStreams,
+        ErrorCode::RequestTimeout,
+        ErrorCode::NodeUnreachable,
+        ErrorCode::Internal,
+    ];
+
+    /// The code whose [`as_str`](Self::as_str) is `s`, if there is one.
+    pub fn parse(s: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|code| code.as_str() == s)
+    }
+
     /// The code as the API writes it in an error's JSON (`snake_case`).
     pub fn as_str(self) -> &'static str {
         match self {
@@ -107,6 +138,24 @@ impl fmt::Display for ErrorCode {
     }
 }
 
+/// Written as its [`as_str`](ErrorCode::as_str) string, the form the API's
+/// error answers carry.
+impl Serialize for ErrorCode {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.serialize_str(self.as_str())
+    }
+}
+
+/// Read from its [`as_str`](ErrorCode::as_str) string; any other string is
+/// an error (a code this build does not know).
+impl<'de> Deserialize<'de> for ErrorCode {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let s = Cow::<'de, str>::deserialize(deserializer)?;
+        ErrorCode::parse(&s)
+            .ok_or_else(|| serde::de::Error::custom(format_args!("unknown error code {s:?}")))
+    }
+}
+
 /// When to retry after [`SpawnError::NodeUnreachable`]: a node that does not
 /// answer is back, or has lost its users' leases to a node that does, within
 /// about one lease TTL; a client asking again every second sees either soon.
@@ -127,8 +176,9 @@ pub enum SpawnError {
     NotFound {
         /// Whose it would be.
         user: UserId,
-        /// What is missing, in words.
-        what: &'static str,
+        /// What is missing, in words (borrowed when it is a constant, as
+        /// it is where this node raises it; owned when it came from a peer).
+        what: Cow<'static, str>,
     },
     /// The user already has a live instance of that role.
     #[error("user {user} already has a live instance")]

@@ -30,8 +30,10 @@ const PATH_SEGMENT: &AsciiSet = &NON_ALPHANUMERIC
     .remove(b'_')
     .remove(b'~');
 
-/// Why a string is not a valid [`UserId`].
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+/// Why a string is not a valid [`UserId`]. It travels in an error
+/// answer's JSON ([`crate::ErrorBody`]) in `snake_case`.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum InvalidUserId {
     /// The id is the empty string.
     #[error("user id is empty")]

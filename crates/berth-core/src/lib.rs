@@ -5,7 +5,8 @@
 //!
 //! * [`UserId`] and [`Slug`]: validated user ids and their file/DNS-safe form;
 //! * the instance model ([`Instance`], [`Role`], [`InstanceStatus`], …);
-//! * [`SpawnError`] and the stable [`ErrorCode`]s the HTTP API exposes;
+//! * [`SpawnError`] and the stable [`ErrorCode`]s the HTTP API exposes, and
+//!   [`ErrorBody`], the JSON of every error answer;
 //! * the [`Spawner`] trait, the node-local surface the API and the proxy
 //!   use (the controller implements it);
 //! * [`runtime`]: the [`runtime::Runtime`] trait, how a program is run (local
@@ -37,6 +38,7 @@ pub mod runtime_contract;
 mod spawner;
 mod time;
 mod uids;
+mod wire;
 
 pub use error::{ErrorCode, SpawnError};
 pub use folder::normalize_folder;
@@ -49,3 +51,4 @@ pub use program::Readiness;
 pub use spawner::{STARTING_RETRY_MS, Spawner, readiness_answer, wait_ready};
 pub use time::{UnixMillis, unix_millis_now};
 pub use uids::UidRange;
+pub use wire::ErrorBody;

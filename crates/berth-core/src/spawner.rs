@@ -43,7 +43,7 @@ pub trait Spawner: Send + Sync + 'static {
         let _ = request;
         Err(SpawnError::NotFound {
             user: user.clone(),
-            what: "lease takeover",
+            what: "lease takeover".into(),
         })
     }
 
@@ -135,7 +135,7 @@ pub trait Spawner: Send + Sync + 'static {
         let _ = tail;
         Err(SpawnError::NotFound {
             user: user.clone(),
-            what: "log stream",
+            what: "log stream".into(),
         })
     }
 

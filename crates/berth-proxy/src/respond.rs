@@ -1,7 +1,8 @@
-//! Responses the proxy answers itself: JSON errors for API clients, small
-//! HTML pages for browser navigations, redirects.
+//! Responses the proxy answers itself: JSON errors for API clients (an
+//! [`ErrorBody`], as the API writes them), small HTML pages for browser
+//! navigations, redirects.
 
-use berth_core::{ErrorCode, SpawnError, UserId, unix_millis_now};
+use berth_core::{ErrorBody, ErrorCode, SpawnError, UserId, unix_millis_now};
 use bytes::Bytes;
 use http_body_util::{Either, Full};
 use hyper::header::{self, HeaderMap, HeaderName, HeaderValue};
@@ -42,54 +43,55 @@ pub fn is_navigation(headers: &HeaderMap) -> bool {
         .any(|v| v.to_str().is_ok_and(|v| v.contains("text/html")))
 }
 
-/// `{"error": code, "message": …}` plus extra JSON fields (already encoded).
-pub fn json_error(
-    status: StatusCode,
-    code: &str,
-    message: &str,
-    extra: &[(&str, String)],
-) -> Response<ProxyBody> {
-    let mut body = format!(
-        "{{\"error\":{},\"message\":{}",
-        json_string(code),
-        json_string(message)
-    );
-    for (key, value) in extra {
-        body.push(',');
-        body.push_str(&json_string(key));
-        body.push(':');
-        body.push_str(value);
+/// `{"error": code, "message": …}` for a code outside the contract
+/// (`bad_gateway`, say); [`code_error`] and [`spawn_error`] answer the
+/// contract's.
+pub fn json_error(status: StatusCode, code: &str, message: &str) -> Response<ProxyBody> {
+    /// The body of such a code: an [`ErrorBody`] with only the two fields.
+    #[derive(serde::Serialize)]
+    struct Plain<'a> {
+        error: &'a str,
+        message: &'a str,
     }
-    body.push_str("}\n");
-    full(status, "application/json", body)
+    json_response(
+        status,
+        &Plain {
+            error: code,
+            message,
+        },
+    )
 }
 
 /// The error response of a contract [`ErrorCode`].
 pub fn code_error(code: ErrorCode, message: &str) -> Response<ProxyBody> {
-    let status =
-        StatusCode::from_u16(code.http_status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-    json_error(status, code.as_str(), message, &[])
+    body_error(&ErrorBody::new(code, message))
 }
 
 /// A spawner error as the API would answer it, with `Retry-After` when the
 /// client should come back later.
 pub fn spawn_error(error: &SpawnError) -> Response<ProxyBody> {
-    let code = error.code();
-    let retry_after_ms = error.retry_after_ms(unix_millis_now());
-    let mut extra = Vec::new();
-    if let SpawnError::CircuitOpen { opens, .. } = error {
-        extra.push(("opens", opens.to_string()));
-    }
-    if let Some(ms) = retry_after_ms {
-        extra.push(("retry_after_ms", ms.to_string()));
-    }
+    body_error(&ErrorBody::from_spawn_error(error, unix_millis_now()))
+}
+
+/// `body` with its code's status, and `Retry-After` when it says when to
+/// come back.
+fn body_error(body: &ErrorBody) -> Response<ProxyBody> {
     let status =
-        StatusCode::from_u16(code.http_status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-    let mut response = json_error(status, code.as_str(), &error.to_string(), &extra);
-    if let Some(ms) = retry_after_ms {
+        StatusCode::from_u16(body.error.http_status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    let mut response = json_response(status, body);
+    if let Some(ms) = body.retry_after_ms {
         set_retry_after(&mut response, ms);
     }
     response
+}
+
+fn json_response(status: StatusCode, body: &impl serde::Serialize) -> Response<ProxyBody> {
+    // Serializing these plain structs cannot fail; were it to, the client
+    // still gets the status and a body that parses.
+    let mut text = serde_json::to_vec(body)
+        .unwrap_or_else(|_| br#"{"error":"internal","message":""}"#.to_vec());
+    text.push(b'\n');
+    full(status, "application/json", text)
 }
 
 /// Sets `Retry-After` to `ms` in whole seconds, rounded up and at least
@@ -112,11 +114,9 @@ pub fn unauthorized(navigation: bool) -> Response<ProxyBody> {
              for one.</p>",
         )
     } else {
-        json_error(
-            StatusCode::UNAUTHORIZED,
-            ErrorCode::Unauthorized.as_str(),
+        code_error(
+            ErrorCode::Unauthorized,
             "a valid token is required (Authorization: Bearer <token>, the berth_token cookie, or ?berth_token=)",
-            &[],
         )
     };
     response
@@ -134,12 +134,7 @@ pub fn unauthorized_because(navigation: bool, message: &str) -> Response<ProxyBo
             &format!("<h1>Sign-in required</h1>\n<p>{}</p>", html_escape(message)),
         )
     } else {
-        json_error(
-            StatusCode::UNAUTHORIZED,
-            ErrorCode::Unauthorized.as_str(),
-            message,
-            &[],
-        )
+        code_error(ErrorCode::Unauthorized, message)
     };
     response
         .headers_mut()
@@ -156,12 +151,7 @@ pub fn forbidden(navigation: bool) -> Response<ProxyBody> {
             "<h1>Forbidden</h1>\n<p>Your token belongs to another user.</p>",
         )
     } else {
-        json_error(
-            StatusCode::FORBIDDEN,
-            ErrorCode::Forbidden.as_str(),
-            "this token may not reach this user",
-            &[],
-        )
+        code_error(ErrorCode::Forbidden, "this token may not reach this user")
     }
 }
 
@@ -174,12 +164,7 @@ pub fn forbidden_because(navigation: bool, message: &str) -> Response<ProxyBody>
             &format!("<h1>Forbidden</h1>\n<p>{}</p>", html_escape(message)),
         )
     } else {
-        json_error(
-            StatusCode::FORBIDDEN,
-            ErrorCode::Forbidden.as_str(),
-            message,
-            &[],
-        )
+        code_error(ErrorCode::Forbidden, message)
     }
 }
 
@@ -271,26 +256,6 @@ pub fn html_document(title: &str, body: &str) -> String {
     )
 }
 
-/// `s` as a JSON string literal.
-pub fn json_string(s: &str) -> String {
-    let mut out = String::with_capacity(s.len() + 2);
-    out.push('"');
-    for c in s.chars() {
-        match c {
-            '"' => out.push_str("\\\""),
-            '\\' => out.push_str("\\\\"),
-            '\n' => out.push_str("\\n"),
-            '\r' => out.push_str("\\r"),
-            '\t' => out.push_str("\\t"),
-            // `<` too, so the text is also safe inside a <script>.
-            c if (c as u32) < 0x20 || c == '<' => out.push_str(&format!("\\u{:04x}", c as u32)),
-            c => out.push(c),
-        }
-    }
-    out.push('"');
-    out
-}
-
 /// `s` with HTML's special characters escaped, safe in text and in
 /// quoted attribute values.
 pub fn html_escape(s: &str) -> String {
@@ -360,6 +325,28 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn errors_are_the_apis_body() {
+        let e = SpawnError::LeaseBusy {
+            user: UserId::parse("a").unwrap(),
+            holder: "node-b".into(),
+            expired: true,
+        };
+        let r = spawn_error(&e);
+        assert_eq!(r.status(), 409);
+        assert!(r.headers().get(header::RETRY_AFTER).is_none());
+        let body: ErrorBody = serde_json::from_str(&text(r).await).unwrap();
+        assert_eq!(body.holder.as_deref(), Some("node-b"));
+        assert_eq!(body.expired, Some(true));
+        assert_eq!(body.into_spawn_error(), Some(e));
+        let message = "a \"quoted\" <b>\n";
+        let body = text(json_error(StatusCode::BAD_GATEWAY, "bad_gateway", message)).await;
+        assert_eq!(
+            serde_json::from_str::<serde_json::Value>(&body).unwrap(),
+            serde_json::json!({"error": "bad_gateway", "message": message})
+        );
+    }
+
+    #[tokio::test]
     async fn pages_escape_the_user() {
         let user = UserId::parse("<x>&\"").unwrap();
         let body = text(starting_page(
@@ -374,6 +361,5 @@ mod tests {
         ));
         let body = text(unauthorized(true)).await;
         assert!(body.contains("Unauthorized"));
-        assert_eq!(json_string("a\"<\n"), r#""a\"\u003c\n""#);
     }
 }

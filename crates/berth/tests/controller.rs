@@ -677,11 +677,8 @@ async fn a_full_port_range_refuses_the_next_user() {
     let none = spawner.spawn_watchdog(&a).await;
     assert!(
         matches!(
-            none,
-            Err(SpawnError::NotFound {
-                what: "watchdog command",
-                ..
-            })
+            &none,
+            Err(SpawnError::NotFound { what, .. }) if what == "watchdog command"
         ),
         "{none:?}"
     );

@@ -268,11 +268,9 @@ impl Gate {
             Err(e) => return store_unavailable(&e),
         }
         if !is_cookie_safe(&q.token) {
-            return respond::json_error(
-                StatusCode::BAD_REQUEST,
-                ErrorCode::InvalidRequest.as_str(),
+            return respond::code_error(
+                ErrorCode::InvalidRequest,
                 "this token cannot be stored in a cookie; send it as Authorization: Bearer",
-                &[],
             );
         }
         cookie_and_redirect(&q.token, uri, &q.rest, is_https(headers, conn), scope)
@@ -298,12 +296,7 @@ fn cookie_and_redirect(
         (Ok(location), Ok(cookie)) => {
             respond::redirect(StatusCode::SEE_OTHER, location, Some(cookie))
         }
-        _ => respond::json_error(
-            StatusCode::BAD_REQUEST,
-            ErrorCode::InvalidRequest.as_str(),
-            "cannot redirect to this URL",
-            &[],
-        ),
+        _ => respond::code_error(ErrorCode::InvalidRequest, "cannot redirect to this URL"),
     }
 }
 
@@ -318,17 +311,11 @@ fn refused_node(auth: &PeerAuth, conn: &ConnInfo, refusal: &Refusal) -> Response
             &format!(
                 "too many refused node-to-node calls from this address; slow down ({refusal})"
             ),
-            &[],
         );
         respond::set_retry_after(&mut response, 1000);
         return response;
     }
-    respond::json_error(
-        StatusCode::UNAUTHORIZED,
-        ErrorCode::Unauthorized.as_str(),
-        &refusal.to_string(),
-        &[],
-    )
+    respond::code_error(ErrorCode::Unauthorized, &refusal.to_string())
 }
 
 fn store_unavailable(e: &AuthError) -> Response<ProxyBody> {

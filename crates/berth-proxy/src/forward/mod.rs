@@ -605,7 +605,7 @@ fn check_owner(stream: &TcpStream, to: &Upstream, owner: u32) -> Result<(), Fail
 }
 
 fn bad_gateway(message: &str) -> Response<ProxyBody> {
-    respond::json_error(StatusCode::BAD_GATEWAY, "bad_gateway", message, &[])
+    respond::json_error(StatusCode::BAD_GATEWAY, "bad_gateway", message)
 }
 
 /// An upgrade refused: `503 too_many_upgrades` when the node is full (the
@@ -617,7 +617,6 @@ fn stream_refused(refused: &StreamRefused) -> Response<ProxyBody> {
             StatusCode::SERVICE_UNAVAILABLE,
             "too_many_upgrades",
             &refused.to_string(),
-            &[],
         ),
         StreamRefused::PerUser { .. } => {
             respond::code_error(ErrorCode::TooManyStreams, &refused.to_string())

@@ -9,10 +9,11 @@
 
 use std::time::Duration;
 
-use berth_core::{Epoch, SpawnError, UserId, unix_millis_now};
+use berth_core::{Epoch, ErrorBody, SpawnError, UserId, unix_millis_now};
 use futures_util::StreamExt;
 use futures_util::stream::BoxStream;
 use reqwest::Method;
+use serde::Deserialize;
 use serde::de::DeserializeOwned;
 use serde_json::{Value, json};
 
@@ -320,12 +321,23 @@ fn unreachable_peer(node: &str, base: &str, e: &reqwest::Error) -> SpawnError {
     }
 }
 
-/// The [`SpawnError`] an API error answer stands for, by its `error`
-/// code, so that it is answered again with the same code and status.
-/// Codes only a peer's own auth can produce (`unauthorized`,
-/// `forbidden`) mean this node's cluster secret is wrong: an internal
-/// error here, not the caller's fault.
+/// The [`SpawnError`] an API error answer stands for, so that it is
+/// answered again with the same code and status: the exact one when the
+/// body is an [`ErrorBody`] with its variant's data, else (an older node,
+/// an error that is no [`SpawnError`]) the best reading of its `error`
+/// code, as [`error_from_code`] makes it.
 pub fn error_from_json(user: &UserId, status: u16, body: &Value) -> SpawnError {
+    ErrorBody::deserialize(body)
+        .ok()
+        .and_then(ErrorBody::into_spawn_error)
+        .unwrap_or_else(|| error_from_code(user, status, body))
+}
+
+/// The [`SpawnError`] of a body without its variant's data, by its
+/// `error` code and what the message says. Codes only a peer's own auth
+/// can produce (`unauthorized`, `forbidden`) mean this node's cluster
+/// secret is wrong: an internal error here, not the caller's fault.
+fn error_from_code(user: &UserId, status: u16, body: &Value) -> SpawnError {
     let code = body["error"].as_str().unwrap_or("");
     let message = body["message"].as_str().unwrap_or("").to_owned();
     let retry_after_ms = body["retry_after_ms"].as_u64();
@@ -334,7 +346,7 @@ pub fn error_from_json(user: &UserId, status: u16, body: &Value) -> SpawnError {
         "invalid_user" => SpawnError::InvalidRequest(message),
         "not_found" => SpawnError::NotFound {
             user: user.clone(),
-            what: "instance",
+            what: "instance".into(),
         },
         "already_running" => SpawnError::AlreadyRunning { user: user.clone() },
         "instance_circuit_open" => SpawnError::CircuitOpen {
@@ -522,6 +534,87 @@ mod tests {
             ),
             unreachable
         );
+    }
+
+    #[test]
+    fn a_full_body_gives_back_the_exact_error() {
+        let errors = [
+            SpawnError::InvalidUser(berth_core::InvalidUserId::LeadingDot),
+            SpawnError::InvalidRequest("bad folder".into()),
+            SpawnError::NotFound {
+                user: alice(),
+                what: "live main instance".into(),
+            },
+            SpawnError::CircuitOpen {
+                user: alice(),
+                opens: 3,
+                retry_at: 1_234,
+            },
+            SpawnError::PayloadTooLarge { size: 10, limit: 5 },
+            SpawnError::SpawnFailed("spawn failed: said the program".into()),
+            SpawnError::Internal(String::new()),
+        ];
+        for e in errors {
+            let body = serde_json::to_value(ErrorBody::from_spawn_error(&e, 0)).unwrap();
+            let status = e.code().http_status();
+            assert_eq!(error_from_json(&alice(), status, &body), e, "{body}");
+        }
+    }
+
+    #[test]
+    fn bodies_without_the_data_are_read_as_before() {
+        // From an older node, or an error that was no SpawnError: the code
+        // and the message's text.
+        assert_eq!(
+            error_from_json(
+                &alice(),
+                404,
+                &serde_json::to_value(ErrorBody::new(ErrorCode::NotFound, "no such token"))
+                    .unwrap()
+            ),
+            SpawnError::NotFound {
+                user: alice(),
+                what: "instance".into()
+            }
+        );
+        assert_eq!(
+            error_from_json(
+                &alice(),
+                400,
+                &json!({"error": "invalid_user", "message": "invalid user id: user id is empty"})
+            ),
+            SpawnError::InvalidRequest("invalid user id: user id is empty".into())
+        );
+        assert_eq!(
+            error_from_json(
+                &alice(),
+                500,
+                &json!({"error": "internal", "message": "internal error: oops"})
+            ),
+            SpawnError::Internal("oops".into())
+        );
+    }
+
+    #[test]
+    fn unknown_and_peer_only_codes_are_internal() {
+        assert_eq!(
+            error_from_json(
+                &alice(),
+                418,
+                &json!({"error": "teapot", "message": "short"})
+            ),
+            SpawnError::Internal("short".into())
+        );
+        assert_eq!(
+            error_from_json(&alice(), 502, &json!({"error": "bad_gateway"})),
+            SpawnError::Internal("another node answered HTTP 502".into())
+        );
+        for code in [ErrorCode::Unauthorized, ErrorCode::Forbidden] {
+            let body = serde_json::to_value(ErrorBody::new(code, "bad signature")).unwrap();
+            let e = error_from_json(&alice(), code.http_status(), &body);
+            assert_eq!(e.code(), ErrorCode::Internal, "{body}");
+            assert!(e.to_string().contains("cluster secrets"), "{e}");
+        }
     }
 
     #[test]

@@ -1,23 +1,24 @@
-//! API errors: `{"error": code, "message": …, …}` with the code's
-//! status, and the count of every error answered.
+//! API errors: an [`ErrorBody`] with its code's status, and the count of
+//! every error answered.
 
 use axum::extract::State;
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
-use berth_core::{ErrorCode, SpawnError, unix_millis_now};
-use serde_json::{Value, json};
+use berth_core::{ErrorBody, ErrorCode, SpawnError, unix_millis_now};
 
 use super::super::auth::Refusal;
 use super::super::metrics::ApiLabels;
 use super::AppState;
 
-/// An error answered as `{"error": code, "message": …, …}`.
+/// An error answered as `{"error": code, "message": …, …}`: an
+/// [`ErrorBody`] and the status of its code.
 #[derive(Debug)]
 pub struct ApiError {
+    /// The body's code, which handlers' tests look at.
     pub(super) code: ErrorCode,
-    message: String,
-    extra: Vec<(&'static str, Value)>,
-    retry_after_ms: Option<u64>,
+    /// Boxed: every handler's `Result` carries an `ApiError`, and the
+    /// body is large.
+    body: Box<ErrorBody>,
 }
 
 pub type ApiResult<T = Response> = Result<T, ApiError>;
@@ -26,9 +27,7 @@ impl ApiError {
     pub fn new(code: ErrorCode, message: impl Into<String>) -> Self {
         Self {
             code,
-            message: message.into(),
-            extra: Vec::new(),
-            retry_after_ms: None,
+            body: Box::new(ErrorBody::new(code, message)),
         }
     }
 
@@ -49,30 +48,10 @@ impl From<Refusal> for ApiError {
 
 impl From<SpawnError> for ApiError {
     fn from(e: SpawnError) -> Self {
-        let retry_after_ms = e.retry_after_ms(unix_millis_now());
-        let mut err = ApiError::new(e.code(), e.to_string());
-        err.retry_after_ms = retry_after_ms;
-        match &e {
-            SpawnError::CircuitOpen { opens, .. } => {
-                err.extra.push(("opens", json!(opens)));
-                err.extra.push(("retry_after_ms", json!(retry_after_ms)));
-            }
-            SpawnError::Starting { retry_after_ms, .. } => {
-                err.extra.push(("retry_after_ms", json!(retry_after_ms)));
-            }
-            SpawnError::LeaseBusy {
-                holder, expired, ..
-            } => {
-                err.extra.push(("holder", json!(holder)));
-                err.extra.push(("expired", json!(expired)));
-            }
-            SpawnError::NodeUnreachable { node, .. } => {
-                err.extra.push(("node", json!(node)));
-                err.extra.push(("retry_after_ms", json!(retry_after_ms)));
-            }
-            _ => {}
+        Self {
+            code: e.code(),
+            body: Box::new(ErrorBody::from_spawn_error(&e, unix_millis_now())),
         }
-        err
     }
 }
 
@@ -84,16 +63,11 @@ impl From<berth_store::StoreError> for ApiError {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        let mut body = serde_json::Map::new();
-        body.insert("error".into(), json!(self.code.as_str()));
-        body.insert("message".into(), json!(self.message));
-        for (k, v) in self.extra {
-            body.insert(k.into(), v);
-        }
         let status = StatusCode::from_u16(self.code.http_status())
             .unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-        let mut response = (status, axum::Json(Value::Object(body))).into_response();
-        if let Some(ms) = self.retry_after_ms {
+        let retry_after_ms = self.body.retry_after_ms;
+        let mut response = (status, axum::Json(*self.body)).into_response();
+        if let Some(ms) = retry_after_ms {
             let secs = ms.div_ceil(1000).max(1);
             if let Ok(v) = HeaderValue::from_str(&secs.to_string()) {
                 response.headers_mut().insert(header::RETRY_AFTER, v);
