@@ -1542,6 +1542,32 @@ fn user_and_sandbox_without_root_or_nft_are_startup_errors_that_say_so() {
         stderr.contains("needs nftables") && stderr.contains("/nonexistent/nft"),
         "{stderr}"
     );
+    // And the failed start left nothing in the kernel: no cgroup parent.
+    let table = berth_local::isolation::nft_table_name(&data.canonicalize().unwrap());
+    let parent = table.replacen("berth_", "berth-", 1);
+    let found = dirs_named(Path::new("/sys/fs/cgroup"), &parent, 4);
+    assert!(found.is_empty(), "a failed start left {found:?}");
+}
+
+/// Directories named `name` under `root`, at most `depth` levels down.
+fn dirs_named(root: &Path, name: &str, depth: usize) -> Vec<PathBuf> {
+    let mut found = Vec::new();
+    let Ok(entries) = std::fs::read_dir(root) else {
+        return found;
+    };
+    for entry in entries.flatten() {
+        let path = entry.path();
+        if !entry.file_type().is_ok_and(|t| t.is_dir()) {
+            continue;
+        }
+        if entry.file_name() == name {
+            found.push(path.clone());
+        }
+        if depth > 1 {
+            found.extend(dirs_named(&path, name, depth - 1));
+        }
+    }
+    found
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -283,6 +283,8 @@ impl Isolator {
         // of its processes that none of them can drop (`setsid` leaves a
         // process group, never a cgroup). A sandbox needs one for its
         // limits; at `user` the instance's uid is the handle without one.
+        // Checked before anything is made: a start that fails leaves nothing.
+        let nft = nft.ok_or(HostError::NoNft { level, looked })?;
         let cgroups = match prepare_cgroups(&table) {
             Ok(parents) => Some(parents),
             Err(e) if level == Isolation::Sandbox => return Err(e),
@@ -294,7 +296,6 @@ impl Isolator {
                 None
             }
         };
-        let nft = nft.ok_or(HostError::NoNft { level, looked })?;
         let guard = guard::Guard::new(
             nft,
             data_dir,
