@@ -312,12 +312,22 @@ async fn the_proxy_wakes_a_pod_and_reaches_it_through_its_service() {
     assert_eq!(double.creates(Kind::Pod), 2);
 
     // A restarted berth adopts the pods: nothing is created, bob is still
-    // served, by the same pod.
+    // served, by the same pod. It serves while it adopts, so until bob is
+    // adopted a client is told he is starting, and never launches him
+    // again.
     node.kill9();
     drop(node);
     let node = start(dir, config).await;
-    let (status, page) = through_proxy(&node, "/u/bob/", &bob).await;
-    assert_eq!(status, 200, "{page}");
+    let page = eventually(PATIENCE, "bob served after the restart", || async {
+        let (status, page) = through_proxy(&node, "/u/bob/", &bob).await;
+        if status == 200 {
+            return Some(page);
+        }
+        assert_eq!(status, 503, "only 'starting' while adopting: {page}");
+        assert!(page.contains("\"instance_starting\""), "{page}");
+        None
+    })
+    .await;
     assert!(page.contains("bob"), "{page}");
     let adopted = pod(&double, "berth-bob").expect("bob's pod");
     assert_eq!(uid(&adopted), uid(&first));
