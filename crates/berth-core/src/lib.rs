@@ -12,6 +12,9 @@
 //! * [`runtime`]: the [`runtime::Runtime`] trait, how a program is run (local
 //!   shims, Kubernetes pods), and, with feature `runtime-contract`, the
 //!   `runtime_contract` suite every runtime passes;
+//! * [`program`]: the program contract every runtime keeps: its
+//!   environment, the placeholders of its command, readiness and the launch
+//!   token;
 //! * [`policy`]: crash backoff, the circuit breaker, idle reaping, node
 //!   liveness and placement as pure functions over plain data, so they are
 //!   tested without processes or a cluster.
@@ -31,7 +34,7 @@ mod folder;
 mod id;
 mod model;
 pub mod policy;
-mod program;
+pub mod program;
 pub mod runtime;
 #[cfg(feature = "runtime-contract")]
 pub mod runtime_contract;

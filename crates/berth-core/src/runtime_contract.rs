@@ -24,12 +24,14 @@
     reason = "test support: a case's panic is its failure report"
 )]
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
 use tokio::sync::mpsc;
 
+use crate::program::{Placeholder, Variable};
 use crate::runtime::{
     Discovered, ExitStatus, InstanceSpec, Patch, Runtime, RuntimeError, RuntimeEvent, RuntimeRef,
     Started,
@@ -65,6 +67,56 @@ pub enum Program {
         /// it.
         name: String,
     },
+    /// Shows what berth told it, one line each, then becomes ready like
+    /// [`Program::Serve`]:
+    /// * `arg <name>=<value>` for each placeholder, given on its command
+    ///   line as `<name>={<name>}`;
+    /// * `env NAME=value` for `HOME` and each `BERTH_*` variable it has;
+    /// * `cwd <dir>`, its working directory, and `folder <dir>`, where
+    ///   `BERTH_FOLDER` leads (both with links resolved);
+    /// * `patch <content>` of the file `BERTH_PATCH` names, when set.
+    ShowsContract,
+}
+
+/// The pattern of the ready line [`sh_command`]'s programs print; its
+/// group is the launch token.
+pub fn token_pattern() -> regex::Regex {
+    regex::Regex::new(r"^ready token=(\S+)$").unwrap()
+}
+
+/// A command line that behaves like `program`, for a runtime whose
+/// programs are real processes with a POSIX `sh`; announces readiness in
+/// lines [`token_pattern`] matches.
+pub fn sh_command(program: &Program) -> Vec<String> {
+    let sh = |script: String| vec!["sh".to_owned(), "-c".to_owned(), script];
+    let serving = |on_term: &str| {
+        format!(
+            "trap {on_term} TERM; echo hello; echo ready token={TOKEN}; \
+             while :; do echo tick; sleep 0.1; done"
+        )
+    };
+    match program {
+        Program::Serve => sh(serving("'exit 0'")),
+        Program::IgnoresTerm => sh(serving("''")),
+        Program::Exits { code, stderr } => {
+            sh(format!("printf '%s\\n' '{stderr}' >&2; exit {code}"))
+        }
+        Program::Missing { name } => vec![name.clone()],
+        Program::ShowsContract => {
+            let show = "for a in \"$@\"; do echo \"arg $a\"; done; \
+                env | grep -E '^(HOME|BERTH_[A-Z_]+)=' | sed 's/^/env /'; \
+                echo \"cwd $(pwd -P)\"; echo \"folder $(cd \"$BERTH_FOLDER\" && pwd -P)\"; \
+                if [ -n \"$BERTH_PATCH\" ]; then echo \"patch $(cat \"$BERTH_PATCH\")\"; fi; ";
+            let mut command = sh(format!("{show}{}", serving("'exit 0'")));
+            command.push("sh".to_owned());
+            command.extend(
+                Placeholder::ALL
+                    .into_iter()
+                    .map(|p| format!("{0}={{{0}}}", p.name())),
+            );
+            command
+        }
+    }
 }
 
 /// What a runtime under test comes with.
@@ -95,6 +147,7 @@ macro_rules! runtime_contract_tests {
             freeze_and_thaw_when_declared,
             a_frozen_instance_is_killed_without_running_again,
             the_fence_deadline_freezes_when_declared,
+            the_program_is_told_the_contract,
         );
     };
     (@cases $harness:expr; $($case:ident),* $(,)?) => {
@@ -517,6 +570,125 @@ pub async fn the_fence_deadline_freezes_when_declared(h: &dyn Harness) {
         .await;
     }
     runtime.kill(&r).await.unwrap();
+    exit_of(&mut started.events, |_| false).await;
+    runtime.shutdown().await;
+}
+
+/// What a [`Program::ShowsContract`] run showed, once it is ready.
+struct Shown {
+    args: BTreeMap<String, String>,
+    env: BTreeMap<String, String>,
+    cwd: String,
+    folder: String,
+    patch: Option<String>,
+}
+
+/// What the last run of `user`'s [`Program::ShowsContract`] showed: the
+/// log from its first line (`arg user=…`), once its ready line is there.
+async fn shown(runtime: &dyn Runtime, user: &UserId, instance_id: &str) -> Shown {
+    let deadline = tokio::time::Instant::now() + PATIENCE;
+    let run_id = format!("env {}={instance_id}", Variable::InstanceId.name());
+    let lines = loop {
+        let lines = runtime.logs(&user.slug(), Role::Main, 1000).await.unwrap();
+        let start = lines.iter().rposition(|l| l.starts_with("arg user="));
+        if let Some(run) = start.map(|start| &lines[start..])
+            && run.contains(&run_id)
+            && run.iter().any(|l| l.starts_with("ready token="))
+        {
+            break run.to_vec();
+        }
+        assert!(tokio::time::Instant::now() < deadline, "{lines:?}");
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    };
+    let pairs = |prefix: &str| -> BTreeMap<String, String> {
+        lines
+            .iter()
+            .filter_map(|l| l.strip_prefix(prefix)?.split_once('='))
+            .map(|(k, v)| (k.to_owned(), v.to_owned()))
+            .collect()
+    };
+    let one = |prefix: &str| {
+        lines
+            .iter()
+            .find_map(|l| l.strip_prefix(prefix).map(str::to_owned))
+    };
+    Shown {
+        args: pairs("arg "),
+        env: pairs("env "),
+        cwd: one("cwd ").expect("the working directory"),
+        folder: one("folder ").expect("where BERTH_FOLDER leads"),
+        patch: one("patch "),
+    }
+}
+
+/// A program is told the program contract (`crate::program`): exactly
+/// `HOME` and the `BERTH_*` variables of a main, with their meaning (the
+/// folder is its working directory, the patch names the user's patch
+/// file, or is empty when there is none), and each placeholder of its
+/// command line is its variable's value.
+pub async fn the_program_is_told_the_contract(h: &dyn Harness) {
+    let runtime = h.runtime(&Program::ShowsContract).await;
+    let ivy = user("ivy.lee@example.com");
+    let mut with_patch = spec(&ivy, "c-1");
+    with_patch.epoch = 7;
+    with_patch.folder = "proj/a".to_owned();
+    with_patch.patch = Patch::Set(Some("answer = 42".to_owned()));
+    let mut started = runtime.start(with_patch).await.unwrap();
+    assert_eq!(ready(&mut started).await.as_deref(), Some(TOKEN));
+    let seen = shown(runtime.as_ref(), &ivy, "c-1").await;
+
+    let want: Vec<&str> = Variable::ALL
+        .into_iter()
+        .filter(|v| *v != Variable::Handoff)
+        .map(Variable::name)
+        .collect();
+    let got: Vec<&str> = seen.env.keys().map(String::as_str).collect();
+    let mut want_sorted = want.clone();
+    want_sorted.sort_unstable();
+    assert_eq!(got, want_sorted, "{:?}", seen.env);
+    let env = |v: Variable| seen.env[v.name()].as_str();
+    assert_eq!(env(Variable::User), "ivy.lee@example.com");
+    assert_eq!(env(Variable::Slug), ivy.slug().as_str());
+    assert_eq!(env(Variable::BasePath), ivy.base_path());
+    assert_eq!(env(Variable::Role), "main");
+    assert_eq!(env(Variable::Epoch), "7");
+    assert_eq!(env(Variable::InstanceId), "c-1");
+    assert!(
+        env(Variable::Port).parse::<u16>().is_ok_and(|p| p > 0),
+        "{:?}",
+        seen.env
+    );
+    assert!(env(Variable::Home).starts_with('/'), "{:?}", seen.env);
+    assert!(env(Variable::Folder).starts_with('/'), "{:?}", seen.env);
+    assert!(env(Variable::Folder).ends_with("/proj/a"), "{:?}", seen.env);
+    assert_eq!(
+        seen.folder, seen.cwd,
+        "BERTH_FOLDER is the working directory"
+    );
+    assert_eq!(seen.patch.as_deref(), Some("answer = 42"));
+    for p in Placeholder::ALL {
+        assert_eq!(
+            seen.args.get(p.name()).map(String::as_str),
+            Some(env(p.variable())),
+            "{{{}}}: {:?}",
+            p.name(),
+            seen.args
+        );
+    }
+    runtime.kill(&started.runtime_ref).await.unwrap();
+    exit_of(&mut started.events, |_| false).await;
+    gone(h, &started).await;
+
+    // Without a patch, BERTH_PATCH and {patch} are empty.
+    let mut without = spec(&ivy, "c-2");
+    without.patch = Patch::Set(None);
+    let mut started = runtime.start(without).await.unwrap();
+    ready(&mut started).await;
+    let seen = shown(runtime.as_ref(), &ivy, "c-2").await;
+    assert_eq!(seen.env[Variable::Patch.name()], "", "{:?}", seen.env);
+    assert_eq!(seen.args.get("patch").map(String::as_str), Some(""));
+    assert_eq!(seen.patch, None);
+    runtime.kill(&started.runtime_ref).await.unwrap();
     exit_of(&mut started.events, |_| false).await;
     runtime.shutdown().await;
 }

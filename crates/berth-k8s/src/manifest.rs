@@ -11,6 +11,7 @@
 
 use std::collections::BTreeMap;
 
+use berth_core::program::{self, ProgramFacts, Variable};
 use berth_core::{Epoch, Readiness, Role, Slug, UserId};
 use k8s_openapi::api::core::v1::{ConfigMap, PersistentVolumeClaim, Pod, Service};
 use k8s_openapi::api::networking::v1::NetworkPolicy;
@@ -52,6 +53,8 @@ pub struct PodInput<'a> {
     pub node: &'a str,
     /// A hash of the patch it starts with (see [`patch_hash`]).
     pub patch_hash: &'a str,
+    /// Whether the user has a patch (else `BERTH_PATCH` is empty).
+    pub has_patch: bool,
     /// Extra environment from the controller.
     pub env: &'a [(String, String)],
 }
@@ -84,45 +87,11 @@ pub fn patch_hash(content: Option<&str>) -> String {
 }
 
 /// Replaces the `{name}` placeholders of a configured argument by the
-/// kubelet's `$(VAR)` references to berth's variables, in one pass (so no
-/// value is ever pasted into the command line, and none is expanded
-/// twice). Unknown `{…}` text is kept.
+/// kubelet's `$(VAR)` references to the variables they stand for, so no
+/// value is ever pasted into the command line (the kubelet fills them in,
+/// once).
 pub fn template_arg(arg: &str) -> String {
-    let var = |name: &str| -> Option<&'static str> {
-        Some(match name {
-            "user" => "BERTH_USER",
-            "slug" => "BERTH_SLUG",
-            "port" => "BERTH_PORT",
-            "home" => "HOME",
-            "folder" => "BERTH_FOLDER",
-            "patch" => "BERTH_PATCH",
-            "base_path" => "BERTH_BASE_PATH",
-            _ => return None,
-        })
-    };
-    let mut out = String::with_capacity(arg.len());
-    let mut rest = arg;
-    while let Some(open) = rest.find('{') {
-        out.push_str(&rest[..open]);
-        let after = &rest[open + 1..];
-        match after
-            .find('}')
-            .and_then(|close| var(&after[..close]).map(|v| (close, v)))
-        {
-            Some((close, v)) => {
-                out.push_str("$(");
-                out.push_str(v);
-                out.push(')');
-                rest = &after[close + 1..];
-            }
-            None => {
-                out.push('{');
-                rest = after;
-            }
-        }
-    }
-    out.push_str(rest);
-    out
+    program::substitute(arg, |p| format!("$({})", p.variable().name()))
 }
 
 fn env_value(name: &str, value: &str) -> Value {
@@ -207,30 +176,28 @@ pub fn pod(config: &K8sRuntimeConfig, input: &PodInput<'_>) -> Result<Option<Pod
         env.insert(key.clone(), env_value(key, value));
     }
     let patch_path = format!("{PATCH_DIR}/{}", patch_file(&config.patch_ext));
-    let own = [
-        ("BERTH_USER", input.user.as_str().to_owned()),
-        ("BERTH_SLUG", input.slug.as_str().to_owned()),
-        ("BERTH_PORT", k.port.to_string()),
-        ("BERTH_BASE_PATH", input.user.base_path()),
-        ("BERTH_ROLE", input.role.as_str().to_owned()),
-        ("BERTH_FOLDER", input.folder.to_owned()),
-        ("BERTH_PATCH", patch_path),
-        ("HOME", k.storage.mount_path.clone()),
-    ];
-    for (key, value) in own {
-        env.insert(key.to_owned(), env_value(key, &value));
-    }
-    env.insert(
-        "BERTH_EPOCH".into(),
-        env_annotation("BERTH_EPOCH", EPOCH_ANNOTATION),
-    );
-    env.insert(
-        "BERTH_INSTANCE_ID".into(),
-        env_annotation("BERTH_INSTANCE_ID", INSTANCE_ANNOTATION),
-    );
-    if input.role == Role::Watchdog {
-        let path = format!("{HANDOFF_DIR}/{HANDOFF_KEY}");
-        env.insert("BERTH_HANDOFF".into(), env_value("BERTH_HANDOFF", &path));
+    let handoff_path = format!("{HANDOFF_DIR}/{HANDOFF_KEY}");
+    let folder = working_dir(&k.storage.mount_path, input.folder);
+    let facts = ProgramFacts {
+        user: input.user,
+        slug: input.slug,
+        role: input.role,
+        port: k.port,
+        home: &k.storage.mount_path,
+        folder: &folder,
+        patch: input.has_patch.then_some(patch_path.as_str()),
+        epoch: input.epoch,
+        instance_id: input.instance_id,
+        handoff: Some(&handoff_path),
+    };
+    for (variable, value) in facts.environment() {
+        let name = variable.name();
+        let entry = match variable {
+            Variable::Epoch => env_annotation(name, EPOCH_ANNOTATION),
+            Variable::InstanceId => env_annotation(name, INSTANCE_ANNOTATION),
+            _ => env_value(name, &value),
+        };
+        env.insert(name.to_owned(), entry);
     }
 
     let mut mounts = vec![
@@ -270,7 +237,7 @@ pub fn pod(config: &K8sRuntimeConfig, input: &PodInput<'_>) -> Result<Option<Pod
         "image": k.image,
         "command": command.iter().map(|a| template_arg(a)).collect::<Vec<_>>(),
         "env": env.into_values().collect::<Vec<_>>(),
-        "workingDir": working_dir(&k.storage.mount_path, input.folder),
+        "workingDir": folder,
         "volumeMounts": mounts,
         "securityContext": container_security(k),
         // Kubernetes cannot tell stderr from stdout; on a failure its last
@@ -311,10 +278,10 @@ pub fn pod(config: &K8sRuntimeConfig, input: &PodInput<'_>) -> Result<Option<Pod
             "name": FILES_CONTAINER,
             "image": files.image,
             "env": [
-                env_value("BERTH_USER", input.user.as_str()),
-                env_value("BERTH_SLUG", input.slug.as_str()),
-                env_value("BERTH_PORT", &files.port.to_string()),
-                env_value("HOME", &k.storage.mount_path),
+                env_value(Variable::User.name(), input.user.as_str()),
+                env_value(Variable::Slug.name(), input.slug.as_str()),
+                env_value(Variable::Port.name(), &files.port.to_string()),
+                env_value(Variable::Home.name(), &k.storage.mount_path),
             ],
             "ports": [{ "name": "files", "containerPort": files.port }],
             "volumeMounts": [data_mount(k, input.slug)],

@@ -313,9 +313,10 @@ pub enum Step {
 pub struct Tracker {
     uid: String,
     epoch: Epoch,
-    needs_token: bool,
+    needs_ready_line: bool,
     memory_limit_mb: Option<u64>,
-    token: Option<String>,
+    /// The ready line, once seen in the log, and the token it carried.
+    ready_line: Option<Option<String>>,
     scanning: bool,
     ready_sent: bool,
     /// The container's restart count when the run began.
@@ -324,21 +325,21 @@ pub struct Tracker {
 }
 
 impl Tracker {
-    /// A tracker for the pod `uid`, run under `epoch`. With `needs_token`,
-    /// readiness waits for the launch token; `memory_limit_mb` goes into an
-    /// out-of-memory exit.
+    /// A tracker for the pod `uid`, run under `epoch`. With
+    /// `needs_ready_line`, readiness also waits for the program's ready
+    /// line in its log; `memory_limit_mb` goes into an out-of-memory exit.
     pub fn new(
         uid: &str,
         epoch: Epoch,
-        needs_token: bool,
+        needs_ready_line: bool,
         memory_limit_mb: Option<u64>,
     ) -> Tracker {
         Tracker {
             uid: uid.to_owned(),
             epoch,
-            needs_token,
+            needs_ready_line,
             memory_limit_mb,
-            token: None,
+            ready_line: None,
             scanning: false,
             ready_sent: false,
             restarts: None,
@@ -400,7 +401,11 @@ impl Tracker {
             return self.finish(lost(tail(&format!("{reason}: {message}"))), true);
         }
         let mut steps = Vec::new();
-        if self.needs_token && self.token.is_none() && !self.scanning && view.main.started() {
+        if self.needs_ready_line
+            && self.ready_line.is_none()
+            && !self.scanning
+            && view.main.started()
+        {
             self.scanning = true;
             steps.push(Step::ScanLog);
         }
@@ -408,12 +413,13 @@ impl Tracker {
         steps
     }
 
-    /// The launch token was found in the log.
-    pub fn token_found(&mut self, token: String, view: &PodView) -> Vec<Step> {
-        if self.done || self.token.is_some() {
+    /// The ready line was found in the log, with the launch token it
+    /// carried, if any.
+    pub fn ready_line_found(&mut self, token: Option<String>, view: &PodView) -> Vec<Step> {
+        if self.done || self.ready_line.is_some() {
             return Vec::new();
         }
-        self.token = Some(token);
+        self.ready_line = Some(token);
         self.ready_if_due(view).into_iter().collect()
     }
 
@@ -421,11 +427,11 @@ impl Tracker {
         let due = !self.ready_sent
             && view.ready
             && view.alive()
-            && (!self.needs_token || self.token.is_some());
+            && (!self.needs_ready_line || self.ready_line.is_some());
         due.then(|| {
             self.ready_sent = true;
             Step::Emit(RuntimeEvent::Ready {
-                token: self.token.clone(),
+                token: self.ready_line.clone().flatten(),
             })
         })
     }

@@ -224,7 +224,7 @@ impl Inner {
         &self.config.kubernetes.namespace
     }
 
-    fn needs_token(&self) -> bool {
+    fn needs_ready_line(&self) -> bool {
         matches!(self.config.readiness, Readiness::TokenRegex(_))
     }
 
@@ -233,7 +233,7 @@ impl Inner {
     }
 
     fn tracker(&self, uid: &str, epoch: Epoch) -> Tracker {
-        Tracker::new(uid, epoch, self.needs_token(), self.memory_limit_mb())
+        Tracker::new(uid, epoch, self.needs_ready_line(), self.memory_limit_mb())
     }
 
     fn changed(&self) {
@@ -273,6 +273,7 @@ impl Runtime for K8sRuntime {
             folder: &spec.folder,
             node: &inner.config.node,
             patch_hash: &patch_hash,
+            has_patch: patch_hash != manifest::patch_hash(None),
             env: &spec.env,
         };
         let pod = manifest::pod(&inner.config, &input)
@@ -348,8 +349,8 @@ impl Runtime for K8sRuntime {
                 .and_then(|u| UserId::parse(u).ok())
                 .filter(|_| role.is_some());
             let alive = view.alive() && !view.deleting;
-            let token = if alive && view.ready {
-                inner.token_in_log(&view.name).await
+            let ready_line = if alive && view.ready {
+                inner.ready_line_in_log(&view.name).await
             } else {
                 None
             };
@@ -362,8 +363,8 @@ impl Runtime for K8sRuntime {
                 runtime_ref: view.runtime_ref(),
                 alive,
                 frozen: false,
-                ready: alive && view.ready && (!inner.needs_token() || token.is_some()),
-                token,
+                ready: alive && view.ready && (!inner.needs_ready_line() || ready_line.is_some()),
+                token: ready_line.flatten(),
                 exit: view.exit(inner.memory_limit_mb()),
             });
         }
@@ -383,9 +384,7 @@ impl Runtime for K8sRuntime {
         if found.ready {
             // Already reported ready to whoever discovered it.
             tracker.observe(&view);
-            if let Some(token) = found.token.clone() {
-                tracker.token_found(token, &view);
-            }
+            tracker.ready_line_found(found.token.clone(), &view);
         }
         let endpoint = match found.role {
             Role::Main => {

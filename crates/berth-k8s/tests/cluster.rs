@@ -27,7 +27,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use berth_core::Readiness;
 use berth_core::runtime::{Runtime, RuntimeRef};
-use berth_core::runtime_contract::{self, Harness, Program, TOKEN};
+use berth_core::runtime_contract::{self, Harness, Program};
 use berth_k8s::config::StorageMode;
 use berth_k8s::{K8sRuntime, K8sRuntimeConfig, KubernetesConfig};
 use k8s_openapi::api::core::v1::{PersistentVolumeClaim, Pod};
@@ -40,27 +40,10 @@ struct ClusterHarness {
     claim: Option<String>,
 }
 
-fn sh(script: &str) -> Vec<String> {
-    vec!["sh".into(), "-c".into(), script.into()]
-}
-
 #[async_trait]
 impl Harness for ClusterHarness {
     async fn runtime(&self, program: &Program) -> Arc<dyn Runtime> {
-        let serving = |on_term: &str| {
-            sh(&format!(
-                "trap {on_term} TERM; echo hello; echo ready token={TOKEN}; \
-                 while :; do echo tick; sleep 0.1; done"
-            ))
-        };
-        let command = match program {
-            Program::Serve => serving("'exit 0'"),
-            Program::IgnoresTerm => serving("''"),
-            Program::Exits { code, stderr } => {
-                sh(&format!("printf '%s\\n' '{stderr}' >&2; exit {code}"))
-            }
-            Program::Missing { name } => vec![name.clone()],
-        };
+        let command = runtime_contract::sh_command(program);
         let mut kubernetes = KubernetesConfig::with_image(self.image.clone());
         kubernetes.namespace = self.namespace.clone();
         kubernetes.start_timeout_s = 180;
@@ -73,7 +56,7 @@ impl Harness for ClusterHarness {
             node: "berth-e2e".into(),
             command,
             env: BTreeMap::new(),
-            readiness: Readiness::TokenRegex(regex::Regex::new(r"^ready token=(\S+)$").unwrap()),
+            readiness: Readiness::TokenRegex(runtime_contract::token_pattern()),
             watchdog_command: None,
             patch_ext: "toml".into(),
             stop_grace: Duration::from_secs(5),

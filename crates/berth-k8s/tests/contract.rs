@@ -16,9 +16,9 @@ use std::sync::Arc;
 
 use async_trait::async_trait;
 use berth_core::runtime::{Runtime, RuntimeRef};
-use berth_core::runtime_contract::{Harness, Program};
+use berth_core::runtime_contract::{Harness, Program, sh_command};
 use berth_k8s::testing::ApiServerDouble;
-use support::{config, present, serving, sh, token_regex};
+use support::{config, present, token_regex};
 
 struct DoubleHarness {
     double: ApiServerDouble,
@@ -35,15 +35,10 @@ impl DoubleHarness {
 #[async_trait]
 impl Harness for DoubleHarness {
     async fn runtime(&self, program: &Program) -> Arc<dyn Runtime> {
-        let command = match program {
-            Program::Serve => serving("'exit 0'"),
-            Program::IgnoresTerm => serving("''"),
-            Program::Exits { code, stderr } => {
-                sh(&format!("printf '%s\\n' '{stderr}' >&2; exit {code}"))
-            }
-            Program::Missing { name } => vec![name.clone()],
-        };
-        support::runtime(&self.double, config(command, token_regex(), "node-a"))
+        support::runtime(
+            &self.double,
+            config(sh_command(program), token_regex(), "node-a"),
+        )
     }
 
     async fn running(&self, runtime_ref: &RuntimeRef, _pid: Option<u32>) -> bool {

@@ -152,6 +152,7 @@ fn manifests() -> Vec<(String, Value)> {
                     folder: "projects/a b",
                     node: "node-a",
                     patch_hash: &manifest::patch_hash(Some("a = 1")),
+                    has_patch: true,
                     env: &[("FROM_CONTROLLER".into(), "x".into())],
                 };
                 let pod = manifest::pod(config, &input).unwrap().unwrap();

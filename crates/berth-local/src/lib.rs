@@ -7,6 +7,7 @@
 //! controller's (`berth-controller`); this crate knows nothing of the
 //! store.
 
+mod environment;
 mod follow;
 pub mod isolation;
 mod logs;
@@ -16,7 +17,6 @@ mod process;
 mod readiness;
 mod runtime;
 pub mod shim;
-mod template;
 
 /// The default number of ports of the instance range one instance may
 /// hold, its own included.

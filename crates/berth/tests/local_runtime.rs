@@ -26,7 +26,7 @@ use berth_core::Readiness;
 use berth_core::runtime::{
     Capacity, InstanceSpec, Patch, Runtime, RuntimeError, RuntimeEvent, RuntimeRef,
 };
-use berth_core::runtime_contract::{self, Harness, Program, TOKEN};
+use berth_core::runtime_contract::{self, Harness, Program};
 use berth_core::{Role, UserId};
 use berth_local::{Isolation, Limits, LocalRuntime, LocalRuntimeConfig, UidRange};
 
@@ -89,28 +89,13 @@ impl LocalHarness {
 }
 
 fn token_regex() -> Readiness {
-    Readiness::TokenRegex(regex::Regex::new(r"^ready token=(\S+)$").unwrap())
-}
-
-/// The loop `Program::Serve` and `Program::IgnoresTerm` run after ready.
-fn serving(on_term: &str) -> Vec<String> {
-    sh(&format!(
-        "trap {on_term} TERM; echo hello; echo ready token={TOKEN}; \
-         while :; do echo tick; sleep 0.1; done"
-    ))
+    Readiness::TokenRegex(runtime_contract::token_pattern())
 }
 
 #[async_trait]
 impl Harness for LocalHarness {
     async fn runtime(&self, program: &Program) -> Arc<dyn Runtime> {
-        let command = match program {
-            Program::Serve => serving("'exit 0'"),
-            Program::IgnoresTerm => serving("''"),
-            Program::Exits { code, stderr } => {
-                sh(&format!("printf '%s\\n' '{stderr}' >&2; exit {code}"))
-            }
-            Program::Missing { name } => vec![name.clone()],
-        };
+        let command = runtime_contract::sh_command(program);
         self.local(self.config(command, token_regex())).await
     }
 

@@ -30,6 +30,7 @@ fn input<'a>(user: &'a UserId, slug: &'a berth_core::Slug, role: Role) -> PodInp
         folder: "proj/a",
         node: "node-a",
         patch_hash: "ph",
+        has_patch: true,
         env: &[],
     }
 }
@@ -113,7 +114,7 @@ fn the_command_refers_to_the_kubelets_variables() {
         "app".into(),
         "--port={port}".into(),
         "{patch}".into(),
-        "{home}/{folder}".into(),
+        "{folder}".into(),
         "{unknown}".into(),
         "{user}{port".into(),
     ]);
@@ -125,7 +126,7 @@ fn the_command_refers_to_the_kubelets_variables() {
             "app",
             "--port=$(BERTH_PORT)",
             "$(BERTH_PATCH)",
-            "$(HOME)/$(BERTH_FOLDER)",
+            "$(BERTH_FOLDER)",
             "{unknown}",
             "$(BERTH_USER){port"
         ])
@@ -142,7 +143,9 @@ fn the_command_refers_to_the_kubelets_variables() {
         env_of(main, "BERTH_EPOCH")["valueFrom"]["fieldRef"]["fieldPath"],
         "metadata.annotations['berth.dev/epoch']"
     );
+    // {folder} and the working directory are one absolute path.
     assert_eq!(main["workingDir"], "/home/berth/proj/a");
+    assert_eq!(env_of(main, "BERTH_FOLDER")["value"], "/home/berth/proj/a");
     assert_eq!(
         main["ports"],
         json!([{ "name": "http", "containerPort": 8080 }])

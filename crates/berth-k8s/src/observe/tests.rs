@@ -57,6 +57,17 @@ fn exit(steps: &[Step]) -> (ExitStatus, bool) {
 }
 
 #[test]
+fn a_ready_line_without_a_token_makes_the_pod_ready_without_one() {
+    let mut t = Tracker::new("u1", 3, true, None);
+    assert_eq!(t.observe(&ready("u1")), [Step::ScanLog]);
+    assert_eq!(
+        t.ready_line_found(None, &ready("u1")),
+        [Step::Emit(RuntimeEvent::Ready { token: None })]
+    );
+    assert_eq!(t.ready_line_found(Some("late".into()), &ready("u1")), []);
+}
+
+#[test]
 fn ready_comes_once_with_the_pods_condition() {
     let mut t = Tracker::new("u1", 3, false, None);
     assert_eq!(t.observe(&running("u1")), []);
@@ -78,7 +89,7 @@ fn with_a_token_regex_ready_waits_for_the_token() {
     assert_eq!(t.observe(&ready("u1")), [Step::ScanLog]);
     assert_eq!(t.observe(&ready("u1")), [], "one scan");
     assert_eq!(
-        t.token_found("tok".into(), &ready("u1")),
+        t.ready_line_found(Some("tok".into()), &ready("u1")),
         [Step::Emit(RuntimeEvent::Ready {
             token: Some("tok".into())
         })]
@@ -86,7 +97,7 @@ fn with_a_token_regex_ready_waits_for_the_token() {
     // Token first, condition later.
     let mut t = Tracker::new("u1", 3, true, None);
     assert_eq!(t.observe(&running("u1")), [Step::ScanLog]);
-    assert_eq!(t.token_found("tok".into(), &running("u1")), []);
+    assert_eq!(t.ready_line_found(Some("tok".into()), &running("u1")), []);
     assert_eq!(
         t.observe(&ready("u1")),
         [Step::Emit(RuntimeEvent::Ready {

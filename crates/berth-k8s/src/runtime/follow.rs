@@ -61,7 +61,7 @@ impl Inner {
     ) {
         let scan_cancel = self.cancel.child_token();
         let _stop_scan = scan_cancel.clone().drop_guard();
-        let (tokens, mut found) = mpsc::channel::<String>(1);
+        let (tokens, mut found) = mpsc::channel::<Option<String>>(1);
         loop {
             let view = views.borrow_and_update().clone();
             for step in tracker.observe(&view) {
@@ -90,7 +90,7 @@ impl Inner {
                 changed = views.changed() => if changed.is_err() { return },
                 Some(token) = found.recv() => {
                     let view = views.borrow().clone();
-                    for step in tracker.token_found(token, &view) {
+                    for step in tracker.ready_line_found(token, &view) {
                         if let Step::Emit(event) = step
                             && events.send(event).await.is_err()
                         {

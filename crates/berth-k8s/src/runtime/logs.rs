@@ -13,6 +13,7 @@ use tokio_util::sync::CancellationToken;
 use super::{Inner, lock};
 use crate::manifest::MAIN_CONTAINER;
 use berth_core::Readiness;
+use berth_core::program;
 
 /// Lines of an ended pod's log the runtime keeps for `logs`.
 const KEPT_LINES: usize = 1000;
@@ -33,12 +34,12 @@ impl Inner {
         }
     }
 
-    /// Reads pod `name`'s log from its start until a line matches the
-    /// token regex; sends the token.
+    /// Reads pod `name`'s log from its start until its ready line; sends
+    /// the launch token the line carried, if any.
     pub(super) fn scan_for_token(
         self: &Arc<Self>,
         name: &str,
-        found: mpsc::Sender<String>,
+        found: mpsc::Sender<Option<String>>,
         cancel: CancellationToken,
     ) {
         let Readiness::TokenRegex(regex) = &self.config.readiness else {
@@ -59,8 +60,8 @@ impl Inner {
                         let stream = inner.pods.log_stream(&name, &params).await?;
                         let mut lines = std::pin::pin!(stream.lines());
                         while let Some(line) = lines.try_next().await? {
-                            if let Some(token) = token_of(&regex, &line) {
-                                return Ok(Some(token));
+                            if let Some(token) = program::ready_line(&regex, &line) {
+                                return Ok(Some(token.map(str::to_owned)));
                             }
                         }
                         Ok::<_, Box<dyn std::error::Error + Send + Sync>>(None)
@@ -85,8 +86,9 @@ impl Inner {
         });
     }
 
-    /// The token in a whole log, for adoption.
-    pub(super) async fn token_in_log(&self, name: &str) -> Option<String> {
+    /// The ready line in a whole log, for adoption: `None` when there is
+    /// none, else the token it carried.
+    pub(super) async fn ready_line_in_log(&self, name: &str) -> Option<Option<String>> {
         let Readiness::TokenRegex(regex) = &self.config.readiness else {
             return None;
         };
@@ -97,32 +99,7 @@ impl Inner {
             ..LogParams::default()
         };
         let text = self.pods.logs(name, &params).await.ok()?;
-        text.lines().find_map(|line| token_of(regex, line))
-    }
-}
-
-/// The launch token in `line`: the regex's first group, or the match.
-fn token_of(regex: &regex::Regex, line: &str) -> Option<String> {
-    let captures = regex.captures(line)?;
-    captures
-        .get(1)
-        .or_else(|| captures.get(0))
-        .map(|m| m.as_str().to_owned())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_token_is_the_first_group_or_the_match() {
-        let with_group = regex::Regex::new(r"token=(\w+)").unwrap();
-        assert_eq!(
-            token_of(&with_group, "x token=abc y").as_deref(),
-            Some("abc")
-        );
-        assert_eq!(token_of(&with_group, "nothing"), None);
-        let plain = regex::Regex::new(r"ready").unwrap();
-        assert_eq!(token_of(&plain, "is ready").as_deref(), Some("ready"));
+        text.lines()
+            .find_map(|line| program::ready_line(regex, line).map(|token| token.map(str::to_owned)))
     }
 }

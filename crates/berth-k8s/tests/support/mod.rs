@@ -10,7 +10,7 @@ use std::time::Duration;
 use berth_core::Readiness;
 use berth_core::UserId;
 use berth_core::runtime::{RuntimeEvent, RuntimeRef, Started};
-use berth_core::runtime_contract::{self, TOKEN};
+use berth_core::runtime_contract;
 use berth_k8s::testing::{ApiServerDouble, Kind};
 use berth_k8s::{K8sRuntime, K8sRuntimeConfig, KubernetesConfig};
 
@@ -25,16 +25,8 @@ pub fn sh(script: &str) -> Vec<String> {
     vec!["sh".into(), "-c".into(), script.into()]
 }
 
-/// The loop the contract's `Serve` program runs after ready.
-pub fn serving(on_term: &str) -> Vec<String> {
-    sh(&format!(
-        "trap {on_term} TERM; echo hello; echo ready token={TOKEN}; \
-         while :; do echo tick; sleep 0.1; done"
-    ))
-}
-
 pub fn token_regex() -> Readiness {
-    Readiness::TokenRegex(regex::Regex::new(r"^ready token=(\S+)$").unwrap())
+    Readiness::TokenRegex(berth_core::runtime_contract::token_pattern())
 }
 
 /// A runtime config for `command`, managed as `node`.

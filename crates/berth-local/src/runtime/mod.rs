@@ -59,8 +59,8 @@ pub struct LocalRuntimeConfig {
     /// Root of all state: `users/<slug>/…` (user data) and `run/<slug>/…`
     /// (shim sockets and state files, owned by berth).
     pub data_dir: PathBuf,
-    /// The program, with placeholders `{user}` `{slug}` `{port}` `{home}`
-    /// `{folder}` `{patch}` `{base_path}`.
+    /// The program, with the placeholders of
+    /// [`berth_core::program::Placeholder`].
     pub command: Vec<String>,
     /// Extra environment for the program.
     pub env: BTreeMap<String, String>,

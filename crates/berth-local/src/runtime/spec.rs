@@ -8,13 +8,14 @@ use berth_core::Role;
 use berth_core::runtime::{InstanceSpec, Patch, RuntimeError};
 
 use super::LocalRuntimeConfig;
+use crate::environment;
 use crate::isolation::cgroup::CgroupSpec;
 use crate::isolation::fsafe::Owner;
 use crate::isolation::{Account, Isolation, IsolationSpec, Isolator, SandboxSpec};
 use crate::paths::UserPaths;
 use crate::shim::ShimSpec;
-use crate::template::{self, Vars};
 use berth_core::Readiness;
+use berth_core::program::ProgramFacts;
 
 fn path_string(p: &Path) -> String {
     p.to_string_lossy().into_owned()
@@ -135,50 +136,52 @@ pub(super) fn shim_spec(
         account,
         isolation,
     } = placement;
-    let (command, extra): (&[String], Vec<(String, String)>) = match spec.role {
-        Role::Main => (&config.command, Vec::new()),
-        Role::Watchdog => (
-            config.watchdog_command.as_deref().ok_or_else(|| {
-                RuntimeError::SpawnFailed("no watchdog command is configured".into())
-            })?,
-            vec![("BERTH_HANDOFF".into(), path_string(&paths.handoff()))],
-        ),
+    let command = match spec.role {
+        Role::Main => &config.command,
+        Role::Watchdog => config
+            .watchdog_command
+            .as_deref()
+            .ok_or_else(|| RuntimeError::SpawnFailed("no watchdog command is configured".into()))?,
     };
     let cwd = paths.workdir(&spec.folder);
-    let home = paths.home();
-    let base_path = spec.user.base_path();
-    let vars = Vars {
-        user: spec.user.as_str().to_owned(),
-        slug: spec.slug.as_str().to_owned(),
+    let (home, folder) = (path_string(&paths.home()), path_string(&cwd));
+    let patch = patch.as_deref().map(path_string);
+    let handoff = path_string(&paths.handoff());
+    let facts = ProgramFacts {
+        user: &spec.user,
+        slug: &spec.slug,
+        role: spec.role,
         port: var_port,
-        home: path_string(&home),
-        folder: path_string(&cwd),
-        patch: patch.as_deref().map(path_string).unwrap_or_default(),
-        base_path: base_path.clone(),
+        home: &home,
+        folder: &folder,
+        patch: patch.as_deref(),
+        epoch: spec.epoch,
+        instance_id: &spec.instance_id,
+        handoff: Some(&handoff),
     };
-    let berth_vars = [
-        ("BERTH_USER", spec.user.as_str().to_owned()),
-        ("BERTH_PORT", var_port.to_string()),
-        ("BERTH_BASE_PATH", base_path),
-        ("BERTH_ROLE", spec.role.as_str().to_owned()),
-        ("BERTH_EPOCH", spec.epoch.to_string()),
-        ("BERTH_INSTANCE_ID", spec.instance_id.clone()),
-        ("HOME", path_string(&home)),
-        ("TMPDIR", path_string(&paths.tmp())),
-    ]
-    .into_iter()
-    .map(|(k, v)| (k.to_owned(), v))
-    .chain(account.into_iter().flat_map(|a| {
-        [
-            ("USER".to_owned(), a.name.clone()),
-            ("LOGNAME".to_owned(), a.name.clone()),
-        ]
-    }))
-    .chain(extra)
-    .chain(spec.env.iter().cloned());
-    let env = template::build_env(
+    // The launch's extra variables, what only a local program gets (its
+    // own temporary directory and, with an account, its name), then the
+    // contract's variables, which win.
+    let berth_vars = spec
+        .env
+        .iter()
+        .cloned()
+        .chain([("TMPDIR".to_owned(), path_string(&paths.tmp()))])
+        .chain(account.into_iter().flat_map(|a| {
+            [
+                ("USER".to_owned(), a.name.clone()),
+                ("LOGNAME".to_owned(), a.name.clone()),
+            ]
+        }))
+        .chain(
+            facts
+                .environment()
+                .into_iter()
+                .map(|(variable, value)| (variable.name().to_owned(), value)),
+        );
+    let env = environment::build_env(
         &config.env_allowlist,
-        template::own_env(),
+        environment::own_env(),
         &config.env,
         berth_vars,
     );
@@ -195,7 +198,7 @@ pub(super) fn shim_spec(
         user: spec.user.as_str().to_owned(),
         role: spec.role,
         epoch: spec.epoch,
-        argv: template::render_command(command, &vars),
+        argv: facts.render(command),
         env,
         cwd,
         log_path: paths.log(spec.role),

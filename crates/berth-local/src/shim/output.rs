@@ -3,7 +3,7 @@
 
 use std::sync::{Arc, Mutex};
 
-use regex::bytes::Regex;
+use regex::Regex;
 use tokio::io::{AsyncRead, AsyncReadExt};
 
 use super::log_file::LogFile;
@@ -150,23 +150,22 @@ pub(crate) async fn log_writer(
         {
             tail.push(&piece.bytes);
         }
-        if let Some((re, _)) = &ready {
+        let token = ready.as_ref().and_then(|(re, _)| {
             let line = piece.bytes.strip_suffix(b"\n").unwrap_or(&piece.bytes);
             let line = line.strip_suffix(b"\r").unwrap_or(line);
-            if let Some(caps) = re.captures(line) {
-                let token = caps
-                    .get(1)
-                    .map(|m| String::from_utf8_lossy(m.as_bytes()).into_owned());
-                if let Some((_, tx)) = ready.take() {
-                    // tokio hands writes to a background thread: without a
-                    // flush, berth could learn of readiness (and read the
-                    // log) before the ready line is in it.
-                    if log_ok && log.flush().await.is_err() {
-                        log_ok = false;
-                    }
-                    let _ = tx.send(token);
-                }
+            let line = String::from_utf8_lossy(line);
+            berth_core::program::ready_line(re, &line).map(|token| token.map(str::to_owned))
+        });
+        if let Some(token) = token
+            && let Some((_, tx)) = ready.take()
+        {
+            // tokio hands writes to a background thread: without a flush,
+            // berth could learn of readiness (and read the log) before the
+            // ready line is in it.
+            if log_ok && log.flush().await.is_err() {
+                log_ok = false;
             }
+            let _ = tx.send(token);
         }
     }
     if log_ok && let Err(e) = log.flush().await {

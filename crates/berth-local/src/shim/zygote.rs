@@ -27,7 +27,7 @@ use nix::sys::socket::{
     CmsgIterator, ControlMessage, ControlMessageOwned, MsgFlags, recvmsg, sendmsg,
 };
 use nix::unistd::ForkResult;
-use regex::bytes::Regex;
+use regex::Regex;
 
 use super::ShimSpec;
 use super::pidfd::PidFd;
@@ -276,7 +276,7 @@ mod tests {
         );
         assert!(cache.is_empty(), "an invalid pattern was cached");
         let first = compiled(&mut cache, Some(r"token=(\w+)")).unwrap();
-        assert!(first.is_match(b"token=abc"));
+        assert!(first.is_match("token=abc"));
         assert_eq!(cache.len(), 1);
         compiled(&mut cache, Some(r"token=(\w+)")).unwrap();
         assert_eq!(cache.len(), 1);
@@ -285,7 +285,7 @@ mod tests {
             assert!(
                 compiled(&mut cache, Some(&pattern))
                     .unwrap()
-                    .is_match(pattern.as_bytes())
+                    .is_match(&pattern)
             );
         }
         assert_eq!(cache.len(), MAX_CACHED_PATTERNS);

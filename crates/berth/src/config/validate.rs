@@ -275,18 +275,30 @@ impl Config {
                 "set at most one of ready_token_regex, ready_http_path and ready_tcp",
             ));
         }
-        if let Some(pattern) = &i.ready_token_regex {
-            self.compile_ready_regex(pattern)?;
-        }
+        let ready_regex = match &i.ready_token_regex {
+            Some(pattern) => Some(self.compile_ready_regex(pattern)?),
+            None => None,
+        };
         if let Some(text) = &i.credential_header {
             berth_proxy::credential::CredentialHeader::parse(text)
                 .map_err(|e| self.invalid("instance.credential_header", e.to_string()))?;
-            if i.ready_token_regex.is_none() {
-                return Err(self.invalid(
-                    "instance.credential_header",
-                    "needs instance.ready_token_regex: the launch token it presents is the one \
-                     that regex captures",
-                ));
+            match ready_regex {
+                None => {
+                    return Err(self.invalid(
+                        "instance.credential_header",
+                        "needs instance.ready_token_regex: the launch token it presents is the \
+                         one that regex captures",
+                    ));
+                }
+                // The token is the first group (berth_core::program).
+                Some(regex) if regex.captures_len() < 2 => {
+                    return Err(self.invalid(
+                        "instance.ready_token_regex",
+                        "captures no launch token for instance.credential_header: put the \
+                         token in a group, as in 'token=([A-Za-z0-9_-]+)'",
+                    ));
+                }
+                Some(_) => {}
             }
         }
         if let Some(path) = &i.ready_http_path
@@ -733,6 +745,22 @@ mod tests {
         let c = parse("[instance]\nready_token_regex = 'x(('\n").unwrap();
         let msg = c.validate().unwrap_err().to_string();
         assert!(msg.contains("ready_token_regex"), "{msg}");
+    }
+
+    #[test]
+    fn a_presented_token_needs_a_group_to_capture_it() {
+        let header = "credential_header = \"Authorization: token {launch_token}\"\n";
+        let c = parse(&format!(
+            "[instance]\nready_token_regex = 'ready'\n{header}"
+        ))
+        .unwrap();
+        let msg = c.validate().unwrap_err().to_string();
+        assert!(msg.contains("captures no launch token"), "{msg}");
+        let c = parse(&format!(
+            "[instance]\nready_token_regex = 'token=(\\w+)'\n{header}"
+        ))
+        .unwrap();
+        c.validate().unwrap();
     }
 
     #[test]

@@ -21,7 +21,7 @@ use std::time::Duration;
 
 use nix::sys::signal::{self, SigHandler, Signal};
 use nix::unistd::Pid;
-use regex::bytes::Regex;
+use regex::Regex;
 
 use super::protocol::{ShimSpec, SpawnReport};
 use start::start;

@@ -10,7 +10,7 @@ use std::process::Stdio;
 
 use nix::sys::signal::{self, SigHandler, Signal};
 use nix::unistd::AccessFlags;
-use regex::bytes::Regex;
+use regex::Regex;
 use tokio::net::UnixListener;
 use tokio::process::Child;
 
