@@ -348,12 +348,17 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
 /// The runtime this node runs programs with: the one place the config
 /// chooses it. A `[kubernetes]` table selects the Kubernetes runtime (a
 /// pod per user); otherwise programs run on this host under shims.
+#[cfg_attr(
+    not(feature = "kubernetes"),
+    allow(unused_variables, reason = "only a pod is named after its node")
+)]
 async fn runtime(
     config: &Config,
     node_id: &str,
     store: Arc<dyn Store>,
     listening: Vec<u16>,
 ) -> anyhow::Result<Arc<dyn Runtime>> {
+    #[cfg(feature = "kubernetes")]
     if let Some(k8s) = config.k8s_runtime_config(node_id)? {
         let client = berth_k8s::connect(&k8s.kubernetes)
             .await

@@ -11,6 +11,14 @@ use serde::{Deserialize, Serialize};
 use super::provenance::Provenance;
 
 /// The whole configuration. Field names are the TOML keys.
+/// The `[kubernetes]` table, as the Kubernetes runtime reads it.
+#[cfg(feature = "kubernetes")]
+pub type KubernetesTable = berth_k8s::KubernetesConfig;
+/// The `[kubernetes]` table of a berth built without the `kubernetes`
+/// feature: any table, which validation refuses by name.
+#[cfg(not(feature = "kubernetes"))]
+pub type KubernetesTable = toml::Table;
+
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Config {
@@ -42,7 +50,7 @@ pub struct Config {
     /// `[kubernetes]`: its presence runs every instance as a pod
     /// (`berth-k8s`) instead of a local process.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub kubernetes: Option<berth_k8s::KubernetesConfig>,
+    pub kubernetes: Option<KubernetesTable>,
     /// Where each value came from, for error messages.
     #[serde(skip)]
     pub(crate) provenance: Provenance,

@@ -258,6 +258,7 @@ impl Config {
         })
     }
 
+    #[cfg(feature = "kubernetes")]
     /// The Kubernetes runtime's settings (`[kubernetes]`, with the
     /// `[instance]` and `[watchdog]` keys that apply to pods), for node
     /// `node_id`; `None` without a `[kubernetes]` table. Every refusal
@@ -522,6 +523,7 @@ mod tests {
         assert!(matches!(c.readiness().unwrap(), Readiness::Tcp));
     }
 
+    #[cfg(feature = "kubernetes")]
     #[test]
     fn kubernetes_takes_its_command_and_readiness_from_the_config() {
         assert!(

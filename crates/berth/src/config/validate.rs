@@ -118,8 +118,14 @@ impl Config {
         self.validate_metrics()?;
         self.validate_cluster()?;
         if self.kubernetes.is_some() {
+            #[cfg(feature = "kubernetes")]
             // Needs no node id: a placeholder stands in for the host name.
             self.k8s_runtime_config("node")?;
+            #[cfg(not(feature = "kubernetes"))]
+            return Err(self.invalid(
+                "kubernetes",
+                "this berth was built without Kubernetes support (cargo feature `kubernetes`)",
+            ));
         }
         // Last: the store crate's own checks of the lease timing.
         self.lease_config()?;
@@ -745,6 +751,16 @@ mod tests {
         let c = parse("[instance]\nready_token_regex = 'x(('\n").unwrap();
         let msg = c.validate().unwrap_err().to_string();
         assert!(msg.contains("ready_token_regex"), "{msg}");
+    }
+
+    #[cfg(not(feature = "kubernetes"))]
+    #[test]
+    fn without_kubernetes_support_a_kubernetes_table_is_refused_by_name() {
+        let c = parse("[kubernetes]\nimage = \"app:1\"\n").unwrap();
+        let msg = c.validate().unwrap_err().to_string();
+        assert!(msg.contains("kubernetes"), "{msg}");
+        assert!(msg.contains("built without Kubernetes support"), "{msg}");
+        parse("").unwrap().validate().unwrap();
     }
 
     #[test]
