@@ -39,7 +39,7 @@
 #
 # Installs what is missing: nginx and wrk (apt-get), node/npm (apt-get),
 # configurable-http-proxy (npm, into target/bench-tools/chp). Builds berth
-# in release unless BUILD=0. Every process it starts is stopped on exit.
+# with cargo profile PROFILE (release; dist for packages) unless BUILD=0. Every process it starts is stopped on exit.
 
 set -euo pipefail
 
@@ -49,7 +49,8 @@ CONNS=${CONNS:-32}
 ROUNDS=${ROUNDS:-1}
 WARMUP=${WARMUP:-2s}
 BUILD=${BUILD:-1}
-BERTH=${BERTH:-$REPO/target/release/berth}
+PROFILE=${PROFILE:-release}
+BERTH=${BERTH:-$REPO/target/$PROFILE/berth}
 BERTH_B=${BERTH_B:-}
 TARGETS=${TARGETS:-direct nginx berth${BERTH_B:+ berth_b} chp}
 CHP_DIR=$REPO/target/bench-tools/chp
@@ -92,8 +93,8 @@ install_tools() {
         fi
     fi
     if [[ $BUILD == 1 ]]; then
-        log "building berth (release)"
-        (cd "$REPO" && cargo build --release -q -p berth)
+        log "building berth ($PROFILE)"
+        (cd "$REPO" && cargo build --profile "$PROFILE" -q -p berth)
     fi
     [[ -x $BERTH ]] || die "no berth binary at $BERTH (build it, or set BERTH=)"
     [[ -z $BERTH_B || -x $BERTH_B ]] || die "no berth binary at BERTH_B=$BERTH_B"
@@ -203,6 +204,8 @@ idle_ttl_s = 0
 [isolation]
 mode = "none"
 EOF
+    # It holds the admin token: berth refuses a config others can read.
+    chmod 600 "$WORK/$name/berth.toml"
     TOKIO_WORKER_THREADS=1 "$binary" serve --config "$WORK/$name/berth.toml" \
         >"$WORK/$name/berth.log" 2>&1 </dev/null &
     PIDS+=($!)
