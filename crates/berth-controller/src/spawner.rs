@@ -12,7 +12,8 @@ use berth_core::policy::supervision::StopKind;
 use berth_core::runtime::Patch;
 use berth_core::{
     BreakerInfo, Endpoint, Epoch, Instance, InstanceEvent, InstanceStatus, LaunchRequest,
-    ProbeReport, RestartResult, Role, SpawnError, Spawner, UserId, UserStatus, unix_millis_now,
+    ProbeReport, RestartResult, Role, SpawnError, Spawner, Traffic, UserId, UserStatus,
+    unix_millis_now,
 };
 use berth_store::InstanceFilter;
 use futures_util::StreamExt;
@@ -124,7 +125,7 @@ impl Controller {
 }
 
 #[async_trait]
-impl Spawner for Controller {
+impl Traffic for Controller {
     async fn launch(&self, user: &UserId, request: LaunchRequest) -> Result<Instance, SpawnError> {
         // A launch is activity: a hibernated main is resumed, and then
         // already running.
@@ -144,6 +145,101 @@ impl Spawner for Controller {
         self.launch_claiming(user, request, Claim::Acquire).await
     }
 
+    async fn breaker_info(&self, user: &UserId) -> Result<Option<BreakerInfo>, SpawnError> {
+        self.shared.breaker.info(user, unix_millis_now()).await
+    }
+
+    async fn list(&self) -> Result<Vec<Instance>, SpawnError> {
+        let filter = InstanceFilter {
+            node: Some(self.shared.node_id().to_owned()),
+            ..InstanceFilter::default()
+        };
+        let mut list = self.shared.store.list_instances(&filter).await?;
+        for instance in &mut list {
+            if let Some(slot) = self.shared.users.existing(&instance.user)
+                && let Some(current) = slot.record(instance.role)
+            {
+                *instance = current;
+            }
+        }
+        Ok(list)
+    }
+
+    fn endpoint_for(&self, user: &UserId) -> Option<Endpoint> {
+        self.shared.publisher.endpoint_for(user)
+    }
+
+    fn launch_token(&self, user: &UserId) -> Option<String> {
+        self.shared.publisher.token(user)
+    }
+
+    async fn wait_for_ready(
+        &self,
+        user: &UserId,
+        timeout: Duration,
+    ) -> Result<Option<Instance>, SpawnError> {
+        let Some(slot) = self.shared.users.existing(user) else {
+            return self.record(user, Role::Main).await;
+        };
+        let mut watch = slot.main_watch.subscribe();
+        let wait = async {
+            loop {
+                let current = watch.borrow_and_update().clone();
+                match current {
+                    None => return None,
+                    Some(i) if i.status.is_routable() && i.ready => return Some(i),
+                    Some(i) if i.status.is_terminal() || i.status == InstanceStatus::Crashed => {
+                        return Some(i);
+                    }
+                    Some(_) => {}
+                }
+                if watch.changed().await.is_err() {
+                    return None;
+                }
+            }
+        };
+        match tokio::time::timeout(timeout, wait).await {
+            Ok(Some(instance)) => Ok(Some(instance)),
+            Ok(None) => self.record(user, Role::Main).await,
+            Err(_) => Err(SpawnError::Starting {
+                user: user.clone(),
+                retry_after_ms: 1000,
+            }),
+        }
+    }
+
+    fn touch(&self, user: &UserId) -> bool {
+        self.shared.users.existing(user).is_some_and(|slot| {
+            slot.touch(unix_millis_now());
+            slot.is_hibernated()
+        })
+    }
+
+    async fn resume(&self, user: &UserId) -> Result<Instance, SpawnError> {
+        let not_found = || SpawnError::NotFound {
+            user: user.clone(),
+            what: "live instance".into(),
+        };
+        let slot = self.shared.users.existing(user).ok_or_else(not_found)?;
+        slot.touch(unix_millis_now());
+        self.shared.resume(&slot).await?;
+        let mut record = slot.live_record(Role::Main).ok_or_else(not_found)?;
+        // The record catches up on its own task; the answer says what is
+        // true now.
+        if record.status == InstanceStatus::Hibernated && !slot.is_hibernated() {
+            record.status = InstanceStatus::Running;
+            record.hibernated_at = None;
+        }
+        Ok(record)
+    }
+
+    fn subscribe(&self) -> broadcast::Receiver<InstanceEvent> {
+        self.shared.publisher.subscribe()
+    }
+}
+
+#[async_trait]
+impl Spawner for Controller {
     async fn take_over(
         &self,
         user: &UserId,
@@ -185,10 +281,6 @@ impl Spawner for Controller {
                 .await
         })
         .await
-    }
-
-    async fn breaker_info(&self, user: &UserId) -> Result<Option<BreakerInfo>, SpawnError> {
-        self.shared.breaker.info(user, unix_millis_now()).await
     }
 
     async fn reset_breaker(&self, user: &UserId) -> Result<(), SpawnError> {
@@ -265,30 +357,6 @@ impl Spawner for Controller {
         })
     }
 
-    async fn list(&self) -> Result<Vec<Instance>, SpawnError> {
-        let filter = InstanceFilter {
-            node: Some(self.shared.node_id().to_owned()),
-            ..InstanceFilter::default()
-        };
-        let mut list = self.shared.store.list_instances(&filter).await?;
-        for instance in &mut list {
-            if let Some(slot) = self.shared.users.existing(&instance.user)
-                && let Some(current) = slot.record(instance.role)
-            {
-                *instance = current;
-            }
-        }
-        Ok(list)
-    }
-
-    fn endpoint_for(&self, user: &UserId) -> Option<Endpoint> {
-        self.shared.publisher.endpoint_for(user)
-    }
-
-    fn launch_token(&self, user: &UserId) -> Option<String> {
-        self.shared.publisher.token(user)
-    }
-
     async fn stop(&self, user: &UserId) -> Result<(), SpawnError> {
         let Some(slot) = self.shared.users.existing(user) else {
             return Ok(());
@@ -310,41 +378,6 @@ impl Spawner for Controller {
         self.shared.tasks.close();
         self.shared.tasks.wait().await;
         self.shared.runtime.shutdown().await;
-    }
-
-    async fn wait_for_ready(
-        &self,
-        user: &UserId,
-        timeout: Duration,
-    ) -> Result<Option<Instance>, SpawnError> {
-        let Some(slot) = self.shared.users.existing(user) else {
-            return self.record(user, Role::Main).await;
-        };
-        let mut watch = slot.main_watch.subscribe();
-        let wait = async {
-            loop {
-                let current = watch.borrow_and_update().clone();
-                match current {
-                    None => return None,
-                    Some(i) if i.status.is_routable() && i.ready => return Some(i),
-                    Some(i) if i.status.is_terminal() || i.status == InstanceStatus::Crashed => {
-                        return Some(i);
-                    }
-                    Some(_) => {}
-                }
-                if watch.changed().await.is_err() {
-                    return None;
-                }
-            }
-        };
-        match tokio::time::timeout(timeout, wait).await {
-            Ok(Some(instance)) => Ok(Some(instance)),
-            Ok(None) => self.record(user, Role::Main).await,
-            Err(_) => Err(SpawnError::Starting {
-                user: user.clone(),
-                retry_after_ms: 1000,
-            }),
-        }
     }
 
     async fn restart_and_probe(&self, user: &UserId) -> ProbeReport {
@@ -414,13 +447,6 @@ impl Spawner for Controller {
         }
     }
 
-    fn touch(&self, user: &UserId) -> bool {
-        self.shared.users.existing(user).is_some_and(|slot| {
-            slot.touch(unix_millis_now());
-            slot.is_hibernated()
-        })
-    }
-
     async fn hibernate(&self, user: &UserId) -> Result<Instance, SpawnError> {
         self.run_locked(user, |shared, slot| async move {
             let user = slot.user.clone();
@@ -437,24 +463,6 @@ impl Spawner for Controller {
             }
         })
         .await
-    }
-
-    async fn resume(&self, user: &UserId) -> Result<Instance, SpawnError> {
-        let not_found = || SpawnError::NotFound {
-            user: user.clone(),
-            what: "live instance".into(),
-        };
-        let slot = self.shared.users.existing(user).ok_or_else(not_found)?;
-        slot.touch(unix_millis_now());
-        self.shared.resume(&slot).await?;
-        let mut record = slot.live_record(Role::Main).ok_or_else(not_found)?;
-        // The record catches up on its own task; the answer says what is
-        // true now.
-        if record.status == InstanceStatus::Hibernated && !slot.is_hibernated() {
-            record.status = InstanceStatus::Running;
-            record.hibernated_at = None;
-        }
-        Ok(record)
     }
 
     async fn logs(&self, user: &UserId, tail: usize) -> Result<Vec<String>, SpawnError> {
@@ -486,10 +494,6 @@ impl Spawner for Controller {
             .follow_logs(&slug, Role::Main, tail)
             .await
             .map_err(|e| SpawnError::Internal(e.to_string()))
-    }
-
-    fn subscribe(&self) -> broadcast::Receiver<InstanceEvent> {
-        self.shared.publisher.subscribe()
     }
 
     fn last_main_event(&self, user: &UserId) -> Option<InstanceEvent> {

@@ -7,8 +7,9 @@
 //! * the instance model ([`Instance`], [`Role`], [`InstanceStatus`], …);
 //! * [`SpawnError`] and the stable [`ErrorCode`]s the HTTP API exposes, and
 //!   [`ErrorBody`], the JSON of every error answer;
-//! * the [`Spawner`] trait, the node-local surface the API and the proxy
-//!   use (the controller implements it);
+//! * the [`Spawner`] trait, the node-local surface the API uses (the
+//!   controller implements it), and [`Traffic`], the part of it the proxy
+//!   uses;
 //! * [`runtime`]: the [`runtime::Runtime`] trait, how a program is run (local
 //!   shims, Kubernetes pods), and, with feature `runtime-contract`, the
 //!   `runtime_contract` suite every runtime passes;
@@ -51,7 +52,7 @@ pub use model::{
     MAX_PATCH_BYTES, ProbeReport, Reach, RestartResult, Role, Stage, UserStatus,
 };
 pub use program::Readiness;
-pub use spawner::{STARTING_RETRY_MS, Spawner, readiness_answer, wait_ready};
+pub use spawner::{STARTING_RETRY_MS, Spawner, Traffic, readiness_answer, wait_ready};
 pub use time::{UnixMillis, unix_millis_now};
 pub use uids::UidRange;
 pub use wire::ErrorBody;

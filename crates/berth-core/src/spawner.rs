@@ -10,24 +10,72 @@ use crate::{
 /// How long a client is told to wait when an instance is still starting.
 pub const STARTING_RETRY_MS: u64 = 2000;
 
-/// The lifecycle seam between the API/proxy and a backend.
+/// What the traffic path (the proxy) needs of a node: where each user's
+/// instance listens, and waking it. A small part of [`Spawner`], so that
+/// the proxy depends on no more than it uses.
 ///
-/// Backends: local processes (`berth-local`) and, later, Kubernetes pods.
-/// The API and the proxy depend on this trait only.
-///
-/// Implementations keep the hot-path queries ([`Spawner::endpoint_for`],
-/// [`Spawner::touch`]) in memory: they take no lock across an `.await` and
+/// Implementations keep the hot-path queries ([`Traffic::endpoint_for`],
+/// [`Traffic::touch`]) in memory: they take no lock across an `.await` and
 /// never query the store.
 #[async_trait]
-pub trait Spawner: Send + Sync + 'static {
+pub trait Traffic: Send + Sync + 'static {
     /// Starts the user's main instance.
     ///
     /// Fails with [`SpawnError::AlreadyRunning`] if one is live and with
     /// [`SpawnError::CircuitOpen`] during a breaker cooldown unless
     /// `request.force` is set. Returns once the process is spawned; use
-    /// [`Spawner::wait_for_ready`] to wait for readiness.
+    /// [`Traffic::wait_for_ready`] to wait for readiness.
     async fn launch(&self, user: &UserId, request: LaunchRequest) -> Result<Instance, SpawnError>;
 
+    /// The open breaker of `user`, if any.
+    async fn breaker_info(&self, user: &UserId) -> Result<Option<BreakerInfo>, SpawnError>;
+
+    /// Every instance this backend knows of.
+    async fn list(&self) -> Result<Vec<Instance>, SpawnError>;
+
+    /// Where the proxy sends traffic; `None` unless the main is running.
+    fn endpoint_for(&self, user: &UserId) -> Option<Endpoint>;
+
+    /// The launch token captured from the program's output, if any.
+    fn launch_token(&self, user: &UserId) -> Option<String>;
+
+    /// Waits until the main is ready and returns it. Returns at once with
+    /// the current record (or `None`) if there is no live instance.
+    async fn wait_for_ready(
+        &self,
+        user: &UserId,
+        timeout: Duration,
+    ) -> Result<Option<Instance>, SpawnError>;
+
+    /// Records activity and answers whether the user's main here is
+    /// hibernated, so a request must [`Traffic::resume`] it before it is
+    /// forwarded. Cheap and in memory: a timestamp, flushed periodically,
+    /// and a flag read *after* it (a hibernation under way sees the touch
+    /// and backs off); one lookup, as the proxy asks on every request.
+    fn touch(&self, user: &UserId) -> bool;
+
+    /// Resumes the user's hibernated main: thaws it at once (unless it is
+    /// frozen for fencing too, which only a renew lifts) and records it
+    /// running. A running main is left as it is; `not_found` without a
+    /// live one.
+    async fn resume(&self, user: &UserId) -> Result<Instance, SpawnError> {
+        Err(SpawnError::InvalidRequest(format!(
+            "this backend cannot resume the instance of {user}"
+        )))
+    }
+
+    /// Subscribes to instance changes (status, readiness, endpoint, the
+    /// stage of a spawn).
+    fn subscribe(&self) -> tokio::sync::broadcast::Receiver<crate::InstanceEvent>;
+}
+
+/// The lifecycle seam between the API and a backend: everything an
+/// operator or a user can do to an instance, on top of [`Traffic`].
+///
+/// The controller implements it; the API depends on this trait, the proxy
+/// on [`Traffic`] only.
+#[async_trait]
+pub trait Spawner: Traffic {
     /// An operator's takeover: claims `user`'s expired lease whatever the
     /// takeover policy and launches under the new epoch, as one step under
     /// the user's lifecycle lock, so the backend's lease holder knows (and
@@ -50,9 +98,6 @@ pub trait Spawner: Send + Sync + 'static {
     /// Restarts the live main instance and resets its crash budget.
     async fn restart_main(&self, user: &UserId) -> Result<Instance, SpawnError>;
 
-    /// The open breaker of `user`, if any.
-    async fn breaker_info(&self, user: &UserId) -> Result<Option<BreakerInfo>, SpawnError>;
-
     /// Clears the user's breaker and crash counters.
     async fn reset_breaker(&self, user: &UserId) -> Result<(), SpawnError>;
 
@@ -66,15 +111,6 @@ pub trait Spawner: Send + Sync + 'static {
     /// The user's main and watchdog records.
     async fn status(&self, user: &UserId) -> Result<UserStatus, SpawnError>;
 
-    /// Every instance this backend knows of.
-    async fn list(&self) -> Result<Vec<Instance>, SpawnError>;
-
-    /// Where the proxy sends traffic; `None` unless the main is running.
-    fn endpoint_for(&self, user: &UserId) -> Option<Endpoint>;
-
-    /// The launch token captured from the program's output, if any.
-    fn launch_token(&self, user: &UserId) -> Option<String>;
-
     /// Stops the main (and watchdog): SIGTERM to the process group, SIGKILL
     /// after the grace period. Stopping a user with no instance succeeds.
     async fn stop(&self, user: &UserId) -> Result<(), SpawnError>;
@@ -82,24 +118,9 @@ pub trait Spawner: Send + Sync + 'static {
     /// Releases berth's own resources. Instances keep running.
     async fn teardown(&self);
 
-    /// Waits until the main is ready and returns it. Returns at once with
-    /// the current record (or `None`) if there is no live instance.
-    async fn wait_for_ready(
-        &self,
-        user: &UserId,
-        timeout: Duration,
-    ) -> Result<Option<Instance>, SpawnError>;
-
     /// Restart (or force-launch) the main, wait for ready, wait a settle
     /// time, and report whether it is still running.
     async fn restart_and_probe(&self, user: &UserId) -> ProbeReport;
-
-    /// Records activity and answers whether the user's main here is
-    /// hibernated, so a request must [`Spawner::resume`] it before it is
-    /// forwarded. Cheap and in memory: a timestamp, flushed periodically,
-    /// and a flag read *after* it (a hibernation under way sees the touch
-    /// and backs off); one lookup, as the proxy asks on every request.
-    fn touch(&self, user: &UserId) -> bool;
 
     /// Freezes the user's running main with its memory intact, after its
     /// `pre_hibernate` hook; its lease stays held. A hibernated main is
@@ -108,16 +129,6 @@ pub trait Spawner: Send + Sync + 'static {
     async fn hibernate(&self, user: &UserId) -> Result<Instance, SpawnError> {
         Err(SpawnError::InvalidRequest(format!(
             "this backend cannot hibernate the instance of {user}"
-        )))
-    }
-
-    /// Resumes the user's hibernated main: thaws it at once (unless it is
-    /// frozen for fencing too, which only a renew lifts) and records it
-    /// running. A running main is left as it is; `not_found` without a
-    /// live one.
-    async fn resume(&self, user: &UserId) -> Result<Instance, SpawnError> {
-        Err(SpawnError::InvalidRequest(format!(
-            "this backend cannot resume the instance of {user}"
         )))
     }
 
@@ -149,10 +160,6 @@ pub trait Spawner: Send + Sync + 'static {
         Ok(false)
     }
 
-    /// Subscribes to instance changes (status, readiness, endpoint, the
-    /// stage of a spawn).
-    fn subscribe(&self) -> tokio::sync::broadcast::Receiver<crate::InstanceEvent>;
-
     /// The last change of `user`'s main this node published, the `queued`
     /// and `spawning` stages of a launch included, if any: where a
     /// progress stream opened now begins. A backend that publishes no
@@ -167,7 +174,7 @@ pub trait Spawner: Send + Sync + 'static {
 /// client gets ([`readiness_answer`]). Reads the breaker only for a failed
 /// instance.
 pub async fn wait_ready(
-    spawner: &dyn Spawner,
+    spawner: &dyn Traffic,
     user: &UserId,
     timeout: Duration,
 ) -> Result<Instance, SpawnError> {

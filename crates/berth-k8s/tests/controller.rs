@@ -20,7 +20,7 @@ use berth_controller::{Controller, ControllerConfig};
 use berth_core::policy::{CrashPolicy, ReapPolicy};
 use berth_core::runtime::Runtime;
 use berth_core::runtime_contract;
-use berth_core::{Instance, InstanceStatus, LaunchRequest, Spawner, UserId};
+use berth_core::{Instance, InstanceStatus, LaunchRequest, Spawner, Traffic, UserId};
 use berth_k8s::names;
 use berth_k8s::testing::{ApiServerDouble, Kind};
 use berth_store::Store;

@@ -36,7 +36,7 @@
 //! use berth_proxy::{Proxy, ProxyConfig, ServerConfig, auth::Authenticator};
 //!
 //! # async fn run(
-//! #     spawner: Arc<dyn berth_core::Spawner>,
+//! #     spawner: Arc<dyn berth_core::Traffic>,
 //! #     tokens: Arc<dyn berth_proxy::auth::TokenStore>,
 //! #     api: NotFound,
 //! # ) -> std::io::Result<()> {

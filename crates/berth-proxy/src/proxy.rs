@@ -5,7 +5,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use berth_core::{ErrorCode, Spawner};
+use berth_core::{ErrorCode, Traffic};
 use hyper::body::Incoming;
 use hyper::header::HeaderValue;
 use hyper::{Request, Response, StatusCode};
@@ -119,7 +119,7 @@ impl std::fmt::Debug for Proxy {
 impl Proxy {
     /// Builds the proxy and starts keeping its route table in step with
     /// `spawner`. Must run inside a Tokio runtime.
-    pub fn start(config: ProxyConfig, spawner: Arc<dyn Spawner>, auth: Authenticator) -> Arc<Self> {
+    pub fn start(config: ProxyConfig, spawner: Arc<dyn Traffic>, auth: Authenticator) -> Arc<Self> {
         Self::start_clustered(config, spawner, auth, None)
     }
 
@@ -129,7 +129,7 @@ impl Proxy {
     /// node, exactly [`Proxy::start`].
     pub fn start_clustered(
         config: ProxyConfig,
-        spawner: Arc<dyn Spawner>,
+        spawner: Arc<dyn Traffic>,
         auth: Authenticator,
         cluster: Option<ProxyCluster>,
     ) -> Arc<Self> {

@@ -13,7 +13,7 @@ use std::borrow::Cow;
 use std::collections::HashMap;
 use std::sync::{Arc, RwLock};
 
-use berth_core::{Endpoint, InstanceEvent, Reach, Role, Slug, Spawner, UserId};
+use berth_core::{Endpoint, InstanceEvent, Reach, Role, Slug, Traffic, UserId};
 use bytes::Bytes;
 use hyper::header::{HOST, HeaderMap};
 use hyper::http::uri::{Authority, PathAndQuery};
@@ -127,11 +127,11 @@ impl RouteTable {
 
     /// Keeps the table in step with `spawner` until `cancel` fires.
     ///
-    /// Subscribes first and then seeds from [`Spawner::list`], so no change
+    /// Subscribes first and then seeds from [`Traffic::list`], so no change
     /// falls between the two; events are applied in order after the seed. A
     /// lagging receiver re-reads every known user's endpoint instead of
     /// trusting a table that missed events.
-    pub async fn follow(self: Arc<Self>, spawner: Arc<dyn Spawner>, cancel: CancellationToken) {
+    pub async fn follow(self: Arc<Self>, spawner: Arc<dyn Traffic>, cancel: CancellationToken) {
         let mut events = spawner.subscribe();
         match spawner.list().await {
             Ok(instances) => {

@@ -16,7 +16,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use berth_core::{LaunchRequest, SpawnError, Spawner, UserId};
+use berth_core::{LaunchRequest, SpawnError, Traffic, UserId};
 use hyper::Response;
 use hyper::http::uri::Authority;
 
@@ -62,7 +62,7 @@ pub enum Wake {
 
 /// The wake layer.
 pub struct Waker {
-    spawner: Arc<dyn Spawner>,
+    spawner: Arc<dyn Traffic>,
     table: Arc<RouteTable>,
     ready_timeout: Duration,
 }
@@ -78,7 +78,7 @@ impl std::fmt::Debug for Waker {
 impl Waker {
     /// Wakes instances through `spawner`, looking in `table` first, and
     /// waits at most `ready_timeout` for one to be ready.
-    pub fn new(spawner: Arc<dyn Spawner>, table: Arc<RouteTable>, ready_timeout: Duration) -> Self {
+    pub fn new(spawner: Arc<dyn Traffic>, table: Arc<RouteTable>, ready_timeout: Duration) -> Self {
         Self {
             spawner,
             table,

@@ -1,6 +1,6 @@
 //! The proxy's layers together against a real upstream hyper server on
-//! loopback, through the real server loop. The Spawner is a test double
-//! (`StaticSpawner`); the real controller (over the local runtime) is
+//! loopback, through the real server loop. The `Traffic` is a test double
+//! (`StaticTraffic`); the real controller (over the local runtime) is
 //! exercised end to end in crates/berth/tests/proxy.rs and proxy_e2e.rs
 //! (README, "Test it", says which behaviour is tested where).
 

@@ -30,23 +30,11 @@ pub struct ApiError {
     pub message: String,
 }
 
+/// Runs one client command; its exit code says whether it did what it
+/// was asked (a probe that failed, a restart-all with a failure: 1).
 pub async fn run(command: Command) -> anyhow::Result<ExitCode> {
-    let now = berth_core::unix_millis_now;
     match command {
-        Command::Status { user, client } => {
-            let (api, out) = Api::with_output(&client)?;
-            match user {
-                Some(user) => {
-                    let user = parse_user(&user)?;
-                    let answer = api.get(&user_path(&user, &["instance"]), &[]).await?;
-                    out.show(&answer, |a, p| render::user_status(a, now(), p));
-                }
-                None => {
-                    let body = api.get(&["instances"], &[]).await?;
-                    out.table(&body, "instances", render::INSTANCE_COLUMNS);
-                }
-            }
-        }
+        Command::Status { user, client } => status(user.as_deref(), &client).await?,
         Command::Start {
             user,
             folder,
@@ -55,63 +43,19 @@ pub async fn run(command: Command) -> anyhow::Result<ExitCode> {
             no_wait,
             client,
         } => {
-            let user = parse_user(&user)?;
-            let mut body = Map::new();
-            if let Some(folder) = folder {
-                body.insert("folder".into(), Value::String(folder));
-            }
-            if let Some(file) = patch_file {
-                let patch = std::fs::read_to_string(&file)
-                    .with_context(|| format!("cannot read patch file {}", file.display()))?;
-                body.insert("patch".into(), Value::String(patch));
-            }
-            if force {
-                body.insert("force".into(), Value::Bool(true));
-            }
-            let query: &[(&str, &str)] = if no_wait { &[("wait", "false")] } else { &[] };
-            let (api, out) = Api::with_output(&client)?;
-            let path = user_path(&user, &["instance"]);
-            let launch = api.send(Method::POST, &path, query, Some(Value::Object(body)));
-            let label = format!("starting {}", user.as_str());
-            let show = !no_wait && progress::wanted();
-            let answer = progress::while_waiting(show, &label, launch, stages(&api, &user)).await?;
-            out.show(&answer, |a, p| render::launched(a, "started", p));
+            let launch = Launch {
+                folder,
+                patch_file,
+                force,
+                no_wait,
+            };
+            start(&user, launch, &client).await?;
         }
-        Command::Stop { user, client } => {
-            let user = parse_user(&user)?;
-            let (api, out) = Api::with_output(&client)?;
-            api.send(Method::DELETE, &user_path(&user, &["instance"]), &[], None)
-                .await?;
-            let answer = serde_json::json!({ "user": user.as_str(), "stopped": true });
-            out.show(&answer, |_, _| Some(format!("stopped {}\n", user.as_str())));
-        }
+        Command::Stop { user, client } => stop(&user, &client).await?,
         Command::Hibernate { user, client } => hibernation(&user, &client, "hibernate").await?,
         Command::Resume { user, client } => hibernation(&user, &client, "resume").await?,
-        Command::Restart { user, client } => {
-            let user = parse_user(&user)?;
-            let (api, out) = Api::with_output(&client)?;
-            let path = user_path(&user, &["instance", "restart"]);
-            let restart = api.post(&path);
-            let label = format!("restarting {}", user.as_str());
-            let answer =
-                progress::while_waiting(progress::wanted(), &label, restart, stages(&api, &user))
-                    .await?;
-            out.show(&answer, |a, p| render::launched(a, "restarted", p));
-        }
-        Command::Probe { user, client } => {
-            let user = parse_user(&user)?;
-            let (api, out) = Api::with_output(&client)?;
-            let path = user_path(&user, &["instance", "probe"]);
-            let probe = api.post(&path);
-            let label = format!("probing {}", user.as_str());
-            let answer =
-                progress::while_waiting(progress::wanted(), &label, probe, stages(&api, &user))
-                    .await?;
-            out.show(&answer, |a, p| Some(render::probe(user.as_str(), a, p)));
-            if answer.get("ok") == Some(&Value::Bool(false)) {
-                return Ok(ExitCode::FAILURE);
-            }
-        }
+        Command::Restart { user, client } => restart(&user, &client).await?,
+        Command::Probe { user, client } => return probe(&user, &client).await,
         Command::Logs {
             user,
             follow,
@@ -126,58 +70,16 @@ pub async fn run(command: Command) -> anyhow::Result<ExitCode> {
             status,
             node,
             client,
-        } => {
-            let (api, out) = Api::with_output(&client)?;
-            let mut query = Vec::new();
-            if let Some(status) = &status {
-                query.push(("status", status.as_str()));
-            }
-            if let Some(node) = &node {
-                query.push(("node", node.as_str()));
-            }
-            let body = api.get(&["instances"], &query).await?;
-            out.table(&body, "instances", render::INSTANCE_COLUMNS);
-        }
+        } => list(status.as_deref(), node.as_deref(), &client).await?,
         Command::Nodes { client } => {
-            let (api, out) = Api::with_output(&client)?;
-            let body = api.get(&["nodes"], &[]).await?;
-            out.table(&body, "nodes", render::NODE_COLUMNS);
+            table(&client, &["nodes"], &[], "nodes", render::NODE_COLUMNS).await?
         }
         Command::Leases { expired, client } => {
-            let (api, out) = Api::with_output(&client)?;
             let query: &[(&str, &str)] = if expired { &[("expired", "true")] } else { &[] };
-            let body = api.get(&["leases"], query).await?;
-            out.table(&body, "leases", render::LEASE_COLUMNS);
+            table(&client, &["leases"], query, "leases", render::LEASE_COLUMNS).await?;
         }
-        Command::Takeover { user, client } => {
-            let user = parse_user(&user)?;
-            let (api, out) = Api::with_output(&client)?;
-            let answer = api.post(&["leases", user.as_str(), "takeover"]).await?;
-            out.show(&answer, |a, p| render::launched(a, "taken over", p));
-        }
-        Command::RestartAll { client } => {
-            let (api, out) = Api::with_output(&client)?;
-            let restart = api.post(&["instances", "restart-all"]);
-            let answer = progress::while_waiting(
-                progress::wanted(),
-                "restarting every instance",
-                restart,
-                cluster_counts(&api),
-            )
-            .await?;
-            out.show(&answer, render::restart_all);
-            let failed = answer
-                .get("results")
-                .and_then(Value::as_array)
-                .is_some_and(|results| {
-                    results
-                        .iter()
-                        .any(|r| r.get("ok") == Some(&Value::Bool(false)))
-                });
-            if failed {
-                return Ok(ExitCode::FAILURE);
-            }
-        }
+        Command::Takeover { user, client } => takeover(&user, &client).await?,
+        Command::RestartAll { client } => return restart_all(&client).await,
         Command::Token {
             user,
             list,
@@ -185,48 +87,241 @@ pub async fn run(command: Command) -> anyhow::Result<ExitCode> {
             ttl,
             client,
         } => {
-            let user = parse_user(&user)?;
-            let (api, out) = Api::with_output(&client)?;
-            if list {
-                let body = api.get(&user_path(&user, &["tokens"]), &[]).await?;
-                out.table(&body, "tokens", render::TOKEN_COLUMNS);
-            } else if let Some(id) = revoke {
-                let answer = api
-                    .send(
-                        Method::DELETE,
-                        &user_path(&user, &["tokens", id.as_str()]),
-                        &[],
-                        None,
-                    )
-                    .await?;
-                out.show(&answer, render::revoked);
-            } else {
-                let answer = mint_link(&api, &user, ttl).await?;
-                out.show(&answer, |a, _| render::minted(a, now()));
-            }
+            let action = match (list, revoke) {
+                (true, _) => TokenAction::List,
+                (false, Some(id)) => TokenAction::Revoke(id),
+                (false, None) => TokenAction::Mint(ttl),
+            };
+            token(&user, action, &client).await?;
         }
         Command::Open {
             user,
             ttl,
             no_browser,
             client,
-        } => {
-            let user = parse_user(&user)?;
-            let (api, out) = Api::with_output(&client)?;
-            let answer = mint_link(&api, &user, Some(ttl)).await?;
-            out.show(&answer, |a, _| render::opened(a, now()));
-            if let Some(url) = answer.get("url").and_then(Value::as_str)
-                && !no_browser
-                && !client.json
-            {
-                open_in_browser(url);
-            }
-        }
+        } => open(&user, ttl, no_browser, &client).await?,
         Command::Serve(_) | Command::DemoApp(_) | Command::Config { .. } => {
             bail!("internal: not a client command")
         }
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// `berth status [USER]`: one user's record, or every instance.
+async fn status(user: Option<&str>, client: &ClientArgs) -> anyhow::Result<()> {
+    let (api, out) = Api::with_output(client)?;
+    match user {
+        Some(user) => {
+            let user = parse_user(user)?;
+            let answer = api.get(&user_path(&user, &["instance"]), &[]).await?;
+            out.show(&answer, |a, p| {
+                render::user_status(a, berth_core::unix_millis_now(), p)
+            });
+        }
+        None => {
+            let body = api.get(&["instances"], &[]).await?;
+            out.table(&body, "instances", render::INSTANCE_COLUMNS);
+        }
+    }
+    Ok(())
+}
+
+/// What `berth start` asks of a launch.
+struct Launch {
+    folder: Option<String>,
+    patch_file: Option<std::path::PathBuf>,
+    force: bool,
+    no_wait: bool,
+}
+
+/// `berth start USER`: launches, showing the launch's stages while it
+/// waits (unless `--no-wait`).
+async fn start(user: &str, launch: Launch, client: &ClientArgs) -> anyhow::Result<()> {
+    let user = parse_user(user)?;
+    let mut body = Map::new();
+    if let Some(folder) = launch.folder {
+        body.insert("folder".into(), Value::String(folder));
+    }
+    if let Some(file) = launch.patch_file {
+        let patch = std::fs::read_to_string(&file)
+            .with_context(|| format!("cannot read patch file {}", file.display()))?;
+        body.insert("patch".into(), Value::String(patch));
+    }
+    if launch.force {
+        body.insert("force".into(), Value::Bool(true));
+    }
+    let query: &[(&str, &str)] = if launch.no_wait {
+        &[("wait", "false")]
+    } else {
+        &[]
+    };
+    let (api, out) = Api::with_output(client)?;
+    let path = user_path(&user, &["instance"]);
+    let request = api.send(Method::POST, &path, query, Some(Value::Object(body)));
+    let label = format!("starting {}", user.as_str());
+    let show = !launch.no_wait && progress::wanted();
+    let answer = progress::while_waiting(show, &label, request, stages(&api, &user)).await?;
+    out.show(&answer, |a, p| render::launched(a, "started", p));
+    Ok(())
+}
+
+/// `berth stop USER`.
+async fn stop(user: &str, client: &ClientArgs) -> anyhow::Result<()> {
+    let user = parse_user(user)?;
+    let (api, out) = Api::with_output(client)?;
+    api.send(Method::DELETE, &user_path(&user, &["instance"]), &[], None)
+        .await?;
+    let answer = serde_json::json!({ "user": user.as_str(), "stopped": true });
+    out.show(&answer, |_, _| Some(format!("stopped {}\n", user.as_str())));
+    Ok(())
+}
+
+/// `berth restart USER`, showing the new start's stages.
+async fn restart(user: &str, client: &ClientArgs) -> anyhow::Result<()> {
+    let user = parse_user(user)?;
+    let (api, out) = Api::with_output(client)?;
+    let path = user_path(&user, &["instance", "restart"]);
+    let request = api.post(&path);
+    let label = format!("restarting {}", user.as_str());
+    let answer =
+        progress::while_waiting(progress::wanted(), &label, request, stages(&api, &user)).await?;
+    out.show(&answer, |a, p| render::launched(a, "restarted", p));
+    Ok(())
+}
+
+/// `berth probe USER`: exit code 1 when the instance did not stay up.
+async fn probe(user: &str, client: &ClientArgs) -> anyhow::Result<ExitCode> {
+    let user = parse_user(user)?;
+    let (api, out) = Api::with_output(client)?;
+    let path = user_path(&user, &["instance", "probe"]);
+    let request = api.post(&path);
+    let label = format!("probing {}", user.as_str());
+    let answer =
+        progress::while_waiting(progress::wanted(), &label, request, stages(&api, &user)).await?;
+    out.show(&answer, |a, p| Some(render::probe(user.as_str(), a, p)));
+    Ok(if answer.get("ok") == Some(&Value::Bool(false)) {
+        ExitCode::FAILURE
+    } else {
+        ExitCode::SUCCESS
+    })
+}
+
+/// `berth ls`: every instance, filtered by status and node.
+async fn list(status: Option<&str>, node: Option<&str>, client: &ClientArgs) -> anyhow::Result<()> {
+    let mut query = Vec::new();
+    if let Some(status) = status {
+        query.push(("status", status));
+    }
+    if let Some(node) = node {
+        query.push(("node", node));
+    }
+    table(
+        client,
+        &["instances"],
+        &query,
+        "instances",
+        render::INSTANCE_COLUMNS,
+    )
+    .await
+}
+
+/// Shows the list under `key` of the answer to `GET path` as a table.
+async fn table(
+    client: &ClientArgs,
+    path: &[&str],
+    query: &[(&str, &str)],
+    key: &str,
+    columns: &[render::Column],
+) -> anyhow::Result<()> {
+    let (api, out) = Api::with_output(client)?;
+    let body = api.get(path, query).await?;
+    out.table(&body, key, columns);
+    Ok(())
+}
+
+/// `berth takeover USER`: an expired lease, claimed for this node.
+async fn takeover(user: &str, client: &ClientArgs) -> anyhow::Result<()> {
+    let user = parse_user(user)?;
+    let (api, out) = Api::with_output(client)?;
+    let answer = api.post(&["leases", user.as_str(), "takeover"]).await?;
+    out.show(&answer, |a, p| render::launched(a, "taken over", p));
+    Ok(())
+}
+
+/// `berth restart-all`: exit code 1 when any restart failed.
+async fn restart_all(client: &ClientArgs) -> anyhow::Result<ExitCode> {
+    let (api, out) = Api::with_output(client)?;
+    let request = api.post(&["instances", "restart-all"]);
+    let answer = progress::while_waiting(
+        progress::wanted(),
+        "restarting every instance",
+        request,
+        cluster_counts(&api),
+    )
+    .await?;
+    out.show(&answer, render::restart_all);
+    let failed = answer
+        .get("results")
+        .and_then(Value::as_array)
+        .is_some_and(|results| {
+            results
+                .iter()
+                .any(|r| r.get("ok") == Some(&Value::Bool(false)))
+        });
+    Ok(if failed {
+        ExitCode::FAILURE
+    } else {
+        ExitCode::SUCCESS
+    })
+}
+
+/// What `berth token` does.
+enum TokenAction {
+    List,
+    Revoke(String),
+    Mint(Option<u64>),
+}
+
+/// `berth token USER`: lists, revokes or mints a user's API tokens.
+async fn token(user: &str, action: TokenAction, client: &ClientArgs) -> anyhow::Result<()> {
+    let user = parse_user(user)?;
+    let (api, out) = Api::with_output(client)?;
+    match action {
+        TokenAction::List => {
+            let body = api.get(&user_path(&user, &["tokens"]), &[]).await?;
+            out.table(&body, "tokens", render::TOKEN_COLUMNS);
+        }
+        TokenAction::Revoke(id) => {
+            let path = user_path(&user, &["tokens", id.as_str()]);
+            let answer = api.send(Method::DELETE, &path, &[], None).await?;
+            out.show(&answer, render::revoked);
+        }
+        TokenAction::Mint(ttl) => {
+            let answer = mint_link(&api, &user, ttl).await?;
+            out.show(&answer, |a, _| {
+                render::minted(a, berth_core::unix_millis_now())
+            });
+        }
+    }
+    Ok(())
+}
+
+/// `berth open USER`: a sign-in link to the user's app, opened in a
+/// browser unless `--no-browser` or `--json`.
+async fn open(user: &str, ttl: u64, no_browser: bool, client: &ClientArgs) -> anyhow::Result<()> {
+    let user = parse_user(user)?;
+    let (api, out) = Api::with_output(client)?;
+    let answer = mint_link(&api, &user, Some(ttl)).await?;
+    out.show(&answer, |a, _| {
+        render::opened(a, berth_core::unix_millis_now())
+    });
+    if let Some(url) = answer.get("url").and_then(Value::as_str)
+        && !no_browser
+        && !client.json
+    {
+        open_in_browser(url);
+    }
+    Ok(())
 }
 
 /// Mints a token for `user` and answers the API's answer with `url`, the

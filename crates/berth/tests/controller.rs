@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 use berth_controller::{BreakerHook, Controller, ControllerConfig};
 use berth_core::Readiness;
 use berth_core::policy::{CrashPolicy, IdleAction, ReapPolicy};
-use berth_core::{InstanceStatus, LaunchRequest, SpawnError, Spawner, UserId};
+use berth_core::{InstanceStatus, LaunchRequest, SpawnError, Spawner, Traffic, UserId};
 use berth_local::{Isolation, Limits, LocalRuntime, LocalRuntimeConfig, UidRange};
 use berth_store::lease::LeaseConfig;
 use berth_store::testing::{InterceptRenew, RenewHook};

@@ -1,5 +1,5 @@
 //! The proxy behaviours `berth-proxy`'s own layer tests cover with a test
-//! double (`StaticSpawner`), again on the real binary: a real `berth
+//! double (`StaticTraffic`), again on the real binary: a real `berth
 //! serve`, its real spawner and shims, and programs it really launches as
 //! instances — `berth demo-app` (with `BERTH_DEMO_ECHO=1`, its `…/echo`
 //! reports what it received), or `tests/programs/upstream.py` where the

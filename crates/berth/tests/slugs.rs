@@ -20,7 +20,7 @@ use std::time::Duration;
 use berth_controller::{Controller, ControllerConfig};
 use berth_core::Readiness;
 use berth_core::policy::ReapPolicy;
-use berth_core::{InstanceStatus, LaunchRequest, Spawner, UserId};
+use berth_core::{InstanceStatus, LaunchRequest, Spawner, Traffic, UserId};
 use berth_local::{Isolation, Limits, LocalRuntime, LocalRuntimeConfig, UidRange};
 use berth_store::{Store, TakeoverPolicy};
 use serde_json::json;

@@ -48,7 +48,7 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
-use berth_core::{ErrorCode, Reach, Spawner, UserId};
+use berth_core::{ErrorCode, Reach, Traffic, UserId};
 use http_body_util::{Either, Empty};
 use hyper::body::{Body as _, Incoming};
 use hyper::header::{self, HeaderValue};
@@ -151,7 +151,7 @@ pub struct Forwarder {
     body_pace: Option<BodyPace>,
     server_traffic_is_activity: bool,
     credential: Option<CredentialHeader>,
-    spawner: Arc<dyn Spawner>,
+    spawner: Arc<dyn Traffic>,
     tasks: TaskTracker,
     cancel: CancellationToken,
 }
@@ -206,7 +206,7 @@ impl Forwarder {
     /// when `cancel` fires.
     pub fn new(
         config: &ForwardConfig,
-        spawner: Arc<dyn Spawner>,
+        spawner: Arc<dyn Traffic>,
         tasks: TaskTracker,
         cancel: CancellationToken,
     ) -> Self {

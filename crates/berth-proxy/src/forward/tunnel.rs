@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
-use berth_core::{Spawner, UserId};
+use berth_core::{Traffic, UserId};
 use hyper::upgrade::OnUpgrade;
 use hyper_util::rt::TokioIo;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
@@ -29,7 +29,7 @@ const TUNNEL_TOUCH_EVERY: Duration = Duration::from_secs(1);
 pub(super) async fn run(
     client: OnUpgrade,
     upstream: OnUpgrade,
-    spawner: Arc<dyn Spawner>,
+    spawner: Arc<dyn Traffic>,
     user: Arc<UserId>,
     tasks: TaskTracker,
     server_counts: bool,
@@ -86,7 +86,7 @@ enum Reads {
 /// per [`TUNNEL_TOUCH_EVERY`] (a count, never a store write per frame).
 struct Touching<T> {
     io: T,
-    spawner: Arc<dyn Spawner>,
+    spawner: Arc<dyn Traffic>,
     user: Arc<UserId>,
     reads: Reads,
     last_touch: Option<Instant>,
@@ -96,7 +96,7 @@ struct Touching<T> {
 }
 
 impl<T> Touching<T> {
-    fn new(io: T, spawner: Arc<dyn Spawner>, user: Arc<UserId>, reads: Reads) -> Self {
+    fn new(io: T, spawner: Arc<dyn Traffic>, user: Arc<UserId>, reads: Reads) -> Self {
         Self {
             io,
             spawner,

@@ -1,4 +1,4 @@
-//! Test support: a Spawner test double, a real upstream hyper server on
+//! Test support: a `Traffic` test double, a real upstream hyper server on
 //! loopback, the proxy's server on loopback, and raw-socket clients.
 
 #![allow(dead_code)]
@@ -12,8 +12,8 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use berth_core::{
-    BreakerInfo, Endpoint, Instance, InstanceEvent, InstanceStatus, LaunchRequest, ProbeReport,
-    RestartResult, Role, SpawnError, Spawner, UserId, UserStatus, unix_millis_now,
+    BreakerInfo, Endpoint, Instance, InstanceEvent, InstanceStatus, LaunchRequest, Role,
+    SpawnError, Traffic, UserId, unix_millis_now,
 };
 use berth_proxy::auth::{AuthError, Authenticator, TokenHash, TokenStore, UserTokenInfo};
 use berth_proxy::{Proxy, ProxyConfig, ServerConfig};
@@ -56,7 +56,7 @@ where
     }
 }
 
-// --- the Spawner test double ------------------------------------------------
+// --- the Traffic test double ----------------------------------------------
 
 /// Test double: routes to a fixed upstream; the real controller (over
 /// the local runtime) is exercised in crates/berth/tests/proxy.rs and
@@ -64,11 +64,11 @@ where
 ///
 /// `launch` marks the user starting and, after `start_delay`, running on
 /// the configured upstream, publishing events like the real spawner.
-pub struct StaticSpawner {
-    inner: Arc<SpawnerState>,
+pub struct StaticTraffic {
+    inner: Arc<TrafficState>,
 }
 
-pub struct SpawnerState {
+pub struct TrafficState {
     upstream: Mutex<Endpoint>,
     instances: Mutex<HashMap<UserId, Instance>>,
     endpoints: Mutex<HashMap<UserId, Endpoint>>,
@@ -79,10 +79,10 @@ pub struct SpawnerState {
     touches: Mutex<HashMap<UserId, usize>>,
 }
 
-impl StaticSpawner {
+impl StaticTraffic {
     pub fn new(upstream: SocketAddr) -> Arc<Self> {
         Arc::new(Self {
-            inner: Arc::new(SpawnerState {
+            inner: Arc::new(TrafficState {
                 upstream: Mutex::new(endpoint(upstream)),
                 instances: Mutex::new(HashMap::new()),
                 endpoints: Mutex::new(HashMap::new()),
@@ -95,7 +95,7 @@ impl StaticSpawner {
         })
     }
 
-    pub fn state(&self) -> &SpawnerState {
+    pub fn state(&self) -> &TrafficState {
         &self.inner
     }
 
@@ -153,7 +153,7 @@ fn endpoint(addr: SocketAddr) -> Endpoint {
     }
 }
 
-impl SpawnerState {
+impl TrafficState {
     fn set(&self, user: &UserId, status: InstanceStatus, endpoint: Option<Endpoint>) {
         let ready = status == InstanceStatus::Running;
         let instance = Instance {
@@ -202,7 +202,7 @@ impl SpawnerState {
 }
 
 #[async_trait]
-impl Spawner for StaticSpawner {
+impl Traffic for StaticTraffic {
     async fn launch(&self, user: &UserId, _r: LaunchRequest) -> Result<Instance, SpawnError> {
         if let Some(open) = *self.inner.breaker.lock().unwrap() {
             return Err(SpawnError::CircuitOpen {
@@ -229,32 +229,8 @@ impl Spawner for StaticSpawner {
         starting.ok_or_else(|| SpawnError::Internal("test double: lost the instance".into()))
     }
 
-    async fn restart_main(&self, user: &UserId) -> Result<Instance, SpawnError> {
-        Err(SpawnError::Internal(format!(
-            "test double: no restart for {user}"
-        )))
-    }
     async fn breaker_info(&self, _user: &UserId) -> Result<Option<BreakerInfo>, SpawnError> {
         Ok(*self.inner.breaker.lock().unwrap())
-    }
-    async fn reset_breaker(&self, _user: &UserId) -> Result<(), SpawnError> {
-        *self.inner.breaker.lock().unwrap() = None;
-        Ok(())
-    }
-    async fn restart_all_mains(&self) -> Vec<RestartResult> {
-        Vec::new()
-    }
-    async fn spawn_watchdog(&self, user: &UserId) -> Result<Instance, SpawnError> {
-        Err(SpawnError::Internal(format!(
-            "test double: no watchdog for {user}"
-        )))
-    }
-    async fn status(&self, user: &UserId) -> Result<UserStatus, SpawnError> {
-        Ok(UserStatus {
-            main: self.inner.current(user),
-            watchdog: None,
-            ..UserStatus::default()
-        })
     }
     async fn list(&self) -> Result<Vec<Instance>, SpawnError> {
         Ok(self
@@ -276,11 +252,6 @@ impl Spawner for StaticSpawner {
     fn launch_token(&self, _user: &UserId) -> Option<String> {
         None
     }
-    async fn stop(&self, user: &UserId) -> Result<(), SpawnError> {
-        self.inner.set(user, InstanceStatus::Stopped, None);
-        Ok(())
-    }
-    async fn teardown(&self) {}
     async fn wait_for_ready(
         &self,
         user: &UserId,
@@ -303,12 +274,6 @@ impl Spawner for StaticSpawner {
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
     }
-    async fn restart_and_probe(&self, _user: &UserId) -> ProbeReport {
-        ProbeReport {
-            ok: false,
-            reason: "test double".into(),
-        }
-    }
     fn touch(&self, user: &UserId) -> bool {
         *self
             .inner
@@ -318,9 +283,6 @@ impl Spawner for StaticSpawner {
             .entry(user.clone())
             .or_default() += 1;
         false
-    }
-    async fn logs(&self, _user: &UserId, _tail: usize) -> Result<Vec<String>, SpawnError> {
-        Ok(Vec::new())
     }
     fn subscribe(&self) -> broadcast::Receiver<InstanceEvent> {
         self.inner.events.subscribe()
@@ -535,7 +497,7 @@ impl tower_service::Service<Request<berth_proxy::RequestBody>> for Fallback {
 
 pub struct Harness {
     pub addr: SocketAddr,
-    pub spawner: Arc<StaticSpawner>,
+    pub spawner: Arc<StaticTraffic>,
     pub proxy: Arc<Proxy>,
     pub upstream: Upstream,
     stop: Option<oneshot::Sender<()>>,
@@ -545,7 +507,7 @@ pub struct Harness {
 impl Harness {
     pub async fn start(tune: impl FnOnce(&mut ProxyConfig, &mut ServerConfig)) -> Harness {
         let upstream = upstream("a").await;
-        let spawner = StaticSpawner::new(upstream.addr);
+        let spawner = StaticTraffic::new(upstream.addr);
         let mut config = ProxyConfig {
             ready_timeout: Duration::from_secs(10),
             ..ProxyConfig::default()
