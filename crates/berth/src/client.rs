@@ -180,11 +180,7 @@ async fn stop(user: &str, client: &ClientArgs) -> anyhow::Result<()> {
 async fn restart(user: &str, client: &ClientArgs) -> anyhow::Result<()> {
     let user = parse_user(user)?;
     let (api, out) = Api::with_output(client)?;
-    let path = user_path(&user, &["instance", "restart"]);
-    let request = api.post(&path);
-    let label = format!("restarting {}", user.as_str());
-    let answer =
-        progress::while_waiting(progress::wanted(), &label, request, stages(&api, &user)).await?;
+    let answer = instance_action(&api, &user, "restart", "restarting").await?;
     out.show(&answer, |a, p| render::launched(a, "restarted", p));
     Ok(())
 }
@@ -193,17 +189,32 @@ async fn restart(user: &str, client: &ClientArgs) -> anyhow::Result<()> {
 async fn probe(user: &str, client: &ClientArgs) -> anyhow::Result<ExitCode> {
     let user = parse_user(user)?;
     let (api, out) = Api::with_output(client)?;
-    let path = user_path(&user, &["instance", "probe"]);
-    let request = api.post(&path);
-    let label = format!("probing {}", user.as_str());
-    let answer =
-        progress::while_waiting(progress::wanted(), &label, request, stages(&api, &user)).await?;
+    let answer = instance_action(&api, &user, "probe", "probing").await?;
     out.show(&answer, |a, p| Some(render::probe(user.as_str(), a, p)));
     Ok(if answer.get("ok") == Some(&Value::Bool(false)) {
         ExitCode::FAILURE
     } else {
         ExitCode::SUCCESS
     })
+}
+
+/// POSTs `action` on `user`'s instance and waits for the answer, showing
+/// the instance's stages on a terminal as `<doing> <user>`.
+async fn instance_action(
+    api: &Api,
+    user: &UserId,
+    action: &str,
+    doing: &str,
+) -> anyhow::Result<Value> {
+    let path = user_path(user, &["instance", action]);
+    let label = format!("{doing} {}", user.as_str());
+    progress::while_waiting(
+        progress::wanted(),
+        &label,
+        api.post(&path),
+        stages(api, user),
+    )
+    .await
 }
 
 /// `berth ls`: every instance, filtered by status and node.
