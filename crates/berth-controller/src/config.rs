@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use berth_core::policy::supervision::SupervisionConfig;
 use berth_core::policy::{CrashPolicy, ReapPolicy};
+use berth_core::runtime::HookAction;
 use berth_store::lease::LeaseConfig;
 
 /// Extra time after the stop grace for the runtime to report the exit
@@ -24,20 +25,6 @@ pub struct BreakerHook {
     /// Its environment, to which `BERTH_USER`, `BERTH_BREAKER_OPENS` and
     /// `BERTH_BREAKER_COOLDOWN_UNTIL` are added (nothing else is inherited).
     pub env: Vec<(String, String)>,
-}
-
-/// A hook run before an instance is hibernated or stopped (`[instance]
-/// pre_hibernate`, `pre_stop`), cut off after the hook grace.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Hook {
-    /// An operator's program and its arguments, run by berth with
-    /// `BERTH_USER`, `BERTH_SLUG`, `BERTH_PORT` and `BERTH_HOOK` (nothing
-    /// else is inherited) in a process group of its own, which is killed
-    /// at the grace.
-    Command(Vec<String>),
-    /// A path on the instance, asked with `POST` on its endpoint; any
-    /// answer counts as done.
-    Http(String),
 }
 
 /// Everything the controller decides with.
@@ -88,10 +75,10 @@ pub struct ControllerConfig {
     /// Parallel restarts in `restart_all_mains`.
     pub restart_all_concurrency: usize,
     /// Run before an instance is frozen for hibernation.
-    pub pre_hibernate: Option<Hook>,
+    pub pre_hibernate: Option<HookAction>,
     /// Run before a running instance is stopped gracefully (a stop, the
     /// reaper; never before a fence's or a frozen instance's kill).
-    pub pre_stop: Option<Hook>,
+    pub pre_stop: Option<HookAction>,
     /// How long a hook may take before it is cut off.
     pub hook_grace: Duration,
 }
@@ -155,7 +142,7 @@ impl ControllerConfig {
             ("pre_hibernate", &self.pre_hibernate),
             ("pre_stop", &self.pre_stop),
         ] {
-            if matches!(hook, Some(Hook::Command(c)) if c.is_empty()) {
+            if matches!(hook, Some(HookAction::Command(c)) if c.is_empty()) {
                 return Err(crate::ControllerError::Config(format!(
                     "the {name} command is empty"
                 )));

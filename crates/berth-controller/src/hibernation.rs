@@ -1,6 +1,6 @@
 //! Hibernation: an idle main is frozen with its memory and sockets
 //! intact, its lease still held and renewed, and resumed by the next
-//! request in microseconds.
+//! request within milliseconds.
 //!
 //! Two reasons keep a main frozen, and each is kept apart: hibernation
 //! (here, `Slot::is_hibernated`) and fencing (the fencer's frozen map, set
@@ -16,16 +16,12 @@
 //! store afterwards, on a task of its own.
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
-use berth_core::runtime::RuntimeRef;
-use berth_core::{Endpoint, Instance, InstanceStatus, Role, SpawnError, UserId, unix_millis_now};
-use http_body_util::Empty;
-use hyper::body::Bytes;
-use hyper_util::rt::TokioIo;
+use berth_core::runtime::{HookAction, HookCall, RuntimeRef};
+use berth_core::{Instance, InstanceStatus, Role, SpawnError, UserId, unix_millis_now};
 
 use crate::Shared;
-use crate::config::Hook;
 use crate::users::Slot;
 
 /// Who asks for a hibernation.
@@ -39,15 +35,15 @@ pub(crate) enum HibernateBy {
     Request,
 }
 
-/// The main's run and endpoint, if it runs ready (or is hibernated).
-fn routable_run(slot: &Slot) -> Option<(Instance, RuntimeRef, Option<Endpoint>)> {
+/// The main's record and run, if it runs ready (or is hibernated).
+fn routable_run(slot: &Slot) -> Option<(Instance, RuntimeRef)> {
     let state = slot.lock();
     let entry = state.main.as_ref()?;
     let i = &entry.instance;
     if !(i.status.is_routable() && i.ready) {
         return None;
     }
-    Some((i.clone(), i.runtime_ref.clone()?, entry.endpoint.clone()))
+    Some((i.clone(), i.runtime_ref.clone()?))
 }
 
 impl Shared {
@@ -65,7 +61,7 @@ impl Shared {
                 self.runtime.name()
             )));
         }
-        let Some((instance, run, endpoint)) = routable_run(slot) else {
+        let Some((instance, run)) = routable_run(slot) else {
             return Err(SpawnError::NotFound {
                 user: user.clone(),
                 what: "running instance".into(),
@@ -75,8 +71,7 @@ impl Shared {
             return Ok(Some(instance));
         }
         if let Some(hook) = &self.config.pre_hibernate {
-            self.run_hook("pre_hibernate", hook, slot, endpoint.as_ref())
-                .await;
+            self.run_hook("pre_hibernate", hook, slot, &run).await;
         }
         // Set before the last look at the activity (see `Slot::hibernated`):
         // a request that touched before it may not have seen the flag, and
@@ -130,7 +125,7 @@ impl Shared {
             return Ok(false);
         }
         let user = &slot.user;
-        let run = routable_run(slot).map(|(_, run, _)| run);
+        let run = routable_run(slot).map(|(_, run)| run);
         slot.set_hibernated(false);
         if self.fencer.is_fenced(user) {
             tracing::info!(%user, "resume asked while fenced: the instance thaws once a renew proves its lease");
@@ -168,116 +163,33 @@ impl Shared {
         Ok(true)
     }
 
-    /// Runs `hook` for `slot`'s main, cut off at the hook grace. Failures
-    /// are logged: a hook gives the program a chance to flush, it never
-    /// holds up hibernation or a stop.
+    /// Runs `hook` for `slot`'s main through the runtime, where the
+    /// program runs, cut off at the hook grace. Failures are logged: a
+    /// hook gives the program a chance to flush, it never holds up
+    /// hibernation or a stop.
     pub(crate) async fn run_hook(
         &self,
         name: &'static str,
-        hook: &Hook,
+        hook: &HookAction,
         slot: &Slot,
-        endpoint: Option<&Endpoint>,
+        run: &RuntimeRef,
     ) {
         let user = &slot.user;
-        let grace = self.config.hook_grace;
-        let outcome = match hook {
-            Hook::Command(argv) => run_command(name, argv, slot, endpoint, grace).await,
-            Hook::Http(path) => match endpoint {
-                Some(endpoint) => post(endpoint, path, grace).await,
-                None => Err("the instance has no endpoint".to_owned()),
-            },
+        let call = HookCall {
+            name,
+            action: hook.clone(),
+            grace: self.config.hook_grace,
         };
-        match outcome {
-            Ok(()) => tracing::info!(%user, hook = name, "hook done"),
+        match self.runtime.run_hook(run, &call).await {
+            Ok(outcome) if outcome.succeeded(&call.action) => {
+                tracing::info!(%user, hook = name, "hook done");
+            }
+            Ok(outcome) => tracing::warn!(%user, hook = name, code = ?outcome.code,
+                signal = ?outcome.signal, timed_out = outcome.timed_out,
+                output = %outcome.output_tail, "hook failed"),
             Err(e) => tracing::warn!(%user, hook = name, error = %e, "hook failed"),
         }
     }
-}
-
-/// Runs an operator's hook command in a process group of its own, killing
-/// the whole group at `grace`.
-async fn run_command(
-    name: &'static str,
-    argv: &[String],
-    slot: &Slot,
-    endpoint: Option<&Endpoint>,
-    grace: Duration,
-) -> Result<(), String> {
-    let (program, args) = argv.split_first().ok_or("the command is empty")?;
-    let mut command = tokio::process::Command::new(program);
-    command
-        .args(args)
-        .env_clear()
-        .env("PATH", std::env::var_os("PATH").unwrap_or_default())
-        .env("BERTH_USER", slot.user.as_str())
-        .env("BERTH_SLUG", slot.slug.as_str())
-        .env("BERTH_HOOK", name)
-        .stdin(std::process::Stdio::null())
-        .process_group(0)
-        .kill_on_drop(true);
-    if let Some(endpoint) = endpoint {
-        command.env("BERTH_PORT", endpoint.port.to_string());
-    }
-    let mut child = command
-        .spawn()
-        .map_err(|e| format!("cannot run {program:?}: {e}"))?;
-    let group = child.id();
-    match tokio::time::timeout(grace, child.wait()).await {
-        Ok(Ok(status)) if status.success() => Ok(()),
-        Ok(Ok(status)) => Err(format!("{program:?} ended with {status}")),
-        Ok(Err(e)) => Err(format!("waiting for {program:?}: {e}")),
-        Err(_) => {
-            if let Some(pgid) = group.and_then(|g| i32::try_from(g).ok()) {
-                // The group is the hook's own (`process_group(0)`), so this
-                // reaches what it started and nothing else.
-                let _ = nix::sys::signal::killpg(
-                    nix::unistd::Pid::from_raw(pgid),
-                    nix::sys::signal::Signal::SIGKILL,
-                );
-            }
-            let _ = child.wait().await;
-            Err(format!(
-                "{program:?} did not finish within {} s; cut off",
-                grace.as_secs_f64()
-            ))
-        }
-    }
-}
-
-/// `POST path` on the instance; any answer counts as done.
-async fn post(endpoint: &Endpoint, path: &str, grace: Duration) -> Result<(), String> {
-    let attempt = async {
-        let stream = tokio::net::TcpStream::connect((endpoint.host.as_str(), endpoint.port))
-            .await
-            .map_err(|e| format!("cannot connect to {endpoint}: {e}"))?;
-        let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
-            .await
-            .map_err(|e| e.to_string())?;
-        let request = hyper::Request::post(path)
-            .header(hyper::header::HOST, endpoint.authority())
-            .body(Empty::<Bytes>::new())
-            .map_err(|e| e.to_string())?;
-        // The connection is driven while the request is in flight; it ends
-        // with the hook, so no task is spawned for it.
-        let mut conn = std::pin::pin!(conn);
-        let mut response = std::pin::pin!(sender.send_request(request));
-        let answer = tokio::select! {
-            biased;
-            answer = &mut response => answer,
-            _ = &mut conn => response.await,
-        };
-        answer
-            .map(|r| tracing::debug!(status = %r.status(), "hook answered"))
-            .map_err(|e| e.to_string())
-    };
-    tokio::time::timeout(grace, attempt)
-        .await
-        .unwrap_or_else(|_| {
-            Err(format!(
-                "POST {path} did not answer within {} s; cut off",
-                grace.as_secs_f64()
-            ))
-        })
 }
 
 /// Whether `user` would be routed to a hibernated main here (the proxy's

@@ -52,7 +52,7 @@ use berth_store::{NodeRecord, NodeStatus, Store, StoreError};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-pub use config::{BreakerHook, ControllerConfig, Hook};
+pub use config::{BreakerHook, ControllerConfig};
 
 use crate::breaker::Breaker;
 use crate::fencer::Fencer;

@@ -220,15 +220,16 @@ impl Shared {
         // fenced one is killed while frozen, and a fence kills at once.
         if let (Some(hook), StopKind::Requested(_)) = (&self.config.pre_stop, kind) {
             let running = slot.lock().main.as_ref().and_then(|e| {
-                (e.instance.status == InstanceStatus::Running && e.instance.ready)
-                    .then(|| e.endpoint.clone())
+                let i = &e.instance;
+                (i.status == InstanceStatus::Running && i.ready)
+                    .then(|| i.runtime_ref.clone())
+                    .flatten()
             });
-            if let Some(endpoint) = running
+            if let Some(run) = running
                 && !slot.is_hibernated()
                 && !self.fencer.is_fenced(&slot.user)
             {
-                self.run_hook("pre_stop", hook, slot, endpoint.as_ref())
-                    .await;
+                self.run_hook("pre_stop", hook, slot, &run).await;
             }
         }
         for role in [Role::Main, Role::Watchdog] {

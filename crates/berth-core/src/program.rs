@@ -77,11 +77,14 @@ pub enum Variable {
     InstanceId,
     /// For a watchdog only: the file its main left for it.
     Handoff,
+    /// For a hook only (a command run beside the program): the hook's
+    /// name, such as `pre_hibernate`.
+    Hook,
 }
 
 impl Variable {
     /// Every variable.
-    pub const ALL: [Variable; 11] = [
+    pub const ALL: [Variable; 12] = [
         Variable::User,
         Variable::Slug,
         Variable::Port,
@@ -93,6 +96,7 @@ impl Variable {
         Variable::Epoch,
         Variable::InstanceId,
         Variable::Handoff,
+        Variable::Hook,
     ];
 
     /// The variable's name in the environment.
@@ -109,6 +113,7 @@ impl Variable {
             Variable::Epoch => "BERTH_EPOCH",
             Variable::InstanceId => "BERTH_INSTANCE_ID",
             Variable::Handoff => "BERTH_HANDOFF",
+            Variable::Hook => "BERTH_HOOK",
         }
     }
 }
@@ -234,7 +239,8 @@ pub struct ProgramFacts<'a> {
 
 impl ProgramFacts<'_> {
     /// The value of `variable`; `None` for [`Variable::Handoff`] outside a
-    /// watchdog, which is then not set at all.
+    /// watchdog and for [`Variable::Hook`] (a program is no hook), which
+    /// are then not set at all.
     pub fn value(&self, variable: Variable) -> Option<String> {
         Some(match variable {
             Variable::User => self.user.as_str().to_owned(),
@@ -251,6 +257,7 @@ impl ProgramFacts<'_> {
                 Role::Watchdog => self.handoff?.to_owned(),
                 Role::Main => return None,
             },
+            Variable::Hook => return None,
         })
     }
 
@@ -336,7 +343,8 @@ mod tests {
         };
         let main = names(Role::Main);
         assert!(!main.contains(&"BERTH_HANDOFF"), "{main:?}");
-        assert_eq!(main.len(), Variable::ALL.len() - 1);
+        assert_eq!(main.len(), Variable::ALL.len() - 2);
+        assert!(!main.contains(&"BERTH_HOOK"), "{main:?}");
         assert!(names(Role::Watchdog).contains(&"BERTH_HANDOFF"));
     }
 

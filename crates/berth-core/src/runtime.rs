@@ -5,7 +5,8 @@
 //! instance will listen, and a bounded stream of [`RuntimeEvent`]s
 //! (readiness, freeze, exit). It stops, kills and (when it declares the
 //! [`Capabilities`]) freezes, thaws and extends a fence deadline by that
-//! reference; it discovers what it already runs so a restarted berth can
+//! reference; it runs the operator's hooks beside the program
+//! ([`Runtime::run_hook`]); it discovers what it already runs so a restarted berth can
 //! adopt it; and it reads and follows logs.
 //!
 //! Everything that does not depend on *where* a program runs — the lease,
@@ -69,6 +70,59 @@ pub struct Capabilities {
     /// [`Runtime::extend_fence`]: the runtime freezes the instance on its
     /// own when its deadline passes, even while berth is down.
     pub fence_deadline: bool,
+    /// [`Runtime::run_hook`] runs a [`HookAction::Command`] where the
+    /// program runs: as its account, in its isolation, with its
+    /// environment.
+    pub exec: bool,
+}
+
+/// What an operator's hook does (`pre_hibernate`, `pre_stop`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum HookAction {
+    /// A program and its arguments, run beside the instance's program
+    /// (where the runtime declares [`Capabilities::exec`]).
+    Command(Vec<String>),
+    /// A path on the instance, asked with `POST` on its endpoint; any
+    /// answer counts as done.
+    Post(String),
+}
+
+/// One run of a hook for one instance.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HookCall {
+    /// The hook's name (`pre_hibernate`), which a command finds in
+    /// [`crate::program::Variable::Hook`].
+    pub name: &'static str,
+    /// What it does.
+    pub action: HookAction,
+    /// How long it may take: a command still running then is killed,
+    /// with everything it started in its process group.
+    pub grace: Duration,
+}
+
+/// How a hook ended.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HookOutcome {
+    /// A command's exit code, or a `POST`'s HTTP status.
+    pub code: Option<i32>,
+    /// The signal that ended a command, if one did.
+    pub signal: Option<i32>,
+    /// It was cut off at its grace.
+    pub timed_out: bool,
+    /// The last ≤ 500 characters a command wrote (stdout and stderr).
+    pub output_tail: String,
+}
+
+impl HookOutcome {
+    /// Whether the hook did its job: a command that exited with 0, or a
+    /// `POST` that got any answer in time.
+    pub fn succeeded(&self, action: &HookAction) -> bool {
+        !self.timed_out
+            && match action {
+                HookAction::Command(_) => self.code == Some(0),
+                HookAction::Post(_) => self.code.is_some(),
+            }
+    }
 }
 
 /// A limit on how many mains run at once, and where it comes from (for the
@@ -285,6 +339,21 @@ pub trait Runtime: Send + Sync + 'static {
     ) -> Result<(), RuntimeError> {
         let _ = (instance, left);
         Err(self.unsupported("enforce a fence deadline"))
+    }
+
+    /// Runs `hook` for the running instance, where its program runs, and
+    /// waits for it (at most its grace, plus the runtime's own overhead).
+    /// A command gets the program's environment plus
+    /// [`crate::program::Variable::Hook`]; a `POST` reaches the endpoint
+    /// the way the proxy does. A frozen instance runs no hook: the answer
+    /// is [`RuntimeError::Failed`].
+    async fn run_hook(
+        &self,
+        instance: &RuntimeRef,
+        hook: &HookCall,
+    ) -> Result<HookOutcome, RuntimeError> {
+        let _ = (instance, hook);
+        Err(self.unsupported("run hooks"))
     }
 
     /// How many mains this runtime can run at once, if it has a limit of

@@ -33,8 +33,8 @@ use tokio::sync::mpsc;
 
 use crate::program::{Placeholder, Variable};
 use crate::runtime::{
-    Discovered, ExitStatus, InstanceSpec, Patch, Runtime, RuntimeError, RuntimeEvent, RuntimeRef,
-    Started,
+    Discovered, ExitStatus, HookAction, HookCall, InstanceSpec, Patch, Runtime, RuntimeError,
+    RuntimeEvent, RuntimeRef, Started,
 };
 use crate::{Role, UserId};
 
@@ -148,6 +148,7 @@ macro_rules! runtime_contract_tests {
             a_frozen_instance_is_killed_without_running_again,
             the_fence_deadline_freezes_when_declared,
             the_program_is_told_the_contract,
+            a_hook_runs_beside_the_program_when_declared,
         );
     };
     (@cases $harness:expr; $($case:ident),* $(,)?) => {
@@ -639,7 +640,7 @@ pub async fn the_program_is_told_the_contract(h: &dyn Harness) {
 
     let want: Vec<&str> = Variable::ALL
         .into_iter()
-        .filter(|v| *v != Variable::Handoff)
+        .filter(|v| ![Variable::Handoff, Variable::Hook].contains(v))
         .map(Variable::name)
         .collect();
     let got: Vec<&str> = seen.env.keys().map(String::as_str).collect();
@@ -690,5 +691,102 @@ pub async fn the_program_is_told_the_contract(h: &dyn Harness) {
     assert_eq!(seen.patch, None);
     runtime.kill(&started.runtime_ref).await.unwrap();
     exit_of(&mut started.events, |_| false).await;
+    runtime.shutdown().await;
+}
+
+/// A command hook of `script` for `sh`, cut off after `grace`.
+fn sh_hook(script: &str, grace: Duration) -> HookCall {
+    HookCall {
+        name: "pre_stop",
+        action: HookAction::Command(vec!["sh".to_owned(), "-c".to_owned(), script.to_owned()]),
+        grace,
+    }
+}
+
+/// A runtime that declares `exec` runs a command hook beside the program:
+/// with the program's environment and working directory plus
+/// `BERTH_HOOK`, reporting its exit code and output; a hook that outlives
+/// its grace is cut off with everything it started; a frozen instance
+/// runs no hook. One that does not declare it answers
+/// [`RuntimeError::Unsupported`].
+pub async fn a_hook_runs_beside_the_program_when_declared(h: &dyn Harness) {
+    let runtime = h.runtime(&Program::Serve).await;
+    let mut started = runtime.start(spec(&user("liam"), "i-1")).await.unwrap();
+    ready(&mut started).await;
+    let r = started.runtime_ref.clone();
+    let long = Duration::from_secs(20);
+    if !runtime.capabilities().exec {
+        assert!(matches!(
+            runtime.run_hook(&r, &sh_hook("true", long)).await,
+            Err(RuntimeError::Unsupported { .. })
+        ));
+    } else {
+        let told = sh_hook(
+            "echo \"hook=$BERTH_HOOK id=$BERTH_INSTANCE_ID\"; \
+             [ \"$(pwd -P)\" = \"$(cd \"$BERTH_FOLDER\" && pwd -P)\" ] && echo in-folder; \
+             echo oops >&2; exit 4",
+            long,
+        );
+        let outcome = runtime.run_hook(&r, &told).await.unwrap();
+        assert_eq!(
+            (outcome.code, outcome.timed_out),
+            (Some(4), false),
+            "{outcome:?}"
+        );
+        assert!(!outcome.succeeded(&told.action));
+        for want in ["hook=pre_stop id=i-1", "in-folder", "oops"] {
+            assert!(outcome.output_tail.contains(want), "{want}: {outcome:?}");
+        }
+
+        // Cut off at its grace, with the child it left in the background.
+        let hung = sh_hook(
+            "sleep 1000 & echo \"child=$!\"; wait",
+            Duration::from_millis(300),
+        );
+        let outcome = runtime.run_hook(&r, &hung).await.unwrap();
+        assert!(outcome.timed_out, "{outcome:?}");
+        let child = outcome
+            .output_tail
+            .lines()
+            .find_map(|l| l.strip_prefix("child="))
+            .expect("the hook named its child")
+            .to_owned();
+        let deadline = tokio::time::Instant::now() + PATIENCE;
+        loop {
+            let look = sh_hook(
+                &format!("if kill -0 {child} 2>/dev/null; then echo alive; else echo gone; fi"),
+                long,
+            );
+            let seen = runtime.run_hook(&r, &look).await.unwrap().output_tail;
+            if seen.trim() == "gone" {
+                break;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "the hook's child runs on: {seen}"
+            );
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+
+        if runtime.capabilities().freeze {
+            runtime.freeze(&r).await.unwrap();
+            expect_event(&mut started.events, "frozen", |e| {
+                *e == RuntimeEvent::Frozen
+            })
+            .await;
+            assert!(
+                runtime.run_hook(&r, &sh_hook("true", long)).await.is_err(),
+                "a hook ran in a frozen instance"
+            );
+            runtime.thaw(&r).await.unwrap();
+        }
+    }
+    runtime.stop(&r, long).await.unwrap();
+    let exit = exit_of(&mut started.events, |_| false).await;
+    assert_eq!(
+        exit.code,
+        Some(0),
+        "the hooks left the program alone: {exit:?}"
+    );
     runtime.shutdown().await;
 }

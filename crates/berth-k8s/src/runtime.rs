@@ -251,6 +251,7 @@ impl Runtime for K8sRuntime {
         Capabilities {
             freeze: false,
             fence_deadline: false,
+            exec: false,
         }
     }
 

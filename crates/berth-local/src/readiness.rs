@@ -64,36 +64,47 @@ async fn connect(port: u16, reach: &Reach) -> Option<TcpStream> {
 }
 
 async fn http_ok(port: u16, reach: &Reach, path: &str) -> bool {
-    let Some(stream) = connect(port, reach).await else {
-        return false;
-    };
-    let Ok((mut sender, conn)) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await
-    else {
-        return false;
-    };
+    http_status(hyper::Method::GET, port, reach, path)
+        .await
+        .is_some_and(|status| status < 500)
+}
+
+/// The status the instance at `127.0.0.1:port` (reached as `reach` says)
+/// answers `method path` with, if it answers at all. The readiness probe
+/// asks with `GET`, a hook with `POST`; neither sends a body.
+pub(crate) async fn http_status(
+    method: hyper::Method,
+    port: u16,
+    reach: &Reach,
+    path: &str,
+) -> Option<u16> {
+    let stream = connect(port, reach).await?;
+    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+        .await
+        .ok()?;
     let path = if path.starts_with('/') {
         path.to_owned()
     } else {
         format!("/{path}")
     };
-    let Ok(request) = hyper::Request::get(path)
+    let request = hyper::Request::builder()
+        .method(method)
+        .uri(path)
         .header(hyper::header::HOST, format!("127.0.0.1:{port}"))
         .body(Empty::<Bytes>::new())
-    else {
-        return false;
-    };
+        .ok()?;
     // The connection future must be driven while the request is in flight;
-    // it ends with the probe, so no task is spawned for it.
+    // it ends with the request, so no task is spawned for it.
     let mut conn = std::pin::pin!(conn);
     let mut response = std::pin::pin!(sender.send_request(request));
-    tokio::select! {
+    let answer = tokio::select! {
         biased;
-        response = &mut response => return response.is_ok_and(|r| r.status().as_u16() < 500),
-        _ = &mut conn => {}
-    }
-    // The connection may close right after delivering the answer; the
-    // response future resolves either way once the connection is done.
-    response.await.is_ok_and(|r| r.status().as_u16() < 500)
+        response = &mut response => response,
+        // The connection may close right after delivering the answer; the
+        // response future resolves either way once the connection is done.
+        _ = &mut conn => response.await,
+    };
+    answer.ok().map(|r| r.status().as_u16())
 }
 
 #[cfg(test)]

@@ -17,7 +17,6 @@ mod support;
 
 use std::collections::BTreeSet;
 use std::net::SocketAddr;
-use std::path::Path;
 use std::time::Duration;
 
 use futures_util::{SinkExt, StreamExt};
@@ -348,26 +347,45 @@ async fn max_hibernated_stops_the_longest_hibernated_first() {
 
 /// A `pre_hibernate` command that asks the instance itself for its count:
 /// it can only succeed while the instance runs (frozen, the request would
-/// hang past the hook's own 5 s timeout), and it writes `flushed` only
-/// then.
-fn flushing_hook(marker: &Path) -> String {
-    format!(
-        "pre_hibernate = [\"python3\", \"-c\", \"import os, urllib.request; \
-         urllib.request.urlopen('http://127.0.0.1:%s/counter' % os.environ['BERTH_PORT'], timeout=5).read(); \
-         open('{}', 'a').write(os.environ['BERTH_HOOK'] + ' ' + os.environ['BERTH_USER'] + ' flushed\\\\n')\"]\n",
-        marker.display()
+/// hang past the hook's own 5 s timeout), and only then writes `flushed`
+/// and its uid into its working directory, the instance's folder.
+fn flushing_hook() -> String {
+    "pre_hibernate = [\"python3\", \"-c\", \"import os, urllib.request; \
+     urllib.request.urlopen('http://127.0.0.1:%s/counter' % os.environ['BERTH_PORT'], timeout=5).read(); \
+     open('hook.log', 'a').write(os.environ['BERTH_HOOK'] + ' ' + os.environ['BERTH_USER'] + ' flushed as ' + str(os.getuid()) + '\\\\n')\"]\n"
+        .to_owned()
+}
+
+/// What the hook wrote into `user`'s folder.
+fn hook_log(node: &Node, user: &str) -> String {
+    std::fs::read_to_string(node.data_dir.join(format!("users/{user}/ws/hook.log")))
+        .expect("the hook ran")
+}
+
+/// The uid `user`'s program runs as, from its shim's state: its account's
+/// (as root), or berth's own.
+fn program_uid(node: &Node, user: &str) -> u32 {
+    let state: Value = serde_json::from_str(
+        &std::fs::read_to_string(node.data_dir.join(format!("run/{user}/main.json"))).unwrap(),
+    )
+    .unwrap();
+    state["uid"].as_u64().map_or_else(
+        || nix::unistd::geteuid().as_raw(),
+        |u| u32::try_from(u).unwrap(),
     )
 }
 
 #[tokio::test(flavor = "multi_thread")]
 async fn the_pre_hibernate_hook_runs_before_the_freeze() {
     let dir = tempfile::tempdir().unwrap();
-    let marker = dir.path().join("hook.log");
-    let node = Node::start(dir.path(), &config(6, &flushing_hook(&marker), ""));
+    let node = Node::start(dir.path(), &config(6, &flushing_hook(), ""));
     counter(&node, "alice").await;
     status_is(&node, "alice", "hibernated").await;
-    let log = std::fs::read_to_string(&marker).expect("the hook ran");
-    assert_eq!(log, "pre_hibernate alice flushed\n");
+    let uid = program_uid(&node, "alice");
+    assert_eq!(
+        hook_log(&node, "alice"),
+        format!("pre_hibernate alice flushed as {uid}\n")
+    );
     // The hook's own request counted in the app's memory.
     let (count, _) = counter(&node, "alice").await;
     assert_eq!(count, 3);
@@ -376,17 +394,13 @@ async fn the_pre_hibernate_hook_runs_before_the_freeze() {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_hook_that_hangs_is_cut_off_at_its_grace() {
     let dir = tempfile::tempdir().unwrap();
-    let pid_file = dir.path().join("hook.pid");
-    let hook = format!(
-        "pre_hibernate = [\"/bin/sh\", \"-c\", \"echo $$ > {}; exec sleep 1000\"]\nhook_grace_s = 1\n",
-        pid_file.display()
-    );
-    let node = Node::start(dir.path(), &config(7, &hook, ""));
+    let hook = "pre_hibernate = [\"/bin/sh\", \"-c\", \"echo $$ > hook.pid; exec sleep 1000\"]\nhook_grace_s = 1\n";
+    let node = Node::start(dir.path(), &config(7, hook, ""));
     counter(&node, "alice").await;
     // Hibernated at all means the hook was cut off: it sleeps for 1000 s.
     status_is(&node, "alice", "hibernated").await;
     frozen_pids(&node, "alice").await;
-    let hook_pid: u64 = std::fs::read_to_string(&pid_file)
+    let hook_pid: u64 = std::fs::read_to_string(node.data_dir.join("users/alice/ws/hook.pid"))
         .expect("the hook ran")
         .trim()
         .parse()
@@ -400,14 +414,17 @@ async fn a_hook_that_hangs_is_cut_off_at_its_grace() {
 #[tokio::test(flavor = "multi_thread")]
 async fn the_pre_stop_hook_runs_before_a_stop() {
     let dir = tempfile::tempdir().unwrap();
-    let marker = dir.path().join("hook.log");
-    let hook = flushing_hook(&marker).replace("pre_hibernate", "pre_stop");
+    let hook = flushing_hook().replace("pre_hibernate", "pre_stop");
     let config = config(8, &hook, "").replace("hibernate_after_s = 2", "hibernate_after_s = 0");
     let node = Node::start(dir.path(), &config);
     counter(&node, "alice").await;
+    let uid = program_uid(&node, "alice");
     assert_eq!(node.delete("/users/alice/instance").await, 204);
-    let log = std::fs::read_to_string(&marker).expect("the hook ran before the stop answered");
-    assert_eq!(log, "pre_stop alice flushed\n");
+    assert_eq!(
+        hook_log(&node, "alice"),
+        format!("pre_stop alice flushed as {uid}\n"),
+        "written before the stop answered"
+    );
     assert_eq!(node.status_of("alice").await, "stopped");
 }
 

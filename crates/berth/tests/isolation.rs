@@ -2253,3 +2253,84 @@ async fn an_instance_holding_the_port_range_cannot_keep_others_from_starting() {
     assert_eq!(probe(&node, "bob", "ping", &[]).await["ok"], true);
     node.kill_instances();
 }
+
+// --- hooks ----------------------------------------------------------------
+
+/// A `pre_stop` hook run at `mode` acts as the program would and no more:
+/// it runs as the instance's account, in its cgroup, sees the private
+/// `/tmp` the program wrote to, and reaches the program on its loopback
+/// (in a sandbox, the instance's own network namespace). Each is written
+/// by the hook itself into the instance's folder, which only the
+/// instance's account and root may write.
+async fn a_hook_runs_inside_the_instance(mode: &str) {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let slot = slot();
+    let marker = format!("/tmp/berth-hook-probe-{}", slot.base_uid);
+    let berth = serde_json::to_string(support::BERTH).unwrap();
+    let hook = format!(
+        "id -u > hook.uid; cat /proc/self/cgroup > hook.cgroup; cat {marker} > hook.tmp; \
+         python3 -c \"import os, urllib.request; print(urllib.request.urlopen('http://127.0.0.1:%s/counter' \
+         % os.environ['BERTH_PORT'], timeout=10).status)\" > hook.port 2>&1; echo \"$BERTH_HOOK\" > hook.name"
+    );
+    let config = format!(
+        "listen = \"127.0.0.1:0\"\ndata_dir = \"{data}\"\n\n\
+         [instance]\nport_range = [{first}, {last}]\nstop_grace_s = 2\n\
+         command = [\"/bin/sh\", \"-c\", 'echo program > {marker}; exec \"$0\" demo-app --port \"$1\"', {berth}, \"{{port}}\"]\n\
+         ready_token_regex = 'berth-demo: http://127\\.0\\.0\\.1:\\d+/\\?token=([A-Za-z0-9_-]+)'\n\
+         pre_stop = [\"/bin/sh\", \"-c\", {hook}]\n\n\
+         [isolation]\nmode = \"{mode}\"\nbase_uid = {uid}\nuid_count = 1000\n",
+        data = dir.path().join("data").display(),
+        first = slot.ports,
+        last = slot.ports + 39,
+        uid = slot.base_uid,
+        hook = serde_json::to_string(&hook).unwrap(),
+    );
+    let node = start(dir.path(), &config);
+    launch(&node, "alice").await;
+    let state = state_of(&node, "alice");
+    let uid = instance_uid(&node, "alice");
+    assert_eq!(node.delete("/users/alice/instance").await, 204);
+    let ws = node.data_dir.join("users/alice/ws");
+    let read = |name: &str| {
+        std::fs::read_to_string(ws.join(name))
+            .unwrap_or_else(|e| panic!("the hook wrote no {name}: {e}"))
+    };
+    assert_eq!(read("hook.name").trim(), "pre_stop");
+    assert_eq!(
+        read("hook.uid").trim(),
+        uid.to_string(),
+        "the hook's account"
+    );
+    let cgroups = read("hook.cgroup");
+    for dir in state["cgroup"].as_array().unwrap() {
+        let leaf = Path::new(dir.as_str().unwrap()).file_name().unwrap();
+        assert!(
+            cgroups.contains(leaf.to_str().unwrap()),
+            "the hook is not in {dir}: {cgroups}"
+        );
+    }
+    assert_eq!(read("hook.tmp").trim(), "program", "the program's /tmp");
+    assert_eq!(read("hook.port").trim(), "200", "the program's loopback");
+    if mode == "sandbox" {
+        assert!(
+            !Path::new(&marker).exists(),
+            "the sandbox's /tmp is the host's"
+        );
+    }
+    let _ = std::fs::remove_file(&marker);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn at_level_user_a_hook_runs_as_the_instance_in_its_cgroup() {
+    if privileged("hooks, user") {
+        a_hook_runs_inside_the_instance("user").await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn in_a_sandbox_a_hook_runs_inside_the_instances_namespaces() {
+    if privileged("hooks, sandbox") {
+        a_hook_runs_inside_the_instance("sandbox").await;
+    }
+}

@@ -139,6 +139,8 @@ pub(crate) struct ChildPlan {
     /// The join file of each of the instance's cgroup directories, written
     /// first, as root: every process the program starts is born inside.
     cgroup_join: Vec<RawFd>,
+    /// A hook's: the program's mount namespace, joined (a sandbox).
+    join_mount_ns: Option<RawFd>,
     sandbox: Option<SandboxPlan>,
 }
 
@@ -211,6 +213,22 @@ fn within_hard_limit(resource: libc::__rlimit_resource_t, wanted: u64) -> u64 {
         return wanted;
     }
     wanted.min(current.rlim_max)
+}
+
+/// The rlimits every process of the instance gets, each set as both soft
+/// and hard limit.
+fn rlimits(isolation: &IsolationSpec) -> [(libc::__rlimit_resource_t, u64); 3] {
+    [
+        (
+            libc::RLIMIT_NPROC,
+            within_hard_limit(libc::RLIMIT_NPROC, isolation.limits.pids_max),
+        ),
+        (
+            libc::RLIMIT_NOFILE,
+            within_hard_limit(libc::RLIMIT_NOFILE, isolation.limits.open_files_max),
+        ),
+        (libc::RLIMIT_CORE, 0),
+    ]
 }
 
 /// The highest capability number this kernel knows.
@@ -322,21 +340,12 @@ impl ChildPlan {
             uid: isolation.uid,
             gid: isolation.gid,
             cap_last: cap_last(),
-            rlimits: [
-                (
-                    libc::RLIMIT_NPROC,
-                    within_hard_limit(libc::RLIMIT_NPROC, isolation.limits.pids_max),
-                ),
-                (
-                    libc::RLIMIT_NOFILE,
-                    within_hard_limit(libc::RLIMIT_NOFILE, isolation.limits.open_files_max),
-                ),
-                (libc::RLIMIT_CORE, 0),
-            ],
+            rlimits: rlimits(isolation),
             cwd,
             parent,
             diag: child_only[0].as_raw_fd(),
             cgroup_join,
+            join_mount_ns: None,
             sandbox,
         };
         Ok((
@@ -348,6 +357,64 @@ impl ChildPlan {
                 child_only,
             },
         ))
+    }
+
+    /// Prepares a hook run beside the program whose process in the shim's
+    /// namespace is `program_pid` (in a sandbox, its namespace's init):
+    /// the same account, rlimits and cgroup, the working directory `cwd`,
+    /// and in a sandbox the program's own mount namespace, joined rather
+    /// than made. The sandbox's network and pid namespaces need no joining:
+    /// they are the shim's, and its children's, already.
+    pub(crate) fn beside(
+        isolation: &IsolationSpec,
+        cwd: &Path,
+        cgroup: Option<&InstanceCgroup>,
+        program_pid: u32,
+    ) -> Result<(ChildPlan, ShimEnds), String> {
+        let (diag_read, diag_write) = pipe()?;
+        let mut child_only = vec![diag_write];
+        let mut cgroup_join = Vec::new();
+        for file in cgroup.map(InstanceCgroup::join_files).unwrap_or_default() {
+            let fd = open_fd(&file, libc::O_WRONLY, "cgroup file")?;
+            cgroup_join.push(fd.as_raw_fd());
+            child_only.push(fd);
+        }
+        let (parent, join_mount_ns, alive) = if isolation.sandbox.is_some() {
+            let ns = Path::new("/proc")
+                .join(program_pid.to_string())
+                .join("ns/mnt");
+            let ns = open_fd(&ns, libc::O_RDONLY, "the program's mount namespace")?;
+            let join = ns.as_raw_fd();
+            child_only.push(ns);
+            let (alive_r, alive_w) = pipe()?;
+            let parent = ParentCheck::Pipe {
+                read: alive_r.as_raw_fd(),
+                write: alive_w.as_raw_fd(),
+            };
+            child_only.push(alive_r);
+            (parent, Some(join), Some(alive_w))
+        } else {
+            (ParentCheck::Pid(nix::unistd::getpid().as_raw()), None, None)
+        };
+        let plan = ChildPlan {
+            uid: isolation.uid,
+            gid: isolation.gid,
+            cap_last: cap_last(),
+            rlimits: rlimits(isolation),
+            cwd: cpath(cwd, "the working directory")?,
+            parent,
+            diag: child_only[0].as_raw_fd(),
+            cgroup_join,
+            join_mount_ns,
+            sandbox: None,
+        };
+        let ends = ShimEnds {
+            diag: diag_read,
+            status: None,
+            _alive: alive,
+            child_only,
+        };
+        Ok((plan, ends))
     }
 
     /// Runs in the forked child, before `exec`.
@@ -370,6 +437,12 @@ impl ChildPlan {
         }
         for &fd in &self.cgroup_join {
             self.check(sys::write(fd, b"0"), "join the instance's cgroup")?;
+        }
+        if let Some(ns) = self.join_mount_ns {
+            // SAFETY: setns(2) on a descriptor the plan keeps open; the
+            // child is single-threaded, as joining a mount namespace needs.
+            let ret = unsafe { libc::setns(ns, libc::CLONE_NEWNS) };
+            self.check(ret.into(), "join the program's mount namespace")?;
         }
         if let Some(sandbox) = &self.sandbox {
             // SAFETY: same contract as this function.

@@ -20,6 +20,7 @@
 
 mod accounts;
 mod discover;
+mod hook;
 mod run;
 mod spec;
 
@@ -31,8 +32,8 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use berth_core::runtime::{
-    Capabilities, Capacity, Discovered, EVENT_BUFFER, InstanceSpec, Runtime, RuntimeError,
-    RuntimeRef, Started,
+    Capabilities, Capacity, Discovered, EVENT_BUFFER, HookCall, HookOutcome, InstanceSpec, Runtime,
+    RuntimeError, RuntimeRef, Started,
 };
 use berth_core::{Endpoint, Reach, Role, Slug};
 use tokio::sync::mpsc;
@@ -531,13 +532,6 @@ impl LocalRuntime {
         let (handle, state) = self.shims.spawn(&shim_spec).await.map_err(spawn_failed)?;
         let runtime_ref = ref_of(state.pid, state.pid_start);
         let by_regex = shim_spec.ready_regex.is_some();
-        let run = Run {
-            control: handle.control(),
-            pid: state.pid,
-            pid_start: state.pid_start,
-            shim_pid: state.shim_pid,
-            uid: account.map(|a| a.uid),
-        };
         // Isolated, the program runs as its account: only a socket of that
         // account's is the instance (or, in a sandbox, any socket of its own
         // network namespace).
@@ -545,6 +539,16 @@ impl LocalRuntime {
             state.shim_pid,
             self.isolated.as_ref().and(account).map(|a| a.uid),
         );
+        let run = Run {
+            control: handle.control(),
+            pid: state.pid,
+            pid_start: state.pid_start,
+            shim_pid: state.shim_pid,
+            uid: account.map(|a| a.uid),
+            state_path: shim_spec.state_path.clone(),
+            port,
+            reach: reach.clone(),
+        };
         let follow = Follow {
             handle,
             state_path: shim_spec.state_path,
@@ -652,6 +656,7 @@ impl Runtime for LocalRuntime {
         Capabilities {
             freeze: true,
             fence_deadline: true,
+            exec: true,
         }
     }
 
@@ -726,6 +731,14 @@ impl Runtime for LocalRuntime {
     ) -> Result<(), RuntimeError> {
         let ms = millis(left);
         self.command(instance, ShimCommand::Extend { ms }).await
+    }
+
+    async fn run_hook(
+        &self,
+        instance: &RuntimeRef,
+        call: &HookCall,
+    ) -> Result<HookOutcome, RuntimeError> {
+        hook::run_hook(instance, &self.run_of(instance)?, call).await
     }
 
     async fn release(&self, instance_id: &str) {
@@ -830,6 +843,9 @@ impl Runtime for LocalRuntime {
             pid_start: state.pid_start,
             shim_pid: state.shim_pid,
             uid: account.and_then(Result::ok).map(|a| a.uid),
+            state_path: state_path.clone(),
+            port,
+            reach: reach.clone(),
         };
         let follow = Follow {
             handle,

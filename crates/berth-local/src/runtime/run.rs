@@ -34,6 +34,11 @@ pub(super) struct Run {
     pub shim_pid: u32,
     /// The account it runs under (levels `user` and `sandbox`).
     pub uid: Option<u32>,
+    /// Its shim's state file, to connect to the shim anew.
+    pub state_path: PathBuf,
+    /// The main's port (watchdogs have none), and how it is reached.
+    pub port: Option<u16>,
+    pub reach: Reach,
 }
 
 impl Run {

@@ -2,6 +2,7 @@
 
 use std::path::PathBuf;
 
+use berth_core::runtime::HookOutcome;
 use berth_core::{Epoch, Role};
 use serde::{Deserialize, Serialize};
 
@@ -159,6 +160,21 @@ pub enum ShimCommand {
         /// The new deadline, in ms from now.
         ms: u64,
     },
+    /// Run an operator's hook beside the program: as its account, in its
+    /// cgroup and sandbox, in its working directory, with its environment
+    /// and `BERTH_HOOK`. Answered by [`ShimEvent::HookDone`] with the same
+    /// `id`. Refused while the program is frozen or another hook runs.
+    Hook {
+        /// Chosen by the asker, to tell its answer apart.
+        id: u64,
+        /// The hook's name, given in `BERTH_HOOK`.
+        name: String,
+        /// The command and its arguments; `argv[0]` is looked up in the
+        /// program's `PATH`.
+        argv: Vec<String>,
+        /// Its process group is killed after this many ms.
+        grace_ms: u64,
+    },
 }
 
 /// shim → berth. A client receives `Hello` first, on connecting.
@@ -181,6 +197,13 @@ pub enum ShimEvent {
     Frozen,
     /// The program runs again after a freeze.
     Thawed,
+    /// A [`ShimCommand::Hook`] ended, or could not run.
+    HookDone {
+        /// The command's `id`.
+        id: u64,
+        /// How it ended; `Err` says why it did not run.
+        outcome: Result<HookOutcome, String>,
+    },
     /// The program exited. The shim exits after sending this.
     Exited {
         /// How it ended.

@@ -10,6 +10,7 @@ use std::time::Duration;
 use berth_controller::{BreakerHook, ControllerConfig};
 use berth_core::Readiness;
 use berth_core::policy::{CrashPolicy, IdleAction, ReapPolicy};
+use berth_core::runtime::HookAction;
 use berth_local::{Isolation, Limits, LocalRuntimeConfig, UidRange};
 use berth_store::lease::LeaseConfig;
 
@@ -485,10 +486,10 @@ impl Config {
 }
 
 /// A hook as the controller runs it.
-fn hook(config: HookConfig) -> berth_controller::Hook {
+fn hook(config: HookConfig) -> HookAction {
     match config {
-        HookConfig::Command(argv) => berth_controller::Hook::Command(argv),
-        HookConfig::Http(path) => berth_controller::Hook::Http(path),
+        HookConfig::Command(argv) => HookAction::Command(argv),
+        HookConfig::Http(path) => HookAction::Post(path),
     }
 }
 

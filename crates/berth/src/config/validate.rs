@@ -226,6 +226,13 @@ impl Config {
             ("instance.pre_stop", &i.pre_stop),
         ] {
             match hook {
+                Some(HookConfig::Command(_)) if self.kubernetes.is_some() => {
+                    return Err(self.invalid(
+                        key,
+                        "a command hook runs beside the program, which the kubernetes runtime \
+                         cannot do; give a path on the instance (an HTTP hook) instead",
+                    ));
+                }
                 Some(HookConfig::Command(command)) => self.check_command(key, command)?,
                 Some(HookConfig::Http(path))
                     if !path.starts_with('/') || path.contains(['\r', '\n', ' ']) =>
@@ -761,6 +768,20 @@ mod tests {
         assert!(msg.contains("kubernetes"), "{msg}");
         assert!(msg.contains("built without Kubernetes support"), "{msg}");
         parse("").unwrap().validate().unwrap();
+    }
+
+    #[cfg(feature = "kubernetes")]
+    #[test]
+    fn a_command_hook_is_refused_where_pods_run_the_program() {
+        let pods = "[kubernetes]\nimage = \"app:1\"\n";
+        let c = parse(&format!("[instance]\npre_stop = [\"flush\"]\n{pods}")).unwrap();
+        let msg = c.validate().unwrap_err().to_string();
+        assert!(msg.contains("instance.pre_stop"), "{msg}");
+        assert!(msg.contains("HTTP hook"), "{msg}");
+        parse("[instance]\npre_stop = [\"flush\"]\n")
+            .unwrap()
+            .validate()
+            .unwrap();
     }
 
     #[test]

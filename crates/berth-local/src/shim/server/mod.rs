@@ -8,6 +8,7 @@
 //! connection to the shim's socket.
 
 mod control;
+mod hook;
 mod start;
 mod supervise;
 

@@ -253,7 +253,11 @@ fn prepare_isolation(
 
 /// The directory that hides `program` inside a sandbox (a private `/tmp`
 /// or `/dev/shm`, or berth's data dir but the user's root), if any.
-fn hidden_in_sandbox(program: &Path, data_dir: &Path, user_root: &Path) -> Option<PathBuf> {
+pub(super) fn hidden_in_sandbox(
+    program: &Path,
+    data_dir: &Path,
+    user_root: &Path,
+) -> Option<PathBuf> {
     let real = fs::canonicalize(program).unwrap_or_else(|_| program.to_owned());
     for private in ["/tmp", "/dev/shm"] {
         if real.starts_with(private) {
@@ -273,6 +277,12 @@ fn resolve_program(spec: &ShimSpec) -> Result<PathBuf, String> {
     if argv0.is_empty() {
         return Err("no program given (argv[0] is empty)".to_owned());
     }
+    resolve(argv0, spec)
+}
+
+/// The file `argv0` names for a process run like `spec`'s program: as its
+/// account, in its working directory, with its `PATH`.
+pub(super) fn resolve(argv0: &str, spec: &ShimSpec) -> Result<PathBuf, String> {
     let account = spec.isolation.as_ref().map(|i| (i.uid, i.gid));
     if argv0.contains('/') {
         let path = spec.cwd.join(argv0);
@@ -329,7 +339,7 @@ fn resolve_program(spec: &ShimSpec) -> Result<PathBuf, String> {
 }
 
 /// An error as `strerror` words, without Rust's "(os error N)" suffix.
-fn describe(e: &io::Error) -> String {
+pub(super) fn describe(e: &io::Error) -> String {
     match e.raw_os_error() {
         Some(code) => nix::errno::Errno::from_raw(code).desc().to_owned(),
         None => e.to_string(),
@@ -399,6 +409,13 @@ fn spawn_program(spec: &ShimSpec, program: &Path, plan: Option<ChildPlan>) -> io
         // Its own group, so stop/freeze/kill reach everything it starts.
         .process_group(0)
         .kill_on_drop(false);
+    die_with_shim(&mut cmd);
+    cmd.spawn()
+}
+
+/// Has the process `cmd` starts killed when the shim dies (level `none`;
+/// an isolated one gets this from its plan).
+pub(super) fn die_with_shim(cmd: &mut tokio::process::Command) {
     let shim_pid = nix::unistd::getpid();
     // SAFETY: the closure runs in the forked child before exec, where only
     // async-signal-safe calls are allowed (another thread of the shim, e.g.
@@ -423,5 +440,4 @@ fn spawn_program(spec: &ShimSpec, program: &Path, plan: Option<ChildPlan>) -> io
             Ok(())
         });
     }
-    cmd.spawn()
 }

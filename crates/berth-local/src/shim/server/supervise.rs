@@ -16,10 +16,13 @@ use tokio::sync::{broadcast, mpsc, oneshot};
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 
+use berth_core::runtime::HookOutcome;
+
 use super::control::{from_own_uid, serve_client};
+use super::hook;
 use super::pid_of;
 use super::start::Started;
-use crate::isolation::cgroup::FreezeMechanism;
+use crate::isolation::cgroup::{FreezeMechanism, InstanceCgroup};
 use crate::isolation::{child, sweep};
 use crate::shim::output::{self, StderrTail, Stream};
 use crate::shim::protocol::{ExitInfo, ShimCommand, ShimEvent, ShimSpec, ShimState};
@@ -73,6 +76,8 @@ struct Shim {
     stopped_by_signal: bool,
     events: broadcast::Sender<Arc<str>>,
     tail: Arc<Mutex<StderrTail>>,
+    /// The hook that runs, if one does: its id and process group.
+    hook: Option<(u64, u32)>,
 }
 
 impl Shim {
@@ -118,6 +123,9 @@ impl Shim {
     /// frozen yet (in an uninterruptible sleep) freezes before it returns
     /// to user space.
     async fn freeze(&mut self) {
+        // A hook acts for the program, so it never runs on while the
+        // program is frozen (its lease may be in doubt).
+        self.cut_off_hook();
         self.stopped_by_signal = false;
         let by_signal = match &self.freeze_by {
             FreezeMechanism::Cgroup(freezer) => match freezer.request(true) {
@@ -201,6 +209,7 @@ impl Shim {
     /// does a frozen cgroup (see [`crate::isolation::cgroup::CgroupFreezer::kill_all`]). A frozen
     /// program is killed, never thawed to be stopped.
     async fn kill_all(&self) {
+        self.cut_off_hook();
         self.signal_group(Signal::SIGKILL);
         match &self.freeze_by {
             FreezeMechanism::Cgroup(freezer) => {
@@ -214,6 +223,57 @@ impl Shim {
             FreezeMechanism::Uid(_) => self.signal_all(Signal::SIGKILL).await,
             FreezeMechanism::ProcessGroupSignal => {}
         }
+    }
+
+    /// SIGKILL to the running hook's process group, if a hook runs; its
+    /// task then reports it killed.
+    fn cut_off_hook(&self) {
+        if let Some((_, pgid)) = self.hook {
+            let _ = signal::killpg(pid_of(pgid), Signal::SIGKILL);
+        }
+    }
+
+    /// Starts a [`ShimCommand::Hook`] on `hooks`, or answers at once why
+    /// it cannot run.
+    fn start_hook(
+        &mut self,
+        spec: &ShimSpec,
+        cgroup: Option<&InstanceCgroup>,
+        hooks: &mut JoinSet<(u64, HookOutcome)>,
+        (id, name, argv, grace_ms): (u64, String, Vec<String>, u64),
+    ) {
+        let refused = if self.state.frozen {
+            Some("the instance is frozen".to_owned())
+        } else if self.hook.is_some() {
+            Some("another hook is running".to_owned())
+        } else {
+            match hook::spawn(spec, cgroup, self.state.pid, &name, &argv) {
+                Ok(started) => {
+                    self.hook = Some((id, started.pgid));
+                    let grace = Duration::from_millis(grace_ms);
+                    hooks.spawn(async move { (id, hook::finish(started, grace).await) });
+                    None
+                }
+                Err(e) => Some(e),
+            }
+        };
+        if let Some(why) = refused {
+            diag!("hook {name} not run: {why}");
+            self.emit(&ShimEvent::HookDone {
+                id,
+                outcome: Err(why),
+            });
+        }
+    }
+
+    fn hook_done(&mut self, done: Result<(u64, HookOutcome), tokio::task::JoinError>) {
+        let Some((id, _)) = self.hook.take() else {
+            return;
+        };
+        let outcome = done
+            .map(|(_, outcome)| outcome)
+            .map_err(|e| format!("the hook's task failed: {e}"));
+        self.emit(&ShimEvent::HookDone { id, outcome });
     }
 
     fn ready(&mut self, token: Option<String>) {
@@ -246,6 +306,10 @@ impl Shim {
             ShimCommand::Kill => self.kill_all().await,
             ShimCommand::Freeze => self.freeze().await,
             ShimCommand::Thaw => self.thaw().await,
+            ShimCommand::Hook { id, .. } => {
+                // Started by the supervising loop, which owns the hooks.
+                diag!("hook {id} reached the command handler; ignored");
+            }
             ShimCommand::Extend { ms } => {
                 // Deliberately no thaw: only berth knows whether the lease
                 // is still its own.
@@ -286,9 +350,9 @@ fn exit_info(status: &io::Result<ExitStatus>) -> ExitInfo {
 }
 
 /// Reaps the exited orphans the shim adopted as subreaper, never the
-/// program itself (its `Child` waits for that one). Returns how many
-/// children other than the program are left.
-fn reap_orphans(program: u32) -> usize {
+/// program itself or a running hook (their `Child`ren wait for those).
+/// Returns how many children other than the program are left.
+fn reap_orphans(program: u32, hook: Option<u32>) -> usize {
     use nix::sys::wait::{WaitPidFlag, WaitStatus, waitpid};
     let Ok(tasks) = fs::read_dir("/proc/self/task") else {
         return 0;
@@ -302,7 +366,7 @@ fn reap_orphans(program: u32) -> usize {
             .split_whitespace()
             .filter_map(|p| p.parse::<u32>().ok())
         {
-            if pid == program {
+            if pid == program || Some(pid) == hook {
                 continue;
             }
             let Ok(raw) = i32::try_from(pid) else {
@@ -356,7 +420,9 @@ pub(super) async fn supervise(spec: ShimSpec, started: Started) -> i32 {
         state,
         events,
         tail,
+        hook: None,
     };
+    let mut hooks = JoinSet::new();
     let (cmd_tx, mut cmd_rx) = mpsc::channel(32);
     let mut clients = JoinSet::new();
     let mut fence = spec.fence_ms.map(deadline_after);
@@ -375,7 +441,7 @@ pub(super) async fn supervise(spec: ShimSpec, started: Started) -> i32 {
                     None => std::future::pending().await,
                 }
             } => {
-                reap_orphans(program_pid);
+                reap_orphans(program_pid, shim.hook.map(|(_, pgid)| pgid));
             }
             token = &mut ready_rx, if awaiting_ready => {
                 awaiting_ready = false;
@@ -403,7 +469,13 @@ pub(super) async fn supervise(spec: ShimSpec, started: Started) -> i32 {
                     tokio::time::sleep(Duration::from_millis(100)).await;
                 }
             },
-            Some(command) = cmd_rx.recv() => shim.command(command, &mut fence, &mut kill_at).await,
+            Some(command) = cmd_rx.recv() => match command {
+                ShimCommand::Hook { id, name, argv, grace_ms } => {
+                    shim.start_hook(&spec, cgroup.as_ref(), &mut hooks, (id, name, argv, grace_ms));
+                }
+                command => shim.command(command, &mut fence, &mut kill_at).await,
+            },
+            Some(done) = hooks.join_next(), if !hooks.is_empty() => shim.hook_done(done),
             () = sleep_until_opt(fence) => {
                 fence = None;
                 diag!("fence deadline passed; freezing the program");
@@ -424,7 +496,8 @@ pub(super) async fn supervise(spec: ShimSpec, started: Started) -> i32 {
     shim.kill_all().await;
     // What was killed dies a moment later; its orphans are reaped here.
     let reaping_ends = Instant::now() + DRAIN_TIMEOUT;
-    while reap_orphans(program_pid) > 0 && Instant::now() < reaping_ends {
+    hooks.abort_all();
+    while reap_orphans(program_pid, None) > 0 && Instant::now() < reaping_ends {
         tokio::time::sleep(ORPHAN_POLL).await;
     }
     if tokio::time::timeout(DRAIN_TIMEOUT, &mut logger)
