@@ -24,6 +24,7 @@ mod cache;
 mod collect;
 mod endpoints;
 mod follow;
+mod hooks;
 mod logs;
 mod objects;
 mod pods;
@@ -34,7 +35,8 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use berth_core::runtime::{
-    Capabilities, Discovered, InstanceSpec, Runtime, RuntimeError, RuntimeRef, Started,
+    Capabilities, Discovered, HookAction, HookCall, HookOutcome, InstanceSpec, Runtime,
+    RuntimeError, RuntimeRef, Started,
 };
 use berth_core::{Endpoint, Epoch, Role, Slug, UserId};
 use futures_util::StreamExt;
@@ -308,6 +310,17 @@ impl Runtime for K8sRuntime {
 
     async fn kill(&self, instance: &RuntimeRef) -> Result<(), RuntimeError> {
         self.inner.end_run(instance, 1).await
+    }
+
+    async fn run_hook(
+        &self,
+        instance: &RuntimeRef,
+        hook: &HookCall,
+    ) -> Result<HookOutcome, RuntimeError> {
+        match &hook.action {
+            HookAction::Post(path) => self.inner.post_hook(instance, path, hook.grace).await,
+            HookAction::Command(_) => Err(self.unsupported("run a command inside a pod")),
+        }
     }
 
     async fn release(&self, instance_id: &str) {

@@ -18,7 +18,9 @@ use std::time::Duration;
 
 use berth_core::Readiness;
 use berth_core::Role;
-use berth_core::runtime::{InstanceSpec, Patch, Runtime, RuntimeError, RuntimeEvent};
+use berth_core::runtime::{
+    HookAction, HookCall, InstanceSpec, Patch, Runtime, RuntimeError, RuntimeEvent,
+};
 use berth_core::runtime_contract::{self, TOKEN};
 use berth_k8s::testing::{ApiServerDouble, Kind};
 use berth_k8s::{K8sRuntime, names};
@@ -402,6 +404,27 @@ async fn the_endpoint_reaches_the_program_behind_the_service() {
     let mut answer = String::new();
     stream.read_to_string(&mut answer).await.unwrap();
     assert!(answer.starts_with("HTTP/1.0 200"), "{answer}");
+    // A hook's POST reaches the same program: python's server answers
+    // 501 to a POST, and logs the request.
+    let post = HookCall {
+        name: "pre_stop",
+        action: HookAction::Post("/flush".into()),
+        grace: Duration::from_secs(20),
+    };
+    let outcome = runtime.run_hook(&started.runtime_ref, &post).await.unwrap();
+    assert_eq!((outcome.code, outcome.timed_out), (Some(501), false));
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        let lines = runtime.logs(&hank.slug(), Role::Main, 100).await.unwrap();
+        if lines
+            .iter()
+            .any(|l| l.contains("\"POST /flush HTTP/1.1\" 501"))
+        {
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "{lines:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     runtime
         .stop(&started.runtime_ref, Duration::from_secs(5))
         .await
