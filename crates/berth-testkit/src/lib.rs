@@ -79,6 +79,7 @@ use sqlx::Connection;
 mod http;
 mod node;
 mod peer;
+mod ports;
 mod process;
 mod wait;
 
@@ -91,6 +92,7 @@ pub use peer::{
     forward_headers, forward_headers_at, signed_headers, signed_headers_at, signed_request,
     unix_millis,
 };
+pub use ports::{port_block, port_block_for};
 pub use process::{
     alive, free_port, frozen, instance_pids, kill_instances_under, nft_runner_of, proc_state,
     processes_of_uids, rss_kib, signal, zygote_of,

@@ -49,9 +49,9 @@ pub fn accounts_for(key: &str) -> (u32, u32) {
             keys.len() - 1
         }
     };
-    let n = u32::try_from(n % 200).unwrap_or(0);
-    let run = std::process::id() % 200;
-    (30_000_000 + run * 200_000 + n * 1000, 1000)
+    let n = u32::try_from(n % 1000).unwrap_or(0);
+    let run = std::process::id() % 100;
+    (30_000_000 + run * 1_000_000 + n * 1000, 1000)
 }
 
 /// `config` with `[isolation] base_uid` and `uid_count` from
@@ -88,11 +88,8 @@ pub fn cluster_config(
     lease_extra: &str,
     extra: &str,
 ) -> String {
-    use std::sync::atomic::{AtomicU16, Ordering};
-    // Blocks of 150 ports per node, distinct within this test process.
-    static NEXT_BLOCK: AtomicU16 = AtomicU16::new(0);
-    let block = NEXT_BLOCK.fetch_add(1, Ordering::Relaxed) % 200;
-    let first = 30_000 + block * 150;
+    // 150 ports per node: a login storm puts up to 90 users on one.
+    let first = crate::port_block(150);
     let last = first + 149;
     // The nodes of one cluster share its store, and so its accounts.
     with_own_accounts(

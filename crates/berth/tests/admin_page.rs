@@ -39,7 +39,7 @@ const PHONE: (u32, u32) = (390, 844);
 
 /// A config with its own port range (tests run in parallel) plus `extra`.
 fn config(n: u16, extra: &str) -> String {
-    let start = 28_600 + n * 20;
+    let start = berth_testkit::port_block_for(&format!("{} {n}", module_path!()), 20);
     format!(
         "[instance]\nport_range = [{start}, {}]\n{extra}\n",
         start + 19

@@ -17,7 +17,7 @@ use support::{Node, alive, eventually, instance_pids};
 
 /// Each test gets its own port range so parallel tests never race for ports.
 fn ports(n: u16) -> String {
-    let start = 21000 + n * 20;
+    let start = berth_testkit::port_block_for(&format!("{} {n}", module_path!()), 20);
     format!("[instance]\nport_range = [{start}, {}]\n", start + 19)
 }
 
@@ -414,7 +414,11 @@ async fn a_missing_program_fails_naming_it() {
 #[tokio::test(flavor = "multi_thread")]
 async fn an_exhausted_port_range_is_capacity_exhausted() {
     let dir = tempfile::tempdir().unwrap();
-    let node = Node::start(dir.path(), "[instance]\nport_range = [21400, 21401]\n");
+    let first = berth_testkit::port_block(2);
+    let node = Node::start(
+        dir.path(),
+        &format!("[instance]\nport_range = [{first}, {}]\n", first + 1),
+    );
     for user in ["p1", "p2"] {
         assert_eq!(launch(&node, user).await.0, 201);
     }
@@ -425,7 +429,10 @@ async fn an_exhausted_port_range_is_capacity_exhausted() {
         "{body}"
     );
     assert!(
-        body["message"].as_str().unwrap().contains("21400"),
+        body["message"]
+            .as_str()
+            .unwrap()
+            .contains(&first.to_string()),
         "{body}"
     );
     assert!(

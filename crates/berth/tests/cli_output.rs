@@ -24,7 +24,7 @@ use support::{BERTH, Node, StartOptions, eventually};
 const PATIENCE: Duration = Duration::from_secs(60);
 
 fn ports(n: u16) -> String {
-    let start = 28_700 + n * 20;
+    let start = berth_testkit::port_block_for(&format!("{} {n}", module_path!()), 20);
     format!("[instance]\nport_range = [{start}, {}]\n", start + 19)
 }
 

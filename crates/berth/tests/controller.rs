@@ -54,6 +54,11 @@ fn token_regex(re: &str) -> Readiness {
 }
 
 /// A test's data dir, store and config; kills leftover instances on drop.
+/// The first of the ten ports of this file's block `key`.
+fn port_block_of(key: u16) -> u16 {
+    berth_testkit::port_block_for(&format!("{} {key}", module_path!()), 10)
+}
+
 struct Env {
     dir: tempfile::TempDir,
     store: Arc<dyn Store>,
@@ -72,7 +77,10 @@ impl Env {
         self.dir.path().join("data")
     }
 
+    /// A setup on the ten ports of block `ports` (a key: the same number
+    /// gives the same ports).
     fn config(&self, ports: u16, command: Vec<String>, readiness: Readiness) -> Setup {
+        let ports = port_block_of(ports);
         let runtime = LocalRuntimeConfig {
             data_dir: self.data(),
             command,
@@ -254,7 +262,8 @@ async fn launch_runs_the_program_and_reports_it() {
     assert!(running.ready);
     assert_eq!(running.id, started.id);
     let port = running.port.expect("a port");
-    assert!((21000..=21009).contains(&port));
+    let first = port_block_of(21000);
+    assert!((first..=first + 9).contains(&port));
     let pid = running.pid.expect("a pid");
     assert!(alive(pid));
     let token = spawner.launch_token(&alice).expect("a launch token");

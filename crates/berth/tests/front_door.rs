@@ -29,7 +29,7 @@ const BASE: &str = "berth.test";
 /// A config with its own port range (tests run in parallel) plus extra
 /// TOML (whole tables).
 fn config(n: u16, extra: &str) -> String {
-    let start = 27000 + n * 20;
+    let start = berth_testkit::port_block_for(&format!("{} {n}", module_path!()), 20);
     format!(
         "[instance]\nport_range = [{start}, {}]\n{extra}\n",
         start + 19

@@ -30,7 +30,7 @@ const PATIENCE: Duration = Duration::from_secs(60);
 /// group (`sleep`), then becomes the demo app. So "every process of the
 /// instance" is more than one.
 fn instance(n: u16, extra: &str) -> String {
-    let start = 24_400 + n * 20;
+    let start = berth_testkit::port_block_for(&format!("{} {n}", module_path!()), 20);
     format!(
         "[instance]\nport_range = [{start}, {}]\n\
          command = [\"/bin/sh\", \"-c\", 'sleep 1000 & exec \"$0\" demo-app --port \"$1\"', \"{BERTH}\", \"{{port}}\"]\n\

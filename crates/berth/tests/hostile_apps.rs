@@ -33,7 +33,11 @@ const PATIENCE: Duration = Duration::from_secs(60);
 /// A config on ports of its own running `upstream.py`, plus `instance`
 /// keys and whole tables in `extra`.
 fn config(n: u16, instance: &str, extra: &str) -> String {
-    support::upstream_config(29_200 + n * 20, instance, extra)
+    support::upstream_config(
+        berth_testkit::port_block_for(&format!("{} {n}", module_path!()), 20),
+        instance,
+        extra,
+    )
 }
 
 fn host_mode(n: u16, instance: &str) -> String {
@@ -573,7 +577,7 @@ async fn the_launch_token_is_presented_upstream_and_never_reaches_the_browser() 
     let node = Node::start(
         dir.path(),
         &support::upstream_config_with_launch_token(
-            29_200 + 9 * 20,
+            berth_testkit::port_block_for(&format!("{} 9", module_path!()), 20),
             "credential_header = \"Authorization: token {launch_token}\"",
             "",
         ),

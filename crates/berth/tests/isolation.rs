@@ -45,7 +45,7 @@ fn slot() -> Slot {
     // against the same account's process limits here.
     let run = std::process::id() % 400;
     Slot {
-        ports: 27_000 + n * 40,
+        ports: berth_testkit::port_block(40),
         base_uid: 400_000 + run * 50_000 + u32::from(n) * 1000,
     }
 }

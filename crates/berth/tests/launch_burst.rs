@@ -25,8 +25,6 @@ use serde_json::{Value, json};
 use support::Node;
 
 const USERS: usize = 500;
-/// 600 ports, below the kernel's ephemeral range (32768 on Linux).
-const PORTS: [u16; 2] = [25000, 25599];
 
 /// The test's own client holds a connection per user: raise its soft
 /// open-files limit to the hard one, as berth does for itself.
@@ -42,7 +40,9 @@ fn raise_open_files_limit() {
 async fn five_hundred_users_at_once_all_come_up() {
     raise_open_files_limit();
     let dir = tempfile::tempdir().unwrap();
-    let [low, high] = PORTS;
+    // 600 ports of the test process's own.
+    let low = berth_testkit::port_block(600);
+    let high = low + 599;
     let node = Node::start(
         dir.path(),
         &format!("[instance]\nport_range = [{low}, {high}]\n"),

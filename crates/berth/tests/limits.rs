@@ -30,7 +30,7 @@ const MIB: usize = 1024 * 1024;
 /// A config with its own port range plus extra `[instance]` and `[proxy]`
 /// keys.
 fn config(n: u16, instance: &str, proxy: &str) -> String {
-    let start = 28400 + n * 20;
+    let start = berth_testkit::port_block_for(&format!("{} {n}", module_path!()), 20);
     format!(
         "[instance]\nport_range = [{start}, {}]\n{instance}\n[proxy]\n{proxy}\n",
         start + 19

@@ -19,7 +19,6 @@ use std::collections::BTreeMap;
 use std::ops::RangeInclusive;
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU16, Ordering};
 
 use async_trait::async_trait;
 use berth_core::Readiness;
@@ -31,9 +30,6 @@ use berth_core::{Role, UserId};
 use berth_local::{Isolation, Limits, LocalRuntime, LocalRuntimeConfig, UidRange};
 
 const BERTH: &str = env!("CARGO_BIN_EXE_berth");
-
-/// Port ranges of 10, one per harness, from 23000 on.
-static NEXT_RANGE: AtomicU16 = AtomicU16::new(0);
 
 fn sh(script: &str) -> Vec<String> {
     vec!["sh".into(), "-c".into(), script.into()]
@@ -47,8 +43,7 @@ struct LocalHarness {
 
 impl LocalHarness {
     fn new() -> LocalHarness {
-        let n = NEXT_RANGE.fetch_add(1, Ordering::Relaxed);
-        let start = 23000 + n * 10;
+        let start = berth_testkit::port_block(10);
         LocalHarness {
             dir: tempfile::tempdir().unwrap(),
             ports: start..=start + 9,

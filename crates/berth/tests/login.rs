@@ -77,7 +77,11 @@ fn users() -> Vec<OidcUser> {
 
 /// The `[instance]` of `tests/programs/upstream.py` on ports of its own.
 fn upstream(n: u16) -> String {
-    support::upstream_config(29_700 + n * 20, "", "")
+    support::upstream_config(
+        berth_testkit::port_block_for(&format!("{} {n}", module_path!()), 20),
+        "",
+        "",
+    )
 }
 
 /// Starts a provider and berth on `program` (config text with the

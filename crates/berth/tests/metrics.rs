@@ -24,7 +24,7 @@ use support::{Node, free_port, signal};
 const SCRAPER: &str = "scraper-token-0123456789";
 
 fn config(n: u16, extra: &str) -> String {
-    let start = 28_800 + n * 20;
+    let start = berth_testkit::port_block_for(&format!("{} {n}", module_path!()), 20);
     format!(
         "[instance]\nport_range = [{start}, {}]\n{extra}\n",
         start + 19

@@ -30,7 +30,7 @@ const GIB: u64 = 1024 * 1024 * 1024;
 /// A config with its own port range (tests run in parallel) plus extra
 /// `[instance]` and `[proxy]` keys.
 fn config(n: u16, instance: &str, proxy: &str) -> String {
-    let start = 26000 + n * 20;
+    let start = berth_testkit::port_block_for(&format!("{} {n}", module_path!()), 20);
     format!(
         "[instance]\nport_range = [{start}, {}]\n{instance}\n[proxy]\n{proxy}\n",
         start + 19

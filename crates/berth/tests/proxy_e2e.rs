@@ -35,7 +35,7 @@ const PATIENCE: Duration = Duration::from_secs(60);
 /// A config with its own port range (tests run in parallel) plus extra
 /// `[instance]` and `[proxy]` keys.
 fn config(n: u16, instance: &str, proxy: &str) -> String {
-    let start = 27000 + n * 20;
+    let start = berth_testkit::port_block_for(&format!("{} {n}", module_path!()), 20);
     format!(
         "[instance]\nport_range = [{start}, {}]\n{instance}\n[proxy]\n{proxy}\n",
         start + 19

@@ -33,7 +33,11 @@ const BASE: &str = "berth.test";
 /// A config on ports of its own running `upstream.py`, plus whole tables
 /// in `extra`.
 fn config(n: u16, extra: &str) -> String {
-    support::upstream_config(31_400 + n * 20, "", extra)
+    support::upstream_config(
+        berth_testkit::port_block_for(&format!("{} {n}", module_path!()), 20),
+        "",
+        extra,
+    )
 }
 
 fn host_mode(n: u16) -> String {

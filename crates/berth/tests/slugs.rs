@@ -36,7 +36,7 @@ fn user(id: &str) -> UserId {
 }
 
 fn config(n: u16) -> String {
-    let start = 28200 + n * 20;
+    let start = berth_testkit::port_block_for(&format!("{} {n}", module_path!()), 20);
     format!("[instance]\nport_range = [{start}, {}]\n", start + 19)
 }
 
@@ -288,6 +288,7 @@ async fn an_id_made_to_share_an_earlier_slug_gets_none_of_its_data() {
 /// A controller over the local runtime, running the demo app from `data`
 /// on ports `ports`…`ports + 9`.
 async fn controller(data: &Path, ports: u16, store: Arc<dyn Store>) -> Arc<Controller> {
+    let ports = berth_testkit::port_block_for(&format!("{} {ports}", module_path!()), 10);
     let runtime = LocalRuntimeConfig {
         data_dir: data.to_owned(),
         command: vec![
