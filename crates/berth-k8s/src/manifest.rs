@@ -6,7 +6,7 @@
 //! Each builder writes the object as JSON and converts it to its
 //! k8s-openapi type with [`strict`](crate::config::strict), so a field
 //! name Kubernetes does not know fails the build (and the tests) instead
-//! of vanishing. `tests/schema.rs` validates every object against the
+//! of vanishing. `tests/it/schema.rs` validates every object against the
 //! official JSON schemas of the oldest and newest supported API version.
 
 use std::collections::BTreeMap;

@@ -1,7 +1,7 @@
 //! The proxy's layers together against a real upstream hyper server on
 //! loopback, through the real server loop. The `Traffic` is a test double
 //! (`StaticTraffic`); the real controller (over the local runtime) is
-//! exercised end to end in crates/berth/tests/proxy.rs and proxy_e2e.rs
+//! exercised end to end in crates/berth/tests/it/proxy.rs and proxy_e2e.rs
 //! (README, "Test it", says which behaviour is tested where).
 
 #![allow(

@@ -28,7 +28,7 @@
     reason = "a measurement tool: a failure ends the run with its message"
 )]
 
-#[path = "../tests/support/mod.rs"]
+#[path = "../tests/it/support/mod.rs"]
 mod support;
 
 use std::time::{Duration, Instant};

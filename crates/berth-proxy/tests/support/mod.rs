@@ -59,7 +59,7 @@ where
 // --- the Traffic test double ----------------------------------------------
 
 /// Test double: routes to a fixed upstream; the real controller (over
-/// the local runtime) is exercised in crates/berth/tests/proxy.rs and
+/// the local runtime) is exercised in crates/berth/tests/it/proxy.rs and
 /// proxy_e2e.rs.
 ///
 /// `launch` marks the user starting and, after `start_delay`, running on

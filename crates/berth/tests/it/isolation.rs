@@ -1,0 +1,2329 @@
+//! Isolation, proven by attack: every boundary is crossed, or
+//! rather tried, from inside a program berth started, the hostile program
+//! of `support/breach.py`, driven by the test through berth's own proxy.
+//!
+//! These tests need root (berth gives each user's instances a uid of their
+//! own) and nftables; CI runs them as root. Run elsewhere without root,
+//! they say so and pass without testing anything; with `CI` set they fail.
+
+use crate::support;
+
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::atomic::{AtomicU16, Ordering};
+use std::time::Duration;
+
+use serde_json::{Value, json};
+use support::{
+    Node, StartOptions, alive, eventually, instance_pids, nft_runner_of, privileged, proc_state,
+    processes_of_uids, zygote_of,
+};
+
+const BREACH: &str = include_str!("support/breach.py");
+const PATIENCE: Duration = Duration::from_secs(60);
+
+/// A port block and an account range of the test's own, so tests running
+/// at once never share a port or a uid.
+struct Slot {
+    ports: u16,
+    base_uid: u32,
+}
+
+fn slot() -> Slot {
+    static NEXT: AtomicU16 = AtomicU16::new(0);
+    let n = NEXT.fetch_add(1, Ordering::Relaxed);
+    // Accounts of their own per run too: a host whose init never reaps
+    // leaves an earlier run's orphans as zombies, which would count
+    // against the same account's process limits here.
+    let run = std::process::id() % 400;
+    Slot {
+        ports: berth_testkit::port_block(40),
+        base_uid: 400_000 + run * 50_000 + u32::from(n) * 1000,
+    }
+}
+
+/// A config running the breach program at `mode`, with `extra` lines for
+/// `[isolation]` and `tail` appended (other tables).
+fn breach_config(dir: &Path, slot: &Slot, mode: &str, isolation: &str, tail: &str) -> String {
+    let script = serde_json::to_string(BREACH).unwrap();
+    format!(
+        "listen = \"127.0.0.1:0\"\ndata_dir = \"{data}\"\n\n\
+         [instance]\ncommand = [\"python3\", \"-c\", {script}, \"{{port}}\"]\n\
+         ready_http_path = \"/ping\"\nready_timeout_s = 30\nstop_grace_s = 2\n\
+         port_range = [{first}, {last}]\n\n\
+         [crash]\nbackoff_base_ms = 100\nbackoff_max_ms = 400\n\n\
+         [isolation]\nmode = \"{mode}\"\nbase_uid = {uid}\nuid_count = 1000\n{isolation}\n\
+         {tail}\n",
+        data = dir.join("data").display(),
+        first = slot.ports,
+        last = slot.ports + 39,
+        uid = slot.base_uid,
+    )
+}
+
+fn start(dir: &Path, config: &str) -> Node {
+    Node::start_configured(dir, config, &StartOptions::default())
+}
+
+async fn launch(node: &Node, user: &str) -> Value {
+    let (status, body) = node
+        .post(&format!("/users/{user}/instance"), json!({}))
+        .await;
+    assert_eq!(status, 201, "{user}: {body}");
+    body["instance"].clone()
+}
+
+/// Asks `user`'s instance, through berth's proxy, to run `probe`.
+async fn probe(node: &Node, user: &str, probe: &str, query: &[(&str, &str)]) -> Value {
+    let r = node
+        .http
+        .get(format!("{}/u/{user}/{probe}", node.url))
+        .query(query)
+        .bearer_auth(&node.token)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200, "{user} {probe} {query:?}");
+    r.json().await.unwrap()
+}
+
+fn refused(outcome: &Value, errnos: &[&str]) -> bool {
+    outcome["ok"] == false && errnos.contains(&outcome["errno"].as_str().unwrap_or(""))
+}
+
+fn path_str(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+fn uid_of_process(pid: u32) -> Option<u32> {
+    std::fs::metadata(format!("/proc/{pid}"))
+        .ok()
+        .map(|m| m.uid())
+}
+
+/// Every task (thread) of every process run by `uid`.
+fn tasks_of(uid: u32) -> usize {
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|&pid| uid_of_process(pid) == Some(uid))
+        .map(|pid| std::fs::read_dir(format!("/proc/{pid}/task")).map_or(0, |d| d.count()))
+        .sum()
+}
+
+/// Live processes run by a uid of `[first, first + 1000)`.
+fn processes_in_range(first: u32) -> Vec<u32> {
+    processes_of_uids(first..first + 1000)
+        .into_iter()
+        .map(|(pid, _)| pid)
+        .collect()
+}
+
+/// The pairs in the port guard's set of the berth on `data_dir`.
+fn own_ports_elements(data_dir: &Path) -> Vec<Value> {
+    let table = berth_local::isolation::nft_table_name(&data_dir.canonicalize().unwrap());
+    let out = Command::new("nft")
+        .args(["-j", "list", "set", "inet", &table, "own_ports"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let listed: Value = serde_json::from_slice(&out.stdout).unwrap();
+    listed["nftables"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find_map(|item| item["set"]["elem"].as_array().cloned())
+        .unwrap_or_default()
+}
+
+/// The shim state of `user`'s main.
+fn state_of(node: &Node, user: &str) -> Value {
+    let path = node.data_dir.join(format!("run/{user}/main.json"));
+    serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+}
+
+// --- filesystem -----------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread")]
+async fn at_level_user_an_instance_runs_as_its_own_account_and_reaches_nothing_of_others() {
+    if !privileged("filesystem, user") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let slot = slot();
+    let node = start(
+        dir.path(),
+        &breach_config(dir.path(), &slot, "user", "", ""),
+    );
+    launch(&node, "alice").await;
+    launch(&node, "bob").await;
+
+    let me = probe(&node, "alice", "whoami", &[]).await;
+    let uid = me["uid"].as_u64().unwrap() as u32;
+    let bob_uid = probe(&node, "bob", "whoami", &[]).await["uid"]
+        .as_u64()
+        .unwrap() as u32;
+    assert!((slot.base_uid..slot.base_uid + 1000).contains(&uid), "{me}");
+    assert_ne!(uid, bob_uid, "two users never share a uid");
+    assert_eq!(me["euid"], uid);
+    assert_eq!(me["gid"], uid, "gid = uid");
+    assert_eq!(me["groups"], json!([]), "no supplementary groups");
+    for cap in ["CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb"] {
+        assert_eq!(me["status"][cap], "0000000000000000", "{cap}: {me}");
+    }
+    assert_eq!(me["status"]["NoNewPrivs"], "1");
+    let home = node.data_dir.join("users/alice/home");
+    assert_eq!(me["env"]["HOME"], path_str(&home));
+    assert_eq!(me["env"]["USER"], "alice");
+    assert_eq!(me["env"]["LOGNAME"], "alice");
+    // The data root belongs to the account, 0700.
+    let root = std::fs::metadata(node.data_dir.join("users/alice")).unwrap();
+    assert_eq!(
+        (root.uid(), root.gid(), root.mode() & 0o7777),
+        (uid, uid, 0o700)
+    );
+
+    // Nothing of bob's, nothing of berth's.
+    let bob_root = node.data_dir.join("users/bob");
+    for target in [
+        bob_root.clone(),
+        bob_root.join("home"),
+        node.data_dir.join("run"),
+    ] {
+        let listed = probe(&node, "alice", "list", &[("path", path_str(&target))]).await;
+        assert!(refused(&listed, &["EACCES"]), "{target:?}: {listed}");
+    }
+    for target in [
+        node.data_dir.join("admin.token"),
+        node.data_dir.join("berth.db"),
+        node.data_dir.join("berth.db-wal"),
+        bob_root.join("logs/main.log"),
+    ] {
+        let read = probe(&node, "alice", "read", &[("path", path_str(&target))]).await;
+        assert!(refused(&read, &["EACCES"]), "{target:?}: {read}");
+    }
+    // berth's own files are 0600, its data dir only passable.
+    for file in ["admin.token", "berth.db"] {
+        let mode = std::fs::metadata(node.data_dir.join(file)).unwrap().mode() & 0o777;
+        assert_eq!(mode, 0o600, "{file}");
+    }
+    let mode = std::fs::metadata(&node.data_dir).unwrap().mode() & 0o777;
+    assert_eq!(mode, 0o711);
+    // No writing to the system.
+    for target in ["/usr/berth-breach", "/etc/berth-breach"] {
+        let wrote = probe(&node, "alice", "write", &[("path", target)]).await;
+        assert!(refused(&wrote, &["EACCES"]), "{target}: {wrote}");
+        assert!(!Path::new(target).exists());
+    }
+    // It can still use what is its own (the probes are not just broken).
+    let own = home.join("notes");
+    let wrote = probe(&node, "alice", "write", &[("path", path_str(&own))]).await;
+    assert_eq!(wrote["ok"], true, "{wrote}");
+    assert_eq!(std::fs::metadata(&own).unwrap().uid(), uid);
+    node.kill_instances();
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn in_a_sandbox_the_system_is_read_only_and_only_own_processes_are_seen() {
+    if !privileged("filesystem, sandbox") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let slot = slot();
+    let node = start(
+        dir.path(),
+        &breach_config(dir.path(), &slot, "sandbox", "", ""),
+    );
+    launch(&node, "alice").await;
+    launch(&node, "bob").await;
+    let me = probe(&node, "alice", "whoami", &[]).await;
+    let uid = me["uid"].as_u64().unwrap() as u32;
+    // The synthesized passwd entry: programs that look themselves up work.
+    assert_eq!(me["passwd_name"], "alice", "{me}");
+    assert_eq!(me["status"]["CapEff"], "0000000000000000");
+
+    // Only its own processes: the pid namespace's init and the program.
+    let seen = probe(&node, "alice", "processes", &[]).await;
+    let seen = seen.as_array().unwrap();
+    assert!(!seen.is_empty() && seen.len() < 10, "{seen:?}");
+    for entry in seen {
+        assert_eq!(
+            entry[1], uid,
+            "a process of another user is visible: {seen:?}"
+        );
+    }
+    assert!(
+        seen.iter().any(|e| e[0] == 1),
+        "its init is pid 1: {seen:?}"
+    );
+
+    // Others' data and berth's are not even there.
+    for target in [
+        node.data_dir.join("users/bob"),
+        node.data_dir.join("admin.token"),
+        node.data_dir.join("berth.db"),
+        node.data_dir.join("run/alice/main.json"),
+        PathBuf::from("/etc/shadow"),
+    ] {
+        let read = probe(&node, "alice", "read", &[("path", path_str(&target))]).await;
+        assert!(
+            refused(&read, &["ENOENT", "EACCES", "EISDIR"]),
+            "{target:?}: {read}"
+        );
+        assert_ne!(read["errno"], "EISDIR", "{target:?} is visible: {read}");
+    }
+    // A read-only system, a private /tmp, and its own root writable.
+    for target in [
+        "/usr/berth-breach",
+        "/etc/berth-breach",
+        "/var/berth-breach",
+    ] {
+        let wrote = probe(&node, "alice", "write", &[("path", target)]).await;
+        assert!(refused(&wrote, &["EROFS", "EACCES"]), "{target}: {wrote}");
+        assert!(!Path::new(target).exists());
+    }
+    let in_tmp = probe(&node, "alice", "write", &[("path", "/tmp/alice-was-here")]).await;
+    assert_eq!(in_tmp["ok"], true, "{in_tmp}");
+    assert!(
+        !Path::new("/tmp/alice-was-here").exists(),
+        "/tmp is private"
+    );
+    let home = node.data_dir.join("users/alice/home/notes");
+    let wrote = probe(&node, "alice", "write", &[("path", path_str(&home))]).await;
+    assert_eq!(wrote["ok"], true, "{wrote}");
+    assert!(home.exists(), "the user's root is the real one");
+    node.kill_instances();
+}
+
+// --- secrets ---------------------------------------------------------------
+
+async fn secrets_stay_out_of_reach(mode: &str) {
+    let dir = tempfile::tempdir().unwrap();
+    let slot = slot();
+    let token = format!("admintok{}", std::process::id());
+    let secret = format!(
+        "clustersecret{}-{}",
+        slot.base_uid,
+        berth_testkit::TEST_CLUSTER_SECRET
+    );
+    let options = StartOptions {
+        env: vec![
+            ("BERTH_ADMIN_TOKEN".into(), token.clone()),
+            ("BERTH_CLUSTER_SECRET".into(), secret.clone()),
+        ],
+        ..StartOptions::default()
+    };
+    let node = Node::start_configured(
+        dir.path(),
+        &breach_config(dir.path(), &slot, mode, "", ""),
+        &options,
+    );
+    let alice = launch(&node, "alice").await;
+    let bob = launch(&node, "bob").await;
+
+    // From inside: every environ the program may read.
+    let needles = [("needle", token.as_str()), ("needle", secret.as_str())];
+    let scan = probe(&node, "alice", "environ", &needles).await;
+    assert!(
+        scan["readable"].as_u64().unwrap() >= 1,
+        "it reads its own: {scan}"
+    );
+    assert_eq!(scan["leaks"], json!([]), "{scan}");
+
+    // And as root, every process of berth's: berth, its zygote, its guard's
+    // nft runner, the shims and the programs.
+    let berth = node.pid().unwrap();
+    let zygote = zygote_of(berth).expect("the zygote runs");
+    let runner = nft_runner_of(berth).expect("the nft runner runs");
+    let mut checked = vec![berth, zygote, runner];
+    for user in ["alice", "bob"] {
+        let state = state_of(&node, user);
+        checked.push(state["shim_pid"].as_u64().unwrap() as u32);
+        checked.extend(instance_pids(&node.data_dir, user, "main"));
+    }
+    for pid in &checked {
+        let environ = std::fs::read(format!("/proc/{pid}/environ")).unwrap();
+        let text = String::from_utf8_lossy(&environ);
+        assert!(
+            !text.contains(&token) && !text.contains(&secret),
+            "pid {pid} shows a secret"
+        );
+    }
+
+    // The program cannot command its own shim, nor bob's.
+    for user in ["alice", "bob"] {
+        let socket = node.data_dir.join(format!("run/{user}/main.sock"));
+        for command in [
+            json!({"cmd": "kill"}),
+            json!({"cmd": "freeze"}),
+            json!({"cmd": "extend", "ms": 999_999_999u64}),
+        ] {
+            let tried = probe(
+                &node,
+                "alice",
+                "shim",
+                &[
+                    ("path", path_str(&socket)),
+                    ("command", &command.to_string()),
+                ],
+            )
+            .await;
+            let greeted = tried["ok"] == true && tried["value"]["greeted"] == true;
+            assert!(!greeted, "{user} {command}: {tried}");
+            assert!(
+                refused(&tried, &["EACCES", "ENOENT"]),
+                "{user} {command}: {tried}"
+            );
+        }
+    }
+    // Both keep running, unfrozen, as the same processes.
+    for (user, before) in [("alice", &alice), ("bob", &bob)] {
+        let main = node.main_of(user).await;
+        assert_eq!(main["status"], "running", "{main}");
+        assert_eq!(main["pid"], before["pid"], "{main}");
+        let pid = main["pid"].as_u64().unwrap() as u32;
+        assert_ne!(proc_state(pid), Some('T'), "{user} was frozen");
+        assert_eq!(probe(&node, user, "ping", &[]).await["ok"], true);
+    }
+    node.kill_instances();
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn no_secret_reaches_a_program_and_no_program_commands_a_shim_at_level_user() {
+    if privileged("secrets, user") {
+        secrets_stay_out_of_reach("user").await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn no_secret_reaches_a_program_and_no_program_commands_a_shim_in_a_sandbox() {
+    if privileged("secrets, sandbox") {
+        secrets_stay_out_of_reach("sandbox").await;
+    }
+}
+
+/// Program output in berth's log is escaped: a program cannot forge a
+/// line of berth's or put terminal control codes in it.
+#[tokio::test(flavor = "multi_thread")]
+async fn program_output_cannot_forge_berths_log() {
+    if !privileged("log escaping") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let slot = slot();
+    let log = dir.path().join("berth.log");
+    let options = StartOptions {
+        stderr: Some(log.clone()),
+        ..StartOptions::default()
+    };
+    let node = Node::start_configured(
+        dir.path(),
+        &breach_config(dir.path(), &slot, "user", "", ""),
+        &options,
+    );
+    let first = launch(&node, "alice").await;
+    // The program writes its forgery to stderr and exits: a crash.
+    let _ = node
+        .http
+        .get(format!("{}/u/alice/forge", node.url))
+        .bearer_auth(&node.token)
+        .send()
+        .await;
+    let pid = first["pid"].as_u64();
+    node.running_main("alice", pid).await;
+    let text = eventually(PATIENCE, "the crash in berth's log", || async {
+        let text = std::fs::read_to_string(&log).unwrap_or_default();
+        text.contains("FORGED").then_some(text)
+    })
+    .await;
+    // berth colours its log only on a terminal, so any escape would be
+    // the program's.
+    assert!(
+        !text.contains('\u{1b}'),
+        "an escape code reached berth's log"
+    );
+    assert!(
+        !text.contains('\u{7}'),
+        "a control code reached berth's log"
+    );
+    for line in text.lines() {
+        assert!(
+            !line.starts_with("2030-01-01T00:00:00"),
+            "a forged line: {line}"
+        );
+    }
+    node.kill_instances();
+}
+
+// --- symlinks ----------------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread")]
+async fn links_planted_in_a_root_never_lead_berth_outside_it() {
+    if !privileged("symlinks") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let slot = slot();
+    let node = start(
+        dir.path(),
+        &breach_config(dir.path(), &slot, "user", "", ""),
+    );
+    // What a hostile user would aim at: a directory of root's.
+    let victim = dir.path().join("victim");
+    std::fs::create_dir(&victim).unwrap();
+    std::fs::write(victim.join("keep"), "original").unwrap();
+    std::fs::set_permissions(&victim, std::fs::Permissions::from_mode(0o750)).unwrap();
+
+    launch(&node, "alice").await;
+    // Reading goes through no link either: the log berth serves alice
+    // would otherwise be any file of root's.
+    let secret = dir.path().join("secret");
+    std::fs::write(&secret, "root's secret").unwrap();
+    std::fs::set_permissions(&secret, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let log = node.data_dir.join("users/alice/logs/main.log");
+    let linked = probe(
+        &node,
+        "alice",
+        "filelink",
+        &[("path", path_str(&log)), ("target", path_str(&secret))],
+    )
+    .await;
+    assert_eq!(linked["ok"], true, "{linked}");
+    let r = node
+        .http
+        .get(node.api("/users/alice/instance/logs?tail=10"))
+        .bearer_auth(&node.token)
+        .send()
+        .await
+        .unwrap();
+    let body = r.text().await.unwrap();
+    assert!(!body.contains("root's secret"), "{body}");
+    for name in ["tmp", "patches", "logs"] {
+        let linked = probe(
+            &node,
+            "alice",
+            "link",
+            &[("name", name), ("target", path_str(&victim))],
+        )
+        .await;
+        assert_eq!(linked["ok"], true, "{name}: {linked}");
+        assert!(
+            std::fs::symlink_metadata(node.data_dir.join("users/alice").join(name))
+                .unwrap()
+                .is_symlink()
+        );
+    }
+    // Relaunch with a patch: berth chmods, chowns and writes in the root.
+    assert_eq!(node.delete("/users/alice/instance").await, 204);
+    let (status, body) = node
+        .post("/users/alice/instance", json!({"patch": "planted: no"}))
+        .await;
+    assert_eq!(status, 201, "{body}");
+    probe(&node, "alice", "ping", &[]).await;
+
+    let meta = std::fs::metadata(&victim).unwrap();
+    assert_eq!(
+        (meta.mode() & 0o7777, meta.uid(), meta.gid()),
+        (0o750, 0, 0),
+        "the target's mode and owner"
+    );
+    let entries: Vec<_> = std::fs::read_dir(&victim)
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert_eq!(entries, vec!["keep"], "nothing written into the target");
+    assert_eq!(
+        std::fs::read_to_string(victim.join("keep")).unwrap(),
+        "original"
+    );
+    // The root got real directories back, with the patch in its place.
+    for name in ["tmp", "patches", "logs"] {
+        let meta = std::fs::symlink_metadata(node.data_dir.join("users/alice").join(name)).unwrap();
+        assert!(meta.is_dir() && !meta.is_symlink(), "{name}");
+    }
+    assert_eq!(
+        std::fs::read_to_string(node.data_dir.join("users/alice/patches/main.yaml")).unwrap(),
+        "planted: no"
+    );
+    node.kill_instances();
+}
+
+// --- resources ---------------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_instance_past_its_memory_limit_is_killed_reported_and_restarted() {
+    if !privileged("memory") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let slot = slot();
+    let node = start(
+        dir.path(),
+        &breach_config(dir.path(), &slot, "sandbox", "memory_max_mb = 64\n", ""),
+    );
+    let alice = launch(&node, "alice").await;
+    launch(&node, "bob").await;
+    let pid = alice["pid"].as_u64();
+    // The request dies with the program.
+    let _ = node
+        .http
+        .get(format!("{}/u/alice/alloc?mb=256", node.url))
+        .bearer_auth(&node.token)
+        .send()
+        .await;
+    let crashed = eventually(PATIENCE, "alice's OOM kill recorded", || async {
+        let main = node.main_of("alice").await;
+        (main["restarts"].as_u64() >= Some(1)).then_some(main)
+    })
+    .await;
+    assert_eq!(
+        crashed["last_error"], "out of memory (limit 64 MiB)",
+        "{crashed}"
+    );
+    // Restarted under the crash policy, and the others never noticed.
+    node.running_main("alice", pid).await;
+    assert_eq!(probe(&node, "bob", "ping", &[]).await["ok"], true);
+    assert_eq!(node.healthz().await, 200);
+    let main = node.main_of("alice").await;
+    assert_eq!(main["last_error"], "out of memory (limit 64 MiB)", "{main}");
+    node.kill_instances();
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_fork_bomb_is_capped_by_pids_max() {
+    if !privileged("fork bomb") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let slot = slot();
+    let pids_max = 40;
+    let node = start(
+        dir.path(),
+        &breach_config(
+            dir.path(),
+            &slot,
+            "sandbox",
+            &format!("pids_max = {pids_max}\n"),
+            "",
+        ),
+    );
+    launch(&node, "alice").await;
+    launch(&node, "bob").await;
+    let uid = probe(&node, "alice", "whoami", &[]).await["uid"]
+        .as_u64()
+        .unwrap() as u32;
+    let cgroups = state_of(&node, "alice")["cgroup"].clone();
+    let pids_cgroup = cgroups
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| PathBuf::from(d.as_str().unwrap()))
+        .find(|d| d.join("pids.max").exists())
+        .expect("a pids cgroup");
+    assert_eq!(
+        std::fs::read_to_string(pids_cgroup.join("pids.max"))
+            .unwrap()
+            .trim(),
+        pids_max.to_string()
+    );
+    // The other two limits, at their defaults: 1024 MiB and one CPU.
+    let dirs: Vec<PathBuf> = cgroups
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| PathBuf::from(d.as_str().unwrap()))
+        .collect();
+    let read_in = |file: &str| {
+        dirs.iter()
+            .find_map(|d| std::fs::read_to_string(d.join(file)).ok())
+            .unwrap_or_else(|| panic!("no {file} in {dirs:?}"))
+    };
+    if dirs
+        .iter()
+        .any(|d| d.join("memory.limit_in_bytes").exists())
+    {
+        assert_eq!(
+            read_in("memory.limit_in_bytes").trim(),
+            (1024u64 << 20).to_string()
+        );
+        assert_eq!(read_in("cpu.cfs_quota_us").trim(), "100000");
+        // Not written: the kernel's default, which the quota is against.
+        assert_eq!(read_in("cpu.cfs_period_us").trim(), "100000");
+    } else {
+        assert_eq!(read_in("memory.max").trim(), (1024u64 << 20).to_string());
+        assert_eq!(read_in("cpu.max").trim(), "100000 100000");
+    }
+    assert_eq!(probe(&node, "alice", "forkbomb", &[]).await, true);
+    // The bomb fills the instance up to the cap (the account's
+    // RLIMIT_NPROC and the cgroup's pids.max are both pids_max)...
+    eventually(PATIENCE, "the bomb to reach the cap", || async {
+        (tasks_of(uid) + 2 >= pids_max).then_some(())
+    })
+    .await;
+    // ...and never past it.
+    for _ in 0..20 {
+        let tasks = tasks_of(uid);
+        assert!(tasks <= pids_max, "{tasks} tasks of alice's uid");
+        let current: usize = std::fs::read_to_string(pids_cgroup.join("pids.current"))
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap();
+        assert!(current <= pids_max, "pids.current {current}");
+        // berth and bob answer meanwhile.
+        assert_eq!(node.healthz().await, 200);
+        assert_eq!(probe(&node, "bob", "ping", &[]).await["ok"], true);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // Stopping alice takes the whole bomb with it.
+    assert_eq!(node.delete("/users/alice/instance").await, 204);
+    eventually(PATIENCE, "alice's processes gone", || async {
+        (tasks_of(uid) == 0).then_some(())
+    })
+    .await;
+    node.kill_instances();
+}
+
+// --- guards -------------------------------------------------------------------
+
+async fn the_port_guard_holds(mode: &str) {
+    let dir = tempfile::tempdir().unwrap();
+    let slot = slot();
+    let node = start(dir.path(), &breach_config(dir.path(), &slot, mode, "", ""));
+    let alice = launch(&node, "alice").await;
+    let bob = launch(&node, "bob").await;
+    let alice_port = alice["port"].as_u64().unwrap().to_string();
+    let bob_port = bob["port"].as_u64().unwrap().to_string();
+    let to_bob = probe(
+        &node,
+        "alice",
+        "connect",
+        &[("host", "127.0.0.1"), ("port", &bob_port)],
+    )
+    .await;
+    assert!(
+        refused(&to_bob, &["ECONNREFUSED"]),
+        "alice reached bob: {to_bob}"
+    );
+    // Not "block everything": her own port answers her.
+    let to_self = probe(
+        &node,
+        "alice",
+        "connect",
+        &[("host", "127.0.0.1"), ("port", &alice_port)],
+    )
+    .await;
+    assert_eq!(to_self["ok"], true, "{to_self}");
+    // berth's proxy reaches both.
+    for user in ["alice", "bob"] {
+        assert_eq!(probe(&node, user, "ping", &[]).await["ok"], true);
+    }
+    // Root on the host reaches bob's port at `user`; a sandbox's port is in
+    // its own network namespace, and nothing listens there on the host.
+    let from_host =
+        std::net::TcpStream::connect(("127.0.0.1", bob["port"].as_u64().unwrap() as u16));
+    assert_eq!(from_host.is_ok(), mode == "user", "{from_host:?}");
+    node.kill_instances();
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_port_guard_keeps_instances_off_each_others_ports_at_level_user() {
+    if privileged("port guard, user") {
+        the_port_guard_holds("user").await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_port_guard_keeps_instances_off_each_others_ports_in_a_sandbox() {
+    if privileged("port guard, sandbox") {
+        the_port_guard_holds("sandbox").await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_guard_runs_nft_from_a_small_process_and_guards_on_when_it_dies() {
+    if !privileged("nft runner") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let slot = slot();
+    let node = start(
+        dir.path(),
+        &breach_config(dir.path(), &slot, "user", "", ""),
+    );
+    let alice = launch(&node, "alice").await;
+    let berth = node.pid().unwrap();
+    let runner = nft_runner_of(berth).expect("the guard's nft runner runs");
+    // Each `nft` it starts copies its descriptor table: stdin, stdout and
+    // stderr only, where berth holds two more per running instance.
+    let open: Vec<String> = std::fs::read_dir(format!("/proc/{runner}/fd"))
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    assert!(open.len() <= 3, "the runner holds {open:?}");
+
+    // The runner dies (the OOM killer, an operator's kill): launches go on,
+    // and so does the guard.
+    support::signal(runner, nix::sys::signal::Signal::SIGKILL);
+    eventually(PATIENCE, "the runner gone", || async {
+        (!alive(u64::from(runner)) || proc_state(runner) == Some('Z')).then_some(())
+    })
+    .await;
+    let bob = launch(&node, "bob").await;
+    let bob_port = bob["port"].as_u64().unwrap();
+    let holds = |port: u64| {
+        own_ports_elements(&node.data_dir)
+            .iter()
+            .any(|pair| pair["concat"][1] == port)
+    };
+    assert!(holds(bob_port), "bob's pair is not in own_ports");
+    let to_bob = probe(
+        &node,
+        "alice",
+        "connect",
+        &[("host", "127.0.0.1"), ("port", &bob_port.to_string())],
+    )
+    .await;
+    assert!(
+        refused(&to_bob, &["ECONNREFUSED"]),
+        "alice reached bob: {to_bob}"
+    );
+    let bob_to_self = probe(
+        &node,
+        "bob",
+        "connect",
+        &[("host", "127.0.0.1"), ("port", &bob_port.to_string())],
+    )
+    .await;
+    assert_eq!(bob_to_self["ok"], true, "{bob_to_self}");
+    // A revoke after the runner died is made too: alice's pair goes.
+    let alice_port = alice["port"].as_u64().unwrap();
+    assert!(holds(alice_port), "alice's pair is not in own_ports");
+    assert_eq!(node.delete("/users/alice/instance").await, 204);
+    eventually(PATIENCE, "alice's pair revoked", || async {
+        (!holds(alice_port)).then_some(())
+    })
+    .await;
+    node.kill_instances();
+}
+
+/// Two network namespaces: `host` (where berth runs, with a non-loopback
+/// address of its own) and `outside`, reached through a veth pair, which
+/// holds the cloud metadata addresses and an ordinary outside address.
+/// Nothing of the real host's network is touched.
+struct Netns {
+    host: String,
+    outside: String,
+}
+
+const HOST_ADDR: &str = "10.231.0.1";
+const OUTSIDE_ADDR: &str = "198.51.100.7";
+
+impl Netns {
+    fn ip(args: &[&str]) {
+        let out = Command::new("ip").args(args).output().expect("ip runs");
+        assert!(
+            out.status.success(),
+            "ip {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+
+    fn create() -> Netns {
+        let tag = std::process::id();
+        let ns = Netns {
+            host: format!("berth-eg-h{tag}"),
+            outside: format!("berth-eg-o{tag}"),
+        };
+        let (h, o) = (ns.host.as_str(), ns.outside.as_str());
+        Self::ip(&["netns", "add", h]);
+        Self::ip(&["netns", "add", o]);
+        let veth_h = format!("bv{tag}h");
+        let veth_o = format!("bv{tag}o");
+        Self::ip(&[
+            "-n", h, "link", "add", &veth_h, "type", "veth", "peer", "name", &veth_o, "netns", o,
+        ]);
+        for (n, cmd) in [
+            (h, vec!["link", "set", "lo", "up"]),
+            (o, vec!["link", "set", "lo", "up"]),
+            (h, vec!["addr", "add", "10.231.0.1/24", "dev", &veth_h]),
+            (o, vec!["addr", "add", "10.231.0.2/24", "dev", &veth_o]),
+            (h, vec!["link", "set", &veth_h, "up"]),
+            (o, vec!["link", "set", &veth_o, "up"]),
+            (o, vec!["addr", "add", "169.254.169.254/32", "dev", "lo"]),
+            (o, vec!["addr", "add", "100.100.100.200/32", "dev", "lo"]),
+            (o, vec!["addr", "add", "198.51.100.7/32", "dev", "lo"]),
+            (h, vec!["route", "add", "default", "via", "10.231.0.2"]),
+        ] {
+            let mut args = vec!["-n", n];
+            args.extend(cmd);
+            Self::ip(&args);
+        }
+        ns
+    }
+
+    /// Runs `f` on a thread that has entered namespace `name`.
+    fn run_in<T: Send + 'static>(
+        name: &str,
+        f: impl FnOnce() -> T + Send + 'static,
+    ) -> std::thread::JoinHandle<T> {
+        let path = format!("/run/netns/{name}");
+        std::thread::spawn(move || {
+            let ns = std::fs::File::open(&path).unwrap();
+            // SAFETY: setns(2) with a namespace descriptor that lives for
+            // the call; it moves only this thread (network namespaces are
+            // per thread), so the rest of the test process stays put.
+            let ret = unsafe {
+                nix::libc::setns(
+                    std::os::fd::AsRawFd::as_raw_fd(&ns),
+                    nix::libc::CLONE_NEWNET,
+                )
+            };
+            assert_eq!(ret, 0, "setns: {}", std::io::Error::last_os_error());
+            f()
+        })
+    }
+
+    /// An HTTP-ish listener on `addr` inside `name`, answering every
+    /// connection, for the rest of the test process.
+    fn listen(name: &str, addr: &'static str, port: u16) {
+        let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+        Self::run_in(name, move || {
+            let listener = std::net::TcpListener::bind((addr, port)).unwrap();
+            ready_tx.send(()).unwrap();
+            for stream in listener.incoming().flatten() {
+                use std::io::Write;
+                let mut stream = stream;
+                let _ = stream.write_all(b"HTTP/1.0 200 OK\r\n\r\n");
+            }
+        });
+        ready_rx
+            .recv_timeout(Duration::from_secs(10))
+            .expect("listener up");
+    }
+}
+
+impl Drop for Netns {
+    fn drop(&mut self) {
+        for name in [&self.host, &self.outside] {
+            let _ = Command::new("ip").args(["netns", "del", name]).status();
+        }
+    }
+}
+
+#[test]
+fn the_egress_guard_blocks_metadata_and_the_hosts_addresses_but_not_the_outside() {
+    if !privileged("egress guard") {
+        return;
+    }
+    if Command::new("ip").arg("-V").output().is_err() {
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "scripts/test installs iproute2"
+        );
+        println!("SKIPPED egress guard: needs `ip` (iproute2)");
+        return;
+    }
+    let ns = Netns::create();
+    for addr in ["169.254.169.254", "100.100.100.200", OUTSIDE_ADDR] {
+        Netns::listen(&ns.outside, addr, 80);
+    }
+    Netns::listen(&ns.host, HOST_ADDR, 8080);
+    let host = ns.host.clone();
+    Netns::run_in(&ns.host, move || {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        runtime.block_on(async move {
+            let dir = tempfile::tempdir().unwrap();
+            let slot = slot();
+            let options = StartOptions {
+                wrapper: vec!["ip".into(), "netns".into(), "exec".into(), host],
+                ..StartOptions::default()
+            };
+            let node = Node::start_configured(
+                dir.path(),
+                &breach_config(dir.path(), &slot, "user", "", ""),
+                &options,
+            );
+            launch(&node, "alice").await;
+            let targets = [
+                ("169.254.169.254", "80", false),
+                ("100.100.100.200", "80", false),
+                (HOST_ADDR, "8080", false),
+                (OUTSIDE_ADDR, "80", true),
+            ];
+            for (host, port, allowed) in targets {
+                // berth's own uid reaches every one of them...
+                let addr = format!("{host}:{port}");
+                std::net::TcpStream::connect_timeout(
+                    &addr.parse().unwrap(),
+                    Duration::from_secs(5),
+                )
+                .unwrap_or_else(|e| panic!("root cannot reach {addr}: {e}"));
+                // ...the instance only the outside one.
+                let tried =
+                    probe(&node, "alice", "connect", &[("host", host), ("port", port)]).await;
+                if allowed {
+                    assert_eq!(tried["ok"], true, "{addr}: {tried}");
+                } else {
+                    assert!(
+                        refused(&tried, &["ECONNREFUSED", "EHOSTUNREACH", "ENETUNREACH"]),
+                        "the instance reached {addr}: {tried}"
+                    );
+                }
+            }
+            node.kill_instances();
+        });
+    })
+    .join()
+    .unwrap();
+}
+
+// --- capacity ------------------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread")]
+async fn past_the_nodes_capacity_a_launch_gets_503_and_starts_nothing() {
+    if !privileged("capacity") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let slot = slot();
+    // No mode configured: as root, instances run at level `user`.
+    let node = Node::start(
+        dir.path(),
+        &format!(
+            "[instance]\nport_range = [{}, {}]\n\n[cluster]\ncapacity = 3\n\n\
+             [isolation]\nbase_uid = {}\nuid_count = 1000\n",
+            slot.ports,
+            slot.ports + 39,
+            slot.base_uid
+        ),
+    );
+    for user in ["c1", "c2", "c3"] {
+        let instance = launch(&node, user).await;
+        let pid = instance["pid"].as_u64().unwrap() as u32;
+        let uid = uid_of_process(pid).unwrap();
+        assert!(
+            (slot.base_uid..slot.base_uid + 1000).contains(&uid),
+            "the default level as root is `user`: {user} runs as {uid}"
+        );
+    }
+    let (status, body) = node.post("/users/c4/instance", json!({})).await;
+    assert_eq!(
+        (status, body["error"].as_str()),
+        (503, Some("capacity_exhausted")),
+        "{body}"
+    );
+    assert!(
+        body["message"].as_str().unwrap().contains("capacity"),
+        "{body}"
+    );
+    assert!(node.main_of("c4").await.is_null(), "nothing recorded");
+    assert!(instance_pids(&node.data_dir, "c4", "main").is_empty());
+    assert!(
+        !node.data_dir.join("run/c4").exists(),
+        "no shim was started"
+    );
+    assert!(!node.data_dir.join("users/c4").exists(), "no root was made");
+    // A place freed is a place taken.
+    assert_eq!(node.delete("/users/c1/instance").await, 204);
+    launch(&node, "c4").await;
+    node.kill_instances();
+}
+
+// --- freezing ------------------------------------------------------------------
+
+/// A heartbeat that escapes the program's session: a double fork with a
+/// `setsid` between, then a counter written to `$HOME/beat` every 50 ms.
+const ESCAPEE: &str = "\
+import os, time
+if os.fork():
+    os._exit(0)
+os.setsid()
+if os.fork():
+    os._exit(0)
+beat = os.path.join(os.environ['HOME'], 'beat')
+i = 0
+while True:
+    i += 1
+    with open(beat + '.tmp', 'w') as f:
+        f.write(str(i))
+    os.replace(beat + '.tmp', beat)
+    time.sleep(0.05)
+";
+
+/// The demo app at level `sandbox`, started by a shell that first lets
+/// [`ESCAPEE`] loose; hibernation only by hand.
+fn escapee_config(slot: &Slot) -> String {
+    let script = serde_json::to_string(ESCAPEE).unwrap();
+    let berth = serde_json::to_string(support::BERTH).unwrap();
+    format!(
+        "[instance]\nport_range = [{first}, {last}]\n\
+         command = [\"/bin/sh\", \"-c\", 'python3 -c \"$2\" & exec \"$0\" demo-app --port \"$1\"', {berth}, \"{{port}}\", {script}]\n\
+         ready_token_regex = 'berth-demo: http://127\\.0\\.0\\.1:\\d+/\\?token=([A-Za-z0-9_-]+)'\n\n\
+         [reap]\nhibernate_after_s = 0\n\n\
+         [isolation]\nmode = \"sandbox\"\nbase_uid = {uid}\nuid_count = 1000\n",
+        first = slot.ports,
+        last = slot.ports + 39,
+        uid = slot.base_uid,
+    )
+}
+
+/// The session id of a process (`/proc/<pid>/stat`, field 6).
+fn session_of(pid: u32) -> Option<u32> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    stat.rsplit_once(')')?
+        .1
+        .split_whitespace()
+        .nth(3)?
+        .parse()
+        .ok()
+}
+
+/// The freezer of `user`'s instance cgroup, from its shim's state file:
+/// its directory under the v1 `freezer` controller, else (v2) its one
+/// directory.
+fn freezer_of(node: &Node, user: &str) -> berth_local::isolation::cgroup::CgroupFreezer {
+    use berth_local::isolation::cgroup::{CgroupFreezer, FreezerKind};
+    let dirs: Vec<PathBuf> = state_of(node, user)["cgroup"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| PathBuf::from(d.as_str().unwrap()))
+        .collect();
+    match dirs.iter().find(|d| d.join("freezer.state").exists()) {
+        Some(dir) => CgroupFreezer {
+            kind: FreezerKind::V1,
+            dir: dir.clone(),
+        },
+        None => {
+            assert_eq!(dirs.len(), 1, "one v2 directory, or a v1 freezer: {dirs:?}");
+            CgroupFreezer {
+                kind: FreezerKind::V2,
+                dir: dirs[0].clone(),
+            }
+        }
+    }
+}
+
+/// The escapee's count.
+fn beat(node: &Node, user: &str) -> Option<u64> {
+    std::fs::read_to_string(node.data_dir.join(format!("users/{user}/home/beat")))
+        .ok()?
+        .trim()
+        .parse()
+        .ok()
+}
+
+/// Waits until the escapee's count goes past `after`.
+async fn beats_past(node: &Node, user: &str, after: u64) -> u64 {
+    eventually(PATIENCE, "the escapee's heartbeat", || async {
+        beat(node, user).filter(|b| *b > after)
+    })
+    .await
+}
+
+/// Every process of `user`'s instance, the escaped session included, is in
+/// its frozen cgroup, and the escapee's count stands still.
+async fn assert_all_frozen(
+    node: &Node,
+    user: &str,
+    freezer: &berth_local::isolation::cgroup::CgroupFreezer,
+    pids: &[u32],
+) {
+    eventually(PATIENCE, "the instance's cgroup frozen", || async {
+        freezer.is_frozen().unwrap().then_some(())
+    })
+    .await;
+    let members = freezer.tasks().unwrap();
+    assert!(
+        pids.iter().all(|p| members.contains(p)),
+        "{pids:?} all in {members:?}"
+    );
+    for pid in pids {
+        assert_ne!(proc_state(*pid), Some('R'), "{pid} is frozen");
+    }
+    // Nothing to wait for: a frozen heartbeat is one that stays the same
+    // over twenty of its periods.
+    let frozen_at = beat(node, user);
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(beat(node, user), frozen_at, "the escapee made no progress");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn in_a_sandbox_hibernation_freezes_processes_that_left_the_session() {
+    if !privileged("freezing, sandbox") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let slot = slot();
+    let config = escapee_config(&slot);
+    let mut node = Node::start(dir.path(), &config);
+    let main = launch(&node, "alice").await;
+    let program = u32::try_from(main["pid"].as_u64().unwrap()).unwrap();
+    let first = beats_past(&node, "alice", 0).await;
+    let mut pids = instance_pids(&node.data_dir, "alice", "main");
+    pids.sort_unstable();
+    let escaped: Vec<u32> = pids
+        .iter()
+        .copied()
+        .filter(|p| session_of(*p) != session_of(program))
+        .collect();
+    assert_eq!(escaped.len(), 1, "the escapee left the session: {pids:?}");
+    let freezer = freezer_of(&node, "alice");
+
+    let out = node.cli(&["hibernate", "alice"]);
+    assert!(out.status.success(), "{out:?}");
+    assert_all_frozen(&node, "alice", &freezer, &pids).await;
+
+    // A restart of berth adopts alice as hibernated, still frozen.
+    node.kill9();
+    let node = Node::start(dir.path(), &config);
+    eventually(PATIENCE, "alice adopted as hibernated", || async {
+        (node.status_of("alice").await == "hibernated").then_some(())
+    })
+    .await;
+    assert_all_frozen(&node, "alice", &freezer, &pids).await;
+
+    // A resume thaws every process, the escapee too, with the same pids.
+    let out = node.cli(&["resume", "alice"]);
+    assert!(out.status.success(), "{out:?}");
+    let frozen_at = beat(&node, "alice").unwrap_or(first);
+    beats_past(&node, "alice", frozen_at).await;
+    assert!(!freezer.is_frozen().unwrap());
+    let mut after = instance_pids(&node.data_dir, "alice", "main");
+    after.sort_unstable();
+    assert_eq!(after, pids, "the same processes run again");
+    assert_eq!(node.main_of("alice").await["restarts"], 0);
+
+    // Frozen again, then stopped: killed while frozen, never thawed to run;
+    // nothing of the instance is left, its cgroups neither.
+    let out = node.cli(&["hibernate", "alice"]);
+    assert!(out.status.success(), "{out:?}");
+    assert_all_frozen(&node, "alice", &freezer, &pids).await;
+    let stopped_at = beat(&node, "alice");
+    assert_eq!(node.delete("/users/alice/instance").await, 204);
+    eventually(PATIENCE, "every process of alice gone", || async {
+        pids.iter().all(|p| !alive(u64::from(*p))).then_some(())
+    })
+    .await;
+    assert_eq!(beat(&node, "alice"), stopped_at, "no beat after the kill");
+    eventually(PATIENCE, "alice's cgroups removed", || async {
+        (!freezer.dir.exists()).then_some(())
+    })
+    .await;
+    node.kill_instances();
+}
+
+// --- cleanup and survival ---------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_hundred_start_stop_cycles_leave_nothing_behind() {
+    if !privileged("no leaks") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let slot = slot();
+    // The built-in demo app: quick to start, so the cycles are many.
+    let node = Node::start(
+        dir.path(),
+        &format!(
+            "[instance]\nport_range = [{}, {}]\n\n\
+             [isolation]\nmode = \"sandbox\"\nbase_uid = {}\nuid_count = 1000\n",
+            slot.ports,
+            slot.ports + 39,
+            slot.base_uid
+        ),
+    );
+    let berth = node.pid().unwrap();
+    let mounts = || std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+    let mounts_under_data = || {
+        mounts()
+            .lines()
+            .filter(|l| l.contains(node.data_dir.to_str().unwrap()))
+            .count()
+    };
+    // One cycle first, to learn where the cgroups go.
+    launch(&node, "cycler").await;
+    let parents: Vec<PathBuf> = state_of(&node, "cycler")["cgroup"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| Path::new(d.as_str().unwrap()).parent().unwrap().to_owned())
+        .collect();
+    assert_eq!(
+        parents.len(),
+        4,
+        "memory, pids, cpu and freezer (cgroup v1 here)"
+    );
+    assert_eq!(own_ports_elements(&node.data_dir).len(), 1);
+    assert_eq!(node.delete("/users/cycler/instance").await, 204);
+    let cgroups = || -> usize {
+        parents
+            .iter()
+            .map(|p| {
+                std::fs::read_dir(p)
+                    .unwrap()
+                    .flatten()
+                    .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
+                    .count()
+            })
+            .sum()
+    };
+    let zygote = zygote_of(berth).expect("the zygote runs");
+    let shims = || -> usize {
+        std::fs::read_dir("/proc")
+            .unwrap()
+            .flatten()
+            .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+            .filter(|pid| {
+                std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| {
+                    s.rsplit_once(')')
+                        .and_then(|(_, rest)| rest.split_whitespace().nth(1))
+                        == Some(&zygote.to_string())
+                })
+            })
+            .count()
+    };
+    let before = (
+        cgroups(),
+        own_ports_elements(&node.data_dir).len(),
+        mounts_under_data(),
+        processes_in_range(slot.base_uid).len(),
+        shims(),
+    );
+    assert_eq!(before, (0, 0, 0, 0, 0));
+    for i in 0..100 {
+        let user = format!("cycle{}", i % 7);
+        launch(&node, &user).await;
+        assert_eq!(node.delete(&format!("/users/{user}/instance")).await, 204);
+    }
+    let after = (
+        cgroups(),
+        own_ports_elements(&node.data_dir).len(),
+        mounts_under_data(),
+        processes_in_range(slot.base_uid).len(),
+        shims(),
+    );
+    assert_eq!(
+        after, before,
+        "(cgroups, port-guard pairs, mounts, instance processes, shims)"
+    );
+}
+
+/// Whether the nftables table of the berth with `data_dir` exists.
+fn table_listed(data_dir: &Path) -> bool {
+    let table = berth_local::isolation::nft_table_name(&data_dir.canonicalize().unwrap());
+    let out = Command::new("nft")
+        .args(["list", "tables", "inet"])
+        .output()
+        .unwrap();
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .any(|l| l.trim() == format!("table inet {table}"))
+}
+
+/// What a berth at `user` leaves in the kernel: its table and cgroup
+/// parents stay while an instance of it may be adopted, and go once none
+/// can be: at its graceful stop with none left, else at the start of the
+/// next berth on the host once it is gone (killed, or its data dir
+/// deleted) with none left.
+#[tokio::test(flavor = "multi_thread")]
+async fn leftovers_stay_while_an_instance_may_need_them_and_go_after() {
+    if !privileged("leftovers") {
+        return;
+    }
+    let slot = slot();
+    let config = |ports: u16, uids: u32| {
+        format!(
+            "[instance]\nport_range = [{ports}, {}]\n\n\
+             [isolation]\nmode = \"user\"\nbase_uid = {uids}\nuid_count = 100\n",
+            ports + 9,
+        )
+    };
+    let leftovers = |node: &Node| {
+        (
+            table_listed(&node.data_dir),
+            support::cgroup_parents(&node.data_dir).len(),
+        )
+    };
+    let start_one = |i: u16, dir: &Path| {
+        Node::start(
+            dir,
+            &config(slot.ports + i * 10, slot.base_uid + u32::from(i) * 100),
+        )
+    };
+    let dirs: Vec<_> = (0..4).map(|_| tempfile::tempdir().unwrap()).collect();
+
+    // A stops gracefully with no instance left: nothing stays.
+    let mut a = start_one(0, dirs[0].path());
+    launch(&a, "passing").await;
+    assert_eq!(
+        leftovers(&a),
+        (true, 4),
+        "table, and memory, pids, cpu, freezer"
+    );
+    assert_eq!(a.delete("/users/passing/instance").await, 204);
+    assert!(a.terminate().success());
+    assert_eq!(leftovers(&a), (false, 0));
+
+    // B is killed with an instance running, C and D with none; then D's
+    // data dir is deleted.
+    let mut b = start_one(1, dirs[1].path());
+    let staying = launch(&b, "staying").await;
+    b.kill9();
+    let mut gone = Vec::new();
+    for (i, dir) in [(2, dirs[2].path()), (3, dirs[3].path())] {
+        let mut node = start_one(i, dir);
+        launch(&node, "brief").await;
+        assert_eq!(node.delete("/users/brief/instance").await, 204);
+        node.kill9();
+        gone.push(node);
+    }
+    let d_parents: Vec<PathBuf> = support::cgroup_parents(&gone[1].data_dir)
+        .into_iter()
+        .map(|(_, p)| p)
+        .collect();
+    let d_table = berth_local::isolation::nft_table_name(&gone[1].data_dir.canonicalize().unwrap());
+    std::fs::remove_dir_all(&gone[1].data_dir).unwrap();
+
+    // The next berth on the host removes C's and D's, and keeps B's.
+    let next_dir = tempfile::tempdir().unwrap();
+    let next = start_one(0, next_dir.path());
+    assert_eq!(leftovers(&gone[0]), (false, 0), "C: its berth is gone");
+    let listed = Command::new("nft")
+        .args(["list", "tables"])
+        .output()
+        .unwrap();
+    assert!(
+        !String::from_utf8_lossy(&listed.stdout).contains(&d_table),
+        "D: its data dir is gone"
+    );
+    assert!(d_parents.iter().all(|p| !p.exists()), "{d_parents:?}");
+    assert_eq!(leftovers(&b), (true, 4), "B's instance may be adopted");
+    assert!(alive(staying["pid"].as_u64().unwrap()));
+    assert!(table_listed(&next.data_dir));
+
+    b.kill_instances();
+    support::remove_isolation_leftovers(&b.data_dir);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn adopted_instances_stay_confined_and_keep_their_limits_after_a_restart() {
+    if !privileged("survival") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let slot = slot();
+    let config = breach_config(dir.path(), &slot, "sandbox", "memory_max_mb = 64\n", "");
+    let mut node = start(dir.path(), &config);
+    let alice = launch(&node, "alice").await;
+    let bob = launch(&node, "bob").await;
+    let uid = probe(&node, "alice", "whoami", &[]).await["uid"].clone();
+
+    node.kill9();
+    let node = start(dir.path(), &config);
+    node.adopted().await;
+    let main = node.running_main("alice", None).await;
+    assert_eq!(main["pid"], alice["pid"], "adopted, not restarted");
+
+    // Same account, same pid namespace, same guard.
+    assert_eq!(probe(&node, "alice", "whoami", &[]).await["uid"], uid);
+    let seen = probe(&node, "alice", "processes", &[]).await;
+    assert!(
+        seen.as_array().unwrap().iter().all(|e| e[1] == uid),
+        "{seen}"
+    );
+    let bob_port = bob["port"].as_u64().unwrap().to_string();
+    let alice_port = alice["port"].as_u64().unwrap().to_string();
+    let to_bob = probe(
+        &node,
+        "alice",
+        "connect",
+        &[("host", "127.0.0.1"), ("port", &bob_port)],
+    )
+    .await;
+    assert!(refused(&to_bob, &["ECONNREFUSED"]), "{to_bob}");
+    let to_self = probe(
+        &node,
+        "alice",
+        "connect",
+        &[("host", "127.0.0.1"), ("port", &alice_port)],
+    )
+    .await;
+    assert_eq!(
+        to_self["ok"], true,
+        "its own port was given back: {to_self}"
+    );
+    // Same memory limit, enforced and reported by the new berth.
+    let _ = node
+        .http
+        .get(format!("{}/u/alice/alloc?mb=256", node.url))
+        .bearer_auth(&node.token)
+        .send()
+        .await;
+    let crashed = eventually(PATIENCE, "alice's OOM kill recorded", || async {
+        let main = node.main_of("alice").await;
+        (main["restarts"].as_u64() >= Some(1)).then_some(main)
+    })
+    .await;
+    assert_eq!(
+        crashed["last_error"], "out of memory (limit 64 MiB)",
+        "{crashed}"
+    );
+    assert_eq!(probe(&node, "bob", "ping", &[]).await["ok"], true);
+    node.kill_instances();
+}
+
+// --- clear errors ---------------------------------------------------------------------
+
+fn berth_fails(dir: &Path, config: &str, uid: Option<u32>) -> String {
+    std::fs::write(dir.join("berth.toml"), config).unwrap();
+    let mut command = Command::new(support::BERTH);
+    command
+        .args(["serve", "--config"])
+        .arg(dir.join("berth.toml"))
+        .current_dir(dir);
+    if let Some(uid) = uid {
+        use std::os::unix::process::CommandExt;
+        command.uid(uid).gid(uid);
+    }
+    let out = command.output().unwrap();
+    assert_eq!(out.status.code(), Some(1), "berth must refuse to start");
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+#[test]
+fn user_and_sandbox_without_root_or_nft_are_startup_errors_that_say_so() {
+    if !privileged("startup errors") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    std::fs::create_dir(&data).unwrap();
+    for path in [dir.path(), data.as_path()] {
+        nix::unistd::chown(path, Some(65_534.into()), Some(65_534.into())).unwrap();
+    }
+    for mode in ["user", "sandbox"] {
+        let config = format!(
+            "listen = \"127.0.0.1:0\"\ndata_dir = \"{}\"\n[isolation]\nmode = \"{mode}\"\n",
+            data.display()
+        );
+        let stderr = berth_fails(dir.path(), &config, Some(65_534));
+        assert!(
+            stderr.contains(&format!(
+                "isolation mode \"{mode}\" needs berth to run as root"
+            )),
+            "{stderr}"
+        );
+    }
+    let config = format!(
+        "listen = \"127.0.0.1:0\"\ndata_dir = \"{}\"\n[isolation]\nmode = \"user\"\nnft = \"/nonexistent/nft\"\n",
+        data.display()
+    );
+    let stderr = berth_fails(dir.path(), &config, None);
+    assert!(
+        stderr.contains("needs nftables") && stderr.contains("/nonexistent/nft"),
+        "{stderr}"
+    );
+    // And the failed start left nothing in the kernel: no cgroup parent.
+    let table = berth_local::isolation::nft_table_name(&data.canonicalize().unwrap());
+    let parent = table.replacen("berth_", "berth-", 1);
+    let found = dirs_named(Path::new("/sys/fs/cgroup"), &parent, 4);
+    assert!(found.is_empty(), "a failed start left {found:?}");
+}
+
+/// Directories named `name` under `root`, at most `depth` levels down.
+fn dirs_named(root: &Path, name: &str, depth: usize) -> Vec<PathBuf> {
+    let mut found = Vec::new();
+    let Ok(entries) = std::fs::read_dir(root) else {
+        return found;
+    };
+    for entry in entries.flatten() {
+        let path = entry.path();
+        if !entry.file_type().is_ok_and(|t| t.is_dir()) {
+            continue;
+        }
+        if entry.file_name() == name {
+            found.push(path.clone());
+        }
+        if depth > 1 {
+            found.extend(dirs_named(&path, name, depth - 1));
+        }
+    }
+    found
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn level_none_warns_that_instances_are_not_isolated() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("berth.log");
+    let options = StartOptions {
+        stderr: Some(log.clone()),
+        ..StartOptions::default()
+    };
+    let node = Node::start_configured(
+        dir.path(),
+        &format!(
+            "listen = \"127.0.0.1:0\"\ndata_dir = \"{}\"\n[isolation]\nmode = \"none\"\n",
+            dir.path().join("data").display()
+        ),
+        &options,
+    );
+    let text = std::fs::read_to_string(&log).unwrap();
+    assert!(
+        text.contains("WARN") && text.contains("NOT isolated from berth or from each other"),
+        "{text}"
+    );
+    drop(node);
+}
+
+// --- every process of an instance: setsid, double forks, forks in flight ---------
+
+/// Lines `support/escapes.py` writes: three processes that left the
+/// program's process group, one of them a new process for every line.
+const ESCAPES: &str = include_str!("support/escapes.py");
+
+/// The demo app at `mode`, started by a shell that first lets the
+/// [`ESCAPES`] loose; hibernation only by hand.
+fn escapes_config(slot: &Slot, mode: &str) -> String {
+    let script = serde_json::to_string(ESCAPES).unwrap();
+    let berth = serde_json::to_string(support::BERTH).unwrap();
+    format!(
+        "[instance]\nport_range = [{first}, {last}]\nstop_grace_s = 2\n\
+         command = [\"/bin/sh\", \"-c\", 'python3 -c \"$2\" & exec \"$0\" demo-app --port \"$1\"', {berth}, \"{{port}}\", {script}]\n\
+         ready_token_regex = 'berth-demo: http://127\\.0\\.0\\.1:\\d+/\\?token=([A-Za-z0-9_-]+)'\n\n\
+         [reap]\nhibernate_after_s = 0\n\n\
+         [isolation]\nmode = \"{mode}\"\nbase_uid = {uid}\nuid_count = 1000\n",
+        first = slot.ports,
+        last = slot.ports + 39,
+        uid = slot.base_uid,
+    )
+}
+
+/// `user`'s journal of escapes: lines per kind.
+fn escape_lines(node: &Node, user: &str) -> std::collections::BTreeMap<String, usize> {
+    let text =
+        std::fs::read_to_string(node.data_dir.join(format!("users/{user}/home/escapes.log")))
+            .unwrap_or_default();
+    let mut kinds = std::collections::BTreeMap::new();
+    for line in text.lines() {
+        if let Some(kind) = line.split_whitespace().nth(1) {
+            *kinds.entry(kind.to_owned()).or_insert(0) += 1;
+        }
+    }
+    kinds
+}
+
+fn escape_total(node: &Node, user: &str) -> usize {
+    escape_lines(node, user).values().sum()
+}
+
+/// Waits until each of the three escapes has written `n` lines more than
+/// `base` says.
+async fn escapes_write(node: &Node, user: &str, n: usize) {
+    let base = escape_lines(node, user);
+    eventually(PATIENCE, &format!("{user}'s escapes writing"), || async {
+        let now = escape_lines(node, user);
+        ["setsid", "double", "racer"]
+            .iter()
+            .all(|k| now.get(*k).copied().unwrap_or(0) >= base.get(*k).copied().unwrap_or(0) + n)
+            .then_some(())
+    })
+    .await;
+}
+
+/// The uid `user`'s instance runs as, from its shim's state.
+fn instance_uid(node: &Node, user: &str) -> u32 {
+    u32::try_from(state_of(node, user)["uid"].as_u64().unwrap()).unwrap()
+}
+
+/// Live (not zombie) processes of `uid`, by any of their uids.
+fn live_processes_of(uid: u32) -> Vec<u32> {
+    berth_local::isolation::sweep::members(uid)
+        .into_iter()
+        .filter(|m| !matches!(m.state, 'Z' | 'X'))
+        .map(|m| m.pid)
+        .collect()
+}
+
+/// The attack of a program whose processes leave its group (as every
+/// Jupyter kernel does), at `mode`: hibernation freezes all of them, a
+/// stop of the frozen instance kills all of them without a thaw, and a
+/// stop of a running one leaves none. The oracle is the journal the
+/// escapes write every 10 ms: frozen, its length stands still while
+/// bob's, a second instance of the same program, grows by a hundred
+/// lines; killed, no process of alice's uid is left and the length never
+/// moved from the freeze on.
+async fn every_process_of_an_instance_is_frozen_and_stopped(mode: &str) {
+    let dir = tempfile::tempdir().unwrap();
+    let slot = slot();
+    let node = Node::start(dir.path(), &escapes_config(&slot, mode));
+    launch(&node, "alice").await;
+    launch(&node, "bob").await;
+    escapes_write(&node, "alice", 3).await;
+    escapes_write(&node, "bob", 3).await;
+    let uid = instance_uid(&node, "alice");
+    // The shim writes the program's log from its blocking pool, which a
+    // sandbox's shim must have started before it entered a pid namespace.
+    let logs = node.cli(&["logs", "alice"]);
+    assert!(
+        String::from_utf8_lossy(&logs.stdout).contains("berth-demo: http://"),
+        "{mode}: alice's log holds her program's output: {logs:?}"
+    );
+
+    let out = node.cli(&["hibernate", "alice"]);
+    assert!(out.status.success(), "{out:?}");
+    // The API answers once the freeze is asked for; the shim records it
+    // once the kernel has frozen every process.
+    eventually(PATIENCE, "alice's shim reporting her frozen", || async {
+        (state_of(&node, "alice")["frozen"] == true).then_some(())
+    })
+    .await;
+    let frozen_at = escape_total(&node, "alice");
+    // bob runs on: a hundred of his lines is a second of alice's writing.
+    let bob = escape_total(&node, "bob");
+    eventually(PATIENCE, "bob's escapes writing on", || async {
+        (escape_total(&node, "bob") >= bob + 100).then_some(())
+    })
+    .await;
+    assert_eq!(
+        escape_total(&node, "alice"),
+        frozen_at,
+        "{mode}: a process of alice's hibernated instance wrote: {:?}",
+        escape_lines(&node, "alice")
+    );
+    assert!(!live_processes_of(uid).is_empty(), "frozen, not killed");
+
+    // A stop of the frozen instance: killed without being thawed.
+    assert_eq!(node.delete("/users/alice/instance").await, 204);
+    eventually(PATIENCE, "every process of alice's uid gone", || async {
+        live_processes_of(uid).is_empty().then_some(())
+    })
+    .await;
+    assert_eq!(
+        escape_total(&node, "alice"),
+        frozen_at,
+        "{mode}: alice's frozen instance ran again before it died"
+    );
+
+    // A stop of a running instance leaves none of its processes either.
+    launch(&node, "alice").await;
+    escapes_write(&node, "alice", 3).await;
+    assert_eq!(node.delete("/users/alice/instance").await, 204);
+    eventually(PATIENCE, "every process of alice's uid gone", || async {
+        live_processes_of(uid).is_empty().then_some(())
+    })
+    .await;
+    // Not even a zombie: the orphans an instance leaves are reaped by its
+    // shim, whatever the host's init does, so none counts against the
+    // account's process limits.
+    eventually(PATIENCE, "no zombie of alice's uid left", || async {
+        berth_local::isolation::sweep::members(uid)
+            .is_empty()
+            .then_some(())
+    })
+    .await;
+    let stopped_at = escape_total(&node, "alice");
+    let bob = escape_total(&node, "bob");
+    eventually(PATIENCE, "bob's escapes writing on", || async {
+        (escape_total(&node, "bob") >= bob + 100).then_some(())
+    })
+    .await;
+    assert_eq!(escape_total(&node, "alice"), stopped_at);
+    assert_eq!(node.delete("/users/bob/instance").await, 204);
+    let bob_uid = slot.base_uid..slot.base_uid + 1000;
+    eventually(PATIENCE, "no process of any instance left", || async {
+        processes_in_range(bob_uid.start).is_empty().then_some(())
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn at_level_user_every_process_of_an_instance_is_frozen_and_stopped() {
+    if privileged("escapes, user") {
+        every_process_of_an_instance_is_frozen_and_stopped("user").await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn in_a_sandbox_every_process_of_an_instance_is_frozen_and_stopped() {
+    if privileged("escapes, sandbox") {
+        every_process_of_an_instance_is_frozen_and_stopped("sandbox").await;
+    }
+}
+
+/// Starts [`ESCAPES`] as `uid` (its own group too), writing to `journal`.
+fn escapes_as(uid: u32, journal: &Path) {
+    use std::os::unix::process::CommandExt;
+    let status = Command::new("/usr/bin/python3")
+        .args(["-c", ESCAPES])
+        .arg(journal)
+        .uid(uid)
+        .gid(uid)
+        .env("HOME", "/")
+        .current_dir("/")
+        .status()
+        .unwrap();
+    assert!(status.success(), "{status:?}");
+}
+
+fn journal_lines(journal: &Path) -> usize {
+    std::fs::read_to_string(journal).map_or(0, |t| t.lines().count())
+}
+
+/// The handle at level `user` on a host that gives instances no cgroup:
+/// the account. A sweep of SIGSTOP reaches every process of the uid (the
+/// escapes of `support/escapes.py`, a fork in flight included), a sweep of
+/// SIGKILL ends them all without letting one run again, and another
+/// account's processes run on untouched, as the clock of the test.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_sweep_of_an_account_freezes_and_kills_every_one_of_its_processes() {
+    use berth_local::isolation::sweep;
+    if !privileged("sweep of an account") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o777)).unwrap();
+    let slot = slot();
+    let (uid, clock_uid) = (slot.base_uid + 7, slot.base_uid + 8);
+    let (journal, clock) = (dir.path().join("escapes.log"), dir.path().join("clock.log"));
+    escapes_as(uid, &journal);
+    escapes_as(clock_uid, &clock);
+    eventually(PATIENCE, "the escapes writing", || async {
+        (journal_lines(&journal) >= 9 && journal_lines(&clock) >= 9).then_some(())
+    })
+    .await;
+
+    assert_eq!(sweep::stop_all(uid), vec![], "every process stopped");
+    let frozen_at = journal_lines(&journal);
+    let members = sweep::members(uid);
+    assert!(!members.is_empty());
+    assert!(
+        members.iter().all(|m| matches!(m.state, 'T' | 'Z')),
+        "{members:?}"
+    );
+    let tick = journal_lines(&clock);
+    eventually(PATIENCE, "the other account writing on", || async {
+        (journal_lines(&clock) >= tick + 100).then_some(())
+    })
+    .await;
+    assert_eq!(
+        journal_lines(&journal),
+        frozen_at,
+        "a stopped process wrote"
+    );
+
+    assert_eq!(sweep::kill_all(uid), vec![], "every process killed");
+    assert_eq!(live_processes_of(uid), Vec::<u32>::new());
+    assert_eq!(journal_lines(&journal), frozen_at, "killed without running");
+    assert!(
+        !live_processes_of(clock_uid).is_empty(),
+        "the other account untouched"
+    );
+    assert_eq!(sweep::kill_all(clock_uid), vec![]);
+}
+
+// --- ports: a stolen port is useless -------------------------------------------
+
+/// [`breach_config`] whose programs start only once `$HOME/gate` exists,
+/// so that a test decides when each binds its port.
+fn gated_config(dir: &Path, slot: &Slot, mode: &str) -> String {
+    let script = serde_json::to_string(BREACH).unwrap();
+    let gated = serde_json::to_string(
+        "while [ ! -e \"$HOME/gate\" ]; do sleep 0.02; done; exec python3 -c \"$1\" \"$0\"",
+    )
+    .unwrap();
+    breach_config(dir, slot, mode, "", "").replace(
+        &format!("command = [\"python3\", \"-c\", {script}, \"{{port}}\"]"),
+        &format!("command = [\"/bin/sh\", \"-c\", {gated}, \"{{port}}\", {script}]"),
+    )
+}
+
+/// Lets `user`'s gated program start, once berth has made its home.
+async fn open_gate(node: &Node, user: &str) {
+    let home = node.data_dir.join(format!("users/{user}/home"));
+    eventually(PATIENCE, &format!("{user}'s home made"), || async {
+        home.is_dir().then_some(())
+    })
+    .await;
+    std::fs::write(home.join("gate"), "").unwrap();
+}
+
+/// Port theft, tried as a hostile user would: alice's program binds the
+/// port berth has just given bob, before bob's program (which binds late)
+/// can. At `user` the kernel lets her bind it and accept connections
+/// there, but berth asks the kernel who owns the socket it reached and
+/// sends nothing to one that is not bob's account's: her listener answers
+/// neither the readiness probe nor bob's requests; bob's program fails to
+/// bind and is restarted on another port. In a sandbox her bind lands in
+/// her own network namespace, and bob keeps his port in his. Either way
+/// everything sent to bob reaches bob, and her listener never receives a
+/// request.
+async fn a_stolen_port_is_never_reached(mode: &str) {
+    let dir = tempfile::tempdir().unwrap();
+    let slot = slot();
+    let node = start(dir.path(), &gated_config(dir.path(), &slot, mode));
+    tokio::join!(launch(&node, "alice"), open_gate(&node, "alice"));
+    let alice_uid = probe(&node, "alice", "whoami", &[]).await["uid"].clone();
+    let bob_launch = {
+        let http = node.http.clone();
+        let url = node.api("/users/bob/instance");
+        let token = node.token.clone();
+        tokio::spawn(async move {
+            http.post(url)
+                .bearer_auth(token)
+                .json(&json!({}))
+                .send()
+                .await
+                .map(|r| r.status().as_u16())
+        })
+    };
+    let port = eventually(PATIENCE, "bob's port chosen", || async {
+        node.main_of("bob").await["port"].as_u64()
+    })
+    .await;
+    let theft = probe(&node, "alice", "steal", &[("port", &port.to_string())]).await;
+    assert_eq!(
+        theft["ok"], true,
+        "the kernel lets alice bind bob's port: {theft}"
+    );
+    open_gate(&node, "bob").await;
+    let launched = bob_launch.await.unwrap();
+    assert!(launched.is_ok(), "bob's launch got no answer: {launched:?}");
+
+    let moved = mode == "user";
+    eventually(PATIENCE, "bob running on a port of his own", || async {
+        let main = node.main_of("bob").await;
+        (main["status"] == "running"
+            && main["ready"] == true
+            && (main["port"].as_u64() != Some(port)) == moved)
+            .then_some(())
+    })
+    .await;
+    let whoami = probe(&node, "bob", "whoami", &[]).await;
+    assert_ne!(
+        whoami["stolen"], true,
+        "bob's request reached alice: {whoami}"
+    );
+    assert!(whoami["uid"].is_u64(), "{whoami}");
+    assert_ne!(whoami["uid"], alice_uid, "{whoami}");
+    let stolen = probe(&node, "alice", "stolen", &[]).await;
+    assert_eq!(
+        stolen["value"], 0,
+        "alice's listener on bob's port got requests"
+    );
+    node.kill_instances();
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_port_stolen_at_level_user_answers_nobody() {
+    if privileged("port theft, user") {
+        a_stolen_port_is_never_reached("user").await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_port_stolen_in_a_sandbox_answers_nobody() {
+    if privileged("port theft, sandbox") {
+        a_stolen_port_is_never_reached("sandbox").await;
+    }
+}
+
+// --- the sandbox's network ------------------------------------------------------
+
+/// At `user` every instance shares the host's network namespace (README
+/// says what that shares). A sandbox has one of its own, with nothing but
+/// its loopback: bob's services beside his port (one outside the
+/// instance port range, one on an abstract unix socket) are out of
+/// alice's reach, and her `/proc/net` lists none of his sockets, while
+/// bob reaches and sees his own.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_sandbox_reaches_and_sees_no_other_tenants_sockets() {
+    if !privileged("sandbox network") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let slot = slot();
+    let node = start(
+        dir.path(),
+        &breach_config(dir.path(), &slot, "sandbox", "", ""),
+    );
+    launch(&node, "alice").await;
+    launch(&node, "bob").await;
+    // Outside the instance port range, where no port guard looks.
+    let extra = (slot.ports + 100).to_string();
+    let name = format!("berth-test-bob-{}", slot.base_uid);
+    let listening = probe(&node, "bob", "listen", &[("port", &extra), ("name", &name)]).await;
+    assert_eq!(listening["ok"], true, "{listening}");
+    let tcp = [("host", "127.0.0.1"), ("port", extra.as_str())];
+    let unix = [("name", name.as_str())];
+    let tcp_table = format!(":{:04X}", slot.ports + 100);
+    for (user, reaches) in [("bob", true), ("alice", false)] {
+        let to_tcp = probe(&node, user, "connect", &tcp).await;
+        let to_unix = probe(&node, user, "uconnect", &unix).await;
+        if reaches {
+            assert_eq!(to_tcp["ok"], true, "{user}: {to_tcp}");
+            assert_eq!(to_unix["ok"], true, "{user}: {to_unix}");
+        } else {
+            assert!(
+                refused(&to_tcp, &["ECONNREFUSED"]),
+                "{user} reached bob: {to_tcp}"
+            );
+            assert!(
+                refused(&to_unix, &["ECONNREFUSED"]),
+                "{user} reached bob: {to_unix}"
+            );
+        }
+        for (table, needle) in [
+            ("/proc/net/tcp", tcp_table.as_str()),
+            ("/proc/net/unix", &name),
+        ] {
+            let seen = probe(
+                &node,
+                user,
+                "mentions",
+                &[("path", table), ("needle", needle)],
+            )
+            .await;
+            assert_eq!(seen["value"], reaches, "{user} in {table}: {seen}");
+        }
+    }
+    node.kill_instances();
+}
+
+// --- one instance against every other: resources it must not exhaust ------
+
+/// Distinct files (by inode) and their sizes: the entries of `dir`, and
+/// the files `pid` holds open there, deleted ones included.
+fn log_bytes_on_disk(dir: &Path, pid: u32) -> u64 {
+    let mut files = std::collections::BTreeMap::new();
+    for entry in std::fs::read_dir(dir).unwrap().flatten() {
+        if let Ok(meta) = entry.metadata() {
+            files.insert((meta.dev(), meta.ino()), meta.len());
+        }
+    }
+    for fd in std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .unwrap()
+        .flatten()
+    {
+        let Ok(target) = std::fs::read_link(fd.path()) else {
+            continue;
+        };
+        if target.starts_with(dir)
+            && let Ok(meta) = std::fs::metadata(fd.path())
+        {
+            files.insert((meta.dev(), meta.ino()), meta.len());
+        }
+    }
+    files.values().sum()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_program_printing_without_end_leaves_at_most_log_max_bytes_on_disk() {
+    if !privileged("log bound") {
+        return;
+    }
+    const CAP: u64 = 1024 * 1024;
+    let dir = tempfile::tempdir().unwrap();
+    let slot = slot();
+    let config = breach_config(dir.path(), &slot, "user", "", "").replace(
+        "[instance]\n",
+        &format!("[instance]\nlog_max_bytes = {CAP}\n"),
+    );
+    let node = start(dir.path(), &config);
+    launch(&node, "alice").await;
+    let logs = node.data_dir.join("users/alice/logs");
+    let state: Value =
+        serde_json::from_slice(&std::fs::read(node.data_dir.join("run/alice/main.json")).unwrap())
+            .unwrap();
+    let shim = u32::try_from(state["shim_pid"].as_u64().unwrap()).unwrap();
+    // The program's user deletes the log the shim (root) writes: before
+    // the bound, it kept growing where nobody saw it.
+    let log = logs.join("main.log");
+    let unlinked = probe(&node, "alice", "unlink", &[("path", path_str(&log))]).await;
+    assert_eq!(unlinked["ok"], true, "{unlinked}");
+    assert_eq!(probe(&node, "alice", "spew", &[("mb", "24")]).await, true);
+    // `berth logs` shows the newest lines: the last one printed.
+    let last = eventually(PATIENCE, "alice's last line in `logs`", || async {
+        let (status, body) = node.get("/users/alice/instance/logs?tail=3").await;
+        assert_eq!(status, 200, "{body}");
+        let lines = body["lines"].as_array().cloned().unwrap_or_default();
+        (lines.last().and_then(Value::as_str) == Some("spew done")).then_some(lines)
+    })
+    .await;
+    assert!(
+        last[..2]
+            .iter()
+            .all(|l| l.as_str().unwrap().starts_with("spew 00")),
+        "{last:?}"
+    );
+    let on_disk = log_bytes_on_disk(&logs, shim);
+    assert!(
+        on_disk <= CAP,
+        "{on_disk} bytes of alice's log on disk, bound {CAP}"
+    );
+    assert!(on_disk > CAP / 4, "the log is kept, not dropped: {on_disk}");
+    node.kill_instances();
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_instance_cannot_fill_berths_connections_from_many_loopback_addresses() {
+    if !privileged("connections per account") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let slot = slot();
+    // Idle connections are not closed during the test.
+    let proxy =
+        "[proxy]\nmax_connections = 40\nmax_connections_per_ip = 10\nheader_timeout_ms = 120000\n";
+    let node = start(
+        dir.path(),
+        &breach_config(dir.path(), &slot, "user", "", proxy),
+    );
+    launch(&node, "alice").await;
+    launch(&node, "bob").await;
+    let berth_port = node
+        .url
+        .rsplit(':')
+        .next()
+        .unwrap()
+        .trim_end_matches('/')
+        .to_owned();
+    // 8 source addresses × 10: within the cap of each address, twice
+    // berth's whole capacity.
+    let flood = probe(
+        &node,
+        "alice",
+        "connectmany",
+        &[("port", &berth_port), ("sources", "8"), ("each", "10")],
+    )
+    .await;
+    assert_eq!(flood["ok"], true, "{flood}");
+    let opened = flood["value"]["opened"].as_u64().unwrap();
+    assert!(
+        opened <= 10,
+        "alice holds {opened} connections to berth: {flood}"
+    );
+    // bob's app and the API still answer.
+    assert_eq!(probe(&node, "bob", "ping", &[]).await["ok"], true);
+    let (status, _) = node.get("/users/bob/instance").await;
+    assert_eq!(status, 200);
+    node.kill_instances();
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_berth_whose_uid_range_overlaps_a_live_berths_is_refused_naming_it() {
+    if !privileged("uid ranges") {
+        return;
+    }
+    let slot = slot();
+    // Ranges of 100 within the slot's 1000 uids.
+    let config = |dir: &Path, first: u32| {
+        format!(
+            "listen = \"127.0.0.1:0\"\ndata_dir = \"{}\"\n[instance]\nport_range = [{}, {}]\n\
+             [isolation]\nmode = \"user\"\nbase_uid = {first}\nuid_count = 100\n",
+            dir.join("data").display(),
+            slot.ports,
+            slot.ports + 39,
+        )
+    };
+    let first = tempfile::tempdir().unwrap();
+    let live = start(first.path(), &config(first.path(), slot.base_uid));
+    // Half of its range, on a store of its own: refused, naming the
+    // other berth's data dir and range.
+    let second = tempfile::tempdir().unwrap();
+    support::reachable_by_instances(second.path());
+    let stderr = refused_at_start(second.path(), &config(second.path(), slot.base_uid + 50));
+    let live_data = live.data_dir.canonicalize().unwrap();
+    for needle in [
+        format!(
+            "the instance uid range {}-{}",
+            slot.base_uid + 50,
+            slot.base_uid + 149
+        ),
+        format!(
+            "overlaps the range {}-{}",
+            slot.base_uid,
+            slot.base_uid + 99
+        ),
+        format!("data dir {}", live_data.display()),
+    ] {
+        assert!(stderr.contains(&needle), "{needle} missing from {stderr}");
+    }
+    // Nothing of it was made: no table, no instance.
+    assert!(!second.path().join("data/run").exists(), "{stderr}");
+    // The next range along starts beside it.
+    let beside = start(second.path(), &config(second.path(), slot.base_uid + 100));
+    assert_healthy(&beside).await;
+    drop(beside);
+    // A killed berth's range is free at once.
+    drop(live);
+    let third = tempfile::tempdir().unwrap();
+    let after = start(third.path(), &config(third.path(), slot.base_uid + 50));
+    assert_healthy(&after).await;
+}
+
+/// berth's stderr when it refuses to start on `config`, written in `dir`;
+/// a berth that starts instead fails the test (and is killed).
+fn refused_at_start(dir: &Path, config: &str) -> String {
+    std::fs::write(dir.join("berth.toml"), config).unwrap();
+    let mut child = Command::new(support::BERTH)
+        .args(["serve", "--config"])
+        .arg(dir.join("berth.toml"))
+        .current_dir(dir)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // A refusal comes before anything is set up, in well under a second.
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if std::time::Instant::now() > deadline {
+            child.kill().unwrap();
+            child.wait().unwrap();
+            panic!("berth started where it must refuse");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut stderr).unwrap();
+    assert_eq!(
+        status.code(),
+        Some(1),
+        "berth must refuse to start: {stderr}"
+    );
+    stderr
+}
+
+async fn assert_healthy(node: &Node) {
+    let health = reqwest::get(format!("{}/healthz", node.url)).await.unwrap();
+    assert_eq!(health.text().await.unwrap(), "ok");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_instance_holding_the_port_range_cannot_keep_others_from_starting() {
+    if !privileged("ports per instance") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let slot = slot();
+    let node = start(
+        dir.path(),
+        &breach_config(dir.path(), &slot, "user", "max_ports = 4\n", ""),
+    );
+    launch(&node, "alice").await;
+    // alice's program listens on every free port of the range.
+    let (first, last) = (slot.ports.to_string(), (slot.ports + 39).to_string());
+    let held = probe(
+        &node,
+        "alice",
+        "bindmany",
+        &[("first", &first), ("last", &last)],
+    )
+    .await;
+    assert_eq!(held["ok"], true, "{held}");
+    assert!(held["value"].as_u64().unwrap() >= 30, "{held}");
+    // bob starts all the same, and answers.
+    let (status, body) = node.post("/users/bob/instance", json!({})).await;
+    assert_eq!(status, 201, "{body}");
+    eventually(PATIENCE, "bob running", || async {
+        (node.status_of("bob").await == "running").then_some(())
+    })
+    .await;
+    assert_eq!(probe(&node, "bob", "ping", &[]).await["ok"], true);
+    node.kill_instances();
+}
+
+// --- hooks ----------------------------------------------------------------
+
+/// A `pre_stop` hook run at `mode` acts as the program would and no more:
+/// it runs as the instance's account, in its cgroup, sees the private
+/// `/tmp` the program wrote to, and reaches the program on its loopback
+/// (in a sandbox, the instance's own network namespace). Each is written
+/// by the hook itself into the instance's folder, which only the
+/// instance's account and root may write.
+async fn a_hook_runs_inside_the_instance(mode: &str) {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let slot = slot();
+    let marker = format!("/tmp/berth-hook-probe-{}", slot.base_uid);
+    let berth = serde_json::to_string(support::BERTH).unwrap();
+    let hook = format!(
+        "id -u > hook.uid; cat /proc/self/cgroup > hook.cgroup; cat {marker} > hook.tmp; \
+         python3 -c \"import os, urllib.request; print(urllib.request.urlopen('http://127.0.0.1:%s/counter' \
+         % os.environ['BERTH_PORT'], timeout=10).status)\" > hook.port 2>&1; echo \"$BERTH_HOOK\" > hook.name"
+    );
+    let config = format!(
+        "listen = \"127.0.0.1:0\"\ndata_dir = \"{data}\"\n\n\
+         [instance]\nport_range = [{first}, {last}]\nstop_grace_s = 2\n\
+         command = [\"/bin/sh\", \"-c\", 'echo program > {marker}; exec \"$0\" demo-app --port \"$1\"', {berth}, \"{{port}}\"]\n\
+         ready_token_regex = 'berth-demo: http://127\\.0\\.0\\.1:\\d+/\\?token=([A-Za-z0-9_-]+)'\n\
+         pre_stop = [\"/bin/sh\", \"-c\", {hook}]\n\n\
+         [isolation]\nmode = \"{mode}\"\nbase_uid = {uid}\nuid_count = 1000\n",
+        data = dir.path().join("data").display(),
+        first = slot.ports,
+        last = slot.ports + 39,
+        uid = slot.base_uid,
+        hook = serde_json::to_string(&hook).unwrap(),
+    );
+    let node = start(dir.path(), &config);
+    launch(&node, "alice").await;
+    let state = state_of(&node, "alice");
+    let uid = instance_uid(&node, "alice");
+    assert_eq!(node.delete("/users/alice/instance").await, 204);
+    let ws = node.data_dir.join("users/alice/ws");
+    let read = |name: &str| {
+        std::fs::read_to_string(ws.join(name))
+            .unwrap_or_else(|e| panic!("the hook wrote no {name}: {e}"))
+    };
+    assert_eq!(read("hook.name").trim(), "pre_stop");
+    assert_eq!(
+        read("hook.uid").trim(),
+        uid.to_string(),
+        "the hook's account"
+    );
+    let cgroups = read("hook.cgroup");
+    for dir in state["cgroup"].as_array().unwrap() {
+        let leaf = Path::new(dir.as_str().unwrap()).file_name().unwrap();
+        assert!(
+            cgroups.contains(leaf.to_str().unwrap()),
+            "the hook is not in {dir}: {cgroups}"
+        );
+    }
+    assert_eq!(read("hook.tmp").trim(), "program", "the program's /tmp");
+    assert_eq!(read("hook.port").trim(), "200", "the program's loopback");
+    if mode == "sandbox" {
+        assert!(
+            !Path::new(&marker).exists(),
+            "the sandbox's /tmp is the host's"
+        );
+    }
+    let _ = std::fs::remove_file(&marker);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn at_level_user_a_hook_runs_as_the_instance_in_its_cgroup() {
+    if privileged("hooks, user") {
+        a_hook_runs_inside_the_instance("user").await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn in_a_sandbox_a_hook_runs_inside_the_instances_namespaces() {
+    if privileged("hooks, sandbox") {
+        a_hook_runs_inside_the_instance("sandbox").await;
+    }
+}
