@@ -201,6 +201,10 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
             stop_grace: Duration::from_secs(config.instance.stop_grace_s),
             hook_grace: Duration::from_secs(config.instance.hook_grace_s),
         },
+        match config.readiness()? {
+            berth_core::Readiness::TokenRegex(pattern) => Some(pattern),
+            _ => None,
+        },
     ));
 
     let path_routing = config.path_routing();

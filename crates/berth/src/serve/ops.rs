@@ -174,6 +174,9 @@ pub struct Ops {
     cluster: Option<Arc<Cluster>>,
     node_id: String,
     budgets: Budgets,
+    /// The program's ready line, whose capture is its launch token (see
+    /// [`scrubbed`]); `None` when readiness is not a token line.
+    token_line: Option<regex::Regex>,
 }
 
 impl Ops {
@@ -184,6 +187,7 @@ impl Ops {
         cluster: Option<Arc<Cluster>>,
         node_id: String,
         budgets: Budgets,
+        token_line: Option<regex::Regex>,
     ) -> Self {
         Self {
             spawner,
@@ -191,6 +195,7 @@ impl Ops {
             cluster,
             node_id,
             budgets,
+            token_line,
         }
     }
 
@@ -539,11 +544,37 @@ impl Ops {
     }
 }
 
-/// `line` of `user`'s log without the launch token: the program's secret,
-/// which berth never shows (see `berth_proxy::credential`).
-fn scrubbed(spawner: &dyn Spawner, user: &UserId, line: String) -> String {
-    match spawner.launch_token(user) {
-        Some(token) if line.contains(&token) => berth_proxy::credential::scrub_text(&line, &token),
+/// `line` of `user`'s log without a launch token: the program's secret,
+/// which berth never shows (see `berth_proxy::credential`). The token
+/// recorded for the running program is blanked wherever it appears, and
+/// so is the one a ready line carries, recorded or not: a followed log
+/// can read the ready line before the program's readiness reaches the
+/// controller, and older lines carry earlier runs' tokens.
+fn scrubbed(
+    spawner: &dyn Spawner,
+    token_line: Option<&regex::Regex>,
+    user: &UserId,
+    line: String,
+) -> String {
+    without_token(line, spawner.launch_token(user), token_line)
+}
+
+/// [`scrubbed`]'s rule over plain data: `line` without `recorded` (the
+/// running program's token), or else without the token it announces.
+fn without_token(
+    line: String,
+    recorded: Option<String>,
+    token_line: Option<&regex::Regex>,
+) -> String {
+    let recorded = recorded.filter(|token| line.contains(token.as_str()));
+    let announced = || {
+        token_line
+            .and_then(|pattern| berth_core::program::ready_line(pattern, &line))
+            .flatten()
+            .map(str::to_owned)
+    };
+    match recorded.or_else(announced) {
+        Some(token) if !token.is_empty() => berth_proxy::credential::scrub_text(&line, &token),
         _ => line,
     }
 }
@@ -749,7 +780,7 @@ impl UserOp for Logs {
         let lines = ops.spawner.logs(user, self.tail).await?;
         Ok(lines
             .into_iter()
-            .map(|line| scrubbed(ops.spawner.as_ref(), user, line))
+            .map(|line| scrubbed(ops.spawner.as_ref(), ops.token_line.as_ref(), user, line))
             .collect())
     }
 
@@ -781,11 +812,15 @@ impl UserOp for FollowLogs {
     ) -> Result<BoxStream<'static, String>, SpawnError> {
         let lines = ops.spawner.follow_logs(user, self.tail).await?;
         let (spawner, user) = (ops.spawner.clone(), user.clone());
+        let token_line = ops.token_line.clone();
         Ok(stream::unfold(lines, move |mut lines| {
-            let (spawner, user) = (spawner.clone(), user.clone());
+            let (spawner, user, token_line) = (spawner.clone(), user.clone(), token_line.clone());
             async move {
                 let line = lines.recv().await?;
-                Some((scrubbed(spawner.as_ref(), &user, line), lines))
+                Some((
+                    scrubbed(spawner.as_ref(), token_line.as_ref(), &user, line),
+                    lines,
+                ))
             }
         })
         .boxed())
@@ -1022,5 +1057,32 @@ impl ClusterHook for Ops {
             cluster.remember_owner(user, &locate);
         }
         Ok(locate)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_ready_lines_token_is_blanked_whether_recorded_or_not() {
+        let pattern = regex::Regex::new(r"token=([a-z0-9]+)").unwrap();
+        let line = || "serving at http://127.0.0.1:9/?token=abc123".to_owned();
+        let blanked = "serving at http://127.0.0.1:9/?token=*";
+        // Recorded: blanked even without a pattern.
+        assert_eq!(without_token(line(), Some("abc123".into()), None), blanked);
+        // Not recorded yet, or an earlier run's: the line's own token goes.
+        assert_eq!(without_token(line(), None, Some(&pattern)), blanked);
+        assert_eq!(
+            without_token(line(), Some("older".into()), Some(&pattern)),
+            blanked
+        );
+        // Any other line stays as it is.
+        let other = "GET /api 200".to_owned();
+        assert_eq!(
+            without_token(other.clone(), Some("abc123".into()), Some(&pattern)),
+            other
+        );
+        assert_eq!(without_token(line(), None, None), line());
     }
 }
