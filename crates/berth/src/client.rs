@@ -23,7 +23,8 @@ use crate::render::{self, Palette};
 use crate::sse::STAGE_EVENT;
 use crate::wire::operation::{self as op, Operation};
 use crate::wire::{
-    InstanceAnswer, InstanceList, LogLines, MintedToken, RestartAll, Routing, StageReport,
+    InstanceAnswer, InstanceList, LogLines, MintRequest, MintedToken, RestartAll, Routing,
+    StageReport,
 };
 
 /// An error answer from the API, displayed as `<code>: <message>`.
@@ -334,7 +335,9 @@ async fn mint_link(
     user: &UserId,
     ttl: Option<u64>,
 ) -> anyhow::Result<(Value, MintedToken)> {
-    let body = ttl.map(|secs| serde_json::json!({ "ttl_s": secs }));
+    let body = ttl
+        .map(|secs| serde_json::to_value(MintRequest { ttl_s: Some(secs) }))
+        .transpose()?;
     let mut answer = api.call(&op::MINT_TOKEN, user, &[], body).await?;
     let mut minted: MintedToken = typed(&answer)?;
     // In path mode the link is this client's URL plus the base path (it

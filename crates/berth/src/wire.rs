@@ -89,6 +89,16 @@ pub enum Routing {
     Path,
 }
 
+/// The body of `POST /api/v1/users/{user}/tokens` (none at all is the
+/// default).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MintRequest {
+    /// A shorter life than `[auth] user_token_ttl_s`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ttl_s: Option<u64>,
+}
+
 /// `POST /api/v1/users/{user}/tokens` (201): the token (shown once), its
 /// record, and the link that opens the user's app with it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -337,6 +347,8 @@ mod tests {
                     "expires_at": 2, "parent": null,
                     "url": "http://h/u/alice/?berth_token=secret", "routing": "path"}),
         );
+        round_trip(&MintRequest { ttl_s: Some(60) }, &json!({"ttl_s": 60}));
+        round_trip(&MintRequest::default(), &json!({}));
         round_trip(
             &Revoked {
                 user: alice(),

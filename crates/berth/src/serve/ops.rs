@@ -41,7 +41,7 @@ use berth_proxy::{ClusterHook, Locate};
 use berth_store::Store;
 use futures_util::StreamExt;
 use futures_util::stream::{self, BoxStream};
-use serde_json::{Value, json};
+use serde_json::Value;
 
 use super::cluster::{Cluster, Decision, remote_locate};
 use super::peer::{PeerClient, PeerNode, UserCall};
@@ -892,7 +892,7 @@ impl UserOp for Progress {
         );
         let first = match (first, self.next) {
             (Some(e), _) => Some(stage(&e)),
-            (None, false) => Some(json!({ "status": StageReport::NONE })),
+            (None, false) => Some(no_main()),
             (None, true) => None,
         };
         Ok(stream::iter(first).chain(follow).boxed())
@@ -924,8 +924,28 @@ impl UserOp for Progress {
     }
 }
 
+/// A stage report: the event itself, which is its own wire shape.
 fn stage(e: &InstanceEvent) -> Value {
-    serde_json::to_value(e).unwrap_or_else(|_| json!({ "status": e.status }))
+    serde_json::to_value(e).unwrap_or_else(|_| {
+        report(StageReport {
+            status: e.status.to_string(),
+            stage: Some(e.stage.to_string()),
+            message: e.message.clone(),
+        })
+    })
+}
+
+/// The report of a stream that found no main.
+fn no_main() -> Value {
+    report(StageReport {
+        status: StageReport::NONE.to_owned(),
+        stage: None,
+        message: None,
+    })
+}
+
+fn report(report: StageReport) -> Value {
+    serde_json::to_value(&report).unwrap_or(Value::Null)
 }
 
 /// The proxy's question on a local route miss: serve here, or forward to

@@ -10,12 +10,13 @@ use axum::extract::{Path, State};
 use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use berth_core::{ErrorCode, UserId};
-use serde::Deserialize;
 
 use super::super::auth::{Caller, Minted};
 use super::extract::{Https, UserCall, read_body};
 use super::{ApiError, ApiResult, ApiState, AppState};
-use crate::wire::{MintedToken, Revoked, Routing, SessionInfo, SessionStarted, TokenList};
+use crate::wire::{
+    MintRequest, MintedToken, Revoked, Routing, SessionInfo, SessionStarted, TokenList,
+};
 
 /// Answers about credentials are never cached.
 fn no_store(mut response: Response) -> Response {
@@ -23,13 +24,6 @@ fn no_store(mut response: Response) -> Response {
         .headers_mut()
         .insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
     response
-}
-
-#[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct MintBody {
-    /// A shorter life than `[auth] user_token_ttl_s`.
-    ttl_s: Option<u64>,
 }
 
 /// `POST /api/v1/users/{user}/tokens`: a token for `user`, its id and
@@ -42,8 +36,8 @@ pub async fn mint_token(
     body: Body,
 ) -> ApiResult {
     let body = read_body(&headers, body).await?;
-    let MintBody { ttl_s } = if body.iter().all(u8::is_ascii_whitespace) {
-        MintBody::default()
+    let MintRequest { ttl_s } = if body.iter().all(u8::is_ascii_whitespace) {
+        MintRequest::default()
     } else {
         serde_json::from_slice(&body).map_err(|e| {
             ApiError::new(
