@@ -645,24 +645,3 @@ async fn set_draining(state: &ApiState, draining: bool) -> ApiResult {
     })
     .into_response())
 }
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn every_declared_method_can_be_routed() {
-        for operation in op::OPERATIONS {
-            let methods = [
-                operation.public.as_ref().map(|p| &p.method),
-                operation.internal.as_ref().map(|i| &i.method),
-            ];
-            for method in methods.into_iter().flatten() {
-                assert!(
-                    MethodFilter::try_from(method.clone()).is_ok(),
-                    "{operation:?}"
-                );
-            }
-        }
-    }
-}
