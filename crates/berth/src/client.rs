@@ -10,9 +10,10 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use anyhow::{Context, anyhow, bail};
-use berth_core::UserId;
+use berth_core::{InstanceStatus, ProbeReport, Role, UserId};
 use futures_util::{Stream, StreamExt};
 use reqwest::{Method, StatusCode, Url};
+use serde::de::DeserializeOwned;
 use serde_json::{Map, Value};
 
 use crate::cli::{ClientArgs, Command};
@@ -20,6 +21,11 @@ use crate::escape;
 use crate::progress;
 use crate::render::{self, Palette};
 use crate::sse::STAGE_EVENT;
+use crate::wire::operation::{self as op, Operation};
+use crate::wire::{
+    InstanceAnswer, InstanceList, LogLines, MintRequest, MintedToken, RestartAll, Routing,
+    StageReport,
+};
 
 /// An error answer from the API, displayed as `<code>: <message>`.
 #[derive(Debug, thiserror::Error)]
@@ -52,8 +58,8 @@ pub async fn run(command: Command) -> anyhow::Result<ExitCode> {
             start(&user, launch, &client).await?;
         }
         Command::Stop { user, client } => stop(&user, &client).await?,
-        Command::Hibernate { user, client } => hibernation(&user, &client, "hibernate").await?,
-        Command::Resume { user, client } => hibernation(&user, &client, "resume").await?,
+        Command::Hibernate { user, client } => hibernation(&user, &client, &op::HIBERNATE).await?,
+        Command::Resume { user, client } => hibernation(&user, &client, &op::RESUME).await?,
         Command::Restart { user, client } => restart(&user, &client).await?,
         Command::Probe { user, client } => return probe(&user, &client).await,
         Command::Logs {
@@ -113,7 +119,7 @@ async fn status(user: Option<&str>, client: &ClientArgs) -> anyhow::Result<()> {
     match user {
         Some(user) => {
             let user = parse_user(user)?;
-            let answer = api.get(&user_path(&user, &["instance"]), &[]).await?;
+            let answer = api.call(&op::STATUS, &user, &[], None).await?;
             out.show(&answer, |a, p| {
                 render::user_status(a, berth_core::unix_millis_now(), p)
             });
@@ -156,8 +162,7 @@ async fn start(user: &str, launch: Launch, client: &ClientArgs) -> anyhow::Resul
         &[]
     };
     let (api, out) = Api::with_output(client)?;
-    let path = user_path(&user, &["instance"]);
-    let request = api.send(Method::POST, &path, query, Some(Value::Object(body)));
+    let request = api.call(&op::LAUNCH, &user, query, Some(Value::Object(body)));
     let label = format!("starting {}", user.as_str());
     let show = !launch.no_wait && progress::wanted();
     let answer = progress::while_waiting(show, &label, request, stages(&api, &user)).await?;
@@ -169,8 +174,7 @@ async fn start(user: &str, launch: Launch, client: &ClientArgs) -> anyhow::Resul
 async fn stop(user: &str, client: &ClientArgs) -> anyhow::Result<()> {
     let user = parse_user(user)?;
     let (api, out) = Api::with_output(client)?;
-    api.send(Method::DELETE, &user_path(&user, &["instance"]), &[], None)
-        .await?;
+    api.call(&op::STOP, &user, &[], None).await?;
     let answer = serde_json::json!({ "user": user.as_str(), "stopped": true });
     out.show(&answer, |_, _| Some(format!("stopped {}\n", user.as_str())));
     Ok(())
@@ -180,7 +184,7 @@ async fn stop(user: &str, client: &ClientArgs) -> anyhow::Result<()> {
 async fn restart(user: &str, client: &ClientArgs) -> anyhow::Result<()> {
     let user = parse_user(user)?;
     let (api, out) = Api::with_output(client)?;
-    let answer = instance_action(&api, &user, "restart", "restarting").await?;
+    let answer = instance_action(&api, &user, &op::RESTART, "restarting").await?;
     out.show(&answer, |a, p| render::launched(a, "restarted", p));
     Ok(())
 }
@@ -189,29 +193,29 @@ async fn restart(user: &str, client: &ClientArgs) -> anyhow::Result<()> {
 async fn probe(user: &str, client: &ClientArgs) -> anyhow::Result<ExitCode> {
     let user = parse_user(user)?;
     let (api, out) = Api::with_output(client)?;
-    let answer = instance_action(&api, &user, "probe", "probing").await?;
+    let answer = instance_action(&api, &user, &op::PROBE, "probing").await?;
+    let report: ProbeReport = typed(&answer)?;
     out.show(&answer, |a, p| Some(render::probe(user.as_str(), a, p)));
-    Ok(if answer.get("ok") == Some(&Value::Bool(false)) {
-        ExitCode::FAILURE
-    } else {
+    Ok(if report.ok {
         ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
     })
 }
 
-/// POSTs `action` on `user`'s instance and waits for the answer, showing
-/// the instance's stages on a terminal as `<doing> <user>`.
+/// Calls `operation` on `user` and waits for the answer, showing the
+/// instance's stages on a terminal as `<doing> <user>`.
 async fn instance_action(
     api: &Api,
     user: &UserId,
-    action: &str,
+    operation: &Operation,
     doing: &str,
 ) -> anyhow::Result<Value> {
-    let path = user_path(user, &["instance", action]);
     let label = format!("{doing} {}", user.as_str());
     progress::while_waiting(
         progress::wanted(),
         &label,
-        api.post(&path),
+        api.call(operation, user, &[], None),
         stages(api, user),
     )
     .await
@@ -270,16 +274,9 @@ async fn restart_all(client: &ClientArgs) -> anyhow::Result<ExitCode> {
         cluster_counts(&api),
     )
     .await?;
+    let results: RestartAll = typed(&answer)?;
     out.show(&answer, render::restart_all);
-    let failed = answer
-        .get("results")
-        .and_then(Value::as_array)
-        .is_some_and(|results| {
-            results
-                .iter()
-                .any(|r| r.get("ok") == Some(&Value::Bool(false)))
-        });
-    Ok(if failed {
+    Ok(if results.any_failed() {
         ExitCode::FAILURE
     } else {
         ExitCode::SUCCESS
@@ -299,16 +296,15 @@ async fn token(user: &str, action: TokenAction, client: &ClientArgs) -> anyhow::
     let (api, out) = Api::with_output(client)?;
     match action {
         TokenAction::List => {
-            let body = api.get(&user_path(&user, &["tokens"]), &[]).await?;
+            let body = api.call(&op::LIST_TOKENS, &user, &[], None).await?;
             out.table(&body, "tokens", render::TOKEN_COLUMNS);
         }
         TokenAction::Revoke(id) => {
-            let path = user_path(&user, &["tokens", id.as_str()]);
-            let answer = api.send(Method::DELETE, &path, &[], None).await?;
+            let answer = api.revoke_token(&user, &id).await?;
             out.show(&answer, render::revoked);
         }
         TokenAction::Mint(ttl) => {
-            let answer = mint_link(&api, &user, ttl).await?;
+            let (answer, _) = mint_link(&api, &user, ttl).await?;
             out.show(&answer, |a, _| {
                 render::minted(a, berth_core::unix_millis_now())
             });
@@ -322,41 +318,38 @@ async fn token(user: &str, action: TokenAction, client: &ClientArgs) -> anyhow::
 async fn open(user: &str, ttl: u64, no_browser: bool, client: &ClientArgs) -> anyhow::Result<()> {
     let user = parse_user(user)?;
     let (api, out) = Api::with_output(client)?;
-    let answer = mint_link(&api, &user, Some(ttl)).await?;
+    let (answer, minted) = mint_link(&api, &user, Some(ttl)).await?;
     out.show(&answer, |a, _| {
         render::opened(a, berth_core::unix_millis_now())
     });
-    if let Some(url) = answer.get("url").and_then(Value::as_str)
-        && !no_browser
-        && !client.json
-    {
-        open_in_browser(url);
+    if !no_browser && !client.json {
+        open_in_browser(&minted.url);
     }
     Ok(())
 }
 
-/// Mints a token for `user` and answers the API's answer with `url`, the
-/// link that opens their app once with it.
-async fn mint_link(api: &Api, user: &UserId, ttl: Option<u64>) -> anyhow::Result<Value> {
-    let body = ttl.map(|secs| serde_json::json!({ "ttl_s": secs }));
-    let mut answer = api
-        .send(Method::POST, &user_path(user, &["tokens"]), &[], body)
-        .await?;
-    let token = answer
-        .get("token")
-        .and_then(Value::as_str)
-        .ok_or_else(|| anyhow!("the API answered without a token: {answer}"))?
-        .to_owned();
+/// Mints a token for `user`: the API's answer with `url` the link that
+/// opens their app once with it, as shown and as read.
+async fn mint_link(
+    api: &Api,
+    user: &UserId,
+    ttl: Option<u64>,
+) -> anyhow::Result<(Value, MintedToken)> {
+    let body = ttl
+        .map(|secs| serde_json::to_value(MintRequest { ttl_s: Some(secs) }))
+        .transpose()?;
+    let mut answer = api.call(&op::MINT_TOKEN, user, &[], body).await?;
+    let mut minted: MintedToken = typed(&answer)?;
     // In path mode the link is this client's URL plus the base path (it
     // may carry a prefix the server cannot know); in host mode only the
     // server knows the user's host name.
-    if answer.get("routing").and_then(Value::as_str) != Some("host") {
-        let open = api.open_url(user, &token);
+    if minted.routing != Routing::Host {
+        minted.url = api.open_url(user, &minted.token).to_string();
         if let Value::Object(map) = &mut answer {
-            map.insert("url".into(), Value::String(open.to_string()));
+            map.insert("url".into(), Value::String(minted.url.clone()));
         }
     }
-    Ok(answer)
+    Ok((answer, minted))
 }
 
 /// Opens `url` in the desktop's browser, where there is a desktop (a
@@ -426,7 +419,7 @@ impl Output {
 /// (`?next=true`), so one opened before the launch begins waits for it;
 /// it is opened again when it ends early (a restart's stop ends it).
 fn stages<'a>(api: &'a Api, user: &'a UserId) -> impl Stream<Item = String> + 'a {
-    let path = user_path(user, &["instance", "progress"]);
+    let path = user_path(user, &op::PROGRESS.public_segments());
     futures_util::stream::unfold(None, move |events| {
         let path = path.clone();
         async move {
@@ -435,8 +428,11 @@ fn stages<'a>(api: &'a Api, user: &'a UserId) -> impl Stream<Item = String> + 'a
                 if let Some(stream) = events.as_mut() {
                     match stream.next().await {
                         Some(Ok(crate::sse::SseEvent { event, data })) if event == STAGE_EVENT => {
-                            let stage: Value = serde_json::from_str(&data).unwrap_or_default();
-                            if stage["status"] != "none" {
+                            // A report this client cannot read says nothing.
+                            let Ok(stage) = serde_json::from_str::<StageReport>(&data) else {
+                                continue;
+                            };
+                            if stage.status != StageReport::NONE {
                                 return Some((stage_words(&stage), events));
                             }
                         }
@@ -456,12 +452,12 @@ fn stages<'a>(api: &'a Api, user: &'a UserId) -> impl Stream<Item = String> + 'a
 
 /// `queued`, `spawning`, `waiting for ready`, `ready`, `failed: <reason>`
 /// (an older node's stream without stages: its status).
-fn stage_words(stage: &Value) -> String {
-    let mut words = match stage["stage"].as_str() {
+fn stage_words(stage: &StageReport) -> String {
+    let mut words = match &stage.stage {
         Some(name) => name.replace('_', " "),
-        None => stage["status"].as_str().unwrap_or("unknown").to_owned(),
+        None => stage.status.clone(),
     };
-    if let Some(message) = stage["message"].as_str().filter(|m| !m.is_empty()) {
+    if let Some(message) = stage.message.as_deref().filter(|m| !m.is_empty()) {
         words.push_str(": ");
         words.push_str(message);
     }
@@ -480,16 +476,21 @@ fn cluster_counts(api: &Api) -> impl Stream<Item = String> + '_ {
             if event.event != "snapshot" {
                 return None;
             }
-            let snapshot: Value = serde_json::from_str(&event.data).ok()?;
-            let mains = snapshot["instances"]
-                .as_array()?
-                .iter()
-                .filter(|i| i["role"] == "main");
+            // A snapshot carries the instances as `GET /instances` does.
+            let snapshot: InstanceList = serde_json::from_str(&event.data).ok()?;
+            let mains = snapshot.instances.iter().filter(|i| i.role == Role::Main);
             let (mut ready, mut starting) = (0, 0);
             for main in mains {
-                match (main["status"].as_str(), main["ready"].as_bool()) {
-                    (Some("running"), Some(true)) => ready += 1,
-                    (Some("starting" | "running" | "crashed"), _) => starting += 1,
+                match (main.status, main.ready) {
+                    (InstanceStatus::Running, true) => ready += 1,
+                    (
+                        InstanceStatus::Starting
+                        | InstanceStatus::Running
+                        | InstanceStatus::Crashed,
+                        _,
+                    ) => {
+                        starting += 1;
+                    }
                     _ => {}
                 }
             }
@@ -501,16 +502,32 @@ fn parse_user(raw: &str) -> anyhow::Result<UserId> {
     UserId::parse(raw).map_err(|e| anyhow!("invalid user id {raw:?}: {e}"))
 }
 
-/// `hibernate` or `resume` (`verb`) of `user`; shows the status it left.
-async fn hibernation(user: &str, client: &ClientArgs, verb: &str) -> anyhow::Result<()> {
+/// `hibernate` or `resume` (`operation`) of `user`; shows the status it
+/// left.
+async fn hibernation(user: &str, client: &ClientArgs, operation: &Operation) -> anyhow::Result<()> {
     let user = parse_user(user)?;
     let (api, out) = Api::with_output(client)?;
-    let answer = api.post(&user_path(&user, &["instance", verb])).await?;
-    out.show(&answer, |a, _| {
-        let status = a["instance"]["status"].as_str().unwrap_or("unknown");
-        Some(format!("{} is {status}\n", user.as_str()))
+    let answer = api.call(operation, &user, &[], None).await?;
+    let changed: InstanceAnswer = typed(&answer)?;
+    out.show(&answer, |_, _| {
+        Some(format!(
+            "{} is {}\n",
+            user.as_str(),
+            changed.instance.status
+        ))
     });
     Ok(())
+}
+
+/// An answer read as the API's type for it.
+fn typed<T: DeserializeOwned>(answer: &Value) -> anyhow::Result<T> {
+    T::deserialize(answer).map_err(|e| {
+        let snippet: String = answer.to_string().chars().take(200).collect();
+        anyhow!(
+            "the API answered something this client cannot read ({e}): {}",
+            escape::text(&snippet)
+        )
+    })
 }
 
 fn user_path<'a>(user: &'a UserId, rest: &[&'a str]) -> Vec<&'a str> {
@@ -577,6 +594,35 @@ impl Api {
 
     async fn post(&self, segments: &[&str]) -> anyhow::Result<Value> {
         self.send(Method::POST, segments, &[], None).await
+    }
+
+    /// `operation`'s public route about `user`, with its method.
+    async fn call(
+        &self,
+        operation: &Operation,
+        user: &UserId,
+        query: &[(&str, &str)],
+        body: Option<Value>,
+    ) -> anyhow::Result<Value> {
+        let Some(public) = &operation.public else {
+            bail!("internal: {operation:?} has no public route");
+        };
+        let path = user_path(user, &operation.public_segments());
+        self.send(public.method.clone(), &path, query, body).await
+    }
+
+    /// `DELETE …/tokens/{id}`: the declared route with the id in its place.
+    async fn revoke_token(&self, user: &UserId, id: &str) -> anyhow::Result<Value> {
+        let Some(public) = &op::REVOKE_TOKEN.public else {
+            bail!("internal: revoking a token has no public route");
+        };
+        let segments: Vec<&str> = op::REVOKE_TOKEN
+            .public_segments()
+            .into_iter()
+            .map(|segment| if segment == "{id}" { id } else { segment })
+            .collect();
+        let path = user_path(user, &segments);
+        self.send(public.method.clone(), &path, &[], None).await
     }
 
     /// A GET whose answer is read as it arrives (an event stream); an error
@@ -700,13 +746,15 @@ async fn logs(
     json: bool,
 ) -> anyhow::Result<()> {
     let tail_text = tail.to_string();
-    let path = user_path(user, &["instance", "logs"]);
+    let path = user_path(user, &op::LOGS.public_segments());
     if !follow {
-        let answer = api.get(&path, &[("tail", tail_text.as_str())]).await?;
+        let answer = api
+            .call(&op::LOGS, user, &[("tail", tail_text.as_str())], None)
+            .await?;
         if json {
             print_json(&answer);
         } else {
-            for line in log_lines(&answer) {
+            for line in typed::<LogLines>(&answer)?.lines {
                 println!("{}", escape::text(&line));
             }
         }
@@ -733,26 +781,6 @@ async fn logs(
         }
     }
     Ok(())
-}
-
-fn log_lines(body: &Value) -> Vec<String> {
-    let lines = match body {
-        Value::Object(map) => map.get("lines").and_then(Value::as_array),
-        Value::Array(lines) => Some(lines),
-        Value::String(text) => return text.lines().map(str::to_owned).collect(),
-        _ => None,
-    };
-    lines
-        .map(|lines| {
-            lines
-                .iter()
-                .map(|l| match l {
-                    Value::String(s) => s.clone(),
-                    other => other.to_string(),
-                })
-                .collect()
-        })
-        .unwrap_or_default()
 }
 
 fn print_json(value: &Value) {

@@ -12,6 +12,7 @@ mod progress;
 mod render;
 mod serve;
 mod sse;
+mod wire;
 
 use std::process::ExitCode;
 

@@ -2,14 +2,18 @@
 //! public listener ([`router`]), and `/internal/v1` for other nodes
 //! ([`internal`]), on a listener of its own ([`internal_router`]).
 //!
-//! Every route is an axum route. A route about a user declares `{user}`
-//! and its handler takes a [`UserCall`](extract::UserCall) first: the
-//! caller is authenticated, then the id is decoded and validated
-//! (`400 invalid_user`), then a user token is held to what it may do
-//! ([`user_may`](extract::user_may)). Handlers do no lifecycle work
+//! Every route is an axum route. A route about a user is declared once in
+//! [`crate::wire::operation`] (its public and node-to-node paths, their
+//! methods, who may call it), and its handler takes a
+//! [`UserCall`](extract::UserCall) first: the caller is authenticated,
+//! then the id is decoded and validated (`400 invalid_user`), then a user
+//! token is held to what the declaration allows
+//! ([`user_may`](crate::wire::operation::user_may)). Every success answer
+//! is a type of [`crate::wire`]. Handlers do no lifecycle work
 //! themselves: they call the use cases in `ops`, which run them on the
-//! node that owns the user. Adding an endpoint is one route and one
-//! handler (ARCHITECTURE.md, "How to add …", an endpoint).
+//! node that owns the user. Adding an endpoint is a declaration, a
+//! handler and its answer type (ARCHITECTURE.md, "How to add …", an
+//! endpoint).
 
 mod credentials;
 mod error;
@@ -26,17 +30,18 @@ use std::time::Duration;
 use axum::Router;
 use axum::body::Body;
 use axum::extract::State;
+use axum::handler::Handler;
 use axum::http::{HeaderMap, Method, StatusCode, Uri, header};
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
-use berth_core::{ErrorCode, Instance, InstanceStatus, LaunchRequest, SpawnError, UserId};
+use axum::routing::{MethodFilter, get, on, post};
+use berth_core::{ErrorCode, InstanceStatus, LaunchRequest, SpawnError, UserId};
 use berth_proxy::limits::{StreamPermit, StreamRefused};
-use berth_store::{InstanceFilter, Store};
+use berth_store::{InstanceFilter, NodeStatus, Store};
 use futures_util::stream::BoxStream;
 use futures_util::{Stream, StreamExt};
-use serde::{Deserialize, Serialize};
-use serde_json::{Value, json};
+use serde::Deserialize;
+use serde_json::Value;
 
 pub use error::{ApiError, ApiResult};
 use extract::{Admin, Https, QueryOf, UserCall, parse_user_segment, read_body};
@@ -44,8 +49,13 @@ use extract::{Admin, Https, QueryOf, UserCall, parse_user_segment, read_body};
 use super::auth::{Authenticator, Caller};
 use super::cluster::{Cluster, NodeControl};
 use super::metrics::Metrics;
-use super::ops::{Launched, Ops, RestartAll, Via};
+use super::ops::{Ops, Via};
 use crate::sse::{LOG_LINE_EVENT, STAGE_EVENT};
+use crate::wire::operation::{self as op, Operation};
+use crate::wire::{
+    InstanceAnswer, InstanceList, LaunchAnswer, Launched, LeaseList, LogLines, NodeChanged,
+    NodeList, RestartAll, UserStatus,
+};
 
 /// What every handler shares.
 pub struct ApiState {
@@ -95,26 +105,20 @@ pub fn router(state: Arc<ApiState>) -> Router {
                 .get(credentials::show_session)
                 .delete(credentials::end_session),
         )
-        .route(
-            "/api/v1/users/{user}/instance",
-            get(status).post(launch).delete(stop),
-        )
-        .route("/api/v1/users/{user}/instance/restart", post(restart))
-        .route("/api/v1/users/{user}/instance/hibernate", post(hibernate))
-        .route("/api/v1/users/{user}/instance/resume", post(resume))
-        .route("/api/v1/users/{user}/instance/probe", post(probe))
-        .route("/api/v1/users/{user}/instance/progress", get(progress))
-        .route("/api/v1/users/{user}/instance/logs", get(logs))
-        .route("/api/v1/users/{user}/watchdog", post(watchdog))
-        .route("/api/v1/users/{user}/breaker/reset", post(reset_breaker))
-        .route(
-            "/api/v1/users/{user}/tokens",
-            post(credentials::mint_token).get(credentials::list_tokens),
-        )
-        .route(
-            "/api/v1/users/{user}/tokens/{id}",
-            axum::routing::delete(credentials::revoke_token),
-        )
+        .public(&op::STATUS, status)
+        .public(&op::LAUNCH, launch)
+        .public(&op::STOP, stop)
+        .public(&op::RESTART, restart)
+        .public(&op::HIBERNATE, hibernate)
+        .public(&op::RESUME, resume)
+        .public(&op::PROBE, probe)
+        .public(&op::PROGRESS, progress)
+        .public(&op::LOGS, logs)
+        .public(&op::WATCHDOG, watchdog)
+        .public(&op::RESET_BREAKER, reset_breaker)
+        .public(&op::MINT_TOKEN, credentials::mint_token)
+        .public(&op::LIST_TOKENS, credentials::list_tokens)
+        .public(&op::REVOKE_TOKEN, credentials::revoke_token)
         .route("/api/v1/instances", get(list_instances))
         .route("/api/v1/instances/restart-all", post(restart_all))
         .route("/api/v1/nodes", get(list_nodes))
@@ -136,6 +140,67 @@ pub fn router(state: Arc<ApiState>) -> Router {
         // looks at the request.
         .layer(axum::middleware::from_fn(extract::refuse_non_json_bodies))
         .with_state(state)
+}
+
+/// Routes declared in [`crate::wire::operation`]: the route of an
+/// operation and its method come from its one declaration.
+trait DeclaredRoutes: Sized {
+    /// `operation`'s public route (`/api/v1/users/{user}/…`) to `handler`.
+    fn public<H, T>(self, operation: &Operation, handler: H) -> Self
+    where
+        H: Handler<T, Arc<ApiState>>,
+        T: 'static;
+    /// `operation`'s node-to-node route (`/internal/v1/users/{user}/…`)
+    /// to `handler`.
+    fn internal<H, T>(self, operation: &Operation, handler: H) -> Self
+    where
+        H: Handler<T, Arc<ApiState>>,
+        T: 'static;
+}
+
+impl DeclaredRoutes for Router<Arc<ApiState>> {
+    fn public<H, T>(self, operation: &Operation, handler: H) -> Self
+    where
+        H: Handler<T, Arc<ApiState>>,
+        T: 'static,
+    {
+        let route = operation.public_route();
+        let method = operation.public.as_ref().map(|p| p.method.clone());
+        declare(self, route, method, handler)
+    }
+
+    fn internal<H, T>(self, operation: &Operation, handler: H) -> Self
+    where
+        H: Handler<T, Arc<ApiState>>,
+        T: 'static,
+    {
+        let route = operation.internal_route();
+        let method = operation.internal.as_ref().map(|i| i.method.clone());
+        declare(self, route, method, handler)
+    }
+}
+
+fn declare<H, T>(
+    router: Router<Arc<ApiState>>,
+    route: Option<String>,
+    method: Option<Method>,
+    handler: H,
+) -> Router<Arc<ApiState>>
+where
+    H: Handler<T, Arc<ApiState>>,
+    T: 'static,
+{
+    let (Some(route), Some(method)) = (route, method) else {
+        tracing::error!("an operation without this route was given a handler for it");
+        return router;
+    };
+    match MethodFilter::try_from(method.clone()) {
+        Ok(filter) => router.route(&route, on(filter, handler)),
+        Err(e) => {
+            tracing::error!(%route, %method, error = %e, "an operation declares a method axum cannot route");
+            router
+        }
+    }
 }
 
 /// The node-to-node API, alone: what the cluster's own listener serves.
@@ -227,10 +292,8 @@ impl ApiState {
         }
     }
 
-    /// `{instance, url}` for a launch or restart (201 for a new instance):
-    /// the URL of the user's app. The launch token is the program's secret
-    /// and is never part of it (the proxy presents it; see
-    /// `berth_proxy::credential`).
+    /// The [`LaunchAnswer`] of a launch or restart (201 for a new
+    /// instance): with the URL of the user's app.
     fn launched(
         &self,
         user: &UserId,
@@ -244,16 +307,12 @@ impl ApiState {
         } else {
             StatusCode::OK
         };
-        (
-            status,
-            axum::Json(json!({
-                "instance": launched.instance,
-                "url": url,
-                // Whether a browser that opens `url` can sign in there.
-                "sign_in": self.login.is_some(),
-            })),
-        )
-            .into_response()
+        let answer = LaunchAnswer {
+            instance: launched.instance,
+            url,
+            sign_in: self.login.is_some(),
+        };
+        (status, axum::Json(answer)).into_response()
     }
 }
 
@@ -285,13 +344,13 @@ impl LogsQuery {
 /// runs the user knows them.
 async fn status(UserCall { user, .. }: UserCall, State(state): AppState) -> ApiResult {
     let state = state.ops.status(&user, Via::Client).await?;
-    Ok(axum::Json(json!({
-        "user": user,
-        "main": state.main,
-        "watchdog": state.watchdog,
-        "breaker": state.breaker,
-        "idle_action": state.idle_action,
-    }))
+    Ok(axum::Json(UserStatus {
+        user,
+        main: state.main,
+        watchdog: state.watchdog,
+        breaker: state.breaker,
+        idle_action: state.idle_action,
+    })
     .into_response())
 }
 
@@ -344,13 +403,13 @@ async fn stop(UserCall { user, .. }: UserCall, State(state): AppState) -> ApiRes
 /// memory intact (after its `pre_hibernate` hook); `{instance}`.
 async fn hibernate(UserCall { user, .. }: UserCall, State(state): AppState) -> ApiResult {
     let instance = state.ops.hibernate(&user, Via::Client).await?;
-    Ok(axum::Json(json!({ "instance": instance })).into_response())
+    Ok(axum::Json(InstanceAnswer { instance }).into_response())
 }
 
 /// `POST …/instance/resume`: thaws a hibernated instance; `{instance}`.
 async fn resume(UserCall { user, .. }: UserCall, State(state): AppState) -> ApiResult {
     let instance = state.ops.resume(&user, Via::Client).await?;
-    Ok(axum::Json(json!({ "instance": instance })).into_response())
+    Ok(axum::Json(InstanceAnswer { instance }).into_response())
 }
 
 /// `POST …/instance/restart`: a new process, ready.
@@ -407,7 +466,7 @@ async fn logs(
         return Ok(line_events(holding(lines, slot)).into_response());
     }
     let lines = state.ops.logs(&user, query.tail(), Via::Client).await?;
-    Ok(axum::Json(json!({ "user": user, "lines": lines })).into_response())
+    Ok(axum::Json(LogLines { user, lines }).into_response())
 }
 
 /// `POST …/watchdog`: 201 with the watchdog's record.
@@ -506,15 +565,6 @@ async fn list_instances(
     Ok(answer)
 }
 
-/// The answer of `GET /api/v1/instances`, serialized straight from the
-/// records: a node of thousands would otherwise build a JSON tree of every
-/// record first, the largest thing berth allocates, and glibc keeps its
-/// freed memory.
-#[derive(Serialize)]
-struct InstanceList {
-    instances: Vec<Instance>,
-}
-
 /// `POST /api/v1/instances/restart-all`: every running main of the
 /// cluster, `{results: [{user, node, ok, error?}]}`.
 async fn restart_all(_: Admin, State(state): AppState) -> ApiResult {
@@ -524,7 +574,7 @@ async fn restart_all(_: Admin, State(state): AppState) -> ApiResult {
 
 async fn list_nodes(_: Admin, State(state): AppState) -> ApiResult {
     let nodes = state.store.list_nodes().await?;
-    Ok(axum::Json(json!({ "nodes": nodes })).into_response())
+    Ok(axum::Json(NodeList { nodes }).into_response())
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -542,7 +592,7 @@ async fn list_leases(
         .store
         .list_leases(q.expired.unwrap_or(false), state.lease_ttl)
         .await?;
-    Ok(axum::Json(json!({ "leases": leases })).into_response())
+    Ok(axum::Json(LeaseList { leases }).into_response())
 }
 
 /// `POST /api/v1/leases/{user}/takeover`: an operator moves an expired
@@ -583,7 +633,15 @@ async fn set_draining(state: &ApiState, draining: bool) -> ApiResult {
     if let Some(cluster) = &state.cluster {
         cluster.invalidate_nodes();
     }
-    let status = if draining { "draining" } else { "up" };
-    tracing::info!(node = %state.node_id, status, "node status changed");
-    Ok(axum::Json(json!({ "node": state.node_id, "status": status })).into_response())
+    let (status, word) = if draining {
+        (NodeStatus::Draining, "draining")
+    } else {
+        (NodeStatus::Up, "up")
+    };
+    tracing::info!(node = %state.node_id, status = word, "node status changed");
+    Ok(axum::Json(NodeChanged {
+        node: state.node_id.clone(),
+        status,
+    })
+    .into_response())
 }

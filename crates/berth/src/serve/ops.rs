@@ -34,20 +34,21 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use berth_core::{
-    BreakerInfo, Instance, InstanceEvent, LaunchRequest, ProbeReport, Role, SpawnError, Spawner,
-    Stage, UserId, UserStatus,
+    Instance, InstanceEvent, LaunchRequest, ProbeReport, Role, SpawnError, Spawner, Stage, UserId,
+    UserStatus,
 };
 use berth_proxy::{ClusterHook, Locate};
 use berth_store::Store;
 use futures_util::StreamExt;
 use futures_util::stream::{self, BoxStream};
-use serde::de::IgnoredAny;
-use serde::{Deserialize, Serialize};
-use serde_json::{Value, json};
+use serde_json::Value;
 
 use super::cluster::{Cluster, Decision, remote_locate};
 use super::peer::{PeerClient, PeerNode, UserCall};
 use crate::sse::{LOG_LINE_EVENT, STAGE_EVENT};
+use crate::wire::operation as op;
+use crate::wire::{Done, StageReport};
+pub use crate::wire::{Launched, LogLines, NodeRestart, RestartAll, UserState};
 
 /// Calls per operation answered `lease_busy`: such an answer is followed
 /// to the holder it names, twice at most (nodes' views differ for a
@@ -75,49 +76,6 @@ pub enum Via {
     /// Another node, which decided this node should act: acts here, never
     /// forwards again.
     Peer,
-}
-
-/// What a launch or restart produced, on whichever node ran it.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Launched {
-    /// A new instance (201), or the one already running (200).
-    pub created: bool,
-    pub instance: Instance,
-}
-
-/// One user's outcome of a restart-all, with the node that ran it.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct NodeRestart {
-    pub user: UserId,
-    pub node: String,
-    pub ok: bool,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub error: Option<String>,
-}
-
-/// The answer of `/internal/v1/instances/restart-all` (and of the public
-/// route, cluster-wide).
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct RestartAll {
-    pub results: Vec<NodeRestart>,
-}
-
-/// A user's records and open breaker (`GET …/instance`).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct UserState {
-    pub main: Option<Instance>,
-    pub watchdog: Option<Instance>,
-    pub breaker: Option<BreakerInfo>,
-    /// `hibernate` or `stop`: what the owner node does when it idles.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub idle_action: Option<String>,
-}
-
-/// The answer of a logs call.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct LogLines {
-    pub user: UserId,
-    pub lines: Vec<String>,
 }
 
 /// Which rule decides the node an operation runs on.
@@ -483,7 +441,7 @@ impl Ops {
         let there = others.iter().map(|node| async move {
             let call = cluster.peers().node_call::<RestartAll>(
                 node,
-                "instances/restart-all",
+                op::NODE_RESTART_ALL,
                 RESTART_ALL_BUDGET,
             );
             match call.await {
@@ -626,7 +584,7 @@ impl UserOp for Launch {
         let budget = ops.budgets.ready_timeout + MARGIN;
         let body = serde_json::to_value(&self.request)
             .map_err(|e| SpawnError::Internal(format!("cannot encode a launch: {e}")))?;
-        let call = UserCall::post("launch", budget)
+        let call = UserCall::new(&op::LAUNCH, budget)
             .query("wait", self.wait)
             .body(body);
         ops.peers()?.user_call(&to.node, user, call).await
@@ -657,7 +615,7 @@ impl UserOp for Status {
 
     async fn remote(&self, ops: &Ops, to: &Target, user: &UserId) -> Result<UserState, SpawnError> {
         ops.peers()?
-            .user_call(&to.node, user, UserCall::get("status", MARGIN))
+            .user_call(&to.node, user, UserCall::new(&op::STATUS, MARGIN))
             .await
     }
 }
@@ -669,10 +627,10 @@ enum Hibernation {
 }
 
 impl Hibernation {
-    fn verb(&self) -> &'static str {
+    fn operation(&self) -> &'static op::Operation {
         match self {
-            Hibernation::Hibernate => "hibernate",
-            Hibernation::Resume => "resume",
+            Hibernation::Hibernate => &op::HIBERNATE,
+            Hibernation::Resume => &op::RESUME,
         }
     }
 }
@@ -693,7 +651,7 @@ impl UserOp for Hibernation {
         // A hibernation runs its hook first, cut off at its grace.
         let budget = ops.budgets.stop_grace + ops.budgets.hook_grace + MARGIN;
         ops.peers()?
-            .user_call(&to.node, user, UserCall::post(self.verb(), budget))
+            .user_call(&to.node, user, UserCall::new(self.operation(), budget))
             .await
     }
 }
@@ -712,7 +670,7 @@ impl UserOp for Stop {
     async fn remote(&self, ops: &Ops, to: &Target, user: &UserId) -> Result<(), SpawnError> {
         let budget = ops.budgets.stop_grace + ops.budgets.hook_grace + MARGIN;
         ops.peers()?
-            .user_call::<IgnoredAny>(&to.node, user, UserCall::post("stop", budget))
+            .user_call::<Done>(&to.node, user, UserCall::new(&op::STOP, budget))
             .await
             .map(drop)
     }
@@ -737,7 +695,7 @@ impl UserOp for Restart {
     async fn remote(&self, ops: &Ops, to: &Target, user: &UserId) -> Result<Launched, SpawnError> {
         let budget = ops.budgets.stop_grace + ops.budgets.ready_timeout + MARGIN;
         ops.peers()?
-            .user_call(&to.node, user, UserCall::post("restart", budget))
+            .user_call(&to.node, user, UserCall::new(&op::RESTART, budget))
             .await
     }
 }
@@ -762,7 +720,7 @@ impl UserOp for Probe {
     ) -> Result<ProbeReport, SpawnError> {
         let budget = ops.budgets.stop_grace + PROBE_BUDGET + MARGIN;
         ops.peers()?
-            .user_call(&to.node, user, UserCall::post("probe", budget))
+            .user_call(&to.node, user, UserCall::new(&op::PROBE, budget))
             .await
     }
 }
@@ -790,7 +748,7 @@ impl UserOp for Logs {
         to: &Target,
         user: &UserId,
     ) -> Result<Vec<String>, SpawnError> {
-        let call = UserCall::get("logs", MARGIN).query("tail", self.tail);
+        let call = UserCall::new(&op::LOGS, MARGIN).query("tail", self.tail);
         let answer: LogLines = ops.peers()?.user_call(&to.node, user, call).await?;
         Ok(answer.lines)
     }
@@ -838,7 +796,7 @@ impl UserOp for FollowLogs {
         ];
         let events = ops
             .peers()?
-            .user_events(&to.node, user, "logs", &query)
+            .user_events(&to.node, user, &op::LOGS, &query)
             .await?;
         Ok(events
             .filter_map(|e| {
@@ -864,7 +822,7 @@ impl UserOp for Watchdog {
 
     async fn remote(&self, ops: &Ops, to: &Target, user: &UserId) -> Result<Instance, SpawnError> {
         ops.peers()?
-            .user_call(&to.node, user, UserCall::post("watchdog", MARGIN))
+            .user_call(&to.node, user, UserCall::new(&op::WATCHDOG, MARGIN))
             .await
     }
 }
@@ -882,7 +840,7 @@ impl UserOp for ResetBreaker {
 
     async fn remote(&self, ops: &Ops, to: &Target, user: &UserId) -> Result<(), SpawnError> {
         ops.peers()?
-            .user_call::<IgnoredAny>(&to.node, user, UserCall::post("breaker/reset", MARGIN))
+            .user_call::<Done>(&to.node, user, UserCall::new(&op::RESET_BREAKER, MARGIN))
             .await
             .map(drop)
     }
@@ -969,7 +927,7 @@ impl UserOp for Progress {
         );
         let first = match (first, self.next) {
             (Some(e), _) => Some(stage(&e)),
-            (None, false) => Some(json!({ "status": "none" })),
+            (None, false) => Some(no_main()),
             (None, true) => None,
         };
         Ok(stream::iter(first).chain(follow).boxed())
@@ -988,7 +946,7 @@ impl UserOp for Progress {
         };
         let events = ops
             .peers()?
-            .user_events(&to.node, user, "progress", &query)
+            .user_events(&to.node, user, &op::PROGRESS, &query)
             .await?;
         Ok(events
             .filter_map(|e| {
@@ -1001,8 +959,28 @@ impl UserOp for Progress {
     }
 }
 
+/// A stage report: the event itself, which is its own wire shape.
 fn stage(e: &InstanceEvent) -> Value {
-    serde_json::to_value(e).unwrap_or_else(|_| json!({ "status": e.status }))
+    serde_json::to_value(e).unwrap_or_else(|_| {
+        report(StageReport {
+            status: e.status.to_string(),
+            stage: Some(e.stage.to_string()),
+            message: e.message.clone(),
+        })
+    })
+}
+
+/// The report of a stream that found no main.
+fn no_main() -> Value {
+    report(StageReport {
+        status: StageReport::NONE.to_owned(),
+        stage: None,
+        message: None,
+    })
+}
+
+fn report(report: StageReport) -> Value {
+    serde_json::to_value(&report).unwrap_or(Value::Null)
 }
 
 /// The proxy's question on a local route miss: serve here, or forward to

@@ -15,9 +15,11 @@ use futures_util::stream::BoxStream;
 use reqwest::Method;
 use serde::Deserialize;
 use serde::de::DeserializeOwned;
-use serde_json::{Value, json};
+use serde_json::Value;
 
 use crate::sse::{self, SseEvent};
+use crate::wire::operation::{self, Operation};
+use crate::wire::{FenceRequest, Fenced, Purged};
 use berth_proxy::peer_auth::ClusterKey;
 
 /// How long a peer may take to accept a connection. Peers are in the same
@@ -47,32 +49,24 @@ pub struct PeerNode {
     pub public_url: String,
 }
 
-/// One call about a user: `<method> /internal/v1/users/<user>/<op>?<query>`
-/// with an optional JSON body, within `budget`.
+/// One call about a user: an operation's node-to-node route,
+/// `<method> /internal/v1/users/<user>/<name>?<query>`, with an optional
+/// JSON body, within `budget`.
 #[derive(Debug, Clone)]
 pub struct UserCall<'a> {
-    pub method: Method,
-    pub op: &'a str,
+    pub operation: &'a Operation,
     pub query: Vec<(&'static str, String)>,
     pub body: Option<Value>,
     pub budget: Duration,
 }
 
 impl<'a> UserCall<'a> {
-    pub fn post(op: &'a str, budget: Duration) -> Self {
+    pub fn new(operation: &'a Operation, budget: Duration) -> Self {
         Self {
-            method: Method::POST,
-            op,
+            operation,
             query: Vec::new(),
             body: None,
             budget,
-        }
-    }
-
-    pub fn get(op: &'a str, budget: Duration) -> Self {
-        Self {
-            method: Method::GET,
-            ..Self::post(op, budget)
         }
     }
 
@@ -134,13 +128,25 @@ impl PeerClient {
         })
     }
 
-    /// `<url>/internal/v1/users/<user>/<op>`.
-    fn user_url(node: &PeerNode, user: &UserId, op: &str) -> String {
-        format!(
-            "{}/internal/v1/users/{}/{op}",
+    /// `operation`'s node-to-node route on `node`,
+    /// `<url>/internal/v1/users/<user>/<name>`, and its method.
+    fn user_route(
+        node: &PeerNode,
+        user: &UserId,
+        operation: &Operation,
+    ) -> Result<(Method, String), SpawnError> {
+        let Some(internal) = &operation.internal else {
+            return Err(SpawnError::Internal(format!(
+                "{operation:?} has no node-to-node route"
+            )));
+        };
+        let url = format!(
+            "{}/internal/v1/users/{}/{}",
             node.url.trim_end_matches('/'),
-            user.path_segment()
-        )
+            user.path_segment(),
+            internal.name
+        );
+        Ok((internal.method.clone(), url))
     }
 
     /// Builds `request` and signs it as it will be sent, for `node`:
@@ -202,9 +208,10 @@ impl PeerClient {
         user: &UserId,
         call: UserCall<'_>,
     ) -> Result<T, SpawnError> {
+        let (method, url) = Self::user_route(node, user, call.operation)?;
         let mut request = self
             .http
-            .request(call.method, Self::user_url(node, user, call.op))
+            .request(method, url)
             .query(&call.query)
             .timeout(call.budget);
         if let Some(body) = call.body {
@@ -214,25 +221,27 @@ impl PeerClient {
         serde_json::from_value(value).map_err(|e| {
             SpawnError::Internal(format!(
                 "node {} answered {} for {user} with something unexpected: {e}",
-                node.id, call.op
+                node.id,
+                call.operation
+                    .internal
+                    .as_ref()
+                    .map_or("a call", |internal| internal.name)
             ))
         })
     }
 
-    /// `GET /internal/v1/users/<user>/<op>?<query>`, an event stream: its
+    /// `operation`'s node-to-node route with `query`, an event stream: its
     /// events until the callee ends it (or the connection breaks, which
     /// ends it here too). An error answer is the error it stands for.
     pub async fn user_events(
         &self,
         node: &PeerNode,
         user: &UserId,
-        op: &str,
+        operation: &Operation,
         query: &[(&str, String)],
     ) -> Result<BoxStream<'static, SseEvent>, SpawnError> {
-        let request = self
-            .streams
-            .get(Self::user_url(node, user, op))
-            .query(query);
+        let (method, url) = Self::user_route(node, user, operation)?;
+        let request = self.streams.request(method, url).query(query);
         let response = self
             .streams
             .execute(Self::signed(node, &self.key, request)?)
@@ -286,7 +295,7 @@ impl PeerClient {
     /// `POST /internal/v1/tokens/purge` on `node`: it forgets its cached
     /// user tokens.
     pub async fn purge_tokens(&self, node: &PeerNode) -> Result<(), SpawnError> {
-        self.node_call::<Value>(node, "tokens/purge", PURGE_TIMEOUT)
+        self.node_call::<Purged>(node, operation::NODE_PURGE_TOKENS, PURGE_TIMEOUT)
             .await
             .map(drop)
     }
@@ -300,9 +309,11 @@ impl PeerClient {
         user: &UserId,
         epoch: Epoch,
     ) -> Result<bool, SpawnError> {
-        let call = UserCall::post("fence", FENCE_TIMEOUT).body(json!({ "epoch": epoch }));
-        let answer: Value = self.user_call(node, user, call).await?;
-        Ok(answer["fenced"].as_bool().unwrap_or(false))
+        let body = serde_json::to_value(FenceRequest { epoch })
+            .map_err(|e| SpawnError::Internal(format!("cannot encode a fence: {e}")))?;
+        let call = UserCall::new(&operation::FENCE, FENCE_TIMEOUT).body(body);
+        let answer: Fenced = self.user_call(node, user, call).await?;
+        Ok(answer.fenced)
     }
 }
 
@@ -411,6 +422,7 @@ fn strip_prefix(message: &str, prefix: &str) -> String {
 mod tests {
     use super::*;
     use berth_core::ErrorCode;
+    use serde_json::json;
 
     fn alice() -> UserId {
         UserId::parse("alice").unwrap()

@@ -10,12 +10,13 @@ use axum::extract::{Path, State};
 use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use berth_core::{ErrorCode, UserId};
-use serde::Deserialize;
-use serde_json::json;
 
 use super::super::auth::{Caller, Minted};
 use super::extract::{Https, UserCall, read_body};
 use super::{ApiError, ApiResult, ApiState, AppState};
+use crate::wire::{
+    MintRequest, MintedToken, Revoked, Routing, SessionInfo, SessionStarted, TokenList,
+};
 
 /// Answers about credentials are never cached.
 fn no_store(mut response: Response) -> Response {
@@ -23,13 +24,6 @@ fn no_store(mut response: Response) -> Response {
         .headers_mut()
         .insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
     response
-}
-
-#[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct MintBody {
-    /// A shorter life than `[auth] user_token_ttl_s`.
-    ttl_s: Option<u64>,
 }
 
 /// `POST /api/v1/users/{user}/tokens`: a token for `user`, its id and
@@ -42,8 +36,8 @@ pub async fn mint_token(
     body: Body,
 ) -> ApiResult {
     let body = read_body(&headers, body).await?;
-    let MintBody { ttl_s } = if body.iter().all(u8::is_ascii_whitespace) {
-        MintBody::default()
+    let MintRequest { ttl_s } = if body.iter().all(u8::is_ascii_whitespace) {
+        MintRequest::default()
     } else {
         serde_json::from_slice(&body).map_err(|e| {
             ApiError::new(
@@ -76,22 +70,23 @@ pub async fn mint_token(
                 "{}?berth_token={token}",
                 state.app_url(&user, &headers, https)
             );
-            let routing = if state.path_routing { "path" } else { "host" };
+            let routing = if state.path_routing {
+                Routing::Path
+            } else {
+                Routing::Host
+            };
+            let minted = MintedToken {
+                user,
+                token,
+                id: record.id,
+                created_at: record.created_at,
+                expires_at: record.expires_at,
+                parent: record.parent,
+                url,
+                routing,
+            };
             Ok(no_store(
-                (
-                    StatusCode::CREATED,
-                    axum::Json(json!({
-                        "user": user,
-                        "token": token,
-                        "id": record.id,
-                        "created_at": record.created_at,
-                        "expires_at": record.expires_at,
-                        "parent": record.parent,
-                        "url": url,
-                        "routing": routing,
-                    })),
-                )
-                    .into_response(),
+                (StatusCode::CREATED, axum::Json(minted)).into_response(),
             ))
         }
         Minted::TooMany { live } => Err(ApiError::new(
@@ -114,7 +109,7 @@ pub async fn mint_token(
 pub async fn list_tokens(UserCall { user, .. }: UserCall, State(state): AppState) -> ApiResult {
     let tokens = state.store.list_tokens(&user).await?;
     Ok(no_store(
-        axum::Json(json!({ "user": user, "tokens": tokens })).into_response(),
+        axum::Json(TokenList { user, tokens }).into_response(),
     ))
 }
 
@@ -153,11 +148,11 @@ pub(super) async fn revoke(state: &ApiState, user: &UserId, id: &str) -> ApiResu
             "revoked a token, but could not tell every node to drop it; they will within [auth] token_cache_s"
         );
     }
-    Ok(axum::Json(json!({
-        "user": user,
-        "revoked": revoked,
-        "unreached_nodes": unreached,
-    }))
+    Ok(axum::Json(Revoked {
+        user: user.clone(),
+        revoked,
+        unreached_nodes: unreached,
+    })
     .into_response())
 }
 
@@ -183,10 +178,10 @@ pub async fn start_session(
     let session = state.auth.start_session(https).await?;
     let mut response = (
         StatusCode::CREATED,
-        axum::Json(json!({
-            "csrf_token": session.csrf_token,
-            "expires_at": session.expires_at,
-        })),
+        axum::Json(SessionStarted {
+            csrf_token: session.csrf_token,
+            expires_at: session.expires_at,
+        }),
     )
         .into_response();
     if let Ok(cookie) = HeaderValue::try_from(session.cookie) {
@@ -205,17 +200,14 @@ pub async fn show_session(
 ) -> ApiResult {
     let session = state.auth.session(&method, &headers).await?;
     let user = session.owner.user.as_ref();
-    Ok(no_store(
-        axum::Json(json!({
-            "csrf_token": session.csrf_token,
-            "expires_at": session.expires_at,
-            // A signed-in user's session (absent for the admin token's).
-            "user": user,
-            "admin": matches!(session.caller(), Caller::Admin),
-            "app_url": user.map(|u| state.app_url(u, &headers, https)),
-        }))
-        .into_response(),
-    ))
+    let info = SessionInfo {
+        admin: matches!(session.caller(), Caller::Admin),
+        app_url: user.map(|u| state.app_url(u, &headers, https)),
+        user: user.cloned(),
+        csrf_token: session.csrf_token,
+        expires_at: session.expires_at,
+    };
+    Ok(no_store(axum::Json(info).into_response()))
 }
 
 /// `DELETE /api/v1/session`: signs out (CSRF rules apply).

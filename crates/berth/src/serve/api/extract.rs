@@ -12,13 +12,14 @@ use std::sync::Arc;
 use axum::body::{Body, Bytes};
 use axum::extract::{FromRequestParts, MatchedPath, Query};
 use axum::http::request::Parts;
-use axum::http::{HeaderMap, Method, header};
+use axum::http::{HeaderMap, header};
 use axum::response::{IntoResponse, Response};
 use berth_core::{ErrorCode, SpawnError, UserId};
 use serde::de::DeserializeOwned;
 
 use super::super::auth::Caller;
 use super::{ApiError, ApiState};
+use crate::wire::operation::user_may;
 
 /// Request bodies larger than this are refused while they are read. It
 /// sits above the patch limit so that an oversized patch gets the precise
@@ -28,7 +29,8 @@ const MAX_BODY_BYTES: usize = 1024 * 1024;
 /// An authenticated call about one user: the caller, allowed to do this
 /// to this user, and the user id of the path (`{user}`), validated. An
 /// invalid id is `400 invalid_user`; a user token acting on another user,
-/// or on something [`user_may`] does not grant, is `403 forbidden`.
+/// or on something [`user_may`] does not grant (the route's declaration in
+/// [`crate::wire::operation`]), is `403 forbidden`.
 #[derive(Debug)]
 pub struct UserCall {
     pub caller: Caller,
@@ -51,28 +53,6 @@ impl FromRequestParts<Arc<ApiState>> for UserCall {
             }
         }
         Ok(Self { caller, user })
-    }
-}
-
-/// What a user token may do on its own user; everything else is the
-/// admin's. `action` is the route after `{user}/`, as declared
-/// (`instance/logs`, `tokens/{id}`). `patch`, `folder` and `force` are
-/// checked on the launch body itself.
-pub fn user_may(method: &Method, action: &str, users_may_patch: bool) -> bool {
-    match (method, action) {
-        (&Method::GET, "instance" | "instance/progress" | "instance/logs" | "tokens")
-        // A restart relaunches with the parameters of the last launch, so
-        // it gives a user nothing a stop and a start would not.
-        | (
-            &Method::POST,
-            "instance" | "instance/restart" | "instance/hibernate" | "instance/resume" | "tokens",
-        )
-        | (&Method::DELETE, "instance") => true,
-        (&Method::DELETE, action) => action
-            .strip_prefix("tokens/")
-            .is_some_and(|id| !id.is_empty()),
-        (&Method::POST, "breaker/reset") => users_may_patch,
-        _ => false,
     }
 }
 
@@ -290,6 +270,7 @@ pub async fn refuse_non_json_bodies(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use axum::http::Method;
 
     #[test]
     fn user_segments_are_decoded_and_validated() {

@@ -12,39 +12,43 @@ use axum::body::Body;
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
+use axum::routing::post;
 use berth_core::{ErrorCode, LaunchRequest};
-use serde::Deserialize;
 use serde_json::json;
 
-use super::super::ops::{LogLines, RestartAll, Via};
+use super::super::ops::Via;
 use super::extract::{Peer, PeerCall, QueryOf, SignedByPeer, read_body};
 use super::{
-    ApiError, ApiResult, ApiState, AppState, LaunchQuery, LogsQuery, ProgressQuery, holding,
-    line_events, parse_launch_body, stage_events,
+    ApiError, ApiResult, ApiState, AppState, DeclaredRoutes, LaunchQuery, LogsQuery, ProgressQuery,
+    holding, line_events, parse_launch_body, stage_events,
 };
+use crate::wire::operation as op;
+use crate::wire::{Done, FenceRequest, Fenced, LogLines, Purged, RestartAll};
 use berth_proxy::peer_auth::{PeerAuth, Refusal};
 
 /// The node-to-node routes, each behind [`authenticate`].
 pub fn routes(state: Arc<ApiState>) -> Router<Arc<ApiState>> {
     Router::new()
-        .route("/internal/v1/users/{user}/status", get(status))
-        .route("/internal/v1/users/{user}/launch", post(launch))
-        .route("/internal/v1/users/{user}/stop", post(stop))
-        .route("/internal/v1/users/{user}/restart", post(restart))
-        .route("/internal/v1/users/{user}/hibernate", post(hibernate))
-        .route("/internal/v1/users/{user}/resume", post(resume))
-        .route("/internal/v1/users/{user}/probe", post(probe))
-        .route("/internal/v1/users/{user}/logs", get(logs))
-        .route("/internal/v1/users/{user}/watchdog", post(watchdog))
+        .internal(&op::STATUS, status)
+        .internal(&op::LAUNCH, launch)
+        .internal(&op::STOP, stop)
+        .internal(&op::RESTART, restart)
+        .internal(&op::HIBERNATE, hibernate)
+        .internal(&op::RESUME, resume)
+        .internal(&op::PROBE, probe)
+        .internal(&op::LOGS, logs)
+        .internal(&op::WATCHDOG, watchdog)
+        .internal(&op::RESET_BREAKER, reset_breaker)
+        .internal(&op::PROGRESS, progress)
+        .internal(&op::FENCE, fence)
         .route(
-            "/internal/v1/users/{user}/breaker/reset",
-            post(reset_breaker),
+            &format!("/internal/v1/{}", op::NODE_RESTART_ALL),
+            post(restart_all),
         )
-        .route("/internal/v1/users/{user}/progress", get(progress))
-        .route("/internal/v1/users/{user}/fence", post(fence))
-        .route("/internal/v1/instances/restart-all", post(restart_all))
-        .route("/internal/v1/tokens/purge", post(purge))
+        .route(
+            &format!("/internal/v1/{}", op::NODE_PURGE_TOKENS),
+            post(purge),
+        )
         .route_layer(axum::middleware::from_fn_with_state(state, authenticate))
 }
 
@@ -151,7 +155,7 @@ async fn launch(
 
 async fn stop(PeerCall { user }: PeerCall, State(state): AppState) -> ApiResult {
     state.ops.stop(&user, Via::Peer).await?;
-    Ok(axum::Json(json!({})).into_response())
+    Ok(axum::Json(Done {}).into_response())
 }
 
 async fn hibernate(PeerCall { user }: PeerCall, State(state): AppState) -> ApiResult {
@@ -197,7 +201,7 @@ async fn watchdog(PeerCall { user }: PeerCall, State(state): AppState) -> ApiRes
 
 async fn reset_breaker(PeerCall { user }: PeerCall, State(state): AppState) -> ApiResult {
     state.ops.reset_breaker(&user, Via::Peer).await?;
-    Ok(axum::Json(json!({})).into_response())
+    Ok(axum::Json(Done {}).into_response())
 }
 
 /// A stream relayed for another node's client. It holds resources here
@@ -219,11 +223,6 @@ async fn progress(
     Ok(stage_events(holding(stages, slot)).into_response())
 }
 
-#[derive(Debug, Deserialize)]
-struct FenceBody {
-    epoch: berth_core::Epoch,
-}
-
 /// `{"epoch": N}` → kills the main here only if it runs under exactly
 /// epoch N (`{"fenced": bool}`).
 async fn fence(
@@ -233,14 +232,19 @@ async fn fence(
     body: Body,
 ) -> ApiResult {
     let body = read_body(&headers, body).await?;
-    let FenceBody { epoch } = serde_json::from_slice(&body).map_err(|e| {
+    let FenceRequest { epoch } = serde_json::from_slice(&body).map_err(|e| {
         ApiError::new(
             ErrorCode::InvalidRequest,
             format!("invalid fence body: {e}"),
         )
     })?;
     let fenced = state.ops.fence(&user, epoch).await?;
-    Ok(axum::Json(json!({ "user": user, "epoch": epoch, "fenced": fenced })).into_response())
+    Ok(axum::Json(Fenced {
+        user,
+        epoch,
+        fenced,
+    })
+    .into_response())
 }
 
 /// Restarts every main this node runs (the caller asks every node).
@@ -252,5 +256,5 @@ async fn restart_all(_: Peer, State(state): AppState) -> ApiResult {
 /// Another node revoked a token: forget every cached user token here.
 async fn purge(_: Peer, State(state): AppState) -> Response {
     state.auth.purge_cache();
-    axum::Json(json!({ "purged": true })).into_response()
+    axum::Json(Purged { purged: true }).into_response()
 }
