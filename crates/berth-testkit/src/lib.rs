@@ -85,8 +85,8 @@ mod wait;
 
 pub use http::raw_request;
 pub use node::{
-    Berth, CLUSTER_LEASE, Node, StartOptions, accounts_for, cluster_config, cluster_config_custom,
-    config_with, reachable_by_instances, with_own_accounts, write_private,
+    Berth, CLUSTER_LEASE, Node, NodeBuilder, StartOptions, accounts_for, cluster_config,
+    cluster_config_custom, config_with, reachable_by_instances, with_own_accounts, write_private,
 };
 pub use peer::{
     forward_headers, forward_headers_at, signed_headers, signed_headers_at, signed_request,

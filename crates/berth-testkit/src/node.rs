@@ -175,71 +175,15 @@ impl Berth {
         command
     }
 
-    /// Starts `berth serve` in `dir` with `extra` TOML appended to the base
-    /// config ([`config_with`]); its data dir is `dir/data`.
-    pub fn start(&self, dir: &Path, extra: &str) -> Node {
-        self.start_with_config(dir, &config_with(&dir.join("data"), extra))
-    }
-
-    /// Writes `config` to `dir/berth.toml` and runs `berth serve` on it;
-    /// its data dir must be `dir/data`.
-    pub fn start_with_config(&self, dir: &Path, config: &str) -> Node {
-        self.start_configured(dir, config, &StartOptions::default())
-    }
-
-    /// Starts `berth <args>` in `dir` and waits for its "listening" line;
-    /// `data_dir` is where it keeps its `admin.token`.
-    ///
-    /// # Panics
-    ///
-    /// When berth cannot start, or exits before it listens.
-    pub fn start_with_args(&self, dir: &Path, args: &[&str], data_dir: &Path) -> Node {
-        self.start_with_options(dir, args, data_dir, &StartOptions::default())
-    }
-
-    /// Writes `config` to `dir/berth.toml` and runs `berth serve` on it
-    /// with `options`; its data dir must be `dir/data`.
-    pub fn start_configured(&self, dir: &Path, config: &str, options: &StartOptions) -> Node {
-        std::fs::create_dir_all(dir).expect("cannot create the node's directory");
-        let path = dir.join("berth.toml");
-        // Keyed by the store when the config names one (nodes sharing it
-        // share accounts), else by the data dir.
-        let key = config
-            .lines()
-            .find(|l| l.trim_start().starts_with("store ="))
-            .map_or_else(|| dir.join("data").display().to_string(), str::to_owned);
-        write_private(&path, &with_own_accounts(config, &key), options.run_as);
-        let path = path.to_str().expect("a UTF-8 config path");
-        self.start_with_options(
-            dir,
-            &["serve", "--config", path],
-            &dir.join("data"),
-            options,
-        )
-    }
-
-    /// [`Berth::start_with_args`] with `options`.
-    ///
-    /// # Panics
-    ///
-    /// When berth cannot start, or exits before it listens.
-    pub fn start_with_options(
-        &self,
-        dir: &Path,
-        args: &[&str],
-        data_dir: &Path,
-        options: &StartOptions,
-    ) -> Node {
-        let (child, url, internal_url, token) = self.spawn_serve(dir, args, data_dir, options);
-        Node {
-            child: Some(child),
+    /// A node to start in `dir`: by default `berth serve` on the base
+    /// config ([`config_with`]) with its data dir `dir/data`; see
+    /// [`NodeBuilder`] for the rest.
+    pub fn node(&self, dir: &Path) -> NodeBuilder {
+        NodeBuilder {
             berth: self.clone(),
-            url,
-            internal_url,
-            token,
             dir: dir.to_owned(),
-            data_dir: data_dir.to_owned(),
-            http: reqwest::Client::new(),
+            launch: Launch::Config(config_with(&dir.join("data"), "")),
+            options: StartOptions::default(),
         }
     }
 
@@ -310,56 +254,108 @@ impl Berth {
         };
         (child, url, internal_url, token)
     }
+}
 
-    /// Starts a cluster node (PostgreSQL store) in `dir`; see
-    /// [`cluster_config`].
-    pub fn start_cluster(
-        &self,
-        dir: &Path,
-        pg_url: &str,
-        node_id: &str,
-        secret: &str,
-        extra: &str,
-    ) -> Node {
-        self.start_cluster_with_lease(dir, pg_url, node_id, secret, "", extra)
+/// What a [`NodeBuilder`] runs.
+#[derive(Debug, Clone)]
+enum Launch {
+    /// `berth serve` on this config, written to `dir/berth.toml`.
+    Config(String),
+    /// `berth <args>`, keeping its `admin.token` in this data dir.
+    Args(Vec<String>, PathBuf),
+}
+
+/// One `berth serve` (or other `berth` command) to start, built up from
+/// [`Berth::node`]: every way a test starts a node is one of these.
+///
+/// ```text
+/// berth.node(dir).extra("[reap]\nhibernate_after_s = 2\n").start()
+/// berth.node(dir).config(&cluster_config(dir, pg, "node-a", secret, "", "")).start()
+/// berth.node(dir).args(&["serve"], &data_dir).options(options).start()
+/// ```
+#[derive(Debug, Clone)]
+#[must_use = "a node starts only with `start`"]
+pub struct NodeBuilder {
+    berth: Berth,
+    dir: PathBuf,
+    launch: Launch,
+    options: StartOptions,
+}
+
+impl NodeBuilder {
+    /// The base config ([`config_with`]) with `extra` TOML appended.
+    pub fn extra(mut self, extra: &str) -> Self {
+        self.launch = Launch::Config(config_with(&self.dir.join("data"), extra));
+        self
     }
 
-    /// [`Berth::start_cluster`] with extra `[lease]` keys.
-    pub fn start_cluster_with_lease(
-        &self,
-        dir: &Path,
-        pg_url: &str,
-        node_id: &str,
-        secret: &str,
-        lease_extra: &str,
-        extra: &str,
-    ) -> Node {
-        self.start_with_config(
-            dir,
-            &cluster_config(dir, pg_url, node_id, secret, lease_extra, extra),
-        )
+    /// Exactly `config`, whose data dir must be `dir/data` (e.g. from
+    /// [`cluster_config`]). An `[isolation]` account range of the node's
+    /// own is added unless it names one ([`with_own_accounts`]).
+    pub fn config(mut self, config: &str) -> Self {
+        self.launch = Launch::Config(config.to_owned());
+        self
     }
 
-    /// A cluster node configured by [`cluster_config_custom`].
-    #[allow(clippy::too_many_arguments)]
-    pub fn start_cluster_custom(
-        &self,
-        dir: &Path,
-        pg_url: &str,
-        node_id: &str,
-        secret: &str,
-        lease: &str,
-        instance: &str,
-        extra: &str,
-    ) -> Node {
-        self.start_with_config(
+    /// `berth <args>` instead of `serve` on a config file; `data_dir` is
+    /// where it keeps its `admin.token`.
+    pub fn args(mut self, args: &[&str], data_dir: &Path) -> Self {
+        let args = args.iter().map(|a| (*a).to_owned()).collect();
+        self.launch = Launch::Args(args, data_dir.to_owned());
+        self
+    }
+
+    /// How berth runs beyond its arguments.
+    pub fn options(mut self, options: StartOptions) -> Self {
+        self.options = options;
+        self
+    }
+
+    /// Starts the node and waits until it listens.
+    ///
+    /// # Panics
+    ///
+    /// When berth cannot start, or exits before it listens.
+    pub fn start(self) -> Node {
+        let NodeBuilder {
+            berth,
             dir,
-            &cluster_config_custom(dir, pg_url, node_id, secret, lease, instance, extra),
-        )
+            launch,
+            options,
+        } = self;
+        std::fs::create_dir_all(&dir).expect("cannot create the node's directory");
+        let (args, data_dir) = match launch {
+            Launch::Args(args, data_dir) => (args, data_dir),
+            Launch::Config(config) => {
+                let path = dir.join("berth.toml");
+                // Keyed by the store when the config names one (nodes
+                // sharing it share accounts), else by the data dir.
+                let key = config
+                    .lines()
+                    .find(|l| l.trim_start().starts_with("store ="))
+                    .map_or_else(|| dir.join("data").display().to_string(), str::to_owned);
+                write_private(&path, &with_own_accounts(&config, &key), options.run_as);
+                let path = path.to_str().expect("a UTF-8 config path").to_owned();
+                let args = vec!["serve".to_owned(), "--config".to_owned(), path];
+                (args, dir.join("data"))
+            }
+        };
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let (child, url, internal_url, token) = berth.spawn_serve(&dir, &args, &data_dir, &options);
+        Node {
+            child: Some(child),
+            berth,
+            url,
+            internal_url,
+            token,
+            dir,
+            data_dir,
+            http: reqwest::Client::new(),
+        }
     }
 }
 
-/// How [`Berth::start_with_options`] runs berth, beyond its arguments.
+/// How [`NodeBuilder::start`] runs berth, beyond its arguments.
 #[derive(Debug, Clone, Default)]
 pub struct StartOptions {
     /// Extra environment.

@@ -102,9 +102,16 @@ async fn start_nodes(root: &std::path::Path, db: &str) -> Vec<Node> {
     for id in IDS {
         let (dir, db) = (root.join(id), db.to_owned());
         nodes.push(
-            tokio::task::spawn_blocking(move || Node::start_cluster(&dir, &db, id, SECRET, ""))
-                .await
-                .unwrap(),
+            tokio::task::spawn_blocking(move || {
+                Node::from(
+                    support::berth()
+                        .node(&dir)
+                        .config(&support::cluster_config(&dir, &db, id, SECRET, "", ""))
+                        .start(),
+                )
+            })
+            .await
+            .unwrap(),
         );
     }
     nodes

@@ -634,7 +634,19 @@ async fn the_admin_page_drives_a_cluster() {
         let db = db.clone();
         nodes.push(
             tokio::task::spawn_blocking(move || {
-                Node::start_cluster_with_lease(&dir, &db, id, SECRET, "takeover = \"manual\"\n", "")
+                Node::from(
+                    support::berth()
+                        .node(&dir)
+                        .config(&support::cluster_config(
+                            &dir,
+                            &db,
+                            id,
+                            SECRET,
+                            "takeover = \"manual\"\n",
+                            "",
+                        ))
+                        .start(),
+                )
             })
             .await
             .unwrap(),

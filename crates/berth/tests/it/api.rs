@@ -474,7 +474,12 @@ async fn serve_runs_on_embedded_defaults() {
     use std::os::unix::fs::PermissionsExt;
     let dir = tempfile::tempdir().unwrap();
     let data_dir = dir.path().join("berth-data");
-    let node = Node::start_with_args(dir.path(), &["serve"], &data_dir);
+    let node = Node::from(
+        support::berth()
+            .node(dir.path())
+            .args(&["serve"], &data_dir)
+            .start(),
+    );
     assert_eq!(node.url, "http://127.0.0.1:8000");
     let health = reqwest::get(format!("{}/healthz", node.url)).await.unwrap();
     assert_eq!(health.text().await.unwrap(), "ok");

@@ -261,20 +261,27 @@ async fn serve_logs_json_lines_with_the_flag() {
     )
     .unwrap();
     let log = dir.path().join("stderr.log");
-    let node = Node::start_with_options(
-        dir.path(),
-        &[
-            "serve",
-            "--config",
-            dir.path().join("berth.toml").to_str().unwrap(),
-            "--log-format",
-            "json",
-        ],
-        &data,
-        &StartOptions {
-            stderr: Some(log.clone()),
-            ..StartOptions::default()
-        },
+    let node = Node::from(
+        support::berth()
+            .node(dir.path())
+            .args(
+                &[
+                    "serve",
+                    "--config",
+                    dir.path().join("berth.toml").to_str().unwrap(),
+                    "--log-format",
+                    "json",
+                ],
+                &data,
+            )
+            .options(
+                StartOptions {
+                    stderr: Some(log.clone()),
+                    ..StartOptions::default()
+                }
+                .clone(),
+            )
+            .start(),
     );
     stdout_of(&node.cli(&["start", "alice"]));
     let lines = eventually(PATIENCE, "berth's log", || async {

@@ -40,7 +40,19 @@ async fn start_nodes(root: &Path, db: &str, ids: &[&str], lease_extra: &str) -> 
         let id = (*id).to_owned();
         let lease_extra = lease_extra.to_owned();
         let node = tokio::task::spawn_blocking(move || {
-            Node::start_cluster_with_lease(&dir, &db, &id, SECRET, &lease_extra, "")
+            Node::from(
+                support::berth()
+                    .node(&dir)
+                    .config(&support::cluster_config(
+                        &dir,
+                        &db,
+                        &id,
+                        SECRET,
+                        &lease_extra,
+                        "",
+                    ))
+                    .start(),
+            )
         })
         .await
         .unwrap();
@@ -76,7 +88,8 @@ async fn start_echo_nodes(root: &Path, db: &str, ids: &[&str]) -> Vec<Node> {
         let node = tokio::task::spawn_blocking(move || {
             berth()
                 .env("BERTH_CLUSTER_SECRET", SECRET)
-                .start_cluster_custom(
+                .node(&dir)
+                .config(&support::cluster_config_custom(
                     &dir,
                     &db,
                     &id,
@@ -84,7 +97,8 @@ async fn start_echo_nodes(root: &Path, db: &str, ids: &[&str]) -> Vec<Node> {
                     CLUSTER_LEASE,
                     "env = { BERTH_DEMO_ECHO = \"1\" }\n",
                     "",
-                )
+                ))
+                .start()
         })
         .await
         .unwrap();
@@ -408,7 +422,7 @@ async fn a_captured_node_call_can_be_neither_replayed_nor_mined_for_the_secret()
         ),
     );
     let b = tokio::task::spawn_blocking(move || {
-        Node::from(berth().start_with_config(&dir_b, &config_b))
+        Node::from(support::berth().node(&dir_b).config(&config_b).start())
     })
     .await
     .unwrap();
@@ -594,7 +608,7 @@ async fn a_captured_forwarded_request_can_be_neither_replayed_nor_mined_for_the_
         1,
     );
     let a = tokio::task::spawn_blocking(move || {
-        Node::from(berth().start_with_config(&dir_a, &config_a))
+        Node::from(support::berth().node(&dir_a).config(&config_a).start())
     })
     .await
     .unwrap();
@@ -778,7 +792,13 @@ async fn a_burst_of_wrong_guesses_is_rate_limited_and_logged() {
         ..support::StartOptions::default()
     };
     let node = tokio::task::spawn_blocking(move || {
-        Node::from(berth().start_configured(&dir, &config, &options))
+        Node::from(
+            support::berth()
+                .node(&dir)
+                .config(&config)
+                .options(options)
+                .start(),
+        )
     })
     .await
     .unwrap();
@@ -1690,7 +1710,14 @@ async fn a_node_restarted_after_kill_9_starts_at_once_and_adopts_its_instances()
     let db_ = db.clone();
     let dir_ = dir.clone();
     let mut first = tokio::task::spawn_blocking(move || {
-        Node::from(berth().start_cluster_custom(&dir_, &db_, "node-a", SECRET, lease, "", ""))
+        Node::from(
+            support::berth()
+                .node(&dir_)
+                .config(&support::cluster_config_custom(
+                    &dir_, &db_, "node-a", SECRET, lease, "", "",
+                ))
+                .start(),
+        )
     })
     .await
     .unwrap();
@@ -1721,7 +1748,9 @@ async fn a_node_restarted_after_kill_9_starts_at_once_and_adopts_its_instances()
     let restart = {
         let dir = dir.clone();
         let config = same_address.clone();
-        tokio::task::spawn_blocking(move || Node::from(berth().start_with_config(&dir, &config)))
+        tokio::task::spawn_blocking(move || {
+            Node::from(support::berth().node(&dir).config(&config).start())
+        })
     };
     let http = reqwest::Client::new();
     eventually(
@@ -1822,7 +1851,18 @@ async fn start_gated_nodes(root: &Path, db: &str, ids: &[&str]) -> Vec<Node> {
         let (dir, db, id) = (root.join(id), db.to_owned(), (*id).to_owned());
         let instance = gated_instance();
         let node = tokio::task::spawn_blocking(move || {
-            berth().start_cluster_custom(&dir, &db, &id, SECRET, CLUSTER_LEASE, &instance, extra)
+            berth()
+                .node(&dir)
+                .config(&support::cluster_config_custom(
+                    &dir,
+                    &db,
+                    &id,
+                    SECRET,
+                    CLUSTER_LEASE,
+                    &instance,
+                    extra,
+                ))
+                .start()
         })
         .await
         .unwrap();
@@ -2300,13 +2340,18 @@ async fn a_relayed_stream_holds_a_slot_on_both_nodes() {
     for id in ["node-a", "node-b"] {
         let (dir, db) = (root.path().join(id), db.clone());
         let node = tokio::task::spawn_blocking(move || {
-            Node::start_cluster_with_lease(
-                &dir,
-                &db,
-                id,
-                SECRET,
-                "",
-                "[proxy]\nmax_upgrades_per_user = 2\n",
+            Node::from(
+                support::berth()
+                    .node(&dir)
+                    .config(&support::cluster_config(
+                        &dir,
+                        &db,
+                        id,
+                        SECRET,
+                        "",
+                        "[proxy]\nmax_upgrades_per_user = 2\n",
+                    ))
+                    .start(),
             )
         })
         .await
@@ -2390,7 +2435,12 @@ async fn launch_storm(capacity: Option<u32>) -> std::collections::BTreeMap<Strin
         let lease = "ttl_ms = 30000\nrenew_ms = 10000\nfence_after_ms = 20000\n";
         nodes.push(Node::from(
             tokio::task::spawn_blocking(move || {
-                berth().start_cluster_custom(&dir, &db, id, SECRET, lease, "", &extra)
+                berth()
+                    .node(&dir)
+                    .config(&support::cluster_config_custom(
+                        &dir, &db, id, SECRET, lease, "", &extra,
+                    ))
+                    .start()
             })
             .await
             .unwrap(),

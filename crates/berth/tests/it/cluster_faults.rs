@@ -184,7 +184,14 @@ async fn start_node_with(
         extra.to_owned(),
     );
     tokio::task::spawn_blocking(move || {
-        Node::start_cluster_custom(&dir, &db, &id, SECRET, &lease, &instance, &extra)
+        Node::from(
+            support::berth()
+                .node(&dir)
+                .config(&support::cluster_config_custom(
+                    &dir, &db, &id, SECRET, &lease, &instance, &extra,
+                ))
+                .start(),
+        )
     })
     .await
     .unwrap()
@@ -1039,7 +1046,12 @@ async fn start_unreachable(root: &Path, db: &str, instance: &str) -> Node {
             "--listen",
             &listen,
         ];
-        let mut node = Node::start_with_args(&dir, &args, &dir.join("data"));
+        let mut node = Node::from(
+            support::berth()
+                .node(&dir)
+                .args(&args, &dir.join("data"))
+                .start(),
+        );
         // It printed the address it advertises.
         node.url = format!("http://{listen}");
         node

@@ -52,19 +52,23 @@ fn serve(name: &str, run_as: Option<u32>) -> (tempfile::TempDir, Node) {
         run_as,
         ..StartOptions::default()
     };
-    let node = Node::start_with_options(
-        dir.path(),
-        &[
-            "serve",
-            "--config",
-            config.to_str().unwrap(),
-            "--listen",
-            "127.0.0.1:0",
-            "--data-dir",
-            data.to_str().unwrap(),
-        ],
-        &data,
-        &options,
+    let node = Node::from(
+        support::berth()
+            .node(dir.path())
+            .args(
+                &[
+                    "serve",
+                    "--config",
+                    config.to_str().unwrap(),
+                    "--listen",
+                    "127.0.0.1:0",
+                    "--data-dir",
+                    data.to_str().unwrap(),
+                ],
+                &data,
+            )
+            .options(options)
+            .start(),
     );
     (dir, node)
 }

@@ -63,7 +63,7 @@ fn breach_config(dir: &Path, slot: &Slot, mode: &str, isolation: &str, tail: &st
 }
 
 fn start(dir: &Path, config: &str) -> Node {
-    Node::start_configured(dir, config, &StartOptions::default())
+    Node::from(support::berth().node(dir).config(config).start())
 }
 
 async fn launch(node: &Node, user: &str) -> Value {
@@ -319,10 +319,12 @@ async fn secrets_stay_out_of_reach(mode: &str) {
         ],
         ..StartOptions::default()
     };
-    let node = Node::start_configured(
-        dir.path(),
-        &breach_config(dir.path(), &slot, mode, "", ""),
-        &options,
+    let node = Node::from(
+        support::berth()
+            .node(dir.path())
+            .config(&breach_config(dir.path(), &slot, mode, "", ""))
+            .options(options)
+            .start(),
     );
     let alice = launch(&node, "alice").await;
     let bob = launch(&node, "bob").await;
@@ -422,10 +424,12 @@ async fn program_output_cannot_forge_berths_log() {
         stderr: Some(log.clone()),
         ..StartOptions::default()
     };
-    let node = Node::start_configured(
-        dir.path(),
-        &breach_config(dir.path(), &slot, "user", "", ""),
-        &options,
+    let node = Node::from(
+        support::berth()
+            .node(dir.path())
+            .config(&breach_config(dir.path(), &slot, "user", "", ""))
+            .options(options)
+            .start(),
     );
     let first = launch(&node, "alice").await;
     // The program writes its forgery to stderr and exits: a crash.
@@ -949,10 +953,12 @@ fn the_egress_guard_blocks_metadata_and_the_hosts_addresses_but_not_the_outside(
                 wrapper: vec!["ip".into(), "netns".into(), "exec".into(), host],
                 ..StartOptions::default()
             };
-            let node = Node::start_configured(
-                dir.path(),
-                &breach_config(dir.path(), &slot, "user", "", ""),
-                &options,
+            let node = Node::from(
+                support::berth()
+                    .node(dir.path())
+                    .config(&breach_config(dir.path(), &slot, "user", "", ""))
+                    .options(options)
+                    .start(),
             );
             launch(&node, "alice").await;
             let targets = [
@@ -1571,13 +1577,15 @@ async fn level_none_warns_that_instances_are_not_isolated() {
         stderr: Some(log.clone()),
         ..StartOptions::default()
     };
-    let node = Node::start_configured(
-        dir.path(),
-        &format!(
-            "listen = \"127.0.0.1:0\"\ndata_dir = \"{}\"\n[isolation]\nmode = \"none\"\n",
-            dir.path().join("data").display()
-        ),
-        &options,
+    let node = Node::from(
+        support::berth()
+            .node(dir.path())
+            .config(&format!(
+                "listen = \"127.0.0.1:0\"\ndata_dir = \"{}\"\n[isolation]\nmode = \"none\"\n",
+                dir.path().join("data").display()
+            ))
+            .options(options)
+            .start(),
     );
     let text = std::fs::read_to_string(&log).unwrap();
     assert!(

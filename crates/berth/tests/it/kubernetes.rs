@@ -25,7 +25,7 @@ use std::time::Duration;
 use berth_k8s::testing::{ApiServerDouble, Kind};
 use berth_testkit::PgCluster;
 use serde_json::{Value, json};
-use support::{BERTH, Node, StartOptions, eventually};
+use support::{BERTH, Node, eventually};
 
 const SECRET: &str = berth_testkit::TEST_CLUSTER_SECRET;
 /// Bound for anything that should happen "soon"; only a hang reaches it.
@@ -89,7 +89,7 @@ fn config_from_example(dir: &Path, kubeconfig: &Path, store: Option<&str>, node:
 /// starting blocks until berth listens).
 async fn start(dir: PathBuf, config: String) -> Node {
     tokio::task::spawn_blocking(move || {
-        Node::start_configured(&dir, &config, &StartOptions::default())
+        Node::from(support::berth().node(&dir).config(&config).start())
     })
     .await
     .unwrap()

@@ -108,16 +108,21 @@ async fn setup(mode: Mode, program: &str) -> Setup {
         data.display(),
         idp.issuer(),
     );
-    let node = Node::start_configured(
-        dir.path(),
-        &config,
-        &StartOptions {
-            env: vec![(
-                "BERTH_OIDC_CLIENT_SECRET".to_owned(),
-                CLIENT_SECRET.to_owned(),
-            )],
-            ..StartOptions::default()
-        },
+    let node = Node::from(
+        support::berth()
+            .node(dir.path())
+            .config(&config)
+            .options(
+                StartOptions {
+                    env: vec![(
+                        "BERTH_OIDC_CLIENT_SECRET".to_owned(),
+                        CLIENT_SECRET.to_owned(),
+                    )],
+                    ..StartOptions::default()
+                }
+                .clone(),
+            )
+            .start(),
     );
     Setup {
         node,

@@ -478,18 +478,22 @@ async fn jupyter_server_behind_berth() {
     let data = dir.path().join("data");
     let example =
         std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../examples/jupyter.toml");
-    let node = Node::start_with_args(
-        dir.path(),
-        &[
-            "serve",
-            "--config",
-            example.to_str().unwrap(),
-            "--listen",
-            "127.0.0.1:0",
-            "--data-dir",
-            data.to_str().unwrap(),
-        ],
-        &data,
+    let node = Node::from(
+        support::berth()
+            .node(dir.path())
+            .args(
+                &[
+                    "serve",
+                    "--config",
+                    example.to_str().unwrap(),
+                    "--listen",
+                    "127.0.0.1:0",
+                    "--data-dir",
+                    data.to_str().unwrap(),
+                ],
+                &data,
+            )
+            .start(),
     );
     let (status, body) = node
         .post("/users/alice/instance", serde_json::json!({}))

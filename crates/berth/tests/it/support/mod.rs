@@ -30,8 +30,7 @@ pub fn berth() -> Berth {
     Berth::new(BERTH)
 }
 
-/// A running `berth serve` of [`BERTH`]: [`berth_testkit::Node`], with the
-/// starters this crate's tests call as `Node::start…`. Dropping it kills
+/// A running `berth serve` of [`BERTH`]: [`berth_testkit::Node`]. Dropping it kills
 /// berth and every instance under its data dir, then removes what an
 /// isolated berth leaves in the kernel on purpose (see
 /// [`remove_isolation_leftovers`]).
@@ -67,67 +66,11 @@ impl Drop for Node {
 }
 
 impl Node {
-    /// Starts berth in `dir` with `extra` TOML appended to the base config.
+    /// Starts berth in `dir` with `extra` TOML appended to the base config:
+    /// most tests' node. Any other is started from [`berth`]`().node(dir)`
+    /// ([`berth_testkit::NodeBuilder`]) and wrapped with `Node::from`.
     pub fn start(dir: &Path, extra: &str) -> Node {
-        Node(berth().start(dir, extra))
-    }
-
-    /// Starts `berth <args>` in `dir` and waits for its "listening" line.
-    pub fn start_with_args(dir: &Path, args: &[&str], data_dir: &Path) -> Node {
-        Node(berth().start_with_args(dir, args, data_dir))
-    }
-
-    /// [`Node::start_with_args`] with `options`.
-    pub fn start_with_options(
-        dir: &Path,
-        args: &[&str],
-        data_dir: &Path,
-        options: &StartOptions,
-    ) -> Node {
-        Node(berth().start_with_options(dir, args, data_dir, options))
-    }
-
-    /// Starts berth in `dir` on exactly `config` (whose data dir must be
-    /// `dir/data`), with `options`.
-    pub fn start_configured(dir: &Path, config: &str, options: &StartOptions) -> Node {
-        Node(berth().start_configured(dir, config, options))
-    }
-
-    /// Starts a cluster node (PostgreSQL store) in `dir`; see
-    /// [`cluster_config`].
-    pub fn start_cluster(
-        dir: &Path,
-        pg_url: &str,
-        node_id: &str,
-        secret: &str,
-        extra: &str,
-    ) -> Node {
-        Node(berth().start_cluster(dir, pg_url, node_id, secret, extra))
-    }
-
-    /// [`Node::start_cluster`] with extra `[lease]` keys.
-    pub fn start_cluster_with_lease(
-        dir: &Path,
-        pg_url: &str,
-        node_id: &str,
-        secret: &str,
-        lease_extra: &str,
-        extra: &str,
-    ) -> Node {
-        Node(berth().start_cluster_with_lease(dir, pg_url, node_id, secret, lease_extra, extra))
-    }
-
-    /// A cluster node configured by [`cluster_config_custom`].
-    pub fn start_cluster_custom(
-        dir: &Path,
-        pg_url: &str,
-        node_id: &str,
-        secret: &str,
-        lease: &str,
-        instance: &str,
-        extra: &str,
-    ) -> Node {
-        Node(berth().start_cluster_custom(dir, pg_url, node_id, secret, lease, instance, extra))
+        Node(berth().node(dir).extra(extra).start())
     }
 }
 
