@@ -337,7 +337,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     proxy.shutdown().await;
     spawner.teardown().await;
     // A node that says `down` may be started again at once under the same
-    // id (see `Store::claim_node`), and gets no new instances meanwhile.
+    // id (see `NodeStore::claim_node`), and gets no new instances meanwhile.
     spawner.set_node_status(NodeStatus::Down);
     if let Err(e) = spawner.heartbeat().await {
         tracing::warn!(error = %e, "could not mark this node down");
