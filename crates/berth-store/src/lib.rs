@@ -411,10 +411,6 @@ pub struct Placement {
 /// implements each role once; [`open`] returns it as `Arc<dyn Store>`, and a
 /// part that needs only one role takes that role's trait object (trait
 /// upcasting turns an `Arc<dyn Store>` into, say, an `Arc<dyn AuthStore>`).
-///
-/// All lease methods are single conditional statements; success is judged
-/// by whether a row was written, and every time comparison uses the
-/// store's clock ([`NodeStore::now`]).
 pub trait Store:
     InstanceStore + LeaseStore + LaunchStore + AuthStore + UserStore + NodeStore
 {
@@ -427,13 +423,11 @@ impl<T> Store for T where
 
 /// The instance records, one row per (user, role), and their activity.
 ///
-/// Used by the controller's publisher (the one writer of a record), its
-/// spawner, adoption and activity flush, by failover, and by the API's
-/// listings.
+/// Used by the controller: its publisher (which writes every record), its
+/// launches, spawner and adoption (which read and clear records) and its
+/// activity flush; by failover, and by the API's listings and event feed.
 #[async_trait]
 pub trait InstanceStore: Send + Sync + 'static {
-    // --- instance records: one row per (user, role) -----------------------
-
     /// Inserts or replaces the record for `(instance.user, instance.role)`.
     ///
     /// A main's record is fenced by its lease: it replaces the stored one
@@ -470,14 +464,17 @@ pub trait InstanceStore: Send + Sync + 'static {
 
 /// The per-user main lease, fenced by its epoch.
 ///
-/// Used by the [`lease::LeaseKeeper`] (the controller's fencer claims,
-/// renews and releases through it), by failover (expired leases), by user
-/// slugs (whose lease decides who records a slug) and by the cluster and
-/// operator endpoints that report leases.
+/// All its methods are single conditional statements; success is judged
+/// by whether a row was written, and every time comparison uses the
+/// store's clock ([`NodeStore::now`]).
+///
+/// Used by the [`lease::LeaseKeeper`] (through which the controller's
+/// fencer claims, renews and releases), by the controller's adoption (the
+/// leases this node holds) and slugs, by failover (expired leases), and by
+/// the cluster's routing and the operator endpoints, API listings and
+/// event feed that report leases.
 #[async_trait]
 pub trait LeaseStore: Send + Sync + 'static {
-    // --- the lease ----------------------------------------------------------
-
     /// Claims the main lease of `user` for `node` for `ttl`: creates the row
     /// if needed, then one conditional update. Succeeds when the lease is
     /// free, released, already `node`'s own (epoch bumps), or expired with
@@ -536,8 +533,9 @@ pub trait LeaseStore: Send + Sync + 'static {
 /// How each user's main is launched: the parameters it was last launched
 /// with, and its crash history and breaker.
 ///
-/// Used by the controller's launches and its breaker, by failover's
-/// relaunch, and by the operator endpoints and event feed that report them.
+/// Used by the controller's launches and its breaker, by relaunches
+/// (failover's and an operator's) that repeat the last launch, and by the
+/// event feed that reports a breaker.
 #[async_trait]
 pub trait LaunchStore: Send + Sync + 'static {
     // --- launch parameters --------------------------------------------------
@@ -633,8 +631,9 @@ pub trait AuthStore: Send + Sync + 'static {
 /// Users: each user's recorded slug, and the host accounts of isolated
 /// instances.
 ///
-/// Used by the controller's slugs (recording and restoring them) and by the
-/// server's account allocation for isolation.
+/// Used by the controller's slugs and adoption (recording and restoring
+/// slugs) and by the server's account allocation for isolation (the local
+/// runtime's `Accounts`).
 #[async_trait]
 pub trait UserStore: Send + Sync + 'static {
     // --- users and their slugs ----------------------------------------------
@@ -670,13 +669,12 @@ pub trait UserStore: Send + Sync + 'static {
 /// id, and the reservation of a place for a new instance.
 ///
 /// Used by the controller's heartbeat, by the server's start (claiming its
-/// node id) and by the cluster's placement and node listings.
+/// node id), and by the cluster's routing and placement and the API's node
+/// listings.
 #[async_trait]
 pub trait NodeStore: Send + Sync + 'static {
     /// The store's clock, in Unix milliseconds.
     async fn now(&self) -> Result<UnixMillis, StoreError>;
-
-    // --- nodes --------------------------------------------------------------
 
     /// Inserts or updates the node's row and stamps its heartbeat with the
     /// store's clock.
