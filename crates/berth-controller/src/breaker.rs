@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use berth_core::policy::{CrashDecision, CrashPolicy, CrashState, LaunchKind};
 use berth_core::{BreakerInfo, SpawnError, UnixMillis, UserId};
-use berth_store::Store;
+use berth_store::LaunchStore;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
@@ -16,7 +16,7 @@ use crate::config::BreakerHook;
 use crate::metrics::Metrics;
 
 pub(crate) struct Breaker {
-    store: Arc<dyn Store>,
+    store: Arc<dyn LaunchStore>,
     policy: CrashPolicy,
     hook: Option<BreakerHook>,
     metrics: Metrics,
@@ -31,7 +31,7 @@ pub(crate) struct Admission {
 
 impl Breaker {
     pub fn new(
-        store: Arc<dyn Store>,
+        store: Arc<dyn LaunchStore>,
         policy: CrashPolicy,
         hook: Option<BreakerHook>,
         metrics: Metrics,

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use berth_core::policy::supervision::LeaseCheck;
 use berth_core::{Epoch, SpawnError, UserId};
 use berth_store::lease::{LeaseConfig, LeaseKeeper};
-use berth_store::{ClaimOutcome, Store, StoreError};
+use berth_store::{ClaimOutcome, LeaseStore, StoreError};
 
 /// How a launch claims the lease.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -53,7 +53,12 @@ pub(crate) fn saturating_add(instant: Instant, d: Duration) -> Instant {
 }
 
 impl Fencer {
-    pub fn new(store: Arc<dyn Store>, node: String, config: LeaseConfig, fencing: bool) -> Self {
+    pub fn new(
+        store: Arc<dyn LeaseStore>,
+        node: String,
+        config: LeaseConfig,
+        fencing: bool,
+    ) -> Self {
         Self {
             lease: LeaseKeeper::new(store, node, config.clone()),
             config,

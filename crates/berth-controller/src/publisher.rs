@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, PoisonError, RwLock};
 
 use berth_core::{Endpoint, Instance, InstanceEvent, InstanceStatus, Role, Stage, UserId};
-use berth_store::{Store, StoreError};
+use berth_store::{InstanceStore, StoreError};
 use tokio::sync::broadcast;
 
 use crate::metrics::Metrics;
@@ -19,7 +19,7 @@ use crate::users::{Entry, Slot};
 const EVENT_CAPACITY: usize = 1024;
 
 pub(crate) struct Publisher {
-    store: Arc<dyn Store>,
+    store: Arc<dyn InstanceStore>,
     metrics: Metrics,
     /// The proxy's route table: only running, ready mains.
     routes: RwLock<HashMap<UserId, Endpoint>>,
@@ -33,7 +33,7 @@ pub(crate) struct Publisher {
 }
 
 impl Publisher {
-    pub fn new(store: Arc<dyn Store>, metrics: Metrics) -> Self {
+    pub fn new(store: Arc<dyn InstanceStore>, metrics: Metrics) -> Self {
         Self {
             store,
             metrics,

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use berth_core::{Epoch, UserId};
 
-use crate::{ClaimOutcome, Store, StoreError, TakeoverPolicy};
+use crate::{ClaimOutcome, LeaseStore, StoreError, TakeoverPolicy};
 
 /// Why lease settings were refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -156,7 +156,7 @@ pub struct RenewReport {
 /// The leases one node holds. Cheap to share behind an `Arc`; holds no lock
 /// across an `.await`.
 pub struct LeaseKeeper {
-    store: Arc<dyn Store>,
+    store: Arc<dyn LeaseStore>,
     node_id: String,
     config: LeaseConfig,
     held: Mutex<HashMap<UserId, Epoch>>,
@@ -183,7 +183,7 @@ impl std::fmt::Debug for LeaseKeeper {
 
 impl LeaseKeeper {
     /// A keeper holding nothing. Its fence clock starts now.
-    pub fn new(store: Arc<dyn Store>, node_id: String, config: LeaseConfig) -> Self {
+    pub fn new(store: Arc<dyn LeaseStore>, node_id: String, config: LeaseConfig) -> Self {
         Self {
             store,
             node_id,
@@ -341,8 +341,8 @@ mod tests {
     use tokio::sync::Notify;
 
     use super::*;
-    use crate::SqliteStore;
     use crate::testing::{InterceptRenew, RenewHook};
+    use crate::{SqliteStore, Store};
 
     const MS: Duration = Duration::from_millis(1);
 

@@ -1,10 +1,15 @@
 //! berth's persistent state.
 //!
-//! * [`Store`]: the one trait every backend implements — instance records
-//!   (a main's fenced by its lease epoch), the fenced lease, launch
-//!   parameters, crash/breaker state, user tokens, admin sessions, nodes,
-//!   the per-user accounts (host uids) of isolated instances, and each
-//!   user's recorded slug;
+//! * the role traits, one per part of the state and named for who uses
+//!   it: [`InstanceStore`] (instance records, a main's fenced by its lease
+//!   epoch, and activity), [`LeaseStore`] (the fenced lease),
+//!   [`LaunchStore`] (launch parameters, crash/breaker state),
+//!   [`AuthStore`] (user tokens, sessions, sign-in steps), [`UserStore`]
+//!   (each user's recorded slug, the per-user accounts (host uids) of
+//!   isolated instances) and [`NodeStore`] (the store's clock, nodes,
+//!   placement);
+//! * [`Store`]: all of them as one trait, which every backend implements
+//!   (by implementing each role) and [`open`] returns;
 //! * [`SqliteStore`]: the embedded single-node backend;
 //! * [`PgStore`]: the PostgreSQL backend a cluster of nodes shares; both
 //!   are one implementation over SQL (`sql/`: the operations and their
@@ -56,7 +61,7 @@ pub enum StoreError {
     /// A stored value could not be decoded.
     #[error("corrupt store record: {0}")]
     Corrupt(String),
-    /// Every uid of the account range is taken (see [`Store::account_uid`]).
+    /// Every uid of the account range is taken (see [`UserStore::account_uid`]).
     #[error(
         "no free uid for a new account in {first}-{last}: every one is taken; widen the range \
          ([isolation] base_uid / uid_count)"
@@ -161,7 +166,7 @@ pub enum ClaimOutcome {
     },
 }
 
-/// How a starting node's claim on its id came out ([`Store::claim_node`]).
+/// How a starting node's claim on its id came out ([`NodeStore::claim_node`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum NodeClaim {
     /// The id is this process's now.
@@ -189,12 +194,12 @@ pub struct LeaseRecord {
     /// Past `lease_until` by the store's clock, and not released.
     pub expired: bool,
     /// Whether the holder's last heartbeat is at most the TTL given to
-    /// [`Store::list_leases`] old, by the store's clock: the same test a claim
+    /// [`LeaseStore::list_leases`] old, by the store's clock: the same test a claim
     /// under [`TakeoverPolicy::Evidence`] applies, so an expired lease whose
     /// holder is not alive is one such a claim may take, and an expired
     /// lease whose holder is alive needs an operator's takeover. `None`
-    /// when there is no holder, and in the answers of [`Store::get_lease`]
-    /// and [`Store::leases_held_by`], which are not given a TTL.
+    /// when there is no holder, and in the answers of [`LeaseStore::get_lease`]
+    /// and [`LeaseStore::leases_held_by`], which are not given a TTL.
     pub holder_alive: Option<bool>,
 }
 
@@ -227,7 +232,7 @@ pub struct TokenRecord {
     pub parent: Option<String>,
 }
 
-/// A token to mint with [`Store::mint_token`].
+/// A token to mint with [`AuthStore::mint_token`].
 #[derive(Debug, Clone, Copy)]
 pub struct NewToken<'a> {
     /// A fresh public id (random; unique across all tokens).
@@ -246,7 +251,7 @@ pub struct NewToken<'a> {
     pub max_live: u32,
 }
 
-/// What [`Store::mint_token`] did.
+/// What [`AuthStore::mint_token`] did.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum MintOutcome {
     /// The token is recorded; its listing, with the expiry bounded by the
@@ -261,7 +266,7 @@ pub enum MintOutcome {
     ParentGone,
 }
 
-/// Who a live token belongs to, as [`Store::use_token`] finds it.
+/// Who a live token belongs to, as [`AuthStore::use_token`] finds it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TokenOwner {
     /// Whose token it is.
@@ -287,7 +292,7 @@ pub struct SessionOwner {
     pub token_id: Option<String>,
 }
 
-/// A live session, as [`Store::session`] finds it.
+/// A live session, as [`AuthStore::session`] finds it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SessionRecord {
     /// Whose session it is.
@@ -336,7 +341,7 @@ pub enum NodeStatus {
     /// Keeps what it runs but takes nothing new (an operator's drain).
     Draining,
     /// Shut down on purpose: it takes nothing new, and its id may be
-    /// claimed again at once (see [`Store::claim_node`]).
+    /// claimed again at once (see [`NodeStore::claim_node`]).
     Down,
 }
 
@@ -373,7 +378,7 @@ impl From<NodeStatus> for NodeState {
 
 impl NodeRecord {
     /// The node as placement sees it (`berth_core::policy::place`), `now`
-    /// being [`Store::now`] read by the caller: the heartbeat is stamped by
+    /// being [`NodeStore::now`] read by the caller: the heartbeat is stamped by
     /// the store's clock, so its age must be measured by the same clock.
     pub fn view(&self, now: UnixMillis) -> NodeView {
         NodeView {
@@ -386,13 +391,13 @@ impl NodeRecord {
     }
 }
 
-/// The choice [`Store::reserve_place`] asks for: given every node with its
+/// The choice [`NodeStore::reserve_place`] asks for: given every node with its
 /// live load (by the store's clock and counts), the node to reserve a
 /// place on, or `None` for none. A pure function, such as
 /// [`berth_core::policy::place`]; it runs while placements are held.
 pub type ChooseNode<'a> = dyn Fn(&[NodeView]) -> Option<String> + Send + Sync + 'a;
 
-/// What [`Store::reserve_place`] did.
+/// What [`NodeStore::reserve_place`] did.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Placement {
     /// The node a place was reserved on; `None` when the choice was none.
@@ -401,18 +406,28 @@ pub struct Placement {
     pub nodes: Vec<NodeView>,
 }
 
-/// berth's persistent state. One implementation per database.
+/// berth's persistent state: every role below, as one object. One
+/// implementation per database ([`SqliteStore`], [`PgStore`]), which
+/// implements each role once; [`open`] returns it as `Arc<dyn Store>`, and a
+/// part that needs only one role takes that role's trait object (trait
+/// upcasting turns an `Arc<dyn Store>` into, say, an `Arc<dyn AuthStore>`).
+pub trait Store:
+    InstanceStore + LeaseStore + LaunchStore + AuthStore + UserStore + NodeStore
+{
+}
+
+impl<T> Store for T where
+    T: InstanceStore + LeaseStore + LaunchStore + AuthStore + UserStore + NodeStore + ?Sized
+{
+}
+
+/// The instance records, one row per (user, role), and their activity.
 ///
-/// All lease methods are single conditional statements; success is judged
-/// by whether a row was written, and every time comparison uses the
-/// store's clock ([`Store::now`]).
+/// Used by the controller: its publisher (which writes every record), its
+/// launches, spawner and adoption (which read and clear records) and its
+/// activity flush; by failover, and by the API's listings and event feed.
 #[async_trait]
-pub trait Store: Send + Sync + 'static {
-    /// The store's clock, in Unix milliseconds.
-    async fn now(&self) -> Result<UnixMillis, StoreError>;
-
-    // --- instance records: one row per (user, role) -----------------------
-
+pub trait InstanceStore: Send + Sync + 'static {
     /// Inserts or replaces the record for `(instance.user, instance.role)`.
     ///
     /// A main's record is fenced by its lease: it replaces the stored one
@@ -430,10 +445,10 @@ pub trait Store: Send + Sync + 'static {
     /// Deletes the record of `(user, role)`, whoever wrote it; deleting
     /// nothing is not an error. For watchdogs, which hold no lease, and
     /// for an operator's cleanup: a node acting under a lease deletes its
-    /// main's record with [`Store::delete_instance_fenced`].
+    /// main's record with [`InstanceStore::delete_instance_fenced`].
     async fn delete_instance(&self, user: &UserId, role: Role) -> Result<(), StoreError>;
     /// Deletes `user`'s main record if `node` may still change it under
-    /// `epoch`, by the rule of [`Store::put_instance`]. A record written
+    /// `epoch`, by the rule of [`InstanceStore::put_instance`]. A record written
     /// under a newer lease is kept and the answer is
     /// [`StoreError::Fenced`]; no record at all is not an error.
     async fn delete_instance_fenced(
@@ -445,9 +460,21 @@ pub trait Store: Send + Sync + 'static {
     /// Raises `last_active` of the users' mains to the given times, in one
     /// statement.
     async fn record_activity(&self, activity: &[(UserId, UnixMillis)]) -> Result<(), StoreError>;
+}
 
-    // --- the lease ----------------------------------------------------------
-
+/// The per-user main lease, fenced by its epoch.
+///
+/// All its methods are single conditional statements; success is judged
+/// by whether a row was written, and every time comparison uses the
+/// store's clock ([`NodeStore::now`]).
+///
+/// Used by the [`lease::LeaseKeeper`] (through which the controller's
+/// fencer claims, renews and releases), by the controller's adoption (the
+/// leases this node holds) and slugs, by failover (expired leases), and by
+/// the cluster's routing and the operator endpoints, API listings and
+/// event feed that report leases.
+#[async_trait]
+pub trait LeaseStore: Send + Sync + 'static {
     /// Claims the main lease of `user` for `node` for `ttl`: creates the row
     /// if needed, then one conditional update. Succeeds when the lease is
     /// free, released, already `node`'s own (epoch bumps), or expired with
@@ -501,7 +528,16 @@ pub trait Store: Send + Sync + 'static {
     ) -> Result<Vec<LeaseRecord>, StoreError>;
     /// The live leases `node` holds, in one query.
     async fn leases_held_by(&self, node: &str) -> Result<Vec<LeaseRecord>, StoreError>;
+}
 
+/// How each user's main is launched: the parameters it was last launched
+/// with, and its crash history and breaker.
+///
+/// Used by the controller's launches and its breaker, by relaunches
+/// (failover's and an operator's) that repeat the last launch, and by the
+/// event feed that reports a breaker.
+#[async_trait]
+pub trait LaunchStore: Send + Sync + 'static {
     // --- launch parameters --------------------------------------------------
 
     /// Records what `user`'s main was launched with, replacing what was
@@ -522,7 +558,15 @@ pub trait Store: Send + Sync + 'static {
     async fn load_crash_state(&self, user: &UserId) -> Result<CrashState, StoreError>;
     /// Saves the state; a clear state deletes the row.
     async fn save_crash_state(&self, user: &UserId, state: &CrashState) -> Result<(), StoreError>;
+}
 
+/// User tokens (stored hashed), sessions, and the steps of a sign-in.
+///
+/// Used by the server's authentication (`serve/auth.rs`: token lookups and
+/// minting, sessions), by sign-in (`serve/login.rs`, the sign-in API) and
+/// by the credentials API.
+#[async_trait]
+pub trait AuthStore: Send + Sync + 'static {
     // --- user tokens (stored hashed) ----------------------------------------
 
     /// Records a new user token, as one atomic step across nodes: drops the
@@ -582,7 +626,16 @@ pub trait Store: Send + Sync + 'static {
     /// the token id it was made for.
     async fn take_login_hop(&self, code_hash: &str)
     -> Result<Option<(UserId, String)>, StoreError>;
+}
 
+/// Users: each user's recorded slug, and the host accounts of isolated
+/// instances.
+///
+/// Used by the controller's slugs and adoption (recording and restoring
+/// slugs) and by the server's account allocation for isolation (the local
+/// runtime's `Accounts`).
+#[async_trait]
+pub trait UserStore: Send + Sync + 'static {
     // --- users and their slugs ----------------------------------------------
 
     /// The slug recorded for `user`, if one is.
@@ -598,13 +651,36 @@ pub trait Store: Send + Sync + 'static {
     /// the table's two unique constraints decide every race.
     async fn record_user_slug(&self, user: &UserId, slug: &Slug) -> Result<Slug, StoreError>;
 
-    // --- nodes --------------------------------------------------------------
+    // --- accounts of isolated instances -------------------------------------
+
+    /// The host uid of `slug`'s account, allocated on first use: the uid
+    /// after the highest one of `range` already taken (so uids are handed
+    /// out in order and never reused). An existing account keeps its uid
+    /// even if `range` no longer contains it: a user's files must keep
+    /// their owner. Concurrent callers, on any node, for the same slug get
+    /// the same uid, and for different slugs different ones.
+    /// [`StoreError::UidsExhausted`] when the range has no uid left.
+    async fn account_uid(&self, slug: &str, range: UidRange) -> Result<u32, StoreError>;
+    /// Every account, as `(slug, uid)`, ordered by uid.
+    async fn list_accounts(&self) -> Result<Vec<(String, u32)>, StoreError>;
+}
+
+/// The cluster's nodes: the store's clock, heartbeats, the claim of a node
+/// id, and the reservation of a place for a new instance.
+///
+/// Used by the controller's heartbeat, by the server's start (claiming its
+/// node id), and by the cluster's routing and placement and the API's node
+/// listings.
+#[async_trait]
+pub trait NodeStore: Send + Sync + 'static {
+    /// The store's clock, in Unix milliseconds.
+    async fn now(&self) -> Result<UnixMillis, StoreError>;
 
     /// Inserts or updates the node's row and stamps its heartbeat with the
     /// store's clock.
     async fn heartbeat(&self, node: &NodeRecord) -> Result<(), StoreError>;
     /// Every node's row. For placement and liveness, turn each into a
-    /// [`NodeView`] with [`NodeRecord::view`], passing [`Store::now`]: a
+    /// [`NodeView`] with [`NodeRecord::view`], passing [`NodeStore::now`]: a
     /// heartbeat's age is measured by the store's clock.
     async fn list_nodes(&self) -> Result<Vec<NodeRecord>, StoreError>;
 
@@ -643,19 +719,6 @@ pub trait Store: Send + Sync + 'static {
         hold: Duration,
         choose: &ChooseNode<'_>,
     ) -> Result<Placement, StoreError>;
-
-    // --- accounts of isolated instances -------------------------------------
-
-    /// The host uid of `slug`'s account, allocated on first use: the uid
-    /// after the highest one of `range` already taken (so uids are handed
-    /// out in order and never reused). An existing account keeps its uid
-    /// even if `range` no longer contains it: a user's files must keep
-    /// their owner. Concurrent callers, on any node, for the same slug get
-    /// the same uid, and for different slugs different ones.
-    /// [`StoreError::UidsExhausted`] when the range has no uid left.
-    async fn account_uid(&self, slug: &str, range: UidRange) -> Result<u32, StoreError>;
-    /// Every account, as `(slug, uid)`, ordered by uid.
-    async fn list_accounts(&self) -> Result<Vec<(String, u32)>, StoreError>;
 }
 
 /// Refuses a patch larger than `berth_core::MAX_PATCH_BYTES` before it

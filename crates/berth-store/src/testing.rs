@@ -9,9 +9,10 @@ use berth_core::policy::CrashState;
 use berth_core::{Epoch, Instance, Role, Slug, UnixMillis, UserId};
 
 use crate::{
-    ChooseNode, ClaimOutcome, InstanceFilter, LaunchParams, LeaseRecord, LoginAttempt, MintOutcome,
-    NewToken, NodeClaim, NodeRecord, Placement, SessionOwner, SessionRecord, Store, StoreError,
-    TakeoverPolicy, TokenOwner, TokenRecord, UidRange,
+    AuthStore, ChooseNode, ClaimOutcome, InstanceFilter, InstanceStore, LaunchParams, LaunchStore,
+    LeaseRecord, LeaseStore, LoginAttempt, MintOutcome, NewToken, NodeClaim, NodeRecord, NodeStore,
+    Placement, SessionOwner, SessionRecord, Store, StoreError, TakeoverPolicy, TokenOwner,
+    TokenRecord, UidRange, UserStore,
 };
 
 /// What runs before every `renew_leases` of an [`InterceptRenew`]: it may
@@ -33,33 +34,7 @@ pub struct InterceptRenew<H> {
 }
 
 #[async_trait]
-impl<H: RenewHook> Store for InterceptRenew<H> {
-    async fn now(&self) -> Result<UnixMillis, StoreError> {
-        self.inner.now().await
-    }
-    async fn put_instance(&self, i: &Instance) -> Result<(), StoreError> {
-        self.inner.put_instance(i).await
-    }
-    async fn get_instance(&self, u: &UserId, r: Role) -> Result<Option<Instance>, StoreError> {
-        self.inner.get_instance(u, r).await
-    }
-    async fn list_instances(&self, f: &InstanceFilter) -> Result<Vec<Instance>, StoreError> {
-        self.inner.list_instances(f).await
-    }
-    async fn delete_instance(&self, u: &UserId, r: Role) -> Result<(), StoreError> {
-        self.inner.delete_instance(u, r).await
-    }
-    async fn delete_instance_fenced(
-        &self,
-        u: &UserId,
-        n: &str,
-        e: Epoch,
-    ) -> Result<(), StoreError> {
-        self.inner.delete_instance_fenced(u, n, e).await
-    }
-    async fn record_activity(&self, a: &[(UserId, UnixMillis)]) -> Result<(), StoreError> {
-        self.inner.record_activity(a).await
-    }
+impl<H: RenewHook> LeaseStore for InterceptRenew<H> {
     async fn claim_lease(
         &self,
         u: &UserId,
@@ -98,6 +73,39 @@ impl<H: RenewHook> Store for InterceptRenew<H> {
     async fn leases_held_by(&self, n: &str) -> Result<Vec<LeaseRecord>, StoreError> {
         self.inner.leases_held_by(n).await
     }
+}
+
+// The other roles only pass every call on to `inner`.
+
+#[async_trait]
+impl<H: RenewHook> InstanceStore for InterceptRenew<H> {
+    async fn put_instance(&self, i: &Instance) -> Result<(), StoreError> {
+        self.inner.put_instance(i).await
+    }
+    async fn get_instance(&self, u: &UserId, r: Role) -> Result<Option<Instance>, StoreError> {
+        self.inner.get_instance(u, r).await
+    }
+    async fn list_instances(&self, f: &InstanceFilter) -> Result<Vec<Instance>, StoreError> {
+        self.inner.list_instances(f).await
+    }
+    async fn delete_instance(&self, u: &UserId, r: Role) -> Result<(), StoreError> {
+        self.inner.delete_instance(u, r).await
+    }
+    async fn delete_instance_fenced(
+        &self,
+        u: &UserId,
+        n: &str,
+        e: Epoch,
+    ) -> Result<(), StoreError> {
+        self.inner.delete_instance_fenced(u, n, e).await
+    }
+    async fn record_activity(&self, a: &[(UserId, UnixMillis)]) -> Result<(), StoreError> {
+        self.inner.record_activity(a).await
+    }
+}
+
+#[async_trait]
+impl<H: RenewHook> LaunchStore for InterceptRenew<H> {
     async fn put_launch_params(
         &self,
         u: &UserId,
@@ -115,6 +123,10 @@ impl<H: RenewHook> Store for InterceptRenew<H> {
     async fn save_crash_state(&self, u: &UserId, s: &CrashState) -> Result<(), StoreError> {
         self.inner.save_crash_state(u, s).await
     }
+}
+
+#[async_trait]
+impl<H: RenewHook> AuthStore for InterceptRenew<H> {
     async fn mint_token(&self, t: &NewToken<'_>) -> Result<MintOutcome, StoreError> {
         self.inner.mint_token(t).await
     }
@@ -164,6 +176,10 @@ impl<H: RenewHook> Store for InterceptRenew<H> {
     async fn delete_session(&self, h: &str) -> Result<bool, StoreError> {
         self.inner.delete_session(h).await
     }
+}
+
+#[async_trait]
+impl<H: RenewHook> UserStore for InterceptRenew<H> {
     async fn user_slug(&self, u: &UserId) -> Result<Option<Slug>, StoreError> {
         self.inner.user_slug(u).await
     }
@@ -173,17 +189,24 @@ impl<H: RenewHook> Store for InterceptRenew<H> {
     async fn record_user_slug(&self, u: &UserId, s: &Slug) -> Result<Slug, StoreError> {
         self.inner.record_user_slug(u, s).await
     }
-    async fn heartbeat(&self, n: &NodeRecord) -> Result<(), StoreError> {
-        self.inner.heartbeat(n).await
-    }
-    async fn list_nodes(&self) -> Result<Vec<NodeRecord>, StoreError> {
-        self.inner.list_nodes().await
-    }
     async fn account_uid(&self, s: &str, r: UidRange) -> Result<u32, StoreError> {
         self.inner.account_uid(s, r).await
     }
     async fn list_accounts(&self) -> Result<Vec<(String, u32)>, StoreError> {
         self.inner.list_accounts().await
+    }
+}
+
+#[async_trait]
+impl<H: RenewHook> NodeStore for InterceptRenew<H> {
+    async fn now(&self) -> Result<UnixMillis, StoreError> {
+        self.inner.now().await
+    }
+    async fn heartbeat(&self, n: &NodeRecord) -> Result<(), StoreError> {
+        self.inner.heartbeat(n).await
+    }
+    async fn list_nodes(&self) -> Result<Vec<NodeRecord>, StoreError> {
+        self.inner.list_nodes().await
     }
     async fn claim_node(&self, n: &str, d: &str, ttl: Duration) -> Result<NodeClaim, StoreError> {
         self.inner.claim_node(n, d, ttl).await

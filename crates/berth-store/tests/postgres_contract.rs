@@ -17,7 +17,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use berth_core::UserId;
-use berth_store::{ClaimOutcome, PgStore, PgStoreOptions, Store, StoreError, TakeoverPolicy};
+use berth_store::{
+    ClaimOutcome, LeaseStore, NodeStore, PgStore, PgStoreOptions, Store, StoreError, TakeoverPolicy,
+};
 use berth_testkit::{PgCluster, PgClusterError};
 
 async fn fresh() -> Arc<dyn Store> {

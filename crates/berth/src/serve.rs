@@ -42,7 +42,7 @@ use berth_core::runtime::Runtime;
 use berth_core::{Spawner, UidRange};
 use berth_local::{Accounts, Isolation, LocalRuntime};
 use berth_proxy::peer_auth::{ClusterKey, PeerAuth};
-use berth_store::{NodeClaim, NodeStatus, Store};
+use berth_store::{NodeClaim, NodeStatus, NodeStore, Store, UserStore};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
@@ -341,7 +341,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     proxy.shutdown().await;
     spawner.teardown().await;
     // A node that says `down` may be started again at once under the same
-    // id (see `Store::claim_node`), and gets no new instances meanwhile.
+    // id (see `NodeStore::claim_node`), and gets no new instances meanwhile.
     spawner.set_node_status(NodeStatus::Down);
     if let Err(e) = spawner.heartbeat().await {
         tracing::warn!(error = %e, "could not mark this node down");
@@ -431,7 +431,7 @@ fn register_uid_range(config: &Config) -> anyhow::Result<Option<uid_ranges::Regi
 
 /// Users' accounts (their host uids) as the store allocates them: once per
 /// user, the same on every node.
-struct StoreAccounts(Arc<dyn Store>);
+struct StoreAccounts(Arc<dyn UserStore>);
 
 #[async_trait]
 impl Accounts for StoreAccounts {
@@ -455,7 +455,7 @@ impl Accounts for StoreAccounts {
 /// that claimed it before is dead, and a node restarted after a crash
 /// starts at once and adopts its instances.
 async fn claim_node_id(
-    store: &dyn Store,
+    store: &dyn NodeStore,
     node_id: &str,
     data_dir_id: &str,
     ttl: Duration,

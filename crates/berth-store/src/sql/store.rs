@@ -13,19 +13,14 @@ use super::rows::{
 };
 use super::{Dialect, SqlBackend};
 use crate::{
-    ACCOUNT_ATTEMPTS, ChooseNode, ClaimOutcome, InstanceFilter, LaunchParams, LeaseRecord,
-    LoginAttempt, MintOutcome, NewToken, NodeClaim, NodeRecord, Placement, SessionOwner,
-    SessionRecord, Store, StoreError, TakeoverPolicy, TokenOwner, TokenRecord, UidRange,
-    account_bounds, check_patch_size,
+    ACCOUNT_ATTEMPTS, AuthStore, ChooseNode, ClaimOutcome, InstanceFilter, InstanceStore,
+    LaunchParams, LaunchStore, LeaseRecord, LeaseStore, LoginAttempt, MintOutcome, NewToken,
+    NodeClaim, NodeRecord, NodeStore, Placement, SessionOwner, SessionRecord, StoreError,
+    TakeoverPolicy, TokenOwner, TokenRecord, UidRange, UserStore, account_bounds, check_patch_size,
 };
 
 #[async_trait]
-impl<B: SqlBackend> Store for B {
-    async fn now(&self) -> Result<UnixMillis, StoreError> {
-        let row = self.stmt(&self.sql().now).fetch_one().await?;
-        get(&row, "now")
-    }
-
+impl<B: SqlBackend> InstanceStore for B {
     async fn put_instance(&self, i: &Instance) -> Result<(), StoreError> {
         // The upsert decides; the read only names the record that refused
         // it. If that record vanished in between (deleted), nothing stands
@@ -114,7 +109,10 @@ impl<B: SqlBackend> Store for B {
             .await?;
         Ok(())
     }
+}
 
+#[async_trait]
+impl<B: SqlBackend> LeaseStore for B {
     async fn claim_lease(
         &self,
         user: &UserId,
@@ -205,7 +203,10 @@ impl<B: SqlBackend> Store for B {
             .await?;
         rows.iter().map(lease_from_row).collect()
     }
+}
 
+#[async_trait]
+impl<B: SqlBackend> LaunchStore for B {
     async fn put_launch_params(
         &self,
         user: &UserId,
@@ -269,7 +270,10 @@ impl<B: SqlBackend> Store for B {
             .await?;
         Ok(())
     }
+}
 
+#[async_trait]
+impl<B: SqlBackend> AuthStore for B {
     async fn mint_token(&self, new: &NewToken<'_>) -> Result<MintOutcome, StoreError> {
         let sql = self.sql();
         let mut tx = Tx::begin(self).await?;
@@ -457,7 +461,10 @@ impl<B: SqlBackend> Store for B {
             .await?;
         Ok(deleted > 0)
     }
+}
 
+#[async_trait]
+impl<B: SqlBackend> UserStore for B {
     async fn user_slug(&self, user: &UserId) -> Result<Option<Slug>, StoreError> {
         let row = self
             .stmt(&self.sql().user_slug_get)
@@ -514,6 +521,64 @@ impl<B: SqlBackend> Store for B {
                 "the slug of {user} was recorded concurrently but cannot be read back"
             ))
         })
+    }
+
+    async fn account_uid(&self, slug: &str, range: UidRange) -> Result<u32, StoreError> {
+        let sql = self.sql();
+        let (first, last) = account_bounds(range)?;
+        for _ in 0..ACCOUNT_ATTEMPTS {
+            let existing = self
+                .stmt(&sql.account_get)
+                .bind(slug)
+                .fetch_optional()
+                .await?;
+            if let Some(row) = existing {
+                return narrow(get(&row, "uid")?, "accounts.uid");
+            }
+            // Inserts nothing when another node took the slug or the uid
+            // meanwhile; the loop then looks again.
+            let inserted = self
+                .stmt(&sql.account_take_next)
+                .bind(slug)
+                .bind(first)
+                .bind(last)
+                .fetch_optional()
+                .await?;
+            if let Some(row) = inserted {
+                return narrow(get(&row, "uid")?, "accounts.uid");
+            }
+            let highest = self
+                .stmt(&sql.account_highest)
+                .bind(first)
+                .bind(last)
+                .fetch_one()
+                .await?;
+            if get::<_, Option<i64>>(&highest, "uid")? == Some(last) {
+                return Err(StoreError::UidsExhausted {
+                    first: range.first,
+                    last: narrow(last, "accounts.uid")?,
+                });
+            }
+        }
+        Err(StoreError::Query(format!(
+            "could not allocate a uid for account {slug:?} in {ACCOUNT_ATTEMPTS} attempts: \
+             other nodes took every uid tried"
+        )))
+    }
+
+    async fn list_accounts(&self) -> Result<Vec<(String, u32)>, StoreError> {
+        let rows = self.stmt(&self.sql().accounts_list).fetch_all().await?;
+        rows.iter()
+            .map(|row| Ok((get(row, "slug")?, narrow(get(row, "uid")?, "accounts.uid")?)))
+            .collect()
+    }
+}
+
+#[async_trait]
+impl<B: SqlBackend> NodeStore for B {
+    async fn now(&self) -> Result<UnixMillis, StoreError> {
+        let row = self.stmt(&self.sql().now).fetch_one().await?;
+        get(&row, "now")
     }
 
     async fn heartbeat(&self, node: &NodeRecord) -> Result<(), StoreError> {
@@ -593,56 +658,6 @@ impl<B: SqlBackend> Store for B {
         }
         tx.commit().await?;
         Ok(Placement { node, nodes })
-    }
-
-    async fn account_uid(&self, slug: &str, range: UidRange) -> Result<u32, StoreError> {
-        let sql = self.sql();
-        let (first, last) = account_bounds(range)?;
-        for _ in 0..ACCOUNT_ATTEMPTS {
-            let existing = self
-                .stmt(&sql.account_get)
-                .bind(slug)
-                .fetch_optional()
-                .await?;
-            if let Some(row) = existing {
-                return narrow(get(&row, "uid")?, "accounts.uid");
-            }
-            // Inserts nothing when another node took the slug or the uid
-            // meanwhile; the loop then looks again.
-            let inserted = self
-                .stmt(&sql.account_take_next)
-                .bind(slug)
-                .bind(first)
-                .bind(last)
-                .fetch_optional()
-                .await?;
-            if let Some(row) = inserted {
-                return narrow(get(&row, "uid")?, "accounts.uid");
-            }
-            let highest = self
-                .stmt(&sql.account_highest)
-                .bind(first)
-                .bind(last)
-                .fetch_one()
-                .await?;
-            if get::<_, Option<i64>>(&highest, "uid")? == Some(last) {
-                return Err(StoreError::UidsExhausted {
-                    first: range.first,
-                    last: narrow(last, "accounts.uid")?,
-                });
-            }
-        }
-        Err(StoreError::Query(format!(
-            "could not allocate a uid for account {slug:?} in {ACCOUNT_ATTEMPTS} attempts: \
-             other nodes took every uid tried"
-        )))
-    }
-
-    async fn list_accounts(&self) -> Result<Vec<(String, u32)>, StoreError> {
-        let rows = self.stmt(&self.sql().accounts_list).fetch_all().await?;
-        rows.iter()
-            .map(|row| Ok((get(row, "slug")?, narrow(get(row, "uid")?, "accounts.uid")?)))
-            .collect()
     }
 }
 

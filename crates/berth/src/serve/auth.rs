@@ -35,7 +35,7 @@ use berth_proxy::auth::{
     AuthError, CSRF_HEADER, SESSION_COOKIE, SESSION_COOKIE_HOST, TokenHash, TokenStore,
     UserTokenInfo, bearer, berth_cookies,
 };
-use berth_store::{MintOutcome, NewToken, SessionOwner, Store, StoreError, TokenRecord};
+use berth_store::{AuthStore, MintOutcome, NewToken, SessionOwner, StoreError, TokenRecord};
 use cookie::{Cookie, SameSite};
 use sha2::{Digest, Sha256};
 use subtle::ConstantTimeEq;
@@ -49,7 +49,7 @@ pub const ADMIN_TOKEN_FILE: &str = "admin.token";
 
 /// User tokens, looked up in the store (only on a cache miss).
 struct StoreTokens {
-    store: Arc<dyn Store>,
+    store: Arc<dyn AuthStore>,
     /// How long a sign-in's tokens may live (each is capped by the
     /// sign-in's root token).
     session_ttl: Duration,
@@ -163,12 +163,12 @@ impl Session {
 #[derive(Clone)]
 pub struct Authenticator {
     shared: berth_proxy::auth::Authenticator,
-    store: Arc<dyn Store>,
+    store: Arc<dyn AuthStore>,
     settings: AuthSettings,
 }
 
 impl Authenticator {
-    pub fn new(admin_token: &str, store: Arc<dyn Store>, settings: AuthSettings) -> Self {
+    pub fn new(admin_token: &str, store: Arc<dyn AuthStore>, settings: AuthSettings) -> Self {
         Self {
             shared: berth_proxy::auth::Authenticator::with_cache(
                 admin_token,
@@ -407,7 +407,7 @@ pub const LOGIN_TOKEN_PREFIX: &str = "login-";
 /// is for tokens minted on purpose); they end with the sign-in. `None`
 /// when the root is gone.
 pub async fn mint_login_token(
-    store: &dyn Store,
+    store: &dyn AuthStore,
     user: &UserId,
     parent: Option<&str>,
     ttl: Duration,
@@ -426,7 +426,7 @@ pub async fn mint_login_token(
 /// Mints a token of `user` with public id `id`: its secret, and what the
 /// store made of it.
 async fn mint_with_id(
-    store: &dyn Store,
+    store: &dyn AuthStore,
     user: &UserId,
     id: &str,
     parent: Option<&str>,

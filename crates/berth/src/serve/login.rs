@@ -26,7 +26,7 @@ use std::time::{Duration, Instant};
 
 use berth_core::UserId;
 use berth_proxy::auth::TokenHash;
-use berth_store::{LoginAttempt, Store, StoreError};
+use berth_store::{AuthStore, LoginAttempt, StoreError};
 use openidconnect::core::{
     CoreAuthDisplay, CoreAuthPrompt, CoreAuthenticationFlow, CoreErrorResponseType,
     CoreGenderClaim, CoreJsonWebKey, CoreJweContentEncryptionAlgorithm, CoreJwsSigningAlgorithm,
@@ -406,7 +406,11 @@ impl Oidc {
 
     /// Starts a sign-in that ends at `return_to`: records it and answers
     /// the provider's authorization URL.
-    pub async fn begin(&self, store: &dyn Store, return_to: &str) -> Result<String, LoginError> {
+    pub async fn begin(
+        &self,
+        store: &dyn AuthStore,
+        return_to: &str,
+    ) -> Result<String, LoginError> {
         let provider = self.provider().await?;
         self.reachable().await?;
         let (challenge, verifier) = PkceCodeChallenge::new_random_sha256();
@@ -438,7 +442,7 @@ impl Oidc {
     /// where the sign-in was to end.
     pub async fn finish(
         &self,
-        store: &dyn Store,
+        store: &dyn AuthStore,
         code: &str,
         state: &str,
     ) -> Result<(Admitted, String), LoginError> {

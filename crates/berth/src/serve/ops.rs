@@ -38,7 +38,7 @@ use berth_core::{
     UserStatus,
 };
 use berth_proxy::{ClusterHook, Locate};
-use berth_store::Store;
+use berth_store::{LaunchStore, Store};
 use futures_util::StreamExt;
 use futures_util::stream::{self, BoxStream};
 use serde_json::Value;
@@ -540,7 +540,7 @@ fn without_token(
 /// The request that relaunches `user` as they were last launched (folder
 /// and patch kept in the store), e.g. on another node after a failover.
 pub(crate) async fn stored_launch_request(
-    store: &dyn Store,
+    store: &dyn LaunchStore,
     user: &UserId,
 ) -> Result<LaunchRequest, SpawnError> {
     Ok(match store.get_launch_params(user).await? {
