@@ -1,12 +1,5 @@
 //! The backend-independent store contract, run against SQLite.
 
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::panic,
-    reason = "a test: an unwrap is its assertion"
-)]
-
 use std::sync::Arc;
 
 use berth_store::{SqliteStore, Store};

@@ -5,13 +5,6 @@
 //! Uses the throwaway cluster of `berth-testkit` (or `BERTH_TEST_PG_URL`),
 //! one fresh database per test.
 
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::panic,
-    reason = "a test: an unwrap is its assertion"
-)]
-
 use std::net::{Ipv4Addr, TcpListener};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
