@@ -210,6 +210,24 @@ pub fn substitute(arg: &str, mut value: impl FnMut(Placeholder) -> String) -> St
     out
 }
 
+/// The program every user runs, as the operator configured it
+/// (`[instance]`'s program keys), whatever runtime runs it. Each runtime's
+/// config embeds it, so no runtime restates these settings.
+#[derive(Debug, Clone)]
+pub struct ProgramSettings {
+    /// The program and its arguments, with [`Placeholder`]s.
+    pub command: Vec<String>,
+    /// Extra environment for the program; berth's variables win over it.
+    pub env: std::collections::BTreeMap<String, String>,
+    /// How a starting instance is found ready.
+    pub readiness: Readiness,
+    /// The watchdog program, with the same placeholders; `None`: no
+    /// watchdog can start.
+    pub watchdog_command: Option<Vec<String>>,
+    /// The extension of the user's patch file (`main.<ext>`).
+    pub patch_ext: String,
+}
+
 /// What one start of a program is told about itself. The runtime decides
 /// where things are (`port`, `home`, `folder`, `patch`, `handoff`); the
 /// rest comes from the launch.

@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use berth_core::Readiness;
+use berth_core::program::ProgramSettings;
 use ipnet::IpNet;
 use k8s_openapi::api::core::v1::{PodSpec, Toleration};
 use serde::{Deserialize, Serialize};
@@ -575,17 +575,9 @@ pub struct K8sRuntimeConfig {
     /// This replica's node id: the pods it manages carry it, and it
     /// discovers only those.
     pub node: String,
-    /// `[instance] command`, unless `kubernetes.command` is set.
-    pub command: Vec<String>,
-    /// `[instance] env`: variables for every pod. The controller's own and
-    /// berth's `BERTH_*` variables win over them.
-    pub env: BTreeMap<String, String>,
-    /// How a started pod is known to be ready.
-    pub readiness: Readiness,
-    /// `[watchdog] command`; without it no watchdog pod can start.
-    pub watchdog_command: Option<Vec<String>>,
-    /// The patch file's extension.
-    pub patch_ext: String,
+    /// The program; its command is used unless `kubernetes.command` is
+    /// set.
+    pub program: ProgramSettings,
     /// The pods' termination grace period (a stop passes its own).
     pub stop_grace: Duration,
 }
@@ -594,7 +586,7 @@ impl K8sRuntimeConfig {
     /// Checks the `[kubernetes]` table and the rest.
     pub fn validate(&self) -> Result<(), ConfigError> {
         self.kubernetes.validate()?;
-        if self.kubernetes.command.is_none() && self.command.is_empty() {
+        if self.kubernetes.command.is_none() && self.program.command.is_empty() {
             return Err(ConfigError {
                 key: "command".into(),
                 reason: "no command: set kubernetes.command or [instance] command".into(),

@@ -145,8 +145,8 @@ fn quantities(map: &BTreeMap<String, String>) -> Value {
 pub fn pod(config: &K8sRuntimeConfig, input: &PodInput<'_>) -> Result<Option<Pod>, ConfigError> {
     let k = &config.kubernetes;
     let command = match input.role {
-        Role::Main => k.command.as_ref().unwrap_or(&config.command),
-        Role::Watchdog => match &config.watchdog_command {
+        Role::Main => k.command.as_ref().unwrap_or(&config.program.command),
+        Role::Watchdog => match &config.program.watchdog_command {
             Some(command) => command,
             None => return Ok(None),
         },
@@ -169,13 +169,14 @@ pub fn pod(config: &K8sRuntimeConfig, input: &PodInput<'_>) -> Result<Option<Pod
     // with them.
     let mut env: BTreeMap<String, Value> = BTreeMap::new();
     for (key, value) in config
+        .program
         .env
         .iter()
         .chain(input.env.iter().map(|(k, v)| (k, v)))
     {
         env.insert(key.clone(), env_value(key, value));
     }
-    let patch_path = format!("{PATCH_DIR}/{}", patch_file(&config.patch_ext));
+    let patch_path = format!("{PATCH_DIR}/{}", patch_file(&config.program.patch_ext));
     let handoff_path = format!("{HANDOFF_DIR}/{HANDOFF_KEY}");
     let folder = working_dir(&k.storage.mount_path, input.folder);
     let facts = ProgramFacts {
@@ -259,7 +260,7 @@ pub fn pod(config: &K8sRuntimeConfig, input: &PodInput<'_>) -> Result<Option<Pod
     }
     if input.role == Role::Main {
         main["ports"] = json!([{ "name": "http", "containerPort": k.port }]);
-        let probe = match &config.readiness {
+        let probe = match &config.program.readiness {
             Readiness::TokenRegex(_) => None,
             Readiness::Http { path } => {
                 Some(json!({ "httpGet": { "path": path, "port": "http" } }))

@@ -227,7 +227,7 @@ impl Inner {
     }
 
     fn needs_ready_line(&self) -> bool {
-        matches!(self.config.readiness, Readiness::TokenRegex(_))
+        matches!(self.config.program.readiness, Readiness::TokenRegex(_))
     }
 
     fn memory_limit_mb(&self) -> Option<u64> {
@@ -260,7 +260,7 @@ impl Runtime for K8sRuntime {
     async fn start(&self, spec: InstanceSpec) -> Result<Started, RuntimeError> {
         let inner = &self.inner;
         let deadline = tokio::time::Instant::now() + inner.config.kubernetes.start_timeout();
-        if spec.role == Role::Watchdog && inner.config.watchdog_command.is_none() {
+        if spec.role == Role::Watchdog && inner.config.program.watchdog_command.is_none() {
             return Err(RuntimeError::SpawnFailed(
                 "no watchdog command is configured".into(),
             ));

@@ -1,3 +1,4 @@
+use berth_core::program::ProgramSettings;
 use std::time::Duration;
 
 use berth_core::{Role, UserId};
@@ -11,11 +12,13 @@ pub(crate) fn runtime_config(k: KubernetesConfig) -> K8sRuntimeConfig {
     K8sRuntimeConfig {
         kubernetes: k,
         node: "node-a".into(),
-        command: vec!["app".into(), "--port".into(), "{port}".into()],
-        env: BTreeMap::from([("EXTRA".to_owned(), "1".to_owned())]),
-        readiness: Readiness::Tcp,
-        watchdog_command: Some(vec!["repair".into()]),
-        patch_ext: "toml".into(),
+        program: ProgramSettings {
+            command: vec!["app".into(), "--port".into(), "{port}".into()],
+            env: BTreeMap::from([("EXTRA".to_owned(), "1".to_owned())]),
+            readiness: Readiness::Tcp,
+            watchdog_command: Some(vec!["repair".into()]),
+            patch_ext: "toml".into(),
+        },
         stop_grace: Duration::from_secs(5),
     }
 }
@@ -156,7 +159,10 @@ fn the_command_refers_to_the_kubelets_variables() {
 #[test]
 fn a_configured_variable_cannot_spoof_berths() {
     let mut config = runtime_config(KubernetesConfig::with_image("app:1"));
-    config.env.insert("BERTH_USER".into(), "mallory".into());
+    config
+        .program
+        .env
+        .insert("BERTH_USER".into(), "mallory".into());
     let pod = pod_json(&config, "alice", Role::Main);
     let main = &pod["spec"]["containers"][0];
     let users: Vec<&Value> = main["env"]
@@ -171,10 +177,10 @@ fn a_configured_variable_cannot_spoof_berths() {
 #[test]
 fn readiness_decides_the_probe() {
     let mut config = runtime_config(KubernetesConfig::with_image("app:1"));
-    config.readiness = Readiness::TokenRegex(regex::Regex::new("token=(.*)").unwrap());
+    config.program.readiness = Readiness::TokenRegex(regex::Regex::new("token=(.*)").unwrap());
     let pod = pod_json(&config, "alice", Role::Main);
     assert_eq!(pod["spec"]["containers"][0]["readinessProbe"], Value::Null);
-    config.readiness = Readiness::Http {
+    config.program.readiness = Readiness::Http {
         path: "/health".into(),
     };
     let pod = pod_json(&config, "alice", Role::Main);
@@ -244,7 +250,7 @@ fn the_watchdog_gets_its_handoff_and_no_port() {
             .any(|v| v["configMap"]["name"] == "berth-alice--wd")
     );
     let mut config = runtime_config(KubernetesConfig::with_image("app:1"));
-    config.watchdog_command = None;
+    config.program.watchdog_command = None;
     let alice = UserId::parse("alice").unwrap();
     let slug = alice.slug();
     assert!(

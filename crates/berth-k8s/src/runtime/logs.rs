@@ -42,7 +42,7 @@ impl Inner {
         found: mpsc::Sender<Option<String>>,
         cancel: CancellationToken,
     ) {
-        let Readiness::TokenRegex(regex) = &self.config.readiness else {
+        let Readiness::TokenRegex(regex) = &self.config.program.readiness else {
             return;
         };
         let (regex, inner, name) = (regex.clone(), self.clone(), name.to_owned());
@@ -89,7 +89,7 @@ impl Inner {
     /// The ready line in a whole log, for adoption: `None` when there is
     /// none, else the token it carried.
     pub(super) async fn ready_line_in_log(&self, name: &str) -> Option<Option<String>> {
-        let Readiness::TokenRegex(regex) = &self.config.readiness else {
+        let Readiness::TokenRegex(regex) = &self.config.program.readiness else {
             return None;
         };
         // The token is printed at start; a long log is not read whole.

@@ -115,7 +115,7 @@ impl Inner {
                     k,
                     user,
                     slug,
-                    &self.config.patch_ext,
+                    &self.config.program.patch_ext,
                     content.as_deref(),
                 )
                 .map_err(bad)?;
@@ -131,16 +131,21 @@ impl Inner {
                     .get_opt(&name)
                     .await
                     .map_err(|e| failed("cannot read the patch ConfigMap", e))?;
-                let file = manifest::patch_file(&self.config.patch_ext);
+                let file = manifest::patch_file(&self.config.program.patch_ext);
                 let content = existing
                     .as_ref()
                     .and_then(|m| m.data.as_ref())
                     .and_then(|d| d.get(&file))
                     .cloned();
                 if existing.is_none() {
-                    let map =
-                        manifest::patch_config_map(k, user, slug, &self.config.patch_ext, None)
-                            .map_err(bad)?;
+                    let map = manifest::patch_config_map(
+                        k,
+                        user,
+                        slug,
+                        &self.config.program.patch_ext,
+                        None,
+                    )
+                    .map_err(bad)?;
                     self.ensure(&self.config_maps, &map, true)
                         .await
                         .map_err(|e| failed("cannot write the patch ConfigMap", e))?;

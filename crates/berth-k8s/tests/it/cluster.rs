@@ -13,6 +13,7 @@
 //! Without `BERTH_K8S_TEST_CLAIM` every test user gets its own claim,
 //! which needs a default storage class; the claims are deleted at the end.
 
+use berth_core::program::ProgramSettings;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
@@ -47,11 +48,13 @@ impl Harness for ClusterHarness {
         let config = K8sRuntimeConfig {
             kubernetes,
             node: "berth-e2e".into(),
-            command,
-            env: BTreeMap::new(),
-            readiness: Readiness::TokenRegex(runtime_contract::token_pattern()),
-            watchdog_command: None,
-            patch_ext: "toml".into(),
+            program: ProgramSettings {
+                command,
+                env: BTreeMap::new(),
+                readiness: Readiness::TokenRegex(runtime_contract::token_pattern()),
+                watchdog_command: None,
+                patch_ext: "toml".into(),
+            },
             stop_grace: Duration::from_secs(5),
         };
         K8sRuntime::new(self.client.clone(), config).unwrap()

@@ -442,7 +442,7 @@ async fn the_endpoint_reaches_the_program_behind_the_service() {
 async fn a_watchdog_pod_gets_its_handoff_and_the_patch() {
     let double = ApiServerDouble::start().await;
     let mut config = config(ready_line(), token_regex(), "node-a");
-    config.watchdog_command = Some(sh(
+    config.program.watchdog_command = Some(sh(
         r#"echo "role=$BERTH_ROLE"; cat "$BERTH_HANDOFF"; echo; cat "$BERTH_PATCH"; echo"#,
     ));
     let runtime = runtime(&double, config);

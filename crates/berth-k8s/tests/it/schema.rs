@@ -4,6 +4,7 @@
 //! `kubernetes-validate`, which works offline. `scripts/test` installs it
 //! into `target/test-venv`.
 
+use berth_core::program::ProgramSettings;
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -41,16 +42,18 @@ fn configs() -> Vec<K8sRuntimeConfig> {
     let base = |k: KubernetesConfig| K8sRuntimeConfig {
         kubernetes: k,
         node: "node-a".into(),
-        command: vec![
-            "app".into(),
-            "--port".into(),
-            "{port}".into(),
-            "{patch}".into(),
-        ],
-        env: [("EXTRA".to_owned(), "1".to_owned())].into(),
-        readiness: Readiness::Tcp,
-        watchdog_command: Some(vec!["repair".into(), "{user}".into()]),
-        patch_ext: "toml".into(),
+        program: ProgramSettings {
+            command: vec![
+                "app".into(),
+                "--port".into(),
+                "{port}".into(),
+                "{patch}".into(),
+            ],
+            env: [("EXTRA".to_owned(), "1".to_owned())].into(),
+            readiness: Readiness::Tcp,
+            watchdog_command: Some(vec!["repair".into(), "{user}".into()]),
+            patch_ext: "toml".into(),
+        },
         stop_grace: Duration::from_secs(5),
     };
     let plain = base(KubernetesConfig::with_image("example/app:1"));
@@ -92,7 +95,7 @@ fn configs() -> Vec<K8sRuntimeConfig> {
     .unwrap();
     full.validate().unwrap();
     let mut full = base(full);
-    full.readiness = Readiness::Http {
+    full.program.readiness = Readiness::Http {
         path: "/health".into(),
     };
     let mut shared = base(KubernetesConfig::with_image("example/app:1"));
@@ -105,7 +108,7 @@ fn configs() -> Vec<K8sRuntimeConfig> {
         command: None,
         port: 8081,
     });
-    shared.readiness = Readiness::TokenRegex(regex::Regex::new("token=(.*)").unwrap());
+    shared.program.readiness = Readiness::TokenRegex(regex::Regex::new("token=(.*)").unwrap());
     let mut open = base(KubernetesConfig::with_image("example/app:1"));
     open.kubernetes.network.allow_private_egress = true;
     open.kubernetes.network.allow_metadata_egress = true;

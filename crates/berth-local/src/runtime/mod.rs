@@ -24,7 +24,7 @@ mod hook;
 mod run;
 mod spec;
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeSet, HashMap};
 use std::ops::RangeInclusive;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
@@ -46,6 +46,7 @@ use crate::ports::{PortPool, bind_free};
 use crate::shim::{ShimCommand, ShimError, ShimLauncher, procfs};
 use crate::{Isolation, LocalError, MIN_LOG_MAX_BYTES};
 use berth_core::Readiness;
+use berth_core::program::ProgramSettings;
 
 pub use self::accounts::Accounts;
 use self::accounts::Isolated;
@@ -60,16 +61,11 @@ pub struct LocalRuntimeConfig {
     /// Root of all state: `users/<slug>/…` (user data) and `run/<slug>/…`
     /// (shim sockets and state files, owned by berth).
     pub data_dir: PathBuf,
-    /// The program, with the placeholders of
-    /// [`berth_core::program::Placeholder`].
-    pub command: Vec<String>,
-    /// Extra environment for the program.
-    pub env: BTreeMap<String, String>,
+    /// The program, as every runtime is given it.
+    pub program: ProgramSettings,
     /// Names of berth's own environment variables passed through
     /// (e.g. `PATH`, `LANG`).
     pub env_allowlist: Vec<String>,
-    /// How a starting instance is found ready.
-    pub readiness: Readiness,
     /// Ports handed to instances; each checked free before use.
     pub port_range: RangeInclusive<u16>,
     /// The most ports of `port_range` one instance's account may hold (its
@@ -78,10 +74,6 @@ pub struct LocalRuntimeConfig {
     /// The most bytes of each instance's log kept on disk (the log and
     /// the file it was last rotated to).
     pub log_max_bytes: u64,
-    /// Extension of the materialised patch file `patches/main.<ext>`.
-    pub patch_ext: String,
-    /// The watchdog program, same placeholders.
-    pub watchdog_command: Option<Vec<String>>,
     /// How instances are isolated.
     pub isolation: Isolation,
     /// The host uids of instance accounts (levels `user` and `sandbox`).
@@ -103,13 +95,18 @@ pub struct LocalRuntimeConfig {
 impl LocalRuntimeConfig {
     fn check(&self) -> Result<(), LocalError> {
         let fail = |m: String| Err(LocalError::Config(m));
-        if self.command.is_empty() {
+        if self.program.command.is_empty() {
             return fail("the instance command is empty".into());
         }
         if self.shim_command.is_empty() {
             return fail("the shim command is empty".into());
         }
-        if self.watchdog_command.as_ref().is_some_and(Vec::is_empty) {
+        if self
+            .program
+            .watchdog_command
+            .as_ref()
+            .is_some_and(Vec::is_empty)
+        {
             return fail("the watchdog command is empty".into());
         }
         if self.log_max_bytes < MIN_LOG_MAX_BYTES {
@@ -465,7 +462,7 @@ impl LocalRuntime {
     /// How a main is probed for readiness here, if it is probed at all
     /// (the token regex is matched by the shim instead).
     fn probe_for(&self, role: Role) -> Option<Readiness> {
-        match (&self.config.readiness, role) {
+        match (&self.config.program.readiness, role) {
             (Readiness::TokenRegex(_), _) | (_, Role::Watchdog) => None,
             (readiness, Role::Main) => Some(readiness.clone()),
         }
@@ -497,7 +494,7 @@ impl LocalRuntime {
     ) -> Result<Started, RuntimeError> {
         let paths = self.paths(&spec.slug);
         let var_port = port.or_else(|| self.main_port_of(&spec.slug)).unwrap_or(0);
-        let prepare = spec::prepare(&paths, &self.config.patch_ext, spec, account);
+        let prepare = spec::prepare(&paths, &self.config.program.patch_ext, spec, account);
         // The port grant (an `nft` run) goes alongside the preparation, and
         // is done before the program runs, so it can always reach its own
         // port.
@@ -814,8 +811,8 @@ impl Runtime for LocalRuntime {
             return Err(RuntimeError::Gone(found.runtime_ref.clone()));
         };
         let state_path = shim.state_path;
-        let by_regex =
-            state.role == Role::Main && matches!(self.config.readiness, Readiness::TokenRegex(_));
+        let by_regex = state.role == Role::Main
+            && matches!(self.config.program.readiness, Readiness::TokenRegex(_));
         let port = state.port.filter(|_| state.role == Role::Main);
         // The guard's table was made afresh at start: the adopted instance
         // gets its own port back. `discover` queued the grant already, so

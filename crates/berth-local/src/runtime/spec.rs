@@ -136,13 +136,13 @@ pub(super) fn shim_spec(
         account,
         isolation,
     } = placement;
-    let command = match spec.role {
-        Role::Main => &config.command,
-        Role::Watchdog => config
-            .watchdog_command
-            .as_deref()
-            .ok_or_else(|| RuntimeError::SpawnFailed("no watchdog command is configured".into()))?,
-    };
+    let command =
+        match spec.role {
+            Role::Main => &config.program.command,
+            Role::Watchdog => config.program.watchdog_command.as_deref().ok_or_else(|| {
+                RuntimeError::SpawnFailed("no watchdog command is configured".into())
+            })?,
+        };
     let cwd = paths.workdir(&spec.folder);
     let (home, folder) = (path_string(&paths.home()), path_string(&cwd));
     let patch = patch.as_deref().map(path_string);
@@ -182,10 +182,10 @@ pub(super) fn shim_spec(
     let env = environment::build_env(
         &config.env_allowlist,
         environment::own_env(),
-        &config.env,
+        &config.program.env,
         berth_vars,
     );
-    let ready_regex = match (&config.readiness, spec.role) {
+    let ready_regex = match (&config.program.readiness, spec.role) {
         (Readiness::TokenRegex(re), Role::Main) => Some(re.as_str().to_owned()),
         _ => None,
     };

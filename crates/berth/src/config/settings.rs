@@ -3,6 +3,7 @@
 //! conversions into each crate's settings (crash and reap policies, the
 //! lease, readiness, [`LocalConfig`], the pace of request bodies).
 
+use berth_core::program::ProgramSettings;
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -222,6 +223,18 @@ impl Config {
         })
     }
 
+    /// The program as every runtime is given it, with the `command` and
+    /// `readiness` the runtime runs it by.
+    fn program(&self, command: Vec<String>, readiness: Readiness) -> ProgramSettings {
+        ProgramSettings {
+            command,
+            env: self.instance.env.clone(),
+            readiness,
+            watchdog_command: self.watchdog.command.clone(),
+            patch_ext: self.instance.patch_ext.clone(),
+        }
+    }
+
     /// The local runtime's settings: how, where and on which ports the
     /// program runs. `shim_command` runs the shim zygote (normally this
     /// executable and `shim`).
@@ -232,15 +245,11 @@ impl Config {
         let i = &self.instance;
         Ok(LocalRuntimeConfig {
             data_dir: self.data_dir.clone(),
-            command: self.instance_command()?,
-            env: i.env.clone(),
+            program: self.program(self.instance_command()?, self.readiness()?),
             env_allowlist: i.env_allowlist.clone(),
-            readiness: self.readiness()?,
             port_range: i.port_range[0]..=i.port_range[1],
             log_max_bytes: i.log_max_bytes,
             max_ports: self.isolation.max_ports,
-            patch_ext: i.patch_ext.clone(),
-            watchdog_command: self.watchdog.command.clone(),
             isolation: self.isolation_level(nix::unistd::geteuid().is_root())?,
             uids: self.uid_range(),
             limits: Limits {
@@ -298,11 +307,7 @@ impl Config {
         let config = berth_k8s::K8sRuntimeConfig {
             kubernetes: kubernetes.clone(),
             node: node_id.to_owned(),
-            command,
-            env: i.env.clone(),
-            readiness,
-            watchdog_command: self.watchdog.command.clone(),
-            patch_ext: i.patch_ext.clone(),
+            program: self.program(command, readiness),
             stop_grace: Duration::from_secs(i.stop_grace_s),
         };
         config.validate().map_err(|e| {
@@ -541,12 +546,15 @@ mod tests {
             .unwrap()
             .unwrap();
         assert_eq!(k8s.node, "node-a");
-        assert!(k8s.command.is_empty(), "kubernetes.command is the pod's");
+        assert!(
+            k8s.program.command.is_empty(),
+            "kubernetes.command is the pod's"
+        );
         // Not the demo app's token line: the pod runs another program.
         assert!(
-            matches!(&k8s.readiness, Readiness::Http { path } if path == "/"),
+            matches!(&k8s.program.readiness, Readiness::Http { path } if path == "/"),
             "{:?}",
-            k8s.readiness
+            k8s.program.readiness
         );
         let text =
             format!("[instance]\nready_token_regex = 'tok=(\\w+)'\nstop_grace_s = 7\n{base}");
@@ -555,7 +563,7 @@ mod tests {
             .k8s_runtime_config("n")
             .unwrap()
             .unwrap();
-        assert!(matches!(k8s.readiness, Readiness::TokenRegex(_)));
+        assert!(matches!(k8s.program.readiness, Readiness::TokenRegex(_)));
         assert_eq!(k8s.stop_grace, Duration::from_secs(7));
         // [instance] command serves when the table has none.
         let text =
@@ -565,8 +573,8 @@ mod tests {
             .k8s_runtime_config("n")
             .unwrap()
             .unwrap();
-        assert_eq!(k8s.command, ["x"]);
-        assert!(matches!(k8s.readiness, Readiness::Tcp));
+        assert_eq!(k8s.program.command, ["x"]);
+        assert!(matches!(k8s.program.readiness, Readiness::Tcp));
     }
 
     #[test]

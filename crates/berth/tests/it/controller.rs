@@ -6,6 +6,7 @@
 //! until a deadline instead of sleeping, and stops its users before it
 //! ends; a guard also SIGKILLs whatever a failing test left behind.
 
+use berth_core::program::ProgramSettings;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -76,15 +77,17 @@ impl Env {
         let ports = port_block_of(ports);
         let runtime = LocalRuntimeConfig {
             data_dir: self.data(),
-            command,
-            env: BTreeMap::from([("EXTRA".to_owned(), "from-config".to_owned())]),
+            program: ProgramSettings {
+                command,
+                env: BTreeMap::from([("EXTRA".to_owned(), "from-config".to_owned())]),
+                readiness,
+                watchdog_command: None,
+                patch_ext: "toml".into(),
+            },
             env_allowlist: vec!["PATH".into()],
-            readiness,
             max_ports: berth_local::DEFAULT_MAX_PORTS,
             log_max_bytes: berth_local::DEFAULT_LOG_MAX_BYTES,
             port_range: ports..=ports + 9,
-            patch_ext: "toml".into(),
-            watchdog_command: None,
             isolation: Isolation::None,
             uids: UidRange {
                 first: 200_000,
@@ -777,7 +780,7 @@ async fn a_crash_runs_the_watchdog_once() {
     let main = r#"if [ -f "$HOME/crashed" ]; then echo ready; exec sleep 1000; fi; touch "$HOME/crashed"; echo broken >&2; exit 7"#;
     let watchdog = r#"echo "role=$BERTH_ROLE" >> "$HOME/watchdog.out"; cat "$BERTH_HANDOFF" >> "$HOME/watchdog.out"; echo >> "$HOME/watchdog.out""#;
     let mut config = env.config(21090, sh(main), token_regex("^ready$"));
-    config.runtime.watchdog_command = Some(sh(watchdog));
+    config.runtime.program.watchdog_command = Some(sh(watchdog));
     config.controller.watchdog = true;
     let spawner = env.start(config).await;
     let lou = user("lou");

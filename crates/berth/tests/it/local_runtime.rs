@@ -8,6 +8,7 @@
 //! Each harness has its own data dir and its own port range, so the cases
 //! run in parallel; a guard SIGKILLs whatever a failing case left behind.
 
+use berth_core::program::ProgramSettings;
 use std::collections::BTreeMap;
 use std::ops::RangeInclusive;
 use std::path::PathBuf;
@@ -50,15 +51,17 @@ impl LocalHarness {
     fn config(&self, command: Vec<String>, readiness: Readiness) -> LocalRuntimeConfig {
         LocalRuntimeConfig {
             data_dir: self.data(),
-            command,
-            env: BTreeMap::from([("EXTRA".to_owned(), "from-config".to_owned())]),
+            program: ProgramSettings {
+                command,
+                env: BTreeMap::from([("EXTRA".to_owned(), "from-config".to_owned())]),
+                readiness,
+                watchdog_command: None,
+                patch_ext: "toml".into(),
+            },
             env_allowlist: vec!["PATH".into()],
-            readiness,
             max_ports: berth_local::DEFAULT_MAX_PORTS,
             log_max_bytes: berth_local::DEFAULT_LOG_MAX_BYTES,
             port_range: self.ports.clone(),
-            patch_ext: "toml".into(),
-            watchdog_command: None,
             isolation: Isolation::None,
             uids: UidRange {
                 first: 200_000,
@@ -263,10 +266,10 @@ async fn an_exit_with_the_port_held_by_another_process_is_told_apart() {
 async fn a_watchdog_gets_the_handoff_the_patch_and_its_mains_port() {
     let h = LocalHarness::new();
     let mut config = h.config(ready_line(), token_regex());
-    config.watchdog_command = Some(sh(
+    config.program.watchdog_command = Some(sh(
         r#"echo "port=$BERTH_PORT role=$BERTH_ROLE extra=$EXTRA"; cat "$BERTH_HANDOFF"; echo; cat "$1"; echo"#,
     ));
-    if let Some(c) = config.watchdog_command.as_mut() {
+    if let Some(c) = config.program.watchdog_command.as_mut() {
         c.extend(["sh".into(), "{patch}".into()]);
     }
     let runtime = h.local(config).await;

@@ -4,6 +4,7 @@
 //! a data root made under an earlier slug stays where it is.
 
 use crate::support;
+use berth_core::program::ProgramSettings;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -284,23 +285,25 @@ async fn controller(data: &Path, ports: u16, store: Arc<dyn Store>) -> Arc<Contr
     let ports = berth_testkit::port_block_for(&format!("{} {ports}", module_path!()), 10);
     let runtime = LocalRuntimeConfig {
         data_dir: data.to_owned(),
-        command: vec![
-            BERTH.into(),
-            "demo-app".into(),
-            "--port".into(),
-            "{port}".into(),
-        ],
-        env: BTreeMap::new(),
+        program: ProgramSettings {
+            command: vec![
+                BERTH.into(),
+                "demo-app".into(),
+                "--port".into(),
+                "{port}".into(),
+            ],
+            env: BTreeMap::new(),
+            readiness: Readiness::TokenRegex(
+                regex::Regex::new(r"berth-demo: http://127\.0\.0\.1:\d+/\?token=([A-Za-z0-9_-]+)")
+                    .unwrap(),
+            ),
+            watchdog_command: None,
+            patch_ext: "toml".into(),
+        },
         env_allowlist: vec!["PATH".into()],
-        readiness: Readiness::TokenRegex(
-            regex::Regex::new(r"berth-demo: http://127\.0\.0\.1:\d+/\?token=([A-Za-z0-9_-]+)")
-                .unwrap(),
-        ),
         max_ports: berth_local::DEFAULT_MAX_PORTS,
         log_max_bytes: berth_local::DEFAULT_LOG_MAX_BYTES,
         port_range: ports..=ports + 9,
-        patch_ext: "toml".into(),
-        watchdog_command: None,
         isolation: Isolation::None,
         uids: UidRange {
             first: 200_000,

@@ -3,6 +3,7 @@
 //! stand-in kubelet runs each pod's command as a real local process.
 #![allow(dead_code)]
 
+use berth_core::program::ProgramSettings;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
@@ -37,11 +38,13 @@ pub fn config(command: Vec<String>, readiness: Readiness, node: &str) -> K8sRunt
     K8sRuntimeConfig {
         kubernetes,
         node: node.into(),
-        command,
-        env: BTreeMap::from([("EXTRA".to_owned(), "from-config".to_owned())]),
-        readiness,
-        watchdog_command: None,
-        patch_ext: "toml".into(),
+        program: ProgramSettings {
+            command,
+            env: BTreeMap::from([("EXTRA".to_owned(), "from-config".to_owned())]),
+            readiness,
+            watchdog_command: None,
+            patch_ext: "toml".into(),
+        },
         stop_grace: Duration::from_secs(5),
     }
 }
