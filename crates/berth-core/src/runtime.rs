@@ -114,6 +114,18 @@ pub struct HookOutcome {
 }
 
 impl HookOutcome {
+    /// How a `POST` hook ended: `Some(status)` when an answer (or none,
+    /// the connection failing) came within the grace, `None` when the
+    /// grace ran out first.
+    pub fn of_post(answer: Option<Option<u16>>) -> Self {
+        HookOutcome {
+            code: answer.flatten().map(i32::from),
+            signal: None,
+            timed_out: answer.is_none(),
+            output_tail: String::new(),
+        }
+    }
+
     /// Whether the hook did its job: a command that exited with 0, or a
     /// `POST` that got any answer in time.
     pub fn succeeded(&self, action: &HookAction) -> bool {

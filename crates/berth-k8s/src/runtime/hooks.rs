@@ -35,13 +35,7 @@ impl Inner {
             Ok::<_, RuntimeError>(post(&endpoint, path).await)
         };
         let answer = tokio::time::timeout(grace, asked).await;
-        let timed_out = answer.is_err();
-        Ok(HookOutcome {
-            code: answer.ok().transpose()?.flatten().map(i32::from),
-            signal: None,
-            timed_out,
-            output_tail: String::new(),
-        })
+        Ok(HookOutcome::of_post(answer.ok().transpose()?))
     }
 }
 

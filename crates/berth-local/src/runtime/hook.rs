@@ -38,12 +38,7 @@ pub(super) async fn run_hook(
                 http_status(hyper::Method::POST, port, &run.reach, path),
             )
             .await;
-            Ok(HookOutcome {
-                timed_out: status.is_err(),
-                code: status.ok().flatten().map(i32::from),
-                signal: None,
-                output_tail: String::new(),
-            })
+            Ok(HookOutcome::of_post(status.ok()))
         }
     }
 }
