@@ -52,13 +52,22 @@ pub enum ErrorCode {
     /// down, paused or cut off, and either comes back or loses the lease
     /// to another node. A moment's condition, not berth's fault.
     NodeUnreachable,
+    /// The user's instance did not answer the proxy, or answered with
+    /// something that is not HTTP.
+    BadGateway,
+    /// The node holds as many long-lived streams as it allows in all
+    /// (`[proxy] max_upgrades`).
+    TooManyUpgrades,
+    /// Too many refused node-to-node calls from one address: it is slowed
+    /// down before it can guess a signature.
+    TooManyRequests,
     /// Anything else: a fault of berth's, not of the request.
     Internal,
 }
 
 impl ErrorCode {
     /// Every code, for parsing one back from its string.
-    pub(crate) const ALL: [ErrorCode; 19] = [
+    pub(crate) const ALL: [ErrorCode; 22] = [
         ErrorCode::InvalidUser,
         ErrorCode::InvalidRequest,
         ErrorCode::NotFound,
@@ -77,6 +86,9 @@ impl ErrorCode {
         ErrorCode::TooManyStreams,
         ErrorCode::RequestTimeout,
         ErrorCode::NodeUnreachable,
+        ErrorCode::BadGateway,
+        ErrorCode::TooManyUpgrades,
+        ErrorCode::TooManyRequests,
         ErrorCode::Internal,
     ];
 
@@ -106,6 +118,9 @@ impl ErrorCode {
             ErrorCode::TooManyStreams => "too_many_streams",
             ErrorCode::RequestTimeout => "request_timeout",
             ErrorCode::NodeUnreachable => "node_unreachable",
+            ErrorCode::BadGateway => "bad_gateway",
+            ErrorCode::TooManyUpgrades => "too_many_upgrades",
+            ErrorCode::TooManyRequests => "too_many_requests",
             ErrorCode::Internal => "internal",
         }
     }
@@ -121,13 +136,15 @@ impl ErrorCode {
             ErrorCode::AlreadyRunning | ErrorCode::LeaseBusy | ErrorCode::TooManyTokens => 409,
             ErrorCode::PayloadTooLarge => 413,
             ErrorCode::UnsupportedMediaType => 415,
-            ErrorCode::TooManyStreams => 429,
+            ErrorCode::TooManyStreams | ErrorCode::TooManyRequests => 429,
             ErrorCode::SpawnFailed | ErrorCode::Internal => 500,
+            ErrorCode::BadGateway => 502,
             ErrorCode::InstanceCircuitOpen
             | ErrorCode::InstanceStarting
             | ErrorCode::CapacityExhausted
             | ErrorCode::StoreUnavailable
-            | ErrorCode::NodeUnreachable => 503,
+            | ErrorCode::NodeUnreachable
+            | ErrorCode::TooManyUpgrades => 503,
         }
     }
 }

@@ -185,7 +185,10 @@ impl ErrorBody {
             | ErrorCode::Forbidden
             | ErrorCode::TooManyTokens
             | ErrorCode::UnsupportedMediaType
-            | ErrorCode::RequestTimeout => return None,
+            | ErrorCode::RequestTimeout
+            | ErrorCode::BadGateway
+            | ErrorCode::TooManyUpgrades
+            | ErrorCode::TooManyRequests => return None,
         })
     }
 }
@@ -269,7 +272,7 @@ mod tests {
             assert_eq!(serde_json::from_str::<ErrorCode>(&text).unwrap(), code);
             assert_eq!(ErrorCode::parse(code.as_str()), Some(code));
         }
-        assert!(serde_json::from_str::<ErrorCode>(r#""bad_gateway""#).is_err());
+        assert!(serde_json::from_str::<ErrorCode>(r#""gateway_exploded""#).is_err());
     }
 
     #[test]
@@ -321,6 +324,6 @@ mod tests {
             assert_eq!(body.into_spawn_error(), None, "{text}");
         }
         // A code this build does not know is not an ErrorBody at all.
-        assert!(serde_json::from_str::<ErrorBody>(r#"{"error":"bad_gateway"}"#).is_err());
+        assert!(serde_json::from_str::<ErrorBody>(r#"{"error":"gateway_exploded"}"#).is_err());
     }
 }

@@ -30,6 +30,7 @@ use std::net::IpAddr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use berth_core::{ErrorBody, ErrorCode};
 use hmac::{Hmac, Mac};
 use hyper::header::{HeaderMap, HeaderName, HeaderValue};
 use sha2::{Digest, Sha256};
@@ -501,7 +502,30 @@ impl PeerAuth {
         }
         verdict
     }
+
+    /// What a refused call from `source` is answered: `429` once its source
+    /// is past the burst of failures, `503` when this node has no room for
+    /// another nonce, `401` otherwise. The refusal is counted and maybe
+    /// logged ([`PeerAuth::refused`]).
+    pub fn answer_refusal(&self, source: IpAddr, refusal: &Refusal) -> ErrorBody {
+        if self.refused(source, refusal).limited {
+            let mut body = ErrorBody::new(
+                ErrorCode::TooManyRequests,
+                format!("too many refused node-to-node calls from {source}; slow down ({refusal})"),
+            );
+            body.retry_after_ms = Some(REFUSED_RETRY_MS);
+            return body;
+        }
+        let code = match refusal {
+            Refusal::Busy => ErrorCode::CapacityExhausted,
+            _ => ErrorCode::Unauthorized,
+        };
+        ErrorBody::new(code, refusal.to_string())
+    }
 }
+
+/// How long a source past its burst of refused calls is told to wait.
+const REFUSED_RETRY_MS: u64 = 1000;
 
 /// The nonces accepted while their timestamps are fresh, with when each
 /// may be forgotten (its timestamp plus [`MAX_SKEW`], after which the call

@@ -43,26 +43,7 @@ pub fn is_navigation(headers: &HeaderMap) -> bool {
         .any(|v| v.to_str().is_ok_and(|v| v.contains("text/html")))
 }
 
-/// `{"error": code, "message": …}` for a code outside the contract
-/// (`bad_gateway`, say); [`code_error`] and [`spawn_error`] answer the
-/// contract's.
-pub fn json_error(status: StatusCode, code: &str, message: &str) -> Response<ProxyBody> {
-    /// The body of such a code: an [`ErrorBody`] with only the two fields.
-    #[derive(serde::Serialize)]
-    struct Plain<'a> {
-        error: &'a str,
-        message: &'a str,
-    }
-    json_response(
-        status,
-        &Plain {
-            error: code,
-            message,
-        },
-    )
-}
-
-/// The error response of a contract [`ErrorCode`].
+/// The error response of an [`ErrorCode`] that carries only a message.
 pub fn code_error(code: ErrorCode, message: &str) -> Response<ProxyBody> {
     body_error(&ErrorBody::new(code, message))
 }
@@ -75,7 +56,7 @@ pub fn spawn_error(error: &SpawnError) -> Response<ProxyBody> {
 
 /// `body` with its code's status, and `Retry-After` when it says when to
 /// come back.
-fn body_error(body: &ErrorBody) -> Response<ProxyBody> {
+pub fn body_error(body: &ErrorBody) -> Response<ProxyBody> {
     let status =
         StatusCode::from_u16(body.error.http_status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
     let mut response = json_response(status, body);
@@ -339,11 +320,10 @@ mod tests {
         assert_eq!(body.expired, Some(true));
         assert_eq!(body.into_spawn_error(), Some(e));
         let message = "a \"quoted\" <b>\n";
-        let body = text(json_error(StatusCode::BAD_GATEWAY, "bad_gateway", message)).await;
-        assert_eq!(
-            serde_json::from_str::<serde_json::Value>(&body).unwrap(),
-            serde_json::json!({"error": "bad_gateway", "message": message})
-        );
+        let r = code_error(ErrorCode::BadGateway, message);
+        assert_eq!(r.status(), 502);
+        let body: ErrorBody = serde_json::from_str(&text(r).await).unwrap();
+        assert_eq!(body, ErrorBody::new(ErrorCode::BadGateway, message));
     }
 
     #[tokio::test]

@@ -300,22 +300,9 @@ fn cookie_and_redirect(
     }
 }
 
-/// The answer to a request whose node signature failed: `401` with why,
-/// or `429` once its source is past the burst of failures.
+/// The answer to a request whose node signature failed.
 fn refused_node(auth: &PeerAuth, conn: &ConnInfo, refusal: &Refusal) -> Response<ProxyBody> {
-    let verdict = auth.refused(conn.peer.ip(), refusal);
-    if verdict.limited {
-        let mut response = respond::json_error(
-            StatusCode::TOO_MANY_REQUESTS,
-            "too_many_requests",
-            &format!(
-                "too many refused node-to-node calls from this address; slow down ({refusal})"
-            ),
-        );
-        respond::set_retry_after(&mut response, 1000);
-        return response;
-    }
-    respond::code_error(ErrorCode::Unauthorized, &refusal.to_string())
+    respond::body_error(&auth.answer_refusal(conn.peer.ip(), refusal))
 }
 
 fn store_unavailable(e: &AuthError) -> Response<ProxyBody> {

@@ -605,7 +605,7 @@ fn check_owner(stream: &TcpStream, to: &Upstream, owner: u32) -> Result<(), Fail
 }
 
 fn bad_gateway(message: &str) -> Response<ProxyBody> {
-    respond::json_error(StatusCode::BAD_GATEWAY, "bad_gateway", message)
+    respond::code_error(ErrorCode::BadGateway, message)
 }
 
 /// An upgrade refused: `503 too_many_upgrades` when the node is full (the
@@ -613,11 +613,9 @@ fn bad_gateway(message: &str) -> Response<ProxyBody> {
 /// too_many_streams` when the user is at their own cap.
 fn stream_refused(refused: &StreamRefused) -> Response<ProxyBody> {
     match refused {
-        StreamRefused::Total(_) => respond::json_error(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "too_many_upgrades",
-            &refused.to_string(),
-        ),
+        StreamRefused::Total(_) => {
+            respond::code_error(ErrorCode::TooManyUpgrades, &refused.to_string())
+        }
         StreamRefused::PerUser { .. } => {
             respond::code_error(ErrorCode::TooManyStreams, &refused.to_string())
         }

@@ -822,6 +822,22 @@ async fn a_burst_of_wrong_guesses_is_rate_limited_and_logged() {
         "{statuses:?}"
     );
     assert!(statuses.contains(&429), "no limit: {statuses:?}");
+    // Still limited: the answer is the contract's error, with when to retry.
+    let r = node
+        .http
+        .post(&url)
+        .header("x-berth-cluster-secret", "one-more-guess")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 429);
+    assert_eq!(r.headers()["retry-after"], "1");
+    let body: berth_core::ErrorBody = r.json().await.unwrap();
+    assert_eq!(
+        body.error,
+        berth_core::ErrorCode::TooManyRequests,
+        "{body:?}"
+    );
     let text = std::fs::read_to_string(&log).unwrap();
     let line = text
         .lines()

@@ -46,6 +46,15 @@ impl From<Refusal> for ApiError {
     }
 }
 
+impl From<ErrorBody> for ApiError {
+    fn from(body: ErrorBody) -> Self {
+        Self {
+            code: body.error,
+            body: Box::new(body),
+        }
+    }
+}
+
 impl From<SpawnError> for ApiError {
     fn from(e: SpawnError) -> Self {
         Self {

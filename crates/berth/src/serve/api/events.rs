@@ -21,7 +21,10 @@ use std::time::Duration;
 use axum::extract::State;
 use axum::response::IntoResponse;
 use axum::response::sse::{Event, KeepAlive, Sse};
-use berth_core::{BreakerInfo, ErrorCode, Instance, InstanceStatus, Role, UnixMillis, UserId};
+use berth_core::{
+    BreakerInfo, ErrorBody, ErrorCode, Instance, InstanceStatus, Role, SpawnError, UnixMillis,
+    UserId,
+};
 use berth_store::{InstanceFilter, LeaseRecord, NodeRecord, StoreError};
 use futures_util::StreamExt;
 use futures_util::stream::{self, Stream};
@@ -42,7 +45,7 @@ pub const REFRESH: Duration = Duration::from_secs(2);
 pub const SETTLE: Duration = Duration::from_millis(100);
 /// The event name of a snapshot.
 pub const SNAPSHOT_EVENT: &str = "snapshot";
-/// The event name of a failed read (`{message}`); the stream goes on.
+/// The event name of a failed read (an [`ErrorBody`]); the stream goes on.
 pub const ERROR_EVENT: &str = "error";
 /// Crash states read per view: the breakers of at most this many failed
 /// or crashed mains are shown.
@@ -195,10 +198,8 @@ impl Follow {
                         return Some((Ok(event), f));
                     }
                     Err(e) => {
-                        let event = Event::default()
-                            .event(ERROR_EVENT)
-                            .data(serde_json::json!({ "message": e.to_string() }).to_string());
-                        return Some((Ok(event), f));
+                        let body = ErrorBody::from_spawn_error(&SpawnError::from(e), now);
+                        return Some((Ok(json_event(ERROR_EVENT, &body)), f));
                     }
                 }
             }
@@ -236,9 +237,19 @@ impl Follow {
 }
 
 fn snapshot_event(now: UnixMillis, view: &View) -> Event {
-    let data = serde_json::to_string(&Snapshot { now, view })
-        .unwrap_or_else(|e| serde_json::json!({ "message": e.to_string() }).to_string());
-    Event::default().event(SNAPSHOT_EVENT).data(data)
+    json_event(SNAPSHOT_EVENT, &Snapshot { now, view })
+}
+
+/// An event named `name` carrying `data` as JSON, or an `error` event when
+/// `data` cannot be written.
+fn json_event(name: &str, data: &impl Serialize) -> Event {
+    match serde_json::to_string(data) {
+        Ok(text) => Event::default().event(name).data(text),
+        Err(e) => Event::default().event(ERROR_EVENT).data(
+            serde_json::to_string(&ErrorBody::new(ErrorCode::Internal, e.to_string()))
+                .unwrap_or_default(),
+        ),
+    }
 }
 
 #[cfg(test)]

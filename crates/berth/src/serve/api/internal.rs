@@ -14,7 +14,6 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use berth_core::{ErrorCode, LaunchRequest};
-use serde_json::json;
 
 use super::super::ops::Via;
 use super::extract::{Peer, PeerCall, QueryOf, SignedByPeer, read_body};
@@ -110,24 +109,7 @@ pub async fn authenticate(
 /// The answer to a refused node-to-node call, counted and maybe logged.
 fn refuse(auth: &PeerAuth, source: Option<std::net::IpAddr>, refusal: &Refusal) -> Response {
     let source = source.unwrap_or(std::net::IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED));
-    let verdict = auth.refused(source, refusal);
-    if verdict.limited {
-        let body = json!({
-            "error": "too_many_requests",
-            "message": format!("too many refused node-to-node calls from {source}; slow down ({refusal})"),
-        });
-        return (
-            StatusCode::TOO_MANY_REQUESTS,
-            [(axum::http::header::RETRY_AFTER, "1")],
-            axum::Json(body),
-        )
-            .into_response();
-    }
-    let code = match refusal {
-        Refusal::Busy => ErrorCode::CapacityExhausted,
-        _ => ErrorCode::Unauthorized,
-    };
-    ApiError::new(code, refusal.to_string()).into_response()
+    ApiError::from(auth.answer_refusal(source, refusal)).into_response()
 }
 
 async fn status(PeerCall { user }: PeerCall, State(state): AppState) -> ApiResult {
