@@ -7,6 +7,7 @@
 //! controller's (`berth-controller`); this crate knows nothing of the
 //! store.
 
+mod config;
 mod environment;
 mod follow;
 pub mod isolation;
@@ -27,6 +28,7 @@ pub const DEFAULT_LOG_MAX_BYTES: u64 = 64 * 1024 * 1024;
 /// The least bound: two files each able to hold the longest piece the
 /// shim writes at once (64 KiB).
 pub const MIN_LOG_MAX_BYTES: u64 = 128 * 1024;
+pub use config::{ConfigError, IsolationTable};
 pub use isolation::{Isolation, Limits, ListenerCap, UidRange, open_files_warning};
 pub use runtime::{Accounts, LocalRuntime, LocalRuntimeConfig};
 

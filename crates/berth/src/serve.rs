@@ -423,7 +423,7 @@ fn register_uid_range(config: &Config) -> anyhow::Result<Option<uid_ranges::Regi
     let registration = uid_ranges::register(
         std::path::Path::new(uid_ranges::RECORD_DIR),
         &data_dir,
-        config.uid_range(),
+        config.isolation.uids(),
         &uid_ranges::store_identity(&config.store_url(), config.cluster_secret.as_deref()),
     )?;
     Ok(Some(registration))

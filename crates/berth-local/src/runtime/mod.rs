@@ -44,7 +44,7 @@ use crate::isolation::{Account, Isolator, Limits, UidRange, leftovers};
 use crate::paths::{UserPaths, check_socket_room, create_private_dir};
 use crate::ports::{PortPool, bind_free};
 use crate::shim::{ShimCommand, ShimError, ShimLauncher, procfs};
-use crate::{Isolation, LocalError, MIN_LOG_MAX_BYTES};
+use crate::{Isolation, LocalError};
 use berth_core::Readiness;
 use berth_core::program::ProgramSettings;
 
@@ -94,36 +94,11 @@ pub struct LocalRuntimeConfig {
 
 impl LocalRuntimeConfig {
     fn check(&self) -> Result<(), LocalError> {
-        let fail = |m: String| Err(LocalError::Config(m));
-        if self.program.command.is_empty() {
-            return fail("the instance command is empty".into());
-        }
         if self.shim_command.is_empty() {
-            return fail("the shim command is empty".into());
+            return Err(LocalError::Config("the shim command is empty".into()));
         }
-        if self
-            .program
-            .watchdog_command
-            .as_ref()
-            .is_some_and(Vec::is_empty)
-        {
-            return fail("the watchdog command is empty".into());
-        }
-        if self.log_max_bytes < MIN_LOG_MAX_BYTES {
-            return fail(format!(
-                "log_max_bytes {} is under {MIN_LOG_MAX_BYTES}: each of the two files must hold \
-                 the longest piece the shim writes at once",
-                self.log_max_bytes
-            ));
-        }
-        if self.port_range.is_empty() {
-            return fail(format!(
-                "port_range {}-{} is empty",
-                self.port_range.start(),
-                self.port_range.end()
-            ));
-        }
-        Ok(())
+        self.validate()
+            .map_err(|e| LocalError::Config(e.to_string()))
     }
 }
 

@@ -4,7 +4,6 @@
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
-use berth_local::Limits;
 use berth_store::TakeoverPolicy;
 use serde::{Deserialize, Serialize};
 
@@ -42,7 +41,8 @@ pub struct Config {
     pub crash: CrashConfig,
     pub reap: ReapConfig,
     pub lease: LeaseSection,
-    pub isolation: IsolationConfig,
+    /// `[isolation]`: the local runtime's own table.
+    pub isolation: berth_local::IsolationTable,
     pub proxy: ProxyConfig,
     pub auth: AuthSection,
     pub cluster: ClusterSection,
@@ -303,37 +303,6 @@ pub struct MetricsSection {
     pub listen: Option<String>,
 }
 
-/// `[isolation]`.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct IsolationConfig {
-    /// `"none"`, `"user"` or `"sandbox"`; unset: `user` when berth runs as
-    /// root, `none` otherwise.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub mode: Option<String>,
-    /// Memory of one instance (cgroup limit, level `sandbox`).
-    pub memory_max_mb: u64,
-    /// Processes of one instance: cgroup limit (`sandbox`) and the
-    /// account's `RLIMIT_NPROC` (`user` and `sandbox`).
-    pub pids_max: u64,
-    /// CPU of one instance in percent of one CPU (`sandbox`); 0 = no limit.
-    pub cpu_max_percent: u32,
-    /// Open files of each process of an instance (`RLIMIT_NOFILE`).
-    pub open_files_max: u64,
-    /// Ports of `[instance] port_range` one instance may hold, its own
-    /// included: when no port is free, instances holding more are killed.
-    pub max_ports: usize,
-    /// The first host uid of instance accounts; each user gets the next
-    /// free one, once, recorded in the store.
-    pub base_uid: u32,
-    /// How many uids the account range holds.
-    pub uid_count: u32,
-    /// The `nft` program of the port and egress guards; default: looked up
-    /// in `PATH`, `/usr/sbin` and `/sbin`.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub nft: Option<PathBuf>,
-}
-
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct ProxyConfig {
@@ -391,7 +360,7 @@ impl Default for Config {
             crash: CrashConfig::default(),
             reap: ReapConfig::default(),
             lease: LeaseSection::default(),
-            isolation: IsolationConfig::default(),
+            isolation: berth_local::IsolationTable::default(),
             proxy: ProxyConfig::default(),
             auth: AuthSection::default(),
             cluster: ClusterSection::default(),
@@ -470,23 +439,6 @@ impl Default for LeaseSection {
     }
 }
 
-impl Default for IsolationConfig {
-    fn default() -> Self {
-        let limits = Limits::default();
-        Self {
-            mode: None,
-            memory_max_mb: limits.memory_max_mb,
-            pids_max: limits.pids_max,
-            cpu_max_percent: limits.cpu_max_percent,
-            open_files_max: limits.open_files_max,
-            max_ports: berth_local::DEFAULT_MAX_PORTS,
-            base_uid: 200_000,
-            uid_count: 100_000,
-            nft: None,
-        }
-    }
-}
-
 impl Default for ProxyConfig {
     fn default() -> Self {
         Self {
@@ -546,7 +498,7 @@ mod tests {
             (1024, 256)
         );
         assert_eq!(
-            c.uid_range(),
+            c.isolation.uids(),
             UidRange {
                 first: 200_000,
                 count: 100_000

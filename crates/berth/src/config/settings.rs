@@ -12,7 +12,7 @@ use berth_controller::{BreakerHook, ControllerConfig};
 use berth_core::Readiness;
 use berth_core::policy::{CrashPolicy, IdleAction, ReapPolicy};
 use berth_core::runtime::HookAction;
-use berth_local::{Isolation, Limits, LocalRuntimeConfig, UidRange};
+use berth_local::{Isolation, LocalRuntimeConfig};
 use berth_store::lease::LeaseConfig;
 
 use super::error::ConfigError;
@@ -243,7 +243,7 @@ impl Config {
         shim_command: Vec<String>,
     ) -> Result<LocalRuntimeConfig, ConfigError> {
         let i = &self.instance;
-        Ok(LocalRuntimeConfig {
+        let config = LocalRuntimeConfig {
             data_dir: self.data_dir.clone(),
             program: self.program(self.instance_command()?, self.readiness()?),
             env_allowlist: i.env_allowlist.clone(),
@@ -251,13 +251,8 @@ impl Config {
             log_max_bytes: i.log_max_bytes,
             max_ports: self.isolation.max_ports,
             isolation: self.isolation_level(nix::unistd::geteuid().is_root())?,
-            uids: self.uid_range(),
-            limits: Limits {
-                memory_max_mb: self.isolation.memory_max_mb,
-                pids_max: self.isolation.pids_max,
-                cpu_max_percent: self.isolation.cpu_max_percent,
-                open_files_max: self.isolation.open_files_max,
-            },
+            uids: self.isolation.uids(),
+            limits: self.isolation.limits(),
             nft: self.isolation.nft.clone(),
             // The ports are known once berth has bound them.
             listeners: berth_local::ListenerCap {
@@ -265,7 +260,11 @@ impl Config {
                 per_account: u32::try_from(self.proxy.max_connections_per_ip).unwrap_or(u32::MAX),
             },
             shim_command,
-        })
+        };
+        config
+            .validate()
+            .map_err(|e| self.invalid(e.key, e.reason))?;
+        Ok(config)
     }
 
     #[cfg(feature = "kubernetes")]
@@ -472,21 +471,9 @@ impl Config {
     /// The isolation level: the configured one, else `user` when berth runs
     /// as root (`root`) and `none` otherwise.
     pub fn isolation_level(&self, root: bool) -> Result<Isolation, ConfigError> {
-        match &self.isolation.mode {
-            Some(mode) => mode
-                .parse()
-                .map_err(|reason: String| self.invalid("isolation.mode", reason)),
-            None if root => Ok(Isolation::User),
-            None => Ok(Isolation::None),
-        }
-    }
-
-    /// The host uids of instance accounts.
-    pub fn uid_range(&self) -> UidRange {
-        UidRange {
-            first: self.isolation.base_uid,
-            count: self.isolation.uid_count,
-        }
+        self.isolation
+            .level(root)
+            .map_err(|e| self.invalid(e.key, e.reason))
     }
 }
 

@@ -7,45 +7,6 @@ use super::error::ConfigError;
 use super::sections::{Config, HookConfig};
 
 impl Config {
-    fn validate_isolation(&self) -> Result<(), ConfigError> {
-        let i = &self.isolation;
-        self.isolation_level(false)?;
-        if i.base_uid == 0 {
-            return Err(self.invalid(
-                "isolation.base_uid",
-                "must not be 0: instances must never run as root",
-            ));
-        }
-        if self.uid_range().last().is_none() {
-            return Err(self.invalid(
-                "isolation.uid_count",
-                format!(
-                    "{} uids from {} is empty or passes the largest uid (4294967294)",
-                    i.uid_count, i.base_uid
-                ),
-            ));
-        }
-        if i.memory_max_mb == 0 {
-            return Err(self.invalid("isolation.memory_max_mb", "must be at least 1"));
-        }
-        if i.pids_max == 0 {
-            return Err(self.invalid("isolation.pids_max", "must be at least 1"));
-        }
-        if i.max_ports == 0 {
-            return Err(self.invalid(
-                "isolation.max_ports",
-                "must be at least 1: an instance holds its own port",
-            ));
-        }
-        if i.open_files_max < 64 {
-            return Err(self.invalid(
-                "isolation.open_files_max",
-                "must be at least 64: a program cannot run without descriptors",
-            ));
-        }
-        Ok(())
-    }
-
     /// Checks everything that parsing cannot: addresses, ranges, choices and
     /// combinations. Reports the first problem.
     pub fn validate(&self) -> Result<(), ConfigError> {
@@ -113,10 +74,12 @@ impl Config {
             self.check_command("watchdog.command", command)?;
         }
         self.validate_policies()?;
-        self.validate_isolation()?;
         self.validate_proxy()?;
         self.validate_metrics()?;
         self.validate_cluster()?;
+        // The local runtime's table is checked on every host, so that a
+        // config that later loses its `[kubernetes]` table still works.
+        self.runtime_config(vec!["berth".to_owned(), "shim".to_owned()])?;
         if self.kubernetes.is_some() {
             #[cfg(feature = "kubernetes")]
             // Needs no node id: a placeholder stands in for the host name.
@@ -324,27 +287,6 @@ impl Config {
         }
         if i.ready_timeout_s == 0 {
             return Err(self.invalid("instance.ready_timeout_s", "must be at least 1"));
-        }
-        let [first, last] = i.port_range;
-        if first == 0 {
-            return Err(self.invalid("instance.port_range", "port 0 is not a usable port"));
-        }
-        if first > last {
-            return Err(self.invalid(
-                "instance.port_range",
-                format!("[{first}, {last}] is reversed: the first port must not exceed the last"),
-            ));
-        }
-        if i.log_max_bytes < berth_local::MIN_LOG_MAX_BYTES {
-            return Err(self.invalid(
-                "instance.log_max_bytes",
-                format!(
-                    "{} is under {}: the log and its rotated file must each hold 64 KiB, the \
-                     longest piece written at once",
-                    i.log_max_bytes,
-                    berth_local::MIN_LOG_MAX_BYTES
-                ),
-            ));
         }
         if i.patch_ext.is_empty()
             || i.patch_ext.starts_with('.')
