@@ -345,6 +345,23 @@ pub enum NodeStatus {
     Down,
 }
 
+impl NodeStatus {
+    /// The status's name, as the API and the `nodes` table spell it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            NodeStatus::Up => "up",
+            NodeStatus::Draining => "draining",
+            NodeStatus::Down => "down",
+        }
+    }
+}
+
+impl std::fmt::Display for NodeStatus {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
 /// A node's row in the `nodes` table.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct NodeRecord {
@@ -792,6 +809,11 @@ mod tests {
             (NodeStatus::Down, NodeState::Down),
         ] {
             assert_eq!(NodeState::from(status), state);
+            // Its name is the one the API's JSON carries.
+            assert_eq!(
+                serde_json::to_value(status).unwrap(),
+                serde_json::Value::from(status.as_str())
+            );
         }
         // A heartbeat stamped after `now` was read is simply fresh.
         assert_eq!(record.view(record.heartbeat - 5).heartbeat_age_ms, -5);

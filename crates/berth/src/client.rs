@@ -10,11 +10,12 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use anyhow::{Context, anyhow, bail};
-use berth_core::{InstanceStatus, ProbeReport, Role, UserId};
+use berth_core::{InstanceStatus, LaunchRequest, ProbeReport, Role, UserId};
 use futures_util::{Stream, StreamExt};
 use reqwest::{Method, StatusCode, Url};
+use serde::Serialize;
 use serde::de::DeserializeOwned;
-use serde_json::{Map, Value};
+use serde_json::Value;
 
 use crate::cli::{ClientArgs, Command};
 use crate::escape;
@@ -23,8 +24,8 @@ use crate::render::{self, Palette};
 use crate::sse::STAGE_EVENT;
 use crate::wire::operation::{self as op, Operation};
 use crate::wire::{
-    InstanceAnswer, InstanceList, LogLines, MintRequest, MintedToken, RestartAll, Routing,
-    StageReport,
+    InstanceAnswer, InstanceList, LaunchAnswer, LeaseList, LogLines, MintRequest, MintedToken,
+    NodeList, RestartAll, Routing, StageReport, TokenList, UserStatus,
 };
 
 /// An error answer from the API, displayed as `<code>: <message>`.
@@ -77,12 +78,10 @@ pub async fn run(command: Command) -> anyhow::Result<ExitCode> {
             node,
             client,
         } => list(status.as_deref(), node.as_deref(), &client).await?,
-        Command::Nodes { client } => {
-            table(&client, &["nodes"], &[], "nodes", render::NODE_COLUMNS).await?
-        }
+        Command::Nodes { client } => table::<NodeList>(&client, &["nodes"], &[]).await?,
         Command::Leases { expired, client } => {
             let query: &[(&str, &str)] = if expired { &[("expired", "true")] } else { &[] };
-            table(&client, &["leases"], query, "leases", render::LEASE_COLUMNS).await?;
+            table::<LeaseList>(&client, &["leases"], query).await?;
         }
         Command::Takeover { user, client } => takeover(&user, &client).await?,
         Command::RestartAll { client } => return restart_all(&client).await,
@@ -120,13 +119,13 @@ async fn status(user: Option<&str>, client: &ClientArgs) -> anyhow::Result<()> {
         Some(user) => {
             let user = parse_user(user)?;
             let answer = api.call(&op::STATUS, &user, &[], None).await?;
-            out.show(&answer, |a, p| {
-                render::user_status(a, berth_core::unix_millis_now(), p)
+            out.show(&answer, |status: &UserStatus, p| {
+                render::user_status(status, berth_core::unix_millis_now(), p)
             });
         }
         None => {
             let body = api.get(&["instances"], &[]).await?;
-            out.table(&body, "instances", render::INSTANCE_COLUMNS);
+            out.table::<InstanceList>(&body);
         }
     }
     Ok(())
@@ -144,30 +143,40 @@ struct Launch {
 /// waits (unless `--no-wait`).
 async fn start(user: &str, launch: Launch, client: &ClientArgs) -> anyhow::Result<()> {
     let user = parse_user(user)?;
-    let mut body = Map::new();
-    if let Some(folder) = launch.folder {
-        body.insert("folder".into(), Value::String(folder));
-    }
-    if let Some(file) = launch.patch_file {
-        let patch = std::fs::read_to_string(&file)
-            .with_context(|| format!("cannot read patch file {}", file.display()))?;
-        body.insert("patch".into(), Value::String(patch));
-    }
-    if launch.force {
-        body.insert("force".into(), Value::Bool(true));
-    }
+    let patch = launch
+        .patch_file
+        .map(|file| {
+            std::fs::read_to_string(&file)
+                .with_context(|| format!("cannot read patch file {}", file.display()))
+        })
+        .transpose()?;
+    let body = serde_json::to_value(LaunchRequest {
+        folder: launch.folder,
+        patch,
+        force: launch.force,
+    })?;
     let query: &[(&str, &str)] = if launch.no_wait {
         &[("wait", "false")]
     } else {
         &[]
     };
     let (api, out) = Api::with_output(client)?;
-    let request = api.call(&op::LAUNCH, &user, query, Some(Value::Object(body)));
+    let request = api.call(&op::LAUNCH, &user, query, Some(body));
     let label = format!("starting {}", user.as_str());
     let show = !launch.no_wait && progress::wanted();
     let answer = progress::while_waiting(show, &label, request, stages(&api, &user)).await?;
-    out.show(&answer, |a, p| render::launched(a, "started", p));
+    out.show(&answer, |a: &LaunchAnswer, p| {
+        render::launched(a, "started", p)
+    });
     Ok(())
+}
+
+/// What `berth stop --json` prints: the API answers a stop with no body,
+/// and README documents this in its place.
+#[derive(Debug, Serialize)]
+struct Stopped<'a> {
+    user: &'a UserId,
+    stopped: bool,
 }
 
 /// `berth stop USER`.
@@ -175,8 +184,13 @@ async fn stop(user: &str, client: &ClientArgs) -> anyhow::Result<()> {
     let user = parse_user(user)?;
     let (api, out) = Api::with_output(client)?;
     api.call(&op::STOP, &user, &[], None).await?;
-    let answer = serde_json::json!({ "user": user.as_str(), "stopped": true });
-    out.show(&answer, |_, _| Some(format!("stopped {}\n", user.as_str())));
+    let answer = serde_json::to_value(Stopped {
+        user: &user,
+        stopped: true,
+    })?;
+    out.show_read(&answer, &user, |user, _| {
+        format!("stopped {}\n", user.as_str())
+    });
     Ok(())
 }
 
@@ -185,7 +199,9 @@ async fn restart(user: &str, client: &ClientArgs) -> anyhow::Result<()> {
     let user = parse_user(user)?;
     let (api, out) = Api::with_output(client)?;
     let answer = instance_action(&api, &user, &op::RESTART, "restarting").await?;
-    out.show(&answer, |a, p| render::launched(a, "restarted", p));
+    out.show(&answer, |a: &LaunchAnswer, p| {
+        render::launched(a, "restarted", p)
+    });
     Ok(())
 }
 
@@ -195,7 +211,7 @@ async fn probe(user: &str, client: &ClientArgs) -> anyhow::Result<ExitCode> {
     let (api, out) = Api::with_output(client)?;
     let answer = instance_action(&api, &user, &op::PROBE, "probing").await?;
     let report: ProbeReport = typed(&answer)?;
-    out.show(&answer, |a, p| Some(render::probe(user.as_str(), a, p)));
+    out.show_read(&answer, &report, |r, p| render::probe(user.as_str(), r, p));
     Ok(if report.ok {
         ExitCode::SUCCESS
     } else {
@@ -230,27 +246,18 @@ async fn list(status: Option<&str>, node: Option<&str>, client: &ClientArgs) -> 
     if let Some(node) = node {
         query.push(("node", node));
     }
-    table(
-        client,
-        &["instances"],
-        &query,
-        "instances",
-        render::INSTANCE_COLUMNS,
-    )
-    .await
+    table::<InstanceList>(client, &["instances"], &query).await
 }
 
-/// Shows the list under `key` of the answer to `GET path` as a table.
-async fn table(
+/// Shows the answer to `GET path`, a list `L`, as a table.
+async fn table<L: render::Listing + DeserializeOwned>(
     client: &ClientArgs,
     path: &[&str],
     query: &[(&str, &str)],
-    key: &str,
-    columns: &[render::Column],
 ) -> anyhow::Result<()> {
     let (api, out) = Api::with_output(client)?;
     let body = api.get(path, query).await?;
-    out.table(&body, key, columns);
+    out.table::<L>(&body);
     Ok(())
 }
 
@@ -259,7 +266,9 @@ async fn takeover(user: &str, client: &ClientArgs) -> anyhow::Result<()> {
     let user = parse_user(user)?;
     let (api, out) = Api::with_output(client)?;
     let answer = api.post(&["leases", user.as_str(), "takeover"]).await?;
-    out.show(&answer, |a, p| render::launched(a, "taken over", p));
+    out.show(&answer, |a: &LaunchAnswer, p| {
+        render::launched(a, "taken over", p)
+    });
     Ok(())
 }
 
@@ -275,7 +284,7 @@ async fn restart_all(client: &ClientArgs) -> anyhow::Result<ExitCode> {
     )
     .await?;
     let results: RestartAll = typed(&answer)?;
-    out.show(&answer, render::restart_all);
+    out.show_read(&answer, &results, render::restart_all);
     Ok(if results.any_failed() {
         ExitCode::FAILURE
     } else {
@@ -297,16 +306,16 @@ async fn token(user: &str, action: TokenAction, client: &ClientArgs) -> anyhow::
     match action {
         TokenAction::List => {
             let body = api.call(&op::LIST_TOKENS, &user, &[], None).await?;
-            out.table(&body, "tokens", render::TOKEN_COLUMNS);
+            out.table::<TokenList>(&body);
         }
         TokenAction::Revoke(id) => {
             let answer = api.revoke_token(&user, &id).await?;
             out.show(&answer, render::revoked);
         }
         TokenAction::Mint(ttl) => {
-            let (answer, _) = mint_link(&api, &user, ttl).await?;
-            out.show(&answer, |a, _| {
-                render::minted(a, berth_core::unix_millis_now())
+            let (answer, minted) = mint_link(&api, &user, ttl).await?;
+            out.show_read(&answer, &minted, |m, _| {
+                render::minted(m, berth_core::unix_millis_now())
             });
         }
     }
@@ -319,8 +328,8 @@ async fn open(user: &str, ttl: u64, no_browser: bool, client: &ClientArgs) -> an
     let user = parse_user(user)?;
     let (api, out) = Api::with_output(client)?;
     let (answer, minted) = mint_link(&api, &user, Some(ttl)).await?;
-    out.show(&answer, |a, _| {
-        render::opened(a, berth_core::unix_millis_now())
+    out.show_read(&answer, &minted, |m, _| {
+        render::opened(m, berth_core::unix_millis_now())
     });
     if !no_browser && !client.json {
         open_in_browser(&minted.url);
@@ -393,23 +402,42 @@ impl Output {
         }
     }
 
-    /// `answer` as JSON, or as `human` renders it (JSON when it cannot).
-    /// `human` gets the answer with its control characters made visible
-    /// ([`escape`]), so the only escape sequences printed are its colours.
-    fn show(self, answer: &Value, human: impl FnOnce(&Value, Palette) -> Option<String>) {
+    /// `answer` as JSON, or read as its type `T` and rendered by `human`.
+    fn show<T: DeserializeOwned>(self, answer: &Value, human: impl FnOnce(&T, Palette) -> String) {
+        print!("{}", self.render(answer, human));
+    }
+
+    /// What [`Self::show`] prints. An answer that does not read as `T` (a
+    /// newer or older server's) is shown as its JSON rather than not at
+    /// all.
+    fn render<T: DeserializeOwned>(
+        self,
+        answer: &Value,
+        human: impl FnOnce(&T, Palette) -> String,
+    ) -> String {
         if self.json {
-            return print_json(answer);
+            return json_text(answer);
         }
-        match human(&escape::value(answer), self.palette) {
-            Some(text) => print!("{text}"),
-            None => print_json(answer),
+        match T::deserialize(answer) {
+            Ok(read) => human(&read, self.palette),
+            Err(_) => json_text(answer),
+        }
+    }
+
+    /// `answer` as JSON, or `read` (what the caller read from it) as
+    /// `human` renders it.
+    fn show_read<T>(self, answer: &Value, read: &T, human: impl FnOnce(&T, Palette) -> String) {
+        if self.json {
+            print_json(answer);
+        } else {
+            print!("{}", human(read, self.palette));
         }
     }
 
     /// A list answer as a table (or JSON).
-    fn table(self, body: &Value, field: &str, columns: &[render::Column]) {
-        self.show(body, |body, p| {
-            render::table(body, field, columns, berth_core::unix_millis_now(), p)
+    fn table<L: render::Listing + DeserializeOwned>(self, body: &Value) {
+        self.show(body, |list: &L, p| {
+            render::table(list, berth_core::unix_millis_now(), p)
         });
     }
 }
@@ -508,13 +536,8 @@ async fn hibernation(user: &str, client: &ClientArgs, operation: &Operation) -> 
     let user = parse_user(user)?;
     let (api, out) = Api::with_output(client)?;
     let answer = api.call(operation, &user, &[], None).await?;
-    let changed: InstanceAnswer = typed(&answer)?;
-    out.show(&answer, |_, _| {
-        Some(format!(
-            "{} is {}\n",
-            user.as_str(),
-            changed.instance.status
-        ))
+    out.show(&answer, |changed: &InstanceAnswer, _| {
+        format!("{} is {}\n", user.as_str(), changed.instance.status)
     });
     Ok(())
 }
@@ -784,7 +807,12 @@ async fn logs(
 }
 
 fn print_json(value: &Value) {
-    println!("{}", escape::pretty_json(value));
+    print!("{}", json_text(value));
+}
+
+/// `value` as pretty JSON on its own line, safe to print.
+fn json_text(value: &Value) -> String {
+    format!("{}\n", escape::pretty_json(value))
 }
 
 #[cfg(test)]
@@ -815,6 +843,29 @@ mod tests {
             open.as_str(),
             "http://h:8000/prefix/u/alice/?berth_token=tok"
         );
+    }
+
+    #[test]
+    fn answers_are_read_for_people_and_passed_through_as_json() {
+        let people = Output {
+            json: false,
+            palette: Palette { colour: false },
+        };
+        let script = Output {
+            json: true,
+            ..people
+        };
+        let probe = |r: &ProbeReport, p| render::probe("carol", r, p);
+        // A field this client does not know rides along in --json.
+        let answer = serde_json::json!({"ok": true, "reason": "", "new": "\u{9b}"});
+        assert_eq!(people.render(&answer, probe), "probe carol: ok\n");
+        assert_eq!(script.render(&answer, probe), json_text(&answer));
+        assert!(json_text(&answer).contains("\"new\": \"\\u009b\""));
+        // One it cannot read is shown as it came (made safe), not refused.
+        let unreadable = serde_json::json!({"ok": "maybe", "reason": "\u{1b}[2J"});
+        let shown = people.render(&unreadable, probe);
+        assert_eq!(shown, json_text(&unreadable));
+        assert!(shown.contains("\\u001b[2J"), "{shown}");
     }
 
     #[test]

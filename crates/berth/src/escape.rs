@@ -43,40 +43,6 @@ pub fn text(text: &str) -> Cow<'_, str> {
     Cow::Owned(out)
 }
 
-/// `value` with every string in it (object keys too) passed through
-/// [`text`]: what the renderers get, so that their own colours are the
-/// only escape sequences in what they print.
-pub fn value(value: &Value) -> Cow<'_, Value> {
-    if !has_controls(value) {
-        return Cow::Borrowed(value);
-    }
-    Cow::Owned(defang(value))
-}
-
-fn has_controls(value: &Value) -> bool {
-    match value {
-        Value::String(s) => s.chars().any(escaped),
-        Value::Array(items) => items.iter().any(has_controls),
-        Value::Object(map) => map
-            .iter()
-            .any(|(k, v)| k.chars().any(escaped) || has_controls(v)),
-        Value::Null | Value::Bool(_) | Value::Number(_) => false,
-    }
-}
-
-fn defang(value: &Value) -> Value {
-    match value {
-        Value::String(s) => Value::String(text(s).into_owned()),
-        Value::Array(items) => Value::Array(items.iter().map(defang).collect()),
-        Value::Object(map) => Value::Object(
-            map.iter()
-                .map(|(k, v)| (text(k).into_owned(), defang(v)))
-                .collect(),
-        ),
-        other => other.clone(),
-    }
-}
-
 /// Serialized JSON with the control characters serde_json leaves raw (DEL
 /// and C1; it escapes C0 itself) written as `\u00XX` escapes. Only string
 /// contents can hold them, where the escape means the same character.
@@ -129,13 +95,5 @@ mod tests {
         let back: Value = serde_json::from_str(&printed).unwrap();
         assert_eq!(back, v, "the same value");
         assert_eq!(compact_json(&json!("\u{9b}")), "\"\\u009b\"");
-    }
-
-    #[test]
-    fn values_are_defanged_everywhere() {
-        let v = json!({"user": "a", "main": {"last_error": "boom\u{1b}]52;c;eA==\u{7}"}});
-        let clean = value(&v);
-        assert_eq!(clean["main"]["last_error"], "boom\\x1b]52;c;eA==\\x07");
-        assert!(matches!(value(&json!({"a": [1, "b"]})), Cow::Borrowed(_)));
     }
 }

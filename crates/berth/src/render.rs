@@ -2,15 +2,25 @@
 //! short summaries, coloured on a terminal. `--json` bypasses all of this
 //! and prints the API's answer as it is.
 //!
-//! Everything here is a pure function of the JSON answer, the time and
-//! whether to colour, so it is tested without a server or a terminal.
+//! Everything here is a pure function of the API's answer as its type in
+//! [`crate::wire`], the time and whether to colour, so it is tested
+//! without a server or a terminal. Every string the server sent passes
+//! through [`escape::text`] where it is printed, so the colours added here
+//! are the only escape sequences in what is shown.
 
 use std::ffi::OsStr;
 use std::fmt;
 use std::fmt::Write as _;
 
 use anstyle::{AnsiColor, Style};
-use serde_json::Value;
+use berth_core::{Instance, InstanceStatus, ProbeReport, UnixMillis};
+use berth_store::{LeaseRecord, NodeRecord, TokenRecord};
+
+use crate::escape;
+use crate::wire::{
+    InstanceList, LaunchAnswer, LeaseList, MintedToken, NodeList, NodeRestart, RestartAll, Revoked,
+    TokenList, UserStatus,
+};
 
 /// Whether to colour: only on a terminal, and never with `NO_COLOR` set
 /// to anything (no-color.org) or `TERM=dumb`.
@@ -65,98 +75,172 @@ pub fn status_style(word: &str) -> Style {
     }
 }
 
-/// A column: header, JSON field, how to show it.
-pub struct Column(pub &'static str, pub &'static str, pub Cell);
+/// A column of a table of `R`s: its header, how its cells are styled,
+/// and what a row shows in it.
+pub struct Column<R>(pub &'static str, pub Cell, pub fn(&R) -> Field<'_>);
 
-/// How a cell is shown.
+/// How a column's cells are styled.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Cell {
     Plain,
-    /// Unix milliseconds, shown relative to now.
-    Time,
     /// A status word, coloured by [`status_style`].
     Status,
-    /// A boolean that is bad news when true (an expired lease).
+    /// A flag that is bad news when true (an expired lease).
     Alarm,
 }
 
-pub const INSTANCE_COLUMNS: &[Column] = &[
-    Column("USER", "user", Cell::Plain),
-    Column("ROLE", "role", Cell::Plain),
-    Column("STATUS", "status", Cell::Status),
-    Column("READY", "ready", Cell::Plain),
-    Column("NODE", "node", Cell::Plain),
-    Column("PORT", "port", Cell::Plain),
-    Column("PID", "pid", Cell::Plain),
-    Column("EPOCH", "epoch", Cell::Plain),
-    Column("RESTARTS", "restarts", Cell::Plain),
-    Column("STARTED", "started_at", Cell::Time),
-    Column("ACTIVE", "last_active", Cell::Time),
-];
+/// What a cell shows.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Field<'a> {
+    /// Nothing (the answer's `null`): `-`.
+    Absent,
+    /// Text as the server sent it, shown with its control characters made
+    /// visible.
+    Text(&'a str),
+    /// A number, a flag or one of berth's own names.
+    Word(String),
+    /// Unix milliseconds, shown relative to now.
+    Time(UnixMillis),
+}
 
-pub const NODE_COLUMNS: &[Column] = &[
-    Column("ID", "id", Cell::Plain),
-    Column("STATUS", "status", Cell::Status),
-    Column("LOAD", "load", Cell::Plain),
-    Column("CAPACITY", "capacity", Cell::Plain),
-    Column("URL", "advertise_url", Cell::Plain),
-    Column("HEARTBEAT", "heartbeat", Cell::Time),
-];
-
-pub const TOKEN_COLUMNS: &[Column] = &[
-    Column("ID", "id", Cell::Plain),
-    Column("CREATED", "created_at", Cell::Time),
-    Column("EXPIRES", "expires_at", Cell::Time),
-    Column("LAST USED", "last_used_at", Cell::Time),
-    Column("MINTED WITH", "parent", Cell::Plain),
-];
-
-pub const LEASE_COLUMNS: &[Column] = &[
-    Column("USER", "user", Cell::Plain),
-    Column("HOLDER", "holder", Cell::Plain),
-    Column("EPOCH", "epoch", Cell::Plain),
-    Column("UNTIL", "lease_until", Cell::Time),
-    Column("RELEASED", "released", Cell::Plain),
-    Column("EXPIRED", "expired", Cell::Alarm),
-];
-
-pub const RESTART_COLUMNS: &[Column] = &[
-    Column("USER", "user", Cell::Plain),
-    Column("NODE", "node", Cell::Plain),
-    Column("RESULT", "result", Cell::Status),
-    Column("ERROR", "error", Cell::Plain),
-];
-
-/// `body[field]` (or `body` itself when it is an array) as a table; `None`
-/// when the answer is not such a list (then it is shown as JSON, so an
-/// unexpected answer is never hidden).
-pub fn table(
-    body: &Value,
-    field: &str,
-    columns: &[Column],
-    now: i64,
-    palette: Palette,
-) -> Option<String> {
-    let rows = match body {
-        Value::Array(rows) => rows,
-        Value::Object(map) => map.get(field)?.as_array()?,
-        _ => return None,
-    };
-    if rows.is_empty() {
-        return Some(format!("no {field}\n"));
+impl Field<'_> {
+    fn word(value: impl fmt::Display) -> Self {
+        Field::Word(value.to_string())
     }
-    Some(render_table(rows, columns, now, palette))
+}
+
+/// `value` as its field, or `-` without one.
+fn optional<'a, T>(value: Option<T>, field: impl FnOnce(T) -> Field<'a>) -> Field<'a> {
+    value.map_or(Field::Absent, field)
+}
+
+pub const INSTANCE_COLUMNS: &[Column<Instance>] = &[
+    Column("USER", Cell::Plain, |i| Field::Text(i.user.as_str())),
+    Column("ROLE", Cell::Plain, |i| Field::word(i.role)),
+    Column("STATUS", Cell::Status, |i| Field::word(i.status)),
+    Column("READY", Cell::Plain, |i| Field::word(i.ready)),
+    Column("NODE", Cell::Plain, |i| Field::Text(&i.node)),
+    Column("PORT", Cell::Plain, |i| optional(i.port, Field::word)),
+    Column("PID", Cell::Plain, |i| optional(i.pid, Field::word)),
+    Column("EPOCH", Cell::Plain, |i| Field::word(i.epoch)),
+    Column("RESTARTS", Cell::Plain, |i| Field::word(i.restarts)),
+    Column("STARTED", Cell::Plain, |i| Field::Time(i.started_at)),
+    Column("ACTIVE", Cell::Plain, |i| Field::Time(i.last_active)),
+];
+
+pub const NODE_COLUMNS: &[Column<NodeRecord>] = &[
+    Column("ID", Cell::Plain, |n| Field::Text(&n.id)),
+    Column("STATUS", Cell::Status, |n| Field::word(n.status)),
+    Column("LOAD", Cell::Plain, |n| Field::word(n.load)),
+    Column("CAPACITY", Cell::Plain, |n| Field::word(n.capacity)),
+    Column("URL", Cell::Plain, |n| Field::Text(&n.advertise_url)),
+    Column("HEARTBEAT", Cell::Plain, |n| Field::Time(n.heartbeat)),
+];
+
+pub const TOKEN_COLUMNS: &[Column<TokenRecord>] = &[
+    Column("ID", Cell::Plain, |t| Field::Text(&t.id)),
+    Column("CREATED", Cell::Plain, |t| Field::Time(t.created_at)),
+    Column("EXPIRES", Cell::Plain, |t| Field::Time(t.expires_at)),
+    Column("LAST USED", Cell::Plain, |t| {
+        optional(t.last_used_at, Field::Time)
+    }),
+    Column("MINTED WITH", Cell::Plain, |t| {
+        optional(t.parent.as_deref(), Field::Text)
+    }),
+];
+
+pub const LEASE_COLUMNS: &[Column<LeaseRecord>] = &[
+    Column("USER", Cell::Plain, |l| Field::Text(l.user.as_str())),
+    Column("HOLDER", Cell::Plain, |l| {
+        optional(l.holder.as_deref(), Field::Text)
+    }),
+    Column("EPOCH", Cell::Plain, |l| Field::word(l.epoch)),
+    Column("UNTIL", Cell::Plain, |l| {
+        optional(l.lease_until, Field::Time)
+    }),
+    Column("RELEASED", Cell::Plain, |l| Field::word(l.released)),
+    Column("EXPIRED", Cell::Alarm, |l| Field::word(l.expired)),
+];
+
+pub const RESTART_COLUMNS: &[Column<NodeRestart>] = &[
+    Column("USER", Cell::Plain, |r| Field::Text(r.user.as_str())),
+    Column("NODE", Cell::Plain, |r| Field::Text(&r.node)),
+    Column("RESULT", Cell::Status, |r| {
+        Field::word(if r.ok { "ok" } else { "failed" })
+    }),
+    Column("ERROR", Cell::Plain, |r| {
+        optional(r.error.as_deref(), Field::Text)
+    }),
+];
+
+/// A list answer the client shows as a table.
+pub trait Listing {
+    type Row: 'static;
+    /// What the rows are, as in `no instances`.
+    const WHAT: &'static str;
+    const COLUMNS: &'static [Column<Self::Row>];
+    fn rows(&self) -> &[Self::Row];
+}
+
+impl Listing for InstanceList {
+    type Row = Instance;
+    const WHAT: &'static str = "instances";
+    const COLUMNS: &'static [Column<Instance>] = INSTANCE_COLUMNS;
+    fn rows(&self) -> &[Instance] {
+        &self.instances
+    }
+}
+
+impl Listing for NodeList {
+    type Row = NodeRecord;
+    const WHAT: &'static str = "nodes";
+    const COLUMNS: &'static [Column<NodeRecord>] = NODE_COLUMNS;
+    fn rows(&self) -> &[NodeRecord] {
+        &self.nodes
+    }
+}
+
+impl Listing for LeaseList {
+    type Row = LeaseRecord;
+    const WHAT: &'static str = "leases";
+    const COLUMNS: &'static [Column<LeaseRecord>] = LEASE_COLUMNS;
+    fn rows(&self) -> &[LeaseRecord] {
+        &self.leases
+    }
+}
+
+impl Listing for TokenList {
+    type Row = TokenRecord;
+    const WHAT: &'static str = "tokens";
+    const COLUMNS: &'static [Column<TokenRecord>] = TOKEN_COLUMNS;
+    fn rows(&self) -> &[TokenRecord] {
+        &self.tokens
+    }
+}
+
+/// A list answer as a table, or `no <what>` when it is empty.
+pub fn table<L: Listing>(list: &L, now: UnixMillis, palette: Palette) -> String {
+    let rows = list.rows();
+    if rows.is_empty() {
+        return format!("no {}\n", L::WHAT);
+    }
+    render_table(rows, L::COLUMNS, now, palette)
 }
 
 /// Rows under a header, each column as wide as its widest cell.
-pub fn render_table(rows: &[Value], columns: &[Column], now: i64, palette: Palette) -> String {
+pub fn render_table<R>(
+    rows: &[R],
+    columns: &[Column<R>],
+    now: UnixMillis,
+    palette: Palette,
+) -> String {
     let mut cells: Vec<Vec<(String, Style)>> =
         vec![columns.iter().map(|c| (c.0.to_owned(), HEADER)).collect()];
     for row in rows {
         cells.push(
             columns
                 .iter()
-                .map(|Column(_, field, kind)| render_cell(row.get(*field), *kind, now))
+                .map(|Column(_, kind, field)| render_cell(field(row), *kind, now))
                 .collect(),
         );
     }
@@ -190,15 +274,12 @@ pub fn render_table(rows: &[Value], columns: &[Column], now: i64, palette: Palet
     out
 }
 
-fn render_cell(value: Option<&Value>, kind: Cell, now: i64) -> (String, Style) {
-    let text = match (value, kind) {
-        (None | Some(Value::Null), _) => "-".to_owned(),
-        (Some(Value::Number(n)), Cell::Time) => match n.as_i64() {
-            Some(ms) => Relative(ms - now).to_string(),
-            None => n.to_string(),
-        },
-        (Some(Value::String(s)), _) => s.clone(),
-        (Some(other), _) => other.to_string(),
+fn render_cell(field: Field<'_>, kind: Cell, now: UnixMillis) -> (String, Style) {
+    let text = match field {
+        Field::Absent => "-".to_owned(),
+        Field::Text(text) => escape::text(text).into_owned(),
+        Field::Word(word) => word,
+        Field::Time(ms) => relative(ms, now),
     };
     let style = match kind {
         Cell::Status => status_style(&text),
@@ -228,118 +309,105 @@ impl fmt::Display for Relative {
     }
 }
 
-fn text_of(value: Option<&Value>) -> String {
-    match value {
-        None | Some(Value::Null) => "-".to_owned(),
-        Some(Value::String(s)) => s.clone(),
-        Some(other) => other.to_string(),
-    }
+/// `at` relative to `now`. Saturating: the time came from the server.
+fn relative(at: UnixMillis, now: UnixMillis) -> String {
+    Relative(at.saturating_sub(now)).to_string()
 }
 
-fn time_of(value: Option<&Value>, now: i64) -> String {
-    match value.and_then(Value::as_i64) {
-        Some(ms) => Relative(ms - now).to_string(),
-        None => "-".to_owned(),
-    }
+/// `value`, or `-` without one.
+fn or_dash(value: Option<impl fmt::Display>) -> String {
+    value.map_or_else(|| "-".to_owned(), |v| v.to_string())
 }
 
 /// `running (ready)`, `starting`, … of an instance record, coloured.
-fn status_phrase(instance: &Value, palette: Palette) -> String {
-    let status = text_of(instance.get("status"));
-    let mut text = palette.paint(status_style(&status), &status);
-    if status == "running" && instance.get("ready") == Some(&Value::Bool(false)) {
+fn status_phrase(instance: &Instance, palette: Palette) -> String {
+    let status = instance.status.as_str();
+    let mut text = palette.paint(status_style(status), status);
+    if instance.status == InstanceStatus::Running && !instance.ready {
         text.push_str(" (not ready)");
     }
     text
 }
 
-/// One line for a launched or restarted instance (`{instance, url}`): who,
-/// what state, where; then the link that opens it.
-pub fn launched(answer: &Value, verb: &str, palette: Palette) -> Option<String> {
-    let instance = answer.get("instance")?;
-    let user = instance.get("user")?.as_str()?;
+/// One line for a launched or restarted instance: who, what state, where;
+/// then the link that opens it.
+pub fn launched(answer: &LaunchAnswer, verb: &str, palette: Palette) -> String {
+    let instance = &answer.instance;
+    let user = escape::text(instance.user.as_str());
+    let url = escape::text(&answer.url);
     let mut out = format!(
         "{user} {verb}: {} on {} (port {}, pid {}, epoch {})\n",
         status_phrase(instance, palette),
-        text_of(instance.get("node")),
-        text_of(instance.get("port")),
-        text_of(instance.get("pid")),
-        text_of(instance.get("epoch")),
+        escape::text(&instance.node),
+        or_dash(instance.port),
+        or_dash(instance.pid),
+        instance.epoch,
     );
-    if let Some(url) = answer.get("url").and_then(Value::as_str) {
-        if answer.get("sign_in") == Some(&Value::Bool(true)) {
-            let _ = writeln!(out, "open: {url}");
-        } else {
-            // Without a sign-in page a browser needs a link that carries a
-            // token; the app's bare address would answer 401.
-            let _ = writeln!(
-                out,
-                "open: run `berth open {user}` for a link that signs a browser in (the app is at {url})"
-            );
-        }
+    if answer.sign_in {
+        let _ = writeln!(out, "open: {url}");
+    } else {
+        // Without a sign-in page a browser needs a link that carries a
+        // token; the app's bare address would answer 401.
+        let _ = writeln!(
+            out,
+            "open: run `berth open {user}` for a link that signs a browser in (the app is at {url})"
+        );
     }
-    Some(out)
+    out
 }
 
 /// A short-lived link (`berth open`): where it leads and how long.
-pub fn opened(answer: &Value, now: i64) -> Option<String> {
-    let user = answer.get("user")?.as_str()?;
-    let url = answer.get("url")?.as_str()?;
-    Some(format!(
-        "link for {user}, good until {}:\nopen: {url}\n",
-        time_of(answer.get("expires_at"), now)
-    ))
+pub fn opened(minted: &MintedToken, now: UnixMillis) -> String {
+    format!(
+        "link for {}, good until {}:\nopen: {}\n",
+        escape::text(minted.user.as_str()),
+        relative(minted.expires_at, now),
+        escape::text(&minted.url),
+    )
 }
 
-/// A user's status (`{user, main, watchdog, breaker}`) as labelled lines.
-pub fn user_status(answer: &Value, now: i64, palette: Palette) -> Option<String> {
-    let user = answer.get("user")?.as_str()?;
-    let mut lines: Vec<(&str, String)> = vec![("user", user.to_owned())];
-    match answer.get("main").filter(|m| !m.is_null()) {
+/// A user's status as labelled lines.
+pub fn user_status(answer: &UserStatus, now: UnixMillis, palette: Palette) -> String {
+    let mut lines: Vec<(&str, String)> =
+        vec![("user", escape::text(answer.user.as_str()).into_owned())];
+    match &answer.main {
         Some(main) => {
             lines.push(("status", status_phrase(main, palette)));
-            for (label, field) in [
-                ("node", "node"),
-                ("epoch", "epoch"),
-                ("port", "port"),
-                ("pid", "pid"),
-                ("restarts", "restarts"),
-            ] {
-                lines.push((label, text_of(main.get(field))));
+            lines.push(("node", escape::text(&main.node).into_owned()));
+            lines.push(("epoch", main.epoch.to_string()));
+            lines.push(("port", or_dash(main.port)));
+            lines.push(("pid", or_dash(main.pid)));
+            lines.push(("restarts", main.restarts.to_string()));
+            lines.push(("started", relative(main.started_at, now)));
+            lines.push(("active", relative(main.last_active, now)));
+            let folder = if main.folder.is_empty() {
+                ".".to_owned()
+            } else {
+                escape::text(&main.folder).into_owned()
+            };
+            lines.push(("folder", folder));
+            if let Some(error) = &main.last_error {
+                lines.push(("last error", escape::text(error).into_owned()));
             }
-            lines.push(("started", time_of(main.get("started_at"), now)));
-            lines.push(("active", time_of(main.get("last_active"), now)));
-            let folder = text_of(main.get("folder"));
-            lines.push((
-                "folder",
-                if folder.is_empty() {
-                    ".".into()
-                } else {
-                    folder
-                },
-            ));
-            if let Some(error) = main.get("last_error").and_then(Value::as_str) {
-                lines.push(("last error", error.to_owned()));
-            }
-            if let Some(code) = main.get("exit_code").filter(|c| !c.is_null()) {
+            if let Some(code) = main.exit_code {
                 lines.push(("exit code", code.to_string()));
             }
         }
         None => lines.push(("status", palette.paint(DIM, "no instance"))),
     }
-    let breaker = match answer.get("breaker").filter(|b| !b.is_null()) {
+    let breaker = match &answer.breaker {
         Some(b) => palette.paint(
             BAD,
             &format!(
                 "open until {} ({} opens)",
-                time_of(b.get("cooldown_until"), now),
-                text_of(b.get("opens"))
+                relative(b.cooldown_until, now),
+                b.opens
             ),
         ),
         None => "closed".to_owned(),
     };
     lines.push(("breaker", breaker));
-    let watchdog = match answer.get("watchdog").filter(|w| !w.is_null()) {
+    let watchdog = match &answer.watchdog {
         Some(w) => status_phrase(w, palette),
         None => "none".to_owned(),
     };
@@ -349,105 +417,150 @@ pub fn user_status(answer: &Value, now: i64, palette: Palette) -> Option<String>
     for (label, value) in lines {
         let _ = writeln!(out, "{label:<width$}  {value}");
     }
-    Some(out)
+    out
 }
 
-/// A probe's report (`{ok, reason}`).
-pub fn probe(user: &str, answer: &Value, palette: Palette) -> String {
-    let ok = answer.get("ok") == Some(&Value::Bool(true));
-    let reason = answer
-        .get("reason")
-        .and_then(Value::as_str)
-        .filter(|r| !r.is_empty());
-    let verdict = if ok {
+/// A probe's report of `user`'s instance.
+pub fn probe(user: &str, report: &ProbeReport, palette: Palette) -> String {
+    let verdict = if report.ok {
         palette.paint(GOOD, "ok")
     } else {
         palette.paint(BAD, "failed")
     };
-    match reason {
-        Some(reason) => format!("probe {user}: {verdict}: {reason}\n"),
-        None => format!("probe {user}: {verdict}\n"),
+    if report.reason.is_empty() {
+        format!("probe {user}: {verdict}\n")
+    } else {
+        format!(
+            "probe {user}: {verdict}: {}\n",
+            escape::text(&report.reason)
+        )
     }
 }
 
 /// A restart-all's results as a table, with a summary line.
-pub fn restart_all(answer: &Value, palette: Palette) -> Option<String> {
-    let results = answer.get("results")?.as_array()?;
+pub fn restart_all(answer: &RestartAll, palette: Palette) -> String {
+    let results = &answer.results;
     if results.is_empty() {
-        return Some("no running instances to restart\n".to_owned());
+        return "no running instances to restart\n".to_owned();
     }
-    let rows: Vec<Value> = results
-        .iter()
-        .map(|r| {
-            let mut row = r.clone();
-            if let Value::Object(map) = &mut row {
-                let ok = map.get("ok") == Some(&Value::Bool(true));
-                map.insert(
-                    "result".into(),
-                    Value::from(if ok { "ok" } else { "failed" }),
-                );
-            }
-            row
-        })
-        .collect();
-    let failed = rows.iter().filter(|r| r["result"] == "failed").count();
-    let mut out = render_table(&rows, RESTART_COLUMNS, 0, palette);
+    let failed = results.iter().filter(|r| !r.ok).count();
+    let mut out = render_table(results, RESTART_COLUMNS, 0, palette);
     let _ = writeln!(
         out,
         "{} restarted, {} failed",
-        rows.len() - failed,
+        results.len() - failed,
         if failed > 0 {
             palette.paint(BAD, &failed.to_string())
         } else {
             "0".to_owned()
         }
     );
-    Some(out)
+    out
 }
 
-/// A minted token (`{token, id, expires_at, url}`).
-pub fn minted(answer: &Value, now: i64) -> Option<String> {
-    let user = answer.get("user")?.as_str()?;
-    let token = answer.get("token")?.as_str()?;
-    let mut out = format!(
-        "token {} for {user}, expires {}:\n{token}\n",
-        text_of(answer.get("id")),
-        time_of(answer.get("expires_at"), now)
-    );
-    if let Some(url) = answer.get("url").and_then(Value::as_str) {
-        let _ = writeln!(out, "open: {url}");
-    }
-    Some(out)
+/// A minted token: its id, whose, how long; the token; the link.
+pub fn minted(minted: &MintedToken, now: UnixMillis) -> String {
+    format!(
+        "token {} for {}, expires {}:\n{}\nopen: {}\n",
+        escape::text(&minted.id),
+        escape::text(minted.user.as_str()),
+        relative(minted.expires_at, now),
+        escape::text(&minted.token),
+        escape::text(&minted.url),
+    )
 }
 
-/// A revocation (`{revoked: [ids], unreached_nodes: [ids]}`).
-pub fn revoked(answer: &Value, palette: Palette) -> Option<String> {
-    let ids = answer.get("revoked")?.as_array()?;
-    let ids: Vec<String> = ids.iter().map(|v| text_of(Some(v))).collect();
+/// A revocation: the ids deleted, and the nodes that could not be told.
+pub fn revoked(answer: &Revoked, palette: Palette) -> String {
+    let ids: Vec<_> = answer.revoked.iter().map(|id| escape::text(id)).collect();
     let mut out = format!("revoked {}\n", ids.join(", "));
-    let unreached: Vec<String> = answer
-        .get("unreached_nodes")
-        .and_then(Value::as_array)
-        .map(|n| n.iter().map(|v| text_of(Some(v))).collect())
-        .unwrap_or_default();
-    if !unreached.is_empty() {
+    if !answer.unreached_nodes.is_empty() {
+        let nodes: Vec<_> = answer
+            .unreached_nodes
+            .iter()
+            .map(|node| escape::text(node))
+            .collect();
         let _ = writeln!(
             out,
             "{}: nodes {} could not be told; they drop it within [auth] token_cache_s",
             palette.paint(PENDING, "warning"),
-            unreached.join(", ")
+            nodes.join(", ")
         );
     }
-    Some(out)
+    out
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use serde_json::json;
+    use berth_core::{BreakerInfo, Role, UserId};
+    use berth_store::NodeStatus;
 
     const PLAIN: Palette = Palette { colour: false };
     const COLOUR: Palette = Palette { colour: true };
+
+    fn user(name: &str) -> UserId {
+        UserId::parse(name).unwrap()
+    }
+
+    fn carol() -> Instance {
+        Instance {
+            id: "carol-1".into(),
+            user: user("carol"),
+            role: Role::Main,
+            status: InstanceStatus::Running,
+            node: "n1".into(),
+            epoch: 3,
+            port: Some(20001),
+            pid: Some(42),
+            runtime_ref: None,
+            folder: String::new(),
+            started_at: 0,
+            ready: true,
+            restarts: 0,
+            last_error: None,
+            exit_code: None,
+            last_active: 0,
+            hibernated_at: None,
+        }
+    }
+
+    fn node(id: &str, status: NodeStatus, load: u32, heartbeat: UnixMillis) -> NodeRecord {
+        NodeRecord {
+            id: id.into(),
+            advertise_url: format!("http://{id}"),
+            internal_url: String::new(),
+            capacity: 10,
+            load,
+            status,
+            heartbeat,
+        }
+    }
+
+    fn lease(name: &str, holder: Option<&str>, expired: bool) -> LeaseRecord {
+        LeaseRecord {
+            user: user(name),
+            holder: holder.map(str::to_owned),
+            epoch: 1,
+            lease_until: None,
+            released: false,
+            expired,
+            holder_alive: None,
+        }
+    }
+
+    fn minted_token(url: &str) -> MintedToken {
+        MintedToken {
+            user: user("carol"),
+            token: "secret".into(),
+            id: "t1".into(),
+            created_at: 0,
+            expires_at: 120_000,
+            parent: None,
+            url: url.into(),
+            routing: crate::wire::Routing::Path,
+        }
+    }
 
     #[test]
     fn colour_only_on_a_terminal_without_no_color() {
@@ -463,25 +576,54 @@ mod tests {
 
     #[test]
     fn tables_align_and_show_missing_as_dash() {
-        let rows = vec![
-            json!({"id": "node-a", "status": "up", "load": 3, "capacity": 10, "heartbeat": 9000}),
-            json!({"id": "b", "status": "draining", "heartbeat": null}),
-        ];
-        let out = render_table(&rows, NODE_COLUMNS, 10_000, PLAIN);
+        let nodes = NodeList {
+            nodes: vec![
+                node("node-a", NodeStatus::Up, 3, 9000),
+                node("b", NodeStatus::Draining, 0, 130_000),
+            ],
+        };
+        let out = table(&nodes, 10_000, PLAIN);
         let lines: Vec<&str> = out.lines().collect();
-        assert_eq!(lines[0], "ID      STATUS    LOAD  CAPACITY  URL  HEARTBEAT");
-        assert_eq!(lines[1], "node-a  up        3     10        -    1s ago");
-        assert_eq!(lines[2], "b       draining  -     -         -    -");
+        assert_eq!(
+            lines[0],
+            "ID      STATUS    LOAD  CAPACITY  URL            HEARTBEAT"
+        );
+        assert_eq!(
+            lines[1],
+            "node-a  up        3     10        http://node-a  1s ago"
+        );
+        assert_eq!(
+            lines[2],
+            "b       draining  0     10        http://b       in 2m"
+        );
         assert!(!out.contains('\x1b'));
+        let tokens = TokenList {
+            user: user("carol"),
+            tokens: vec![TokenRecord {
+                id: "t1".into(),
+                user: user("carol"),
+                created_at: 0,
+                expires_at: 60_000,
+                last_used_at: None,
+                parent: None,
+            }],
+        };
+        assert_eq!(
+            table(&tokens, 0, PLAIN),
+            "ID  CREATED  EXPIRES  LAST USED  MINTED WITH\n\
+             t1  in 0s    in 1m    -          -\n"
+        );
     }
 
     #[test]
     fn coloured_tables_stay_aligned() {
-        let rows = vec![
-            json!({"user": "alice", "holder": "a", "epoch": 1, "released": false, "expired": true}),
-            json!({"user": "bob", "holder": "bb", "epoch": 2, "released": false, "expired": false}),
-        ];
-        let out = render_table(&rows, LEASE_COLUMNS, 0, COLOUR);
+        let leases = LeaseList {
+            leases: vec![
+                lease("alice", Some("a"), true),
+                lease("bob", Some("bb"), false),
+            ],
+        };
+        let out = table(&leases, 0, COLOUR);
         assert!(out.contains('\x1b'), "{out:?}");
         // Without the escapes, the same table as uncoloured.
         let stripped: String = {
@@ -500,7 +642,7 @@ mod tests {
             }
             s
         };
-        assert_eq!(stripped, render_table(&rows, LEASE_COLUMNS, 0, PLAIN));
+        assert_eq!(stripped, table(&leases, 0, PLAIN));
         // The expired lease's flag is red.
         let red = BAD.render().to_string();
         assert!(out.lines().nth(1).unwrap().contains(&red), "{out:?}");
@@ -508,68 +650,272 @@ mod tests {
     }
 
     #[test]
-    fn non_lists_are_not_tables() {
+    fn empty_lists_say_so() {
+        assert_eq!(table(&NodeList { nodes: vec![] }, 0, PLAIN), "no nodes\n");
         assert_eq!(
-            table(&json!({"x": 1}), "nodes", NODE_COLUMNS, 0, PLAIN),
-            None
-        );
-        assert_eq!(
-            table(&json!({"nodes": []}), "nodes", NODE_COLUMNS, 0, PLAIN).as_deref(),
-            Some("no nodes\n")
+            table(&InstanceList { instances: vec![] }, 0, PLAIN),
+            "no instances\n"
         );
     }
 
     #[test]
     fn summaries_read_well() {
-        let answer = json!({
-            "instance": {"user": "carol", "status": "running", "ready": true, "node": "n1",
-                         "port": 20001, "pid": 42, "epoch": 3},
-            "url": "http://127.0.0.1:8000/u/carol/",
-            "sign_in": true
-        });
+        let answer = LaunchAnswer {
+            instance: carol(),
+            url: "http://127.0.0.1:8000/u/carol/".into(),
+            sign_in: true,
+        };
         assert_eq!(
-            launched(&answer, "started", PLAIN).unwrap(),
+            launched(&answer, "started", PLAIN),
             "carol started: running on n1 (port 20001, pid 42, epoch 3)\n\
              open: http://127.0.0.1:8000/u/carol/\n"
         );
-        let mut no_sign_in = answer.clone();
-        no_sign_in["sign_in"] = json!(false);
+        let no_sign_in = LaunchAnswer {
+            sign_in: false,
+            ..answer.clone()
+        };
         assert!(
             launched(&no_sign_in, "started", PLAIN)
-                .unwrap()
                 .ends_with("open: run `berth open carol` for a link that signs a browser in (the app is at http://127.0.0.1:8000/u/carol/)\n")
         );
+        let report = |ok, reason: &str| ProbeReport {
+            ok,
+            reason: reason.into(),
+        };
         assert_eq!(
-            probe("carol", &json!({"ok": false, "reason": "exited"}), PLAIN),
+            probe("carol", &report(false, "exited"), PLAIN),
             "probe carol: failed: exited\n"
         );
         assert_eq!(
-            probe("carol", &json!({"ok": true, "reason": ""}), PLAIN),
+            probe("carol", &report(true, ""), PLAIN),
             "probe carol: ok\n"
         );
         let status = user_status(
-            &json!({"user": "carol", "main": answer["instance"], "watchdog": null,
-                    "breaker": {"opens": 2, "opened_at": 0, "cooldown_until": 60_000}}),
+            &UserStatus {
+                user: user("carol"),
+                main: Some(carol()),
+                watchdog: None,
+                breaker: Some(BreakerInfo {
+                    opens: 2,
+                    opened_at: 0,
+                    cooldown_until: 60_000,
+                }),
+                idle_action: None,
+            },
             0,
             PLAIN,
-        )
-        .unwrap();
-        assert!(
-            status.starts_with("user      carol\nstatus    running\n"),
-            "{status}"
         );
-        assert!(
-            status.contains("breaker   open until in 1m (2 opens)\n"),
-            "{status}"
+        assert_eq!(
+            status,
+            "user      carol\n\
+             status    running\n\
+             node      n1\n\
+             epoch     3\n\
+             port      20001\n\
+             pid       42\n\
+             restarts  0\n\
+             started   in 0s\n\
+             active    in 0s\n\
+             folder    .\n\
+             breaker   open until in 1m (2 opens)\n\
+             watchdog  none\n"
         );
-        assert!(status.ends_with("watchdog  none\n"), "{status}");
         let all = restart_all(
-            &json!({"results": [{"user": "a", "node": "n", "ok": true},
-                                {"user": "b", "node": "n", "ok": false, "error": "boom"}]}),
+            &RestartAll {
+                results: vec![
+                    NodeRestart {
+                        user: user("a"),
+                        node: "n".into(),
+                        ok: true,
+                        error: None,
+                    },
+                    NodeRestart {
+                        user: user("b"),
+                        node: "n".into(),
+                        ok: false,
+                        error: Some("boom".into()),
+                    },
+                ],
+            },
             PLAIN,
-        )
-        .unwrap();
-        assert!(all.contains("b     n     failed  boom"), "{all}");
-        assert!(all.ends_with("1 restarted, 1 failed\n"), "{all}");
+        );
+        assert_eq!(
+            all,
+            "USER  NODE  RESULT  ERROR\n\
+             a     n     ok      -\n\
+             b     n     failed  boom\n\
+             1 restarted, 1 failed\n"
+        );
+        let link = minted_token("http://h/u/carol/?berth_token=secret");
+        assert_eq!(
+            minted(&link, 0),
+            "token t1 for carol, expires in 2m:\nsecret\n\
+             open: http://h/u/carol/?berth_token=secret\n"
+        );
+        assert_eq!(
+            opened(&link, 0),
+            "link for carol, good until in 2m:\n\
+             open: http://h/u/carol/?berth_token=secret\n"
+        );
+        let gone = Revoked {
+            user: user("carol"),
+            revoked: vec!["t1".into(), "t2".into()],
+            unreached_nodes: vec!["n2".into()],
+        };
+        assert_eq!(
+            revoked(&gone, PLAIN),
+            "revoked t1, t2\n\
+             warning: nodes n2 could not be told; they drop it within [auth] token_cache_s\n"
+        );
+    }
+
+    /// What a server or a program may send: an OSC 52 clipboard write and
+    /// a one-byte CSI.
+    const HOSTILE: &str = "x\u{1b}]52;c;aGk=\u{7}\u{9b}2J";
+    const SHOWN: &str = "x\\x1b]52;c;aGk=\\x07\\u{9b}2J";
+
+    /// `out` shows `HOSTILE` as text, and holds no control character but
+    /// newline (and the colours, when asked for).
+    fn shows_it_as_text(out: &str, what: &str) {
+        assert!(out.contains(SHOWN), "{what}: {out:?}");
+        assert!(
+            !out.chars().any(|c| c.is_control() && c != '\n'),
+            "{what}: {out:?}"
+        );
+    }
+
+    #[test]
+    fn every_string_from_the_server_is_shown_as_text() {
+        let hostile = Instance {
+            node: HOSTILE.into(),
+            folder: HOSTILE.into(),
+            last_error: Some(HOSTILE.into()),
+            ..carol()
+        };
+        let status = user_status(
+            &UserStatus {
+                user: user("carol"),
+                main: Some(hostile.clone()),
+                watchdog: None,
+                breaker: None,
+                idle_action: None,
+            },
+            0,
+            PLAIN,
+        );
+        shows_it_as_text(&status, "status");
+        assert!(
+            status.contains(&format!("node        {SHOWN}\n")),
+            "{status}"
+        );
+        assert!(
+            status.contains(&format!("folder      {SHOWN}\n")),
+            "{status}"
+        );
+        assert!(
+            status.contains(&format!("last error  {SHOWN}\n")),
+            "{status}"
+        );
+
+        for sign_in in [true, false] {
+            let answer = LaunchAnswer {
+                instance: hostile.clone(),
+                url: HOSTILE.into(),
+                sign_in,
+            };
+            let out = launched(&answer, "started", PLAIN);
+            shows_it_as_text(&out, "launched");
+            assert_eq!(out.matches(SHOWN).count(), 2, "node and url: {out}");
+        }
+
+        let link = minted_token(HOSTILE);
+        shows_it_as_text(&opened(&link, 0), "opened");
+        let mint = minted(
+            &MintedToken {
+                id: HOSTILE.into(),
+                token: HOSTILE.into(),
+                ..link
+            },
+            0,
+        );
+        shows_it_as_text(&mint, "minted");
+        assert_eq!(mint.matches(SHOWN).count(), 3, "id, token, url: {mint}");
+
+        let gone = revoked(
+            &Revoked {
+                user: user("carol"),
+                revoked: vec![HOSTILE.into()],
+                unreached_nodes: vec![HOSTILE.into()],
+            },
+            PLAIN,
+        );
+        shows_it_as_text(&gone, "revoked");
+        assert_eq!(gone.matches(SHOWN).count(), 2, "{gone}");
+
+        let report = ProbeReport {
+            ok: false,
+            reason: HOSTILE.into(),
+        };
+        shows_it_as_text(&probe("carol", &report, PLAIN), "probe");
+
+        let all = restart_all(
+            &RestartAll {
+                results: vec![NodeRestart {
+                    user: user("carol"),
+                    node: HOSTILE.into(),
+                    ok: false,
+                    error: Some(HOSTILE.into()),
+                }],
+            },
+            PLAIN,
+        );
+        shows_it_as_text(&all, "restart-all");
+        assert_eq!(all.matches(SHOWN).count(), 2, "{all}");
+
+        let instances = table(
+            &InstanceList {
+                instances: vec![hostile],
+            },
+            0,
+            PLAIN,
+        );
+        shows_it_as_text(&instances, "instances");
+        let mut hostile_node = node("n1", NodeStatus::Up, 0, 0);
+        hostile_node.id = HOSTILE.into();
+        hostile_node.advertise_url = HOSTILE.into();
+        let nodes = table(
+            &NodeList {
+                nodes: vec![hostile_node],
+            },
+            0,
+            PLAIN,
+        );
+        shows_it_as_text(&nodes, "nodes");
+        assert_eq!(nodes.matches(SHOWN).count(), 2, "{nodes}");
+        let leases = table(
+            &LeaseList {
+                leases: vec![lease("carol", Some(HOSTILE), false)],
+            },
+            0,
+            PLAIN,
+        );
+        shows_it_as_text(&leases, "leases");
+        let tokens = table(
+            &TokenList {
+                user: user("carol"),
+                tokens: vec![TokenRecord {
+                    id: HOSTILE.into(),
+                    user: user("carol"),
+                    created_at: 0,
+                    expires_at: 0,
+                    last_used_at: None,
+                    parent: Some(HOSTILE.into()),
+                }],
+            },
+            0,
+            PLAIN,
+        );
+        shows_it_as_text(&tokens, "tokens");
+        assert_eq!(tokens.matches(SHOWN).count(), 2, "{tokens}");
     }
 }

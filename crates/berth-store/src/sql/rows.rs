@@ -203,11 +203,7 @@ pub(crate) fn lease_from_row<R: RecordRow>(row: &R) -> Result<LeaseRecord, Store
 
 /// How a node's status is stored.
 pub(crate) fn node_status_str(status: NodeStatus) -> &'static str {
-    match status {
-        NodeStatus::Up => "up",
-        NodeStatus::Draining => "draining",
-        NodeStatus::Down => "down",
-    }
+    status.as_str()
 }
 
 /// A node record from a row of the `nodes` table.

@@ -517,9 +517,13 @@ async fn berth_status_shows_a_servers_escape_sequences_as_text() {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
+    // A whole record: the CLI shows for people only an answer it reads.
     let status = json!({
         "user": "alice",
-        "main": {"status": "crashed", "last_error": ESCAPES, "folder": ESCAPES},
+        "main": {"id": "alice-1", "user": "alice", "role": "main", "status": "crashed",
+                 "node": ESCAPES, "epoch": 1, "port": null, "pid": null, "folder": ESCAPES,
+                 "started_at": 0, "ready": false, "restarts": 1, "last_error": ESCAPES,
+                 "exit_code": 1, "last_active": 0},
         "breaker": null,
         "watchdog": null,
     });
@@ -549,10 +553,12 @@ async fn berth_status_shows_a_servers_escape_sequences_as_text() {
     let (shown, error) = tokio::task::spawn_blocking(move || (run(), run()))
         .await
         .unwrap();
-    assert!(
-        shown.0.contains(&format!("last error  {SHOWN}")),
-        "{shown:?}"
-    );
+    for line in ["node", "folder", "last error"] {
+        assert!(
+            shown.0.contains(&format!("{line:<10}  {SHOWN}\n")),
+            "{shown:?}"
+        );
+    }
     assert!(error.1.contains(SHOWN), "{error:?}");
     server.await.unwrap();
 }
