@@ -22,7 +22,7 @@ use crate::escape;
 use crate::progress;
 use crate::render::{self, Palette};
 use crate::sse::STAGE_EVENT;
-use crate::wire::operation::{self as op, Operation};
+use crate::wire::operation::{self as op, Operation, Public};
 use crate::wire::{
     InstanceAnswer, InstanceList, LaunchAnswer, LeaseList, LogLines, MintRequest, MintedToken,
     NodeList, RestartAll, Routing, StageReport, TokenList, UserStatus,
@@ -221,10 +221,10 @@ async fn probe(user: &str, client: &ClientArgs) -> anyhow::Result<ExitCode> {
 
 /// Calls `operation` on `user` and waits for the answer, showing the
 /// instance's stages on a terminal as `<doing> <user>`.
-async fn instance_action(
+async fn instance_action<I>(
     api: &Api,
     user: &UserId,
-    operation: &Operation,
+    operation: &Operation<Public, I>,
     doing: &str,
 ) -> anyhow::Result<Value> {
     let label = format!("{doing} {}", user.as_str());
@@ -447,7 +447,7 @@ impl Output {
 /// (`?next=true`), so one opened before the launch begins waits for it;
 /// it is opened again when it ends early (a restart's stop ends it).
 fn stages<'a>(api: &'a Api, user: &'a UserId) -> impl Stream<Item = String> + 'a {
-    let path = user_path(user, &op::PROGRESS.public_segments());
+    let path = user_path(user, &op::PROGRESS.public.segments());
     futures_util::stream::unfold(None, move |events| {
         let path = path.clone();
         async move {
@@ -532,7 +532,11 @@ fn parse_user(raw: &str) -> anyhow::Result<UserId> {
 
 /// `hibernate` or `resume` (`operation`) of `user`; shows the status it
 /// left.
-async fn hibernation(user: &str, client: &ClientArgs, operation: &Operation) -> anyhow::Result<()> {
+async fn hibernation<I>(
+    user: &str,
+    client: &ClientArgs,
+    operation: &Operation<Public, I>,
+) -> anyhow::Result<()> {
     let user = parse_user(user)?;
     let (api, out) = Api::with_output(client)?;
     let answer = api.call(operation, &user, &[], None).await?;
@@ -620,32 +624,28 @@ impl Api {
     }
 
     /// `operation`'s public route about `user`, with its method.
-    async fn call(
+    async fn call<I>(
         &self,
-        operation: &Operation,
+        operation: &Operation<Public, I>,
         user: &UserId,
         query: &[(&str, &str)],
         body: Option<Value>,
     ) -> anyhow::Result<Value> {
-        let Some(public) = &operation.public else {
-            bail!("internal: {operation:?} has no public route");
-        };
-        let path = user_path(user, &operation.public_segments());
-        self.send(public.method.clone(), &path, query, body).await
+        let public = &operation.public;
+        let path = user_path(user, &public.segments());
+        self.send(public.verb.method(), &path, query, body).await
     }
 
     /// `DELETE …/tokens/{id}`: the declared route with the id in its place.
     async fn revoke_token(&self, user: &UserId, id: &str) -> anyhow::Result<Value> {
-        let Some(public) = &op::REVOKE_TOKEN.public else {
-            bail!("internal: revoking a token has no public route");
-        };
-        let segments: Vec<&str> = op::REVOKE_TOKEN
-            .public_segments()
+        let public = &op::REVOKE_TOKEN.public;
+        let segments: Vec<&str> = public
+            .segments()
             .into_iter()
             .map(|segment| if segment == "{id}" { id } else { segment })
             .collect();
         let path = user_path(user, &segments);
-        self.send(public.method.clone(), &path, &[], None).await
+        self.send(public.verb.method(), &path, &[], None).await
     }
 
     /// A GET whose answer is read as it arrives (an event stream); an error
@@ -769,7 +769,7 @@ async fn logs(
     json: bool,
 ) -> anyhow::Result<()> {
     let tail_text = tail.to_string();
-    let path = user_path(user, &op::LOGS.public_segments());
+    let path = user_path(user, &op::LOGS.public.segments());
     if !follow {
         let answer = api
             .call(&op::LOGS, user, &[("tail", tail_text.as_str())], None)

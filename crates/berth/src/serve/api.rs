@@ -51,7 +51,7 @@ use super::cluster::{Cluster, NodeControl};
 use super::metrics::Metrics;
 use super::ops::{Ops, Via};
 use crate::sse::{LOG_LINE_EVENT, STAGE_EVENT};
-use crate::wire::operation::{self as op, Operation};
+use crate::wire::operation::{self as op, Internal, Operation, Public, Verb};
 use crate::wire::{
     InstanceAnswer, InstanceList, LaunchAnswer, Launched, LeaseList, LogLines, NodeChanged,
     NodeList, RestartAll, UserStatus,
@@ -143,63 +143,50 @@ pub fn router(state: Arc<ApiState>) -> Router {
 }
 
 /// Routes declared in [`crate::wire::operation`]: the route of an
-/// operation and its method come from its one declaration.
+/// operation and its method come from its one declaration. Each takes
+/// only an operation with that route, so a handler for a route an
+/// operation lacks does not compile.
 trait DeclaredRoutes: Sized {
     /// `operation`'s public route (`/api/v1/users/{user}/…`) to `handler`.
-    fn public<H, T>(self, operation: &Operation, handler: H) -> Self
+    fn public<I, H, T>(self, operation: &Operation<Public, I>, handler: H) -> Self
     where
         H: Handler<T, Arc<ApiState>>,
         T: 'static;
     /// `operation`'s node-to-node route (`/internal/v1/users/{user}/…`)
     /// to `handler`.
-    fn internal<H, T>(self, operation: &Operation, handler: H) -> Self
+    fn internal<P, H, T>(self, operation: &Operation<P, Internal>, handler: H) -> Self
     where
         H: Handler<T, Arc<ApiState>>,
         T: 'static;
 }
 
 impl DeclaredRoutes for Router<Arc<ApiState>> {
-    fn public<H, T>(self, operation: &Operation, handler: H) -> Self
+    fn public<I, H, T>(self, operation: &Operation<Public, I>, handler: H) -> Self
     where
         H: Handler<T, Arc<ApiState>>,
         T: 'static,
     {
-        let route = operation.public_route();
-        let method = operation.public.as_ref().map(|p| p.method.clone());
-        declare(self, route, method, handler)
+        let public = &operation.public;
+        self.route(&public.route(), on(method_filter(public.verb), handler))
     }
 
-    fn internal<H, T>(self, operation: &Operation, handler: H) -> Self
+    fn internal<P, H, T>(self, operation: &Operation<P, Internal>, handler: H) -> Self
     where
         H: Handler<T, Arc<ApiState>>,
         T: 'static,
     {
-        let route = operation.internal_route();
-        let method = operation.internal.as_ref().map(|i| i.method.clone());
-        declare(self, route, method, handler)
+        let internal = &operation.internal;
+        self.route(&internal.route(), on(method_filter(internal.verb), handler))
     }
 }
 
-fn declare<H, T>(
-    router: Router<Arc<ApiState>>,
-    route: Option<String>,
-    method: Option<Method>,
-    handler: H,
-) -> Router<Arc<ApiState>>
-where
-    H: Handler<T, Arc<ApiState>>,
-    T: 'static,
-{
-    let (Some(route), Some(method)) = (route, method) else {
-        tracing::error!("an operation without this route was given a handler for it");
-        return router;
-    };
-    match MethodFilter::try_from(method.clone()) {
-        Ok(filter) => router.route(&route, on(filter, handler)),
-        Err(e) => {
-            tracing::error!(%route, %method, error = %e, "an operation declares a method axum cannot route");
-            router
-        }
+/// Operations are declared with a [`Verb`], a closed set, so unlike a
+/// `Method` each has its filter.
+fn method_filter(verb: Verb) -> MethodFilter {
+    match verb {
+        Verb::Get => MethodFilter::GET,
+        Verb::Post => MethodFilter::POST,
+        Verb::Delete => MethodFilter::DELETE,
     }
 }
 

@@ -584,7 +584,7 @@ impl UserOp for Launch {
         let budget = ops.budgets.ready_timeout + MARGIN;
         let body = serde_json::to_value(&self.request)
             .map_err(|e| SpawnError::Internal(format!("cannot encode a launch: {e}")))?;
-        let call = UserCall::new(&op::LAUNCH, budget)
+        let call = UserCall::new(&op::LAUNCH.internal, budget)
             .query("wait", self.wait)
             .body(body);
         ops.peers()?.user_call(&to.node, user, call).await
@@ -615,7 +615,7 @@ impl UserOp for Status {
 
     async fn remote(&self, ops: &Ops, to: &Target, user: &UserId) -> Result<UserState, SpawnError> {
         ops.peers()?
-            .user_call(&to.node, user, UserCall::new(&op::STATUS, MARGIN))
+            .user_call(&to.node, user, UserCall::new(&op::STATUS.internal, MARGIN))
             .await
     }
 }
@@ -627,10 +627,10 @@ enum Hibernation {
 }
 
 impl Hibernation {
-    fn operation(&self) -> &'static op::Operation {
+    fn operation(&self) -> &'static op::Internal {
         match self {
-            Hibernation::Hibernate => &op::HIBERNATE,
-            Hibernation::Resume => &op::RESUME,
+            Hibernation::Hibernate => &op::HIBERNATE.internal,
+            Hibernation::Resume => &op::RESUME.internal,
         }
     }
 }
@@ -670,7 +670,7 @@ impl UserOp for Stop {
     async fn remote(&self, ops: &Ops, to: &Target, user: &UserId) -> Result<(), SpawnError> {
         let budget = ops.budgets.stop_grace + ops.budgets.hook_grace + MARGIN;
         ops.peers()?
-            .user_call::<Done>(&to.node, user, UserCall::new(&op::STOP, budget))
+            .user_call::<Done>(&to.node, user, UserCall::new(&op::STOP.internal, budget))
             .await
             .map(drop)
     }
@@ -695,7 +695,7 @@ impl UserOp for Restart {
     async fn remote(&self, ops: &Ops, to: &Target, user: &UserId) -> Result<Launched, SpawnError> {
         let budget = ops.budgets.stop_grace + ops.budgets.ready_timeout + MARGIN;
         ops.peers()?
-            .user_call(&to.node, user, UserCall::new(&op::RESTART, budget))
+            .user_call(&to.node, user, UserCall::new(&op::RESTART.internal, budget))
             .await
     }
 }
@@ -720,7 +720,7 @@ impl UserOp for Probe {
     ) -> Result<ProbeReport, SpawnError> {
         let budget = ops.budgets.stop_grace + PROBE_BUDGET + MARGIN;
         ops.peers()?
-            .user_call(&to.node, user, UserCall::new(&op::PROBE, budget))
+            .user_call(&to.node, user, UserCall::new(&op::PROBE.internal, budget))
             .await
     }
 }
@@ -748,7 +748,7 @@ impl UserOp for Logs {
         to: &Target,
         user: &UserId,
     ) -> Result<Vec<String>, SpawnError> {
-        let call = UserCall::new(&op::LOGS, MARGIN).query("tail", self.tail);
+        let call = UserCall::new(&op::LOGS.internal, MARGIN).query("tail", self.tail);
         let answer: LogLines = ops.peers()?.user_call(&to.node, user, call).await?;
         Ok(answer.lines)
     }
@@ -796,7 +796,7 @@ impl UserOp for FollowLogs {
         ];
         let events = ops
             .peers()?
-            .user_events(&to.node, user, &op::LOGS, &query)
+            .user_events(&to.node, user, &op::LOGS.internal, &query)
             .await?;
         Ok(events
             .filter_map(|e| {
@@ -822,7 +822,11 @@ impl UserOp for Watchdog {
 
     async fn remote(&self, ops: &Ops, to: &Target, user: &UserId) -> Result<Instance, SpawnError> {
         ops.peers()?
-            .user_call(&to.node, user, UserCall::new(&op::WATCHDOG, MARGIN))
+            .user_call(
+                &to.node,
+                user,
+                UserCall::new(&op::WATCHDOG.internal, MARGIN),
+            )
             .await
     }
 }
@@ -840,7 +844,11 @@ impl UserOp for ResetBreaker {
 
     async fn remote(&self, ops: &Ops, to: &Target, user: &UserId) -> Result<(), SpawnError> {
         ops.peers()?
-            .user_call::<Done>(&to.node, user, UserCall::new(&op::RESET_BREAKER, MARGIN))
+            .user_call::<Done>(
+                &to.node,
+                user,
+                UserCall::new(&op::RESET_BREAKER.internal, MARGIN),
+            )
             .await
             .map(drop)
     }
@@ -946,7 +954,7 @@ impl UserOp for Progress {
         };
         let events = ops
             .peers()?
-            .user_events(&to.node, user, &op::PROGRESS, &query)
+            .user_events(&to.node, user, &op::PROGRESS.internal, &query)
             .await?;
         Ok(events
             .filter_map(|e| {

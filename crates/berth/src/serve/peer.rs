@@ -18,7 +18,7 @@ use serde::de::DeserializeOwned;
 use serde_json::Value;
 
 use crate::sse::{self, SseEvent};
-use crate::wire::operation::{self, Operation};
+use crate::wire::operation::{self, Internal};
 use crate::wire::{FenceRequest, Fenced, Purged};
 use berth_proxy::peer_auth::ClusterKey;
 
@@ -54,14 +54,14 @@ pub struct PeerNode {
 /// JSON body, within `budget`.
 #[derive(Debug, Clone)]
 pub struct UserCall<'a> {
-    pub operation: &'a Operation,
+    pub operation: &'a Internal,
     pub query: Vec<(&'static str, String)>,
     pub body: Option<Value>,
     pub budget: Duration,
 }
 
 impl<'a> UserCall<'a> {
-    pub fn new(operation: &'a Operation, budget: Duration) -> Self {
+    pub fn new(operation: &'a Internal, budget: Duration) -> Self {
         Self {
             operation,
             query: Vec::new(),
@@ -130,23 +130,14 @@ impl PeerClient {
 
     /// `operation`'s node-to-node route on `node`,
     /// `<url>/internal/v1/users/<user>/<name>`, and its method.
-    fn user_route(
-        node: &PeerNode,
-        user: &UserId,
-        operation: &Operation,
-    ) -> Result<(Method, String), SpawnError> {
-        let Some(internal) = &operation.internal else {
-            return Err(SpawnError::Internal(format!(
-                "{operation:?} has no node-to-node route"
-            )));
-        };
+    fn user_route(node: &PeerNode, user: &UserId, operation: &Internal) -> (Method, String) {
         let url = format!(
             "{}/internal/v1/users/{}/{}",
             node.url.trim_end_matches('/'),
             user.path_segment(),
-            internal.name
+            operation.name
         );
-        Ok((internal.method.clone(), url))
+        (operation.verb.method(), url)
     }
 
     /// Builds `request` and signs it as it will be sent, for `node`:
@@ -208,7 +199,7 @@ impl PeerClient {
         user: &UserId,
         call: UserCall<'_>,
     ) -> Result<T, SpawnError> {
-        let (method, url) = Self::user_route(node, user, call.operation)?;
+        let (method, url) = Self::user_route(node, user, call.operation);
         let mut request = self
             .http
             .request(method, url)
@@ -221,11 +212,7 @@ impl PeerClient {
         serde_json::from_value(value).map_err(|e| {
             SpawnError::Internal(format!(
                 "node {} answered {} for {user} with something unexpected: {e}",
-                node.id,
-                call.operation
-                    .internal
-                    .as_ref()
-                    .map_or("a call", |internal| internal.name)
+                node.id, call.operation.name
             ))
         })
     }
@@ -237,10 +224,10 @@ impl PeerClient {
         &self,
         node: &PeerNode,
         user: &UserId,
-        operation: &Operation,
+        operation: &Internal,
         query: &[(&str, String)],
     ) -> Result<BoxStream<'static, SseEvent>, SpawnError> {
-        let (method, url) = Self::user_route(node, user, operation)?;
+        let (method, url) = Self::user_route(node, user, operation);
         let request = self.streams.request(method, url).query(query);
         let response = self
             .streams
@@ -311,7 +298,7 @@ impl PeerClient {
     ) -> Result<bool, SpawnError> {
         let body = serde_json::to_value(FenceRequest { epoch })
             .map_err(|e| SpawnError::Internal(format!("cannot encode a fence: {e}")))?;
-        let call = UserCall::new(&operation::FENCE, FENCE_TIMEOUT).body(body);
+        let call = UserCall::new(&operation::FENCE.internal, FENCE_TIMEOUT).body(body);
         let answer: Fenced = self.user_call(node, user, call).await?;
         Ok(answer.fenced)
     }

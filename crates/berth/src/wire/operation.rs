@@ -1,9 +1,14 @@
 //! Every route about one user, declared once: its public route
 //! (`/api/v1/users/{user}/<path>`), its node-to-node route
 //! (`/internal/v1/users/{user}/<name>`), and who may call it. The public
-//! router, the node-to-node router, the peer client, the CLI and the
-//! permission check ([`user_may`]) all read [`OPERATIONS`], so a new
-//! operation is one entry here plus its handlers and its use case.
+//! router, the node-to-node router, the peer client and the CLI read the
+//! declarations, and the permission check ([`user_may`]) reads
+//! [`OPERATIONS`], so a new operation is one entry here plus its handlers
+//! and its use case. An operation's type says which of the two routes it
+//! has ([`Operation`], [`NoRoute`]), so a handler or a call for a route it
+//! lacks does not compile.
+
+use std::fmt;
 
 use reqwest::Method;
 
@@ -18,191 +23,242 @@ pub enum Allowed {
     UserWhenPatching,
 }
 
+/// The methods operations are declared with: a closed set, so the
+/// routers and the clients map each to theirs with no case left over.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Verb {
+    Get,
+    Post,
+    Delete,
+}
+
+impl Verb {
+    pub fn method(self) -> Method {
+        match self {
+            Verb::Get => Method::GET,
+            Verb::Post => Method::POST,
+            Verb::Delete => Method::DELETE,
+        }
+    }
+}
+
 /// A public route about one user.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Public {
-    pub method: Method,
+    pub verb: Verb,
     /// After `/api/v1/users/{user}/`, as axum declares it.
     pub path: &'static str,
     pub allowed: Allowed,
+}
+
+impl Public {
+    /// `/api/v1/users/{user}/<path>`, the route to declare.
+    pub fn route(&self) -> String {
+        format!("/api/v1/users/{{user}}/{}", self.path)
+    }
+
+    /// The path's segments after the user's, for a client.
+    pub fn segments(&self) -> Vec<&'static str> {
+        self.path.split('/').collect()
+    }
 }
 
 /// The node-to-node route of an operation that runs on the node owning
 /// the user.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Internal {
-    pub method: Method,
+    pub verb: Verb,
     /// After `/internal/v1/users/{user}/`.
     pub name: &'static str,
 }
 
-/// One operation about a user: public, node-to-node, or both.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Operation {
-    pub public: Option<Public>,
-    pub internal: Option<Internal>,
+impl Internal {
+    /// `/internal/v1/users/{user}/<name>`, the route to declare.
+    pub fn route(&self) -> String {
+        format!("/internal/v1/users/{{user}}/{}", self.name)
+    }
 }
 
-impl Operation {
-    /// `/api/v1/users/{user}/<path>`, the route to declare.
-    pub fn public_route(&self) -> Option<String> {
-        self.public
-            .as_ref()
-            .map(|p| format!("/api/v1/users/{{user}}/{}", p.path))
+/// The half of an operation it does not have: an operation's type says
+/// which routes it has, so declaring a handler for a route it lacks, or
+/// calling it there, does not compile.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NoRoute;
+
+/// One operation about a user: public, node-to-node, or both. The
+/// router, the peer client and the CLI take the half they need.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Operation<P = Public, I = Internal> {
+    pub public: P,
+    pub internal: I,
+}
+
+/// `R` or [`NoRoute`] in its place.
+pub trait MaybeRoute<R> {
+    fn declared(&self) -> Option<&R>;
+}
+
+impl<R> MaybeRoute<R> for R {
+    fn declared(&self) -> Option<&R> {
+        Some(self)
+    }
+}
+
+impl MaybeRoute<Public> for NoRoute {
+    fn declared(&self) -> Option<&Public> {
+        None
+    }
+}
+
+impl MaybeRoute<Internal> for NoRoute {
+    fn declared(&self) -> Option<&Internal> {
+        None
+    }
+}
+
+/// Any operation, whichever halves it has: what [`OPERATIONS`] lists.
+pub trait DeclaredOperation: fmt::Debug + Sync {
+    fn public(&self) -> Option<&Public>;
+    /// Only the uniqueness test reads the node-to-node routes in a list:
+    /// everything else takes them from each operation.
+    #[cfg(test)]
+    fn internal(&self) -> Option<&Internal>;
+}
+
+impl<P, I> DeclaredOperation for Operation<P, I>
+where
+    P: MaybeRoute<Public> + fmt::Debug + Sync,
+    I: MaybeRoute<Internal> + fmt::Debug + Sync,
+{
+    fn public(&self) -> Option<&Public> {
+        self.public.declared()
     }
 
-    /// `/internal/v1/users/{user}/<name>`, the route to declare.
-    pub fn internal_route(&self) -> Option<String> {
-        self.internal
-            .as_ref()
-            .map(|i| format!("/internal/v1/users/{{user}}/{}", i.name))
-    }
-
-    /// The public path's segments after the user's, for a client.
-    pub fn public_segments(&self) -> Vec<&'static str> {
-        self.public
-            .as_ref()
-            .map(|p| p.path.split('/').collect())
-            .unwrap_or_default()
+    #[cfg(test)]
+    fn internal(&self) -> Option<&Internal> {
+        self.internal.declared()
     }
 }
 
 const fn both(
-    method: Method,
+    verb: Verb,
     path: &'static str,
     allowed: Allowed,
-    internal_method: Method,
+    internal_verb: Verb,
     name: &'static str,
 ) -> Operation {
     Operation {
-        public: Some(Public {
-            method,
+        public: Public {
+            verb,
             path,
             allowed,
-        }),
-        internal: Some(Internal {
-            method: internal_method,
+        },
+        internal: Internal {
+            verb: internal_verb,
             name,
-        }),
+        },
     }
 }
 
-const fn public_only(method: Method, path: &'static str, allowed: Allowed) -> Operation {
+const fn public_only(
+    verb: Verb,
+    path: &'static str,
+    allowed: Allowed,
+) -> Operation<Public, NoRoute> {
     Operation {
-        public: Some(Public {
-            method,
+        public: Public {
+            verb,
             path,
             allowed,
-        }),
-        internal: None,
+        },
+        internal: NoRoute,
     }
 }
 
 /// The user's records and open breaker.
-pub static STATUS: Operation = both(
-    Method::GET,
-    "instance",
-    Allowed::User,
-    Method::GET,
-    "status",
-);
+pub static STATUS: Operation = both(Verb::Get, "instance", Allowed::User, Verb::Get, "status");
 /// Ensure running (a launch).
-pub static LAUNCH: Operation = both(
-    Method::POST,
-    "instance",
-    Allowed::User,
-    Method::POST,
-    "launch",
-);
+pub static LAUNCH: Operation = both(Verb::Post, "instance", Allowed::User, Verb::Post, "launch");
 /// Stop the main and watchdog. A POST between nodes, as it always was.
-pub static STOP: Operation = both(
-    Method::DELETE,
-    "instance",
-    Allowed::User,
-    Method::POST,
-    "stop",
-);
+pub static STOP: Operation = both(Verb::Delete, "instance", Allowed::User, Verb::Post, "stop");
 /// A new process, ready. It relaunches with the parameters of the last
 /// launch, so it gives a user nothing a stop and a start would not.
 pub static RESTART: Operation = both(
-    Method::POST,
+    Verb::Post,
     "instance/restart",
     Allowed::User,
-    Method::POST,
+    Verb::Post,
     "restart",
 );
 /// Freeze the main with its memory intact.
 pub static HIBERNATE: Operation = both(
-    Method::POST,
+    Verb::Post,
     "instance/hibernate",
     Allowed::User,
-    Method::POST,
+    Verb::Post,
     "hibernate",
 );
 /// Thaw a hibernated main.
 pub static RESUME: Operation = both(
-    Method::POST,
+    Verb::Post,
     "instance/resume",
     Allowed::User,
-    Method::POST,
+    Verb::Post,
     "resume",
 );
 /// Restart (or force-launch) and report whether it stays up.
 pub static PROBE: Operation = both(
-    Method::POST,
+    Verb::Post,
     "instance/probe",
     Allowed::Admin,
-    Method::POST,
+    Verb::Post,
     "probe",
 );
 /// The spawn's stages, as Server-Sent Events.
 pub static PROGRESS: Operation = both(
-    Method::GET,
+    Verb::Get,
     "instance/progress",
     Allowed::User,
-    Method::GET,
+    Verb::Get,
     "progress",
 );
 /// The main's last lines, or followed as Server-Sent Events.
-pub static LOGS: Operation = both(
-    Method::GET,
-    "instance/logs",
-    Allowed::User,
-    Method::GET,
-    "logs",
-);
+pub static LOGS: Operation = both(Verb::Get, "instance/logs", Allowed::User, Verb::Get, "logs");
 /// The one-shot repair job.
 pub static WATCHDOG: Operation = both(
-    Method::POST,
+    Verb::Post,
     "watchdog",
     Allowed::Admin,
-    Method::POST,
+    Verb::Post,
     "watchdog",
 );
 /// Clear the crash breaker: for a user only where they may patch, since
 /// it lets them launch past it.
 pub static RESET_BREAKER: Operation = both(
-    Method::POST,
+    Verb::Post,
     "breaker/reset",
     Allowed::UserWhenPatching,
-    Method::POST,
+    Verb::Post,
     "breaker/reset",
 );
 /// Kill the main here if it runs under exactly the given epoch: only
 /// between nodes.
-pub static FENCE: Operation = Operation {
-    public: None,
-    internal: Some(Internal {
-        method: Method::POST,
+pub static FENCE: Operation<NoRoute, Internal> = Operation {
+    public: NoRoute,
+    internal: Internal {
+        verb: Verb::Post,
         name: "fence",
-    }),
+    },
 };
 /// Mint a user token (served from the store, on any node).
-pub static MINT_TOKEN: Operation = public_only(Method::POST, "tokens", Allowed::User);
+pub static MINT_TOKEN: Operation<Public, NoRoute> =
+    public_only(Verb::Post, "tokens", Allowed::User);
 /// List a user's tokens.
-pub static LIST_TOKENS: Operation = public_only(Method::GET, "tokens", Allowed::User);
+pub static LIST_TOKENS: Operation<Public, NoRoute> =
+    public_only(Verb::Get, "tokens", Allowed::User);
 /// Revoke a token and every token minted with it.
-pub static REVOKE_TOKEN: Operation = public_only(Method::DELETE, "tokens/{id}", Allowed::User);
+pub static REVOKE_TOKEN: Operation<Public, NoRoute> =
+    public_only(Verb::Delete, "tokens/{id}", Allowed::User);
 
 /// `/internal/v1/<path>` of the node-to-node calls about no one user:
 /// restart every main the callee runs ([`crate::wire::RestartAll`]).
@@ -211,7 +267,7 @@ pub const NODE_RESTART_ALL: &str = "instances/restart-all";
 pub const NODE_PURGE_TOKENS: &str = "tokens/purge";
 
 /// Every operation about one user.
-pub static OPERATIONS: &[&Operation] = &[
+pub static OPERATIONS: &[&dyn DeclaredOperation] = &[
     &STATUS,
     &LAUNCH,
     &STOP,
@@ -237,8 +293,8 @@ pub static OPERATIONS: &[&Operation] = &[
 pub fn user_may(method: &Method, action: &str, users_may_patch: bool) -> bool {
     OPERATIONS
         .iter()
-        .filter_map(|op| op.public.as_ref())
-        .find(|p| p.method == method && p.path == action)
+        .filter_map(|op| op.public())
+        .find(|p| p.verb.method() == method && p.path == action)
         .is_some_and(|p| match p.allowed {
             Allowed::Admin => false,
             Allowed::User => true,
@@ -256,11 +312,11 @@ mod tests {
         let mut public = HashSet::new();
         let mut internal = HashSet::new();
         for op in OPERATIONS {
-            assert!(op.public.is_some() || op.internal.is_some(), "{op:?}");
-            if let Some(p) = &op.public {
-                assert!(public.insert((p.method.clone(), p.path)), "{op:?}");
+            assert!(op.public().is_some() || op.internal().is_some(), "{op:?}");
+            if let Some(p) = op.public() {
+                assert!(public.insert((p.verb, p.path)), "{op:?}");
             }
-            if let Some(i) = &op.internal {
+            if let Some(i) = op.internal() {
                 assert!(internal.insert(i.name), "{op:?}");
             }
         }
@@ -269,15 +325,15 @@ mod tests {
     #[test]
     fn routes_are_spelled_from_the_declaration() {
         assert_eq!(
-            RESTART.public_route().as_deref(),
-            Some("/api/v1/users/{user}/instance/restart")
+            RESTART.public.route(),
+            "/api/v1/users/{user}/instance/restart"
         );
         assert_eq!(
-            RESET_BREAKER.internal_route().as_deref(),
-            Some("/internal/v1/users/{user}/breaker/reset")
+            RESET_BREAKER.internal.route(),
+            "/internal/v1/users/{user}/breaker/reset"
         );
-        assert_eq!(FENCE.public_route(), None);
-        assert_eq!(MINT_TOKEN.internal_route(), None);
-        assert_eq!(LOGS.public_segments(), ["instance", "logs"]);
+        assert_eq!(FENCE.public(), None);
+        assert_eq!(MINT_TOKEN.internal(), None);
+        assert_eq!(LOGS.public.segments(), ["instance", "logs"]);
     }
 }
