@@ -30,6 +30,7 @@
 
 #![forbid(unsafe_code)]
 
+pub mod egress;
 mod error;
 mod folder;
 mod id;

@@ -249,8 +249,8 @@ pub struct Network {
     /// link-local, IPv6 ULA and link-local).
     #[serde(default)]
     pub allow_private_egress: bool,
-    /// Let programs reach the cloud metadata services
-    /// (169.254.169.254, 100.100.100.200, fd00:ec2::254).
+    /// Let programs reach the cloud metadata services and host agents
+    /// (`berth_core::egress::METADATA_V4` and `METADATA_V6`).
     #[serde(default)]
     pub allow_metadata_egress: bool,
     /// Further destinations programs may reach, private or not

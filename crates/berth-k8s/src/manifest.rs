@@ -11,6 +11,7 @@
 
 use std::collections::BTreeMap;
 
+use berth_core::egress::{METADATA_V4, METADATA_V6, PRIVATE_V4, PRIVATE_V6};
 use berth_core::program::{self, ProgramFacts, Variable};
 use berth_core::{Epoch, Readiness, Role, Slug, UserId};
 use k8s_openapi::api::core::v1::{ConfigMap, PersistentVolumeClaim, Pod, Service};
@@ -427,23 +428,16 @@ pub fn handoff_config_map(
     )
 }
 
-/// IPv4 ranges a program may not reach unless allowed: RFC 1918, shared
-/// address space (100.64/10, where 100.100.100.200 answers on Alibaba
-/// Cloud) and link-local (169.254/16, the metadata address of most
-/// clouds).
-pub const PRIVATE_V4: &[&str] = &[
-    "10.0.0.0/8",
-    "172.16.0.0/12",
-    "192.168.0.0/16",
-    "100.64.0.0/10",
-    "169.254.0.0/16",
-];
-/// IPv6 unique-local (fd00:ec2::254 is AWS's metadata) and link-local.
-pub const PRIVATE_V6: &[&str] = &["fc00::/7", "fe80::/10"];
-/// The cloud metadata services.
-pub const METADATA_V4: &[&str] = &["169.254.169.254/32", "100.100.100.200/32"];
-/// The IPv6 cloud metadata service (AWS's).
-pub const METADATA_V6: &[&str] = &["fd00:ec2::254/128"];
+/// The private ranges, and the metadata addresses outside them (Azure's
+/// wire server): what `0.0.0.0/0` excepts when private egress is off.
+fn private_and_metadata(private: &[&'static str], metadata: &[&'static str]) -> Vec<&'static str> {
+    let ranges: Vec<ipnet::IpNet> = private.iter().filter_map(|r| r.parse().ok()).collect();
+    let outside = metadata.iter().filter(|m| {
+        m.parse::<ipnet::IpNet>()
+            .is_ok_and(|m| !ranges.iter().any(|r| r.contains(&m)))
+    });
+    private.iter().chain(outside).copied().collect()
+}
 
 fn ip_block(cidr: &str, except: &[&str]) -> Value {
     if except.is_empty() {
@@ -471,15 +465,17 @@ pub fn network_policy(
     if let Some(files) = &config.file_service {
         ports.push(json!({ "protocol": "TCP", "port": files.port }));
     }
-    let (except_v4, except_v6): (&[&str], &[&str]) =
-        match (n.allow_private_egress, n.allow_metadata_egress) {
-            (false, _) => (PRIVATE_V4, PRIVATE_V6),
-            (true, false) => (METADATA_V4, METADATA_V6),
-            (true, true) => (&[], &[]),
-        };
+    let (except_v4, except_v6) = match (n.allow_private_egress, n.allow_metadata_egress) {
+        (false, _) => (
+            private_and_metadata(PRIVATE_V4, METADATA_V4),
+            private_and_metadata(PRIVATE_V6, METADATA_V6),
+        ),
+        (true, false) => (METADATA_V4.to_vec(), METADATA_V6.to_vec()),
+        (true, true) => (Vec::new(), Vec::new()),
+    };
     let mut to = vec![
-        ip_block("0.0.0.0/0", except_v4),
-        ip_block("::/0", except_v6),
+        ip_block("0.0.0.0/0", &except_v4),
+        ip_block("::/0", &except_v6),
     ];
     if !n.allow_private_egress && n.allow_metadata_egress {
         to.extend(

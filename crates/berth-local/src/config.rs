@@ -4,6 +4,7 @@
 
 use std::path::PathBuf;
 
+use ipnet::IpNet;
 use serde::{Deserialize, Serialize};
 
 use crate::isolation::{Isolation, Limits, UidRange};
@@ -60,6 +61,11 @@ pub struct IsolationTable {
     /// in `PATH`, `/usr/sbin` and `/sbin`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub nft: Option<PathBuf>,
+    /// Private networks (CIDRs, or single addresses) instances may reach
+    /// although the egress guard refuses private ranges: an internal
+    /// package mirror, say. Never the metadata addresses or this host's.
+    #[serde(deserialize_with = "networks")]
+    pub egress_allow: Vec<IpNet>,
 }
 
 impl Default for IsolationTable {
@@ -75,8 +81,25 @@ impl Default for IsolationTable {
             base_uid: 200_000,
             uid_count: 100_000,
             nft: None,
+            egress_allow: Vec::new(),
         }
     }
+}
+
+/// Networks written as CIDRs (`10.1.0.0/16`) or single addresses.
+fn networks<'de, D: serde::Deserializer<'de>>(deserializer: D) -> Result<Vec<IpNet>, D::Error> {
+    Vec::<String>::deserialize(deserializer)?
+        .iter()
+        .map(|text| {
+            text.parse::<IpNet>()
+                .or_else(|_| text.parse::<std::net::IpAddr>().map(IpNet::from))
+                .map_err(|_| {
+                    serde::de::Error::custom(format!(
+                        "{text:?} is neither a network (10.1.0.0/16, fd00::/8) nor an address"
+                    ))
+                })
+        })
+        .collect()
 }
 
 impl IsolationTable {
@@ -210,6 +233,7 @@ mod tests {
                 per_account: 1000,
             },
             nft: None,
+            egress_allow: isolation.egress_allow.clone(),
             shim_command: vec!["berth".to_owned(), "shim".to_owned()],
         }
     }

@@ -420,9 +420,12 @@ fn ingress_comes_only_from_berths_pods() {
 fn egress_avoids_private_ranges_and_metadata_unless_configured() {
     let mut k = KubernetesConfig::with_image("app:1");
     let p = policy(&k);
-    assert_eq!(excepts(&p, "0.0.0.0/0"), PRIVATE_V4);
+    // Azure's wire server is the one metadata address outside them.
+    let mut refused_v4 = PRIVATE_V4.to_vec();
+    refused_v4.push("168.63.129.16/32");
+    assert_eq!(excepts(&p, "0.0.0.0/0"), refused_v4);
     assert_eq!(excepts(&p, "::/0"), PRIVATE_V6);
-    // The metadata addresses are inside the excepted ranges.
+    // The other metadata addresses are inside the excepted ranges.
     for (metadata, range) in [
         ("169.254.169.254/32", "169.254.0.0/16"),
         ("100.100.100.200/32", "100.64.0.0/10"),
@@ -450,7 +453,7 @@ fn egress_avoids_private_ranges_and_metadata_unless_configured() {
     k.network.egress_allow = vec!["10.1.2.3/32".parse().unwrap()];
     k.network.allow_dns = false;
     let p = policy(&k);
-    assert_eq!(excepts(&p, "0.0.0.0/0"), PRIVATE_V4);
+    assert_eq!(excepts(&p, "0.0.0.0/0"), refused_v4);
     let to = p["spec"]["egress"][0]["to"].as_array().unwrap();
     for cidr in ["169.254.169.254/32", "100.100.100.200/32", "10.1.2.3/32"] {
         assert!(to.iter().any(|t| t["ipBlock"]["cidr"] == cidr), "{cidr}");

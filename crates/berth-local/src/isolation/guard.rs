@@ -19,10 +19,15 @@
 //!   connections per client address, but an instance can use every
 //!   address of 127.0.0.0/8 as its source; counted by uid, one instance
 //!   cannot fill berth's `max_connections` from many addresses.
-//! * **egress guard**: instance uids may not reach 169.254.169.254 and
-//!   fd00:ec2::254 (cloud metadata), 100.100.100.200 (Alibaba's metadata),
-//!   nor any address of this host but loopback (`fib daddr type local`,
-//!   which follows addresses as they come and go).
+//! * **egress guard**: instance uids reach the public internet and
+//!   nothing private. In order:
+//!   - the cloud metadata and host-agent addresses
+//!     ([`berth_core::egress`]) and every address of this host but loopback
+//!     (`fib daddr type local`, which follows addresses as they come and
+//!     go) are refused, whatever else is allowed;
+//!   - DNS (port 53) to the host's name servers (`/etc/resolv.conf` at
+//!     start), and the operator's `egress_allow` networks, are accepted;
+//!   - the private, shared (CGNAT) and link-local ranges are refused.
 //!
 //! Refused connections are rejected (a TCP reset, or ICMP unreachable),
 //! not dropped, so a program learns at once instead of hanging.
@@ -37,11 +42,14 @@
 //! previous berth left; adopted instances add theirs back.
 
 use std::collections::HashMap;
+use std::net::IpAddr;
 use std::ops::RangeInclusive;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::sync::Mutex;
 
+use berth_core::egress;
+use ipnet::IpNet;
 use tokio::sync::{mpsc, oneshot};
 
 use tokio::io::AsyncWriteExt;
@@ -49,9 +57,55 @@ use tokio::io::AsyncWriteExt;
 use super::UidRange;
 use super::nft_runner::{NftRunner, Ran};
 
-/// Addresses of cloud metadata services.
-const METADATA_V4: [&str; 2] = ["169.254.169.254", "100.100.100.200"];
-const METADATA_V6: [&str; 1] = ["fd00:ec2::254"];
+/// Where instances may go beyond the public internet.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Egress {
+    /// Networks reached although they are private (an internal package
+    /// mirror, say); never the metadata addresses or this host's own.
+    pub allow: Vec<IpNet>,
+    /// The host's name servers, reached on port 53 wherever they are.
+    pub name_servers: Vec<IpAddr>,
+}
+
+/// The name servers of a `resolv.conf`: its `nameserver` lines that hold
+/// an address (a scope suffix such as `%eth0` is dropped).
+pub fn name_servers(resolv_conf: &str) -> Vec<IpAddr> {
+    resolv_conf
+        .lines()
+        .filter_map(|line| {
+            let mut words = line.split_whitespace();
+            (words.next() == Some("nameserver")).then_some(())?;
+            let addr = words.next()?;
+            addr.split('%').next()?.parse().ok()
+        })
+        .collect()
+}
+
+/// `ip daddr { … } verdict` and its `ip6` twin, for the addresses of each
+/// family that there are, merged so that nft sees no overlapping
+/// intervals.
+fn by_family(nets: &[IpNet], tail: &str) -> String {
+    let merged = IpNet::aggregate(&nets.to_vec());
+    let (v4, v6): (Vec<&IpNet>, Vec<&IpNet>) =
+        merged.iter().partition(|n| matches!(n, IpNet::V4(_)));
+    let mut rules = String::new();
+    for (family, nets) in [("ip", v4), ("ip6", v6)] {
+        if nets.is_empty() {
+            continue;
+        }
+        let list: Vec<String> = nets.iter().map(|n| n.trunc().to_string()).collect();
+        rules.push_str(&format!(
+            "\t\t{family} daddr {{ {} }} {tail}\n",
+            list.join(", ")
+        ));
+    }
+    rules
+}
+
+/// The networks of a constant list, which are all well formed.
+fn nets(list: &[&str]) -> Vec<IpNet> {
+    list.iter().filter_map(|n| n.parse().ok()).collect()
+}
 
 /// Why an `nft` run failed.
 #[derive(Debug, thiserror::Error)]
@@ -153,12 +207,22 @@ pub fn ruleset(
     uids: UidRange,
     ports: &RangeInclusive<u16>,
     listeners: &ListenerCap,
+    egress: &Egress,
 ) -> String {
     let last = uids.last().unwrap_or(uids.first);
     let who = format!("meta skuid {}-{}", uids.first, last);
     let range = format!("{}-{}", ports.start(), ports.end());
-    let v4 = METADATA_V4.join(", ");
-    let v6 = METADATA_V6.join(", ");
+    let metadata = nets(&[egress::METADATA_V4, egress::METADATA_V6].concat());
+    let metadata = by_family(&metadata, "reject");
+    let servers: Vec<IpNet> = egress
+        .name_servers
+        .iter()
+        .map(|a| IpNet::from(*a))
+        .collect();
+    let dns = by_family(&servers, "meta l4proto { tcp, udp } th dport 53 accept");
+    let allowed = by_family(&egress.allow, "accept");
+    let private = nets(&[egress::PRIVATE_V4, egress::PRIVATE_V6].concat());
+    let private = by_family(&private, "reject");
     let (conns_set, conns_rule) = match listeners.ports.as_slice() {
         [] => (String::new(), String::new()),
         _ if listeners.per_account == 0 => (String::new(), String::new()),
@@ -192,10 +256,12 @@ pub fn ruleset(
          {conns_rule}\
          \t\ttcp dport {range} meta skuid . tcp dport @own_ports accept\n\
          \t\ttcp dport {range} reject with tcp reset\n\
-         \t\tip daddr {{ {v4} }} reject\n\
-         \t\tip6 daddr {{ {v6} }} reject\n\
+         {metadata}\
          \t\tfib daddr type local ip daddr != 127.0.0.0/8 reject\n\
          \t\tfib daddr type local ip6 daddr != ::1 reject\n\
+         {dns}\
+         {allowed}\
+         {private}\
          \t}}\n\
          \tchain output {{\n\
          \t\ttype filter hook output priority filter; policy accept;\n\
@@ -350,6 +416,7 @@ pub(crate) struct Guard {
     uids: UidRange,
     ports: RangeInclusive<u16>,
     listeners: ListenerCap,
+    egress: Egress,
     changes: mpsc::Sender<Request>,
     /// The batcher's receiving end until [`Guard::install`] starts it.
     pending: Mutex<Option<mpsc::Receiver<Request>>>,
@@ -365,6 +432,7 @@ impl Guard {
         uids: UidRange,
         ports: RangeInclusive<u16>,
         listeners: ListenerCap,
+        egress: Egress,
         helper: Vec<String>,
     ) -> Guard {
         let (changes, pending) = mpsc::channel(QUEUED_CHANGES);
@@ -375,6 +443,7 @@ impl Guard {
             uids,
             ports,
             listeners,
+            egress,
             changes,
             pending: Mutex::new(Some(pending)),
             helper,
@@ -399,6 +468,7 @@ impl Guard {
             self.uids,
             &self.ports,
             &self.listeners,
+            &self.egress,
         );
         run_nft(&self.nft, &self.table, "creation", &script).await?;
         let pending = self
@@ -635,6 +705,10 @@ mod tests {
             uids,
             &(20000..=20099),
             &listeners,
+            &Egress {
+                allow: vec!["10.1.0.0/16".parse().unwrap(), "fd12::/16".parse().unwrap()],
+                name_servers: vec!["10.255.255.53".parse().unwrap()],
+            },
         );
         assert!(
             script.starts_with("table inet berth_0a1b2c3d {}\ndelete table inet berth_0a1b2c3d\n")
@@ -643,7 +717,15 @@ mod tests {
             "comment \"berth data dir /var/lib/berth\"",
             "tcp dport 20000-20099 meta skuid . tcp dport @own_ports accept",
             "tcp dport 20000-20099 reject with tcp reset",
-            "ip daddr { 169.254.169.254, 100.100.100.200 } reject",
+            "ip daddr { 100.100.100.200/32, 168.63.129.16/32, 169.254.169.254/32, \
+             169.254.170.2/32 } reject",
+            "ip6 daddr { fd00:ec2::254/128 } reject",
+            "ip daddr { 10.255.255.53/32 } meta l4proto { tcp, udp } th dport 53 accept",
+            "ip daddr { 10.1.0.0/16 } accept",
+            "ip6 daddr { fd12::/16 } accept",
+            "ip daddr { 10.0.0.0/8, 100.64.0.0/10, 169.254.0.0/16, 172.16.0.0/12, \
+             192.168.0.0/16 } reject",
+            "ip6 daddr { fc00::/7, fe80::/10 } reject",
             "fib daddr type local ip daddr != 127.0.0.0/8 reject",
             "tcp dport { 8000, 9464 } fib daddr type local ct state new \
              add @berth_conns { meta skuid ct count over 50 } reject with tcp reset",
@@ -651,6 +733,13 @@ mod tests {
         ] {
             assert!(script.contains(rule), "{rule} missing from\n{script}");
         }
+        // Refusals no allowance overrides come first, then what is allowed,
+        // then the private ranges.
+        let at = |rule: &str| script.find(rule).unwrap();
+        assert!(at("169.254.169.254/32") < at("fib daddr type local ip daddr"));
+        assert!(at("fib daddr type local ip daddr") < at("th dport 53 accept"));
+        assert!(at("th dport 53 accept") < at("{ 10.1.0.0/16 } accept"));
+        assert!(at("{ 10.1.0.0/16 } accept") < at("10.0.0.0/8"));
         // Every packet not an instance's costs the output chain one match.
         let output = script.split("chain output").nth(1).unwrap();
         let rules: Vec<&str> = output
@@ -672,13 +761,45 @@ mod tests {
                 per_account: 0,
             },
         ] {
-            let script = ruleset("berth_x", None, uids, &(20000..=20099), &none);
+            let script = ruleset(
+                "berth_x",
+                None,
+                uids,
+                &(20000..=20099),
+                &none,
+                &Egress::default(),
+            );
             assert!(!script.contains("berth_conns"), "{script}");
         }
         assert_eq!(
             element("berth_x", "add", 200_001, 20005),
             "add element inet berth_x own_ports { 200001 . 20005 }\n"
         );
+    }
+
+    #[test]
+    fn name_servers_are_the_addresses_of_nameserver_lines() {
+        let conf = "# generated\nsearch example.org\nnameserver 10.0.0.2\n\
+                    nameserver fe80::1%eth0\nnameserver bogus\n  nameserver 1.1.1.1 \n\
+                    options ndots:2\n";
+        let want: Vec<IpAddr> = ["10.0.0.2", "fe80::1", "1.1.1.1"]
+            .iter()
+            .map(|a| a.parse().unwrap())
+            .collect();
+        assert_eq!(name_servers(conf), want);
+    }
+
+    #[test]
+    fn overlapping_allowances_are_merged_for_nft() {
+        let nets: Vec<IpNet> = ["10.1.0.0/16", "10.1.2.0/24", "10.1.2.3/32"]
+            .iter()
+            .map(|n| n.parse().unwrap())
+            .collect();
+        assert_eq!(
+            by_family(&nets, "accept"),
+            "\t\tip daddr { 10.1.0.0/16 } accept\n"
+        );
+        assert_eq!(by_family(&[], "accept"), "");
     }
 
     #[test]

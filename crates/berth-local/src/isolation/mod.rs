@@ -210,17 +210,14 @@ pub(crate) struct Isolator {
 impl Isolator {
     /// Checks that this host can isolate at `level` and sets it up: the
     /// guard's table (made afresh) and, for a sandbox, the cgroup parents.
-    /// `data_dir` is canonical. At level `none` it returns `None`, after
-    /// removing a table an earlier run at another level may have left.
+    /// `config.data_dir` is canonical. At level `none` it returns `None`,
+    /// after removing a table an earlier run at another level may have
+    /// left.
     pub async fn prepare(
-        level: Isolation,
-        data_dir: &Path,
-        uids: UidRange,
-        ports: &std::ops::RangeInclusive<u16>,
-        listeners: &guard::ListenerCap,
-        nft: Option<&Path>,
-        helper: &[String],
+        config: &crate::LocalRuntimeConfig,
     ) -> Result<Option<Isolator>, HostError> {
+        let (level, data_dir, uids) = (config.isolation, config.data_dir.as_path(), config.uids);
+        let nft = config.nft.as_deref();
         let looked = match nft {
             Some(path) => format!("at {}", path.display()),
             None => "in PATH, /usr/sbin and /sbin".to_owned(),
@@ -296,13 +293,20 @@ impl Isolator {
                 None
             }
         };
+        // Read once: a name server added later is reached after a restart.
+        let resolv_conf = std::fs::read_to_string("/etc/resolv.conf").unwrap_or_default();
+        let egress = guard::Egress {
+            allow: config.egress_allow.clone(),
+            name_servers: guard::name_servers(&resolv_conf),
+        };
         let guard = guard::Guard::new(
             nft,
             data_dir,
             uids,
-            ports.clone(),
-            listeners.clone(),
-            helper.to_vec(),
+            config.port_range.clone(),
+            config.listeners.clone(),
+            egress,
+            config.shim_command.clone(),
         );
         guard.install().await?;
         Ok(Some(Isolator {

@@ -83,6 +83,9 @@ pub struct LocalRuntimeConfig {
     /// berth's own listeners, and how many connections one instance's
     /// account may hold open to them (levels `user` and `sandbox`).
     pub listeners: crate::ListenerCap,
+    /// Private networks instances may reach nonetheless (levels `user`
+    /// and `sandbox`; see the egress guard).
+    pub egress_allow: Vec<ipnet::IpNet>,
     /// The `nft` program of the guards; `None`: looked up in `PATH`,
     /// `/usr/sbin` and `/sbin`.
     pub nft: Option<PathBuf>,
@@ -196,16 +199,7 @@ impl LocalRuntime {
         // Absolute from here on: a sandbox mounts over these paths.
         config.data_dir = std::fs::canonicalize(&config.data_dir).map_err(io(&config.data_dir))?;
         check_socket_room(&config.data_dir).map_err(LocalError::Config)?;
-        let isolator = Isolator::prepare(
-            config.isolation,
-            &config.data_dir,
-            config.uids,
-            &config.port_range,
-            &config.listeners,
-            config.nft.as_deref(),
-            &config.shim_command,
-        )
-        .await?;
+        let isolator = Isolator::prepare(&config).await?;
         let isolated = match (isolator, accounts) {
             (None, _) => {
                 tracing::debug!("instances are not isolated (level none)");

@@ -254,6 +254,7 @@ impl Config {
             uids: self.isolation.uids(),
             limits: self.isolation.limits(),
             nft: self.isolation.nft.clone(),
+            egress_allow: self.isolation.egress_allow.clone(),
             // The ports are known once berth has bound them.
             listeners: berth_local::ListenerCap {
                 ports: Vec::new(),

@@ -774,6 +774,25 @@ mod tests {
     }
 
     #[test]
+    fn egress_allowances_are_networks_or_addresses() {
+        let c = parse("[isolation]\negress_allow = [\"10.1.0.0/16\", \"fd00::5\"]\n").unwrap();
+        let nets: Vec<String> = c
+            .isolation
+            .egress_allow
+            .iter()
+            .map(|n| n.to_string())
+            .collect();
+        assert_eq!(nets, ["10.1.0.0/16", "fd00::5/128"]);
+        let msg = parse("# x\n[isolation]\negress_allow = [\"10.0.0.0/33\"]\n")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            msg.contains("isolation.egress_allow") && msg.contains("line 3"),
+            "{msg}"
+        );
+    }
+
+    #[test]
     fn lease_numbers_are_checked() {
         let c = parse("[lease]\nttl_ms = 15000\nrenew_ms = 10000\n").unwrap();
         let msg = c.check_lease_numbers().unwrap_err().to_string();

@@ -96,6 +96,7 @@ impl Env {
             limits: Limits::default(),
             listeners: berth_local::ListenerCap::default(),
             nft: None,
+            egress_allow: Vec::new(),
             shim_command: vec![BERTH.into(), "shim".into()],
         };
         let controller = ControllerConfig {

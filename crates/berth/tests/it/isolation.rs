@@ -819,9 +819,11 @@ async fn the_guard_runs_nft_from_a_small_process_and_guards_on_when_it_dies() {
 }
 
 /// Two network namespaces: `host` (where berth runs, with a non-loopback
-/// address of its own) and `outside`, reached through a veth pair, which
-/// holds the cloud metadata addresses and an ordinary outside address.
-/// Nothing of the real host's network is touched.
+/// address of its own and a name server of its own in `resolv.conf`) and
+/// `outside`, reached through a veth pair, which holds a test host at an
+/// address of every range the egress guard refuses, the name server, and
+/// an ordinary outside address. Nothing of the real host's network is
+/// touched.
 struct Netns {
     host: String,
     outside: String,
@@ -829,6 +831,26 @@ struct Netns {
 
 const HOST_ADDR: &str = "10.231.0.1";
 const OUTSIDE_ADDR: &str = "198.51.100.7";
+/// The `host` namespace's name server (in a private range).
+const NAME_SERVER: &str = "10.253.0.53";
+/// The cloud metadata and host-agent addresses.
+const METADATA: [&str; 4] = [
+    "169.254.169.254",
+    "169.254.170.2",
+    "100.100.100.200",
+    "168.63.129.16",
+];
+/// A host in each private, shared and link-local range.
+const PRIVATE: [&str; 6] = [
+    "10.254.0.7",
+    "172.16.254.7",
+    "192.168.254.7",
+    "100.64.254.7",
+    "169.254.254.7",
+    "fd12:3456::7",
+];
+/// A private host the test's `egress_allow` lets instances reach.
+const ALLOWED_PRIVATE: &str = "192.168.77.7";
 
 impl Netns {
     fn ip(args: &[&str]) {
@@ -849,23 +871,53 @@ impl Netns {
         let (h, o) = (ns.host.as_str(), ns.outside.as_str());
         Self::ip(&["netns", "add", h]);
         Self::ip(&["netns", "add", o]);
+        // `ip netns exec` shows this file as the namespace's /etc/resolv.conf.
+        let etc = format!("/etc/netns/{h}");
+        std::fs::create_dir_all(&etc).unwrap();
+        std::fs::write(
+            format!("{etc}/resolv.conf"),
+            format!("nameserver {NAME_SERVER}\n"),
+        )
+        .unwrap();
         let veth_h = format!("bv{tag}h");
         let veth_o = format!("bv{tag}o");
         Self::ip(&[
             "-n", h, "link", "add", &veth_h, "type", "veth", "peer", "name", &veth_o, "netns", o,
         ]);
-        for (n, cmd) in [
+        // The test hosts, each an address of `outside`'s loopback.
+        let hosts: Vec<String> = METADATA
+            .iter()
+            .chain(&PRIVATE)
+            .chain(&[ALLOWED_PRIVATE, NAME_SERVER, OUTSIDE_ADDR])
+            .map(|addr| match addr.contains(':') {
+                true => format!("{addr}/128"),
+                false => format!("{addr}/32"),
+            })
+            .collect();
+        let mut steps = vec![
             (h, vec!["link", "set", "lo", "up"]),
             (o, vec!["link", "set", "lo", "up"]),
             (h, vec!["addr", "add", "10.231.0.1/24", "dev", &veth_h]),
             (o, vec!["addr", "add", "10.231.0.2/24", "dev", &veth_o]),
+            (
+                h,
+                vec!["addr", "add", "fd99::1/64", "dev", &veth_h, "nodad"],
+            ),
+            (
+                o,
+                vec!["addr", "add", "fd99::2/64", "dev", &veth_o, "nodad"],
+            ),
             (h, vec!["link", "set", &veth_h, "up"]),
             (o, vec!["link", "set", &veth_o, "up"]),
-            (o, vec!["addr", "add", "169.254.169.254/32", "dev", "lo"]),
-            (o, vec!["addr", "add", "100.100.100.200/32", "dev", "lo"]),
-            (o, vec!["addr", "add", "198.51.100.7/32", "dev", "lo"]),
             (h, vec!["route", "add", "default", "via", "10.231.0.2"]),
-        ] {
+            (h, vec!["-6", "route", "add", "default", "via", "fd99::2"]),
+        ];
+        steps.extend(
+            hosts
+                .iter()
+                .map(|host| (o, vec!["addr", "add", host, "dev", "lo"])),
+        );
+        for (n, cmd) in steps {
             let mut args = vec!["-n", n];
             args.extend(cmd);
             Self::ip(&args);
@@ -919,11 +971,17 @@ impl Drop for Netns {
         for name in [&self.host, &self.outside] {
             let _ = Command::new("ip").args(["netns", "del", name]).status();
         }
+        let _ = std::fs::remove_dir_all(format!("/etc/netns/{}", self.host));
     }
 }
 
+/// The egress guard from inside an instance at level `user`: every
+/// metadata address, every private range and the host's own address are
+/// refused; the outside, the host's name server (on port 53 only) and a
+/// private network the operator allowed are reached, though an allowance
+/// never opens a metadata address. berth itself reaches them all.
 #[test]
-fn the_egress_guard_blocks_metadata_and_the_hosts_addresses_but_not_the_outside() {
+fn the_egress_guard_refuses_metadata_private_ranges_and_the_host_but_not_the_outside() {
     if !privileged("egress guard") {
         return;
     }
@@ -936,8 +994,20 @@ fn the_egress_guard_blocks_metadata_and_the_hosts_addresses_but_not_the_outside(
         return;
     }
     let ns = Netns::create();
-    for addr in ["169.254.169.254", "100.100.100.200", OUTSIDE_ADDR] {
-        Netns::listen(&ns.outside, addr, 80);
+    let mut targets: Vec<(&'static str, &'static str, bool)> = Vec::new();
+    targets.extend(METADATA.iter().map(|a| (*a, "80", false)));
+    targets.extend(PRIVATE.iter().map(|a| (*a, "80", false)));
+    targets.extend([
+        (HOST_ADDR, "8080", false),
+        (NAME_SERVER, "80", false),
+        (NAME_SERVER, "53", true),
+        (ALLOWED_PRIVATE, "80", true),
+        (OUTSIDE_ADDR, "80", true),
+    ]);
+    for (addr, port, _) in &targets {
+        if *addr != HOST_ADDR {
+            Netns::listen(&ns.outside, addr, port.parse().unwrap());
+        }
     }
     Netns::listen(&ns.host, HOST_ADDR, 8080);
     let host = ns.host.clone();
@@ -953,29 +1023,23 @@ fn the_egress_guard_blocks_metadata_and_the_hosts_addresses_but_not_the_outside(
                 wrapper: vec!["ip".into(), "netns".into(), "exec".into(), host],
                 ..StartOptions::default()
             };
+            // 169.254.170.0/24 holds a metadata address: allowing it opens
+            // the rest of that network, never the metadata address.
+            let allow = "egress_allow = [\"192.168.77.0/24\", \"169.254.170.0/24\"]";
             let node = Node::from(
                 support::berth()
                     .node(dir.path())
-                    .config(&breach_config(dir.path(), &slot, "user", "", ""))
+                    .config(&breach_config(dir.path(), &slot, "user", allow, ""))
                     .options(options)
                     .start(),
             );
             launch(&node, "alice").await;
-            let targets = [
-                ("169.254.169.254", "80", false),
-                ("100.100.100.200", "80", false),
-                (HOST_ADDR, "8080", false),
-                (OUTSIDE_ADDR, "80", true),
-            ];
             for (host, port, allowed) in targets {
+                let addr = std::net::SocketAddr::new(host.parse().unwrap(), port.parse().unwrap());
                 // berth's own uid reaches every one of them...
-                let addr = format!("{host}:{port}");
-                std::net::TcpStream::connect_timeout(
-                    &addr.parse().unwrap(),
-                    Duration::from_secs(5),
-                )
-                .unwrap_or_else(|e| panic!("root cannot reach {addr}: {e}"));
-                // ...the instance only the outside one.
+                std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(5))
+                    .unwrap_or_else(|e| panic!("root cannot reach {addr}: {e}"));
+                // ...the instance only those allowed.
                 let tried =
                     probe(&node, "alice", "connect", &[("host", host), ("port", port)]).await;
                 if allowed {

@@ -70,6 +70,7 @@ impl LocalHarness {
             limits: Limits::default(),
             listeners: berth_local::ListenerCap::default(),
             nft: None,
+            egress_allow: Vec::new(),
             shim_command: vec![BERTH.into(), "shim".into()],
         }
     }

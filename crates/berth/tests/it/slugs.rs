@@ -312,6 +312,7 @@ async fn controller(data: &Path, ports: u16, store: Arc<dyn Store>) -> Arc<Contr
         limits: Limits::default(),
         listeners: berth_local::ListenerCap::default(),
         nft: None,
+        egress_allow: Vec::new(),
         shim_command: vec![BERTH.into(), "shim".into()],
     };
     let config = ControllerConfig {
