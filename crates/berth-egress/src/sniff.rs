@@ -1,0 +1,1 @@
+//! Reading the name a connection asks for from its first bytes.
