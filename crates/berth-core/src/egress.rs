@@ -25,3 +25,331 @@ pub const PRIVATE_V4: &[&str] = &[
 ];
 /// IPv6 unique local and link-local ranges.
 pub const PRIVATE_V6: &[&str] = &["fc00::/7", "fe80::/10"];
+
+use std::collections::BTreeSet;
+use std::fmt;
+use std::net::IpAddr;
+use std::str::FromStr;
+
+use ipnet::IpNet;
+use serde::{Deserialize, Serialize};
+
+/// What an instance may reach beyond the metadata and host addresses,
+/// which it never reaches.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum EgressMode {
+    /// The public internet, and the private networks allowed.
+    #[default]
+    AllowAll,
+    /// Nothing but what is allowed (with nothing allowed: nothing).
+    DenyAll,
+    /// The same as [`EgressMode::DenyAll`], said for a list that is not
+    /// empty.
+    Allowlist,
+}
+
+impl EgressMode {
+    /// Whether only what is allowed is reached.
+    pub fn confined(self) -> bool {
+        self != EgressMode::AllowAll
+    }
+}
+
+/// A destination an instance may reach: a network or a domain name,
+/// on one port or (for a network) on every port, (for a domain) on 80
+/// and 443.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Destination {
+    /// Where.
+    pub target: Target,
+    /// The one port allowed; `None`: see [`Destination::ports`].
+    pub port: Option<u16>,
+}
+
+/// A network, or a domain name (`pypi.org`) or every name under one
+/// (`*.pythonhosted.org`, which does not match `pythonhosted.org` itself).
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Target {
+    /// Addresses, by CIDR (a single address is a /32 or /128).
+    Net(IpNet),
+    /// An exact name, lowercase, without a trailing dot.
+    Name(String),
+    /// Every name ending in `.` and this suffix.
+    Suffix(String),
+}
+
+/// The ports a domain is reached on when its entry names none.
+pub const WEB_PORTS: [u16; 2] = [80, 443];
+
+/// Why an `egress_allow` entry cannot be read.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{entry:?} is not a network, address or domain name with an optional :port ({why})")]
+pub struct BadDestination {
+    /// The entry as written.
+    pub entry: String,
+    /// What is wrong with it.
+    pub why: &'static str,
+}
+
+impl FromStr for Destination {
+    type Err = BadDestination;
+
+    /// `10.8.0.0/24`, `10.8.0.5:5432`, `[fd00::/8]:443`, `fd00::5`,
+    /// `pypi.org`, `*.github.com:22`.
+    fn from_str(entry: &str) -> Result<Self, BadDestination> {
+        let bad = |why| BadDestination {
+            entry: entry.to_owned(),
+            why,
+        };
+        let (host, port) = split_port(entry).ok_or_else(|| bad("bad port"))?;
+        if port == Some(0) {
+            return Err(bad("port 0"));
+        }
+        let target = if let Ok(net) = host.parse::<IpNet>() {
+            Target::Net(net.trunc())
+        } else if let Ok(addr) = host.parse::<IpAddr>() {
+            Target::Net(IpNet::from(addr))
+        } else {
+            let name = host.trim_end_matches('.').to_ascii_lowercase();
+            match name.strip_prefix("*.") {
+                Some(suffix) if is_host_name(suffix) => Target::Suffix(suffix.to_owned()),
+                None if is_host_name(&name) => Target::Name(name),
+                _ => return Err(bad("not a valid host name")),
+            }
+        };
+        Ok(Destination { target, port })
+    }
+}
+
+/// `host` and its port: `[v6]:port`, `host:port` (one colon), or no port.
+fn split_port(entry: &str) -> Option<(&str, Option<u16>)> {
+    if let Some(rest) = entry.strip_prefix('[') {
+        let (host, tail) = rest.split_once(']')?;
+        return match tail.strip_prefix(':') {
+            Some(port) => Some((host, Some(port.parse().ok()?))),
+            None if tail.is_empty() => Some((host, None)),
+            None => None,
+        };
+    }
+    match entry.rsplit_once(':') {
+        Some((host, port)) if !host.contains(':') => Some((host, Some(port.parse().ok()?))),
+        _ => Some((entry, None)),
+    }
+}
+
+/// Whether `name` is a DNS host name: letters, digits and hyphens in
+/// labels of 1 to 63, at most 253 in all, not all digits (an address).
+pub fn is_host_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 253
+        && name.split('.').all(|label| {
+            (1..=63).contains(&label.len())
+                && label
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b == b'-')
+                && !label.starts_with('-')
+                && !label.ends_with('-')
+        })
+        && !name.bytes().all(|b| b.is_ascii_digit() || b == b'.')
+}
+
+impl fmt::Display for Destination {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let host = match &self.target {
+            Target::Net(IpNet::V6(net)) if self.port.is_some() => format!("[{net}]"),
+            Target::Net(net) => net.to_string(),
+            Target::Name(name) => name.clone(),
+            Target::Suffix(suffix) => format!("*.{suffix}"),
+        };
+        match self.port {
+            Some(port) => write!(f, "{host}:{port}"),
+            None => f.write_str(&host),
+        }
+    }
+}
+
+impl Serialize for Destination {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.collect_str(self)
+    }
+}
+
+impl<'de> Deserialize<'de> for Destination {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let text = String::deserialize(deserializer)?;
+        text.parse().map_err(serde::de::Error::custom)
+    }
+}
+
+impl Destination {
+    /// Whether this is a domain name (reached through the egress proxy).
+    pub fn is_domain(&self) -> bool {
+        !matches!(self.target, Target::Net(_))
+    }
+
+    /// The ports it is reached on: its own, else every port for a network
+    /// (`None`) and [`WEB_PORTS`] for a domain.
+    pub fn ports(&self) -> Option<Vec<u16>> {
+        match (self.port, &self.target) {
+            (Some(port), _) => Some(vec![port]),
+            (None, Target::Net(_)) => None,
+            (None, _) => Some(WEB_PORTS.to_vec()),
+        }
+    }
+
+    fn matches_port(&self, port: u16) -> bool {
+        self.ports().is_none_or(|ports| ports.contains(&port))
+    }
+}
+
+/// An egress policy: the mode and what it allows.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EgressPolicy {
+    /// See [`EgressMode`].
+    pub mode: EgressMode,
+    /// Networks and names reached although the mode, or the private
+    /// ranges, would refuse them.
+    pub allow: Vec<Destination>,
+}
+
+impl EgressPolicy {
+    /// Whether a connection asking for `name` on `port` may go through
+    /// the egress proxy. `name` is lowercase, without a trailing dot.
+    pub fn allows_name(&self, name: &str, port: u16) -> bool {
+        self.allow.iter().any(|d| {
+            d.matches_port(port)
+                && match &d.target {
+                    Target::Name(allowed) => allowed == name,
+                    Target::Suffix(suffix) => name
+                        .strip_suffix(suffix.as_str())
+                        .is_some_and(|head| head.len() > 1 && head.ends_with('.')),
+                    Target::Net(_) => false,
+                }
+        })
+    }
+
+    /// Whether an address a name resolved to may be connected to on
+    /// `port`: never a metadata address; a private one only inside an
+    /// allowed network.
+    pub fn allows_resolved(&self, addr: IpAddr, port: u16) -> bool {
+        let within = |list: &[&str]| {
+            list.iter()
+                .filter_map(|n| n.parse::<IpNet>().ok())
+                .any(|n| n.contains(&addr))
+        };
+        if within(METADATA_V4) || within(METADATA_V6) || addr.is_loopback() || addr.is_unspecified()
+        {
+            return false;
+        }
+        let private = within(PRIVATE_V4) || within(PRIVATE_V6);
+        !private
+            || self.allow.iter().any(|d| {
+                matches!(&d.target, Target::Net(net) if net.contains(&addr)) && d.matches_port(port)
+            })
+    }
+
+    /// The allowed networks, each with its one port (`None`: every port).
+    pub fn networks(&self) -> impl Iterator<Item = (IpNet, Option<u16>)> + '_ {
+        self.allow.iter().filter_map(|d| match d.target {
+            Target::Net(net) => Some((net, d.port)),
+            _ => None,
+        })
+    }
+
+    /// The ports the allowed domains are reached on: the connections the
+    /// guard sends to the egress proxy.
+    pub fn domain_ports(&self) -> BTreeSet<u16> {
+        self.allow
+            .iter()
+            .filter(|d| d.is_domain())
+            .filter_map(Destination::ports)
+            .flatten()
+            .collect()
+    }
+
+    /// Whether connections go through the egress proxy.
+    pub fn needs_proxy(&self) -> bool {
+        self.mode.confined() && self.allow.iter().any(Destination::is_domain)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn policy(allow: &[&str]) -> EgressPolicy {
+        EgressPolicy {
+            mode: EgressMode::Allowlist,
+            allow: allow.iter().map(|d| d.parse().unwrap()).collect(),
+        }
+    }
+
+    #[test]
+    fn entries_read_back_as_written() {
+        for entry in [
+            "10.8.0.0/24",
+            "10.8.0.5/32:5432",
+            "[fd00::/8]:443",
+            "fd00::5/128",
+            "pypi.org",
+            "*.github.com:22",
+        ] {
+            let d: Destination = entry.parse().unwrap();
+            assert_eq!(d.to_string(), entry);
+        }
+        let d: Destination = "10.8.0.5:5432".parse().unwrap();
+        assert_eq!(d.to_string(), "10.8.0.5/32:5432");
+        let d: Destination = "PyPI.org.".parse().unwrap();
+        assert_eq!(d.target, Target::Name("pypi.org".into()));
+        for bad in [
+            "",
+            "pypi.org:0",
+            "pypi.org:x",
+            "a..b",
+            "-a.org",
+            "*.",
+            "*.*.org",
+            "10.0.0.0/33",
+            "[fd00::/8",
+            "ex ample.org",
+            "1.2.3",
+        ] {
+            assert!(bad.parse::<Destination>().is_err(), "{bad:?} was read");
+        }
+    }
+
+    #[test]
+    fn names_match_exactly_or_under_a_suffix_on_their_ports() {
+        let p = policy(&["pypi.org", "*.github.com:22", "10.0.0.0/8"]);
+        assert!(p.allows_name("pypi.org", 443));
+        assert!(p.allows_name("pypi.org", 80));
+        assert!(!p.allows_name("pypi.org", 22));
+        assert!(!p.allows_name("files.pypi.org", 443));
+        assert!(!p.allows_name("evilpypi.org", 443));
+        assert!(p.allows_name("api.github.com", 22));
+        assert!(!p.allows_name("github.com", 22));
+        assert!(!p.allows_name("xgithub.com", 22));
+        assert!(!p.allows_name("api.github.com", 443));
+        assert!(!p.allows_name("10.1.2.3", 443));
+        assert_eq!(p.domain_ports(), BTreeSet::from([22, 80, 443]));
+        assert!(p.needs_proxy());
+        assert!(!policy(&["10.0.0.0/8"]).needs_proxy());
+    }
+
+    #[test]
+    fn resolved_addresses_are_public_or_allowed_and_never_metadata() {
+        let p = policy(&["169.254.0.0/16", "10.1.0.0/16:5432"]);
+        let ok = |a: &str, port| p.allows_resolved(a.parse().unwrap(), port);
+        assert!(ok("151.101.0.223", 443));
+        assert!(!ok("169.254.169.254", 80));
+        assert!(!ok("168.63.129.16", 80));
+        assert!(ok("169.254.10.1", 80));
+        assert!(!ok("127.0.0.1", 443));
+        assert!(!ok("10.2.0.1", 443));
+        assert!(ok("10.1.0.9", 5432));
+        assert!(!ok("10.1.0.9", 443));
+        assert!(!ok("fd00:ec2::254", 80));
+        assert!(!ok("fd12::1", 80));
+    }
+}

@@ -8,4 +8,9 @@
 
 #![forbid(unsafe_code)]
 
+mod metrics;
+mod proxy;
 pub mod sniff;
+
+pub use metrics::EgressMetrics;
+pub use proxy::{EgressError, EgressProxy, Refusal};

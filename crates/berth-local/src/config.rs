@@ -4,7 +4,7 @@
 
 use std::path::PathBuf;
 
-use ipnet::IpNet;
+use berth_core::egress::{Destination, EgressMode, EgressPolicy};
 use serde::{Deserialize, Serialize};
 
 use crate::isolation::{Isolation, Limits, UidRange};
@@ -61,11 +61,15 @@ pub struct IsolationTable {
     /// in `PATH`, `/usr/sbin` and `/sbin`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub nft: Option<PathBuf>,
-    /// Private networks (CIDRs, or single addresses) instances may reach
-    /// although the egress guard refuses private ranges: an internal
-    /// package mirror, say. Never the metadata addresses or this host's.
-    #[serde(deserialize_with = "networks")]
-    pub egress_allow: Vec<IpNet>,
+    /// `"allow_all"`: the public internet and what `egress_allow` adds;
+    /// `"deny_all"` or `"allowlist"`: only what `egress_allow` allows.
+    pub egress: EgressMode,
+    /// Destinations instances may reach although the egress guard or the
+    /// mode refuses them: networks (`10.8.0.0/24`, an address), and with
+    /// a confining mode domain names (`pypi.org`, `*.github.com`), each
+    /// with an optional `:port`. Never the metadata addresses or this
+    /// host's.
+    pub egress_allow: Vec<Destination>,
 }
 
 impl Default for IsolationTable {
@@ -81,25 +85,10 @@ impl Default for IsolationTable {
             base_uid: 200_000,
             uid_count: 100_000,
             nft: None,
+            egress: EgressMode::AllowAll,
             egress_allow: Vec::new(),
         }
     }
-}
-
-/// Networks written as CIDRs (`10.1.0.0/16`) or single addresses.
-fn networks<'de, D: serde::Deserializer<'de>>(deserializer: D) -> Result<Vec<IpNet>, D::Error> {
-    Vec::<String>::deserialize(deserializer)?
-        .iter()
-        .map(|text| {
-            text.parse::<IpNet>()
-                .or_else(|_| text.parse::<std::net::IpAddr>().map(IpNet::from))
-                .map_err(|_| {
-                    serde::de::Error::custom(format!(
-                        "{text:?} is neither a network (10.1.0.0/16, fd00::/8) nor an address"
-                    ))
-                })
-        })
-        .collect()
 }
 
 impl IsolationTable {
@@ -118,6 +107,14 @@ impl IsolationTable {
         UidRange {
             first: self.base_uid,
             count: self.uid_count,
+        }
+    }
+
+    /// The egress policy of every instance.
+    pub fn egress_policy(&self) -> EgressPolicy {
+        EgressPolicy {
+            mode: self.egress,
+            allow: self.egress_allow.clone(),
         }
     }
 
@@ -194,6 +191,24 @@ impl LocalRuntimeConfig {
                 "must be at least 1: an instance holds its own port",
             ));
         }
+        if !self.egress.mode.confined()
+            && let Some(name) = self.egress.allow.iter().find(|d| d.is_domain())
+        {
+            return Err(bad(
+                "isolation.egress_allow",
+                format!(
+                    "{name} is a domain name, which only a confining egress (\"deny_all\" or \
+                     \"allowlist\") can allow: with \"allow_all\" every public name is reached"
+                ),
+            ));
+        }
+        if self.egress.mode.confined() && self.isolation == Isolation::None {
+            return Err(bad(
+                "isolation.egress",
+                "needs isolation mode \"user\": at \"none\" nothing confines a program's \
+                 connections",
+            ));
+        }
         if self.limits.open_files_max < MIN_OPEN_FILES {
             return Err(bad(
                 "isolation.open_files_max",
@@ -233,7 +248,8 @@ mod tests {
                 per_account: 1000,
             },
             nft: None,
-            egress_allow: isolation.egress_allow.clone(),
+            egress: isolation.egress_policy(),
+            egress_proxy: None,
             shim_command: vec!["berth".to_owned(), "shim".to_owned()],
         }
     }
@@ -264,6 +280,21 @@ mod tests {
             spoil(&mut c);
             assert_eq!(c.validate().map_err(|e| e.key), Err(key));
         }
+    }
+
+    #[test]
+    fn names_need_a_confining_egress_and_confining_needs_accounts() {
+        let table = IsolationTable::default();
+        let mut c = config(&table);
+        c.egress.allow = vec!["pypi.org".parse().unwrap()];
+        assert_eq!(
+            c.validate().map_err(|e| e.key),
+            Err("isolation.egress_allow")
+        );
+        c.egress.mode = berth_core::egress::EgressMode::Allowlist;
+        assert_eq!(c.validate(), Ok(()));
+        c.isolation = Isolation::None;
+        assert_eq!(c.validate().map_err(|e| e.key), Err("isolation.egress"));
     }
 
     #[test]

@@ -126,12 +126,18 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         None => None,
     };
 
+    let egress_metrics = berth_egress::EgressMetrics::default();
+    let egress_proxy = egress_proxy(&config, egress_metrics.clone()).await?;
+    let egress_port = egress_proxy
+        .as_ref()
+        .and_then(berth_egress::EgressProxy::port);
     // Instances may hold only so many connections to these at once.
     let mut listening = vec![addr.port()];
     for listener in metrics_listener.iter().chain(internal_listener.iter()) {
         listening.push(listener.local_addr()?.port());
     }
-    let runtime = runtime(&config, &node_id, store.clone(), listening).await?;
+    listening.extend(egress_port);
+    let runtime = runtime(&config, &node_id, store.clone(), listening, egress_port).await?;
     let mut controller_config = config.controller_config(&node_id)?;
     controller_config.advertise_url.clone_from(&public_url);
     controller_config.internal_url = internal_url.clone().unwrap_or_default();
@@ -154,12 +160,16 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         spawner.register_metrics(registry);
         cluster_metrics.register(registry);
         proxy_metrics.register(registry);
+        egress_metrics.register(registry);
     }));
 
     // Cluster mode: routing across nodes, node-to-node calls, failover.
     let tasks = TaskTracker::new();
     let cancel = CancellationToken::new();
     let spawner_dyn = spawner.clone() as Arc<dyn Spawner>;
+    if let Some(egress_proxy) = egress_proxy {
+        tasks.spawn(egress_proxy.serve(cancel.child_token()));
+    }
     {
         let (controller, cancel) = (spawner.clone(), cancel.clone());
         tasks.spawn(async move {
@@ -361,6 +371,7 @@ async fn runtime(
     node_id: &str,
     store: Arc<dyn Store>,
     listening: Vec<u16>,
+    egress_proxy: Option<u16>,
 ) -> anyhow::Result<Arc<dyn Runtime>> {
     #[cfg(feature = "kubernetes")]
     if let Some(k8s) = config.k8s_runtime_config(node_id)? {
@@ -386,6 +397,7 @@ async fn runtime(
     ];
     let mut local = config.runtime_config(shim_command)?;
     local.listeners.ports = listening;
+    local.egress_proxy = egress_proxy;
     if local.isolation == Isolation::None {
         tracing::warn!(
             as_root = nix::unistd::geteuid().is_root(),
@@ -406,6 +418,23 @@ async fn runtime(
         tracing::warn!(error = %e, "cannot remove the leftovers of gone berths");
     }
     Ok(local)
+}
+
+/// The egress proxy, bound on loopback, when instances run on this host
+/// under an egress policy that allows domain names: the guard sends their
+/// connections to those names' ports there.
+async fn egress_proxy(
+    config: &Config,
+    metrics: berth_egress::EgressMetrics,
+) -> anyhow::Result<Option<berth_egress::EgressProxy>> {
+    let policy = config.isolation.egress_policy();
+    if config.kubernetes.is_some() || !policy.needs_proxy() {
+        return Ok(None);
+    }
+    let loopback = std::net::SocketAddr::from((std::net::Ipv4Addr::LOCALHOST, 0));
+    let proxy = berth_egress::EgressProxy::bind(loopback, policy, metrics).await?;
+    tracing::info!(port = ?proxy.port(), "egress proxy: instances reach the allowed domains through it");
+    Ok(Some(proxy))
 }
 
 /// Records this berth's instance uid range host-wide, or refuses to start

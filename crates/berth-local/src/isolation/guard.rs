@@ -41,14 +41,14 @@
 //! atomically (one `nft -f` transaction) at start, which drops entries a
 //! previous berth left; adopted instances add theirs back.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::net::IpAddr;
 use std::ops::RangeInclusive;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::sync::Mutex;
 
-use berth_core::egress;
+use berth_core::egress::{self, EgressPolicy};
 use ipnet::IpNet;
 use tokio::sync::{mpsc, oneshot};
 
@@ -60,11 +60,14 @@ use super::nft_runner::{NftRunner, Ran};
 /// Where instances may go beyond the public internet.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Egress {
-    /// Networks reached although they are private (an internal package
-    /// mirror, say); never the metadata addresses or this host's own.
-    pub allow: Vec<IpNet>,
+    /// The mode and what it allows; never the metadata addresses or this
+    /// host's own.
+    pub policy: EgressPolicy,
     /// The host's name servers, reached on port 53 wherever they are.
     pub name_servers: Vec<IpAddr>,
+    /// The egress proxy's port on loopback, where connections to the
+    /// allowed domains' ports go; `None`: no domain is allowed.
+    pub proxy_port: Option<u16>,
 }
 
 /// The name servers of a `resolv.conf`: its `nameserver` lines that hold
@@ -220,9 +223,31 @@ pub fn ruleset(
         .map(|a| IpNet::from(*a))
         .collect();
     let dns = by_family(&servers, "meta l4proto { tcp, udp } th dport 53 accept");
-    let allowed = by_family(&egress.allow, "accept");
-    let private = nets(&[egress::PRIVATE_V4, egress::PRIVATE_V6].concat());
-    let private = by_family(&private, "reject");
+    let policy = &egress.policy;
+    let mut allowed = String::new();
+    let mut by_port: BTreeMap<Option<u16>, Vec<IpNet>> = BTreeMap::new();
+    for (net, port) in policy.networks() {
+        by_port.entry(port).or_default().push(net);
+    }
+    for (port, nets) in &by_port {
+        let verdict = match port {
+            None => "accept".to_owned(),
+            Some(port) => format!("meta l4proto {{ tcp, udp }} th dport {port} accept"),
+        };
+        allowed.push_str(&by_family(nets, &verdict));
+    }
+    // Confined, only what is allowed passes: loopback (the program's own
+    // port, berth, and the egress proxy a redirected connection now
+    // goes to), then nothing. Else the internet passes, nothing private.
+    let rest = if policy.mode.confined() {
+        "\t\tip daddr 127.0.0.0/8 accept\n\t\tip6 daddr ::1 accept\n\t\treject\n".to_owned()
+    } else {
+        by_family(
+            &nets(&[egress::PRIVATE_V4, egress::PRIVATE_V6].concat()),
+            "reject",
+        )
+    };
+    let redirect = redirect_chains(&who, egress, &by_port);
     let (conns_set, conns_rule) = match listeners.ports.as_slice() {
         [] => (String::new(), String::new()),
         _ if listeners.per_account == 0 => (String::new(), String::new()),
@@ -261,13 +286,55 @@ pub fn ruleset(
          \t\tfib daddr type local ip6 daddr != ::1 reject\n\
          {dns}\
          {allowed}\
-         {private}\
+         {rest}\
          \t}}\n\
          \tchain output {{\n\
          \t\ttype filter hook output priority filter; policy accept;\n\
          \t\t{who} jump instance\n\
          \t}}\n\
+         {redirect}\
          }}\n"
+    )
+}
+
+/// The chains that send an instance's IPv4 TCP connections on the allowed
+/// domains' ports to the egress proxy, unless they go to loopback, this
+/// host, a metadata address (which the filter then refuses) or an
+/// allowed network; none without a proxy. IPv6 connections to those ports
+/// are refused, and a program falls back to IPv4.
+fn redirect_chains(
+    who: &str,
+    egress: &Egress,
+    allowed: &BTreeMap<Option<u16>, Vec<IpNet>>,
+) -> String {
+    let ports = egress.policy.domain_ports();
+    let (Some(proxy), false) = (egress.proxy_port, ports.is_empty()) else {
+        return String::new();
+    };
+    let ports: Vec<String> = ports.iter().map(u16::to_string).collect();
+    let v4 = |nets: &[IpNet]| -> Vec<IpNet> {
+        nets.iter()
+            .filter(|n| matches!(n, IpNet::V4(_)))
+            .copied()
+            .collect()
+    };
+    let metadata = v4(&nets(egress::METADATA_V4));
+    let allowed: Vec<IpNet> = allowed.values().flat_map(|nets| v4(nets)).collect();
+    format!(
+        "\tchain egress_redirect {{\n\
+         \t\ttype nat hook output priority -100; policy accept;\n\
+         \t\t{who} meta nfproto ipv4 jump egress_names\n\
+         \t}}\n\
+         \tchain egress_names {{\n\
+         \t\tip daddr 127.0.0.0/8 return\n\
+         \t\tfib daddr type local return\n\
+         {metadata}\
+         {allowed}\
+         \t\ttcp dport {{ {ports} }} redirect to :{proxy}\n\
+         \t}}\n",
+        metadata = by_family(&metadata, "return"),
+        allowed = by_family(&allowed, "return"),
+        ports = ports.join(", "),
     )
 }
 
@@ -706,8 +773,12 @@ mod tests {
             &(20000..=20099),
             &listeners,
             &Egress {
-                allow: vec!["10.1.0.0/16".parse().unwrap(), "fd12::/16".parse().unwrap()],
+                policy: EgressPolicy {
+                    mode: egress::EgressMode::AllowAll,
+                    allow: vec!["10.1.0.0/16".parse().unwrap(), "fd12::/16".parse().unwrap()],
+                },
                 name_servers: vec!["10.255.255.53".parse().unwrap()],
+                proxy_port: None,
             },
         );
         assert!(
@@ -775,6 +846,71 @@ mod tests {
             element("berth_x", "add", 200_001, 20005),
             "add element inet berth_x own_ports { 200001 . 20005 }\n"
         );
+    }
+
+    #[test]
+    fn a_confined_ruleset_allows_only_its_networks_and_sends_names_to_the_proxy() {
+        let uids = UidRange {
+            first: 200_000,
+            count: 1000,
+        };
+        let egress = Egress {
+            policy: EgressPolicy {
+                mode: egress::EgressMode::Allowlist,
+                allow: [
+                    "pypi.org",
+                    "*.github.com:22",
+                    "10.8.0.0/24:5432",
+                    "fd12::/16",
+                ]
+                .iter()
+                .map(|d| d.parse().unwrap())
+                .collect(),
+            },
+            name_servers: vec!["10.255.255.53".parse().unwrap()],
+            proxy_port: Some(41234),
+        };
+        let script = ruleset(
+            "t",
+            None,
+            uids,
+            &(20000..=20099),
+            &ListenerCap::default(),
+            &egress,
+        );
+        let instance = script.split("chain instance").nth(1).unwrap();
+        let instance = instance.split("chain output").next().unwrap();
+        for rule in [
+            "ip daddr { 10.8.0.0/24 } meta l4proto { tcp, udp } th dport 5432 accept",
+            "ip6 daddr { fd12::/16 } accept",
+            "ip daddr 127.0.0.0/8 accept\n\t\tip6 daddr ::1 accept\n\t\treject\n",
+        ] {
+            assert!(instance.contains(rule), "{rule} missing from\n{instance}");
+        }
+        // Confined: the private ranges need no rule of their own.
+        assert!(!instance.contains("192.168.0.0/16"), "{instance}");
+        let redirect = script.split("chain egress_names").nth(1).unwrap();
+        for rule in [
+            "ip daddr { 10.8.0.0/24 } return",
+            "ip daddr { 100.100.100.200/32, 168.63.129.16/32, 169.254.169.254/32, \
+             169.254.170.2/32 } return",
+            "tcp dport { 22, 80, 443 } redirect to :41234",
+        ] {
+            assert!(redirect.contains(rule), "{rule} missing from\n{redirect}");
+        }
+        // No proxy, or no domain: no redirection.
+        for (proxy_port, allow) in [(None, "pypi.org"), (Some(41234), "10.8.0.0/24")] {
+            let egress = Egress {
+                policy: EgressPolicy {
+                    mode: egress::EgressMode::Allowlist,
+                    allow: vec![allow.parse().unwrap()],
+                },
+                name_servers: Vec::new(),
+                proxy_port,
+            };
+            let script = ruleset("t", None, uids, &(1..=2), &ListenerCap::default(), &egress);
+            assert!(!script.contains("redirect"), "{script}");
+        }
     }
 
     #[test]

@@ -296,7 +296,8 @@ impl Isolator {
         // Read once: a name server added later is reached after a restart.
         let resolv_conf = std::fs::read_to_string("/etc/resolv.conf").unwrap_or_default();
         let egress = guard::Egress {
-            allow: config.egress_allow.clone(),
+            policy: config.egress.clone(),
+            proxy_port: config.egress_proxy,
             name_servers: guard::name_servers(&resolv_conf),
         };
         let guard = guard::Guard::new(

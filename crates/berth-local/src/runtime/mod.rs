@@ -83,9 +83,13 @@ pub struct LocalRuntimeConfig {
     /// berth's own listeners, and how many connections one instance's
     /// account may hold open to them (levels `user` and `sandbox`).
     pub listeners: crate::ListenerCap,
-    /// Private networks instances may reach nonetheless (levels `user`
-    /// and `sandbox`; see the egress guard).
-    pub egress_allow: Vec<ipnet::IpNet>,
+    /// Where instances may connect (levels `user` and `sandbox`; see the
+    /// egress guard).
+    pub egress: berth_core::egress::EgressPolicy,
+    /// The egress proxy's port on loopback, where the guard sends an
+    /// instance's connections to the allowed domains' ports; known once
+    /// berth has bound it. `None`: no domain is allowed.
+    pub egress_proxy: Option<u16>,
     /// The `nft` program of the guards; `None`: looked up in `PATH`,
     /// `/usr/sbin` and `/sbin`.
     pub nft: Option<PathBuf>,

@@ -254,7 +254,8 @@ impl Config {
             uids: self.isolation.uids(),
             limits: self.isolation.limits(),
             nft: self.isolation.nft.clone(),
-            egress_allow: self.isolation.egress_allow.clone(),
+            egress: self.isolation.egress_policy(),
+            egress_proxy: None,
             // The ports are known once berth has bound them.
             listeners: berth_local::ListenerCap {
                 ports: Vec::new(),

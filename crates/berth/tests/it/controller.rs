@@ -96,7 +96,8 @@ impl Env {
             limits: Limits::default(),
             listeners: berth_local::ListenerCap::default(),
             nft: None,
-            egress_allow: Vec::new(),
+            egress: Default::default(),
+            egress_proxy: None,
             shim_command: vec![BERTH.into(), "shim".into()],
         };
         let controller = ControllerConfig {

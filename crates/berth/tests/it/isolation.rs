@@ -851,6 +851,17 @@ const PRIVATE: [&str; 6] = [
 ];
 /// A private host the test's `egress_allow` lets instances reach.
 const ALLOWED_PRIVATE: &str = "192.168.77.7";
+/// A public host with a name an allowlist allows (`allowed.test`) and one
+/// it does not (`other.test`), and another public host (`denied.test`).
+const NAMED_HOST: &str = "198.51.100.8";
+const DENIED_HOST: &str = "198.51.100.9";
+/// The `host` namespace's names, as its `/etc/hosts`: besides the public
+/// ones, an allowed name for a private host and one for a metadata
+/// address.
+const HOSTS: &str = "198.51.100.8 allowed.test other.test\n\
+                     198.51.100.9 denied.test\n\
+                     10.254.0.7 inside.test\n\
+                     169.254.169.254 meta.test\n";
 
 impl Netns {
     fn ip(args: &[&str]) {
@@ -863,7 +874,10 @@ impl Netns {
     }
 
     fn create() -> Netns {
-        let tag = std::process::id();
+        // Unique per test in this process: names and links are host-wide.
+        static MADE: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let made = MADE.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let tag = format!("{}x{made}", std::process::id());
         let ns = Netns {
             host: format!("berth-eg-h{tag}"),
             outside: format!("berth-eg-o{tag}"),
@@ -879,6 +893,11 @@ impl Netns {
             format!("nameserver {NAME_SERVER}\n"),
         )
         .unwrap();
+        std::fs::write(
+            format!("{etc}/hosts"),
+            format!("127.0.0.1 localhost\n{HOSTS}"),
+        )
+        .unwrap();
         let veth_h = format!("bv{tag}h");
         let veth_o = format!("bv{tag}o");
         Self::ip(&[
@@ -888,7 +907,13 @@ impl Netns {
         let hosts: Vec<String> = METADATA
             .iter()
             .chain(&PRIVATE)
-            .chain(&[ALLOWED_PRIVATE, NAME_SERVER, OUTSIDE_ADDR])
+            .chain(&[
+                ALLOWED_PRIVATE,
+                NAME_SERVER,
+                OUTSIDE_ADDR,
+                NAMED_HOST,
+                DENIED_HOST,
+            ])
             .map(|addr| match addr.contains(':') {
                 true => format!("{addr}/128"),
                 false => format!("{addr}/32"),
@@ -1051,6 +1076,118 @@ fn the_egress_guard_refuses_metadata_private_ranges_and_the_host_but_not_the_out
                     );
                 }
             }
+            node.kill_instances();
+        });
+    })
+    .join()
+    .unwrap();
+}
+
+/// An instance confined to an allowlist of names: it reaches an allowed
+/// name over HTTP and TLS, through the egress proxy, and an allowed
+/// network directly; it does not reach the allowed name's host by its
+/// raw address or by another name, a name not on the list, an allowed
+/// name that resolves to a private or metadata address, or any other
+/// port of the internet. berth itself still reaches every host.
+#[test]
+fn an_instance_confined_to_an_allowlist_reaches_only_the_allowed_names() {
+    if !privileged("egress allowlist") {
+        return;
+    }
+    if Command::new("ip").arg("-V").output().is_err() {
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "scripts/test installs iproute2"
+        );
+        println!("SKIPPED egress allowlist: needs `ip` (iproute2)");
+        return;
+    }
+    let ns = Netns::create();
+    for (addr, port) in [
+        (NAMED_HOST, 80),
+        (NAMED_HOST, 443),
+        (DENIED_HOST, 80),
+        ("10.254.0.7", 80),
+        ("169.254.169.254", 80),
+        (ALLOWED_PRIVATE, 80),
+        (OUTSIDE_ADDR, 8080),
+    ] {
+        Netns::listen(&ns.outside, addr, port);
+    }
+    // (host to connect to, port, name asked for, over TLS, reached)
+    let fetches = [
+        ("allowed.test", "80", "allowed.test", "0", true),
+        ("allowed.test", "443", "allowed.test", "1", true),
+        (NAMED_HOST, "80", NAMED_HOST, "0", false),
+        (NAMED_HOST, "80", "other.test", "0", false),
+        ("other.test", "443", "other.test", "1", false),
+        ("denied.test", "80", "denied.test", "0", false),
+        ("inside.test", "80", "inside.test", "0", false),
+        ("meta.test", "80", "meta.test", "0", false),
+        (ALLOWED_PRIVATE, "80", "anything", "0", true),
+    ];
+    let host = ns.host.clone();
+    Netns::run_in(&ns.host, move || {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        runtime.block_on(async move {
+            let dir = tempfile::tempdir().unwrap();
+            let slot = slot();
+            let options = StartOptions {
+                wrapper: vec!["ip".into(), "netns".into(), "exec".into(), host],
+                ..StartOptions::default()
+            };
+            let isolation = "egress = \"allowlist\"\negress_allow = [\"allowed.test\", \
+                             \"inside.test\", \"meta.test\", \"192.168.77.0/24:80\"]";
+            let node = Node::from(
+                support::berth()
+                    .node(dir.path())
+                    .config(&breach_config(dir.path(), &slot, "user", isolation, ""))
+                    .options(options)
+                    .start(),
+            );
+            launch(&node, "alice").await;
+            for (host, port, name, tls, reached) in fetches {
+                let query = [("host", host), ("port", port), ("name", name), ("tls", tls)];
+                let tried = probe(&node, "alice", "fetch", &query).await;
+                if reached {
+                    assert_eq!(tried["ok"], true, "{query:?}: {tried}");
+                } else {
+                    assert!(
+                        refused(&tried, &["ECONNABORTED", "ECONNRESET", "ECONNREFUSED"]),
+                        "the instance reached {query:?}: {tried}"
+                    );
+                }
+            }
+            // Any other port of the internet is refused outright...
+            let tried = probe(
+                &node,
+                "alice",
+                "connect",
+                &[("host", OUTSIDE_ADDR), ("port", "8080")],
+            )
+            .await;
+            assert!(refused(&tried, &["ECONNREFUSED"]), "{tried}");
+            // ...though berth's own uid reaches it and every host above.
+            for addr in [
+                "198.51.100.7:8080",
+                "198.51.100.8:80",
+                "198.51.100.9:80",
+                "10.254.0.7:80",
+            ] {
+                std::net::TcpStream::connect_timeout(
+                    &addr.parse().unwrap(),
+                    Duration::from_secs(5),
+                )
+                .unwrap_or_else(|e| panic!("root cannot reach {addr}: {e}"));
+            }
+            let metrics = node.metrics_text().await;
+            assert!(
+                metrics.contains("berth_egress_connections_total{verdict=\"refused\"}"),
+                "{metrics}"
+            );
             node.kill_instances();
         });
     })

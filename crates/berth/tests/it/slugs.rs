@@ -312,7 +312,8 @@ async fn controller(data: &Path, ports: u16, store: Arc<dyn Store>) -> Arc<Contr
         limits: Limits::default(),
         listeners: berth_local::ListenerCap::default(),
         nft: None,
-        egress_allow: Vec::new(),
+        egress: Default::default(),
+        egress_proxy: None,
         shim_command: vec![BERTH.into(), "shim".into()],
     };
     let config = ControllerConfig {

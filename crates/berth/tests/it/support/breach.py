@@ -9,6 +9,7 @@ import json
 import os
 import pwd
 import socket
+import ssl
 import sys
 import threading
 import time
@@ -41,6 +42,31 @@ def write(path):
 
 def connect(host, port):
     with socket.create_connection((host, int(port)), timeout=5):
+        return True
+
+
+def fetch(host, port, name, tls):
+    """Connects to host:port and asks for `name`: a TLS ClientHello whose
+    SNI is `name` (tls == "1"), else an HTTP request whose Host is `name`.
+    The test's hosts answer `HTTP/1.0 200` on every connection, so what
+    comes back says whether the request reached one; an egress proxy that
+    refuses it closes the connection with nothing."""
+    with socket.create_connection((host, int(port)), timeout=5) as s:
+        if tls == "1":
+            incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+            hello = ssl.create_default_context().wrap_bio(
+                incoming, outgoing, server_hostname=name
+            )
+            try:
+                hello.do_handshake()
+            except ssl.SSLWantReadError:
+                pass
+            s.sendall(outgoing.read())
+        else:
+            s.sendall(("GET / HTTP/1.0\r\nHost: %s\r\n\r\n" % name).encode())
+        answer = s.recv(64)
+        if not answer.startswith(b"HTTP/1.0 200"):
+            raise ConnectionAbortedError(errno.ECONNABORTED, "no answer from the host")
         return True
 
 
@@ -299,6 +325,8 @@ class Handler(BaseHTTPRequestHandler):
             result = outcome(lambda: write(one("path")))
         elif probe == "connect":
             result = outcome(lambda: connect(one("host"), one("port")))
+        elif probe == "fetch":
+            result = outcome(lambda: fetch(one("host"), one("port"), one("name"), one("tls")))
         elif probe == "listen":
             result = outcome(lambda: listen(one("port"), one("name")))
         elif probe == "uconnect":
