@@ -184,3 +184,41 @@ async fn every_example_serves_as_shipped_as_root_and_as_an_unprivileged_user() {
         }
     }
 }
+
+/// `agent-sandbox.toml` as shipped (berth as root, as it says): the agent
+/// runs under an account of its own, and the guard holds its allowlist:
+/// the four names' web ports go to the egress proxy, and everything else
+/// is refused.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_agent_sandbox_example_confines_its_agent_to_its_allowlist() {
+    if !support::privileged("agent sandbox example") {
+        return;
+    }
+    let (_dir, node) = serve("agent-sandbox.toml", None);
+    demo(&node, "agent-sandbox.toml").await;
+    let pid = node.main_of("alice").await["pid"].as_u64().unwrap();
+    let uid =
+        std::os::unix::fs::MetadataExt::uid(&std::fs::metadata(format!("/proc/{pid}")).unwrap());
+    assert_ne!(uid, 0, "the agent runs as root");
+    let table = berth_local::isolation::nft_table_name(&node.data_dir.canonicalize().unwrap());
+    let listed = std::process::Command::new("nft")
+        .args(["list", "table", "inet", &table])
+        .output()
+        .unwrap();
+    let rules = String::from_utf8_lossy(&listed.stdout);
+    assert!(
+        rules.contains("tcp dport { 80, 443 } redirect to :"),
+        "{rules}"
+    );
+    let instance = rules.split("chain instance").nth(1).unwrap();
+    let instance = instance.split("chain output").next().unwrap();
+    assert!(
+        instance
+            .trim_end()
+            .trim_end_matches('}')
+            .trim_end()
+            .ends_with("reject"),
+        "{instance}"
+    );
+    assert_eq!(node.delete("/users/alice/instance").await, 204);
+}
