@@ -174,11 +174,13 @@ class Berth:
     leaves no process behind."""
 
     def __init__(self, exe, keep=False, parent=None, isolation="none", ports=BERTH_PORTS, base_uid=200000,
-                 instance_extra="", reap_extra="idle_ttl_s = 0\n"):
+                 instance_extra="", reap_extra="idle_ttl_s = 0\n", isolation_extra=""):
         self.exe = exe
         # Extra lines for the [instance] and [reap] tables (bench/resume.py).
         self.instance_extra = instance_extra
         self.reap_extra = reap_extra
+        # Extra lines for the [isolation] table (bench/egress.py).
+        self.isolation_extra = isolation_extra
         self.keep = keep
         self.isolation = isolation
         self.ports = ports
@@ -222,6 +224,7 @@ class Berth:
                 f'mode = "{self.isolation}"\n'
                 f"base_uid = {self.base_uid}\n"
                 f"uid_count = 10000\n"
+                f"{self.isolation_extra}"
             )
         self.log_path = os.path.join(self.dir, "berth.log")
         out = open(self.log_path, "wb")
