@@ -36,7 +36,7 @@ pub fn config_with(data_dir: &Path, extra: &str) -> String {
 /// gets the same range again (a restarted node keeps its accounts), and
 /// test processes run one after another get different ones (a host whose
 /// init never reaps keeps an earlier run's zombies, which count against
-/// their account's process limit).
+/// their account's process limit). A process may ask for 1000 ranges.
 pub fn accounts_for(key: &str) -> (u32, u32) {
     static KEYS: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
     let mut keys = KEYS
@@ -49,7 +49,12 @@ pub fn accounts_for(key: &str) -> (u32, u32) {
             keys.len() - 1
         }
     };
-    let n = u32::try_from(n % 1000).unwrap_or(0);
+    // Past the 1000 ranges of a run, two keys would share one: refused,
+    // never wrapped around.
+    let n = u32::try_from(n)
+        .ok()
+        .filter(|&n| n < 1000)
+        .unwrap_or_else(|| panic!("more than 1000 account ranges in one test process ({key})"));
     let run = std::process::id() % 100;
     (30_000_000 + run * 1_000_000 + n * 1000, 1000)
 }
