@@ -13,6 +13,7 @@ use std::fmt;
 use std::fmt::Write as _;
 
 use anstyle::{AnsiColor, Style};
+use berth_core::egress::EgressPolicy;
 use berth_core::{Instance, InstanceStatus, ProbeReport, UnixMillis};
 use berth_store::{LeaseRecord, NodeRecord, TokenRecord};
 
@@ -367,6 +368,18 @@ pub fn opened(minted: &MintedToken, now: UnixMillis) -> String {
 }
 
 /// A user's status as labelled lines.
+/// Where an instance may connect, in words: `internet, nothing private`
+/// (and what is allowed besides), or `only …` when confined.
+fn egress_phrase(egress: &EgressPolicy) -> String {
+    let allowed: Vec<String> = egress.allow.iter().map(ToString::to_string).collect();
+    match (egress.mode.confined(), allowed.is_empty()) {
+        (false, true) => "internet, nothing private".to_owned(),
+        (false, false) => format!("internet, nothing private but {}", allowed.join(", ")),
+        (true, true) => "nothing".to_owned(),
+        (true, false) => format!("only {}", allowed.join(", ")),
+    }
+}
+
 pub fn user_status(answer: &UserStatus, now: UnixMillis, palette: Palette) -> String {
     let mut lines: Vec<(&str, String)> =
         vec![("user", escape::text(answer.user.as_str()).into_owned())];
@@ -412,6 +425,9 @@ pub fn user_status(answer: &UserStatus, now: UnixMillis, palette: Palette) -> St
         None => "none".to_owned(),
     };
     lines.push(("watchdog", watchdog));
+    if let Some(egress) = &answer.egress {
+        lines.push(("egress", escape::text(&egress_phrase(egress)).into_owned()));
+    }
     let width = lines.iter().map(|(l, _)| l.len()).max().unwrap_or(0);
     let mut out = String::new();
     for (label, value) in lines {
@@ -701,6 +717,13 @@ mod tests {
                     cooldown_until: 60_000,
                 }),
                 idle_action: None,
+                egress: Some(EgressPolicy {
+                    mode: berth_core::egress::EgressMode::Allowlist,
+                    allow: vec![
+                        "pypi.org".parse().unwrap(),
+                        "10.8.0.0/24:5432".parse().unwrap(),
+                    ],
+                }),
             },
             0,
             PLAIN,
@@ -718,7 +741,17 @@ mod tests {
              active    in 0s\n\
              folder    .\n\
              breaker   open until in 1m (2 opens)\n\
-             watchdog  none\n"
+             watchdog  none\n\
+             egress    only pypi.org, 10.8.0.0/24:5432\n"
+        );
+        let open = |allow: &[&str]| EgressPolicy {
+            mode: berth_core::egress::EgressMode::AllowAll,
+            allow: allow.iter().map(|d| d.parse().unwrap()).collect(),
+        };
+        assert_eq!(egress_phrase(&open(&[])), "internet, nothing private");
+        assert_eq!(
+            egress_phrase(&open(&["10.8.0.0/24"])),
+            "internet, nothing private but 10.8.0.0/24"
         );
         let all = restart_all(
             &RestartAll {
@@ -799,6 +832,7 @@ mod tests {
                 watchdog: None,
                 breaker: None,
                 idle_action: None,
+                egress: None,
             },
             0,
             PLAIN,

@@ -215,6 +215,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
             berth_core::Readiness::TokenRegex(pattern) => Some(pattern),
             _ => None,
         },
+        guarded_egress(&config)?,
     ));
 
     let path_routing = config.path_routing();
@@ -418,6 +419,14 @@ async fn runtime(
         tracing::warn!(error = %e, "cannot remove the leftovers of gone berths");
     }
     Ok(local)
+}
+
+/// This node's egress policy, where berth guards its instances' egress:
+/// on this host, at a level with accounts.
+fn guarded_egress(config: &Config) -> anyhow::Result<Option<berth_core::egress::EgressPolicy>> {
+    let level = config.isolation_level(nix::unistd::geteuid().is_root())?;
+    Ok((config.kubernetes.is_none() && level != Isolation::None)
+        .then(|| config.isolation.egress_policy()))
 }
 
 /// The egress proxy, bound on loopback, when instances run on this host

@@ -14,6 +14,7 @@
 
 pub mod operation;
 
+use berth_core::egress::EgressPolicy;
 use berth_core::{BreakerInfo, Epoch, Instance, UnixMillis, UserId};
 use berth_store::{LeaseRecord, NodeRecord, NodeStatus, TokenRecord};
 use serde::{Deserialize, Serialize};
@@ -31,6 +32,11 @@ pub struct UserStatus {
     /// `hibernate` or `stop`: what the owner node does when it idles.
     #[serde(default)]
     pub idle_action: Option<String>,
+    /// Where the owner node's instances may connect: its `[isolation]
+    /// egress` and `egress_allow`; absent where berth does not guard it
+    /// (level `none`, or pods).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub egress: Option<EgressPolicy>,
 }
 
 /// `POST …/instance`, `…/instance/restart`, `/api/v1/leases/{user}/takeover`:
@@ -225,6 +231,9 @@ pub struct UserState {
     /// `hibernate` or `stop`: what the owner node does when it idles.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub idle_action: Option<String>,
+    /// Where the owner node's instances may connect.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub egress: Option<EgressPolicy>,
 }
 
 /// The answer of a node-to-node call that has nothing to say (a stop, a
@@ -307,6 +316,7 @@ mod tests {
                 watchdog: None,
                 breaker: None,
                 idle_action: None,
+                egress: None,
             },
             &json!({"user": "alice", "main": inst, "watchdog": null, "breaker": null,
                     "idle_action": null}),
@@ -423,9 +433,17 @@ mod tests {
                 watchdog: None,
                 breaker: None,
                 idle_action: Some("hibernate".into()),
+                egress: Some(EgressPolicy {
+                    mode: berth_core::egress::EgressMode::Allowlist,
+                    allow: vec![
+                        "pypi.org".parse().unwrap(),
+                        "10.8.0.0/24:5432".parse().unwrap(),
+                    ],
+                }),
             },
             &json!({"main": null, "watchdog": null, "breaker": null,
-                    "idle_action": "hibernate"}),
+                    "idle_action": "hibernate",
+                    "egress": {"mode": "allowlist", "allow": ["pypi.org", "10.8.0.0/24:5432"]}}),
         );
         round_trip(&Done {}, &json!({}));
         round_trip(&FenceRequest { epoch: 7 }, &json!({"epoch": 7}));

@@ -337,6 +337,7 @@ async fn status(UserCall { user, .. }: UserCall, State(state): AppState) -> ApiR
         watchdog: state.watchdog,
         breaker: state.breaker,
         idle_action: state.idle_action,
+        egress: state.egress,
     })
     .into_response())
 }

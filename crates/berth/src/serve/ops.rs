@@ -33,6 +33,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
+use berth_core::egress::EgressPolicy;
 use berth_core::{
     Instance, InstanceEvent, LaunchRequest, ProbeReport, Role, SpawnError, Spawner, Stage, UserId,
     UserStatus,
@@ -135,6 +136,9 @@ pub struct Ops {
     /// The program's ready line, whose capture is its launch token (see
     /// [`scrubbed`]); `None` when readiness is not a token line.
     token_line: Option<regex::Regex>,
+    /// Where this node's instances may connect; `None` where berth does
+    /// not guard it (level `none`, or pods).
+    egress: Option<EgressPolicy>,
 }
 
 impl Ops {
@@ -146,6 +150,7 @@ impl Ops {
         node_id: String,
         budgets: Budgets,
         token_line: Option<regex::Regex>,
+        egress: Option<EgressPolicy>,
     ) -> Self {
         Self {
             spawner,
@@ -154,6 +159,7 @@ impl Ops {
             node_id,
             budgets,
             token_line,
+            egress,
         }
     }
 
@@ -610,6 +616,7 @@ impl UserOp for Status {
             watchdog,
             breaker,
             idle_action,
+            egress: ops.egress.clone(),
         })
     }
 

@@ -1149,6 +1149,15 @@ fn an_instance_confined_to_an_allowlist_reaches_only_the_allowed_names() {
                     .start(),
             );
             launch(&node, "alice").await;
+            // The status says what the instance may reach.
+            let (code, status) = node.get("/users/alice/instance").await;
+            assert_eq!(code, 200, "{status}");
+            assert_eq!(
+                status["egress"],
+                json!({"mode": "allowlist", "allow":
+                    ["allowed.test", "inside.test", "meta.test", "192.168.77.0/24:80"]}),
+                "{status}"
+            );
             for (host, port, name, tls, reached) in fetches {
                 let query = [("host", host), ("port", port), ("name", name), ("tls", tls)];
                 let tried = probe(&node, "alice", "fetch", &query).await;
