@@ -126,14 +126,20 @@ impl EgressProxy {
             let cancel = cancel.clone();
             tracker.spawn(async move {
                 let _slot = slot;
-                let uid = owner_of(&client, peer);
+                let mut client = client;
                 let destination = original_destination(&client);
                 tokio::select! {
                     () = cancel.cancelled() => {}
-                    outcome = join(client, destination, &policy) => match outcome {
+                    outcome = join(&mut client, destination, &policy) => match outcome {
                         Ok(()) => metrics.count(Verdict::Allowed),
                         Err(refusal) => {
                             metrics.count(Verdict::Refused);
+                            // Asked of the kernel while the connection is
+                            // still open, and only for a refusal's log. The
+                            // program's socket is connected to where it
+                            // aimed, not to the proxy the guard sent it to.
+                            let uid = destination
+                                .and_then(|aimed| berth_localnet::peer_owner(aimed, peer).ok());
                             log.refused(uid, destination, &refusal);
                         }
                     },
@@ -149,12 +155,12 @@ impl EgressProxy {
 /// ways until either side closes. An I/O error after the check ends the
 /// connection as the program's own network would.
 async fn join(
-    mut client: TcpStream,
+    client: &mut TcpStream,
     destination: Option<SocketAddr>,
     policy: &RwLock<EgressPolicy>,
 ) -> Result<(), Refusal> {
     let port = destination.map(|d| d.port()).ok_or(Refusal::Unnamed)?;
-    let (name, prefix) = tokio::time::timeout(SNIFF_GRACE, read_name(&mut client))
+    let (name, prefix) = tokio::time::timeout(SNIFF_GRACE, read_name(client))
         .await
         .ok()
         .flatten()
@@ -171,7 +177,7 @@ async fn join(
         .await
         .ok_or_else(|| Refusal::Unresolved { name: name.clone() })?;
     if upstream.write_all(&prefix).await.is_ok() {
-        let _ = tokio::io::copy_bidirectional(&mut client, &mut upstream).await;
+        let _ = tokio::io::copy_bidirectional(client, &mut upstream).await;
     }
     Ok(())
 }
@@ -234,12 +240,6 @@ fn original_destination(client: &TcpStream) -> Option<SocketAddr> {
     Some(SocketAddr::new(IpAddr::V4(ip), u16::from_be(addr.sin_port)))
 }
 
-/// The uid of the program's socket, for the log.
-fn owner_of(client: &TcpStream, peer: SocketAddr) -> Option<u32> {
-    let local = client.local_addr().ok()?;
-    berth_localnet::peer_owner(local, peer).ok()
-}
-
 /// Logs refusals, at most [`LOGGED_PER_SECOND`] a second; the others are
 /// counted and reported with the next line logged.
 #[derive(Default)]
@@ -270,8 +270,8 @@ impl RefusalLog {
         }
         let earlier_unlogged = self.unlogged.swap(0, Ordering::Relaxed);
         tracing::warn!(
-            uid = uid.map(|u| u.to_string()).unwrap_or_else(|| "unknown".into()),
-            destination = destination.map(|d| d.to_string()).unwrap_or_default(),
+            uid = %uid.map_or_else(|| "unknown".to_owned(), |u| u.to_string()),
+            destination = %destination.map(|d| d.to_string()).unwrap_or_default(),
             reason = %refusal,
             earlier_unlogged,
             "egress refused"

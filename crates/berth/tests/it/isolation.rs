@@ -950,6 +950,63 @@ impl Netns {
         ns
     }
 
+    /// The namespaces of one egress test, or `None` where it cannot run
+    /// here (said; under CI a failure).
+    fn for_test(test: &str) -> Option<Netns> {
+        if !privileged(test) {
+            return None;
+        }
+        if Command::new("ip").arg("-V").output().is_err() {
+            assert!(
+                std::env::var_os("CI").is_none(),
+                "scripts/test installs iproute2"
+            );
+            println!("SKIPPED {test}: needs `ip` (iproute2)");
+            return None;
+        }
+        Some(Netns::create())
+    }
+
+    /// Runs berth in `host` at level `user`, with `isolation` added to its
+    /// `[isolation]` table, launches alice (the breach program), and hands
+    /// the node and berth's log file to `check`, on a runtime in that
+    /// namespace.
+    fn with_alice(
+        &self,
+        isolation: &'static str,
+        check: impl AsyncFnOnce(&Node, &Path) + Send + 'static,
+    ) {
+        let host = self.host.clone();
+        Self::run_in(&self.host, move || {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            runtime.block_on(async move {
+                let dir = tempfile::tempdir().unwrap();
+                let slot = slot();
+                let log = dir.path().join("berth.log");
+                let options = StartOptions {
+                    wrapper: vec!["ip".into(), "netns".into(), "exec".into(), host],
+                    stderr: Some(log.clone()),
+                    ..StartOptions::default()
+                };
+                let node = Node::from(
+                    support::berth()
+                        .node(dir.path())
+                        .config(&breach_config(dir.path(), &slot, "user", isolation, ""))
+                        .options(options)
+                        .start(),
+                );
+                launch(&node, "alice").await;
+                check(&node, &log).await;
+                node.kill_instances();
+            });
+        })
+        .join()
+        .unwrap();
+    }
+
     /// Runs `f` on a thread that has entered namespace `name`.
     fn run_in<T: Send + 'static>(
         name: &str,
@@ -1007,18 +1064,9 @@ impl Drop for Netns {
 /// never opens a metadata address. berth itself reaches them all.
 #[test]
 fn the_egress_guard_refuses_metadata_private_ranges_and_the_host_but_not_the_outside() {
-    if !privileged("egress guard") {
+    let Some(ns) = Netns::for_test("egress guard") else {
         return;
-    }
-    if Command::new("ip").arg("-V").output().is_err() {
-        assert!(
-            std::env::var_os("CI").is_none(),
-            "scripts/test installs iproute2"
-        );
-        println!("SKIPPED egress guard: needs `ip` (iproute2)");
-        return;
-    }
-    let ns = Netns::create();
+    };
     let mut targets: Vec<(&'static str, &'static str, bool)> = Vec::new();
     targets.extend(METADATA.iter().map(|a| (*a, "80", false)));
     targets.extend(PRIVATE.iter().map(|a| (*a, "80", false)));
@@ -1035,52 +1083,27 @@ fn the_egress_guard_refuses_metadata_private_ranges_and_the_host_but_not_the_out
         }
     }
     Netns::listen(&ns.host, HOST_ADDR, 8080);
-    let host = ns.host.clone();
-    Netns::run_in(&ns.host, move || {
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap();
-        runtime.block_on(async move {
-            let dir = tempfile::tempdir().unwrap();
-            let slot = slot();
-            let options = StartOptions {
-                wrapper: vec!["ip".into(), "netns".into(), "exec".into(), host],
-                ..StartOptions::default()
-            };
-            // 169.254.170.0/24 holds a metadata address: allowing it opens
-            // the rest of that network, never the metadata address.
-            let allow = "egress_allow = [\"192.168.77.0/24\", \"169.254.170.0/24\"]";
-            let node = Node::from(
-                support::berth()
-                    .node(dir.path())
-                    .config(&breach_config(dir.path(), &slot, "user", allow, ""))
-                    .options(options)
-                    .start(),
-            );
-            launch(&node, "alice").await;
-            for (host, port, allowed) in targets {
-                let addr = std::net::SocketAddr::new(host.parse().unwrap(), port.parse().unwrap());
-                // berth's own uid reaches every one of them...
-                std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(5))
-                    .unwrap_or_else(|e| panic!("root cannot reach {addr}: {e}"));
-                // ...the instance only those allowed.
-                let tried =
-                    probe(&node, "alice", "connect", &[("host", host), ("port", port)]).await;
-                if allowed {
-                    assert_eq!(tried["ok"], true, "{addr}: {tried}");
-                } else {
-                    assert!(
-                        refused(&tried, &["ECONNREFUSED", "EHOSTUNREACH", "ENETUNREACH"]),
-                        "the instance reached {addr}: {tried}"
-                    );
-                }
+    // 169.254.170.0/24 holds a metadata address: allowing it opens the rest
+    // of that network, never the metadata address.
+    let allow = "egress_allow = [\"192.168.77.0/24\", \"169.254.170.0/24\"]";
+    ns.with_alice(allow, async move |node: &Node, _log: &Path| {
+        for (host, port, allowed) in targets {
+            let addr = std::net::SocketAddr::new(host.parse().unwrap(), port.parse().unwrap());
+            // berth's own uid reaches every one of them...
+            std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(5))
+                .unwrap_or_else(|e| panic!("root cannot reach {addr}: {e}"));
+            // ...the instance only those allowed.
+            let tried = probe(node, "alice", "connect", &[("host", host), ("port", port)]).await;
+            if allowed {
+                assert_eq!(tried["ok"], true, "{addr}: {tried}");
+            } else {
+                assert!(
+                    refused(&tried, &["ECONNREFUSED", "EHOSTUNREACH", "ENETUNREACH"]),
+                    "the instance reached {addr}: {tried}"
+                );
             }
-            node.kill_instances();
-        });
-    })
-    .join()
-    .unwrap();
+        }
+    });
 }
 
 /// An instance confined to an allowlist of names: it reaches an allowed
@@ -1091,18 +1114,9 @@ fn the_egress_guard_refuses_metadata_private_ranges_and_the_host_but_not_the_out
 /// port of the internet. berth itself still reaches every host.
 #[test]
 fn an_instance_confined_to_an_allowlist_reaches_only_the_allowed_names() {
-    if !privileged("egress allowlist") {
+    let Some(ns) = Netns::for_test("egress allowlist") else {
         return;
-    }
-    if Command::new("ip").arg("-V").output().is_err() {
-        assert!(
-            std::env::var_os("CI").is_none(),
-            "scripts/test installs iproute2"
-        );
-        println!("SKIPPED egress allowlist: needs `ip` (iproute2)");
-        return;
-    }
-    let ns = Netns::create();
+    };
     for (addr, port) in [
         (NAMED_HOST, 80),
         (NAMED_HOST, 443),
@@ -1126,82 +1140,63 @@ fn an_instance_confined_to_an_allowlist_reaches_only_the_allowed_names() {
         ("meta.test", "80", "meta.test", "0", false),
         (ALLOWED_PRIVATE, "80", "anything", "0", true),
     ];
-    let host = ns.host.clone();
-    Netns::run_in(&ns.host, move || {
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap();
-        runtime.block_on(async move {
-            let dir = tempfile::tempdir().unwrap();
-            let slot = slot();
-            let options = StartOptions {
-                wrapper: vec!["ip".into(), "netns".into(), "exec".into(), host],
-                ..StartOptions::default()
-            };
-            let isolation = "egress = \"allowlist\"\negress_allow = [\"allowed.test\", \
-                             \"inside.test\", \"meta.test\", \"192.168.77.0/24:80\"]";
-            let node = Node::from(
-                support::berth()
-                    .node(dir.path())
-                    .config(&breach_config(dir.path(), &slot, "user", isolation, ""))
-                    .options(options)
-                    .start(),
-            );
-            launch(&node, "alice").await;
-            // The status says what the instance may reach.
-            let (code, status) = node.get("/users/alice/instance").await;
-            assert_eq!(code, 200, "{status}");
-            assert_eq!(
-                status["egress"],
-                json!({"mode": "allowlist", "allow":
-                    ["allowed.test", "inside.test", "meta.test", "192.168.77.0/24:80"]}),
-                "{status}"
-            );
-            for (host, port, name, tls, reached) in fetches {
-                let query = [("host", host), ("port", port), ("name", name), ("tls", tls)];
-                let tried = probe(&node, "alice", "fetch", &query).await;
-                if reached {
-                    assert_eq!(tried["ok"], true, "{query:?}: {tried}");
-                } else {
-                    assert!(
-                        refused(&tried, &["ECONNABORTED", "ECONNRESET", "ECONNREFUSED"]),
-                        "the instance reached {query:?}: {tried}"
-                    );
-                }
+    let isolation = "egress = \"allowlist\"\negress_allow = [\"allowed.test\", \
+                     \"inside.test\", \"meta.test\", \"192.168.77.0/24:80\"]";
+    ns.with_alice(isolation, async move |node: &Node, log: &Path| {
+        // The status says what the instance may reach.
+        let (code, status) = node.get("/users/alice/instance").await;
+        assert_eq!(code, 200, "{status}");
+        assert_eq!(
+            status["egress"],
+            json!({"mode": "allowlist", "allow":
+                ["allowed.test", "inside.test", "meta.test", "192.168.77.0/24:80"]}),
+            "{status}"
+        );
+        for (host, port, name, tls, reached) in fetches {
+            let query = [("host", host), ("port", port), ("name", name), ("tls", tls)];
+            let tried = probe(node, "alice", "fetch", &query).await;
+            if reached {
+                assert_eq!(tried["ok"], true, "{query:?}: {tried}");
+            } else {
+                assert!(
+                    refused(&tried, &["ECONNABORTED", "ECONNRESET", "ECONNREFUSED"]),
+                    "the instance reached {query:?}: {tried}"
+                );
             }
-            // Any other port of the internet is refused outright...
-            let tried = probe(
-                &node,
-                "alice",
-                "connect",
-                &[("host", OUTSIDE_ADDR), ("port", "8080")],
-            )
-            .await;
-            assert!(refused(&tried, &["ECONNREFUSED"]), "{tried}");
-            // ...though berth's own uid reaches it and every host above.
-            for addr in [
-                "198.51.100.7:8080",
-                "198.51.100.8:80",
-                "198.51.100.9:80",
-                "10.254.0.7:80",
-            ] {
-                std::net::TcpStream::connect_timeout(
-                    &addr.parse().unwrap(),
-                    Duration::from_secs(5),
-                )
+        }
+        // Any other port of the internet is refused outright...
+        let query = [("host", OUTSIDE_ADDR), ("port", "8080")];
+        let tried = probe(node, "alice", "connect", &query).await;
+        assert!(refused(&tried, &["ECONNREFUSED"]), "{tried}");
+        // ...though berth's own uid reaches it and every host above.
+        for addr in [
+            "198.51.100.7:8080",
+            "198.51.100.8:80",
+            "198.51.100.9:80",
+            "10.254.0.7:80",
+        ] {
+            std::net::TcpStream::connect_timeout(&addr.parse().unwrap(), Duration::from_secs(5))
                 .unwrap_or_else(|e| panic!("root cannot reach {addr}: {e}"));
-            }
-            let metrics = node.metrics_text().await;
-            assert!(
-                metrics.contains("berth_egress_connections_total{verdict=\"refused\"}"),
-                "{metrics}"
-            );
-            node.kill_instances();
-        });
-    })
-    .join()
-    .unwrap();
+        }
+        let metrics = node.metrics_text().await;
+        assert!(
+            metrics.contains("berth_egress_connections_total{verdict=\"refused\"}"),
+            "{metrics}"
+        );
+        // A refusal is logged with the instance's account and where it
+        // went.
+        let pid = node.main_of("alice").await["pid"].as_u64().unwrap();
+        let uid = uid_of_process(u32::try_from(pid).unwrap()).unwrap();
+        let text = std::fs::read_to_string(log).unwrap();
+        let line = text
+            .lines()
+            .find(|l| l.contains("egress refused") && l.contains("denied.test"))
+            .unwrap_or_else(|| panic!("no refusal of denied.test logged:\n{text}"));
+        assert!(
+            line.contains(&format!("uid={uid}")) && line.contains("198.51.100.9:80"),
+            "{line}"
+        );
+    });
 }
 
 // --- capacity ------------------------------------------------------------------
