@@ -250,7 +250,21 @@ struct RefusalLog {
 
 impl RefusalLog {
     fn refused(&self, uid: Option<u32>, destination: Option<SocketAddr>, refusal: &Refusal) {
-        let now = Instant::now();
+        let Some(earlier_unlogged) = self.admit(Instant::now()) else {
+            return;
+        };
+        tracing::warn!(
+            uid = %uid.map_or_else(|| "unknown".to_owned(), |u| u.to_string()),
+            destination = %destination.map(|d| d.to_string()).unwrap_or_default(),
+            reason = %refusal,
+            earlier_unlogged,
+            "egress refused"
+        );
+    }
+
+    /// Whether a refusal at `now` is logged: with how many before it were
+    /// not, or `None` (it is counted instead).
+    fn admit(&self, now: Instant) -> Option<u64> {
         let log = {
             let mut window = self.window.lock().unwrap_or_else(PoisonError::into_inner);
             match &mut *window {
@@ -266,15 +280,25 @@ impl RefusalLog {
         };
         if !log {
             self.unlogged.fetch_add(1, Ordering::Relaxed);
-            return;
+            return None;
         }
-        let earlier_unlogged = self.unlogged.swap(0, Ordering::Relaxed);
-        tracing::warn!(
-            uid = %uid.map_or_else(|| "unknown".to_owned(), |u| u.to_string()),
-            destination = %destination.map(|d| d.to_string()).unwrap_or_default(),
-            reason = %refusal,
-            earlier_unlogged,
-            "egress refused"
-        );
+        Some(self.unlogged.swap(0, Ordering::Relaxed))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn refusals_are_logged_ten_a_second_and_the_rest_counted() {
+        let log = RefusalLog::default();
+        let t0 = Instant::now();
+        let first: Vec<Option<u64>> = (0..25).map(|_| log.admit(t0)).collect();
+        assert_eq!(first.iter().filter(|l| l.is_some()).count(), 10);
+        assert!(first[10..].iter().all(Option::is_none));
+        // The next second's first line says how many were not logged.
+        assert_eq!(log.admit(t0 + Duration::from_millis(1001)), Some(15));
+        assert_eq!(log.admit(t0 + Duration::from_millis(1002)), Some(0));
     }
 }
