@@ -198,9 +198,33 @@ impl Destination {
         }
     }
 
+    fn matches_name(&self, name: &str) -> bool {
+        match &self.target {
+            Target::Name(allowed) => allowed == name,
+            Target::Suffix(suffix) => name
+                .strip_suffix(suffix.as_str())
+                .is_some_and(|head| head.len() > 1 && head.ends_with('.')),
+            Target::Net(_) => false,
+        }
+    }
+
     fn matches_port(&self, port: u16) -> bool {
         self.ports().is_none_or(|ports| ports.contains(&port))
     }
+}
+
+/// The name servers of a `resolv.conf`: its `nameserver` lines that hold
+/// an address (a scope suffix such as `%eth0` is dropped).
+pub fn name_servers(resolv_conf: &str) -> Vec<IpAddr> {
+    resolv_conf
+        .lines()
+        .filter_map(|line| {
+            let mut words = line.split_whitespace();
+            (words.next() == Some("nameserver")).then_some(())?;
+            let addr = words.next()?;
+            addr.split('%').next()?.parse().ok()
+        })
+        .collect()
 }
 
 /// An egress policy: the mode and what it allows.
@@ -217,16 +241,15 @@ impl EgressPolicy {
     /// Whether a connection asking for `name` on `port` may go through
     /// the egress proxy. `name` is lowercase, without a trailing dot.
     pub fn allows_name(&self, name: &str, port: u16) -> bool {
-        self.allow.iter().any(|d| {
-            d.matches_port(port)
-                && match &d.target {
-                    Target::Name(allowed) => allowed == name,
-                    Target::Suffix(suffix) => name
-                        .strip_suffix(suffix.as_str())
-                        .is_some_and(|head| head.len() > 1 && head.ends_with('.')),
-                    Target::Net(_) => false,
-                }
-        })
+        self.allow
+            .iter()
+            .any(|d| d.matches_port(port) && d.matches_name(name))
+    }
+
+    /// Whether a DNS query for `name` may be answered: it is an allowed
+    /// name on any port. `name` is lowercase, without a trailing dot.
+    pub fn allows_lookup(&self, name: &str) -> bool {
+        self.allow.iter().any(|d| d.matches_name(name))
     }
 
     /// Whether an address a name resolved to may be connected to on
@@ -277,6 +300,18 @@ impl EgressPolicy {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn name_servers_are_the_addresses_of_nameserver_lines() {
+        let conf = "# generated\nsearch example.org\nnameserver 10.0.0.2\n\
+                    nameserver fe80::1%eth0\nnameserver bogus\n  nameserver 1.1.1.1 \n\
+                    options ndots:2\n";
+        let want: Vec<IpAddr> = ["10.0.0.2", "fe80::1", "1.1.1.1"]
+            .iter()
+            .map(|a| a.parse().unwrap())
+            .collect();
+        assert_eq!(name_servers(conf), want);
+    }
 
     fn policy(allow: &[&str]) -> EgressPolicy {
         EgressPolicy {
@@ -332,6 +367,10 @@ mod tests {
         assert!(!p.allows_name("xgithub.com", 22));
         assert!(!p.allows_name("api.github.com", 443));
         assert!(!p.allows_name("10.1.2.3", 443));
+        assert!(p.allows_lookup("api.github.com"));
+        assert!(p.allows_lookup("pypi.org"));
+        assert!(!p.allows_lookup("exfil.pypi.org"));
+        assert!(!p.allows_lookup("10.1.2.3"));
         assert_eq!(p.domain_ports(), BTreeSet::from([22, 80, 443]));
         assert!(p.needs_proxy());
         assert!(!policy(&["10.0.0.0/8"]).needs_proxy());

@@ -1,6 +1,6 @@
-//! The egress proxy's series: connections joined and refused, without
-//! per-user labels (a series per user would grow with the users; the log
-//! names the account).
+//! The egress proxy's series: connections and name lookups allowed and
+//! refused, without per-user labels (a series per user would grow with
+//! the users; the log names the account).
 
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -32,7 +32,7 @@ impl EgressMetrics {
     pub fn register(&self, registry: &mut Registry) {
         registry.register(
             "egress_connections",
-            "Connections through the egress proxy, by verdict (allowed, refused)",
+            "Connections and DNS queries through the egress proxy, by verdict (allowed, refused)",
             self.connections.clone(),
         );
     }

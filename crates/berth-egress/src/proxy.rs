@@ -12,11 +12,12 @@ use std::time::{Duration, Instant};
 
 use berth_core::egress::EgressPolicy;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::{TcpListener, TcpStream, UdpSocket};
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
+use crate::dns;
 use crate::metrics::{EgressMetrics, Verdict};
 use crate::sniff::{MAX_SNIFF_BYTES, Sniffed, sniff};
 
@@ -29,6 +30,11 @@ const CONNECT_GRACE: Duration = Duration::from_secs(10);
 const MAX_CONNECTIONS: usize = 4096;
 /// Refusals logged per second at most; the rest are counted.
 const LOGGED_PER_SECOND: u64 = 10;
+/// How long a name server may take to answer a forwarded query.
+const LOOKUP_GRACE: Duration = Duration::from_secs(5);
+/// The largest DNS message read or relayed (EDNS answers stay well
+/// under it on the wire a stub resolver uses).
+const MAX_DNS_MESSAGE: usize = 4096;
 
 /// Why the proxy could not start.
 #[derive(Debug, thiserror::Error)]
@@ -63,27 +69,55 @@ pub enum Refusal {
         /// The name asked for.
         name: String,
     },
+    /// A DNS query for a name not allowed: answered `REFUSED`, never
+    /// forwarded, so a query carries nothing out.
+    #[error("lookup of {name} is not allowed")]
+    Lookup {
+        /// The name asked for.
+        name: String,
+    },
 }
 
-/// The egress proxy, bound and ready to serve.
+/// The egress proxy, bound and ready to serve: TCP connections and DNS
+/// queries, on one port of loopback.
 pub struct EgressProxy {
     listener: TcpListener,
+    names: Arc<UdpSocket>,
+    /// Where allowed queries are forwarded: the host's name servers.
+    upstream: Vec<SocketAddr>,
     policy: Arc<RwLock<EgressPolicy>>,
     metrics: EgressMetrics,
 }
 
 impl EgressProxy {
-    /// Binds the proxy's listener on `addr` (loopback, port 0 for any).
+    /// Binds the proxy's listener on `addr` (loopback, port 0 for any) and
+    /// its name forwarder on the same port over UDP, which forwards the
+    /// allowed queries to `name_servers`.
     pub async fn bind(
         addr: SocketAddr,
         policy: EgressPolicy,
         metrics: EgressMetrics,
+        name_servers: &[IpAddr],
     ) -> Result<Self, EgressError> {
         let listener = TcpListener::bind(addr)
             .await
             .map_err(|source| EgressError::Bind { addr, source })?;
+        let bound = listener
+            .local_addr()
+            .map_err(|source| EgressError::Bind { addr, source })?;
+        let names = UdpSocket::bind(bound)
+            .await
+            .map_err(|source| EgressError::Bind {
+                addr: bound,
+                source,
+            })?;
         Ok(Self {
             listener,
+            names: Arc::new(names),
+            upstream: name_servers
+                .iter()
+                .map(|ip| SocketAddr::new(*ip, 53))
+                .collect(),
             policy: Arc::new(RwLock::new(policy)),
             metrics,
         })
@@ -105,6 +139,16 @@ impl EgressProxy {
         let slots = Arc::new(Semaphore::new(MAX_CONNECTIONS));
         let tracker = TaskTracker::new();
         let log = Arc::new(RefusalLog::default());
+        tracker.spawn(serve_names(Names {
+            socket: self.names.clone(),
+            upstream: self.upstream.clone(),
+            policy: self.policy.clone(),
+            metrics: self.metrics.clone(),
+            log: log.clone(),
+            slots: slots.clone(),
+            tracker: tracker.clone(),
+            cancel: cancel.clone(),
+        }));
         loop {
             let accepted = tokio::select! {
                 () = cancel.cancelled() => break,
@@ -149,6 +193,90 @@ impl EgressProxy {
         tracker.close();
         tracker.wait().await;
     }
+}
+
+/// What the name forwarder serves with.
+struct Names {
+    socket: Arc<UdpSocket>,
+    upstream: Vec<SocketAddr>,
+    policy: Arc<RwLock<EgressPolicy>>,
+    metrics: EgressMetrics,
+    log: Arc<RefusalLog>,
+    slots: Arc<Semaphore>,
+    tracker: TaskTracker,
+    cancel: CancellationToken,
+}
+
+/// Answers the DNS queries the guard redirects here: a query for an
+/// allowed name is forwarded to the host's name servers and their answer
+/// relayed; any other is answered `REFUSED` here. A message that is not
+/// one plain query is dropped.
+async fn serve_names(names: Names) {
+    let mut buf = vec![0u8; MAX_DNS_MESSAGE];
+    loop {
+        let received = tokio::select! {
+            () = names.cancel.cancelled() => break,
+            received = names.socket.recv_from(&mut buf) => received,
+        };
+        let Ok((n, client)) = received else {
+            continue;
+        };
+        let query = buf.get(..n).unwrap_or_default().to_vec();
+        let Some((name, end)) = dns::question(&query) else {
+            continue;
+        };
+        let allowed = names
+            .policy
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .allows_lookup(&name);
+        if !allowed {
+            names.metrics.count(Verdict::Refused);
+            names.log.refused(None, None, &Refusal::Lookup { name });
+            if let Some(answer) = dns::refused(&query, end) {
+                let _ = names.socket.send_to(&answer, client).await;
+            }
+            continue;
+        }
+        // Overloaded, a query is dropped: the resolver asks again.
+        let Ok(slot) = names.slots.clone().try_acquire_owned() else {
+            continue;
+        };
+        let (socket, upstream, metrics) = (
+            names.socket.clone(),
+            names.upstream.clone(),
+            names.metrics.clone(),
+        );
+        names.tracker.spawn(async move {
+            let _slot = slot;
+            if let Some(answer) = forward(&query, &upstream).await {
+                metrics.count(Verdict::Allowed);
+                let _ = socket.send_to(&answer, client).await;
+            }
+        });
+    }
+}
+
+/// The first answer a name server of `upstream` gives to `query`.
+async fn forward(query: &[u8], upstream: &[SocketAddr]) -> Option<Vec<u8>> {
+    for server in upstream {
+        let any = match server {
+            SocketAddr::V4(_) => SocketAddr::from((std::net::Ipv4Addr::UNSPECIFIED, 0)),
+            SocketAddr::V6(_) => SocketAddr::from((std::net::Ipv6Addr::UNSPECIFIED, 0)),
+        };
+        let Ok(socket) = UdpSocket::bind(any).await else {
+            continue;
+        };
+        if socket.connect(server).await.is_err() || socket.send(query).await.is_err() {
+            continue;
+        }
+        let mut answer = vec![0u8; MAX_DNS_MESSAGE];
+        if let Ok(Ok(n)) = tokio::time::timeout(LOOKUP_GRACE, socket.recv(&mut answer)).await {
+            answer.truncate(n);
+            return Some(answer);
+        }
+    }
+    None
 }
 
 /// Reads what `client` asks for, checks it, connects and copies both

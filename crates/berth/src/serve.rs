@@ -441,7 +441,11 @@ async fn egress_proxy(
         return Ok(None);
     }
     let loopback = std::net::SocketAddr::from((std::net::Ipv4Addr::LOCALHOST, 0));
-    let proxy = berth_egress::EgressProxy::bind(loopback, policy, metrics).await?;
+    // Read once, as the guard reads it: a name server added later is used
+    // after a restart.
+    let resolv_conf = std::fs::read_to_string("/etc/resolv.conf").unwrap_or_default();
+    let name_servers = berth_core::egress::name_servers(&resolv_conf);
+    let proxy = berth_egress::EgressProxy::bind(loopback, policy, metrics, &name_servers).await?;
     tracing::info!(port = ?proxy.port(), "egress proxy: instances reach the allowed domains through it");
     Ok(Some(proxy))
 }

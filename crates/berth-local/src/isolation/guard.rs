@@ -70,20 +70,6 @@ pub struct Egress {
     pub proxy_port: Option<u16>,
 }
 
-/// The name servers of a `resolv.conf`: its `nameserver` lines that hold
-/// an address (a scope suffix such as `%eth0` is dropped).
-pub fn name_servers(resolv_conf: &str) -> Vec<IpAddr> {
-    resolv_conf
-        .lines()
-        .filter_map(|line| {
-            let mut words = line.split_whitespace();
-            (words.next() == Some("nameserver")).then_some(())?;
-            let addr = words.next()?;
-            addr.split('%').next()?.parse().ok()
-        })
-        .collect()
-}
-
 /// `ip daddr { … } verdict` and its `ip6` twin, for the addresses of each
 /// family that there are, merged so that nft sees no overlapping
 /// intervals.
@@ -222,7 +208,14 @@ pub fn ruleset(
         .iter()
         .map(|a| IpNet::from(*a))
         .collect();
-    let dns = by_family(&servers, "meta l4proto { tcp, udp } th dport 53 accept");
+    // Confined, a program's DNS goes only to berth's filtering forwarder
+    // (redirected below), never to a name server itself: queries carry
+    // data out as well as names in.
+    let dns = if egress.policy.mode.confined() {
+        "\t\tmeta l4proto { tcp, udp } th dport 53 reject\n".to_owned()
+    } else {
+        by_family(&servers, "meta l4proto { tcp, udp } th dport 53 accept")
+    };
     let policy = &egress.policy;
     let mut allowed = String::new();
     let mut by_port: BTreeMap<Option<u16>, Vec<IpNet>> = BTreeMap::new();
@@ -297,11 +290,13 @@ pub fn ruleset(
     )
 }
 
-/// The chains that send an instance's IPv4 TCP connections on the allowed
-/// domains' ports to the egress proxy, unless they go to loopback, this
-/// host, a metadata address (which the filter then refuses) or an
-/// allowed network; none without a proxy. IPv6 connections to those ports
-/// are refused, and a program falls back to IPv4.
+/// The chains that send an instance's IPv4 DNS queries (UDP, to any
+/// address, loopback included) to the egress proxy's name forwarder, and
+/// its IPv4 TCP connections on the allowed domains' ports to the proxy,
+/// unless they go to loopback, this host, a metadata address (which the
+/// filter then refuses) or an allowed network; none without a proxy.
+/// IPv6 connections to those ports, and DNS over TCP or IPv6, are
+/// refused, and a program falls back to IPv4 and UDP.
 fn redirect_chains(
     who: &str,
     egress: &Egress,
@@ -326,6 +321,7 @@ fn redirect_chains(
          \t\t{who} meta nfproto ipv4 jump egress_names\n\
          \t}}\n\
          \tchain egress_names {{\n\
+         \t\tudp dport 53 redirect to :{proxy}\n\
          \t\tip daddr 127.0.0.0/8 return\n\
          \t\tfib daddr type local return\n\
          {metadata}\
@@ -884,12 +880,20 @@ mod tests {
             "ip daddr { 10.8.0.0/24 } meta l4proto { tcp, udp } th dport 5432 accept",
             "ip6 daddr { fd12::/16 } accept",
             "ip daddr 127.0.0.0/8 accept\n\t\tip6 daddr ::1 accept\n\t\treject\n",
+            "meta l4proto { tcp, udp } th dport 53 reject",
         ] {
             assert!(instance.contains(rule), "{rule} missing from\n{instance}");
         }
+        // Confined, no name server is reached directly.
+        assert!(!instance.contains("10.255.255.53"), "{instance}");
         // Confined: the private ranges need no rule of their own.
         assert!(!instance.contains("192.168.0.0/16"), "{instance}");
         let redirect = script.split("chain egress_names").nth(1).unwrap();
+        // DNS first: a resolver on loopback is no way around the filter.
+        assert!(
+            redirect.starts_with(" {\n\t\tudp dport 53 redirect to :41234\n"),
+            "{redirect}"
+        );
         for rule in [
             "ip daddr { 10.8.0.0/24 } return",
             "ip daddr { 100.100.100.200/32, 168.63.129.16/32, 169.254.169.254/32, \
@@ -911,18 +915,6 @@ mod tests {
             let script = ruleset("t", None, uids, &(1..=2), &ListenerCap::default(), &egress);
             assert!(!script.contains("redirect"), "{script}");
         }
-    }
-
-    #[test]
-    fn name_servers_are_the_addresses_of_nameserver_lines() {
-        let conf = "# generated\nsearch example.org\nnameserver 10.0.0.2\n\
-                    nameserver fe80::1%eth0\nnameserver bogus\n  nameserver 1.1.1.1 \n\
-                    options ndots:2\n";
-        let want: Vec<IpAddr> = ["10.0.0.2", "fe80::1", "1.1.1.1"]
-            .iter()
-            .map(|a| a.parse().unwrap())
-            .collect();
-        assert_eq!(name_servers(conf), want);
     }
 
     #[test]

@@ -298,7 +298,7 @@ impl Isolator {
         let egress = guard::Egress {
             policy: config.egress.clone(),
             proxy_port: config.egress_proxy,
-            name_servers: guard::name_servers(&resolv_conf),
+            name_servers: berth_core::egress::name_servers(&resolv_conf),
         };
         let guard = guard::Guard::new(
             nft,

@@ -12,6 +12,7 @@ use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::atomic::{AtomicU16, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use serde_json::{Value, json};
@@ -1007,6 +1008,36 @@ impl Netns {
         .unwrap();
     }
 
+    /// A name server on UDP port 53 of `addr` inside `name` that answers
+    /// every query (with no records) and records the names asked for.
+    fn answer_dns(name: &str, addr: &'static str) -> Arc<Mutex<Vec<String>>> {
+        let asked = Arc::new(Mutex::new(Vec::new()));
+        let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+        let record = asked.clone();
+        Self::run_in(name, move || {
+            let socket = std::net::UdpSocket::bind((addr, 53)).unwrap();
+            ready_tx.send(()).unwrap();
+            let mut buf = [0u8; 512];
+            while let Ok((n, from)) = socket.recv_from(&mut buf) {
+                let mut labels = Vec::new();
+                let mut at = 12;
+                while let Some(&len) = buf.get(at).filter(|&&l| l > 0 && at < n) {
+                    let len = usize::from(len);
+                    labels.push(String::from_utf8_lossy(&buf[at + 1..at + 1 + len]).into_owned());
+                    at += 1 + len;
+                }
+                record.lock().unwrap().push(labels.join("."));
+                let mut answer = buf[..n].to_vec();
+                answer[2] |= 0x80;
+                let _ = socket.send_to(&answer, from);
+            }
+        });
+        ready_rx
+            .recv_timeout(Duration::from_secs(10))
+            .expect("name server up");
+        asked
+    }
+
     /// Runs `f` on a thread that has entered namespace `name`.
     fn run_in<T: Send + 'static>(
         name: &str,
@@ -1125,9 +1156,11 @@ fn an_instance_confined_to_an_allowlist_reaches_only_the_allowed_names() {
         ("169.254.169.254", 80),
         (ALLOWED_PRIVATE, 80),
         (OUTSIDE_ADDR, 8080),
+        (NAME_SERVER, 53),
     ] {
         Netns::listen(&ns.outside, addr, port);
     }
+    let asked = Netns::answer_dns(&ns.outside, NAME_SERVER);
     // (host to connect to, port, name asked for, over TLS, reached)
     let fetches = [
         ("allowed.test", "80", "allowed.test", "0", true),
@@ -1164,6 +1197,27 @@ fn an_instance_confined_to_an_allowlist_reaches_only_the_allowed_names() {
                 );
             }
         }
+        // DNS: a query for an allowed name reaches the host's name server;
+        // any other is refused by berth, even sent to a resolver on
+        // loopback, and never leaves; DNS over TCP is refused.
+        for (server, name, code) in [
+            (NAME_SERVER, "allowed.test", 0),
+            (NAME_SERVER, "secret.exfil.example", 5),
+            ("127.0.0.53", "loopback.exfil.example", 5),
+        ] {
+            let tried = probe(
+                node,
+                "alice",
+                "lookup",
+                &[("server", server), ("name", name)],
+            )
+            .await;
+            assert_eq!(tried["value"], code, "{server} {name}: {tried}");
+        }
+        assert_eq!(*asked.lock().unwrap(), ["allowed.test"]);
+        let query = [("host", NAME_SERVER), ("port", "53")];
+        let tried = probe(node, "alice", "connect", &query).await;
+        assert!(refused(&tried, &["ECONNREFUSED"]), "{tried}");
         // Any other port of the internet is refused outright...
         let query = [("host", OUTSIDE_ADDR), ("port", "8080")];
         let tried = probe(node, "alice", "connect", &query).await;

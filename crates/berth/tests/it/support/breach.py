@@ -10,6 +10,7 @@ import os
 import pwd
 import socket
 import ssl
+import struct
 import sys
 import threading
 import time
@@ -68,6 +69,20 @@ def fetch(host, port, name, tls):
         if not answer.startswith(b"HTTP/1.0 200"):
             raise ConnectionAbortedError(errno.ECONNABORTED, "no answer from the host")
         return True
+
+
+def lookup(server, name):
+    """Sends a DNS query for `name` (type A) to server:53 over UDP and
+    returns the answer's response code (0: answered, 5: refused)."""
+    query = struct.pack(">HHHHHH", 0x4242, 0x0100, 1, 0, 0, 0)
+    for label in name.split("."):
+        query += bytes([len(label)]) + label.encode()
+    query += b"\x00\x00\x01\x00\x01"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.settimeout(3)
+        s.sendto(query, (server, 53))
+        answer, _ = s.recvfrom(4096)
+    return answer[3] & 0x0F
 
 
 def status_fields():
@@ -327,6 +342,8 @@ class Handler(BaseHTTPRequestHandler):
             result = outcome(lambda: connect(one("host"), one("port")))
         elif probe == "fetch":
             result = outcome(lambda: fetch(one("host"), one("port"), one("name"), one("tls")))
+        elif probe == "lookup":
+            result = outcome(lambda: lookup(one("server"), one("name")))
         elif probe == "listen":
             result = outcome(lambda: listen(one("port"), one("name")))
         elif probe == "uconnect":
