@@ -81,6 +81,21 @@ impl Config {
         // config that later loses its `[kubernetes]` table still works.
         self.runtime_config(vec!["berth".to_owned(), "shim".to_owned()])?;
         if self.kubernetes.is_some() {
+            // Pods are not behind the local guard: an egress policy set
+            // there would be believed and not kept.
+            let egress = &self.isolation;
+            if egress.egress.confined() || !egress.egress_allow.is_empty() {
+                let key = if egress.egress.confined() {
+                    "isolation.egress"
+                } else {
+                    "isolation.egress_allow"
+                };
+                return Err(self.invalid(
+                    key,
+                    "applies to instances on this host, not to pods: with [kubernetes], set \
+                     kubernetes.network (allow_private_egress, egress_allow) instead",
+                ));
+            }
             #[cfg(feature = "kubernetes")]
             // Needs no node id: a placeholder stands in for the host name.
             self.k8s_runtime_config("node")?;
@@ -710,6 +725,22 @@ mod tests {
         assert!(msg.contains("kubernetes"), "{msg}");
         assert!(msg.contains("built without Kubernetes support"), "{msg}");
         parse("").unwrap().validate().unwrap();
+    }
+
+    #[test]
+    fn an_egress_policy_is_refused_where_pods_run_the_program() {
+        let pods = "[kubernetes]\nimage = \"app:1\"\n";
+        for (isolation, key) in [
+            ("egress = \"deny_all\"", "isolation.egress"),
+            ("egress_allow = [\"10.8.0.0/24\"]", "isolation.egress_allow"),
+        ] {
+            let c = parse(&format!("[isolation]\n{isolation}\n{pods}")).unwrap();
+            let msg = c.validate().unwrap_err().to_string();
+            assert!(
+                msg.contains(key) && msg.contains("kubernetes.network"),
+                "{msg}"
+            );
+        }
     }
 
     #[cfg(feature = "kubernetes")]
