@@ -30,6 +30,7 @@ use std::collections::BTreeSet;
 use std::fmt;
 use std::net::IpAddr;
 use std::str::FromStr;
+use std::sync::LazyLock;
 
 use ipnet::IpNet;
 use serde::{Deserialize, Serialize};
@@ -77,6 +78,29 @@ pub enum Target {
     Name(String),
     /// Every name ending in `.` and this suffix.
     Suffix(String),
+}
+
+/// [`METADATA_V4`] and [`METADATA_V6`] as networks, parsed once: the
+/// egress proxy checks every address it connects to against them.
+pub fn metadata() -> &'static [IpNet] {
+    static NETS: LazyLock<Vec<IpNet>> = LazyLock::new(|| parse(&[METADATA_V4, METADATA_V6]));
+    &NETS
+}
+
+/// [`PRIVATE_V4`] and [`PRIVATE_V6`] as networks, parsed once.
+pub fn private() -> &'static [IpNet] {
+    static NETS: LazyLock<Vec<IpNet>> = LazyLock::new(|| parse(&[PRIVATE_V4, PRIVATE_V6]));
+    &NETS
+}
+
+/// The networks of this module's lists, which are all well formed (a test
+/// reads each back).
+fn parse(lists: &[&[&str]]) -> Vec<IpNet> {
+    lists
+        .iter()
+        .flat_map(|list| list.iter())
+        .filter_map(|n| n.parse().ok())
+        .collect()
 }
 
 /// The ports a domain is reached on when its entry names none.
@@ -256,16 +280,11 @@ impl EgressPolicy {
     /// `port`: never a metadata address; a private one only inside an
     /// allowed network.
     pub fn allows_resolved(&self, addr: IpAddr, port: u16) -> bool {
-        let within = |list: &[&str]| {
-            list.iter()
-                .filter_map(|n| n.parse::<IpNet>().ok())
-                .any(|n| n.contains(&addr))
-        };
-        if within(METADATA_V4) || within(METADATA_V6) || addr.is_loopback() || addr.is_unspecified()
-        {
+        let within = |nets: &[IpNet]| nets.iter().any(|n| n.contains(&addr));
+        if within(metadata()) || addr.is_loopback() || addr.is_unspecified() {
             return false;
         }
-        let private = within(PRIVATE_V4) || within(PRIVATE_V6);
+        let private = within(private());
         !private
             || self.allow.iter().any(|d| {
                 matches!(&d.target, Target::Net(net) if net.contains(&addr)) && d.matches_port(port)
@@ -318,6 +337,12 @@ mod tests {
             mode: EgressMode::Allowlist,
             allow: allow.iter().map(|d| d.parse().unwrap()).collect(),
         }
+    }
+
+    #[test]
+    fn every_listed_network_is_well_formed() {
+        assert_eq!(metadata().len(), METADATA_V4.len() + METADATA_V6.len());
+        assert_eq!(private().len(), PRIVATE_V4.len() + PRIVATE_V6.len());
     }
 
     #[test]

@@ -78,6 +78,22 @@ pub enum Program {
     ShowsContract,
 }
 
+/// The program settings a harness configures its runtime with: `command`
+/// and `readiness`, one extra variable (`EXTRA=from-config`, which the
+/// contract's environment case expects), and patch files ending `.toml`.
+pub fn program_settings(
+    command: Vec<String>,
+    readiness: crate::Readiness,
+) -> crate::program::ProgramSettings {
+    crate::program::ProgramSettings {
+        command,
+        env: BTreeMap::from([("EXTRA".to_owned(), "from-config".to_owned())]),
+        readiness,
+        watchdog_command: None,
+        patch_ext: "toml".into(),
+    }
+}
+
 /// The pattern of the ready line [`sh_command`]'s programs print; its
 /// group is the launch token.
 pub fn token_pattern() -> regex::Regex {

@@ -336,8 +336,9 @@ async fn read_name(client: &mut TcpStream) -> Option<(String, Vec<u8>)> {
 /// the policy allows.
 async fn connect(name: &str, port: u16, policy: &EgressPolicy) -> Option<TcpStream> {
     let resolved = tokio::net::lookup_host((name, port)).await.ok()?;
+    let own = host_addresses();
     let allowed: Vec<SocketAddr> = resolved
-        .filter(|a| policy.allows_resolved(a.ip(), port) && !is_this_host(a.ip()))
+        .filter(|a| policy.allows_resolved(a.ip(), port) && !own.contains(&a.ip()))
         .collect();
     for addr in allowed {
         if let Ok(Ok(stream)) = tokio::time::timeout(CONNECT_GRACE, TcpStream::connect(addr)).await
@@ -348,17 +349,21 @@ async fn connect(name: &str, port: u16, policy: &EgressPolicy) -> Option<TcpStre
     None
 }
 
-/// Whether `addr` is one of this host's own: the guard never lets an
+/// This host's own addresses, as they are now: the guard never lets an
 /// instance reach them, and the proxy does not either.
-fn is_this_host(addr: IpAddr) -> bool {
-    nix::ifaddrs::getifaddrs().is_ok_and(|mut addrs| {
-        addrs.any(|ifa| {
-            ifa.address.is_some_and(|a| {
-                a.as_sockaddr_in().map(|s| IpAddr::V4(s.ip())) == Some(addr)
-                    || a.as_sockaddr_in6().map(|s| IpAddr::V6(s.ip())) == Some(addr)
-            })
+fn host_addresses() -> Vec<IpAddr> {
+    nix::ifaddrs::getifaddrs()
+        .map(|addrs| {
+            addrs
+                .filter_map(|ifa| ifa.address)
+                .filter_map(|a| {
+                    a.as_sockaddr_in()
+                        .map(|s| IpAddr::V4(s.ip()))
+                        .or_else(|| a.as_sockaddr_in6().map(|s| IpAddr::V6(s.ip())))
+                })
+                .collect()
         })
-    })
+        .unwrap_or_default()
 }
 
 /// Where the program connected before the guard redirected it here.

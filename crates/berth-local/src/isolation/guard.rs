@@ -91,11 +91,6 @@ fn by_family(nets: &[IpNet], tail: &str) -> String {
     rules
 }
 
-/// The networks of a constant list, which are all well formed.
-fn nets(list: &[&str]) -> Vec<IpNet> {
-    list.iter().filter_map(|n| n.parse().ok()).collect()
-}
-
 /// Why an `nft` run failed.
 #[derive(Debug, thiserror::Error)]
 pub enum GuardError {
@@ -201,8 +196,8 @@ pub fn ruleset(
     let last = uids.last().unwrap_or(uids.first);
     let who = format!("meta skuid {}-{}", uids.first, last);
     let range = format!("{}-{}", ports.start(), ports.end());
-    let metadata = nets(&[egress::METADATA_V4, egress::METADATA_V6].concat());
-    let metadata = by_family(&metadata, "reject");
+    let metadata = egress::metadata();
+    let metadata = by_family(metadata, "reject");
     let servers: Vec<IpNet> = egress
         .name_servers
         .iter()
@@ -235,10 +230,7 @@ pub fn ruleset(
     let rest = if policy.mode.confined() {
         "\t\tip daddr 127.0.0.0/8 accept\n\t\tip6 daddr ::1 accept\n\t\treject\n".to_owned()
     } else {
-        by_family(
-            &nets(&[egress::PRIVATE_V4, egress::PRIVATE_V6].concat()),
-            "reject",
-        )
+        by_family(egress::private(), "reject")
     };
     let redirect = redirect_chains(&who, egress, &by_port);
     let (conns_set, conns_rule) = match listeners.ports.as_slice() {
@@ -313,7 +305,7 @@ fn redirect_chains(
             .copied()
             .collect()
     };
-    let metadata = v4(&nets(egress::METADATA_V4));
+    let metadata = v4(egress::metadata());
     let allowed: Vec<IpNet> = allowed.values().flat_map(|nets| v4(nets)).collect();
     format!(
         "\tchain egress_redirect {{\n\

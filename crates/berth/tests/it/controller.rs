@@ -6,8 +6,6 @@
 //! until a deadline instead of sleeping, and stops its users before it
 //! ends; a guard also SIGKILLs whatever a failing test left behind.
 
-use berth_core::program::ProgramSettings;
-use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -77,13 +75,7 @@ impl Env {
         let ports = port_block_of(ports);
         let runtime = LocalRuntimeConfig {
             data_dir: self.data(),
-            program: ProgramSettings {
-                command,
-                env: BTreeMap::from([("EXTRA".to_owned(), "from-config".to_owned())]),
-                readiness,
-                watchdog_command: None,
-                patch_ext: "toml".into(),
-            },
+            program: berth_core::runtime_contract::program_settings(command, readiness),
             env_allowlist: vec!["PATH".into()],
             max_ports: berth_local::DEFAULT_MAX_PORTS,
             log_max_bytes: berth_local::DEFAULT_LOG_MAX_BYTES,

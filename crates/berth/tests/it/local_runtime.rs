@@ -8,8 +8,6 @@
 //! Each harness has its own data dir and its own port range, so the cases
 //! run in parallel; a guard SIGKILLs whatever a failing case left behind.
 
-use berth_core::program::ProgramSettings;
-use std::collections::BTreeMap;
 use std::ops::RangeInclusive;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -51,13 +49,7 @@ impl LocalHarness {
     fn config(&self, command: Vec<String>, readiness: Readiness) -> LocalRuntimeConfig {
         LocalRuntimeConfig {
             data_dir: self.data(),
-            program: ProgramSettings {
-                command,
-                env: BTreeMap::from([("EXTRA".to_owned(), "from-config".to_owned())]),
-                readiness,
-                watchdog_command: None,
-                patch_ext: "toml".into(),
-            },
+            program: berth_core::runtime_contract::program_settings(command, readiness),
             env_allowlist: vec!["PATH".into()],
             max_ports: berth_local::DEFAULT_MAX_PORTS,
             log_max_bytes: berth_local::DEFAULT_LOG_MAX_BYTES,

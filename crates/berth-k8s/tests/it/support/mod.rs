@@ -3,8 +3,6 @@
 //! stand-in kubelet runs each pod's command as a real local process.
 #![allow(dead_code)]
 
-use berth_core::program::ProgramSettings;
-use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -38,13 +36,7 @@ pub fn config(command: Vec<String>, readiness: Readiness, node: &str) -> K8sRunt
     K8sRuntimeConfig {
         kubernetes,
         node: node.into(),
-        program: ProgramSettings {
-            command,
-            env: BTreeMap::from([("EXTRA".to_owned(), "from-config".to_owned())]),
-            readiness,
-            watchdog_command: None,
-            patch_ext: "toml".into(),
-        },
+        program: berth_core::runtime_contract::program_settings(command, readiness),
         stop_grace: Duration::from_secs(5),
     }
 }
