@@ -26,11 +26,11 @@ pub const PRIVATE_V4: &[&str] = &[
 /// IPv6 unique local and link-local ranges.
 pub const PRIVATE_V6: &[&str] = &["fc00::/7", "fe80::/10"];
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashMap};
 use std::fmt;
 use std::net::IpAddr;
 use std::str::FromStr;
-use std::sync::LazyLock;
+use std::sync::{Arc, LazyLock, PoisonError, RwLock};
 
 use ipnet::IpNet;
 use serde::{Deserialize, Serialize};
@@ -253,6 +253,7 @@ pub fn name_servers(resolv_conf: &str) -> Vec<IpAddr> {
 
 /// An egress policy: the mode and what it allows.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct EgressPolicy {
     /// See [`EgressMode`].
     pub mode: EgressMode,
@@ -313,6 +314,141 @@ impl EgressPolicy {
     /// Whether connections go through the egress proxy.
     pub fn needs_proxy(&self) -> bool {
         self.mode.confined() && self.allow.iter().any(Destination::is_domain)
+    }
+
+    /// Refuses a policy that would not mean what it says: a domain name
+    /// with `allow_all`, where every public name is reached anyway and
+    /// nothing sends its connections to the egress proxy.
+    pub fn check(&self) -> Result<(), MeaninglessPolicy> {
+        match self.allow.iter().find(|d| d.is_domain()) {
+            Some(name) if !self.mode.confined() => Err(MeaninglessPolicy {
+                name: name.to_string(),
+            }),
+            _ => Ok(()),
+        }
+    }
+}
+
+/// A policy that allows a domain name without confining: see
+/// [`EgressPolicy::check`].
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "{name} is a domain name, which only a confining egress (\"deny_all\" or \"allowlist\") \
+     can allow: with \"allow_all\" every public name is reached"
+)]
+pub struct MeaninglessPolicy {
+    /// The first domain name of the policy.
+    pub name: String,
+}
+
+/// Every instance account's egress policy: the node's, or one an operator
+/// set for that account's user. The guard's owner (the local runtime)
+/// writes it; the egress proxy reads it for every connection and lookup,
+/// so a change applies from the next one.
+#[derive(Debug, Default)]
+pub struct EgressBook {
+    default: Arc<EgressPolicy>,
+    accounts: RwLock<HashMap<u32, BookEntry>>,
+}
+
+/// What the book knows of one account.
+#[derive(Debug, Clone)]
+struct BookEntry {
+    /// The account's user, by slug, for the refusal log.
+    user: Arc<str>,
+    /// The user's own policy; `None`: the node's.
+    policy: Option<Arc<EgressPolicy>>,
+}
+
+/// One account's policy as the book gives it.
+#[derive(Debug, Clone)]
+pub struct AccountEgress {
+    /// The account's user (slug), when the book knows the account.
+    pub user: Option<Arc<str>>,
+    /// The policy its connections are checked against.
+    pub policy: Arc<EgressPolicy>,
+}
+
+impl EgressBook {
+    /// A book in which every account has `default`.
+    pub fn new(default: EgressPolicy) -> Self {
+        Self {
+            default: Arc::new(default),
+            accounts: RwLock::new(HashMap::new()),
+        }
+    }
+
+    /// The node's policy.
+    pub fn default_policy(&self) -> &EgressPolicy {
+        &self.default
+    }
+
+    /// The policy of account `uid`.
+    pub fn of(&self, uid: u32) -> AccountEgress {
+        let accounts = self.accounts.read().unwrap_or_else(PoisonError::into_inner);
+        let entry = accounts.get(&uid);
+        AccountEgress {
+            user: entry.map(|e| e.user.clone()),
+            policy: entry
+                .and_then(|e| e.policy.clone())
+                .unwrap_or_else(|| self.default.clone()),
+        }
+    }
+
+    /// Records whose account `uid` is, keeping its policy: the refusal log
+    /// names the user.
+    pub fn name(&self, uid: u32, user: &str) {
+        let mut accounts = self
+            .accounts
+            .write()
+            .unwrap_or_else(PoisonError::into_inner);
+        let policy = accounts.get(&uid).and_then(|e| e.policy.clone());
+        accounts.insert(
+            uid,
+            BookEntry {
+                user: Arc::from(user),
+                policy,
+            },
+        );
+    }
+
+    /// The user's own policy of account `uid`, if one is set.
+    pub fn own_policy(&self, uid: u32) -> Option<Arc<EgressPolicy>> {
+        let accounts = self.accounts.read().unwrap_or_else(PoisonError::into_inner);
+        accounts.get(&uid).and_then(|e| e.policy.clone())
+    }
+
+    /// Records account `uid` of `user` with its own `policy` (`None`: the
+    /// node's). Returns whether its policy changed.
+    pub fn set(&self, uid: u32, user: &str, policy: Option<EgressPolicy>) -> bool {
+        let mut accounts = self
+            .accounts
+            .write()
+            .unwrap_or_else(PoisonError::into_inner);
+        let before = accounts.get(&uid).and_then(|e| e.policy.clone());
+        let changed = before.as_deref() != policy.as_ref();
+        accounts.insert(
+            uid,
+            BookEntry {
+                user: Arc::from(user),
+                policy: policy.map(Arc::new),
+            },
+        );
+        changed
+    }
+
+    /// Every account with a policy of its own.
+    pub fn own_policies(&self) -> Vec<(u32, Arc<EgressPolicy>)> {
+        let accounts = self.accounts.read().unwrap_or_else(PoisonError::into_inner);
+        accounts
+            .iter()
+            .filter_map(|(uid, e)| Some((*uid, e.policy.clone()?)))
+            .collect()
+    }
+
+    /// Whether any account's policy sends connections to the egress proxy.
+    pub fn needs_proxy(&self) -> bool {
+        self.default.needs_proxy() || self.own_policies().iter().any(|(_, p)| p.needs_proxy())
     }
 }
 
@@ -415,5 +551,40 @@ mod tests {
         assert!(!ok("10.1.0.9", 443));
         assert!(!ok("fd00:ec2::254", 80));
         assert!(!ok("fd12::1", 80));
+    }
+
+    #[test]
+    fn a_domain_needs_a_confining_mode() {
+        let mut p = policy(&["10.0.0.0/8", "pypi.org"]);
+        p.mode = EgressMode::AllowAll;
+        assert_eq!(p.check().map_err(|e| e.name), Err("pypi.org".to_owned()));
+        p.mode = EgressMode::DenyAll;
+        assert_eq!(p.check(), Ok(()));
+        assert_eq!(
+            EgressPolicy {
+                mode: EgressMode::AllowAll,
+                allow: vec!["10.0.0.0/8".parse().unwrap()],
+            }
+            .check(),
+            Ok(())
+        );
+    }
+
+    #[test]
+    fn the_book_gives_each_account_its_own_policy_or_the_nodes() {
+        let book = EgressBook::new(EgressPolicy::default());
+        let own = policy(&["pypi.org"]);
+        assert!(book.set(7, "alice", Some(own.clone())));
+        assert!(!book.set(7, "alice", Some(own.clone())));
+        assert!(!book.set(8, "bob", None));
+        assert_eq!(*book.of(7).policy, own);
+        assert_eq!(book.of(7).user.as_deref(), Some("alice"));
+        assert_eq!(*book.of(8).policy, EgressPolicy::default());
+        assert_eq!(book.of(9).user, None);
+        assert!(book.needs_proxy());
+        assert!(book.set(7, "alice", None));
+        assert_eq!(*book.of(7).policy, EgressPolicy::default());
+        assert!(book.own_policies().is_empty());
+        assert!(!book.needs_proxy());
     }
 }

@@ -191,16 +191,8 @@ impl LocalRuntimeConfig {
                 "must be at least 1: an instance holds its own port",
             ));
         }
-        if !self.egress.mode.confined()
-            && let Some(name) = self.egress.allow.iter().find(|d| d.is_domain())
-        {
-            return Err(bad(
-                "isolation.egress_allow",
-                format!(
-                    "{name} is a domain name, which only a confining egress (\"deny_all\" or \
-                     \"allowlist\") can allow: with \"allow_all\" every public name is reached"
-                ),
-            ));
+        if let Err(e) = self.egress.check() {
+            return Err(bad("isolation.egress_allow", e.to_string()));
         }
         if self.egress.mode.confined() && self.isolation == Isolation::None {
             return Err(bad(

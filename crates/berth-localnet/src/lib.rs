@@ -2,7 +2,8 @@
 //!
 //! * [`peer_owner`]: which account owns the socket at the other end of a
 //!   local TCP connection, asked of the kernel, so that berth sends nothing
-//!   to a program that bound an instance's port before the instance did.
+//!   to a program that bound an instance's port before the instance did;
+//!   [`udp_owner`], the account of a local UDP socket.
 //! * [`connect_in`]: a connection made inside a sandboxed instance's own
 //!   network namespace, and [`loopback_up`] for the namespace's maker.
 
@@ -12,4 +13,4 @@ mod netns;
 mod owner;
 
 pub use netns::{connect_in, loopback_up};
-pub use owner::{SockDiagError, check_owner, peer_owner};
+pub use owner::{SockDiagError, check_owner, peer_owner, udp_owner};

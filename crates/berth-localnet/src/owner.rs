@@ -17,9 +17,11 @@
 use std::io;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 
-use netlink_packet_core::{NLM_F_REQUEST, NetlinkHeader, NetlinkMessage, NetlinkPayload};
+use netlink_packet_core::{
+    NLM_F_DUMP, NLM_F_REQUEST, NetlinkHeader, NetlinkMessage, NetlinkPayload,
+};
 use netlink_packet_sock_diag::SockDiagMessage;
-use netlink_packet_sock_diag::constants::{AF_INET, AF_INET6, IPPROTO_TCP};
+use netlink_packet_sock_diag::constants::{AF_INET, AF_INET6, IPPROTO_TCP, IPPROTO_UDP};
 use netlink_packet_sock_diag::inet::{
     ExtensionFlags, InetRequest, InetResponseHeader, SocketId, StateFlags,
 };
@@ -43,6 +45,10 @@ pub enum SockDiagError {
         /// The end whose owner was asked for.
         peer: SocketAddr,
     },
+    /// No UDP socket, or sockets of more than one account, are bound
+    /// where a datagram came from.
+    #[error("no one account's UDP socket is bound at {0}")]
+    NoUdpSocket(SocketAddr),
     /// One address is IPv4 and the other IPv6, so no single connection
     /// joins them; nothing was asked of the kernel.
     #[error("{local} and {peer} are of different address families")]
@@ -101,6 +107,82 @@ pub fn peer_owner(local: SocketAddr, peer: SocketAddr) -> Result<u32, SockDiagEr
     let unspecified = SocketAddr::new(unspecified_like(peer.ip()), 0);
     let listener = query(peer, unspecified)?.ok_or(SockDiagError::NoSocket { local, peer })?;
     Ok(listener.uid)
+}
+
+/// The uid owning the UDP socket bound at `source`, where a datagram the
+/// caller received came from: a socket bound to that address or to every
+/// address, on that port. The kernel looks a UDP socket up only by both
+/// ends, and one connected elsewhere (a resolver connects to the name
+/// server it asks) would not be found that way, so every UDP socket of
+/// the family is listed and the bound ones picked.
+pub fn udp_owner(source: SocketAddr) -> Result<u32, SockDiagError> {
+    let unspecified = unspecified_like(source.ip());
+    let mut owners: Vec<u32> = udp_sockets(source.is_ipv4())?
+        .into_iter()
+        .filter(|s| {
+            s.socket_id.source_port == source.port()
+                && (s.socket_id.source_address == source.ip()
+                    || s.socket_id.source_address == unspecified)
+        })
+        .map(|s| s.uid)
+        .collect();
+    owners.dedup();
+    match owners.as_slice() {
+        [uid] => Ok(*uid),
+        _ => Err(SockDiagError::NoUdpSocket(source)),
+    }
+}
+
+/// Every UDP socket of one family, as the kernel lists them.
+fn udp_sockets(ipv4: bool) -> Result<Vec<InetResponseHeader>, SockDiagError> {
+    let request = InetRequest {
+        family: if ipv4 { AF_INET } else { AF_INET6 },
+        protocol: IPPROTO_UDP,
+        extensions: ExtensionFlags::empty(),
+        states: StateFlags::all(),
+        socket_id: SocketId::new_v4(),
+    };
+    let mut header = NetlinkHeader::default();
+    header.flags = NLM_F_REQUEST | NLM_F_DUMP;
+    let mut message = NetlinkMessage::new(header, SockDiagMessage::InetRequest(request).into());
+    message.finalize();
+    let mut out = vec![0; message.buffer_len()];
+    message.serialize(&mut out);
+    let socket = Socket::new(NETLINK_SOCK_DIAG)?;
+    // The kernel makes each part of the listing as the one before is
+    // read, so none is ever waited for.
+    socket.set_non_blocking(true)?;
+    socket.connect(&NetlinkAddr::new(0, 0))?;
+    socket.send(&out, 0)?;
+    let mut found = Vec::new();
+    loop {
+        let mut answer = Vec::with_capacity(32 * 1024);
+        let received = socket.recv(&mut answer, 0)?;
+        answer.truncate(received);
+        let mut at = 0;
+        while at < answer.len() {
+            let part = answer.get(at..).unwrap_or_default();
+            let reply = NetlinkMessage::<SockDiagMessage>::deserialize(part)
+                .map_err(|e| SockDiagError::Answer(e.to_string()))?;
+            let length = usize::try_from(reply.header.length).unwrap_or(0);
+            match reply.payload {
+                NetlinkPayload::InnerMessage(SockDiagMessage::InetResponse(response)) => {
+                    found.push(response.header);
+                }
+                NetlinkPayload::Done(_) => return Ok(found),
+                NetlinkPayload::Error(error) => {
+                    let code = error.code.map_or(0, |c| -c.get());
+                    return Err(SockDiagError::Io(io::Error::from_raw_os_error(code)));
+                }
+                _ => {}
+            }
+            if length == 0 {
+                return Err(SockDiagError::Answer("a message of no length".into()));
+            }
+            // Messages are aligned to 4 bytes.
+            at += length.next_multiple_of(4);
+        }
+    }
 }
 
 fn unspecified_like(ip: IpAddr) -> IpAddr {
@@ -204,6 +286,25 @@ mod tests {
         let (_server, _) = listener.accept().unwrap();
         let owner = peer_owner(client.local_addr().unwrap(), client.peer_addr().unwrap());
         assert_eq!(owner.unwrap(), me());
+    }
+
+    #[test]
+    fn a_udp_sockets_owner_is_found_by_where_its_datagrams_come_from() {
+        let bound = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+        let connected = std::net::UdpSocket::bind("0.0.0.0:0").unwrap();
+        connected.connect("127.0.0.1:9").unwrap();
+        assert_eq!(udp_owner(bound.local_addr().unwrap()).unwrap(), me());
+        let port = connected.local_addr().unwrap().port();
+        let seen_from: SocketAddr = (Ipv4Addr::LOCALHOST, port).into();
+        assert_eq!(udp_owner(seen_from).unwrap(), me());
+        drop(bound);
+        let gone = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+        let addr = gone.local_addr().unwrap();
+        drop(gone);
+        assert!(matches!(
+            udp_owner(addr),
+            Err(SockDiagError::NoUdpSocket(_))
+        ));
     }
 
     #[test]

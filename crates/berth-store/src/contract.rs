@@ -113,6 +113,7 @@ macro_rules! store_contract_tests {
             accounts_get_stable_unique_uids,
             accounts_refuse_a_full_range_and_change_nothing,
             concurrent_account_allocations_never_share_a_uid,
+            user_egress_is_set_replaced_and_given_back_per_account,
         );
     };
     (@cases $fresh:expr; $($case:ident),+ $(,)?) => {
@@ -2197,4 +2198,55 @@ pub async fn node_claims_need_a_stale_row_or_the_same_data_dir(store: Arc<dyn St
     wait_until_heartbeat_older(&store, "node-1", SHORT).await;
     assert_eq!(claim("dir-a", SHORT).await, NodeClaim::Claimed);
     assert!(matches!(claim("dir-b", LONG).await, NodeClaim::Live(_)));
+}
+
+/// A user's own egress policy is read back as set, replaced by the next,
+/// and gone once cleared; the per-account listing joins it to the
+/// account of the user's recorded slug and leaves out a user without
+/// one.
+pub async fn user_egress_is_set_replaced_and_given_back_per_account(store: Arc<dyn Store>) {
+    use berth_core::egress::{EgressMode, EgressPolicy};
+    let (alice, bob) = (user("alice"), user("bob"));
+    assert_eq!(store.user_egress(&alice).await.unwrap(), None);
+    let confined = EgressPolicy {
+        mode: EgressMode::Allowlist,
+        allow: vec![
+            "pypi.org".parse().unwrap(),
+            "10.8.0.0/24:5432".parse().unwrap(),
+        ],
+    };
+    store
+        .set_user_egress(&alice, Some(&confined))
+        .await
+        .unwrap();
+    assert_eq!(
+        store.user_egress(&alice).await.unwrap(),
+        Some(confined.clone())
+    );
+    assert_eq!(
+        store.account_egress().await.unwrap(),
+        vec![],
+        "no account yet"
+    );
+    store
+        .record_user_slug(&alice, &slug("alice"))
+        .await
+        .unwrap();
+    let uid = store.account_uid("alice", UIDS).await.unwrap();
+    store.record_user_slug(&bob, &slug("bob")).await.unwrap();
+    store.account_uid("bob", UIDS).await.unwrap();
+    assert_eq!(
+        store.account_egress().await.unwrap(),
+        vec![(uid, "alice".to_owned(), confined)]
+    );
+    let closed = EgressPolicy {
+        mode: EgressMode::DenyAll,
+        allow: vec![],
+    };
+    store.set_user_egress(&alice, Some(&closed)).await.unwrap();
+    assert_eq!(store.user_egress(&alice).await.unwrap(), Some(closed));
+    store.set_user_egress(&alice, None).await.unwrap();
+    assert_eq!(store.user_egress(&alice).await.unwrap(), None);
+    assert_eq!(store.account_egress().await.unwrap(), vec![]);
+    assert_eq!(store.user_egress(&bob).await.unwrap(), None);
 }

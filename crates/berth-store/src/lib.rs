@@ -42,6 +42,7 @@ pub mod testing;
 use std::time::Duration;
 
 use async_trait::async_trait;
+use berth_core::egress::EgressPolicy;
 use berth_core::policy::{CrashState, NodeState, NodeView};
 use berth_core::{Epoch, Instance, InstanceStatus, Role, Slug, UnixMillis, UserId};
 use serde::{Deserialize, Serialize};
@@ -680,6 +681,22 @@ pub trait UserStore: Send + Sync + 'static {
     async fn account_uid(&self, slug: &str, range: UidRange) -> Result<u32, StoreError>;
     /// Every account, as `(slug, uid)`, ordered by uid.
     async fn list_accounts(&self) -> Result<Vec<(String, u32)>, StoreError>;
+
+    // --- users' own egress policies -----------------------------------------
+
+    /// The egress policy an operator set for `user`; `None`: the node's.
+    async fn user_egress(&self, user: &UserId) -> Result<Option<EgressPolicy>, StoreError>;
+    /// Sets `user`'s own egress policy, replacing any; `None` gives the
+    /// user the node's again.
+    async fn set_user_egress(
+        &self,
+        user: &UserId,
+        policy: Option<&EgressPolicy>,
+    ) -> Result<(), StoreError>;
+    /// Every account whose user has an egress policy of their own, as
+    /// `(uid, slug, policy)`, ordered by uid, in one read: a node guards
+    /// the instances it adopts with them before they run on.
+    async fn account_egress(&self) -> Result<Vec<(u32, String, EgressPolicy)>, StoreError>;
 }
 
 /// The cluster's nodes: the store's clock, heartbeats, the claim of a node

@@ -5,6 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
+use berth_core::egress::EgressPolicy;
 use berth_core::policy::CrashState;
 use berth_core::{Epoch, Instance, Role, Slug, UnixMillis, UserId};
 
@@ -194,6 +195,19 @@ impl<H: RenewHook> UserStore for InterceptRenew<H> {
     }
     async fn list_accounts(&self) -> Result<Vec<(String, u32)>, StoreError> {
         self.inner.list_accounts().await
+    }
+    async fn user_egress(&self, u: &UserId) -> Result<Option<EgressPolicy>, StoreError> {
+        self.inner.user_egress(u).await
+    }
+    async fn set_user_egress(
+        &self,
+        u: &UserId,
+        p: Option<&EgressPolicy>,
+    ) -> Result<(), StoreError> {
+        self.inner.set_user_egress(u, p).await
+    }
+    async fn account_egress(&self) -> Result<Vec<(u32, String, EgressPolicy)>, StoreError> {
+        self.inner.account_egress().await
     }
 }
 

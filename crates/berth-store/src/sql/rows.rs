@@ -41,6 +41,7 @@ macro_rules! embedded_migrations {
             (9, "internal_url", embedded_migrations!(@file $dir, "0009_internal_url.sql")),
             (10, "placements", embedded_migrations!(@file $dir, "0010_placements.sql")),
             (11, "logins", embedded_migrations!(@file $dir, "0011_logins.sql")),
+            (12, "user_egress", embedded_migrations!(@file $dir, "0012_user_egress.sql")),
         ]
     };
     (@file $dir:literal, $name:literal) => {
@@ -85,6 +86,10 @@ pub(crate) fn ttl_ms(ttl: Duration) -> i64 {
 
 pub(crate) fn parse_user(raw: String) -> Result<UserId, StoreError> {
     UserId::parse(&raw).map_err(|e| StoreError::Corrupt(format!("user id {raw:?}: {e}")))
+}
+
+pub(crate) fn parse_egress(raw: &str) -> Result<berth_core::egress::EgressPolicy, StoreError> {
+    serde_json::from_str(raw).map_err(|e| StoreError::Corrupt(format!("user_egress.policy: {e}")))
 }
 
 pub(crate) fn parse_slug(raw: String) -> Result<Slug, StoreError> {

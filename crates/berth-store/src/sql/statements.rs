@@ -69,6 +69,10 @@ pub(crate) struct Statements {
     pub(crate) account_take_next: String,
     pub(crate) account_highest: String,
     pub(crate) accounts_list: String,
+    pub(crate) user_egress_get: String,
+    pub(crate) user_egress_put: String,
+    pub(crate) user_egress_delete: String,
+    pub(crate) account_egress_list: String,
 }
 
 /// The columns of an instance record, in the order of
@@ -374,6 +378,20 @@ impl Statements {
                 "SELECT MAX(uid) AS uid FROM accounts WHERE uid BETWEEN $1 AND $2",
             ),
             accounts_list: sql("SELECT slug, uid FROM accounts ORDER BY uid"),
+
+            // --- users' own egress policies ----------------------------
+            user_egress_get: sql("SELECT policy FROM user_egress WHERE user_id = $1"),
+            user_egress_put: sql(
+                "INSERT INTO user_egress (user_id, policy, updated_at) VALUES ($1, $2, {now}) \
+                 ON CONFLICT (user_id) DO UPDATE SET policy = excluded.policy, \
+                 updated_at = excluded.updated_at",
+            ),
+            user_egress_delete: sql("DELETE FROM user_egress WHERE user_id = $1"),
+            account_egress_list: sql(
+                "SELECT accounts.uid, accounts.slug, user_egress.policy FROM user_egress \
+                 JOIN users ON users.user_id = user_egress.user_id \
+                 JOIN accounts ON accounts.slug = users.slug ORDER BY accounts.uid",
+            ),
         }
     }
 }

@@ -3,13 +3,14 @@
 use std::time::Duration;
 
 use async_trait::async_trait;
+use berth_core::egress::EgressPolicy;
 use berth_core::policy::CrashState;
 use berth_core::{Epoch, Instance, InstanceStatus, Role, Slug, UnixMillis, UserId};
 
 use super::driver::Tx;
 use super::rows::{
-    get, instance_from_row, lease_from_row, narrow, node_from_row, node_status_str, parse_slug,
-    parse_user, refused_mint, slug_taken, token_from_row, token_owner_from_row, ttl_ms,
+    get, instance_from_row, lease_from_row, narrow, node_from_row, node_status_str, parse_egress,
+    parse_slug, parse_user, refused_mint, slug_taken, token_from_row, token_owner_from_row, ttl_ms,
 };
 use super::{Dialect, SqlBackend};
 use crate::{
@@ -570,6 +571,58 @@ impl<B: SqlBackend> UserStore for B {
         let rows = self.stmt(&self.sql().accounts_list).fetch_all().await?;
         rows.iter()
             .map(|row| Ok((get(row, "slug")?, narrow(get(row, "uid")?, "accounts.uid")?)))
+            .collect()
+    }
+
+    async fn user_egress(&self, user: &UserId) -> Result<Option<EgressPolicy>, StoreError> {
+        let row = self
+            .stmt(&self.sql().user_egress_get)
+            .bind(user.as_str())
+            .fetch_optional()
+            .await?;
+        row.map(|row| parse_egress(&get::<_, String>(&row, "policy")?))
+            .transpose()
+    }
+
+    async fn set_user_egress(
+        &self,
+        user: &UserId,
+        policy: Option<&EgressPolicy>,
+    ) -> Result<(), StoreError> {
+        match policy {
+            Some(policy) => {
+                let json = serde_json::to_string(policy).map_err(|e| {
+                    StoreError::Query(format!("cannot write an egress policy: {e}"))
+                })?;
+                self.stmt(&self.sql().user_egress_put)
+                    .bind(user.as_str())
+                    .bind(json.as_str())
+                    .execute()
+                    .await?;
+            }
+            None => {
+                self.stmt(&self.sql().user_egress_delete)
+                    .bind(user.as_str())
+                    .execute()
+                    .await?;
+            }
+        }
+        Ok(())
+    }
+
+    async fn account_egress(&self) -> Result<Vec<(u32, String, EgressPolicy)>, StoreError> {
+        let rows = self
+            .stmt(&self.sql().account_egress_list)
+            .fetch_all()
+            .await?;
+        rows.iter()
+            .map(|row| {
+                Ok((
+                    narrow(get(row, "uid")?, "accounts.uid")?,
+                    get(row, "slug")?,
+                    parse_egress(&get::<_, String>(row, "policy")?)?,
+                ))
+            })
             .collect()
     }
 }
