@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
+use berth_core::egress::EgressPolicy;
 use berth_core::policy::LaunchKind;
 use berth_core::policy::supervision::StopKind;
 use berth_core::runtime::Patch;
@@ -285,6 +286,30 @@ impl Spawner for Controller {
 
     async fn reset_breaker(&self, user: &UserId) -> Result<(), SpawnError> {
         self.shared.breaker.reset(user).await
+    }
+
+    async fn set_egress(
+        &self,
+        user: &UserId,
+        policy: Option<&EgressPolicy>,
+    ) -> Result<(), SpawnError> {
+        let runtime = &self.shared.runtime;
+        if !runtime.capabilities().egress {
+            return Err(SpawnError::InvalidRequest(format!(
+                "the {} runtime here does not guard its instances' egress",
+                runtime.name()
+            )));
+        }
+        self.shared.store.set_user_egress(user, policy).await?;
+        // A user who never ran has no slug, and no account to change: a
+        // start reads the stored policy.
+        if let Some(slug) = self.shared.known_slug(user).await? {
+            runtime
+                .set_egress(user, &slug, policy)
+                .await
+                .map_err(|e| SpawnError::Internal(format!("the egress guard refused: {e}")))?;
+        }
+        Ok(())
     }
 
     async fn restart_all_mains(&self) -> Vec<RestartResult> {

@@ -6,7 +6,8 @@
 //! (readiness, freeze, exit). It stops, kills and (when it declares the
 //! [`Capabilities`]) freezes, thaws and extends a fence deadline by that
 //! reference; it runs the operator's hooks beside the program
-//! ([`Runtime::run_hook`]); it discovers what it already runs so a restarted berth can
+//! ([`Runtime::run_hook`]); it guards, per user, where a program may
+//! connect ([`Runtime::set_egress`]); it discovers what it already runs so a restarted berth can
 //! adopt it; and it reads and follows logs.
 //!
 //! Everything that does not depend on *where* a program runs — the lease,
@@ -27,6 +28,7 @@ use async_trait::async_trait;
 use serde::{Deserialize, Serialize};
 use tokio::sync::mpsc;
 
+use crate::egress::EgressPolicy;
 use crate::{Endpoint, Epoch, Role, Slug, UserId};
 
 /// Events a runtime may buffer for one instance before it blocks; the
@@ -74,6 +76,9 @@ pub struct Capabilities {
     /// program runs: as its account, in its isolation, with its
     /// environment.
     pub exec: bool,
+    /// [`Runtime::set_egress`]: the runtime guards where a program may
+    /// connect, per user, and changes it while the program runs.
+    pub egress: bool,
 }
 
 /// What an operator's hook does (`pre_hibernate`, `pre_stop`).
@@ -366,6 +371,20 @@ pub trait Runtime: Send + Sync + 'static {
     ) -> Result<HookOutcome, RuntimeError> {
         let _ = (instance, hook);
         Err(self.unsupported("run hooks"))
+    }
+
+    /// Gives `user`'s instances (their account, filed under `slug`) the
+    /// egress `policy` (`None`: the node's) from their next connection
+    /// on, whether one runs now or not; a start reads the user's policy
+    /// again, so one set while none runs applies when one starts.
+    async fn set_egress(
+        &self,
+        user: &UserId,
+        slug: &Slug,
+        policy: Option<&EgressPolicy>,
+    ) -> Result<(), RuntimeError> {
+        let _ = (user, slug, policy);
+        Err(self.unsupported("guard egress"))
     }
 
     /// How many mains this runtime can run at once, if it has a limit of

@@ -101,6 +101,20 @@ pub trait Spawner: Traffic {
     /// Clears the user's breaker and crash counters.
     async fn reset_breaker(&self, user: &UserId) -> Result<(), SpawnError>;
 
+    /// Records `user`'s own egress `policy` (`None`: the node's again)
+    /// and gives it to their instances here from their next connection
+    /// on; an instance started later, on any node, starts with it.
+    async fn set_egress(
+        &self,
+        user: &UserId,
+        policy: Option<&crate::egress::EgressPolicy>,
+    ) -> Result<(), SpawnError> {
+        let _ = (user, policy);
+        Err(SpawnError::InvalidRequest(
+            "this node does not guard its instances' egress".into(),
+        ))
+    }
+
     /// Restarts every main this node owns, with bounded concurrency, and
     /// reports one result per user.
     async fn restart_all_mains(&self) -> Vec<RestartResult>;

@@ -1,16 +1,17 @@
 //! The egress proxy's listener: each connection the guard redirected here
 //! is read until it names its destination ([`crate::sniff`]), checked
-//! against the policy, and joined to that name, which the proxy resolves
-//! itself. A program cannot pick the address: a raw IP, another name
+//! against the policy of the account that made it (asked of the kernel,
+//! and looked up in the [`EgressBook`]), and joined to that name, which
+//! the proxy resolves itself. A program cannot pick the address: a raw IP, another name
 //! for the same host, or a name that resolves somewhere private are all
 //! refused.
 
 use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, PoisonError, RwLock};
+use std::sync::{Arc, PoisonError};
 use std::time::{Duration, Instant};
 
-use berth_core::egress::EgressPolicy;
+use berth_core::egress::{AccountEgress, EgressBook, EgressPolicy};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream, UdpSocket};
 use tokio::sync::Semaphore;
@@ -52,6 +53,10 @@ pub enum EgressError {
 /// Why one connection was refused; logged and counted, never sent.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum Refusal {
+    /// The kernel could not say whose connection or query it is, so no
+    /// policy can be checked.
+    #[error("its account is unknown")]
+    Unowned,
     /// It named no host in time (a raw IP, no SNI, not TLS or HTTP).
     #[error("named no host")]
     Unnamed,
@@ -85,7 +90,6 @@ pub struct EgressProxy {
     names: Arc<UdpSocket>,
     /// Where allowed queries are forwarded: the host's name servers.
     upstream: Vec<SocketAddr>,
-    policy: Arc<RwLock<EgressPolicy>>,
     metrics: EgressMetrics,
 }
 
@@ -95,7 +99,6 @@ impl EgressProxy {
     /// allowed queries to `name_servers`.
     pub async fn bind(
         addr: SocketAddr,
-        policy: EgressPolicy,
         metrics: EgressMetrics,
         name_servers: &[IpAddr],
     ) -> Result<Self, EgressError> {
@@ -118,15 +121,8 @@ impl EgressProxy {
                 .iter()
                 .map(|ip| SocketAddr::new(*ip, 53))
                 .collect(),
-            policy: Arc::new(RwLock::new(policy)),
             metrics,
         })
-    }
-
-    /// The policy the proxy checks, to be changed while it serves: a
-    /// change applies from the next connection.
-    pub fn policy(&self) -> Arc<RwLock<EgressPolicy>> {
-        self.policy.clone()
     }
 
     /// The port the guard redirects to.
@@ -135,14 +131,16 @@ impl EgressProxy {
     }
 
     /// Serves until `cancel`, then waits for the connections in flight.
-    pub async fn serve(self, cancel: CancellationToken) {
+    /// Each connection and lookup is checked against its account's policy
+    /// in `book` as it is then: a change applies from the next one.
+    pub async fn serve(self, book: Arc<EgressBook>, cancel: CancellationToken) {
         let slots = Arc::new(Semaphore::new(MAX_CONNECTIONS));
         let tracker = TaskTracker::new();
         let log = Arc::new(RefusalLog::default());
         tracker.spawn(serve_names(Names {
             socket: self.names.clone(),
             upstream: self.upstream.clone(),
-            policy: self.policy.clone(),
+            book: book.clone(),
             metrics: self.metrics.clone(),
             log: log.clone(),
             slots: slots.clone(),
@@ -164,7 +162,7 @@ impl EgressProxy {
             let Ok(slot) = slots.clone().acquire_owned().await else {
                 break;
             };
-            let policy = self.policy.clone();
+            let book = book.clone();
             let metrics = self.metrics.clone();
             let log = log.clone();
             let cancel = cancel.clone();
@@ -172,19 +170,18 @@ impl EgressProxy {
                 let _slot = slot;
                 let mut client = client;
                 let destination = original_destination(&client);
+                // The program's socket is connected to where it aimed,
+                // not to the proxy the guard sent it to.
+                let uid =
+                    destination.and_then(|aimed| berth_localnet::peer_owner(aimed, peer).ok());
+                let account = uid.map(|uid| book.of(uid));
                 tokio::select! {
                     () = cancel.cancelled() => {}
-                    outcome = join(&mut client, destination, &policy) => match outcome {
+                    outcome = join(&mut client, destination, account.as_ref()) => match outcome {
                         Ok(()) => metrics.count(Verdict::Allowed),
                         Err(refusal) => {
                             metrics.count(Verdict::Refused);
-                            // Asked of the kernel while the connection is
-                            // still open, and only for a refusal's log. The
-                            // program's socket is connected to where it
-                            // aimed, not to the proxy the guard sent it to.
-                            let uid = destination
-                                .and_then(|aimed| berth_localnet::peer_owner(aimed, peer).ok());
-                            log.refused(uid, destination, &refusal);
+                            log.refused(uid, account.as_ref(), destination, &refusal);
                         }
                     },
                 }
@@ -199,7 +196,7 @@ impl EgressProxy {
 struct Names {
     socket: Arc<UdpSocket>,
     upstream: Vec<SocketAddr>,
-    policy: Arc<RwLock<EgressPolicy>>,
+    book: Arc<EgressBook>,
     metrics: EgressMetrics,
     log: Arc<RefusalLog>,
     slots: Arc<Semaphore>,
@@ -225,14 +222,18 @@ async fn serve_names(names: Names) {
         let Some((name, end)) = dns::question(&query) else {
             continue;
         };
-        let allowed = names
-            .policy
-            .read()
-            .unwrap_or_else(PoisonError::into_inner)
-            .allows_lookup(&name);
+        let uid = berth_localnet::udp_owner(client).ok();
+        let account = uid.map(|uid| names.book.of(uid));
+        let allowed = account
+            .as_ref()
+            .is_some_and(|a| a.policy.allows_lookup(&name));
         if !allowed {
             names.metrics.count(Verdict::Refused);
-            names.log.refused(None, None, &Refusal::Lookup { name });
+            let refusal = match account {
+                Some(_) => Refusal::Lookup { name },
+                None => Refusal::Unowned,
+            };
+            names.log.refused(uid, account.as_ref(), None, &refusal);
             if let Some(answer) = dns::refused(&query, end) {
                 let _ = names.socket.send_to(&answer, client).await;
             }
@@ -285,23 +286,19 @@ async fn forward(query: &[u8], upstream: &[SocketAddr]) -> Option<Vec<u8>> {
 async fn join(
     client: &mut TcpStream,
     destination: Option<SocketAddr>,
-    policy: &RwLock<EgressPolicy>,
+    account: Option<&AccountEgress>,
 ) -> Result<(), Refusal> {
     let port = destination.map(|d| d.port()).ok_or(Refusal::Unnamed)?;
+    let policy = &account.ok_or(Refusal::Unowned)?.policy;
     let (name, prefix) = tokio::time::timeout(SNIFF_GRACE, read_name(client))
         .await
         .ok()
         .flatten()
         .ok_or(Refusal::Unnamed)?;
-    // The policy as it is now: a change applies to the next connection.
-    let policy = policy
-        .read()
-        .unwrap_or_else(PoisonError::into_inner)
-        .clone();
     if !policy.allows_name(&name, port) {
         return Err(Refusal::NotAllowed { name, port });
     }
-    let mut upstream = connect(&name, port, &policy)
+    let mut upstream = connect(&name, port, policy)
         .await
         .ok_or_else(|| Refusal::Unresolved { name: name.clone() })?;
     if upstream.write_all(&prefix).await.is_ok() {
@@ -382,11 +379,18 @@ struct RefusalLog {
 }
 
 impl RefusalLog {
-    fn refused(&self, uid: Option<u32>, destination: Option<SocketAddr>, refusal: &Refusal) {
+    fn refused(
+        &self,
+        uid: Option<u32>,
+        account: Option<&AccountEgress>,
+        destination: Option<SocketAddr>,
+        refusal: &Refusal,
+    ) {
         let Some(earlier_unlogged) = self.admit(Instant::now()) else {
             return;
         };
         tracing::warn!(
+            user = %account.and_then(|a| a.user.as_deref()).unwrap_or("unknown"),
             uid = %uid.map_or_else(|| "unknown".to_owned(), |u| u.to_string()),
             destination = %destination.map(|d| d.to_string()).unwrap_or_default(),
             reason = %refusal,

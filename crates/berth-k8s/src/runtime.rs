@@ -254,6 +254,7 @@ impl Runtime for K8sRuntime {
             freeze: false,
             fence_deadline: false,
             exec: false,
+            egress: false,
         }
     }
 

@@ -38,8 +38,9 @@ use std::time::Duration;
 use anyhow::Context;
 use async_trait::async_trait;
 use berth_controller::Controller;
+use berth_core::egress::{EgressBook, EgressPolicy};
 use berth_core::runtime::Runtime;
-use berth_core::{Spawner, UidRange};
+use berth_core::{Spawner, UidRange, UserId};
 use berth_local::{Accounts, Isolation, LocalRuntime};
 use berth_proxy::peer_auth::{ClusterKey, PeerAuth};
 use berth_store::{NodeClaim, NodeStatus, NodeStore, Store, UserStore};
@@ -137,7 +138,8 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         listening.push(listener.local_addr()?.port());
     }
     listening.extend(egress_port);
-    let runtime = runtime(&config, &node_id, store.clone(), listening, egress_port).await?;
+    let (runtime, egress_book) =
+        runtime(&config, &node_id, store.clone(), listening, egress_port).await?;
     let mut controller_config = config.controller_config(&node_id)?;
     controller_config.advertise_url.clone_from(&public_url);
     controller_config.internal_url = internal_url.clone().unwrap_or_default();
@@ -167,8 +169,8 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     let tasks = TaskTracker::new();
     let cancel = CancellationToken::new();
     let spawner_dyn = spawner.clone() as Arc<dyn Spawner>;
-    if let Some(egress_proxy) = egress_proxy {
-        tasks.spawn(egress_proxy.serve(cancel.child_token()));
+    if let (Some(egress_proxy), Some(book)) = (egress_proxy, egress_book) {
+        tasks.spawn(egress_proxy.serve(book, cancel.child_token()));
     }
     {
         let (controller, cancel) = (spawner.clone(), cancel.clone());
@@ -362,7 +364,9 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
 
 /// The runtime this node runs programs with: the one place the config
 /// chooses it. A `[kubernetes]` table selects the Kubernetes runtime (a
-/// pod per user); otherwise programs run on this host under shims.
+/// pod per user); otherwise programs run on this host under shims, and
+/// where berth guards their egress, the book of each account's policy
+/// comes with it, for the egress proxy.
 #[cfg_attr(
     not(feature = "kubernetes"),
     allow(unused_variables, reason = "only a pod is named after its node")
@@ -373,7 +377,7 @@ async fn runtime(
     store: Arc<dyn Store>,
     listening: Vec<u16>,
     egress_proxy: Option<u16>,
-) -> anyhow::Result<Arc<dyn Runtime>> {
+) -> anyhow::Result<(Arc<dyn Runtime>, Option<Arc<EgressBook>>)> {
     #[cfg(feature = "kubernetes")]
     if let Some(k8s) = config.k8s_runtime_config(node_id)? {
         let client = berth_k8s::connect(&k8s.kubernetes)
@@ -387,7 +391,7 @@ async fn runtime(
         );
         let runtime = berth_k8s::K8sRuntime::new(client, k8s)
             .context("cannot start the Kubernetes runtime")?;
-        return Ok(runtime);
+        return Ok((runtime, None));
     }
     let shim_command = vec![
         std::env::current_exe()
@@ -418,7 +422,8 @@ async fn runtime(
     if let Err(e) = local.sweep_leftovers(&data_lock::in_use).await {
         tracing::warn!(error = %e, "cannot remove the leftovers of gone berths");
     }
-    Ok(local)
+    let book = local.egress_book();
+    Ok((local, book))
 }
 
 /// This node's egress policy, where berth guards its instances' egress:
@@ -429,15 +434,15 @@ fn guarded_egress(config: &Config) -> anyhow::Result<Option<berth_core::egress::
         .then(|| config.isolation.egress_policy()))
 }
 
-/// The egress proxy, bound on loopback, when instances run on this host
-/// under an egress policy that allows domain names: the guard sends their
-/// connections to those names' ports there.
+/// The egress proxy, bound on loopback, wherever berth guards its
+/// instances' egress: the guard sends there the connections to the ports
+/// of the domain names a policy allows, the node's or a user's own, which
+/// an operator may set at any time.
 async fn egress_proxy(
     config: &Config,
     metrics: berth_egress::EgressMetrics,
 ) -> anyhow::Result<Option<berth_egress::EgressProxy>> {
-    let policy = config.isolation.egress_policy();
-    if config.kubernetes.is_some() || !policy.needs_proxy() {
+    if guarded_egress(config)?.is_none() || !nix::unistd::geteuid().is_root() {
         return Ok(None);
     }
     let loopback = std::net::SocketAddr::from((std::net::Ipv4Addr::LOCALHOST, 0));
@@ -445,8 +450,8 @@ async fn egress_proxy(
     // after a restart.
     let resolv_conf = std::fs::read_to_string("/etc/resolv.conf").unwrap_or_default();
     let name_servers = berth_core::egress::name_servers(&resolv_conf);
-    let proxy = berth_egress::EgressProxy::bind(loopback, policy, metrics, &name_servers).await?;
-    tracing::info!(port = ?proxy.port(), "egress proxy: instances reach the allowed domains through it");
+    let proxy = berth_egress::EgressProxy::bind(loopback, metrics, &name_servers).await?;
+    tracing::info!(port = ?proxy.port(), "egress proxy: instances reach allowed domains through it");
     Ok(Some(proxy))
 }
 
@@ -486,6 +491,14 @@ impl Accounts for StoreAccounts {
             .account_uid(slug, range)
             .await
             .map_err(|e| e.to_string())
+    }
+
+    async fn egress(&self, user: &UserId) -> Result<Option<EgressPolicy>, String> {
+        self.0.user_egress(user).await.map_err(|e| e.to_string())
+    }
+
+    async fn all_egress(&self) -> Result<Vec<(u32, String, EgressPolicy)>, String> {
+        self.0.account_egress().await.map_err(|e| e.to_string())
     }
 }
 

@@ -236,6 +236,23 @@ pub struct UserState {
     pub egress: Option<EgressPolicy>,
 }
 
+/// The body of `POST /internal/v1/users/{user}/egress`: the user's own
+/// egress policy, or `null` for the node's.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EgressChange {
+    pub policy: Option<EgressPolicy>,
+}
+
+/// A user's egress policy once changed: the one their instances now
+/// have, and whether it is their own or the node's.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct UserEgress {
+    pub user: UserId,
+    pub egress: EgressPolicy,
+    pub own: bool,
+}
+
 /// The answer of a node-to-node call that has nothing to say (a stop, a
 /// breaker reset): `{}`.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]

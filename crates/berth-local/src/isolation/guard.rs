@@ -184,7 +184,8 @@ fn is_table_name(name: &str) -> bool {
 }
 
 /// The whole table as an `nft -f` script that replaces any table of that
-/// name in one transaction. `own_ports` starts empty.
+/// name in one transaction. `own_ports` starts empty; `own` are the
+/// accounts with an egress policy of their own.
 pub fn ruleset(
     table: &str,
     comment: Option<&str>,
@@ -192,47 +193,13 @@ pub fn ruleset(
     ports: &RangeInclusive<u16>,
     listeners: &ListenerCap,
     egress: &Egress,
+    own: &[(u32, &EgressPolicy)],
 ) -> String {
     let last = uids.last().unwrap_or(uids.first);
     let who = format!("meta skuid {}-{}", uids.first, last);
     let range = format!("{}-{}", ports.start(), ports.end());
-    let metadata = egress::metadata();
-    let metadata = by_family(metadata, "reject");
-    let servers: Vec<IpNet> = egress
-        .name_servers
-        .iter()
-        .map(|a| IpNet::from(*a))
-        .collect();
-    // Confined, a program's DNS goes only to berth's filtering forwarder
-    // (redirected below), never to a name server itself: queries carry
-    // data out as well as names in.
-    let dns = if egress.policy.mode.confined() {
-        "\t\tmeta l4proto { tcp, udp } th dport 53 reject\n".to_owned()
-    } else {
-        by_family(&servers, "meta l4proto { tcp, udp } th dport 53 accept")
-    };
-    let policy = &egress.policy;
-    let mut allowed = String::new();
-    let mut by_port: BTreeMap<Option<u16>, Vec<IpNet>> = BTreeMap::new();
-    for (net, port) in policy.networks() {
-        by_port.entry(port).or_default().push(net);
-    }
-    for (port, nets) in &by_port {
-        let verdict = match port {
-            None => "accept".to_owned(),
-            Some(port) => format!("meta l4proto {{ tcp, udp }} th dport {port} accept"),
-        };
-        allowed.push_str(&by_family(nets, &verdict));
-    }
-    // Confined, only what is allowed passes: loopback (the program's own
-    // port, berth, and the egress proxy a redirected connection now
-    // goes to), then nothing. Else the internet passes, nothing private.
-    let rest = if policy.mode.confined() {
-        "\t\tip daddr 127.0.0.0/8 accept\n\t\tip6 daddr ::1 accept\n\t\treject\n".to_owned()
-    } else {
-        by_family(egress::private(), "reject")
-    };
-    let redirect = redirect_chains(&who, egress, &by_port);
+    let metadata = by_family(egress::metadata(), "reject");
+    let policy = policy_rules(&egress.policy, &egress.name_servers);
     let (conns_set, conns_rule) = match listeners.ports.as_slice() {
         [] => (String::new(), String::new()),
         _ if listeners.per_account == 0 => (String::new(), String::new()),
@@ -253,13 +220,33 @@ pub fn ruleset(
     let comment = comment
         .map(|c| format!("\tcomment \"{c}\"\n"))
         .unwrap_or_default();
-    format!(
+    // What sends connections to the egress proxy: a NAT chain, where a
+    // proxy listens, which every account's own policy can add to.
+    let redirect = match egress.proxy_port {
+        None => String::new(),
+        Some(proxy) => format!(
+            "\tmap names_of {{\n\t\ttype uid : verdict\n\t}}\n\
+             \tchain egress_redirect {{\n\
+             \t\ttype nat hook output priority -100; policy accept;\n\
+             \t\t{who} meta nfproto ipv4 jump egress_names\n\
+             \t}}\n\
+             \tchain egress_names {{\n\
+             \t\tmeta skuid vmap @names_of\n\
+             {}\
+             \t}}\n",
+            redirect_rules(&egress.policy, proxy)
+        ),
+    };
+    let mut script = format!(
         "table inet {table} {{}}\n\
          delete table inet {table}\n\
          table inet {table} {{\n\
          {comment}\
          \tset own_ports {{\n\
          \t\ttype uid . inet_service\n\
+         \t}}\n\
+         \tmap egress_of {{\n\
+         \t\ttype uid : verdict\n\
          \t}}\n\
          {conns_set}\
          \tchain instance {{\n\
@@ -269,9 +256,8 @@ pub fn ruleset(
          {metadata}\
          \t\tfib daddr type local ip daddr != 127.0.0.0/8 reject\n\
          \t\tfib daddr type local ip6 daddr != ::1 reject\n\
-         {dns}\
-         {allowed}\
-         {rest}\
+         \t\tmeta skuid vmap @egress_of\n\
+         {policy}\
          \t}}\n\
          \tchain output {{\n\
          \t\ttype filter hook output priority filter; policy accept;\n\
@@ -279,25 +265,69 @@ pub fn ruleset(
          \t}}\n\
          {redirect}\
          }}\n"
-    )
+    );
+    for (uid, policy) in own {
+        script.push_str(&own_egress(table, *uid, Some(policy), egress, false));
+    }
+    script
 }
 
-/// The chains that send an instance's IPv4 DNS queries (UDP, to any
-/// address, loopback included) to the egress proxy's name forwarder, and
-/// its IPv4 TCP connections on the allowed domains' ports to the proxy,
-/// unless they go to loopback, this host, a metadata address (which the
-/// filter then refuses) or an allowed network; none without a proxy.
-/// IPv6 connections to those ports, and DNS over TCP or IPv6, are
-/// refused, and a program falls back to IPv4 and UDP.
-fn redirect_chains(
-    who: &str,
-    egress: &Egress,
-    allowed: &BTreeMap<Option<u16>, Vec<IpNet>>,
-) -> String {
-    let ports = egress.policy.domain_ports();
-    let (Some(proxy), false) = (egress.proxy_port, ports.is_empty()) else {
-        return String::new();
+/// What `policy` lets through after the refusals every policy shares (the
+/// metadata addresses and this host's): DNS to the name servers unless it
+/// confines, its networks, then the rest: nothing when it confines, else
+/// everything but the private ranges. The rules do not end in a verdict
+/// when it does not confine.
+fn policy_rules(policy: &EgressPolicy, name_servers: &[IpAddr]) -> String {
+    let servers: Vec<IpNet> = name_servers.iter().map(|a| IpNet::from(*a)).collect();
+    // Confined, a program's DNS goes only to berth's filtering forwarder
+    // (redirected in NAT), never to a name server itself: queries carry
+    // data out as well as names in.
+    let mut rules = if policy.mode.confined() {
+        "\t\tmeta l4proto { tcp, udp } th dport 53 reject\n".to_owned()
+    } else {
+        by_family(&servers, "meta l4proto { tcp, udp } th dport 53 accept")
     };
+    for (port, nets) in &networks_by_port(policy) {
+        let verdict = match port {
+            None => "accept".to_owned(),
+            Some(port) => format!("meta l4proto {{ tcp, udp }} th dport {port} accept"),
+        };
+        rules.push_str(&by_family(nets, &verdict));
+    }
+    // Confined, only what is allowed passes: loopback (the program's own
+    // port, berth, and the egress proxy a redirected connection now
+    // goes to), then nothing. Else the internet passes, nothing private.
+    if policy.mode.confined() {
+        rules.push_str("\t\tip daddr 127.0.0.0/8 accept\n\t\tip6 daddr ::1 accept\n\t\treject\n");
+    } else {
+        rules.push_str(&by_family(egress::private(), "reject"));
+    }
+    rules
+}
+
+/// `policy`'s allowed networks, grouped by their one port (`None`: every
+/// port).
+fn networks_by_port(policy: &EgressPolicy) -> BTreeMap<Option<u16>, Vec<IpNet>> {
+    let mut by_port: BTreeMap<Option<u16>, Vec<IpNet>> = BTreeMap::new();
+    for (net, port) in policy.networks() {
+        by_port.entry(port).or_default().push(net);
+    }
+    by_port
+}
+
+/// The NAT rules that send, under `policy`, an instance's IPv4 DNS
+/// queries (UDP, to any address, loopback included) to the egress
+/// proxy's name forwarder on port `proxy`, and its IPv4 TCP connections
+/// on the allowed domains' ports to the proxy, unless they go to
+/// loopback, this host, a metadata address (which the filter then
+/// refuses) or an allowed network; none when it allows no domain. IPv6
+/// connections to those ports, and DNS over TCP or IPv6, are refused by
+/// the filter, and a program falls back to IPv4 and UDP.
+fn redirect_rules(policy: &EgressPolicy, proxy: u16) -> String {
+    let ports = policy.domain_ports();
+    if !policy.needs_proxy() || ports.is_empty() {
+        return String::new();
+    }
     let ports: Vec<String> = ports.iter().map(u16::to_string).collect();
     let v4 = |nets: &[IpNet]| -> Vec<IpNet> {
         nets.iter()
@@ -306,24 +336,63 @@ fn redirect_chains(
             .collect()
     };
     let metadata = v4(egress::metadata());
-    let allowed: Vec<IpNet> = allowed.values().flat_map(|nets| v4(nets)).collect();
+    let allowed: Vec<IpNet> = networks_by_port(policy)
+        .values()
+        .flat_map(|nets| v4(nets))
+        .collect();
     format!(
-        "\tchain egress_redirect {{\n\
-         \t\ttype nat hook output priority -100; policy accept;\n\
-         \t\t{who} meta nfproto ipv4 jump egress_names\n\
-         \t}}\n\
-         \tchain egress_names {{\n\
-         \t\tudp dport 53 redirect to :{proxy}\n\
+        "\t\tudp dport 53 redirect to :{proxy}\n\
          \t\tip daddr 127.0.0.0/8 return\n\
          \t\tfib daddr type local return\n\
          {metadata}\
          {allowed}\
-         \t\ttcp dport {{ {ports} }} redirect to :{proxy}\n\
-         \t}}\n",
+         \t\ttcp dport {{ {ports} }} redirect to :{proxy}\n",
         metadata = by_family(&metadata, "return"),
         allowed = by_family(&allowed, "return"),
         ports = ports.join(", "),
     )
+}
+
+/// The `nft -f` lines that give account `uid` its own `policy` in
+/// `table` (`None`: the node's again). Its chains (`egress_<uid>` in the
+/// filter, `names_<uid>` in NAT) replace the node's rules for it through
+/// the maps `egress_of` and `names_of`, in one transaction. `existing`:
+/// the account has its own policy in the table now.
+fn own_egress(
+    table: &str,
+    uid: u32,
+    policy: Option<&EgressPolicy>,
+    egress: &Egress,
+    existing: bool,
+) -> String {
+    let chains: Vec<(&str, &str)> = match egress.proxy_port {
+        Some(_) => vec![("egress", "egress_of"), ("names", "names_of")],
+        None => vec![("egress", "egress_of")],
+    };
+    let mut script = String::new();
+    for (prefix, map) in chains {
+        let chain = format!("{prefix}_{uid}");
+        let Some(policy) = policy else {
+            if existing {
+                script.push_str(&format!(
+                    "delete element inet {table} {map} {{ {uid} }}\n\
+                     delete chain inet {table} {chain}\n"
+                ));
+            }
+            continue;
+        };
+        let rules = match (prefix, egress.proxy_port) {
+            ("names", Some(proxy)) => redirect_rules(policy, proxy),
+            _ => policy_rules(policy, &egress.name_servers),
+        };
+        script.push_str(&format!(
+            "add chain inet {table} {chain}\n\
+             flush chain inet {table} {chain}\n\
+             table inet {table} {{\n\tchain {chain} {{\n{rules}\t}}\n}}\n\
+             add element inet {table} {map} {{ {uid} : goto {chain} }}\n"
+        ));
+    }
+    script
 }
 
 /// `add element` / `delete element` lines for `own_ports`.
@@ -478,6 +547,11 @@ pub(crate) struct Guard {
     /// berth's helper-process command, which [`Guard::install`] starts as
     /// the batcher's [`NftRunner`]; empty: the batcher runs `nft` itself.
     helper: Vec<String>,
+    /// The accounts with an egress policy of their own in the table. Held
+    /// while one is changed: changes are rare (an operator's, or a launch
+    /// of a user whose policy another node changed), and one account's
+    /// must not overtake another's.
+    own_egress: tokio::sync::Mutex<HashMap<u32, EgressPolicy>>,
 }
 
 impl Guard {
@@ -502,6 +576,7 @@ impl Guard {
             changes,
             pending: Mutex::new(Some(pending)),
             helper,
+            own_egress: tokio::sync::Mutex::new(HashMap::new()),
         }
     }
 
@@ -509,14 +584,18 @@ impl Guard {
         &self.table
     }
 
-    /// (Re)creates the table with an empty `own_ports`, in one
-    /// transaction (the rules never lapse, and a previous berth's pairs
-    /// are gone), then starts the task that changes `own_ports`, and the
+    /// (Re)creates the table with an empty `own_ports`, and `own` (the
+    /// accounts with an egress policy of their own), in one transaction
+    /// (the rules never lapse, and a previous berth's pairs are gone),
+    /// then starts the task that changes `own_ports`, and the
     /// [`NftRunner`] it runs `nft` through. Call once, at berth's start
     /// (the runner gets a copy of berth's descriptor table as it is then),
     /// in a tokio runtime: the task and the runner end when the guard is
     /// dropped.
-    pub async fn install(&self) -> Result<(), GuardError> {
+    pub async fn install(&self, own: &[(u32, EgressPolicy)]) -> Result<(), GuardError> {
+        // Without a proxy, a policy's domains are unreachable but its
+        // confinement holds: it fails closed.
+        let listed: Vec<(u32, &EgressPolicy)> = own.iter().map(|(u, p)| (*u, p)).collect();
         let script = ruleset(
             &self.table,
             self.comment.as_deref(),
@@ -524,8 +603,10 @@ impl Guard {
             &self.ports,
             &self.listeners,
             &self.egress,
+            &listed,
         );
         run_nft(&self.nft, &self.table, "creation", &script).await?;
+        *self.own_egress.lock().await = own.iter().cloned().collect();
         let pending = self
             .pending
             .lock()
@@ -592,6 +673,44 @@ impl Guard {
             .await
             .map_err(|_| self.gone())?;
         outcome.await.map_err(|_| self.gone())?
+    }
+
+    /// Gives account `uid` its own egress `policy` (`None`: the node's
+    /// again), from its next connection on; its open connections keep
+    /// going. Doing nothing when it has that policy already, this costs a
+    /// launch nothing unless the user's policy changed.
+    pub async fn set_egress(
+        &self,
+        uid: u32,
+        policy: Option<&EgressPolicy>,
+    ) -> Result<(), GuardError> {
+        if let Some(policy) = policy {
+            self.can_apply(policy)?;
+        }
+        let mut own = self.own_egress.lock().await;
+        if own.get(&uid) == policy {
+            return Ok(());
+        }
+        let existing = own.contains_key(&uid);
+        let script = own_egress(&self.table, uid, policy, &self.egress, existing);
+        run_nft(&self.nft, &self.table, "egress change", &script).await?;
+        match policy {
+            Some(policy) => own.insert(uid, policy.clone()),
+            None => own.remove(&uid),
+        };
+        Ok(())
+    }
+
+    /// Refuses a policy that needs the egress proxy where none listens.
+    fn can_apply(&self, policy: &EgressPolicy) -> Result<(), GuardError> {
+        if policy.needs_proxy() && self.egress.proxy_port.is_none() {
+            return Err(GuardError::Refused {
+                what: "egress change",
+                table: self.table.clone(),
+                stderr: "the policy allows domain names, and no egress proxy listens".to_owned(),
+            });
+        }
+        Ok(())
     }
 
     fn gone(&self) -> GuardError {
@@ -768,6 +887,7 @@ mod tests {
                 name_servers: vec!["10.255.255.53".parse().unwrap()],
                 proxy_port: None,
             },
+            &[],
         );
         assert!(
             script.starts_with("table inet berth_0a1b2c3d {}\ndelete table inet berth_0a1b2c3d\n")
@@ -827,6 +947,7 @@ mod tests {
                 &(20000..=20099),
                 &none,
                 &Egress::default(),
+                &[],
             );
             assert!(!script.contains("berth_conns"), "{script}");
         }
@@ -865,6 +986,7 @@ mod tests {
             &(20000..=20099),
             &ListenerCap::default(),
             &egress,
+            &[],
         );
         let instance = script.split("chain instance").nth(1).unwrap();
         let instance = instance.split("chain output").next().unwrap();
@@ -881,9 +1003,12 @@ mod tests {
         // Confined: the private ranges need no rule of their own.
         assert!(!instance.contains("192.168.0.0/16"), "{instance}");
         let redirect = script.split("chain egress_names").nth(1).unwrap();
-        // DNS first: a resolver on loopback is no way around the filter.
+        // An account's own policy first, then DNS: a resolver on loopback
+        // is no way around the filter.
         assert!(
-            redirect.starts_with(" {\n\t\tudp dport 53 redirect to :41234\n"),
+            redirect.starts_with(
+                " {\n\t\tmeta skuid vmap @names_of\n\t\tudp dport 53 redirect to :41234\n"
+            ),
             "{redirect}"
         );
         for rule in [
@@ -904,9 +1029,80 @@ mod tests {
                 name_servers: Vec::new(),
                 proxy_port,
             };
-            let script = ruleset("t", None, uids, &(1..=2), &ListenerCap::default(), &egress);
-            assert!(!script.contains("redirect"), "{script}");
+            let script = ruleset(
+                "t",
+                None,
+                uids,
+                &(1..=2),
+                &ListenerCap::default(),
+                &egress,
+                &[],
+            );
+            assert!(!script.contains("redirect to"), "{script}");
         }
+    }
+
+    #[test]
+    fn an_accounts_own_policy_replaces_the_nodes_for_it_alone() {
+        let uids = UidRange {
+            first: 200_000,
+            count: 1000,
+        };
+        let egress = Egress {
+            policy: EgressPolicy::default(),
+            name_servers: vec!["10.255.255.53".parse().unwrap()],
+            proxy_port: Some(41234),
+        };
+        let own = EgressPolicy {
+            mode: egress::EgressMode::Allowlist,
+            allow: vec!["pypi.org".parse().unwrap()],
+        };
+        let script = ruleset(
+            "t",
+            None,
+            uids,
+            &(1..=2),
+            &ListenerCap::default(),
+            &egress,
+            &[(200_007, &own)],
+        );
+        let instance = script.split("chain instance").nth(1).unwrap();
+        let instance = instance.split("chain output").next().unwrap();
+        // After the refusals no policy lifts, before the node's rules.
+        let at = |rule: &str| instance.find(rule).unwrap();
+        assert!(at("fib daddr type local ip6") < at("meta skuid vmap @egress_of"));
+        assert!(at("meta skuid vmap @egress_of") < at("th dport 53 accept"));
+        // Its chains hold its own rules, and the maps send it there.
+        let filter = script.split("chain egress_200007 {").nth(1).unwrap();
+        let filter = filter.split("\n\t}\n").next().unwrap();
+        assert!(filter.contains("th dport 53 reject"), "{filter}");
+        assert!(filter.ends_with("\t\treject"), "{filter}");
+        let names = script.split("chain names_200007 {").nth(1).unwrap();
+        assert!(
+            names.contains("tcp dport { 80, 443 } redirect to :41234"),
+            "{names}"
+        );
+        for line in [
+            "add element inet t egress_of { 200007 : goto egress_200007 }",
+            "add element inet t names_of { 200007 : goto names_200007 }",
+        ] {
+            assert!(script.contains(line), "{line} missing from\n{script}");
+        }
+        // Back to the node's: the elements go before their chains.
+        let back = own_egress("t", 200_007, None, &egress, true);
+        assert_eq!(
+            back,
+            "delete element inet t egress_of { 200007 }\n\
+             delete chain inet t egress_200007\n\
+             delete element inet t names_of { 200007 }\n\
+             delete chain inet t names_200007\n"
+        );
+        assert_eq!(own_egress("t", 200_007, None, &egress, false), "");
+        // An allow_all of its own sends nothing to the proxy, whatever
+        // the node's does.
+        let open = own_egress("t", 9, Some(&EgressPolicy::default()), &egress, false);
+        let names = open.split("chain names_9 {").nth(1).unwrap();
+        assert!(names.starts_with("\n\t}"), "{open}");
     }
 
     #[test]

@@ -215,6 +215,7 @@ impl Isolator {
     /// left.
     pub async fn prepare(
         config: &crate::LocalRuntimeConfig,
+        own_egress: &[(u32, berth_core::egress::EgressPolicy)],
     ) -> Result<Option<Isolator>, HostError> {
         let (level, data_dir, uids) = (config.isolation, config.data_dir.as_path(), config.uids);
         let nft = config.nft.as_deref();
@@ -309,7 +310,7 @@ impl Isolator {
             egress,
             config.shim_command.clone(),
         );
-        guard.install().await?;
+        guard.install(own_egress).await?;
         Ok(Some(Isolator {
             level,
             guard,

@@ -7,8 +7,9 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
 
 use async_trait::async_trait;
+use berth_core::egress::{EgressBook, EgressPolicy};
 use berth_core::runtime::RuntimeError;
-use berth_core::{Slug, UidRange};
+use berth_core::{Slug, UidRange, UserId};
 
 use crate::isolation::{Account, Isolator};
 
@@ -23,11 +24,18 @@ pub trait Accounts: Send + Sync + 'static {
     async fn uid(&self, slug: &str, range: UidRange) -> Result<u32, String>;
     /// Every account allocated so far, as `(slug, uid)`.
     async fn all(&self) -> Result<Vec<(String, u32)>, String>;
+    /// The egress policy an operator set for `user`; `None`: the node's.
+    async fn egress(&self, user: &UserId) -> Result<Option<EgressPolicy>, String>;
+    /// Every account whose user has an egress policy of their own, as
+    /// `(uid, slug, policy)`.
+    async fn all_egress(&self) -> Result<Vec<(u32, String, EgressPolicy)>, String>;
 }
 
 /// The runtime's isolation at levels `user` and `sandbox`.
 pub(super) struct Isolated {
     pub isolator: Isolator,
+    /// Each account's egress policy, which the egress proxy reads.
+    pub book: Arc<EgressBook>,
     accounts: Arc<dyn Accounts>,
     uids: UidRange,
     /// Accounts already read, by slug.
@@ -35,9 +43,15 @@ pub(super) struct Isolated {
 }
 
 impl Isolated {
-    pub fn new(isolator: Isolator, accounts: Arc<dyn Accounts>, uids: UidRange) -> Self {
+    pub fn new(
+        isolator: Isolator,
+        book: Arc<EgressBook>,
+        accounts: Arc<dyn Accounts>,
+        uids: UidRange,
+    ) -> Self {
         Self {
             isolator,
+            book,
             accounts,
             uids,
             known: Mutex::new(HashMap::new()),
@@ -85,6 +99,33 @@ impl Isolated {
             let account = Account::of(slug.clone(), uid);
             known.entry(slug).or_insert(account);
         }
+    }
+
+    /// Gives `account` the egress policy its user has now, read from the
+    /// store: another node may have changed it since this one last ran
+    /// the user. A policy that cannot be read or applied fails the start:
+    /// an instance never runs with more reach than its user was given.
+    pub async fn renew_egress(&self, user: &UserId, account: &Account) -> Result<(), RuntimeError> {
+        let own = self.accounts.egress(user).await.map_err(|e| {
+            RuntimeError::SpawnFailed(format!("cannot read the egress policy of {user}: {e}"))
+        })?;
+        self.set_egress(account, own).await
+    }
+
+    /// Gives `account` its own egress `policy` (`None`: the node's), in
+    /// the guard and then in the book the proxy reads.
+    pub async fn set_egress(
+        &self,
+        account: &Account,
+        policy: Option<EgressPolicy>,
+    ) -> Result<(), RuntimeError> {
+        self.isolator
+            .guard
+            .set_egress(account.uid, policy.as_ref())
+            .await
+            .map_err(|e| RuntimeError::Failed(e.to_string()))?;
+        self.book.set(account.uid, &account.name, policy);
+        Ok(())
     }
 
     /// Lets `account` connect to its own instance's `port` (the port guard

@@ -31,11 +31,12 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
 use async_trait::async_trait;
+use berth_core::egress::{EgressBook, EgressPolicy};
 use berth_core::runtime::{
     Capabilities, Capacity, Discovered, EVENT_BUFFER, HookCall, HookOutcome, InstanceSpec, Runtime,
     RuntimeError, RuntimeRef, Started,
 };
-use berth_core::{Endpoint, Reach, Role, Slug};
+use berth_core::{Endpoint, Reach, Role, Slug, UserId};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -203,7 +204,22 @@ impl LocalRuntime {
         // Absolute from here on: a sandbox mounts over these paths.
         config.data_dir = std::fs::canonicalize(&config.data_dir).map_err(io(&config.data_dir))?;
         check_socket_room(&config.data_dir).map_err(LocalError::Config)?;
-        let isolator = Isolator::prepare(&config).await?;
+        // Instances found running get their users' own policies in the
+        // same transaction that makes the table: none runs on with more
+        // reach for a moment.
+        let own_egress = match &accounts {
+            Some(accounts) if config.isolation != Isolation::None => {
+                accounts.all_egress().await.map_err(|e| {
+                    LocalError::Config(format!("cannot read the users' egress policies: {e}"))
+                })?
+            }
+            _ => Vec::new(),
+        };
+        let own: Vec<(u32, EgressPolicy)> = own_egress
+            .iter()
+            .map(|(uid, _, policy)| (*uid, policy.clone()))
+            .collect();
+        let isolator = Isolator::prepare(&config, &own).await?;
         let isolated = match (isolator, accounts) {
             (None, _) => {
                 tracing::debug!("instances are not isolated (level none)");
@@ -214,7 +230,11 @@ impl LocalRuntime {
                     table = %format!("inet {}", isolator.guard.table()),
                     cgroups = ?isolator.cgroups.as_ref().map(|p| p.dirs()),
                     "instances are isolated");
-                Some(Isolated::new(isolator, accounts, config.uids))
+                let book = Arc::new(EgressBook::new(config.egress.clone()));
+                for (uid, slug, policy) in own_egress {
+                    book.set(uid, &slug, Some(policy));
+                }
+                Some(Isolated::new(isolator, book, accounts, config.uids))
             }
             (Some(isolator), None) => {
                 return Err(LocalError::Config(format!(
@@ -253,6 +273,12 @@ impl LocalRuntime {
             tracker: TaskTracker::new(),
             cancel: CancellationToken::new(),
         }))
+    }
+
+    /// Each instance account's egress policy, which the egress proxy
+    /// checks; `None` at level `none`, where berth guards no egress.
+    pub fn egress_book(&self) -> Option<Arc<EgressBook>> {
+        self.isolated.as_ref().map(|i| i.book.clone())
     }
 
     /// The parents of instance cgroups, when instances get cgroups.
@@ -627,6 +653,7 @@ impl Runtime for LocalRuntime {
             freeze: true,
             fence_deadline: true,
             exec: true,
+            egress: self.isolated.is_some(),
         }
     }
 
@@ -651,6 +678,9 @@ impl Runtime for LocalRuntime {
             )));
         }
         let account = self.account(&spec.slug).await?;
+        if let (Some(isolated), Some(account)) = (&self.isolated, &account) {
+            isolated.renew_egress(&spec.user, account).await?;
+        }
         let reserved = match spec.role {
             Role::Main => Some(match self.reserve_port(&spec) {
                 // Every port taken: by instances holding more than their
@@ -709,6 +739,20 @@ impl Runtime for LocalRuntime {
         call: &HookCall,
     ) -> Result<HookOutcome, RuntimeError> {
         hook::run_hook(instance, &self.run_of(instance)?, call).await
+    }
+
+    async fn set_egress(
+        &self,
+        user: &UserId,
+        slug: &Slug,
+        policy: Option<&EgressPolicy>,
+    ) -> Result<(), RuntimeError> {
+        let Some(isolated) = &self.isolated else {
+            return Err(self.unsupported("guard egress at isolation level none"));
+        };
+        let account = isolated.account(slug).await?;
+        tracing::info!(%user, uid = account.uid, policy = ?policy, "egress policy changed");
+        isolated.set_egress(&account, policy.cloned()).await
     }
 
     async fn release(&self, instance_id: &str) {
@@ -794,6 +838,9 @@ impl Runtime for LocalRuntime {
             (Some(isolated), Some(user)) => Some(isolated.account(&user.slug()).await),
             _ => None,
         };
+        if let (Some(isolated), Some(Ok(account))) = (&self.isolated, &account) {
+            isolated.book.name(account.uid, &account.name);
+        }
         if let (Some(isolated), Some(port), Some(account), Some(user)) =
             (&self.isolated, port, &account, &found.user)
         {

@@ -35,6 +35,7 @@ use axum::http::{HeaderMap, Method, StatusCode, Uri, header};
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{MethodFilter, get, on, post};
+use berth_core::egress::EgressPolicy;
 use berth_core::{ErrorCode, InstanceStatus, LaunchRequest, SpawnError, UserId};
 use berth_proxy::limits::{StreamPermit, StreamRefused};
 use berth_store::{InstanceFilter, NodeStatus, Store};
@@ -116,6 +117,8 @@ pub fn router(state: Arc<ApiState>) -> Router {
         .public(&op::LOGS, logs)
         .public(&op::WATCHDOG, watchdog)
         .public(&op::RESET_BREAKER, reset_breaker)
+        .public(&op::SET_EGRESS, set_egress)
+        .public(&op::CLEAR_EGRESS, clear_egress)
         .public(&op::MINT_TOKEN, credentials::mint_token)
         .public(&op::LIST_TOKENS, credentials::list_tokens)
         .public(&op::REVOKE_TOKEN, credentials::revoke_token)
@@ -186,6 +189,7 @@ fn method_filter(verb: Verb) -> MethodFilter {
     match verb {
         Verb::Get => MethodFilter::GET,
         Verb::Post => MethodFilter::POST,
+        Verb::Put => MethodFilter::PUT,
         Verb::Delete => MethodFilter::DELETE,
     }
 }
@@ -467,6 +471,35 @@ async fn watchdog(UserCall { user, .. }: UserCall, State(state): AppState) -> Ap
 async fn reset_breaker(UserCall { user, .. }: UserCall, State(state): AppState) -> ApiResult {
     state.ops.reset_breaker(&user, Via::Client).await?;
     Ok(StatusCode::NO_CONTENT.into_response())
+}
+
+/// `PUT …/egress` with an egress policy (`{"mode": …, "allow": […]}`):
+/// the user's own from their instances' next connection on, wherever
+/// they run; 200 with the policy they now have.
+async fn set_egress(
+    UserCall { user, .. }: UserCall,
+    State(state): AppState,
+    headers: HeaderMap,
+    body: Body,
+) -> ApiResult {
+    let body = read_body(&headers, body).await?;
+    let policy: EgressPolicy = serde_json::from_slice(&body).map_err(|e| {
+        ApiError::new(
+            ErrorCode::InvalidRequest,
+            format!("invalid egress policy: {e}"),
+        )
+    })?;
+    let changed = state
+        .ops
+        .set_egress(&user, Some(policy), Via::Client)
+        .await?;
+    Ok(axum::Json(changed).into_response())
+}
+
+/// `DELETE …/egress`: the node's egress policy again; 200 with it.
+async fn clear_egress(UserCall { user, .. }: UserCall, State(state): AppState) -> ApiResult {
+    let changed = state.ops.set_egress(&user, None, Via::Client).await?;
+    Ok(axum::Json(changed).into_response())
 }
 
 /// `stream`, holding `slot` until the stream is dropped: it ended, or

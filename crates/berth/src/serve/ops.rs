@@ -48,7 +48,7 @@ use super::cluster::{Cluster, Decision, remote_locate};
 use super::peer::{PeerClient, PeerNode, UserCall};
 use crate::sse::{LOG_LINE_EVENT, STAGE_EVENT};
 use crate::wire::operation as op;
-use crate::wire::{Done, StageReport};
+use crate::wire::{Done, EgressChange, StageReport, UserEgress};
 pub use crate::wire::{Launched, LogLines, NodeRestart, RestartAll, UserState};
 
 /// Calls per operation answered `lease_busy`: such an answer is followed
@@ -346,6 +346,30 @@ impl Ops {
         self.hop(user, via, &Watchdog).await
     }
 
+    /// Gives `user` their own egress `policy` (`None`: the node's again),
+    /// recorded and applied where the user runs, from their instances'
+    /// next connection on. A policy that would not mean what it says is
+    /// refused before anything changes.
+    pub async fn set_egress(
+        &self,
+        user: &UserId,
+        policy: Option<EgressPolicy>,
+        via: Via,
+    ) -> Result<UserEgress, SpawnError> {
+        if self.egress.is_none() {
+            return Err(SpawnError::InvalidRequest(
+                "this node does not guard its instances' egress (isolation level none, or pods)"
+                    .into(),
+            ));
+        }
+        if let Some(policy) = &policy {
+            policy
+                .check()
+                .map_err(|e| SpawnError::InvalidRequest(format!("egress policy: {e}")))?;
+        }
+        self.hop(user, via, &SetEgress { policy }).await
+    }
+
     /// Clears `user`'s breaker and crash counters.
     pub async fn reset_breaker(&self, user: &UserId, via: Via) -> Result<(), SpawnError> {
         self.hop(user, via, &ResetBreaker).await
@@ -611,12 +635,21 @@ impl UserOp for Status {
             idle_action,
         } = ops.spawner.status(user).await?;
         let breaker = ops.spawner.breaker_info(user).await?;
+        let egress = match &ops.egress {
+            Some(node) => Some(
+                ops.store
+                    .user_egress(user)
+                    .await?
+                    .unwrap_or_else(|| node.clone()),
+            ),
+            None => None,
+        };
         Ok(UserState {
             main,
             watchdog,
             breaker,
             idle_action,
-            egress: ops.egress.clone(),
+            egress,
         })
     }
 
@@ -835,6 +868,43 @@ impl UserOp for Watchdog {
                 UserCall::new(&op::WATCHDOG.internal, MARGIN),
             )
             .await
+    }
+}
+
+struct SetEgress {
+    policy: Option<EgressPolicy>,
+}
+
+#[async_trait]
+impl UserOp for SetEgress {
+    type Output = UserEgress;
+    const ROUTE: Route = Route::Home;
+
+    async fn local(&self, ops: &Ops, user: &UserId) -> Result<UserEgress, SpawnError> {
+        ops.spawner.set_egress(user, self.policy.as_ref()).await?;
+        Ok(UserEgress {
+            user: user.clone(),
+            egress: self
+                .policy
+                .clone()
+                .or_else(|| ops.egress.clone())
+                .unwrap_or_default(),
+            own: self.policy.is_some(),
+        })
+    }
+
+    async fn remote(
+        &self,
+        ops: &Ops,
+        to: &Target,
+        user: &UserId,
+    ) -> Result<UserEgress, SpawnError> {
+        let body = serde_json::to_value(EgressChange {
+            policy: self.policy.clone(),
+        })
+        .map_err(|e| SpawnError::Internal(format!("cannot encode an egress change: {e}")))?;
+        let call = UserCall::new(&op::SET_EGRESS.internal, MARGIN).body(body);
+        ops.peers()?.user_call(&to.node, user, call).await
     }
 }
 

@@ -29,6 +29,7 @@ pub enum Allowed {
 pub enum Verb {
     Get,
     Post,
+    Put,
     Delete,
 }
 
@@ -37,6 +38,7 @@ impl Verb {
         match self {
             Verb::Get => Method::GET,
             Verb::Post => Method::POST,
+            Verb::Put => Method::PUT,
             Verb::Delete => Method::DELETE,
         }
     }
@@ -241,6 +243,12 @@ pub static RESET_BREAKER: Operation = both(
     Verb::Post,
     "breaker/reset",
 );
+/// Give the user an egress policy of their own, in the body; between
+/// nodes, the policy or `null` ([`crate::wire::EgressChange`]).
+pub static SET_EGRESS: Operation = both(Verb::Put, "egress", Allowed::Admin, Verb::Post, "egress");
+/// Give the user the node's egress policy again.
+pub static CLEAR_EGRESS: Operation<Public, NoRoute> =
+    public_only(Verb::Delete, "egress", Allowed::Admin);
 /// Kill the main here if it runs under exactly the given epoch: only
 /// between nodes.
 pub static FENCE: Operation<NoRoute, Internal> = Operation {
@@ -279,6 +287,8 @@ pub static OPERATIONS: &[&dyn DeclaredOperation] = &[
     &LOGS,
     &WATCHDOG,
     &RESET_BREAKER,
+    &SET_EGRESS,
+    &CLEAR_EGRESS,
     &FENCE,
     &MINT_TOKEN,
     &LIST_TOKENS,

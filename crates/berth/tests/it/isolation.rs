@@ -975,7 +975,7 @@ impl Netns {
     fn with_alice(
         &self,
         isolation: &'static str,
-        check: impl AsyncFnOnce(&Node, &Path) + Send + 'static,
+        check: impl AsyncFnOnce(&mut Node, &Path) + Send + 'static,
     ) {
         let host = self.host.clone();
         Self::run_in(&self.host, move || {
@@ -992,7 +992,7 @@ impl Netns {
                     stderr: Some(log.clone()),
                     ..StartOptions::default()
                 };
-                let node = Node::from(
+                let mut node = Node::from(
                     support::berth()
                         .node(dir.path())
                         .config(&breach_config(dir.path(), &slot, "user", isolation, ""))
@@ -1000,7 +1000,7 @@ impl Netns {
                         .start(),
                 );
                 launch(&node, "alice").await;
-                check(&node, &log).await;
+                check(&mut node, &log).await;
                 node.kill_instances();
             });
         })
@@ -1117,7 +1117,7 @@ fn the_egress_guard_refuses_metadata_private_ranges_and_the_host_but_not_the_out
     // 169.254.170.0/24 holds a metadata address: allowing it opens the rest
     // of that network, never the metadata address.
     let allow = "egress_allow = [\"192.168.77.0/24\", \"169.254.170.0/24\"]";
-    ns.with_alice(allow, async move |node: &Node, _log: &Path| {
+    ns.with_alice(allow, async move |node: &mut Node, _log: &Path| {
         for (host, port, allowed) in targets {
             let addr = std::net::SocketAddr::new(host.parse().unwrap(), port.parse().unwrap());
             // berth's own uid reaches every one of them...
@@ -1175,7 +1175,7 @@ fn an_instance_confined_to_an_allowlist_reaches_only_the_allowed_names() {
     ];
     let isolation = "egress = \"allowlist\"\negress_allow = [\"allowed.test\", \
                      \"inside.test\", \"meta.test\", \"192.168.77.0/24:80\"]";
-    ns.with_alice(isolation, async move |node: &Node, log: &Path| {
+    ns.with_alice(isolation, async move |node: &mut Node, log: &Path| {
         // The status says what the instance may reach.
         let (code, status) = node.get("/users/alice/instance").await;
         assert_eq!(code, 200, "{status}");
@@ -1250,6 +1250,154 @@ fn an_instance_confined_to_an_allowlist_reaches_only_the_allowed_names() {
             line.contains(&format!("uid={uid}")) && line.contains("198.51.100.9:80"),
             "{line}"
         );
+    });
+}
+
+/// `PUT` of a JSON body to an API path as admin: status and JSON body.
+async fn put(node: &Node, path: &str, body: Value) -> (u16, Value) {
+    let r = node
+        .http
+        .put(node.api(path))
+        .bearer_auth(&node.token)
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    (r.status().as_u16(), r.json().await.unwrap_or(Value::Null))
+}
+
+/// Whether `user`'s instance reaches `host:port` now, by a new connection.
+async fn reaches(node: &Node, user: &str, host: &str, port: &str) -> bool {
+    let tried = probe(node, user, "connect", &[("host", host), ("port", port)]).await;
+    if tried["ok"] == true {
+        return true;
+    }
+    assert!(
+        refused(&tried, &["ECONNREFUSED", "ECONNRESET", "ECONNABORTED"]),
+        "neither reached nor refused: {tried}"
+    );
+    false
+}
+
+/// An operator confines one running user to an allowlist through the API:
+/// from the next connection on, alice reaches only the allowed name,
+/// while bob, on the node's policy, still
+/// reaches the outside. Her status shows her policy, refusals name her,
+/// a relaunch and a restart of berth (which adopts her instance) keep
+/// her confined, a policy that means nothing is refused and changes
+/// nothing, and clearing it gives her the node's policy again.
+#[test]
+fn a_policy_changed_through_the_api_applies_to_the_running_instance_from_its_next_connection() {
+    let Some(ns) = Netns::for_test("egress change") else {
+        return;
+    };
+    Netns::listen(&ns.outside, NAMED_HOST, 80);
+    Netns::listen(&ns.outside, OUTSIDE_ADDR, 8080);
+    let asked = Netns::answer_dns(&ns.outside, NAME_SERVER);
+    ns.with_alice("", async move |node: &mut Node, log: &Path| {
+        launch(node, "bob").await;
+        assert!(reaches(node, "alice", OUTSIDE_ADDR, "8080").await);
+        let confined = json!({"mode": "allowlist", "allow": ["allowed.test"]});
+        let (code, changed) = put(node, "/users/alice/egress", confined.clone()).await;
+        assert_eq!(code, 200, "{changed}");
+        assert_eq!(
+            changed,
+            json!({"user": "alice", "egress": confined, "own": true})
+        );
+        let pid = node.main_of("alice").await["pid"].clone();
+        // The same instance, from its next connection on.
+        assert!(!reaches(node, "alice", OUTSIDE_ADDR, "8080").await);
+        let fetch = [
+            ("host", NAMED_HOST),
+            ("port", "80"),
+            ("name", "allowed.test"),
+            ("tls", "0"),
+        ];
+        assert_eq!(probe(node, "alice", "fetch", &fetch).await["ok"], true);
+        let other = [
+            ("host", NAMED_HOST),
+            ("port", "80"),
+            ("name", "other.test"),
+            ("tls", "0"),
+        ];
+        let tried = probe(node, "alice", "fetch", &other).await;
+        assert!(refused(&tried, &["ECONNRESET", "ECONNABORTED"]), "{tried}");
+        for (name, code) in [("allowed.test", 0), ("exfil.example", 5)] {
+            let query = [("server", NAME_SERVER), ("name", name)];
+            let tried = probe(node, "alice", "lookup", &query).await;
+            assert_eq!(tried["value"], code, "{name}: {tried}");
+        }
+        assert_eq!(*asked.lock().unwrap(), ["allowed.test"]);
+        assert_eq!(node.main_of("alice").await["pid"], pid, "not restarted");
+        // Bob keeps the node's policy.
+        assert!(reaches(node, "bob", OUTSIDE_ADDR, "8080").await);
+        let (_, status) = node.get("/users/alice/instance").await;
+        assert_eq!(status["egress"], confined, "{status}");
+        let (_, status) = node.get("/users/bob/instance").await;
+        assert_eq!(status["egress"], json!({"mode": "allow_all", "allow": []}));
+        // Refusals name the user, for the connection and the lookup.
+        let text = std::fs::read_to_string(log).unwrap();
+        for what in ["other.test:80 is not allowed", "lookup of exfil.example"] {
+            assert!(
+                text.lines().any(|l| l.contains("egress refused")
+                    && l.contains(what)
+                    && l.contains("user=alice")),
+                "no refusal of {what} naming alice:\n{text}"
+            );
+        }
+        // A policy that would not mean what it says, or is not one, is
+        // refused and changes nothing.
+        for bad in [
+            json!({"mode": "allow_all", "allow": ["allowed.test"]}),
+            json!({"mode": "allowlist", "allow": ["not a name!"]}),
+            json!({"mode": "everything"}),
+            json!({"mode": "deny_all", "allow": [], "extra": 1}),
+        ] {
+            let (code, body) = put(node, "/users/alice/egress", bad.clone()).await;
+            assert_eq!(
+                (code, body["error"].as_str()),
+                (400, Some("invalid_request")),
+                "{bad}: {body}"
+            );
+        }
+        assert!(!reaches(node, "alice", OUTSIDE_ADDR, "8080").await);
+        // A relaunch starts confined.
+        assert_eq!(node.delete("/users/alice/instance").await, 204);
+        launch(node, "alice").await;
+        assert!(!reaches(node, "alice", OUTSIDE_ADDR, "8080").await);
+        // Clearing it gives back the node's policy.
+        let code = node.delete("/users/alice/egress").await;
+        assert_eq!(code, 200);
+        assert!(reaches(node, "alice", OUTSIDE_ADDR, "8080").await);
+        let (_, status) = node.get("/users/alice/instance").await;
+        assert_eq!(status["egress"], json!({"mode": "allow_all", "allow": []}));
+    });
+}
+
+/// berth remakes its guard's table at start: an instance adopted after a
+/// `kill -9` of berth keeps its user's own policy from the first packet,
+/// never the node's for a moment.
+#[test]
+fn an_adopted_instance_keeps_its_users_own_policy_across_a_restart_of_berth() {
+    let Some(ns) = Netns::for_test("egress adoption") else {
+        return;
+    };
+    Netns::listen(&ns.outside, OUTSIDE_ADDR, 8080);
+    ns.with_alice("", async move |node: &mut Node, _log: &Path| {
+        let closed = json!({"mode": "deny_all", "allow": []});
+        let (code, body) = put(node, "/users/alice/egress", closed).await;
+        assert_eq!(code, 200, "{body}");
+        assert!(!reaches(node, "alice", OUTSIDE_ADDR, "8080").await);
+        let pid = node.main_of("alice").await["pid"].clone();
+        node.kill9();
+        node.restart();
+        node.adopted().await;
+        assert_eq!(
+            node.main_of("alice").await["pid"],
+            pid,
+            "adopted, not restarted"
+        );
+        assert!(!reaches(node, "alice", OUTSIDE_ADDR, "8080").await);
     });
 }
 

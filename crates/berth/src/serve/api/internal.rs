@@ -22,7 +22,7 @@ use super::{
     holding, line_events, parse_launch_body, stage_events,
 };
 use crate::wire::operation as op;
-use crate::wire::{Done, FenceRequest, Fenced, LogLines, Purged, RestartAll};
+use crate::wire::{Done, EgressChange, FenceRequest, Fenced, LogLines, Purged, RestartAll};
 use berth_proxy::peer_auth::{PeerAuth, Refusal};
 
 /// The node-to-node routes, each behind [`authenticate`].
@@ -38,6 +38,7 @@ pub fn routes(state: Arc<ApiState>) -> Router<Arc<ApiState>> {
         .internal(&op::LOGS, logs)
         .internal(&op::WATCHDOG, watchdog)
         .internal(&op::RESET_BREAKER, reset_breaker)
+        .internal(&op::SET_EGRESS, set_egress)
         .internal(&op::PROGRESS, progress)
         .internal(&op::FENCE, fence)
         .route(
@@ -203,6 +204,25 @@ async fn progress(
         .progress(&user, query.next.unwrap_or(false), Via::Peer)
         .await?;
     Ok(stage_events(holding(stages, slot)).into_response())
+}
+
+/// `{"policy": …}` → the user's own egress policy (`null`: the node's),
+/// recorded and applied here.
+async fn set_egress(
+    PeerCall { user }: PeerCall,
+    State(state): AppState,
+    headers: HeaderMap,
+    body: Body,
+) -> ApiResult {
+    let body = read_body(&headers, body).await?;
+    let EgressChange { policy } = serde_json::from_slice(&body).map_err(|e| {
+        ApiError::new(
+            ErrorCode::InvalidRequest,
+            format!("invalid egress change: {e}"),
+        )
+    })?;
+    let changed = state.ops.set_egress(&user, policy, Via::Peer).await?;
+    Ok(axum::Json(changed).into_response())
 }
 
 /// `{"epoch": N}` → kills the main here only if it runs under exactly
