@@ -2,6 +2,7 @@
 
 use std::path::PathBuf;
 
+use berth_core::egress::{Destination, EgressMode};
 use clap::{Args, Parser, Subcommand};
 
 use crate::config::Overrides;
@@ -111,6 +112,25 @@ pub enum Command {
         /// Only leases that ran out without being released.
         #[arg(long)]
         expired: bool,
+        #[command(flatten)]
+        client: ClientArgs,
+    },
+    /// Give a user an egress policy of their own, applied to their running
+    /// instance from its next connection on; or, with --clear, the node's
+    /// again. Prints the policy the user now has.
+    Egress {
+        user: String,
+        /// `allow_all` (the internet, nothing private), `deny_all` or
+        /// `allowlist` (only what --allow names).
+        #[arg(long, required_unless_present = "clear", value_parser = parse_egress_mode)]
+        mode: Option<EgressMode>,
+        /// A network (`10.8.0.0/24`, `10.8.0.5:5432`) or, with a confining
+        /// mode, a domain name (`pypi.org`, `*.github.com:22`); repeatable.
+        #[arg(long = "allow", value_name = "DESTINATION")]
+        allow: Vec<Destination>,
+        /// Give the user the node's policy again.
+        #[arg(long, conflicts_with_all = ["mode", "allow"])]
+        clear: bool,
         #[command(flatten)]
         client: ClientArgs,
     },
@@ -266,6 +286,12 @@ pub struct ClientArgs {
     /// (`logs -f`: one JSON string per line).
     #[arg(long)]
     pub json: bool,
+}
+
+/// An egress mode as the API and the config spell it.
+fn parse_egress_mode(text: &str) -> Result<EgressMode, String> {
+    serde_json::from_value(serde_json::Value::String(text.to_owned()))
+        .map_err(|_| format!("{text:?} is not allow_all, deny_all or allowlist"))
 }
 
 #[cfg(test)]

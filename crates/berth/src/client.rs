@@ -10,6 +10,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use anyhow::{Context, anyhow, bail};
+use berth_core::egress::EgressPolicy;
 use berth_core::{InstanceStatus, LaunchRequest, ProbeReport, Role, UserId};
 use futures_util::{Stream, StreamExt};
 use reqwest::{Method, StatusCode, Url};
@@ -25,7 +26,7 @@ use crate::sse::STAGE_EVENT;
 use crate::wire::operation::{self as op, Operation, Public};
 use crate::wire::{
     InstanceAnswer, InstanceList, LaunchAnswer, LeaseList, LogLines, MintRequest, MintedToken,
-    NodeList, RestartAll, Routing, StageReport, TokenList, UserStatus,
+    NodeList, RestartAll, Routing, StageReport, TokenList, UserEgress, UserStatus,
 };
 
 /// An error answer from the API, displayed as `<code>: <message>`.
@@ -84,6 +85,16 @@ pub async fn run(command: Command) -> anyhow::Result<ExitCode> {
             table::<LeaseList>(&client, &["leases"], query).await?;
         }
         Command::Takeover { user, client } => takeover(&user, &client).await?,
+        Command::Egress {
+            user,
+            mode,
+            allow,
+            clear: _,
+            client,
+        } => {
+            let policy = mode.map(|mode| EgressPolicy { mode, allow });
+            egress(&user, policy, &client).await?;
+        }
         Command::RestartAll { client } => return restart_all(&client).await,
         Command::Token {
             user,
@@ -542,6 +553,28 @@ async fn hibernation<I>(
     let answer = api.call(operation, &user, &[], None).await?;
     out.show(&answer, |changed: &InstanceAnswer, _| {
         format!("{} is {}\n", user.as_str(), changed.instance.status)
+    });
+    Ok(())
+}
+
+/// `berth egress USER`: sets the user's own policy, or (`None`) gives
+/// back the node's, and prints what they now have.
+async fn egress(
+    user: &str,
+    policy: Option<EgressPolicy>,
+    client: &ClientArgs,
+) -> anyhow::Result<()> {
+    let user = parse_user(user)?;
+    let (api, out) = Api::with_output(client)?;
+    let answer = match policy {
+        Some(policy) => {
+            let body = serde_json::to_value(&policy).context("cannot encode the policy")?;
+            api.call(&op::SET_EGRESS, &user, &[], Some(body)).await?
+        }
+        None => api.call(&op::CLEAR_EGRESS, &user, &[], None).await?,
+    };
+    out.show(&answer, |changed: &UserEgress, _| {
+        render::user_egress(changed)
     });
     Ok(())
 }

@@ -20,7 +20,7 @@ use berth_store::{LeaseRecord, NodeRecord, TokenRecord};
 use crate::escape;
 use crate::wire::{
     InstanceList, LaunchAnswer, LeaseList, MintedToken, NodeList, NodeRestart, RestartAll, Revoked,
-    TokenList, UserStatus,
+    TokenList, UserEgress, UserStatus,
 };
 
 /// Whether to colour: only on a terminal, and never with `NO_COLOR` set
@@ -378,6 +378,17 @@ fn egress_phrase(egress: &EgressPolicy) -> String {
         (true, true) => "nothing".to_owned(),
         (true, false) => format!("only {}", allowed.join(", ")),
     }
+}
+
+/// `berth egress`'s answer: whose policy, what it lets through, and
+/// whether it is the user's own.
+pub fn user_egress(answer: &UserEgress) -> String {
+    let whose = if answer.own { "own" } else { "the node's" };
+    format!(
+        "{}: {} ({whose})\n",
+        escape::text(answer.user.as_str()),
+        escape::text(&egress_phrase(&answer.egress))
+    )
 }
 
 pub fn user_status(answer: &UserStatus, now: UnixMillis, palette: Palette) -> String {

@@ -1304,6 +1304,20 @@ fn a_policy_changed_through_the_api_applies_to_the_running_instance_from_its_nex
             changed,
             json!({"user": "alice", "egress": confined, "own": true})
         );
+        // The same through the CLI, which prints what she now has.
+        let out = node.cli(&[
+            "egress",
+            "alice",
+            "--mode",
+            "allowlist",
+            "--allow",
+            "allowed.test",
+        ]);
+        assert!(out.status.success(), "{out:?}");
+        assert_eq!(
+            String::from_utf8_lossy(&out.stdout),
+            "alice: only allowed.test (own)\n"
+        );
         let pid = node.main_of("alice").await["pid"].clone();
         // The same instance, from its next connection on.
         assert!(!reaches(node, "alice", OUTSIDE_ADDR, "8080").await);
@@ -1365,10 +1379,17 @@ fn a_policy_changed_through_the_api_applies_to_the_running_instance_from_its_nex
         assert_eq!(node.delete("/users/alice/instance").await, 204);
         launch(node, "alice").await;
         assert!(!reaches(node, "alice", OUTSIDE_ADDR, "8080").await);
-        // Clearing it gives back the node's policy.
-        let code = node.delete("/users/alice/egress").await;
-        assert_eq!(code, 200);
+        // Clearing it (here with the CLI) gives back the node's policy;
+        // clearing a user who has none changes nothing.
+        let out = node.cli(&["egress", "alice", "--clear"]);
+        assert!(out.status.success(), "{out:?}");
+        assert_eq!(
+            String::from_utf8_lossy(&out.stdout),
+            "alice: internet, nothing private (the node's)\n"
+        );
         assert!(reaches(node, "alice", OUTSIDE_ADDR, "8080").await);
+        assert_eq!(node.delete("/users/bob/egress").await, 200);
+        assert!(reaches(node, "bob", OUTSIDE_ADDR, "8080").await);
         let (_, status) = node.get("/users/alice/instance").await;
         assert_eq!(status["egress"], json!({"mode": "allow_all", "allow": []}));
     });
