@@ -184,7 +184,7 @@ fn pipe() -> Result<(OwnedFd, OwnedFd), String> {
     nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| format!("cannot make a pipe: {e}"))
 }
 
-fn open_fd(path: &Path, flags: libc::c_int, what: &str) -> Result<OwnedFd, String> {
+pub(crate) fn open_fd(path: &Path, flags: libc::c_int, what: &str) -> Result<OwnedFd, String> {
     let c = cpath(path, what)?;
     // SAFETY: `c` is a valid NUL-terminated string that outlives the call;
     // open(2) does not keep the pointer.

@@ -32,6 +32,7 @@ pub(crate) mod fsafe;
 pub(crate) mod guard;
 pub(crate) mod leftovers;
 pub(crate) mod nft_runner;
+pub(crate) mod relay;
 pub mod sweep;
 
 use std::path::{Path, PathBuf};

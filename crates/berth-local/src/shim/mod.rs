@@ -64,12 +64,15 @@ pub use protocol::{ExitInfo, ShimCommand, ShimEvent, ShimSpec, ShimState, SpawnR
 pub(crate) use zygote::close_stray_descriptors;
 
 /// The entry of berth's helper processes, `berth shim …`: the zygote
-/// (no further argument) or the guard's `nft` runner (`nft-runner NFT`).
-/// Returns the exit code.
+/// (no further argument), the guard's `nft` runner (`nft-runner NFT`) or
+/// a sandbox's relay (`relay`). Returns the exit code.
 pub fn run() -> i32 {
     let mut args = std::env::args_os().skip(2);
     match (args.next(), args.next()) {
         (None, _) => zygote::run(),
+        (Some(mode), None) if mode == crate::isolation::relay::RELAY_ARG => {
+            crate::isolation::relay::serve()
+        }
         (Some(mode), Some(nft)) if mode == crate::isolation::nft_runner::NFT_RUNNER_ARG => {
             crate::isolation::nft_runner::serve(std::path::Path::new(&nft))
         }

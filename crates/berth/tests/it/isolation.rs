@@ -977,6 +977,16 @@ impl Netns {
         isolation: &'static str,
         check: impl AsyncFnOnce(&mut Node, &Path) + Send + 'static,
     ) {
+        self.with_alice_at("user", isolation, check);
+    }
+
+    /// [`Netns::with_alice`] at isolation level `mode`.
+    fn with_alice_at(
+        &self,
+        mode: &'static str,
+        isolation: &'static str,
+        check: impl AsyncFnOnce(&mut Node, &Path) + Send + 'static,
+    ) {
         let host = self.host.clone();
         Self::run_in(&self.host, move || {
             let runtime = tokio::runtime::Builder::new_current_thread()
@@ -987,15 +997,28 @@ impl Netns {
                 let dir = tempfile::tempdir().unwrap();
                 let slot = slot();
                 let log = dir.path().join("berth.log");
+                // What `ip netns exec` does for names, without remounting
+                // `/sys` (and losing the cgroups a sandbox needs): the
+                // namespace's hosts and resolv.conf in a mount namespace
+                // of berth's own, then its network namespace.
+                let enter = format!(
+                    "mount --bind /etc/netns/{host}/hosts /etc/hosts && \
+                     mount --bind /etc/netns/{host}/resolv.conf /etc/resolv.conf && \
+                     exec nsenter --net=/run/netns/{host} \"$@\""
+                );
                 let options = StartOptions {
-                    wrapper: vec!["ip".into(), "netns".into(), "exec".into(), host],
+                    wrapper: ["unshare", "--mount", "--propagation", "private", "sh", "-c"]
+                        .iter()
+                        .map(|a| (*a).to_owned())
+                        .chain([enter, "sh".to_owned()])
+                        .collect(),
                     stderr: Some(log.clone()),
                     ..StartOptions::default()
                 };
                 let mut node = Node::from(
                     support::berth()
                         .node(dir.path())
-                        .config(&breach_config(dir.path(), &slot, "user", isolation, ""))
+                        .config(&breach_config(dir.path(), &slot, mode, isolation, ""))
                         .options(options)
                         .start(),
                 );
@@ -1419,6 +1442,111 @@ fn an_adopted_instance_keeps_its_users_own_policy_across_a_restart_of_berth() {
             "adopted, not restarted"
         );
         assert!(!reaches(node, "alice", OUTSIDE_ADDR, "8080").await);
+    });
+}
+
+/// Asks alice's sandbox relay for `target` (host:port), then for `name`
+/// behind it.
+async fn relayed(node: &Node, target: &str, name: &str) -> Value {
+    probe(
+        node,
+        "alice",
+        "relayed",
+        &[("target", target), ("name", name)],
+    )
+    .await
+}
+
+/// A sandboxed instance has no route out: it reaches the outside only
+/// through its relay, which connects as the instance's own account, so the
+/// egress guard holds for it exactly as at level `user` (every metadata
+/// address, private range and the host refused, the outside reached), and
+/// so does a policy an operator gives the user while it runs. The relay
+/// ends with the instance, leaving no process of its account.
+#[test]
+fn a_sandboxed_instance_reaches_out_only_through_its_relay_under_the_egress_guard() {
+    let Some(ns) = Netns::for_test("sandbox egress") else {
+        return;
+    };
+    let mut refused_targets: Vec<String> = Vec::new();
+    for addr in METADATA
+        .iter()
+        .chain(PRIVATE.iter().filter(|a| !a.contains(':')))
+    {
+        Netns::listen(&ns.outside, addr, 80);
+        refused_targets.push(format!("{addr}:80"));
+    }
+    Netns::listen(&ns.host, HOST_ADDR, 8080);
+    refused_targets.push(format!("{HOST_ADDR}:8080"));
+    Netns::listen(&ns.outside, OUTSIDE_ADDR, 80);
+    Netns::listen(&ns.outside, OUTSIDE_ADDR, 8080);
+    Netns::listen(&ns.outside, NAMED_HOST, 80);
+    ns.with_alice_at("sandbox", "", async move |node: &mut Node, _log: &Path| {
+        // No route of its own...
+        let direct = [("host", OUTSIDE_ADDR), ("port", "80")];
+        let tried = probe(node, "alice", "connect", &direct).await;
+        assert!(refused(&tried, &["ENETUNREACH"]), "{tried}");
+        // ...but its relay reaches the outside, and nothing the guard refuses.
+        let outside = format!("{OUTSIDE_ADDR}:80");
+        let tried = relayed(node, &outside, "any.test").await;
+        assert_eq!(tried["ok"], true, "{tried}");
+        for target in &refused_targets {
+            let tried = relayed(node, target, "any.test").await;
+            assert_eq!(tried["status"], "502", "{target}: {tried}");
+        }
+        // Never the host's loopback, where berth and the host's services
+        // listen, by any name.
+        let berth_port = node
+            .url
+            .rsplit(':')
+            .next()
+            .unwrap()
+            .trim_end_matches('/')
+            .to_owned();
+        for target in ["127.0.0.1", "localhost", "0.0.0.0", "[::ffff:127.0.0.1]"] {
+            let target = format!("{target}:{berth_port}");
+            let tried = relayed(node, &target, "any.test").await;
+            assert_eq!(tried["status"], "403", "{target}: {tried}");
+        }
+        // An allowlist of one name, given while it runs.
+        let confined = json!({"mode": "allowlist", "allow": ["allowed.test"]});
+        let (code, body) = put(node, "/users/alice/egress", confined).await;
+        assert_eq!(code, 200, "{body}");
+        assert_eq!(
+            relayed(node, "allowed.test:80", "allowed.test").await["ok"],
+            true
+        );
+        let tried = relayed(node, &outside, "other.test").await;
+        assert_eq!(tried["errno"], "ECONNABORTED", "{tried}");
+        let tried = relayed(node, &format!("{OUTSIDE_ADDR}:8080"), "any.test").await;
+        assert_eq!(tried["status"], "502", "{tried}");
+        // The relay is the account's, in the instance's cgroup (frozen and
+        // killed with it), and goes with the instance.
+        let pid = u32::try_from(node.main_of("alice").await["pid"].as_u64().unwrap()).unwrap();
+        let uid = uid_of_process(pid).unwrap();
+        let cmdline = |pid: u32| std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+        let relays: Vec<u32> = support::processes_of_uids(uid..uid + 1)
+            .into_iter()
+            .map(|(pid, _)| pid)
+            .filter(|pid| cmdline(*pid).ends_with(b"shim\0relay\0"))
+            .collect();
+        assert_eq!(relays.len(), 1, "{relays:?}");
+        let cgroups = |pid: u32| std::fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap();
+        assert_eq!(cgroups(relays[0]), cgroups(pid));
+        assert_eq!(node.delete("/users/alice/instance").await, 204);
+        eventually(
+            Duration::from_secs(10),
+            "alice's processes to end",
+            || async {
+                support::processes_of_uids(uid..uid + 1)
+                    .is_empty()
+                    .then_some(())
+            },
+        )
+        .await;
+        // Its cgroup goes with it: the relay had ended before.
+        let left = support::instance_cgroups(&node.data_dir);
+        assert!(left.is_empty(), "cgroups left: {left:?}");
     });
 }
 

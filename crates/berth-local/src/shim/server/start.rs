@@ -18,6 +18,7 @@ use super::{pid_of, program_name};
 use crate::isolation::access::may_execute;
 use crate::isolation::cgroup::InstanceCgroup;
 use crate::isolation::child::{self, ChildPlan, ShimEnds};
+use crate::isolation::relay;
 use crate::shim::log_file::LogFile;
 use crate::shim::protocol::{ShimSpec, ShimState};
 use crate::shim::{procfs, state_file};
@@ -39,6 +40,19 @@ pub(super) struct Started {
     pub(super) ends: Option<ShimEnds>,
     /// The memory limit in MiB, to report an OOM kill with.
     pub(super) memory_max_mb: Option<u64>,
+    /// A sandbox's relay. It lives outside the program's pid namespace,
+    /// so the program's end does not end it; it is in the instance's
+    /// cgroup, so the kill of everything left there at the end does.
+    pub(super) relay: Option<Relay>,
+}
+
+/// A sandbox's relay ([`crate::isolation::relay`]): its process, also
+/// killed when this is dropped, and the shim's ends of its setup's pipes.
+pub(super) struct Relay {
+    _child: Child,
+    /// Where it listens on the sandbox's loopback.
+    port: u16,
+    _ends: ShimEnds,
 }
 
 /// Everything up to a running program, a listening socket and a state
@@ -134,11 +148,15 @@ pub(super) fn start(spec: &ShimSpec, compiled: Option<Regex>) -> Result<Started,
         },
         None => None,
     };
-    let (plan, mut ends) = match plan {
-        Some((plan, ends)) => (Some(plan), Some(ends)),
-        None => (None, None),
+    let (plan, mut ends, relay) = match plan {
+        Some((plan, ends, relay)) => (Some(plan), Some(ends), relay),
+        None => (None, None, None),
     };
-    let spawned = spawn_program(spec, &program, plan);
+    let proxy_env = relay
+        .as_ref()
+        .map(|relay| relay::proxy_env(relay.port))
+        .unwrap_or_default();
+    let spawned = spawn_program(spec, &program, plan, &proxy_env);
     // The child has its copies (or failed); the shim must not keep them
     // open, or a pipe would never report the end of its writer.
     if let Some(ends) = ends.as_mut() {
@@ -213,6 +231,7 @@ pub(super) fn start(spec: &ShimSpec, compiled: Option<Regex>) -> Result<Started,
         ready_regex,
         cgroup,
         ends,
+        relay,
         memory_max_mb: isolation
             .and_then(|i| i.cgroup.as_ref())
             .map(|c| c.limits.memory_max_mb),
@@ -223,21 +242,31 @@ pub(super) fn start(spec: &ShimSpec, compiled: Option<Regex>) -> Result<Started,
 /// shim first moves into a network namespace of its own, with its loopback
 /// up and nothing else (berth reaches the program there through
 /// `/proc/<shim>/ns/net`; no other account's program can listen on, or
-/// connect to, anything in it), and gives its next child a pid namespace
-/// of its own (the child becomes its init).
+/// connect to, anything in it), starts the sandbox's relay (its way out,
+/// listening on that loopback), and gives its next
+/// child a pid namespace of its own (the child becomes its init).
 fn prepare_isolation(
     isolation: &crate::isolation::IsolationSpec,
     cwd: &Path,
     cgroup: Option<&InstanceCgroup>,
-) -> Result<(ChildPlan, ShimEnds), String> {
-    let planned = ChildPlan::build(isolation, cwd, cgroup)?;
+) -> Result<(ChildPlan, ShimEnds, Option<Relay>), String> {
+    let (plan, ends) = ChildPlan::build(isolation, cwd, cgroup)?;
+    let mut relay = None;
     if isolation.sandbox.is_some() {
+        // Opened before this thread leaves it: the relay goes back to it.
+        let host_net = child::open_fd(
+            Path::new("/proc/thread-self/ns/net"),
+            nix::libc::O_RDONLY,
+            "the host's network namespace",
+        )?;
         // Only this thread moves (the blocking pool's threads stay where
         // they are): the program is spawned on this very thread.
         nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNET)
             .map_err(|e| format!("cannot create a network namespace: {e}"))?;
         berth_localnet::loopback_up()
             .map_err(|e| format!("cannot bring up the sandbox's loopback: {}", describe(&e)))?;
+        // Before the pid namespace: the relay must not become its init.
+        relay = Some(start_relay(isolation, cwd, cgroup, host_net)?);
         // SAFETY: unshare(2) with one flag; CLONE_NEWPID changes only the
         // namespace of this thread's future children (this single-threaded
         // runtime spawns the program on this very thread).
@@ -248,7 +277,69 @@ fn prepare_isolation(
             ));
         }
     }
-    Ok(planned)
+    Ok((plan, ends, relay))
+}
+
+/// Starts a sandbox's relay: its listener bound on the loopback of the
+/// network namespace this thread is in now (the sandbox's), and its
+/// process (`berth shim relay`, the listener as its stdin) back in
+/// `host_net`, as the instance's account, in its cgroup, with its
+/// rlimits.
+fn start_relay(
+    isolation: &crate::isolation::IsolationSpec,
+    cwd: &Path,
+    cgroup: Option<&InstanceCgroup>,
+    host_net: std::os::fd::OwnedFd,
+) -> Result<Relay, String> {
+    let listener = std::net::TcpListener::bind((std::net::Ipv4Addr::LOCALHOST, 0))
+        .map_err(|e| format!("cannot listen for the sandbox's relay: {}", describe(&e)))?;
+    let port = listener
+        .local_addr()
+        .map_err(|e| format!("cannot listen for the sandbox's relay: {}", describe(&e)))?
+        .port();
+    // Outside the sandbox: no mounts of its own, no namespace to join.
+    let outside = crate::isolation::IsolationSpec {
+        sandbox: None,
+        ..isolation.clone()
+    };
+    let (plan, mut ends) = ChildPlan::beside(&outside, cwd, cgroup, 0)?;
+    let exe = std::env::current_exe()
+        .map_err(|e| format!("cannot find berth's executable for the relay: {e}"))?;
+    let mut command = tokio::process::Command::new(exe);
+    command
+        .args(["shim", relay::RELAY_ARG])
+        .env_clear()
+        .stdin(Stdio::from(std::os::fd::OwnedFd::from(listener)))
+        .stdout(Stdio::null())
+        .stderr(Stdio::inherit())
+        .kill_on_drop(true);
+    // SAFETY: runs between fork and exec: setns(2) on a descriptor the
+    // closure owns (open until exec), then the plan's `enter`, written for
+    // exactly this place (see `isolation::child`); a plan made by `beside`
+    // without a sandbox makes none and never forks.
+    unsafe {
+        command.pre_exec(move || {
+            use std::os::fd::AsRawFd;
+            if nix::libc::setns(host_net.as_raw_fd(), nix::libc::CLONE_NEWNET) != 0 {
+                return Err(io::Error::last_os_error());
+            }
+            plan.enter()
+        });
+    }
+    let spawned = command.spawn();
+    ends.child_only.clear();
+    let child = spawned.map_err(|e| {
+        let step = String::from_utf8_lossy(&child::read_pipe(&ends.diag)).into_owned();
+        format!(
+            "cannot start the sandbox's relay ({step}): {}",
+            describe(&e)
+        )
+    })?;
+    Ok(Relay {
+        _child: child,
+        port,
+        _ends: ends,
+    })
 }
 
 /// The directory that hides `program` inside a sandbox (a private `/tmp`
@@ -379,12 +470,20 @@ fn bind(path: &Path) -> Result<UnixListener, String> {
     Ok(listener)
 }
 
-fn spawn_program(spec: &ShimSpec, program: &Path, plan: Option<ChildPlan>) -> io::Result<Child> {
+/// Spawns the program, with `extra_env` after its own (a sandbox's proxy
+/// variables).
+fn spawn_program(
+    spec: &ShimSpec,
+    program: &Path,
+    plan: Option<ChildPlan>,
+    extra_env: &[(String, String)],
+) -> io::Result<Child> {
     let mut cmd = tokio::process::Command::new(program);
     cmd.arg0(program_name(spec))
         .args(spec.argv.iter().skip(1))
         .env_clear()
-        .envs(spec.env.iter().map(|(k, v)| (k, v)));
+        .envs(spec.env.iter().map(|(k, v)| (k, v)))
+        .envs(extra_env.iter().map(|(k, v)| (k, v)));
     if let Some(plan) = plan {
         // The plan enters the working directory itself, after the mounts
         // and as the account.

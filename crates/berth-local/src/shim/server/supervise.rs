@@ -393,6 +393,7 @@ pub(super) async fn supervise(spec: ShimSpec, started: Started) -> i32 {
         cgroup,
         ends,
         memory_max_mb,
+        relay: _relay,
     } = started;
     let tail = Arc::new(Mutex::new(StderrTail::default()));
     let (piece_tx, piece_rx) = mpsc::channel(64);

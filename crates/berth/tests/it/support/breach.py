@@ -71,6 +71,34 @@ def fetch(host, port, name, tls):
         return True
 
 
+def relayed(target, name):
+    """Asks the sandbox's relay (the HTTPS_PROXY berth gives the program)
+    for a tunnel to `target` (host:port), then asks for `name` through it
+    as `fetch` does over HTTP. A tunnel refused reports the relay's
+    status; a request refused behind it, ECONNABORTED."""
+    proxy = urllib.parse.urlsplit(os.environ["HTTPS_PROXY"])
+    with socket.create_connection((proxy.hostname, proxy.port), timeout=20) as s:
+        s.sendall(("CONNECT %s HTTP/1.1\r\nHost: %s\r\n\r\n" % (target, target)).encode())
+        head = b""
+        while b"\r\n\r\n" not in head:
+            chunk = s.recv(4096)
+            if not chunk:
+                break
+            head += chunk
+        status = head.split(b" ", 2)[1].decode() if head.startswith(b"HTTP/1.1 ") else "none"
+        if status != "200":
+            return {"ok": False, "status": status}
+        # The test's hosts answer at once: their answer may have come
+        # with the relay's.
+        answer = head.split(b"\r\n\r\n", 1)[1]
+        s.sendall(("GET / HTTP/1.0\r\nHost: %s\r\n\r\n" % name).encode())
+        if len(answer) < 12:
+            answer += s.recv(64)
+        if not answer.startswith(b"HTTP/1.0 200"):
+            return {"ok": False, "errno": "ECONNABORTED"}
+        return {"ok": True, "status": status}
+
+
 def lookup(server, name):
     """Sends a DNS query for `name` (type A) to server:53 over UDP and
     returns the answer's response code (0: answered, 5: refused)."""
@@ -342,6 +370,11 @@ class Handler(BaseHTTPRequestHandler):
             result = outcome(lambda: connect(one("host"), one("port")))
         elif probe == "fetch":
             result = outcome(lambda: fetch(one("host"), one("port"), one("name"), one("tls")))
+        elif probe == "relayed":
+            try:
+                result = relayed(one("target"), one("name"))
+            except OSError as e:
+                result = {"ok": False, "errno": errno.errorcode.get(e.errno, str(e.errno))}
         elif probe == "lookup":
             result = outcome(lambda: lookup(one("server"), one("name")))
         elif probe == "listen":
