@@ -329,7 +329,7 @@ mod tests {
             );
             checked += 1;
         }
-        assert_eq!(checked, 16, "the fifteen client commands and config check");
+        assert_eq!(checked, 17, "the sixteen client commands and config check");
         let serve = cli.find_subcommand("serve").unwrap();
         assert!(
             serve

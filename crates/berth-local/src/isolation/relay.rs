@@ -186,8 +186,14 @@ pub fn serve() -> i32 {
             let Ok(slot) = slots.clone().acquire_owned().await else {
                 return 1;
             };
-            let Ok((client, _)) = listener.accept().await else {
-                continue;
+            let client = match listener.accept().await {
+                Ok((client, _)) => client,
+                Err(e) => {
+                    // E.g. out of descriptors: do not spin.
+                    eprintln!("berth relay: accept: {e}");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    continue;
+                }
             };
             tokio::spawn(async move {
                 let _slot = slot;

@@ -1402,6 +1402,13 @@ fn a_policy_changed_through_the_api_applies_to_the_running_instance_from_its_nex
         assert_eq!(node.delete("/users/alice/instance").await, 204);
         launch(node, "alice").await;
         assert!(!reaches(node, "alice", OUTSIDE_ADDR, "8080").await);
+        // A policy set for a user who never ran is only stored: their
+        // first instance starts under it.
+        let closed = json!({"mode": "deny_all", "allow": []});
+        let (code, body) = put(node, "/users/carol/egress", closed.clone()).await;
+        assert_eq!((code, &body["own"]), (200, &json!(true)), "{body}");
+        launch(node, "carol").await;
+        assert!(!reaches(node, "carol", OUTSIDE_ADDR, "8080").await);
         // Clearing it (here with the CLI) gives back the node's policy;
         // clearing a user who has none changes nothing.
         let out = node.cli(&["egress", "alice", "--clear"]);
