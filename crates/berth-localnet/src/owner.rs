@@ -142,18 +142,9 @@ fn udp_sockets(ipv4: bool) -> Result<Vec<InetResponseHeader>, SockDiagError> {
         states: StateFlags::all(),
         socket_id: SocketId::new_v4(),
     };
-    let mut header = NetlinkHeader::default();
-    header.flags = NLM_F_REQUEST | NLM_F_DUMP;
-    let mut message = NetlinkMessage::new(header, SockDiagMessage::InetRequest(request).into());
-    message.finalize();
-    let mut out = vec![0; message.buffer_len()];
-    message.serialize(&mut out);
-    let socket = Socket::new(NETLINK_SOCK_DIAG)?;
     // The kernel makes each part of the listing as the one before is
     // read, so none is ever waited for.
-    socket.set_non_blocking(true)?;
-    socket.connect(&NetlinkAddr::new(0, 0))?;
-    socket.send(&out, 0)?;
+    let socket = send(request, NLM_F_REQUEST | NLM_F_DUMP)?;
     let mut found = Vec::new();
     loop {
         let mut answer = Vec::with_capacity(32 * 1024);
@@ -211,19 +202,9 @@ fn query(own: SocketAddr, remote: SocketAddr) -> Result<Option<InetResponseHeade
             cookie: [0xff; 8],
         },
     };
-    let mut header = NetlinkHeader::default();
-    // No NLM_F_DUMP: a lookup of one socket by its exact addresses.
-    header.flags = NLM_F_REQUEST;
-    let mut message = NetlinkMessage::new(header, SockDiagMessage::InetRequest(request).into());
-    message.finalize();
-    let mut out = vec![0; message.buffer_len()];
-    message.serialize(&mut out);
-
-    let socket = Socket::new(NETLINK_SOCK_DIAG)?;
-    // The kernel answers while the request is being sent; never wait.
-    socket.set_non_blocking(true)?;
-    socket.connect(&NetlinkAddr::new(0, 0))?;
-    socket.send(&out, 0)?;
+    // No NLM_F_DUMP: a lookup of one socket by its exact addresses. The
+    // kernel answers while the request is being sent; never wait.
+    let socket = send(request, NLM_F_REQUEST)?;
     let mut answer = Vec::with_capacity(8192);
     let received = socket.recv(&mut answer, 0)?;
     answer.truncate(received);
@@ -244,6 +225,22 @@ fn query(own: SocketAddr, remote: SocketAddr) -> Result<Option<InetResponseHeade
             "unexpected answer {other:?}"
         ))),
     }
+}
+
+/// Sends `request` with `flags` on a netlink socket of its own, which
+/// never blocks, and returns the socket for the answer.
+fn send(request: InetRequest, flags: u16) -> Result<Socket, SockDiagError> {
+    let mut header = NetlinkHeader::default();
+    header.flags = flags;
+    let mut message = NetlinkMessage::new(header, SockDiagMessage::InetRequest(request).into());
+    message.finalize();
+    let mut out = vec![0; message.buffer_len()];
+    message.serialize(&mut out);
+    let socket = Socket::new(NETLINK_SOCK_DIAG)?;
+    socket.set_non_blocking(true)?;
+    socket.connect(&NetlinkAddr::new(0, 0))?;
+    socket.send(&out, 0)?;
+    Ok(socket)
 }
 
 const ENOENT: i32 = 2;

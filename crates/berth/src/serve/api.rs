@@ -45,7 +45,7 @@ use serde::Deserialize;
 use serde_json::Value;
 
 pub use error::{ApiError, ApiResult};
-use extract::{Admin, Https, QueryOf, UserCall, parse_user_segment, read_body};
+use extract::{Admin, Https, QueryOf, UserCall, parse_json, parse_user_segment, read_body};
 
 use super::auth::{Authenticator, Caller};
 use super::cluster::{Cluster, NodeControl};
@@ -482,13 +482,7 @@ async fn set_egress(
     headers: HeaderMap,
     body: Body,
 ) -> ApiResult {
-    let body = read_body(&headers, body).await?;
-    let policy: EgressPolicy = serde_json::from_slice(&body).map_err(|e| {
-        ApiError::new(
-            ErrorCode::InvalidRequest,
-            format!("invalid egress policy: {e}"),
-        )
-    })?;
+    let policy: EgressPolicy = parse_json(&read_body(&headers, body).await?, "egress policy")?;
     let changed = state
         .ops
         .set_egress(&user, Some(policy), Via::Client)
@@ -542,12 +536,7 @@ fn parse_launch_body(body: &[u8]) -> ApiResult<LaunchRequest> {
     if body.iter().all(u8::is_ascii_whitespace) {
         return Ok(LaunchRequest::default());
     }
-    serde_json::from_slice(body).map_err(|e| {
-        ApiError::new(
-            ErrorCode::InvalidRequest,
-            format!("invalid launch body: {e}"),
-        )
-    })
+    parse_json(body, "launch body")
 }
 
 // --- the admin's ------------------------------------------------------------------

@@ -12,7 +12,7 @@ use axum::response::{IntoResponse, Response};
 use berth_core::{ErrorCode, UserId};
 
 use super::super::auth::{Caller, Minted};
-use super::extract::{Https, UserCall, read_body};
+use super::extract::{Https, UserCall, parse_json, read_body};
 use super::{ApiError, ApiResult, ApiState, AppState};
 use crate::wire::{
     MintRequest, MintedToken, Revoked, Routing, SessionInfo, SessionStarted, TokenList,
@@ -39,12 +39,7 @@ pub async fn mint_token(
     let MintRequest { ttl_s } = if body.iter().all(u8::is_ascii_whitespace) {
         MintRequest::default()
     } else {
-        serde_json::from_slice(&body).map_err(|e| {
-            ApiError::new(
-                ErrorCode::InvalidRequest,
-                format!("invalid token body: {e}"),
-            )
-        })?
+        parse_json(&body, "token body")?
     };
     if ttl_s == Some(0) {
         return Err(ApiError::new(

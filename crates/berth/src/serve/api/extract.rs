@@ -193,6 +193,13 @@ pub fn parse_user_segment(raw: &str) -> Result<UserId, ApiError> {
     UserId::parse(&decoded).map_err(|e| SpawnError::from(e).into())
 }
 
+/// A JSON request body read as `T`; `400 invalid_request` naming `what`
+/// and why when it is not one.
+pub fn parse_json<T: serde::de::DeserializeOwned>(body: &[u8], what: &str) -> Result<T, ApiError> {
+    serde_json::from_slice(body)
+        .map_err(|e| ApiError::new(ErrorCode::InvalidRequest, format!("invalid {what}: {e}")))
+}
+
 /// Reads a request body of at most [`MAX_BODY_BYTES`]. Handlers call it
 /// after their caller extractor, so only an authenticated caller's body
 /// is ever read. The server paces the API's bodies (`[proxy]

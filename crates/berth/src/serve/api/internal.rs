@@ -13,10 +13,10 @@ use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
-use berth_core::{ErrorCode, LaunchRequest};
+use berth_core::LaunchRequest;
 
 use super::super::ops::Via;
-use super::extract::{Peer, PeerCall, QueryOf, SignedByPeer, read_body};
+use super::extract::{Peer, PeerCall, QueryOf, SignedByPeer, parse_json, read_body};
 use super::{
     ApiError, ApiResult, ApiState, AppState, DeclaredRoutes, LaunchQuery, LogsQuery, ProgressQuery,
     holding, line_events, parse_launch_body, stage_events,
@@ -214,13 +214,7 @@ async fn set_egress(
     headers: HeaderMap,
     body: Body,
 ) -> ApiResult {
-    let body = read_body(&headers, body).await?;
-    let EgressChange { policy } = serde_json::from_slice(&body).map_err(|e| {
-        ApiError::new(
-            ErrorCode::InvalidRequest,
-            format!("invalid egress change: {e}"),
-        )
-    })?;
+    let EgressChange { policy } = parse_json(&read_body(&headers, body).await?, "egress change")?;
     let changed = state.ops.set_egress(&user, policy, Via::Peer).await?;
     Ok(axum::Json(changed).into_response())
 }
@@ -233,13 +227,7 @@ async fn fence(
     headers: HeaderMap,
     body: Body,
 ) -> ApiResult {
-    let body = read_body(&headers, body).await?;
-    let FenceRequest { epoch } = serde_json::from_slice(&body).map_err(|e| {
-        ApiError::new(
-            ErrorCode::InvalidRequest,
-            format!("invalid fence body: {e}"),
-        )
-    })?;
+    let FenceRequest { epoch } = parse_json(&read_body(&headers, body).await?, "fence body")?;
     let fenced = state.ops.fence(&user, epoch).await?;
     Ok(axum::Json(Fenced {
         user,
