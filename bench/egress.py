@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Egress proxy benchmark: what a connection through it costs, standard
-library only. Run as root (instances at level `user`; network namespaces).
+library only. Run as root (accounts, network namespaces).
 
-    python3 bench/egress.py [--berth target/release/berth] [--n 2000]
+    python3 bench/egress.py [--berth target/release/berth] [--n 2000] [--level sandbox]
 
 Two network namespaces, made for the run and removed after it: `host`,
 where berth runs, and `outside`, behind a veth pair, holding two HTTP
@@ -20,6 +20,11 @@ allowed network). The instance (a Python program, run by berth under its
 own account) times `--n` sequential connections to each, alternating:
 connect, send a GET, read to the end. Printed: median, p95 and p99 per
 path, in microseconds, and the added cost of the proxy.
+
+With `--level sandbox` the instance is sandboxed and has no route out:
+each connection goes through its relay (`CONNECT host:80` to the
+HTTPS_PROXY berth names, then the GET), which connects as the instance's
+account; the guard and the egress proxy then act as above.
 """
 
 import argparse
@@ -68,6 +73,33 @@ def once(host, name):
     if not got.startswith(b"HTTP/1.0 200"):
         raise RuntimeError("no answer from %s" % host)
     return (time.perf_counter() - t0) * 1e6
+def relayed(host, name):
+    import os
+    proxy = urllib.parse.urlsplit(os.environ["HTTPS_PROXY"])
+    t0 = time.perf_counter()
+    with socket.create_connection((proxy.hostname, proxy.port), timeout=5) as s:
+        s.sendall(("CONNECT %s:80 HTTP/1.1\r\n\r\n" % host).encode())
+        head = b""
+        while b"\r\n\r\n" not in head:
+            chunk = s.recv(4096)
+            if not chunk:
+                raise RuntimeError("the relay closed")
+            head += chunk
+        if not head.startswith(b"HTTP/1.1 200"):
+            raise RuntimeError("relay: %r" % head[:40])
+        got = head.split(b"\r\n\r\n", 1)[1]
+        s.sendall(("GET / HTTP/1.0\r\nHost: %s\r\n\r\n" % name).encode())
+        while True:
+            chunk = s.recv(4096)
+            if not chunk:
+                break
+            got += chunk
+    if not got.startswith(b"HTTP/1.0 200"):
+        raise RuntimeError("no answer from %s" % host)
+    return (time.perf_counter() - t0) * 1e6
+import os
+if "HTTPS_PROXY" in os.environ:
+    once = relayed
 class H(BaseHTTPRequestHandler):
     def log_message(self, *a): pass
     def do_GET(self):
@@ -135,7 +167,7 @@ def inner(args):
     instance = (f"command = [\"/usr/bin/python3\", \"-c\", {json.dumps(AGENT)}, \"{{port}}\"]\n"
                 "ready_tcp = true\n")
     egress = 'egress = "allowlist"\negress_allow = ["allowed.test", "10.254.0.0/24:80"]\n'
-    with spawn.Berth(args.berth, isolation="user", parent="/var/tmp", instance_extra=instance,
+    with spawn.Berth(args.berth, isolation=args.level, parent="/var/tmp", instance_extra=instance,
                      isolation_extra=egress) as berth:
         conn = berth.connection()
         status, body, _ = berth.launch(conn, "alice")
@@ -153,6 +185,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--berth", default="target/release/berth")
     ap.add_argument("--n", type=int, default=2000)
+    ap.add_argument("--level", choices=["user", "sandbox"], default="user")
     ap.add_argument("--inner", action="store_true")
     args = ap.parse_args()
     args.berth = os.path.abspath(args.berth)
@@ -161,9 +194,15 @@ def main():
     server = None
     try:
         server = setup()
+        # `ip netns exec` without its /sys remount, which would hide the
+        # cgroups a sandbox needs: the namespace's hosts file in a mount
+        # namespace of the run's own, then its network namespace.
+        enter = (f"mount --bind /etc/netns/{HOST_NS}/hosts /etc/hosts && "
+                 f"exec nsenter --net=/run/netns/{HOST_NS} \"$@\"")
         out = subprocess.run(
-            ["ip", "netns", "exec", HOST_NS, sys.executable, os.path.abspath(__file__),
-             "--inner", "--berth", args.berth, "--n", str(args.n)],
+            ["unshare", "--mount", "--propagation", "private", "sh", "-c", enter, "sh",
+             sys.executable, os.path.abspath(__file__), "--inner", "--berth", args.berth,
+             "--n", str(args.n), "--level", args.level],
             check=True, stdout=subprocess.PIPE).stdout
     finally:
         teardown(server)

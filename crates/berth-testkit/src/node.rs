@@ -657,6 +657,15 @@ impl Node {
     /// While the previous berth still runs, or when the new one cannot
     /// start.
     pub fn restart(&mut self) {
+        self.restart_with(&StartOptions::default());
+    }
+
+    /// [`Node::restart`] with `options` (a wrapper, a log file).
+    ///
+    /// # Panics
+    ///
+    /// As [`Node::restart`].
+    pub fn restart_with(&mut self, options: &StartOptions) {
         assert!(self.child.is_none(), "berth still runs: kill it first");
         let config = self.dir.join("berth.toml");
         let config = config.to_str().expect("a UTF-8 config path");
@@ -664,7 +673,7 @@ impl Node {
             &self.dir,
             &["serve", "--config", config],
             &self.data_dir,
-            &StartOptions::default(),
+            options,
         );
         self.child = Some(child);
         self.url = url;

@@ -131,9 +131,10 @@ impl FoundShim {
     }
 
     /// Connects to the shim. One that stays silent is killed, and what it
-    /// leaves (its files, and its cgroup with anything still in it) is
-    /// removed: berth cannot supervise it, and the user's next instance
-    /// must not start beside it.
+    /// leaves (its files, and its cgroup with anything still in it, or
+    /// without a cgroup every process of its account) is removed: berth
+    /// cannot supervise it, and the user's next instance must not start
+    /// beside it.
     pub async fn attach(
         &self,
         cgroups: Option<&Parents>,
@@ -151,8 +152,35 @@ impl FoundShim {
             tracing::warn!(path = %self.state_path.display(), error = %e,
                 "a found shim did not answer");
             self.remove_leftovers(cgroups);
+            self.sweep_account().await;
         }
         attached
+    }
+
+    /// Kills every process of a silent shim's account when it recorded no
+    /// cgroup (level `user` on a host that gives instances none): its
+    /// program dies with it, but what the program moved into a session of
+    /// its own (`setsid`) does not, and the account is then the only hold
+    /// on it. At this level the account is the user's alone.
+    async fn sweep_account(&self) {
+        let Some(uid) = self
+            .state
+            .as_ref()
+            .filter(|state| state.cgroup.is_empty())
+            .and_then(|state| state.uid)
+        else {
+            return;
+        };
+        let swept = tokio::task::spawn_blocking(move || crate::isolation::sweep::kill_all(uid));
+        match swept.await {
+            Ok(left) if left.is_empty() => {}
+            Ok(left) => tracing::warn!(
+                uid,
+                left = left.len(),
+                "processes of a silent shim's account survived the sweep"
+            ),
+            Err(e) => tracing::warn!(uid, error = %e, "could not sweep a silent shim's account"),
+        }
     }
 
     /// Ends a live shim's program (SIGKILL through the shim), waits for the

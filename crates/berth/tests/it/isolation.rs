@@ -1647,6 +1647,70 @@ fn escapee_config(slot: &Slot) -> String {
     )
 }
 
+/// At level `user` on a host that gives instances no cgroup, a shim found
+/// silent after a restart of berth is killed, and with it every process
+/// of its account: the program's `setsid` escapee too, which nothing but
+/// the account holds. (berth runs where no cgroup hierarchy is mounted.)
+#[tokio::test(flavor = "multi_thread")]
+async fn without_cgroups_a_silent_shims_escaped_session_dies_with_it() {
+    if !privileged("silent shim without cgroups") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let slot = slot();
+    let config = escapee_config(&slot).replace("mode = \"sandbox\"", "mode = \"user\"");
+    let no_cgroups = || StartOptions {
+        wrapper: [
+            "unshare",
+            "--mount",
+            "--propagation",
+            "private",
+            "sh",
+            "-c",
+            "umount -R /sys/fs/cgroup && exec \"$@\"",
+            "sh",
+        ]
+        .iter()
+        .map(|a| (*a).to_owned())
+        .collect(),
+        ..StartOptions::default()
+    };
+    let mut node = Node::from(
+        support::berth()
+            .node(dir.path())
+            .extra(&config)
+            .options(no_cgroups())
+            .start(),
+    );
+    launch(&node, "alice").await;
+    let state = state_of(&node, "alice");
+    assert_eq!(state["cgroup"], json!([]), "no cgroup: {state}");
+    beats_past(&node, "alice", 0).await;
+    let uid = u32::try_from(state["uid"].as_u64().unwrap()).unwrap();
+    let escapee = support::processes_of_uids(uid..uid + 1)
+        .into_iter()
+        .map(|(pid, _)| pid)
+        .find(|pid| {
+            std::fs::read(format!("/proc/{pid}/cmdline"))
+                .unwrap_or_default()
+                .starts_with(b"python3")
+        })
+        .expect("the escapee runs");
+    let shim = i32::try_from(state["shim_pid"].as_u64().unwrap()).unwrap();
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(shim),
+        nix::sys::signal::Signal::SIGSTOP,
+    )
+    .unwrap();
+    node.kill9();
+    node.restart_with(&no_cgroups());
+    eventually(Duration::from_secs(90), "the escapee to die", || async {
+        (!alive(u64::from(escapee))).then_some(())
+    })
+    .await;
+    node.kill_instances();
+}
+
 /// The session id of a process (`/proc/<pid>/stat`, field 6).
 fn session_of(pid: u32) -> Option<u32> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
