@@ -58,23 +58,23 @@ threading.Event().wait()
 """
 
 AGENT = r"""
-import json, socket, sys, time, urllib.parse
+import json, os, socket, sys, time, urllib.parse
 from http.server import BaseHTTPRequestHandler, HTTPServer
+def ask(s, host, name, got=b""):
+    s.sendall(("GET / HTTP/1.0\r\nHost: %s\r\n\r\n" % name).encode())
+    while True:
+        chunk = s.recv(4096)
+        if not chunk:
+            break
+        got += chunk
+    if not got.startswith(b"HTTP/1.0 200"):
+        raise RuntimeError("no answer from %s" % host)
 def once(host, name):
     t0 = time.perf_counter()
     with socket.create_connection((host, 80), timeout=5) as s:
-        s.sendall(("GET / HTTP/1.0\r\nHost: %s\r\n\r\n" % name).encode())
-        got = b""
-        while True:
-            chunk = s.recv(4096)
-            if not chunk:
-                break
-            got += chunk
-    if not got.startswith(b"HTTP/1.0 200"):
-        raise RuntimeError("no answer from %s" % host)
+        ask(s, host, name)
     return (time.perf_counter() - t0) * 1e6
 def relayed(host, name):
-    import os
     proxy = urllib.parse.urlsplit(os.environ["HTTPS_PROXY"])
     t0 = time.perf_counter()
     with socket.create_connection((proxy.hostname, proxy.port), timeout=5) as s:
@@ -87,17 +87,8 @@ def relayed(host, name):
             head += chunk
         if not head.startswith(b"HTTP/1.1 200"):
             raise RuntimeError("relay: %r" % head[:40])
-        got = head.split(b"\r\n\r\n", 1)[1]
-        s.sendall(("GET / HTTP/1.0\r\nHost: %s\r\n\r\n" % name).encode())
-        while True:
-            chunk = s.recv(4096)
-            if not chunk:
-                break
-            got += chunk
-    if not got.startswith(b"HTTP/1.0 200"):
-        raise RuntimeError("no answer from %s" % host)
+        ask(s, host, name, head.split(b"\r\n\r\n", 1)[1])
     return (time.perf_counter() - t0) * 1e6
-import os
 if "HTTPS_PROXY" in os.environ:
     once = relayed
 class H(BaseHTTPRequestHandler):

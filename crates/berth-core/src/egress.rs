@@ -378,11 +378,6 @@ impl EgressBook {
         }
     }
 
-    /// The node's policy.
-    pub fn default_policy(&self) -> &EgressPolicy {
-        &self.default
-    }
-
     /// The policy of account `uid`.
     pub fn of(&self, uid: u32) -> AccountEgress {
         let accounts = self.accounts.read().unwrap_or_else(PoisonError::into_inner);
@@ -412,21 +407,13 @@ impl EgressBook {
         );
     }
 
-    /// The user's own policy of account `uid`, if one is set.
-    pub fn own_policy(&self, uid: u32) -> Option<Arc<EgressPolicy>> {
-        let accounts = self.accounts.read().unwrap_or_else(PoisonError::into_inner);
-        accounts.get(&uid).and_then(|e| e.policy.clone())
-    }
-
     /// Records account `uid` of `user` with its own `policy` (`None`: the
-    /// node's). Returns whether its policy changed.
-    pub fn set(&self, uid: u32, user: &str, policy: Option<EgressPolicy>) -> bool {
+    /// node's).
+    pub fn set(&self, uid: u32, user: &str, policy: Option<EgressPolicy>) {
         let mut accounts = self
             .accounts
             .write()
             .unwrap_or_else(PoisonError::into_inner);
-        let before = accounts.get(&uid).and_then(|e| e.policy.clone());
-        let changed = before.as_deref() != policy.as_ref();
         accounts.insert(
             uid,
             BookEntry {
@@ -434,21 +421,6 @@ impl EgressBook {
                 policy: policy.map(Arc::new),
             },
         );
-        changed
-    }
-
-    /// Every account with a policy of its own.
-    pub fn own_policies(&self) -> Vec<(u32, Arc<EgressPolicy>)> {
-        let accounts = self.accounts.read().unwrap_or_else(PoisonError::into_inner);
-        accounts
-            .iter()
-            .filter_map(|(uid, e)| Some((*uid, e.policy.clone()?)))
-            .collect()
-    }
-
-    /// Whether any account's policy sends connections to the egress proxy.
-    pub fn needs_proxy(&self) -> bool {
-        self.default.needs_proxy() || self.own_policies().iter().any(|(_, p)| p.needs_proxy())
     }
 }
 
@@ -574,17 +546,16 @@ mod tests {
     fn the_book_gives_each_account_its_own_policy_or_the_nodes() {
         let book = EgressBook::new(EgressPolicy::default());
         let own = policy(&["pypi.org"]);
-        assert!(book.set(7, "alice", Some(own.clone())));
-        assert!(!book.set(7, "alice", Some(own.clone())));
-        assert!(!book.set(8, "bob", None));
+        book.set(7, "alice", Some(own.clone()));
+        book.set(8, "bob", None);
         assert_eq!(*book.of(7).policy, own);
         assert_eq!(book.of(7).user.as_deref(), Some("alice"));
         assert_eq!(*book.of(8).policy, EgressPolicy::default());
         assert_eq!(book.of(9).user, None);
-        assert!(book.needs_proxy());
-        assert!(book.set(7, "alice", None));
+        // Naming an account keeps its policy.
+        book.name(7, "alice");
+        assert_eq!(*book.of(7).policy, own);
+        book.set(7, "alice", None);
         assert_eq!(*book.of(7).policy, EgressPolicy::default());
-        assert!(book.own_policies().is_empty());
-        assert!(!book.needs_proxy());
     }
 }

@@ -242,6 +242,7 @@ mod tests {
             nft: None,
             egress: isolation.egress_policy(),
             egress_proxy: None,
+            name_servers: Vec::new(),
             shim_command: vec!["berth".to_owned(), "shim".to_owned()],
         }
     }

@@ -127,8 +127,12 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         None => None,
     };
 
+    // Read once, for the guard and the egress proxy: a name server added
+    // later is reached after a restart.
+    let resolv_conf = std::fs::read_to_string("/etc/resolv.conf").unwrap_or_default();
+    let name_servers = berth_core::egress::name_servers(&resolv_conf);
     let egress_metrics = berth_egress::EgressMetrics::default();
-    let egress_proxy = egress_proxy(&config, egress_metrics.clone()).await?;
+    let egress_proxy = egress_proxy(&config, egress_metrics.clone(), &name_servers).await?;
     let egress_port = egress_proxy
         .as_ref()
         .and_then(berth_egress::EgressProxy::port);
@@ -138,8 +142,12 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         listening.push(listener.local_addr()?.port());
     }
     listening.extend(egress_port);
+    let egress = RuntimeEgress {
+        proxy_port: egress_port,
+        name_servers,
+    };
     let (runtime, egress_book) =
-        runtime(&config, &node_id, store.clone(), listening, egress_port).await?;
+        runtime(&config, &node_id, store.clone(), listening, egress).await?;
     let mut controller_config = config.controller_config(&node_id)?;
     controller_config.advertise_url.clone_from(&public_url);
     controller_config.internal_url = internal_url.clone().unwrap_or_default();
@@ -376,7 +384,7 @@ async fn runtime(
     node_id: &str,
     store: Arc<dyn Store>,
     listening: Vec<u16>,
-    egress_proxy: Option<u16>,
+    egress: RuntimeEgress,
 ) -> anyhow::Result<(Arc<dyn Runtime>, Option<Arc<EgressBook>>)> {
     #[cfg(feature = "kubernetes")]
     if let Some(k8s) = config.k8s_runtime_config(node_id)? {
@@ -402,7 +410,8 @@ async fn runtime(
     ];
     let mut local = config.runtime_config(shim_command)?;
     local.listeners.ports = listening;
-    local.egress_proxy = egress_proxy;
+    local.egress_proxy = egress.proxy_port;
+    local.name_servers = egress.name_servers;
     if local.isolation == Isolation::None {
         tracing::warn!(
             as_root = nix::unistd::geteuid().is_root(),
@@ -426,6 +435,13 @@ async fn runtime(
     Ok((local, book))
 }
 
+/// What the local runtime's egress guard takes from the binary: where the
+/// egress proxy listens, and the host's name servers.
+struct RuntimeEgress {
+    proxy_port: Option<u16>,
+    name_servers: Vec<std::net::IpAddr>,
+}
+
 /// This node's egress policy, where berth guards its instances' egress:
 /// on this host, at a level with accounts.
 fn guarded_egress(config: &Config) -> anyhow::Result<Option<berth_core::egress::EgressPolicy>> {
@@ -441,16 +457,13 @@ fn guarded_egress(config: &Config) -> anyhow::Result<Option<berth_core::egress::
 async fn egress_proxy(
     config: &Config,
     metrics: berth_egress::EgressMetrics,
+    name_servers: &[std::net::IpAddr],
 ) -> anyhow::Result<Option<berth_egress::EgressProxy>> {
     if guarded_egress(config)?.is_none() || !nix::unistd::geteuid().is_root() {
         return Ok(None);
     }
     let loopback = std::net::SocketAddr::from((std::net::Ipv4Addr::LOCALHOST, 0));
-    // Read once, as the guard reads it: a name server added later is used
-    // after a restart.
-    let resolv_conf = std::fs::read_to_string("/etc/resolv.conf").unwrap_or_default();
-    let name_servers = berth_core::egress::name_servers(&resolv_conf);
-    let proxy = berth_egress::EgressProxy::bind(loopback, metrics, &name_servers).await?;
+    let proxy = berth_egress::EgressProxy::bind(loopback, metrics, name_servers).await?;
     tracing::info!(port = ?proxy.port(), "egress proxy: instances reach allowed domains through it");
     Ok(Some(proxy))
 }

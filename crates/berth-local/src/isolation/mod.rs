@@ -295,12 +295,10 @@ impl Isolator {
                 None
             }
         };
-        // Read once: a name server added later is reached after a restart.
-        let resolv_conf = std::fs::read_to_string("/etc/resolv.conf").unwrap_or_default();
         let egress = guard::Egress {
             policy: config.egress.clone(),
             proxy_port: config.egress_proxy,
-            name_servers: berth_core::egress::name_servers(&resolv_conf),
+            name_servers: config.name_servers.clone(),
         };
         let guard = guard::Guard::new(
             nft,

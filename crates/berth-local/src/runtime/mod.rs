@@ -89,8 +89,13 @@ pub struct LocalRuntimeConfig {
     pub egress: berth_core::egress::EgressPolicy,
     /// The egress proxy's port on loopback, where the guard sends an
     /// instance's connections to the allowed domains' ports; known once
-    /// berth has bound it. `None`: no domain is allowed.
+    /// berth has bound it. `None`: no proxy listens, and a policy that
+    /// allows a domain is refused.
     pub egress_proxy: Option<u16>,
+    /// The host's name servers, which instances reach on port 53 unless
+    /// their policy confines them; the binary reads them once, for the
+    /// guard and the egress proxy alike.
+    pub name_servers: Vec<std::net::IpAddr>,
     /// The `nft` program of the guards; `None`: looked up in `PATH`,
     /// `/usr/sbin` and `/sbin`.
     pub nft: Option<PathBuf>,

@@ -256,6 +256,7 @@ impl Config {
             nft: self.isolation.nft.clone(),
             egress: self.isolation.egress_policy(),
             egress_proxy: None,
+            name_servers: Vec::new(),
             // The ports are known once berth has bound them.
             listeners: berth_local::ListenerCap {
                 ports: Vec::new(),

@@ -90,6 +90,7 @@ impl Env {
             nft: None,
             egress: Default::default(),
             egress_proxy: None,
+            name_servers: Vec::new(),
             shim_command: vec![BERTH.into(), "shim".into()],
         };
         let controller = ControllerConfig {

@@ -201,15 +201,8 @@ async fn the_agent_sandbox_example_confines_its_agent_to_its_allowlist() {
         std::os::unix::fs::MetadataExt::uid(&std::fs::metadata(format!("/proc/{pid}")).unwrap());
     assert_ne!(uid, 0, "the agent runs as root");
     // Sandboxed, with its relay beside it as its own account.
-    let relays = support::processes_of_uids(uid..uid + 1)
-        .into_iter()
-        .filter(|(pid, _)| {
-            std::fs::read(format!("/proc/{pid}/cmdline"))
-                .unwrap_or_default()
-                .ends_with(b"shim\0relay\0")
-        })
-        .count();
-    assert_eq!(relays, 1);
+    let relays = support::processes_of_account(uid, support::is_relay);
+    assert_eq!(relays.len(), 1, "{relays:?}");
     let table = berth_local::isolation::nft_table_name(&node.data_dir.canonicalize().unwrap());
     let listed = std::process::Command::new("nft")
         .args(["list", "table", "inet", &table])

@@ -93,6 +93,16 @@ fn refused(outcome: &Value, errnos: &[&str]) -> bool {
     outcome["ok"] == false && errnos.contains(&outcome["errno"].as_str().unwrap_or(""))
 }
 
+/// The port berth's API and proxy listen on.
+fn port_of(node: &Node) -> String {
+    node.url
+        .rsplit(':')
+        .next()
+        .unwrap()
+        .trim_end_matches('/')
+        .to_owned()
+}
+
 fn path_str(p: &Path) -> &str {
     p.to_str().unwrap()
 }
@@ -1503,13 +1513,7 @@ fn a_sandboxed_instance_reaches_out_only_through_its_relay_under_the_egress_guar
         }
         // Never the host's loopback, where berth and the host's services
         // listen, by any name.
-        let berth_port = node
-            .url
-            .rsplit(':')
-            .next()
-            .unwrap()
-            .trim_end_matches('/')
-            .to_owned();
+        let berth_port = port_of(node);
         for target in ["127.0.0.1", "localhost", "0.0.0.0", "[::ffff:127.0.0.1]"] {
             let target = format!("{target}:{berth_port}");
             let tried = relayed(node, &target, "any.test").await;
@@ -1531,12 +1535,7 @@ fn a_sandboxed_instance_reaches_out_only_through_its_relay_under_the_egress_guar
         // killed with it), and goes with the instance.
         let pid = u32::try_from(node.main_of("alice").await["pid"].as_u64().unwrap()).unwrap();
         let uid = uid_of_process(pid).unwrap();
-        let cmdline = |pid: u32| std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
-        let relays: Vec<u32> = support::processes_of_uids(uid..uid + 1)
-            .into_iter()
-            .map(|(pid, _)| pid)
-            .filter(|pid| cmdline(*pid).ends_with(b"shim\0relay\0"))
-            .collect();
+        let relays = support::processes_of_account(uid, support::is_relay);
         assert_eq!(relays.len(), 1, "{relays:?}");
         let cgroups = |pid: u32| std::fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap();
         assert_eq!(cgroups(relays[0]), cgroups(pid));
@@ -1687,14 +1686,8 @@ async fn without_cgroups_a_silent_shims_escaped_session_dies_with_it() {
     assert_eq!(state["cgroup"], json!([]), "no cgroup: {state}");
     beats_past(&node, "alice", 0).await;
     let uid = u32::try_from(state["uid"].as_u64().unwrap()).unwrap();
-    let escapee = support::processes_of_uids(uid..uid + 1)
-        .into_iter()
-        .map(|(pid, _)| pid)
-        .find(|pid| {
-            std::fs::read(format!("/proc/{pid}/cmdline"))
-                .unwrap_or_default()
-                .starts_with(b"python3")
-        })
+    let escapee = *support::processes_of_account(uid, |cmdline| cmdline.starts_with(b"python3"))
+        .first()
         .expect("the escapee runs");
     let shim = i32::try_from(state["shim_pid"].as_u64().unwrap()).unwrap();
     nix::sys::signal::kill(
@@ -2727,13 +2720,7 @@ async fn an_instance_cannot_fill_berths_connections_from_many_loopback_addresses
     );
     launch(&node, "alice").await;
     launch(&node, "bob").await;
-    let berth_port = node
-        .url
-        .rsplit(':')
-        .next()
-        .unwrap()
-        .trim_end_matches('/')
-        .to_owned();
+    let berth_port = port_of(&node);
     // 8 source addresses × 10: within the cap of each address, twice
     // berth's whole capacity.
     let flood = probe(

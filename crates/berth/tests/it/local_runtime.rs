@@ -64,6 +64,7 @@ impl LocalHarness {
             nft: None,
             egress: Default::default(),
             egress_proxy: None,
+            name_servers: Vec::new(),
             shim_command: vec![BERTH.into(), "shim".into()],
         }
     }

@@ -314,6 +314,7 @@ async fn controller(data: &Path, ports: u16, store: Arc<dyn Store>) -> Arc<Contr
         nft: None,
         egress: Default::default(),
         egress_proxy: None,
+        name_servers: Vec::new(),
         shim_command: vec![BERTH.into(), "shim".into()],
     };
     let config = ControllerConfig {

@@ -294,3 +294,18 @@ pub async fn websocket(
         .await
         .map(|(ws, _)| ws)
 }
+
+/// The processes of account `uid` whose command line (`/proc/<pid>/cmdline`,
+/// NUL-separated) `matches`.
+pub fn processes_of_account(uid: u32, matches: impl Fn(&[u8]) -> bool) -> Vec<u32> {
+    processes_of_uids(uid..uid + 1)
+        .into_iter()
+        .map(|(pid, _)| pid)
+        .filter(|pid| matches(&std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default()))
+        .collect()
+}
+
+/// Whether a command line is a sandbox's relay (`berth shim relay`).
+pub fn is_relay(cmdline: &[u8]) -> bool {
+    cmdline.ends_with(b"shim\0relay\0")
+}
