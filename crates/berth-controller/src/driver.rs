@@ -426,6 +426,12 @@ impl MainDriver {
             tracing::info!(%user, port = ?record.port,
                 "another process took the instance's port before it was ready; restarting on a fresh port");
         }
+        let egress = match shared.own_egress(user).await {
+            Ok(egress) => egress,
+            Err(e) => {
+                return Event::SpawnFailed(format!("cannot read the user's egress policy: {e}"));
+            }
+        };
         let spec = InstanceSpec {
             instance_id: self.id.clone(),
             user: user.clone(),
@@ -441,6 +447,7 @@ impl MainDriver {
             fence: shared.fencer.deadline_for_new_run(),
             env: Vec::new(),
             handoff: None,
+            egress,
         };
         // A new run is never frozen.
         self.slot.set_hibernated(false);

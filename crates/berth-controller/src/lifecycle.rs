@@ -6,13 +6,15 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use berth_core::egress::EgressPolicy;
 use berth_core::policy::LaunchKind;
 use berth_core::policy::supervision::{StopKind, error_tail};
 use berth_core::runtime::{InstanceSpec, Patch, RuntimeError, Started};
 use berth_core::{
-    Epoch, Instance, InstanceStatus, MAX_PATCH_BYTES, Role, SpawnError, Stage, normalize_folder,
-    unix_millis_now,
+    Epoch, Instance, InstanceStatus, MAX_PATCH_BYTES, Role, SpawnError, Stage, UserId,
+    normalize_folder, unix_millis_now,
 };
+use berth_store::StoreError;
 
 use crate::Shared;
 use crate::driver::{self, Begin, Run};
@@ -46,6 +48,19 @@ pub(crate) fn new_instance_id() -> String {
 }
 
 impl Shared {
+    /// The egress policy `user` has of their own (`None`: the node's),
+    /// read afresh for every start where the runtime guards egress:
+    /// another node may have changed it since this one last ran the user.
+    pub(crate) async fn own_egress(
+        &self,
+        user: &UserId,
+    ) -> Result<Option<EgressPolicy>, StoreError> {
+        if !self.capabilities.egress {
+            return Ok(None);
+        }
+        self.store.user_egress(user).await
+    }
+
     /// The record of an instance about to run on this node.
     fn new_record(&self, slot: &Slot, role: Role, epoch: Epoch, folder: String) -> Instance {
         let now = unix_millis_now();
@@ -139,6 +154,7 @@ impl Shared {
         epoch: Epoch,
     ) -> Result<Instance, SpawnError> {
         let mut instance = self.new_record(slot, Role::Main, epoch, folder);
+        let egress = self.own_egress(&slot.user).await?;
         let spec = InstanceSpec {
             instance_id: instance.id.clone(),
             user: slot.user.clone(),
@@ -151,6 +167,7 @@ impl Shared {
             fence: self.fencer.deadline_for_new_run(),
             env: Vec::new(),
             handoff: None,
+            egress,
         };
         self.publisher.announce_stage(slot, Stage::Spawning, None);
         let started = match self.runtime.start(spec).await {
@@ -287,6 +304,7 @@ impl Shared {
         });
         // Watchdogs hold no lease (epoch 0) and listen on no port of their own.
         let mut instance = self.new_record(slot, Role::Watchdog, 0, folder);
+        let egress = self.own_egress(&slot.user).await?;
         let spec = InstanceSpec {
             instance_id: instance.id.clone(),
             user: slot.user.clone(),
@@ -299,6 +317,7 @@ impl Shared {
             fence: None,
             env: Vec::new(),
             handoff: Some(handoff.to_string()),
+            egress,
         };
         let started = self
             .runtime

@@ -300,6 +300,15 @@ impl Spawner for Controller {
                 runtime.name()
             )));
         }
+        if let Some(name) = policy.and_then(|p| p.allow.iter().find(|d| d.is_domain()))
+            && !runtime.capabilities().egress_names
+        {
+            return Err(SpawnError::InvalidRequest(format!(
+                "{name} is a domain name, and the {} runtime here lets programs reach \
+                 networks only",
+                runtime.name()
+            )));
+        }
         self.shared.store.set_user_egress(user, policy).await?;
         // A user who never ran has no slug, and no account to change: a
         // start reads the stored policy.

@@ -26,7 +26,7 @@ pub const PRIVATE_V4: &[&str] = &[
 /// IPv6 unique local and link-local ranges.
 pub const PRIVATE_V6: &[&str] = &["fc00::/7", "fe80::/10"];
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fmt;
 use std::net::IpAddr;
 use std::str::FromStr;
@@ -292,12 +292,16 @@ impl EgressPolicy {
             })
     }
 
-    /// The allowed networks, each with its one port (`None`: every port).
-    pub fn networks(&self) -> impl Iterator<Item = (IpNet, Option<u16>)> + '_ {
-        self.allow.iter().filter_map(|d| match d.target {
-            Target::Net(net) => Some((net, d.port)),
-            _ => None,
-        })
+    /// The allowed networks, grouped by their one port (`None`: every
+    /// port): a rule per group, in nftables and in a NetworkPolicy.
+    pub fn networks_by_port(&self) -> BTreeMap<Option<u16>, Vec<IpNet>> {
+        let mut by_port: BTreeMap<Option<u16>, Vec<IpNet>> = BTreeMap::new();
+        for d in &self.allow {
+            if let Target::Net(net) = d.target {
+                by_port.entry(d.port).or_default().push(net);
+            }
+        }
+        by_port
     }
 
     /// The ports the allowed domains are reached on: the connections the

@@ -79,6 +79,9 @@ pub struct Capabilities {
     /// [`Runtime::set_egress`]: the runtime guards where a program may
     /// connect, per user, and changes it while the program runs.
     pub egress: bool,
+    /// That guard also lets a program reach the domain names a policy
+    /// allows (else a policy may allow networks only).
+    pub egress_names: bool,
 }
 
 /// What an operator's hook does (`pre_hibernate`, `pre_stop`).
@@ -197,6 +200,11 @@ pub struct InstanceSpec {
     /// For a watchdog: what it is to repair (the crashed main's record, as
     /// JSON), which the runtime materialises and names in `BERTH_HANDOFF`.
     pub handoff: Option<String>,
+    /// The egress policy the user has of their own, as the store holds it
+    /// at this start (`None`: the node's), for a runtime that guards
+    /// egress ([`Capabilities::egress`]): another node may have changed
+    /// it since this one last ran the user.
+    pub egress: Option<EgressPolicy>,
 }
 
 /// A started (or adopted) instance.
@@ -375,8 +383,9 @@ pub trait Runtime: Send + Sync + 'static {
 
     /// Gives `user`'s instances (their account, filed under `slug`) the
     /// egress `policy` (`None`: the node's) from their next connection
-    /// on, whether one runs now or not; a start reads the user's policy
-    /// again, so one set while none runs applies when one starts.
+    /// on, whether one runs now or not; a start is given the user's
+    /// policy again ([`InstanceSpec::egress`]), so one set while none
+    /// runs applies when one starts.
     async fn set_egress(
         &self,
         user: &UserId,

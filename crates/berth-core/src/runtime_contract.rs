@@ -196,6 +196,7 @@ pub fn spec(user: &UserId, instance_id: &str) -> InstanceSpec {
         fence: None,
         env: Vec::new(),
         handoff: None,
+        egress: None,
     }
 }
 

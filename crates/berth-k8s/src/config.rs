@@ -6,8 +6,8 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::time::Duration;
 
+use berth_core::egress::EgressPolicy;
 use berth_core::program::ProgramSettings;
-use ipnet::IpNet;
 use k8s_openapi::api::core::v1::{PodSpec, Toleration};
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value, json};
@@ -253,10 +253,6 @@ pub struct Network {
     /// (`berth_core::egress::METADATA_V4` and `METADATA_V6`).
     #[serde(default)]
     pub allow_metadata_egress: bool,
-    /// Further destinations programs may reach, private or not
-    /// (`"10.1.2.3/32"`).
-    #[serde(default)]
-    pub egress_allow: Vec<IpNet>,
     /// Let programs ask the cluster's DNS (kube-system's `k8s-app=kube-dns`
     /// pods, port 53).
     #[serde(default = "yes")]
@@ -270,7 +266,6 @@ impl Default for Network {
             berth_namespace: None,
             allow_private_egress: false,
             allow_metadata_egress: false,
-            egress_allow: Vec::new(),
             allow_dns: true,
         }
     }
@@ -580,6 +575,8 @@ pub struct K8sRuntimeConfig {
     pub program: ProgramSettings,
     /// The pods' termination grace period (a stop passes its own).
     pub stop_grace: Duration,
+    /// The node's egress policy: a user without one of their own has it.
+    pub egress: EgressPolicy,
 }
 
 impl K8sRuntimeConfig {

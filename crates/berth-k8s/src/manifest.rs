@@ -11,16 +11,17 @@
 
 use std::collections::BTreeMap;
 
-use berth_core::egress::{METADATA_V4, METADATA_V6, PRIVATE_V4, PRIVATE_V6};
+use berth_core::egress::{EgressPolicy, METADATA_V4, METADATA_V6, PRIVATE_V4, PRIVATE_V6};
 use berth_core::program::{self, ProgramFacts, Variable};
 use berth_core::{Epoch, Readiness, Role, Slug, UserId};
+use ipnet::IpNet;
 use k8s_openapi::api::core::v1::{ConfigMap, PersistentVolumeClaim, Pod, Service};
 use k8s_openapi::api::networking::v1::NetworkPolicy;
 use serde_json::{Map, Value, json};
 use sha2::{Digest, Sha256};
 
 use crate::config::{
-    ConfigError, K8sRuntimeConfig, KubernetesConfig, StorageMode, extra_pod_spec, strict,
+    ConfigError, K8sRuntimeConfig, KubernetesConfig, Network, StorageMode, extra_pod_spec, strict,
 };
 use crate::names::{self, EPOCH_ANNOTATION, INSTANCE_ANNOTATION, NODE_ANNOTATION};
 
@@ -448,13 +449,19 @@ fn ip_block(cidr: &str, except: &[&str]) -> Value {
 }
 
 /// The user's NetworkPolicy: ingress only from berth's pods, on the
-/// Service's ports; egress to the internet but not to private ranges or
-/// metadata services unless configured, plus the cluster's DNS and any
-/// extra destinations configured.
+/// Service's ports. Egress as `policy` says, for networks: under
+/// `allow_all` the internet but not private ranges or metadata services
+/// (unless `network` allows them), under a confining mode nothing; then
+/// each allowed network, on its port (TCP and UDP) or on every port, with
+/// the metadata addresses inside it excepted unless allowed; then the
+/// cluster's DNS where allowed. Pods reach nothing else, other pods
+/// included. A domain name is not for a NetworkPolicy, which knows
+/// addresses only (the runtime declares none allowed).
 pub fn network_policy(
     config: &KubernetesConfig,
     user: &UserId,
     slug: &Slug,
+    policy: &EgressPolicy,
 ) -> Result<NetworkPolicy, ConfigError> {
     let n = &config.network;
     let mut from = json!({ "podSelector": { "matchLabels": n.berth_pod_labels } });
@@ -465,32 +472,27 @@ pub fn network_policy(
     if let Some(files) = &config.file_service {
         ports.push(json!({ "protocol": "TCP", "port": files.port }));
     }
-    let (except_v4, except_v6) = match (n.allow_private_egress, n.allow_metadata_egress) {
-        (false, _) => (
-            private_and_metadata(PRIVATE_V4, METADATA_V4),
-            private_and_metadata(PRIVATE_V6, METADATA_V6),
-        ),
-        (true, false) => (METADATA_V4.to_vec(), METADATA_V6.to_vec()),
-        (true, true) => (Vec::new(), Vec::new()),
-    };
-    let mut to = vec![
-        ip_block("0.0.0.0/0", &except_v4),
-        ip_block("::/0", &except_v6),
-    ];
-    if !n.allow_private_egress && n.allow_metadata_egress {
-        to.extend(
-            METADATA_V4
-                .iter()
-                .chain(METADATA_V6)
-                .map(|c| ip_block(c, &[])),
-        );
+    let mut egress = Vec::new();
+    if !policy.mode.confined() {
+        egress.push(json!({ "to": internet(n) }));
     }
-    to.extend(
-        n.egress_allow
+    for (port, nets) in policy.networks_by_port() {
+        let to: Vec<Value> = nets
             .iter()
-            .map(|net| ip_block(&net.to_string(), &[])),
-    );
-    let mut egress = vec![json!({ "to": to })];
+            .filter_map(|net| allowed_block(*net, n.allow_metadata_egress))
+            .collect();
+        if to.is_empty() {
+            continue;
+        }
+        let mut rule = json!({ "to": to });
+        if let Some(port) = port {
+            rule["ports"] = json!([
+                { "protocol": "TCP", "port": port },
+                { "protocol": "UDP", "port": port },
+            ]);
+        }
+        egress.push(rule);
+    }
     if n.allow_dns {
         egress.push(json!({
             "to": [{
@@ -514,6 +516,53 @@ pub fn network_policy(
         }),
         "networkpolicy",
     )
+}
+
+/// `allow_all`'s destinations: every address but the private ranges and
+/// the metadata services, each unless `network` allows it.
+fn internet(n: &Network) -> Vec<Value> {
+    let (except_v4, except_v6) = match (n.allow_private_egress, n.allow_metadata_egress) {
+        (false, _) => (
+            private_and_metadata(PRIVATE_V4, METADATA_V4),
+            private_and_metadata(PRIVATE_V6, METADATA_V6),
+        ),
+        (true, false) => (METADATA_V4.to_vec(), METADATA_V6.to_vec()),
+        (true, true) => (Vec::new(), Vec::new()),
+    };
+    let mut to = vec![
+        ip_block("0.0.0.0/0", &except_v4),
+        ip_block("::/0", &except_v6),
+    ];
+    if !n.allow_private_egress && n.allow_metadata_egress {
+        to.extend(
+            METADATA_V4
+                .iter()
+                .chain(METADATA_V6)
+                .map(|c| ip_block(c, &[])),
+        );
+    }
+    to
+}
+
+/// An allowed network as a NetworkPolicy peer, with the metadata
+/// addresses inside it excepted (as the local guard refuses them before
+/// any policy), unless they are allowed; `None` for a network that is
+/// all metadata.
+fn allowed_block(net: IpNet, metadata_allowed: bool) -> Option<Value> {
+    if metadata_allowed {
+        return Some(ip_block(&net.to_string(), &[]));
+    }
+    let metadata = berth_core::egress::metadata();
+    if metadata.iter().any(|m| m.contains(&net)) {
+        return None;
+    }
+    let inside: Vec<String> = metadata
+        .iter()
+        .filter(|m| net.contains(*m))
+        .map(ToString::to_string)
+        .collect();
+    let inside: Vec<&str> = inside.iter().map(String::as_str).collect();
+    Some(ip_block(&net.to_string(), &inside))
 }
 
 /// The user's own claim (`per_user` storage); `None` in `shared` mode,

@@ -34,6 +34,7 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
 use async_trait::async_trait;
+use berth_core::egress::EgressPolicy;
 use berth_core::runtime::{
     Capabilities, Discovered, HookAction, HookCall, HookOutcome, InstanceSpec, Runtime,
     RuntimeError, RuntimeRef, Started,
@@ -254,8 +255,18 @@ impl Runtime for K8sRuntime {
             freeze: false,
             fence_deadline: false,
             exec: false,
-            egress: false,
+            egress: true,
+            egress_names: false,
         }
+    }
+
+    async fn set_egress(
+        &self,
+        user: &UserId,
+        slug: &Slug,
+        policy: Option<&EgressPolicy>,
+    ) -> Result<(), RuntimeError> {
+        self.inner.ensure_policy(user, slug, policy).await
     }
 
     async fn start(&self, spec: InstanceSpec) -> Result<Started, RuntimeError> {

@@ -40,7 +40,7 @@ use async_trait::async_trait;
 use berth_controller::Controller;
 use berth_core::egress::{EgressBook, EgressPolicy};
 use berth_core::runtime::Runtime;
-use berth_core::{Spawner, UidRange, UserId};
+use berth_core::{Spawner, UidRange};
 use berth_local::{Accounts, Isolation, LocalRuntime};
 use berth_proxy::peer_auth::{ClusterKey, PeerAuth};
 use berth_store::{NodeClaim, NodeStatus, NodeStore, Store, UserStore};
@@ -443,10 +443,11 @@ struct RuntimeEgress {
 }
 
 /// This node's egress policy, where berth guards its instances' egress:
-/// on this host, at a level with accounts.
+/// pods by their NetworkPolicy, and on this host at a level with
+/// accounts.
 fn guarded_egress(config: &Config) -> anyhow::Result<Option<berth_core::egress::EgressPolicy>> {
     let level = config.isolation_level(nix::unistd::geteuid().is_root())?;
-    Ok((config.kubernetes.is_none() && level != Isolation::None)
+    Ok((config.kubernetes.is_some() || level != Isolation::None)
         .then(|| config.isolation.egress_policy()))
 }
 
@@ -459,7 +460,8 @@ async fn egress_proxy(
     metrics: berth_egress::EgressMetrics,
     name_servers: &[std::net::IpAddr],
 ) -> anyhow::Result<Option<berth_egress::EgressProxy>> {
-    if guarded_egress(config)?.is_none() || !nix::unistd::geteuid().is_root() {
+    let on_this_host = config.kubernetes.is_none() && guarded_egress(config)?.is_some();
+    if !on_this_host || !nix::unistd::geteuid().is_root() {
         return Ok(None);
     }
     let loopback = std::net::SocketAddr::from((std::net::Ipv4Addr::LOCALHOST, 0));
@@ -504,10 +506,6 @@ impl Accounts for StoreAccounts {
             .account_uid(slug, range)
             .await
             .map_err(|e| e.to_string())
-    }
-
-    async fn egress(&self, user: &UserId) -> Result<Option<EgressPolicy>, String> {
-        self.0.user_egress(user).await.map_err(|e| e.to_string())
     }
 
     async fn all_egress(&self) -> Result<Vec<(u32, String, EgressPolicy)>, String> {

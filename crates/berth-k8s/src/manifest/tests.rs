@@ -20,6 +20,7 @@ pub(crate) fn runtime_config(k: KubernetesConfig) -> K8sRuntimeConfig {
             patch_ext: "toml".into(),
         },
         stop_grace: Duration::from_secs(5),
+        egress: EgressPolicy::default(),
     }
 }
 
@@ -379,8 +380,16 @@ fn the_patch_is_a_key_of_the_users_config_map() {
 }
 
 fn policy(k: &KubernetesConfig) -> Value {
+    policy_under(k, &EgressPolicy::default())
+}
+
+fn policy_under(k: &KubernetesConfig, egress: &EgressPolicy) -> Value {
     let alice = UserId::parse("alice").unwrap();
-    serde_json::to_value(network_policy(k, &alice, &alice.slug()).unwrap()).unwrap()
+    serde_json::to_value(network_policy(k, &alice, &alice.slug(), egress).unwrap()).unwrap()
+}
+
+fn egress_policy(mode: &str, allow: &[&str]) -> EgressPolicy {
+    serde_json::from_value(json!({ "mode": mode, "allow": allow })).unwrap()
 }
 
 fn excepts(policy: &Value, cidr: &str) -> Vec<String> {
@@ -450,13 +459,64 @@ fn egress_avoids_private_ranges_and_metadata_unless_configured() {
     assert!(excepts(&p, "0.0.0.0/0").is_empty());
 
     k.network.allow_private_egress = false;
-    k.network.egress_allow = vec!["10.1.2.3/32".parse().unwrap()];
     k.network.allow_dns = false;
-    let p = policy(&k);
+    let p = policy_under(&k, &egress_policy("allow_all", &["10.1.2.3"]));
     assert_eq!(excepts(&p, "0.0.0.0/0"), refused_v4);
     let to = p["spec"]["egress"][0]["to"].as_array().unwrap();
-    for cidr in ["169.254.169.254/32", "100.100.100.200/32", "10.1.2.3/32"] {
+    for cidr in ["169.254.169.254/32", "100.100.100.200/32"] {
         assert!(to.iter().any(|t| t["ipBlock"]["cidr"] == cidr), "{cidr}");
     }
-    assert_eq!(p["spec"]["egress"].as_array().unwrap().len(), 1);
+    assert_eq!(
+        p["spec"]["egress"][1],
+        json!({ "to": [{ "ipBlock": { "cidr": "10.1.2.3/32" } }] })
+    );
+    assert_eq!(p["spec"]["egress"].as_array().unwrap().len(), 2);
+}
+
+#[test]
+fn a_confining_policy_reaches_only_its_networks_on_their_ports_and_never_metadata() {
+    let k = KubernetesConfig::with_image("app:1");
+    let allow = [
+        "10.8.0.0/24",
+        "10.9.0.5:5432",
+        "[fd00::/8]:443",
+        "169.254.0.0/16",
+        "169.254.169.254",
+    ];
+    let p = policy_under(&k, &egress_policy("allowlist", &allow));
+    let egress = p["spec"]["egress"].as_array().unwrap();
+    // No internet rule: what is allowed, then the cluster's DNS.
+    assert_eq!(
+        egress[0],
+        json!({ "to": [
+            { "ipBlock": { "cidr": "10.8.0.0/24" } },
+            { "ipBlock": { "cidr": "169.254.0.0/16", "except": ["169.254.169.254/32", "169.254.170.2/32"] } },
+        ] })
+    );
+    assert_eq!(
+        egress[1],
+        json!({
+            "to": [{ "ipBlock": { "cidr": "fd00::/8", "except": ["fd00:ec2::254/128"] } }],
+            "ports": [{ "protocol": "TCP", "port": 443 }, { "protocol": "UDP", "port": 443 }],
+        })
+    );
+    assert_eq!(
+        egress[2],
+        json!({
+            "to": [{ "ipBlock": { "cidr": "10.9.0.5/32" } }],
+            "ports": [{ "protocol": "TCP", "port": 5432 }, { "protocol": "UDP", "port": 5432 }],
+        })
+    );
+    assert_eq!(
+        egress[3]["ports"][0],
+        json!({ "protocol": "UDP", "port": 53 })
+    );
+    assert_eq!(egress.len(), 4, "{egress:#?}");
+
+    // Nothing allowed: the cluster's DNS, or with it refused, no way out.
+    let mut k = k;
+    k.network.allow_dns = false;
+    let p = policy_under(&k, &egress_policy("deny_all", &[]));
+    assert_eq!(p["spec"]["egress"], json!([]));
+    assert_eq!(p["spec"]["policyTypes"], json!(["Ingress", "Egress"]));
 }

@@ -1,8 +1,9 @@
 //! The user's objects besides the pod (claim, patch and handoff
 //! ConfigMaps, Service, NetworkPolicy): created, or brought in line.
 
-use berth_core::Role;
+use berth_core::egress::EgressPolicy;
 use berth_core::runtime::{InstanceSpec, Patch, RuntimeError};
+use berth_core::{Role, Slug, UserId};
 use kube::api::{Api, Patch as KubePatch, PatchParams, PostParams};
 use kube::{Resource, ResourceExt};
 use serde::Serialize;
@@ -164,11 +165,25 @@ impl Inner {
         self.ensure(&self.services, &service, false)
             .await
             .map_err(|e| failed("cannot write the user's Service", e))?;
-        let policy = manifest::network_policy(k, user, slug).map_err(bad)?;
-        self.ensure(&self.policies, &policy, true)
-            .await
-            .map_err(|e| failed("cannot write the user's NetworkPolicy", e))?;
+        self.ensure_policy(user, slug, spec.egress.as_ref()).await?;
         Ok(patch_hash)
+    }
+
+    /// Brings the user's NetworkPolicy in line with their egress `policy`
+    /// (`None`: the node's). The CNI applies it to their pods' new
+    /// connections; open ones go on.
+    pub(super) async fn ensure_policy(
+        &self,
+        user: &UserId,
+        slug: &Slug,
+        policy: Option<&EgressPolicy>,
+    ) -> Result<(), RuntimeError> {
+        let policy = policy.unwrap_or(&self.config.egress);
+        let object = manifest::network_policy(&self.config.kubernetes, user, slug, policy)
+            .map_err(|e| RuntimeError::Failed(e.to_string()))?;
+        self.ensure(&self.policies, &object, true)
+            .await
+            .map_err(|e| failed("cannot write the user's NetworkPolicy", e))
     }
 }
 

@@ -56,6 +56,7 @@ impl Harness for ClusterHarness {
                 patch_ext: "toml".into(),
             },
             stop_grace: Duration::from_secs(5),
+            egress: Default::default(),
         };
         K8sRuntime::new(self.client.clone(), config).unwrap()
     }

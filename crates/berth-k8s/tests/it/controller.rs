@@ -2,7 +2,8 @@
 //! Kubernetes runtime on the API server **double**, with a real SQLite
 //! store: a restarted berth adopts its pods and recreates nothing, an
 //! orphan pod is removed, a pod deleted behind berth's back is restarted
-//! through the crash policy, and a crash-looping pod opens the breaker.
+//! through the crash policy, a crash-looping pod opens the breaker, and a
+//! user's own egress policy is their pods' NetworkPolicy.
 
 use crate::support;
 
@@ -10,10 +11,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use berth_controller::{Controller, ControllerConfig};
+use berth_core::egress::EgressPolicy;
 use berth_core::policy::{CrashPolicy, ReapPolicy};
 use berth_core::runtime::Runtime;
 use berth_core::runtime_contract;
-use berth_core::{Instance, InstanceStatus, LaunchRequest, Spawner, Traffic, UserId};
+use berth_core::{Instance, InstanceStatus, LaunchRequest, SpawnError, Spawner, Traffic, UserId};
 use berth_k8s::names;
 use berth_k8s::testing::{ApiServerDouble, Kind};
 use berth_store::Store;
@@ -265,5 +267,95 @@ async fn a_crash_looping_pod_opens_the_breaker() {
     .await;
     let logs = controller.logs(&carol, 5).await.unwrap();
     assert_eq!(logs, ["cannot read config"]);
+    controller.teardown().await;
+}
+
+fn egress(mode: &str, allow: &[&str]) -> EgressPolicy {
+    serde_json::from_value(serde_json::json!({ "mode": mode, "allow": allow })).unwrap()
+}
+
+/// The egress rules of `u`'s NetworkPolicy, as the API server holds them.
+fn egress_rules(double: &ApiServerDouble, u: &UserId) -> Option<serde_json::Value> {
+    double
+        .object(Kind::NetworkPolicy, NS, &names::user_object(&u.slug()))
+        .map(|p| p["spec"]["egress"].clone())
+}
+
+/// A user's own egress policy is their pods' NetworkPolicy: set before
+/// their first start, it guards that start; changed while the pod runs,
+/// the NetworkPolicy is replaced and the same pod goes on; a domain name,
+/// which a NetworkPolicy cannot hold, is refused and changes nothing;
+/// cleared, the node's policy (the internet, nothing private) is back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_users_own_egress_policy_is_their_pods_network_policy_and_changes_while_it_runs() {
+    let env = Env::new().await;
+    let controller = env
+        .controller(sh("echo ready token=t; exec sleep 1000"), quick_crashes())
+        .await;
+    let carol = user("carol");
+    let dns = |rules: &serde_json::Value| {
+        rules
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|r| r["ports"][0]["port"] == 53)
+            .count()
+    };
+
+    let mirror = egress("allowlist", &["10.8.0.5:5432"]);
+    controller.set_egress(&carol, Some(&mirror)).await.unwrap();
+    assert_eq!(
+        egress_rules(&env.double, &carol),
+        None,
+        "nothing before a start"
+    );
+    controller
+        .launch(&carol, LaunchRequest::default())
+        .await
+        .unwrap();
+    running(&controller, &carol).await;
+    let rules = egress_rules(&env.double, &carol).unwrap();
+    assert_eq!(
+        rules[0],
+        serde_json::json!({
+            "to": [{ "ipBlock": { "cidr": "10.8.0.5/32" } }],
+            "ports": [{ "protocol": "TCP", "port": 5432 }, { "protocol": "UDP", "port": 5432 }],
+        })
+    );
+    assert_eq!((rules.as_array().unwrap().len(), dns(&rules)), (2, 1));
+    let pod = pod_uid(&env.double, &carol).unwrap();
+
+    controller
+        .set_egress(&carol, Some(&egress("deny_all", &[])))
+        .await
+        .unwrap();
+    let rules = egress_rules(&env.double, &carol).unwrap();
+    assert_eq!(
+        (rules.as_array().unwrap().len(), dns(&rules)),
+        (1, 1),
+        "{rules}"
+    );
+    assert_eq!(pod_uid(&env.double, &carol).as_deref(), Some(pod.as_str()));
+    assert!(env.double.running(&pod));
+
+    let err = controller
+        .set_egress(&carol, Some(&egress("allowlist", &["pypi.org"])))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&err, SpawnError::InvalidRequest(why) if why.contains("pypi.org is a domain name")),
+        "{err}"
+    );
+    assert_eq!(
+        env.store.user_egress(&carol).await.unwrap(),
+        Some(egress("deny_all", &[]))
+    );
+    assert_eq!(egress_rules(&env.double, &carol), Some(rules));
+
+    controller.set_egress(&carol, None).await.unwrap();
+    let rules = egress_rules(&env.double, &carol).unwrap();
+    assert_eq!(rules[0]["to"][0]["ipBlock"]["cidr"], "0.0.0.0/0", "{rules}");
+    assert_eq!(env.store.user_egress(&carol).await.unwrap(), None);
+    assert!(env.double.running(&pod));
     controller.teardown().await;
 }

@@ -11,6 +11,7 @@ use std::process::Command;
 use std::time::Duration;
 
 use berth_core::Readiness;
+use berth_core::egress::EgressPolicy;
 use berth_core::{Role, UserId};
 use berth_k8s::config::{FileService, StorageMode};
 use berth_k8s::manifest::{self, PodInput};
@@ -55,6 +56,7 @@ fn configs() -> Vec<K8sRuntimeConfig> {
             patch_ext: "toml".into(),
         },
         stop_grace: Duration::from_secs(5),
+        egress: Default::default(),
     };
     let plain = base(KubernetesConfig::with_image("example/app:1"));
     let full: KubernetesConfig = toml::from_str(
@@ -84,7 +86,6 @@ fn configs() -> Vec<K8sRuntimeConfig> {
         [network]
         berth_pod_labels = { "app.kubernetes.io/name" = "berth", "app.kubernetes.io/component" = "proxy" }
         berth_namespace = "berth-system"
-        egress_allow = ["10.1.2.3/32", "fd12::/64"]
         allow_metadata_egress = true
         [file_service]
         image = "example/files:1"
@@ -98,6 +99,10 @@ fn configs() -> Vec<K8sRuntimeConfig> {
     full.program.readiness = Readiness::Http {
         path: "/health".into(),
     };
+    full.egress = egress(
+        "allow_all",
+        &["10.1.2.3/32", "fd12::/64", "192.168.5.0/24:8443"],
+    );
     let mut shared = base(KubernetesConfig::with_image("example/app:1"));
     shared.kubernetes.storage.mode = StorageMode::Shared;
     shared.kubernetes.storage.claim = Some("berth-data".into());
@@ -112,7 +117,25 @@ fn configs() -> Vec<K8sRuntimeConfig> {
     let mut open = base(KubernetesConfig::with_image("example/app:1"));
     open.kubernetes.network.allow_private_egress = true;
     open.kubernetes.network.allow_metadata_egress = true;
-    vec![plain, full, shared, open]
+    open.egress = egress("allowlist", &["169.254.0.0/16", "[fd00::/8]:443"]);
+    let mut confined = base(KubernetesConfig::with_image("example/app:1"));
+    confined.egress = egress(
+        "allowlist",
+        &[
+            "10.8.0.0/24",
+            "10.9.0.5:5432",
+            "169.254.0.0/16",
+            "169.254.169.254",
+        ],
+    );
+    let mut closed = base(KubernetesConfig::with_image("example/app:1"));
+    closed.kubernetes.network.allow_dns = false;
+    closed.egress = egress("deny_all", &[]);
+    vec![plain, full, shared, open, confined, closed]
+}
+
+fn egress(mode: &str, allow: &[&str]) -> EgressPolicy {
+    serde_json::from_value(serde_json::json!({ "mode": mode, "allow": allow })).unwrap()
 }
 
 fn ids() -> Vec<String> {
@@ -181,7 +204,10 @@ fn manifests() -> Vec<(String, Value)> {
             );
             add(
                 "policy",
-                serde_json::to_value(manifest::network_policy(k, &user, &slug).unwrap()).unwrap(),
+                serde_json::to_value(
+                    manifest::network_policy(k, &user, &slug, &config.egress).unwrap(),
+                )
+                .unwrap(),
             );
             if let Some(claim) = manifest::claim(k, &user, &slug).unwrap() {
                 add("claim", serde_json::to_value(claim).unwrap());

@@ -41,7 +41,7 @@
 //! atomically (one `nft -f` transaction) at start, which drops entries a
 //! previous berth left; adopted instances add theirs back.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::net::IpAddr;
 use std::ops::RangeInclusive;
 use std::path::{Path, PathBuf};
@@ -287,7 +287,7 @@ fn policy_rules(policy: &EgressPolicy, name_servers: &[IpAddr]) -> String {
     } else {
         by_family(&servers, "meta l4proto { tcp, udp } th dport 53 accept")
     };
-    for (port, nets) in &networks_by_port(policy) {
+    for (port, nets) in &policy.networks_by_port() {
         let verdict = match port {
             None => "accept".to_owned(),
             Some(port) => format!("meta l4proto {{ tcp, udp }} th dport {port} accept"),
@@ -303,16 +303,6 @@ fn policy_rules(policy: &EgressPolicy, name_servers: &[IpAddr]) -> String {
         rules.push_str(&by_family(egress::private(), "reject"));
     }
     rules
-}
-
-/// `policy`'s allowed networks, grouped by their one port (`None`: every
-/// port).
-fn networks_by_port(policy: &EgressPolicy) -> BTreeMap<Option<u16>, Vec<IpNet>> {
-    let mut by_port: BTreeMap<Option<u16>, Vec<IpNet>> = BTreeMap::new();
-    for (net, port) in policy.networks() {
-        by_port.entry(port).or_default().push(net);
-    }
-    by_port
 }
 
 /// The NAT rules that send, under `policy`, an instance's IPv4 DNS
@@ -336,7 +326,8 @@ fn redirect_rules(policy: &EgressPolicy, proxy: u16) -> String {
             .collect()
     };
     let metadata = v4(egress::metadata());
-    let allowed: Vec<IpNet> = networks_by_port(policy)
+    let allowed: Vec<IpNet> = policy
+        .networks_by_port()
         .values()
         .flat_map(|nets| v4(nets))
         .collect();

@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use async_trait::async_trait;
 use berth_core::egress::{EgressBook, EgressPolicy};
 use berth_core::runtime::RuntimeError;
-use berth_core::{Slug, UidRange, UserId};
+use berth_core::{Slug, UidRange};
 
 use crate::isolation::{Account, Isolator};
 
@@ -24,8 +24,6 @@ pub trait Accounts: Send + Sync + 'static {
     async fn uid(&self, slug: &str, range: UidRange) -> Result<u32, String>;
     /// Every account allocated so far, as `(slug, uid)`.
     async fn all(&self) -> Result<Vec<(String, u32)>, String>;
-    /// The egress policy an operator set for `user`; `None`: the node's.
-    async fn egress(&self, user: &UserId) -> Result<Option<EgressPolicy>, String>;
     /// Every account whose user has an egress policy of their own, as
     /// `(uid, slug, policy)`.
     async fn all_egress(&self) -> Result<Vec<(u32, String, EgressPolicy)>, String>;
@@ -99,17 +97,6 @@ impl Isolated {
             let account = Account::of(slug.clone(), uid);
             known.entry(slug).or_insert(account);
         }
-    }
-
-    /// Gives `account` the egress policy its user has now, read from the
-    /// store: another node may have changed it since this one last ran
-    /// the user. A policy that cannot be read or applied fails the start:
-    /// an instance never runs with more reach than its user was given.
-    pub async fn renew_egress(&self, user: &UserId, account: &Account) -> Result<(), RuntimeError> {
-        let own = self.accounts.egress(user).await.map_err(|e| {
-            RuntimeError::SpawnFailed(format!("cannot read the egress policy of {user}: {e}"))
-        })?;
-        self.set_egress(account, own).await
     }
 
     /// Gives `account` its own egress `policy` (`None`: the node's), in

@@ -659,6 +659,7 @@ impl Runtime for LocalRuntime {
             fence_deadline: true,
             exec: true,
             egress: self.isolated.is_some(),
+            egress_names: self.isolated.is_some(),
         }
     }
 
@@ -683,8 +684,10 @@ impl Runtime for LocalRuntime {
             )));
         }
         let account = self.account(&spec.slug).await?;
+        // The policy the controller read for this start: an instance never
+        // runs with more reach than its user was given, even by another node.
         if let (Some(isolated), Some(account)) = (&self.isolated, &account) {
-            isolated.renew_egress(&spec.user, account).await?;
+            isolated.set_egress(account, spec.egress.clone()).await?;
         }
         let reserved = match spec.role {
             Role::Main => Some(match self.reserve_port(&spec) {

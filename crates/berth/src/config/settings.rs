@@ -311,6 +311,7 @@ impl Config {
             node: node_id.to_owned(),
             program: self.program(command, readiness),
             stop_grace: Duration::from_secs(i.stop_grace_s),
+            egress: self.isolation.egress_policy(),
         };
         config.validate().map_err(|e| {
             let key = format!("kubernetes.{}", e.key);

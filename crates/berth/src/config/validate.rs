@@ -81,19 +81,14 @@ impl Config {
         // config that later loses its `[kubernetes]` table still works.
         self.runtime_config(vec!["berth".to_owned(), "shim".to_owned()])?;
         if self.kubernetes.is_some() {
-            // Pods are not behind the local guard: an egress policy set
-            // there would be believed and not kept.
-            let egress = &self.isolation;
-            if egress.egress.confined() || !egress.egress_allow.is_empty() {
-                let key = if egress.egress.confined() {
-                    "isolation.egress"
-                } else {
-                    "isolation.egress_allow"
-                };
+            // A pod's NetworkPolicy knows addresses, not names.
+            if let Some(name) = self.isolation.egress_allow.iter().find(|d| d.is_domain()) {
                 return Err(self.invalid(
-                    key,
-                    "applies to instances on this host, not to pods: with [kubernetes], set \
-                     kubernetes.network (allow_private_egress, egress_allow) instead",
+                    "isolation.egress_allow",
+                    format!(
+                        "{name} is a domain name: with [kubernetes], pods reach networks only \
+                         (their NetworkPolicy knows addresses, not names)"
+                    ),
                 ));
             }
             #[cfg(feature = "kubernetes")]
@@ -727,20 +722,24 @@ mod tests {
         parse("").unwrap().validate().unwrap();
     }
 
+    #[cfg(feature = "kubernetes")]
     #[test]
-    fn an_egress_policy_is_refused_where_pods_run_the_program() {
-        let pods = "[kubernetes]\nimage = \"app:1\"\n";
-        for (isolation, key) in [
-            ("egress = \"deny_all\"", "isolation.egress"),
-            ("egress_allow = [\"10.8.0.0/24\"]", "isolation.egress_allow"),
+    fn pods_take_an_egress_policy_of_networks_and_refuse_a_domain_name() {
+        let pods = "[kubernetes]\nimage = \"app:1\"\ncommand = [\"app\"]\n";
+        for isolation in [
+            "egress = \"deny_all\"",
+            "egress = \"allowlist\"\negress_allow = [\"10.8.0.0/24\", \"10.9.0.5:5432\"]",
         ] {
             let c = parse(&format!("[isolation]\n{isolation}\n{pods}")).unwrap();
-            let msg = c.validate().unwrap_err().to_string();
-            assert!(
-                msg.contains(key) && msg.contains("kubernetes.network"),
-                "{msg}"
-            );
+            c.validate().unwrap();
         }
+        let named = "egress = \"allowlist\"\negress_allow = [\"10.8.0.0/24\", \"pypi.org\"]";
+        let c = parse(&format!("[isolation]\n{named}\n{pods}")).unwrap();
+        let msg = c.validate().unwrap_err().to_string();
+        assert!(
+            msg.contains("isolation.egress_allow") && msg.contains("pypi.org is a domain name"),
+            "{msg}"
+        );
     }
 
     #[cfg(feature = "kubernetes")]

@@ -358,8 +358,7 @@ impl Ops {
     ) -> Result<UserEgress, SpawnError> {
         if self.egress.is_none() {
             return Err(SpawnError::InvalidRequest(
-                "this node does not guard its instances' egress (isolation level none, or pods)"
-                    .into(),
+                "this node does not guard its instances' egress (isolation level none)".into(),
             ));
         }
         if let Some(policy) = &policy {

@@ -38,6 +38,7 @@ pub fn config(command: Vec<String>, readiness: Readiness, node: &str) -> K8sRunt
         node: node.into(),
         program: berth_core::runtime_contract::program_settings(command, readiness),
         stop_grace: Duration::from_secs(5),
+        egress: Default::default(),
     }
 }
 
