@@ -7,13 +7,21 @@
 //! allowed, is closed. Its name forwarder, on the same port over UDP,
 //! answers the instance's DNS queries: forwarded for an allowed name,
 //! `REFUSED` for any other, so a query carries nothing out.
+//!
+//! Pods are no accounts of this host: they reach domain names through
+//! the egress proxy for pods ([`PodProxy`]), an explicit HTTP proxy
+//! ([`explicit`]) that knows a pod's user by the credential berth put in
+//! its proxy variables.
 
 #![forbid(unsafe_code)]
 
 mod dns;
+pub mod explicit;
 mod metrics;
+mod pods;
 mod proxy;
 pub mod sniff;
 
 pub use metrics::EgressMetrics;
+pub use pods::{PodProxy, Policies};
 pub use proxy::{EgressError, EgressProxy, Refusal};

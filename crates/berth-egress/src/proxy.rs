@@ -11,6 +11,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, PoisonError};
 use std::time::{Duration, Instant};
 
+use berth_core::UserId;
 use berth_core::egress::{AccountEgress, EgressBook, EgressPolicy};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream, UdpSocket};
@@ -25,10 +26,10 @@ use crate::sniff::{MAX_SNIFF_BYTES, Sniffed, sniff};
 /// How long a connection may take to name its destination.
 const SNIFF_GRACE: Duration = Duration::from_secs(10);
 /// How long connecting to the destination may take.
-const CONNECT_GRACE: Duration = Duration::from_secs(10);
+pub(crate) const CONNECT_GRACE: Duration = Duration::from_secs(10);
 /// Connections joined at once; more wait for a slot. The guard's
 /// listener cap bounds each instance's share.
-const MAX_CONNECTIONS: usize = 4096;
+pub(crate) const MAX_CONNECTIONS: usize = 4096;
 /// Refusals logged per second at most; the rest are counted.
 const LOGGED_PER_SECOND: u64 = 10;
 /// How long a name server may take to answer a forwarded query.
@@ -57,6 +58,10 @@ pub enum Refusal {
     /// policy can be checked.
     #[error("its account is unknown")]
     Unowned,
+    /// A pod's request carried no credential berth made, so no user's
+    /// policy can be checked.
+    #[error("it showed no valid credential")]
+    Uncredentialed,
     /// It named no host in time (a raw IP, no SNI, not TLS or HTTP).
     #[error("named no host")]
     Unnamed,
@@ -331,7 +336,7 @@ async fn read_name(client: &mut TcpStream) -> Option<(String, Vec<u8>)> {
 
 /// A connection to `name:port` at the first address it resolves to that
 /// the policy allows.
-async fn connect(name: &str, port: u16, policy: &EgressPolicy) -> Option<TcpStream> {
+pub(crate) async fn connect(name: &str, port: u16, policy: &EgressPolicy) -> Option<TcpStream> {
     let resolved = tokio::net::lookup_host((name, port)).await.ok()?;
     let own = host_addresses();
     let allowed: Vec<SocketAddr> = resolved
@@ -348,7 +353,7 @@ async fn connect(name: &str, port: u16, policy: &EgressPolicy) -> Option<TcpStre
 
 /// This host's own addresses, as they are now: the guard never lets an
 /// instance reach them, and the proxy does not either.
-fn host_addresses() -> Vec<IpAddr> {
+pub(crate) fn host_addresses() -> Vec<IpAddr> {
     nix::ifaddrs::getifaddrs()
         .map(|addrs| {
             addrs
@@ -373,12 +378,13 @@ fn original_destination(client: &TcpStream) -> Option<SocketAddr> {
 /// Logs refusals, at most [`LOGGED_PER_SECOND`] a second; the others are
 /// counted and reported with the next line logged.
 #[derive(Default)]
-struct RefusalLog {
+pub(crate) struct RefusalLog {
     window: std::sync::Mutex<Option<(Instant, u64)>>,
     unlogged: AtomicU64,
 }
 
 impl RefusalLog {
+    /// A refusal of a local account's connection or query.
     fn refused(
         &self,
         uid: Option<u32>,
@@ -396,6 +402,26 @@ impl RefusalLog {
             reason = %refusal,
             earlier_unlogged,
             "egress refused"
+        );
+    }
+
+    /// A refusal of a pod's request, by its user (when its credential
+    /// said whose it is).
+    pub(crate) fn refused_pod(
+        &self,
+        user: Option<&UserId>,
+        destination: (&str, u16),
+        refusal: &Refusal,
+    ) {
+        let Some(earlier_unlogged) = self.admit(Instant::now()) else {
+            return;
+        };
+        tracing::warn!(
+            user = %user.map_or("unknown", UserId::as_str),
+            destination = %format_args!("{}:{}", destination.0, destination.1),
+            reason = %refusal,
+            earlier_unlogged,
+            "egress refused (pod)"
         );
     }
 

@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use berth_core::egress::EgressPolicy;
+use berth_core::egress::{EgressPolicy, ProxyKey};
 use berth_core::program::ProgramSettings;
 use k8s_openapi::api::core::v1::{PodSpec, Toleration};
 use serde::{Deserialize, Serialize};
@@ -257,6 +257,23 @@ pub struct Network {
     /// pods, port 53).
     #[serde(default = "yes")]
     pub allow_dns: bool,
+    /// `host:port` of berth's egress proxy for pods, as pods reach it (a
+    /// Service in front of berth's pods): berth listens on that port, and
+    /// a pod whose policy allows domain names goes there for them.
+    pub egress_proxy: Option<String>,
+}
+
+impl Network {
+    /// [`Network::egress_proxy`]'s host and port, when it is set and
+    /// well formed (see validation).
+    pub fn egress_proxy(&self) -> Option<(&str, u16)> {
+        let (host, port) = self.egress_proxy.as_deref()?.rsplit_once(':')?;
+        let host = host.trim_start_matches('[').trim_end_matches(']');
+        let port: u16 = port.parse().ok().filter(|p| *p != 0)?;
+        let named =
+            berth_core::egress::is_host_name(host) || host.parse::<std::net::IpAddr>().is_ok();
+        named.then_some((host, port))
+    }
 }
 
 impl Default for Network {
@@ -267,6 +284,7 @@ impl Default for Network {
             allow_private_egress: false,
             allow_metadata_egress: false,
             allow_dns: true,
+            egress_proxy: None,
         }
     }
 }
@@ -541,6 +559,14 @@ impl KubernetesConfig {
                 format!("{ns:?} is not a namespace name"),
             ));
         }
+        if let Some(proxy) = &n.egress_proxy
+            && n.egress_proxy().is_none()
+        {
+            return Err(bad(
+                "network.egress_proxy",
+                format!("{proxy:?} is not host:port (a DNS name or an address, a port 1-65535)"),
+            ));
+        }
         Ok(())
     }
 
@@ -577,12 +603,23 @@ pub struct K8sRuntimeConfig {
     pub stop_grace: Duration,
     /// The node's egress policy: a user without one of their own has it.
     pub egress: EgressPolicy,
+    /// The key of the pods' credentials for the egress proxy, where
+    /// `network.egress_proxy` is set.
+    pub egress_proxy_key: Option<ProxyKey>,
 }
 
 impl K8sRuntimeConfig {
     /// Checks the `[kubernetes]` table and the rest.
     pub fn validate(&self) -> Result<(), ConfigError> {
         self.kubernetes.validate()?;
+        if self.kubernetes.network.egress_proxy.is_some() && self.egress_proxy_key.is_none() {
+            return Err(ConfigError {
+                key: "network.egress_proxy".into(),
+                reason: "needs cluster_secret: the pods' credentials for the proxy are derived \
+                         from it, so that every replica checks every pod's"
+                    .into(),
+            });
+        }
         if self.kubernetes.command.is_none() && self.program.command.is_empty() {
             return Err(ConfigError {
                 key: "command".into(),

@@ -453,10 +453,10 @@ fn ip_block(cidr: &str, except: &[&str]) -> Value {
 /// `allow_all` the internet but not private ranges or metadata services
 /// (unless `network` allows them), under a confining mode nothing; then
 /// each allowed network, on its port (TCP and UDP) or on every port, with
-/// the metadata addresses inside it excepted unless allowed; then the
-/// cluster's DNS where allowed. Pods reach nothing else, other pods
-/// included. A domain name is not for a NetworkPolicy, which knows
-/// addresses only (the runtime declares none allowed).
+/// the metadata addresses inside it excepted unless allowed; then, when
+/// the policy names domains, berth's pods on the egress proxy's port
+/// (which reaches those names for the pod); then the cluster's DNS where
+/// allowed. Pods reach nothing else, other pods included.
 pub fn network_policy(
     config: &KubernetesConfig,
     user: &UserId,
@@ -464,10 +464,7 @@ pub fn network_policy(
     policy: &EgressPolicy,
 ) -> Result<NetworkPolicy, ConfigError> {
     let n = &config.network;
-    let mut from = json!({ "podSelector": { "matchLabels": n.berth_pod_labels } });
-    if let Some(ns) = &n.berth_namespace {
-        from["namespaceSelector"] = json!({ "matchLabels": { "kubernetes.io/metadata.name": ns } });
-    }
+    let from = berth_pods(n);
     let mut ports = vec![json!({ "protocol": "TCP", "port": config.port })];
     if let Some(files) = &config.file_service {
         ports.push(json!({ "protocol": "TCP", "port": files.port }));
@@ -493,6 +490,12 @@ pub fn network_policy(
         }
         egress.push(rule);
     }
+    if let Some((_, port)) = n.egress_proxy()
+        && policy.needs_proxy()
+    {
+        egress
+            .push(json!({ "to": [berth_pods(n)], "ports": [{ "protocol": "TCP", "port": port }] }));
+    }
     if n.allow_dns {
         egress.push(json!({
             "to": [{
@@ -516,6 +519,46 @@ pub fn network_policy(
         }),
         "networkpolicy",
     )
+}
+
+/// berth's own pods, as a NetworkPolicy peer.
+fn berth_pods(n: &Network) -> Value {
+    let mut peer = json!({ "podSelector": { "matchLabels": n.berth_pod_labels } });
+    if let Some(ns) = &n.berth_namespace {
+        peer["namespaceSelector"] = json!({ "matchLabels": { "kubernetes.io/metadata.name": ns } });
+    }
+    peer
+}
+
+/// The proxy variables of a pod whose `policy` confines it, where berth
+/// runs the egress proxy for pods: its URL with `user`'s credential. A
+/// pod under `allow_all` goes out directly and gets none. Given to every
+/// confined pod, not only one whose policy names domains now, so that a
+/// policy changed to allow one applies from the pod's next request.
+pub fn egress_proxy_env(
+    config: &K8sRuntimeConfig,
+    user: &UserId,
+    policy: &EgressPolicy,
+) -> Vec<(String, String)> {
+    let (Some((host, port)), Some(key)) = (
+        config.kubernetes.network.egress_proxy(),
+        &config.egress_proxy_key,
+    ) else {
+        return Vec::new();
+    };
+    if !policy.mode.confined() {
+        return Vec::new();
+    }
+    let credential = key.credential(user);
+    let host = if host.contains(':') {
+        format!("[{host}]")
+    } else {
+        host.to_owned()
+    };
+    berth_core::egress::proxy_env(&format!(
+        "http://{}:{}@{host}:{port}",
+        credential.name, credential.password
+    ))
 }
 
 /// `allow_all`'s destinations: every address but the private ranges and

@@ -256,7 +256,7 @@ impl Runtime for K8sRuntime {
             fence_deadline: false,
             exec: false,
             egress: true,
-            egress_names: false,
+            egress_names: self.inner.config.egress_proxy_key.is_some(),
         }
     }
 
@@ -279,6 +279,13 @@ impl Runtime for K8sRuntime {
         }
         inner.wait_synced(deadline).await?;
         let patch_hash = inner.ensure_objects(&spec).await?;
+        let policy = spec.egress.as_ref().unwrap_or(&inner.config.egress);
+        let mut env = spec.env.clone();
+        env.extend(manifest::egress_proxy_env(
+            &inner.config,
+            &spec.user,
+            policy,
+        ));
         let input = PodInput {
             user: &spec.user,
             slug: &spec.slug,
@@ -289,7 +296,7 @@ impl Runtime for K8sRuntime {
             node: &inner.config.node,
             patch_hash: &patch_hash,
             has_patch: patch_hash != manifest::patch_hash(None),
-            env: &spec.env,
+            env: &env,
         };
         let pod = manifest::pod(&inner.config, &input)
             .map_err(|e| RuntimeError::SpawnFailed(e.to_string()))?

@@ -180,6 +180,13 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     if let (Some(egress_proxy), Some(book)) = (egress_proxy, egress_book) {
         tasks.spawn(egress_proxy.serve(book, cancel.child_token()));
     }
+    if let Some((pod_proxy, key)) = pod_egress_proxy(&config, egress_metrics.clone()).await? {
+        let policies = Arc::new(StorePolicies {
+            store: store.clone(),
+            node: config.isolation.egress_policy(),
+        });
+        tasks.spawn(pod_proxy.serve(key, policies, cancel.child_token()));
+    }
     {
         let (controller, cancel) = (spawner.clone(), cancel.clone());
         tasks.spawn(async move {
@@ -468,6 +475,58 @@ async fn egress_proxy(
     let proxy = berth_egress::EgressProxy::bind(loopback, metrics, name_servers).await?;
     tracing::info!(port = ?proxy.port(), "egress proxy: instances reach allowed domains through it");
     Ok(Some(proxy))
+}
+
+/// The egress proxy for pods, where `[kubernetes.network] egress_proxy`
+/// names it: bound on its port on every address (pods reach it through
+/// a Service), with the key of the pods' credentials.
+#[cfg(feature = "kubernetes")]
+async fn pod_egress_proxy(
+    config: &Config,
+    metrics: berth_egress::EgressMetrics,
+) -> anyhow::Result<Option<(berth_egress::PodProxy, berth_core::egress::ProxyKey)>> {
+    let Some(k8s) = &config.kubernetes else {
+        return Ok(None);
+    };
+    let (Some((_, port)), Some(secret)) = (k8s.network.egress_proxy(), &config.cluster_secret)
+    else {
+        // Validation refuses a proxy without the secret.
+        return Ok(None);
+    };
+    let any = std::net::SocketAddr::from((std::net::Ipv4Addr::UNSPECIFIED, port));
+    let proxy = berth_egress::PodProxy::bind(any, metrics).await?;
+    tracing::info!(%any, "egress proxy for pods: confined pods reach allowed domains through it");
+    Ok(Some((
+        proxy,
+        berth_core::egress::ProxyKey::new(secret.as_bytes()),
+    )))
+}
+
+#[cfg(not(feature = "kubernetes"))]
+async fn pod_egress_proxy(
+    _config: &Config,
+    _metrics: berth_egress::EgressMetrics,
+) -> anyhow::Result<Option<(berth_egress::PodProxy, berth_core::egress::ProxyKey)>> {
+    Ok(None)
+}
+
+/// Users' egress policies as the store holds them, for the egress proxy
+/// for pods: their own, else the node's.
+struct StorePolicies {
+    store: Arc<dyn Store>,
+    node: EgressPolicy,
+}
+
+#[async_trait]
+impl berth_egress::Policies for StorePolicies {
+    async fn policy(&self, user: &berth_core::UserId) -> Result<EgressPolicy, String> {
+        let own = self
+            .store
+            .user_egress(user)
+            .await
+            .map_err(|e| e.to_string())?;
+        Ok(own.unwrap_or_else(|| self.node.clone()))
+    }
 }
 
 /// Records this berth's instance uid range host-wide, or refuses to start

@@ -21,6 +21,7 @@ pub(crate) fn runtime_config(k: KubernetesConfig) -> K8sRuntimeConfig {
         },
         stop_grace: Duration::from_secs(5),
         egress: EgressPolicy::default(),
+        egress_proxy_key: None,
     }
 }
 
@@ -519,4 +520,60 @@ fn a_confining_policy_reaches_only_its_networks_on_their_ports_and_never_metadat
     let p = policy_under(&k, &egress_policy("deny_all", &[]));
     assert_eq!(p["spec"]["egress"], json!([]));
     assert_eq!(p["spec"]["policyTypes"], json!(["Ingress", "Egress"]));
+}
+
+#[test]
+fn a_confined_pod_reaches_named_hosts_only_through_the_egress_proxy_with_its_credential() {
+    let mut k = KubernetesConfig::with_image("app:1");
+    k.network.egress_proxy = Some("berth-egress.berth.svc:3128".into());
+    let mut config = runtime_config(k.clone());
+    let key = berth_core::egress::ProxyKey::new(b"a cluster secret for the test");
+    config.egress_proxy_key = Some(key.clone());
+    let alice = UserId::parse("alice").unwrap();
+    let named = egress_policy("allowlist", &["pypi.org", "10.8.0.0/24"]);
+
+    // The NetworkPolicy lets it reach berth's pods on the proxy's port.
+    let p = policy_under(&k, &named);
+    let egress = p["spec"]["egress"].as_array().unwrap();
+    assert_eq!(
+        egress[1],
+        json!({
+            "to": [{ "podSelector": { "matchLabels": { "app.kubernetes.io/name": "berth" } } }],
+            "ports": [{ "protocol": "TCP", "port": 3128 }],
+        })
+    );
+    assert_eq!(egress.len(), 3, "{egress:#?}");
+
+    // Its proxy variables carry its user's credential, which the proxy
+    // takes for alice's and nobody else's.
+    let env = egress_proxy_env(&config, &alice, &named);
+    let url = env
+        .iter()
+        .find(|(k, _)| k == "HTTPS_PROXY")
+        .map(|(_, v)| v.clone())
+        .unwrap();
+    let (userinfo, host) = url
+        .strip_prefix("http://")
+        .unwrap()
+        .split_once('@')
+        .unwrap();
+    assert_eq!(host, "berth-egress.berth.svc:3128");
+    let (name, password) = userinfo.split_once(':').unwrap();
+    assert_eq!(key.verify(name, password), Some(alice.clone()));
+    assert!(
+        env.iter()
+            .any(|(k, v)| k == "no_proxy" && v.contains("127.0.0.1"))
+    );
+
+    // A confined pod without names gets the variables too (a name allowed
+    // later applies at its next request), but no way to the proxy yet.
+    let networks = egress_policy("allowlist", &["10.8.0.0/24"]);
+    assert!(!egress_proxy_env(&config, &alice, &networks).is_empty());
+    let p = policy_under(&k, &networks);
+    assert!(!p.to_string().contains("3128"), "{p}");
+    // A pod under allow_all goes out directly; without the proxy, nobody
+    // gets the variables.
+    assert!(egress_proxy_env(&config, &alice, &EgressPolicy::default()).is_empty());
+    config.kubernetes.network.egress_proxy = None;
+    assert!(egress_proxy_env(&config, &alice, &named).is_empty());
 }

@@ -57,6 +57,7 @@ fn configs() -> Vec<K8sRuntimeConfig> {
         },
         stop_grace: Duration::from_secs(5),
         egress: Default::default(),
+        egress_proxy_key: None,
     };
     let plain = base(KubernetesConfig::with_image("example/app:1"));
     let full: KubernetesConfig = toml::from_str(
@@ -128,10 +129,15 @@ fn configs() -> Vec<K8sRuntimeConfig> {
             "169.254.169.254",
         ],
     );
+    let mut proxied = base(KubernetesConfig::with_image("example/app:1"));
+    proxied.kubernetes.network.egress_proxy = Some("berth-egress.berth.svc:3128".into());
+    proxied.kubernetes.network.berth_namespace = Some("berth-system".into());
+    proxied.egress_proxy_key = Some(berth_core::egress::ProxyKey::new(b"secret"));
+    proxied.egress = egress("allowlist", &["pypi.org", "*.github.com:22", "10.8.0.0/24"]);
     let mut closed = base(KubernetesConfig::with_image("example/app:1"));
     closed.kubernetes.network.allow_dns = false;
     closed.egress = egress("deny_all", &[]);
-    vec![plain, full, shared, open, confined, closed]
+    vec![plain, full, shared, open, confined, proxied, closed]
 }
 
 fn egress(mode: &str, allow: &[&str]) -> EgressPolicy {
@@ -161,6 +167,8 @@ fn manifests() -> Vec<(String, Value)> {
             let slug = user.slug();
             let mut add =
                 |what: &str, value: Value| all.push((format!("{c}-{what}-{slug}"), value));
+            let mut env = vec![("FROM_CONTROLLER".to_owned(), "x".to_owned())];
+            env.extend(manifest::egress_proxy_env(config, &user, &config.egress));
             for role in [Role::Main, Role::Watchdog] {
                 let input = PodInput {
                     user: &user,
@@ -172,7 +180,7 @@ fn manifests() -> Vec<(String, Value)> {
                     node: "node-a",
                     patch_hash: &manifest::patch_hash(Some("a = 1")),
                     has_patch: true,
-                    env: &[("FROM_CONTROLLER".into(), "x".into())],
+                    env: &env,
                 };
                 let pod = manifest::pod(config, &input).unwrap().unwrap();
                 add(&format!("pod-{role}"), serde_json::to_value(pod).unwrap());

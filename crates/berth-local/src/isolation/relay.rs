@@ -16,18 +16,18 @@
 //! service of the host's or of another tenant's there.
 //!
 //! The program finds it through `HTTP_PROXY`, `HTTPS_PROXY` (and their
-//! lowercase forms, and `ALL_PROXY`), which the shim sets. It takes
-//! `CONNECT host:port` (HTTPS, or any TCP) and absolute-form requests
-//! (`GET http://host/path`, plain HTTP); anything else is answered `400`.
-//! A destination that cannot be reached is answered `502`, with the
-//! reason. A program that ignores the variables reaches nothing.
+//! lowercase forms, and `ALL_PROXY`), which the shim sets. The requests
+//! it takes are `berth_egress::explicit`'s. A destination that cannot be
+//! reached is answered `502`, with the reason. A program that ignores the
+//! variables reaches nothing.
 
 use std::net::TcpListener as StdListener;
 use std::os::fd::AsFd;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use berth_core::egress;
+use berth_egress::explicit::{self, Ask, Unreached};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Semaphore;
 
@@ -35,119 +35,15 @@ use tokio::sync::Semaphore;
 /// (see [`crate::shim::run`]).
 pub const RELAY_ARG: &str = "relay";
 
-/// The longest request head read, in bytes.
-const MAX_HEAD: usize = 16 * 1024;
 /// Connections relayed at once; more wait for a slot.
 const MAX_CONNECTIONS: usize = 256;
-/// How long a client may take to send its request head.
-const HEAD_GRACE: Duration = Duration::from_secs(10);
 /// How long connecting to the destination may take.
 const CONNECT_GRACE: Duration = Duration::from_secs(15);
 
 /// The proxy variables a sandboxed program gets for a relay on `port` of
 /// its loopback.
 pub fn proxy_env(port: u16) -> Vec<(String, String)> {
-    let url = format!("http://127.0.0.1:{port}");
-    let mut env: Vec<(String, String)> = [
-        "HTTP_PROXY",
-        "HTTPS_PROXY",
-        "ALL_PROXY",
-        "http_proxy",
-        "https_proxy",
-        "all_proxy",
-    ]
-    .iter()
-    .map(|name| ((*name).to_owned(), url.clone()))
-    .collect();
-    for name in ["NO_PROXY", "no_proxy"] {
-        env.push((name.to_owned(), "localhost,127.0.0.1,::1".to_owned()));
-    }
-    env
-}
-
-/// What a request head asks the relay for.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Ask {
-    /// `CONNECT host:port`: a tunnel, answered `200` once connected.
-    Tunnel { host: String, port: u16 },
-    /// An absolute-form request: `head` (in origin form, `Proxy-*`
-    /// headers dropped) goes to `host:port` as the request's start.
-    Forward {
-        host: String,
-        port: u16,
-        head: Vec<u8>,
-    },
-}
-
-/// Why a request head is refused.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum BadAsk {
-    /// Not a complete HTTP request head.
-    #[error("not an HTTP request")]
-    NotHttp,
-    /// A target that names no `host:port` or `http://host[:port]/…`.
-    #[error("the request names no destination the relay takes: {0}")]
-    Target(String),
-}
-
-/// Reads what `head` (a complete request head, through its blank line)
-/// asks for.
-pub fn parse_ask(head: &[u8]) -> Result<Ask, BadAsk> {
-    let mut headers = [httparse::EMPTY_HEADER; 64];
-    let mut request = httparse::Request::new(&mut headers);
-    match request.parse(head) {
-        Ok(httparse::Status::Complete(_)) => {}
-        _ => return Err(BadAsk::NotHttp),
-    }
-    let (Some(method), Some(target), Some(version)) =
-        (request.method, request.path, request.version)
-    else {
-        return Err(BadAsk::NotHttp);
-    };
-    if method == "CONNECT" {
-        let (host, port) = host_port(target, None).ok_or_else(|| BadAsk::Target(target.into()))?;
-        return Ok(Ask::Tunnel { host, port });
-    }
-    let rest = target
-        .strip_prefix("http://")
-        .ok_or_else(|| BadAsk::Target(target.into()))?;
-    let (authority, path) = match rest.find('/') {
-        Some(at) => rest.split_at(at),
-        None => (rest, "/"),
-    };
-    let (host, port) =
-        host_port(authority, Some(80)).ok_or_else(|| BadAsk::Target(target.into()))?;
-    let mut out = format!("{method} {path} HTTP/1.{version}\r\n").into_bytes();
-    for header in request.headers.iter() {
-        if header.name.to_ascii_lowercase().starts_with("proxy-") {
-            continue;
-        }
-        out.extend_from_slice(header.name.as_bytes());
-        out.extend_from_slice(b": ");
-        out.extend_from_slice(header.value);
-        out.extend_from_slice(b"\r\n");
-    }
-    out.extend_from_slice(b"\r\n");
-    Ok(Ask::Forward {
-        host,
-        port,
-        head: out,
-    })
-}
-
-/// `host:port` (or `[v6]:port`), the port `default` when absent.
-fn host_port(authority: &str, default: Option<u16>) -> Option<(String, u16)> {
-    let (host, port) = match authority.rsplit_once(':') {
-        Some((host, port)) if !port.contains(']') => (host, Some(port.parse().ok()?)),
-        _ => (authority, None),
-    };
-    let host = host.trim_start_matches('[').trim_end_matches(']');
-    let port = port.or(default)?;
-    let fine = !host.is_empty()
-        && host
-            .chars()
-            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '-' | ':' | '_'));
-    fine.then(|| (host.to_ascii_lowercase(), port))
+    egress::proxy_env(&format!("http://127.0.0.1:{port}"))
 }
 
 /// The relay's process: serves the listener it was given as its stdin
@@ -203,51 +99,27 @@ pub fn serve() -> i32 {
     })
 }
 
-/// One client: its request head read, its destination connected, then
-/// bytes copied both ways until either side closes.
-async fn relay(mut client: TcpStream) {
-    let (head, rest) = match tokio::time::timeout(HEAD_GRACE, read_head(&mut client)).await {
-        Ok(Ok(Some(read))) => read,
-        _ => return,
-    };
-    let ask = match parse_ask(&head) {
-        Ok(ask) => ask,
-        Err(e) => {
-            let _ = answer(&mut client, "400 Bad Request", &e.to_string()).await;
-            return;
+/// One client, whose destination the relay connects to unless it is
+/// loopback.
+async fn relay(client: TcpStream) {
+    explicit::serve_one(client, "berth relay", async |_head: &[u8], ask: &Ask| {
+        let (host, port) = ask.destination();
+        match tokio::time::timeout(CONNECT_GRACE, connect_outside(host, port)).await {
+            Ok(Ok(upstream)) => Ok(upstream),
+            Ok(Err(e)) if e.kind() == std::io::ErrorKind::PermissionDenied => {
+                Err(Unreached::new("403 Forbidden", e.to_string()))
+            }
+            Ok(Err(e)) => Err(Unreached::new(
+                "502 Bad Gateway",
+                format!("cannot reach {host}:{port}: {e}"),
+            )),
+            Err(_) => Err(Unreached::new(
+                "504 Gateway Timeout",
+                format!("cannot reach {host}:{port}: no answer in time"),
+            )),
         }
-    };
-    let (host, port) = match &ask {
-        Ask::Tunnel { host, port } | Ask::Forward { host, port, .. } => (host.clone(), *port),
-    };
-    let connected = tokio::time::timeout(CONNECT_GRACE, connect_outside(&host, port)).await;
-    let mut upstream = match connected {
-        Ok(Ok(upstream)) => upstream,
-        Ok(Err(e)) if e.kind() == std::io::ErrorKind::PermissionDenied => {
-            let _ = answer(&mut client, "403 Forbidden", &e.to_string()).await;
-            return;
-        }
-        Ok(Err(e)) => {
-            let why = format!("cannot reach {host}:{port}: {e}");
-            let _ = answer(&mut client, "502 Bad Gateway", &why).await;
-            return;
-        }
-        Err(_) => {
-            let why = format!("cannot reach {host}:{port}: no answer in time");
-            let _ = answer(&mut client, "504 Gateway Timeout", &why).await;
-            return;
-        }
-    };
-    let sent = match &ask {
-        Ask::Tunnel { .. } => client
-            .write_all(b"HTTP/1.1 200 Connection established\r\n\r\n")
-            .await
-            .is_ok(),
-        Ask::Forward { head, .. } => upstream.write_all(head).await.is_ok(),
-    };
-    if sent && upstream.write_all(&rest).await.is_ok() {
-        let _ = tokio::io::copy_bidirectional(&mut client, &mut upstream).await;
-    }
+    })
+    .await;
 }
 
 /// A connection to the first address `host` resolves to that is not
@@ -283,111 +155,9 @@ fn reaches_outside(ip: std::net::IpAddr) -> bool {
     !ip.is_loopback() && !ip.is_unspecified()
 }
 
-/// Reads until the end of a request head: the head, and whatever came
-/// after it; `None` when the client ends first or sends too much.
-async fn read_head(client: &mut TcpStream) -> std::io::Result<Option<(Vec<u8>, Vec<u8>)>> {
-    let mut buf = Vec::with_capacity(1024);
-    let mut chunk = [0u8; 4096];
-    loop {
-        if let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
-            let rest = buf.split_off(end + 4);
-            return Ok(Some((buf, rest)));
-        }
-        if buf.len() >= MAX_HEAD {
-            return Ok(None);
-        }
-        let n = client.read(&mut chunk).await?;
-        if n == 0 {
-            return Ok(None);
-        }
-        buf.extend_from_slice(&chunk[..n]);
-    }
-}
-
-/// A short answer of the relay's own, then the end of the connection.
-async fn answer(client: &mut TcpStream, status: &str, why: &str) -> std::io::Result<()> {
-    let body = format!("berth relay: {why}\n");
-    let text = format!(
-        "HTTP/1.1 {status}\r\nContent-Type: text/plain\r\nContent-Length: {}\r\n\
-         Connection: close\r\n\r\n{body}",
-        body.len()
-    );
-    client.write_all(text.as_bytes()).await
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn a_connect_names_its_tunnel() {
-        let ask = parse_ask(b"CONNECT PyPI.org:443 HTTP/1.1\r\nHost: pypi.org:443\r\n\r\n");
-        assert_eq!(
-            ask,
-            Ok(Ask::Tunnel {
-                host: "pypi.org".into(),
-                port: 443
-            })
-        );
-        let v6 = parse_ask(b"CONNECT [fd00::1]:22 HTTP/1.1\r\n\r\n");
-        assert_eq!(
-            v6,
-            Ok(Ask::Tunnel {
-                host: "fd00::1".into(),
-                port: 22
-            })
-        );
-        for bad in [
-            &b"CONNECT pypi.org HTTP/1.1\r\n\r\n"[..],
-            b"CONNECT :443 HTTP/1.1\r\n\r\n",
-            b"CONNECT a b:443 HTTP/1.1\r\n\r\n",
-            b"CONNECT evil/../x:443 HTTP/1.1\r\n\r\n",
-        ] {
-            assert!(parse_ask(bad).is_err(), "{}", String::from_utf8_lossy(bad));
-        }
-        assert_eq!(
-            parse_ask(b"CONNECT pypi.org:443 HTTP/1.1\r\n"),
-            Err(BadAsk::NotHttp)
-        );
-        assert_eq!(parse_ask(b"\x16\x03\x01 hello"), Err(BadAsk::NotHttp));
-    }
-
-    #[test]
-    fn an_absolute_request_goes_on_in_origin_form_without_proxy_headers() {
-        let ask = parse_ask(
-            b"GET http://example.test:8080/a/b?c=1 HTTP/1.1\r\nHost: example.test:8080\r\n\
-              Proxy-Authorization: Basic x\r\nProxy-Connection: keep-alive\r\nAccept: */*\r\n\r\n",
-        );
-        assert_eq!(
-            ask,
-            Ok(Ask::Forward {
-                host: "example.test".into(),
-                port: 8080,
-                head: b"GET /a/b?c=1 HTTP/1.1\r\nHost: example.test:8080\r\nAccept: */*\r\n\r\n"
-                    .to_vec(),
-            })
-        );
-        let bare = parse_ask(b"GET http://example.test HTTP/1.0\r\n\r\n");
-        assert_eq!(
-            bare,
-            Ok(Ask::Forward {
-                host: "example.test".into(),
-                port: 80,
-                head: b"GET / HTTP/1.0\r\n\r\n".to_vec(),
-            })
-        );
-        for bad in [
-            &b"GET /local HTTP/1.1\r\n\r\n"[..],
-            b"GET https://example.test/ HTTP/1.1\r\n\r\n",
-            b"GET ftp://example.test/ HTTP/1.1\r\n\r\n",
-        ] {
-            assert!(
-                matches!(parse_ask(bad), Err(BadAsk::Target(_))),
-                "{}",
-                String::from_utf8_lossy(bad)
-            );
-        }
-    }
 
     #[test]
     fn loopback_in_any_spelling_is_not_outside() {

@@ -312,6 +312,11 @@ impl Config {
             program: self.program(command, readiness),
             stop_grace: Duration::from_secs(i.stop_grace_s),
             egress: self.isolation.egress_policy(),
+            egress_proxy_key: self
+                .cluster_secret
+                .as_ref()
+                .filter(|_| kubernetes.network.egress_proxy.is_some())
+                .map(|secret| berth_core::egress::ProxyKey::new(secret.as_bytes())),
         };
         config.validate().map_err(|e| {
             let key = format!("kubernetes.{}", e.key);

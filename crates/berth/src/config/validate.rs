@@ -80,20 +80,26 @@ impl Config {
         // The local runtime's table is checked on every host, so that a
         // config that later loses its `[kubernetes]` table still works.
         self.runtime_config(vec!["berth".to_owned(), "shim".to_owned()])?;
-        if self.kubernetes.is_some() {
-            // A pod's NetworkPolicy knows addresses, not names.
-            if let Some(name) = self.isolation.egress_allow.iter().find(|d| d.is_domain()) {
-                return Err(self.invalid(
-                    "isolation.egress_allow",
-                    format!(
-                        "{name} is a domain name: with [kubernetes], pods reach networks only \
-                         (their NetworkPolicy knows addresses, not names)"
-                    ),
-                ));
-            }
+        if let Some(_k8s) = &self.kubernetes {
             #[cfg(feature = "kubernetes")]
-            // Needs no node id: a placeholder stands in for the host name.
-            self.k8s_runtime_config("node")?;
+            {
+                // A pod's NetworkPolicy knows addresses, not names: names
+                // need the egress proxy for pods.
+                if let Some(name) = self.isolation.egress_allow.iter().find(|d| d.is_domain())
+                    && _k8s.network.egress_proxy.is_none()
+                {
+                    return Err(self.invalid(
+                        "isolation.egress_allow",
+                        format!(
+                            "{name} is a domain name: pods reach one only through berth's egress \
+                             proxy, so set kubernetes.network.egress_proxy (their NetworkPolicy \
+                             knows addresses, not names)"
+                        ),
+                    ));
+                }
+                // Needs no node id: a placeholder stands in for the host name.
+                self.k8s_runtime_config("node")?;
+            }
             #[cfg(not(feature = "kubernetes"))]
             return Err(self.invalid(
                 "kubernetes",
@@ -740,6 +746,21 @@ mod tests {
             msg.contains("isolation.egress_allow") && msg.contains("pypi.org is a domain name"),
             "{msg}"
         );
+        // Through the egress proxy for pods, which needs the cluster secret.
+        let proxy = "[kubernetes.network]\negress_proxy = \"berth-egress.berth.svc:3128\"\n";
+        let c = parse(&format!("[isolation]\n{named}\n{pods}{proxy}")).unwrap();
+        let msg = c.validate().unwrap_err().to_string();
+        assert!(
+            msg.contains("kubernetes.network.egress_proxy") && msg.contains("cluster_secret"),
+            "{msg}"
+        );
+        let secret = "cluster_secret = \"9f2c4e8a1b7d3f6e0a5c9b2d8e4f1a7c\"\n";
+        let c = parse(&format!("{secret}[isolation]\n{named}\n{pods}{proxy}")).unwrap();
+        c.validate().unwrap();
+        let bad = proxy.replace(":3128", "");
+        let c = parse(&format!("{secret}[isolation]\n{named}\n{pods}{bad}")).unwrap();
+        let msg = c.validate().unwrap_err().to_string();
+        assert!(msg.contains("is not host:port"), "{msg}");
     }
 
     #[cfg(feature = "kubernetes")]

@@ -1474,6 +1474,222 @@ async fn relayed(node: &Node, target: &str, name: &str) -> Value {
     .await
 }
 
+/// One request to an explicit proxy on `port` of loopback, and all it
+/// answers (its answer, then the upstream's, until either side closes).
+#[cfg(feature = "kubernetes")]
+async fn through_proxy(port: u16, request: String) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .expect("the egress proxy for pods listens");
+    stream.write_all(request.as_bytes()).await.unwrap();
+    let mut answer = Vec::new();
+    tokio::time::timeout(PATIENCE, stream.read_to_end(&mut answer))
+        .await
+        .expect("the proxy or the upstream closes")
+        .unwrap();
+    String::from_utf8_lossy(&answer).into_owned()
+}
+
+/// A CONNECT to `target` with `credential` (`name:password`, or none).
+#[cfg(feature = "kubernetes")]
+fn connect_request(target: &str, credential: Option<&str>) -> String {
+    let auth = credential.map_or(String::new(), |c| {
+        format!(
+            "Proxy-Authorization: Basic {}\r\n",
+            data_encoding::BASE64.encode(c.as_bytes())
+        )
+    });
+    format!("CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n{auth}\r\n")
+}
+
+/// The egress proxy for pods, in the real binary on the Kubernetes runtime
+/// (the API server **double**, as in `kubernetes.rs`), with everything in
+/// the test's network namespace: the double, the pods its kubelet runs,
+/// berth, and the hosts. A confined user's pod carries a credential in
+/// its proxy variables; with it, the proxy reaches an allowed name (by a
+/// tunnel and by a plain request), but not a name it does not allow, not
+/// the allowed host by its raw address or another name, and not an
+/// allowed name that resolves to a metadata or private address. Without
+/// it, or with another user's, nothing. The NetworkPolicy lets the pod
+/// reach the proxy's port, and a policy changed through the API applies
+/// from the next request. Refusals are logged with the user.
+#[cfg(feature = "kubernetes")]
+#[test]
+fn a_confined_pod_reaches_allowed_names_only_through_the_egress_proxy_with_its_own_credential() {
+    let Some(ns) = Netns::for_test("egress proxy for pods") else {
+        return;
+    };
+    Netns::listen(&ns.outside, NAMED_HOST, 80);
+    Netns::listen(&ns.outside, DENIED_HOST, 80);
+    let host = ns.host.clone();
+    Netns::run_in(&ns.host, move || {
+        // Worker threads start from this one, in the namespace: the
+        // double's listener and the pods its kubelet runs are there too.
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap();
+        runtime.block_on(async move {
+            let double = berth_k8s::testing::ApiServerDouble::start().await;
+            let root = tempfile::tempdir().unwrap();
+            let kubeconfig = crate::kubernetes::kubeconfig(&double, root.path());
+            let dir = root.path().join("node");
+            let text = crate::kubernetes::config_from_example(&dir, &kubeconfig, None, "solo");
+            let mut config: toml::Table = toml::from_str(&text).unwrap();
+            let port = std::net::TcpListener::bind("127.0.0.1:0")
+                .unwrap()
+                .local_addr()
+                .unwrap()
+                .port();
+            config.insert(
+                "cluster_secret".into(),
+                berth_testkit::TEST_CLUSTER_SECRET.into(),
+            );
+            let isolation: toml::Table = toml::from_str(
+                "egress = \"allowlist\"\n\
+                 egress_allow = [\"allowed.test\", \"meta.test\", \"inside.test\"]\n",
+            )
+            .unwrap();
+            config.insert("isolation".into(), isolation.into());
+            config["kubernetes"]["network"]
+                .as_table_mut()
+                .unwrap()
+                .insert("egress_proxy".into(), format!("127.0.0.1:{port}").into());
+            let config = toml::to_string(&config).unwrap();
+            let log = root.path().join("berth.log");
+            let enter = format!(
+                "mount --bind /etc/netns/{host}/hosts /etc/hosts && \
+                 mount --bind /etc/netns/{host}/resolv.conf /etc/resolv.conf && \
+                 exec \"$@\""
+            );
+            let options = StartOptions {
+                wrapper: ["unshare", "--mount", "--propagation", "private", "sh", "-c"]
+                    .iter()
+                    .map(|a| (*a).to_owned())
+                    .chain([enter, "sh".to_owned()])
+                    .collect(),
+                stderr: Some(log.clone()),
+                ..StartOptions::default()
+            };
+            let node = tokio::task::spawn_blocking(move || {
+                Node::from(
+                    support::berth()
+                        .node(&dir)
+                        .config(&config)
+                        .options(options)
+                        .start(),
+                )
+            })
+            .await
+            .unwrap();
+            launch(&node, "alice").await;
+            let pod = eventually(PATIENCE, "alice's pod", || async {
+                double.object(berth_k8s::testing::Kind::Pod, "berth", "berth-alice")
+            })
+            .await;
+            let proxy_url = pod["spec"]["containers"][0]["env"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .find(|v| v["name"] == "HTTPS_PROXY")
+                .and_then(|v| v["value"].as_str())
+                .expect("a confined pod's proxy variables")
+                .to_owned();
+            let (credential, at) = proxy_url
+                .strip_prefix("http://")
+                .unwrap()
+                .split_once('@')
+                .unwrap();
+            assert_eq!(at, format!("127.0.0.1:{port}"));
+            let (name, _) = credential.split_once(':').unwrap();
+            let alice = Some(credential);
+            let ask = |target: &str, credential: Option<&str>| {
+                through_proxy(port, connect_request(target, credential))
+            };
+
+            // The allowed name, by a tunnel and by a plain request.
+            let reached = ask("allowed.test:80", alice).await;
+            assert!(
+                reached.starts_with("HTTP/1.1 200 Connection established")
+                    && reached.contains("HTTP/1.0 200 OK"),
+                "{reached}"
+            );
+            let plain = through_proxy(
+                port,
+                format!(
+                    "GET http://allowed.test/ HTTP/1.1\r\nHost: allowed.test\r\n\
+                     Proxy-Authorization: Basic {}\r\n\r\n",
+                    data_encoding::BASE64.encode(credential.as_bytes())
+                ),
+            )
+            .await;
+            assert!(plain.starts_with("HTTP/1.0 200 OK"), "{plain}");
+            // Nothing else, whatever it is called.
+            for target in [
+                "denied.test:80",
+                "other.test:80",
+                &format!("{NAMED_HOST}:80"),
+            ] {
+                let refused = ask(target, alice).await;
+                assert!(refused.starts_with("HTTP/1.1 403"), "{target}: {refused}");
+            }
+            for target in ["meta.test:80", "inside.test:80"] {
+                let refused = ask(target, alice).await;
+                assert!(refused.starts_with("HTTP/1.1 502"), "{target}: {refused}");
+            }
+            // No credential, or not alice's own: nothing at all.
+            let forged = format!("{name}:{}", "0".repeat(64));
+            let bobs = format!("Ym9i:{}", credential.split_once(':').unwrap().1);
+            for credential in [None, Some(forged.as_str()), Some(bobs.as_str())] {
+                let refused = ask("allowed.test:80", credential).await;
+                assert!(
+                    refused.starts_with("HTTP/1.1 407")
+                        && refused.contains("Proxy-Authenticate: Basic"),
+                    "{credential:?}: {refused}"
+                );
+            }
+            // Her NetworkPolicy lets her pod reach the proxy's port.
+            let policy = double
+                .object(
+                    berth_k8s::testing::Kind::NetworkPolicy,
+                    "berth",
+                    "berth-alice",
+                )
+                .unwrap();
+            assert!(
+                policy["spec"]["egress"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .any(|r| r["ports"][0]["port"] == port),
+                "{policy}"
+            );
+
+            // Changed through the API: from the next request.
+            let other = json!({"mode": "allowlist", "allow": ["denied.test"]});
+            let (code, body) = put(&node, "/users/alice/egress", other).await;
+            assert_eq!(code, 200, "{body}");
+            let reached = ask("denied.test:80", alice).await;
+            assert!(reached.contains("HTTP/1.0 200 OK"), "{reached}");
+            let refused = ask("allowed.test:80", alice).await;
+            assert!(refused.starts_with("HTTP/1.1 403"), "{refused}");
+
+            let logged = std::fs::read_to_string(&log).unwrap();
+            assert!(
+                logged.lines().any(|l| l.contains("egress refused (pod)")
+                    && l.contains("user=alice")
+                    && l.contains("other.test:80")),
+                "{logged}"
+            );
+            drop(node);
+        });
+    })
+    .join()
+    .unwrap();
+}
+
 /// A sandboxed instance has no route out: it reaches the outside only
 /// through its relay, which connects as the instance's own account, so the
 /// egress guard holds for it exactly as at level `user` (every metadata

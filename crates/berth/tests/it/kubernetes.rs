@@ -36,7 +36,7 @@ fn example_path() -> PathBuf {
 }
 
 /// A kubeconfig that points kube's client at the double.
-fn kubeconfig(double: &ApiServerDouble, dir: &Path) -> PathBuf {
+pub(crate) fn kubeconfig(double: &ApiServerDouble, dir: &Path) -> PathBuf {
     let path = dir.join("kubeconfig");
     let text = format!(
         "apiVersion: v1\nkind: Config\n\
@@ -56,7 +56,12 @@ fn kubeconfig(double: &ApiServerDouble, dir: &Path) -> PathBuf {
 /// the double, the program's path (this build's `berth`, where the example
 /// names the image's `/usr/local/bin/berth`), and the EndpointSlice
 /// endpoints (the double's Service-to-port mapping).
-fn config_from_example(dir: &Path, kubeconfig: &Path, store: Option<&str>, node: &str) -> String {
+pub(crate) fn config_from_example(
+    dir: &Path,
+    kubeconfig: &Path,
+    store: Option<&str>,
+    node: &str,
+) -> String {
     let text = std::fs::read_to_string(example_path()).unwrap();
     let mut config: toml::Table = toml::from_str(&text).unwrap();
     let set = |table: &mut toml::Table, key: &str, value: toml::Value| {

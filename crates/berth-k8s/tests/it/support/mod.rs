@@ -39,6 +39,7 @@ pub fn config(command: Vec<String>, readiness: Readiness, node: &str) -> K8sRunt
         program: berth_core::runtime_contract::program_settings(command, readiness),
         stop_grace: Duration::from_secs(5),
         egress: Default::default(),
+        egress_proxy_key: None,
     }
 }
 

@@ -12,6 +12,10 @@ pub const METADATA_V4: &[&str] = &[
     "100.100.100.200/32",
     "168.63.129.16/32",
 ];
+mod credential;
+
+pub use credential::{ProxyCredential, ProxyKey};
+
 /// AWS's IPv6 metadata service.
 pub const METADATA_V6: &[&str] = &["fd00:ec2::254/128"];
 /// IPv4 ranges no program reaches unless allowed: RFC 1918, shared
@@ -101,6 +105,16 @@ fn parse(lists: &[&[&str]]) -> Vec<IpNet> {
         .flat_map(|list| list.iter())
         .filter_map(|n| n.parse().ok())
         .collect()
+}
+
+fn within(nets: &[IpNet], addr: IpAddr) -> bool {
+    nets.iter().any(|n| n.contains(&addr))
+}
+
+/// An address no policy reaches: a metadata service, loopback, or the
+/// unspecified address (which reaches loopback).
+fn never_reached(addr: IpAddr) -> bool {
+    within(metadata(), addr) || addr.is_loopback() || addr.is_unspecified()
 }
 
 /// The ports a domain is reached on when its entry names none.
@@ -237,6 +251,27 @@ impl Destination {
     }
 }
 
+/// The variables that point a program at an HTTP proxy at `url`: the
+/// upper- and lowercase `HTTP_PROXY`, `HTTPS_PROXY` and `ALL_PROXY` (each
+/// tool reads its own), and `NO_PROXY` for loopback.
+pub fn proxy_env(url: &str) -> Vec<(String, String)> {
+    let mut env: Vec<(String, String)> = [
+        "HTTP_PROXY",
+        "HTTPS_PROXY",
+        "ALL_PROXY",
+        "http_proxy",
+        "https_proxy",
+        "all_proxy",
+    ]
+    .iter()
+    .map(|name| ((*name).to_owned(), url.to_owned()))
+    .collect();
+    for name in ["NO_PROXY", "no_proxy"] {
+        env.push((name.to_owned(), "localhost,127.0.0.1,::1".to_owned()));
+    }
+    env
+}
+
 /// The name servers of a `resolv.conf`: its `nameserver` lines that hold
 /// an address (a scope suffix such as `%eth0` is dropped).
 pub fn name_servers(resolv_conf: &str) -> Vec<IpAddr> {
@@ -281,15 +316,25 @@ impl EgressPolicy {
     /// `port`: never a metadata address; a private one only inside an
     /// allowed network.
     pub fn allows_resolved(&self, addr: IpAddr, port: u16) -> bool {
-        let within = |nets: &[IpNet]| nets.iter().any(|n| n.contains(&addr));
-        if within(metadata()) || addr.is_loopback() || addr.is_unspecified() {
-            return false;
-        }
-        let private = within(private());
-        !private
-            || self.allow.iter().any(|d| {
-                matches!(&d.target, Target::Net(net) if net.contains(&addr)) && d.matches_port(port)
-            })
+        let addr = addr.to_canonical();
+        !never_reached(addr) && (!within(private(), addr) || self.in_allowed_network(addr, port))
+    }
+
+    /// Whether a program may reach `addr` on `port` by that address (a
+    /// proxy request that names an address): inside an allowed network,
+    /// or under `allow_all` a public address; never a metadata service,
+    /// loopback or the unspecified address.
+    pub fn allows_address(&self, addr: IpAddr, port: u16) -> bool {
+        let addr = addr.to_canonical();
+        !never_reached(addr)
+            && (self.in_allowed_network(addr, port)
+                || (!self.mode.confined() && !within(private(), addr)))
+    }
+
+    fn in_allowed_network(&self, addr: IpAddr, port: u16) -> bool {
+        self.allow.iter().any(|d| {
+            matches!(&d.target, Target::Net(net) if net.contains(&addr)) && d.matches_port(port)
+        })
     }
 
     /// The allowed networks, grouped by their one port (`None`: every
@@ -527,6 +572,37 @@ mod tests {
         assert!(!ok("10.1.0.9", 443));
         assert!(!ok("fd00:ec2::254", 80));
         assert!(!ok("fd12::1", 80));
+        assert!(!ok("::ffff:169.254.169.254", 80));
+        assert!(!ok("::ffff:127.0.0.1", 80));
+    }
+
+    #[test]
+    fn an_address_asked_for_by_itself_is_reached_only_as_the_mode_says() {
+        let confined = policy(&["169.254.0.0/16", "10.1.0.0/16:5432"]);
+        let mut open = confined.clone();
+        open.mode = EgressMode::AllowAll;
+        let ok = |p: &EgressPolicy, a: &str, port| p.allows_address(a.parse().unwrap(), port);
+        // Confined: only an allowed network, on its port.
+        assert!(!ok(&confined, "151.101.0.223", 443));
+        assert!(ok(&confined, "10.1.0.9", 5432));
+        assert!(!ok(&confined, "10.1.0.9", 443));
+        assert!(ok(&confined, "169.254.10.1", 80));
+        // Open: the public internet too, nothing else private.
+        assert!(ok(&open, "151.101.0.223", 443));
+        assert!(!ok(&open, "10.2.0.1", 443));
+        assert!(!ok(&open, "fd12::1", 80));
+        for never in [
+            "169.254.169.254",
+            "::ffff:169.254.169.254",
+            "127.0.0.1",
+            "::1",
+            "0.0.0.0",
+        ] {
+            assert!(
+                !ok(&open, never, 80) && !ok(&confined, never, 80),
+                "{never}"
+            );
+        }
     }
 
     #[test]
