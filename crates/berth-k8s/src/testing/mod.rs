@@ -16,7 +16,9 @@
 //!   force readiness, restart a container, evict a pod, delete an object
 //!   outright, cut and compact watches, refuse to schedule, count creates,
 //!   and map a Service to the local port its pod listens on
-//!   ([`ApiServerDouble::resolver`]).
+//!   ([`ApiServerDouble::resolver`]);
+//! * a record of every kind of request it answered, as RBAC names it
+//!   ([`ApiServerDouble::api_use`]), against which a Role is checked.
 
 #![allow(
     clippy::unwrap_used,
@@ -50,6 +52,43 @@ use world::{Shared, World, lock};
 
 use crate::runtime::EndpointResolver;
 
+/// One kind of request, as an RBAC rule grants it: the API group (`""`
+/// for the core group), the resource (with its subresource, `pods/log`)
+/// and the verb (`get`, `list`, `watch`, `create`, `update`, `patch`,
+/// `delete`, `deletecollection`).
+pub type ApiUse = (String, String, String);
+
+/// The RBAC rule a request needs, from its method, path and query; `None`
+/// for a path that is not a namespaced resource's.
+pub fn rbac_of(method: &http::Method, path: &str, query: Option<&str>) -> Option<ApiUse> {
+    let parts: Vec<&str> = path.trim_matches('/').split('/').collect();
+    let (group, rest) = match parts.as_slice() {
+        ["api", "v1", "namespaces", _, rest @ ..] => ("", rest),
+        ["apis", group, _, "namespaces", _, rest @ ..] => (*group, rest),
+        _ => return None,
+    };
+    let watching = query.is_some_and(|q| q.split('&').any(|p| p == "watch=true" || p == "watch=1"));
+    let (resource, verb) = match (rest, method.as_str()) {
+        ([resource], "GET") if watching => (resource.to_string(), "watch"),
+        ([resource], "GET") => (resource.to_string(), "list"),
+        ([resource], "POST") => (resource.to_string(), "create"),
+        ([resource], "DELETE") => (resource.to_string(), "deletecollection"),
+        ([resource, _], method) => (
+            resource.to_string(),
+            match method {
+                "GET" => "get",
+                "PUT" => "update",
+                "PATCH" => "patch",
+                "DELETE" => "delete",
+                _ => return None,
+            },
+        ),
+        ([resource, _, sub], "GET") => (format!("{resource}/{sub}"), "get"),
+        _ => return None,
+    };
+    Some((group.to_owned(), resource, verb.to_owned()))
+}
+
 /// The double. Dropping it kills every program it runs.
 pub struct ApiServerDouble {
     shared: Arc<Shared>,
@@ -73,6 +112,7 @@ impl ApiServerDouble {
                 gone_served: 0,
                 unschedulable: false,
             }),
+            api_use: std::sync::Mutex::new(std::collections::BTreeSet::new()),
             root: root.path().to_owned(),
             cancel: CancellationToken::new(),
             tasks: TaskTracker::new(),
@@ -99,6 +139,18 @@ impl ApiServerDouble {
     /// The base URL the double serves on (`http://127.0.0.1:<port>`).
     pub fn url(&self) -> String {
         format!("http://{}", self.addr)
+    }
+
+    /// A kubeconfig file's content that points a client at the double.
+    pub fn kubeconfig(&self) -> String {
+        format!(
+            "apiVersion: v1\nkind: Config\n\
+             clusters:\n- name: double\n  cluster:\n    server: {}\n\
+             users:\n- name: double\n  user: {{}}\n\
+             contexts:\n- name: double\n  context:\n    cluster: double\n    user: double\n\
+             current-context: double\n",
+            self.url()
+        )
     }
 
     /// kube's client, pointed at the double.
@@ -213,6 +265,27 @@ impl ApiServerDouble {
         });
     }
 
+    /// Every kind of request the double has answered so far, as the RBAC
+    /// rule that allows it.
+    pub fn api_use(&self) -> std::collections::BTreeSet<ApiUse> {
+        self.shared
+            .api_use
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
+    }
+
+    /// Changes a stored object by a JSON merge patch, as another client of
+    /// the API server would (watchers see it), without a request of its
+    /// own in [`ApiServerDouble::api_use`].
+    pub fn patch_behind_back(&self, kind: Kind, namespace: &str, name: &str, patch: &Value) {
+        let key: Key = (kind, namespace.to_owned(), name.to_owned());
+        let mut world = lock(&self.shared.world);
+        let mut object = world.store.objects.get(&key).cloned().expect("the object");
+        store::merge_patch(&mut object, patch);
+        world.store.put(key, object, "MODIFIED");
+    }
+
     /// Removes an object outright, finalizers or not, as an operator's
     /// force delete plus a finalizer removal would; a pod's program is
     /// killed.
@@ -295,5 +368,51 @@ impl EndpointResolver for DoubleEndpoints {
                 reach: berth_core::Reach::default(),
             },
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http::Method;
+
+    #[test]
+    fn a_request_is_named_as_rbac_names_it() {
+        let rule = |method: Method, path: &str, query: Option<&str>| {
+            rbac_of(&method, path, query).map(|(g, r, v)| format!("{g}/{r}:{v}"))
+        };
+        let pods = "/api/v1/namespaces/berth/pods";
+        assert_eq!(rule(Method::GET, pods, None).as_deref(), Some("/pods:list"));
+        assert_eq!(
+            rule(Method::GET, pods, Some("labelSelector=a&watch=true")).as_deref(),
+            Some("/pods:watch")
+        );
+        assert_eq!(
+            rule(Method::POST, pods, None).as_deref(),
+            Some("/pods:create")
+        );
+        let pod = "/api/v1/namespaces/berth/pods/berth-alice";
+        for (method, verb) in [
+            (Method::GET, "get"),
+            (Method::PUT, "update"),
+            (Method::PATCH, "patch"),
+            (Method::DELETE, "delete"),
+        ] {
+            assert_eq!(rule(method, pod, None), Some(format!("/pods:{verb}")));
+        }
+        assert_eq!(
+            rule(Method::GET, &format!("{pod}/log"), Some("follow=true")).as_deref(),
+            Some("/pods/log:get")
+        );
+        assert_eq!(
+            rule(
+                Method::PUT,
+                "/apis/networking.k8s.io/v1/namespaces/berth/networkpolicies/berth-alice",
+                None
+            )
+            .as_deref(),
+            Some("networking.k8s.io/networkpolicies:update")
+        );
+        assert_eq!(rule(Method::GET, "/version", None), None);
     }
 }

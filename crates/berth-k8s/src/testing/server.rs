@@ -73,7 +73,25 @@ pub fn router(shared: Arc<Shared>) -> Router {
             "/apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices",
             get(endpoint_slices),
         )
+        .layer(axum::middleware::from_fn_with_state(shared.clone(), record))
         .with_state(shared)
+}
+
+/// Notes what each request needs of RBAC (see `ApiServerDouble::api_use`).
+async fn record(
+    State(shared): State<Arc<Shared>>,
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let uri = request.uri();
+    if let Some(used) = super::rbac_of(request.method(), uri.path(), uri.query()) {
+        shared
+            .api_use
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .insert(used);
+    }
+    next.run(request).await
 }
 
 fn unknown(resource: &str) -> Response {

@@ -1,7 +1,7 @@
 //! The double's shared state: its object store and the kubelet's pods,
 //! behind one lock, with what the server's tasks share.
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
@@ -9,6 +9,7 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
+use super::ApiUse;
 use super::store::Store;
 
 pub(crate) struct World {
@@ -21,6 +22,8 @@ pub(crate) struct World {
 
 pub(crate) struct Shared {
     pub world: Mutex<World>,
+    /// Every kind of request answered, as RBAC names it.
+    pub api_use: Mutex<BTreeSet<ApiUse>>,
     /// Where volumes and pods' files live.
     pub root: PathBuf,
     pub cancel: CancellationToken,

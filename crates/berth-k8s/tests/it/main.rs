@@ -14,5 +14,6 @@ mod support;
 mod cluster;
 mod contract;
 mod controller;
+mod deploy;
 mod runtime;
 mod schema;

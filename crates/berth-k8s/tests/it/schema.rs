@@ -19,9 +19,9 @@ use berth_k8s::{K8sRuntimeConfig, KubernetesConfig};
 use serde_json::Value;
 
 /// The oldest and newest Kubernetes versions berth supports.
-const VERSIONS: [&str; 2] = ["1.33.0", "1.37.0"];
+pub const VERSIONS: [&str; 2] = ["1.33.0", "1.37.0"];
 
-fn validator() -> Option<PathBuf> {
+pub fn validator() -> Option<PathBuf> {
     if let Some(path) = std::env::var_os("BERTH_KUBERNETES_VALIDATE") {
         return Some(path.into());
     }

@@ -20,6 +20,8 @@ pub const ENV_VARS: &[(&str, &str)] = &[
     ("cluster_secret", "BERTH_CLUSTER_SECRET"),
     ("admin_token", "BERTH_ADMIN_TOKEN"),
     ("log_format", "BERTH_LOG_FORMAT"),
+    // Each replica of a Deployment has its own: its pod's address.
+    ("cluster.internal_listen", "BERTH_INTERNAL_LISTEN"),
 ];
 
 /// The OpenID client secret, when `[auth.oidc]` does not name a file.
@@ -108,7 +110,7 @@ impl Config {
             let Some(value) = env(var).filter(|v| !v.is_empty()) else {
                 continue;
             };
-            self.set_top_level(key, value);
+            self.set_key(key, value);
             self.provenance
                 .keys
                 .insert(key.to_owned(), Origin::Env(var));
@@ -143,7 +145,7 @@ impl Config {
         ];
         for (key, flag, value) in pairs {
             if let Some(value) = value {
-                self.set_top_level(key, value);
+                self.set_key(key, value);
                 self.provenance
                     .keys
                     .insert(key.to_owned(), Origin::Flag(flag));
@@ -155,7 +157,7 @@ impl Config {
         }
     }
 
-    fn set_top_level(&mut self, key: &str, value: String) {
+    fn set_key(&mut self, key: &str, value: String) {
         match key {
             "listen" => self.listen = value,
             "data_dir" => self.data_dir = PathBuf::from(value),
@@ -166,6 +168,7 @@ impl Config {
             "cluster_secret" => self.cluster_secret = Some(value),
             "admin_token" => self.admin_token = Some(value),
             "log_format" => self.log_format = value,
+            "cluster.internal_listen" => self.cluster.internal_listen = value,
             _ => {}
         }
     }
@@ -211,6 +214,18 @@ mod tests {
         assert_eq!(c.data_dir, PathBuf::from("/flag"));
         assert_eq!(c.node_id.as_deref(), Some("from-env"));
         assert_eq!(c.node_id().unwrap(), "from-env");
+    }
+
+    #[test]
+    fn a_replica_takes_its_node_to_node_address_from_the_environment() {
+        let env =
+            |name: &str| (name == "BERTH_INTERNAL_LISTEN").then(|| "10.0.0.5:8001".to_owned());
+        let c = Config::load_with_env(None, env).unwrap();
+        assert_eq!(c.cluster.internal_listen, "10.0.0.5:8001");
+        assert_eq!(
+            c.provenance.keys.get("cluster.internal_listen"),
+            Some(&Origin::Env("BERTH_INTERNAL_LISTEN"))
+        );
     }
 
     #[test]

@@ -38,15 +38,7 @@ fn example_path() -> PathBuf {
 /// A kubeconfig that points kube's client at the double.
 pub(crate) fn kubeconfig(double: &ApiServerDouble, dir: &Path) -> PathBuf {
     let path = dir.join("kubeconfig");
-    let text = format!(
-        "apiVersion: v1\nkind: Config\n\
-         clusters:\n- name: double\n  cluster:\n    server: {}\n\
-         users:\n- name: double\n  user: {{}}\n\
-         contexts:\n- name: double\n  context:\n    cluster: double\n    user: double\n\
-         current-context: double\n",
-        double.url()
-    );
-    std::fs::write(&path, text).unwrap();
+    std::fs::write(&path, double.kubeconfig()).unwrap();
     path
 }
 

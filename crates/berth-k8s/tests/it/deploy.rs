@@ -1,0 +1,224 @@
+//! What `deploy/kubernetes/` ships: every manifest validates strictly
+//! against the official schemas, the kustomization names every one, and
+//! the Role grants exactly what the runtime asks of the API server. That
+//! last is shown on the API-server **double**, which records every kind of
+//! request it answers: berth's whole lifecycle of a user's pod (start,
+//! logs, a policy change, a Service changed behind its back, a restart
+//! with a new patch, a stop, an orphan removed by a restarted controller)
+//! must need no rule the Role lacks and leave none unused.
+
+use crate::schema::{VERSIONS, validator};
+use crate::support;
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::Arc;
+use std::time::Duration;
+
+use berth_controller::{Controller, ControllerConfig};
+use berth_core::policy::ReapPolicy;
+use berth_core::runtime::Runtime;
+use berth_core::{InstanceStatus, LaunchRequest, Role, Spawner, Traffic};
+use berth_k8s::names;
+use berth_k8s::testing::{ApiServerDouble, ApiUse, Kind};
+use support::*;
+
+fn deploy_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../deploy/kubernetes")
+}
+
+/// The manifests: every YAML file but the kustomization.
+fn manifests() -> Vec<PathBuf> {
+    let mut files: Vec<PathBuf> = std::fs::read_dir(deploy_dir())
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| {
+            p.extension().is_some_and(|e| e == "yaml")
+                && p.file_name().is_some_and(|n| n != "kustomization.yaml")
+        })
+        .collect();
+    files.sort();
+    files
+}
+
+#[test]
+fn every_deploy_manifest_validates_strictly_and_the_kustomization_names_each() {
+    let files = manifests();
+    assert!(files.len() >= 8, "{files:?}");
+    let kustomization = std::fs::read_to_string(deploy_dir().join("kustomization.yaml")).unwrap();
+    for file in &files {
+        let name = file.file_name().unwrap().to_str().unwrap();
+        assert!(
+            kustomization.contains(&format!("  - {name}\n")),
+            "kustomization.yaml does not name {name}"
+        );
+    }
+    let Some(validator) = validator() else {
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "kubernetes-validate is not installed; scripts/test installs it"
+        );
+        println!("SKIPPED deploy manifests: kubernetes-validate is not installed");
+        return;
+    };
+    for version in VERSIONS {
+        let output = Command::new(&validator)
+            .args(["--strict", "--quiet", "--kubernetes-version", version])
+            .args(&files)
+            .output()
+            .unwrap();
+        assert!(
+            output.status.success(),
+            "deploy/kubernetes invalid for Kubernetes {version}:\n{}{}",
+            String::from_utf8_lossy(&output.stdout),
+            String::from_utf8_lossy(&output.stderr)
+        );
+    }
+}
+
+/// The Role's rules, one `(group, resource, verb)` each. `role.yaml` writes
+/// each of a rule's lists as a JSON array on one line, which this reads;
+/// another layout finds no rule and fails here, never passes.
+fn granted() -> BTreeSet<ApiUse> {
+    let text = std::fs::read_to_string(deploy_dir().join("role.yaml")).unwrap();
+    let list = |line: &str, key: &str| -> Option<Vec<String>> {
+        let rest = line.trim().trim_start_matches("- ").strip_prefix(key)?;
+        Some(serde_json::from_str(rest.trim()).unwrap())
+    };
+    let (mut groups, mut resources) = (Vec::new(), Vec::new());
+    let mut rules = BTreeSet::new();
+    for line in text.lines() {
+        if let Some(g) = list(line, "apiGroups:") {
+            groups = g;
+        } else if let Some(r) = list(line, "resources:") {
+            resources = r;
+        } else if let Some(verbs) = list(line, "verbs:") {
+            for g in &groups {
+                for r in &resources {
+                    for v in &verbs {
+                        rules.insert((g.clone(), r.clone(), v.clone()));
+                    }
+                }
+            }
+        }
+    }
+    assert!(!rules.is_empty(), "no rule read from role.yaml");
+    rules
+}
+
+async fn controller(
+    double: &ApiServerDouble,
+    store: &Arc<dyn berth_store::Store>,
+) -> (Arc<Controller>, Arc<berth_k8s::K8sRuntime>) {
+    let command = sh(&format!(
+        "echo ready token={}; exec sleep 1000",
+        berth_core::runtime_contract::TOKEN
+    ));
+    let runtime = runtime(double, config(command, token_regex(), "node-a"));
+    let config = ControllerConfig {
+        ready_timeout: Duration::from_secs(20),
+        stop_grace: Duration::from_secs(2),
+        reap: ReapPolicy {
+            idle_ttl: None,
+            max_idle: 0,
+            interval: Duration::from_secs(60),
+            hibernate_after: None,
+            ..ReapPolicy::default()
+        },
+        ..ControllerConfig::new("node-a")
+    };
+    let dyn_runtime: Arc<dyn Runtime> = runtime.clone();
+    let controller = Controller::start(dyn_runtime, store.clone(), config)
+        .await
+        .unwrap();
+    (controller, runtime)
+}
+
+async fn running(controller: &Controller, u: &berth_core::UserId) {
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        let main = controller.status(u).await.unwrap().main;
+        if main.is_some_and(|i| i.status == InstanceStatus::Running && i.ready) {
+            return;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "{u} never ran");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_role_grants_exactly_what_berths_lifecycle_of_a_pod_asks_for() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = berth_store::open(&format!("sqlite://{}/berth.db", dir.path().display()))
+        .await
+        .unwrap();
+    let double = ApiServerDouble::start().await;
+    let (first, runtime) = controller(&double, &store).await;
+    let alice = user("alice");
+    let with_patch = |patch: &str| LaunchRequest {
+        patch: Some(patch.to_owned()),
+        ..LaunchRequest::default()
+    };
+
+    first.launch(&alice, with_patch("a = 1")).await.unwrap();
+    running(&first, &alice).await;
+    runtime.logs(&alice.slug(), Role::Main, 10).await.unwrap();
+    let closed =
+        serde_json::from_value(serde_json::json!({"mode": "deny_all", "allow": []})).unwrap();
+    first.set_egress(&alice, Some(&closed)).await.unwrap();
+    // Another client changes her Service; her next start puts it back.
+    let service = names::user_object(&alice.slug());
+    double.patch_behind_back(
+        Kind::Service,
+        NS,
+        &service,
+        &serde_json::json!({ "spec": { "ports": [{ "port": 1, "protocol": "TCP" }] } }),
+    );
+    first.stop(&alice).await.unwrap();
+    eventually("alice's pod to go", || {
+        double.object(Kind::Pod, NS, &service).is_none()
+    })
+    .await;
+    first.launch(&alice, with_patch("a = 2")).await.unwrap();
+    running(&first, &alice).await;
+    let ports = double.object(Kind::Service, NS, &service).unwrap()["spec"]["ports"].clone();
+    assert_ne!(ports[0]["port"], 1, "{ports}");
+    first.teardown().await;
+
+    // A pod no record knows, which a restarted controller removes.
+    let stray = runtime_with(&double);
+    let zed = user("zed");
+    let mut orphan = stray
+        .start(berth_core::runtime_contract::spec(&zed, "stray"))
+        .await
+        .unwrap();
+    ready(&mut orphan).await;
+    stray.shutdown().await;
+    let (second, _) = controller(&double, &store).await;
+    eventually("the orphan to go", || {
+        double
+            .object(Kind::Pod, NS, &names::user_object(&zed.slug()))
+            .is_none()
+    })
+    .await;
+    second.stop(&alice).await.unwrap();
+    second.teardown().await;
+
+    let used = double.api_use();
+    let granted = granted();
+    let missing: Vec<&ApiUse> = used.difference(&granted).collect();
+    let unused: Vec<&ApiUse> = granted.difference(&used).collect();
+    assert!(
+        missing.is_empty() && unused.is_empty(),
+        "used but not granted: {missing:?}; granted but unused: {unused:?}"
+    );
+}
+
+fn runtime_with(double: &ApiServerDouble) -> Arc<berth_k8s::K8sRuntime> {
+    let command = sh(&format!(
+        "echo ready token={}; exec sleep 1000",
+        berth_core::runtime_contract::TOKEN
+    ));
+    runtime(double, config(command, token_regex(), "node-a"))
+}
