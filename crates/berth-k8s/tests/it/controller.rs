@@ -21,14 +21,14 @@ use berth_k8s::testing::{ApiServerDouble, Kind};
 use berth_store::Store;
 use support::*;
 
-struct Env {
+pub(crate) struct Env {
     _dir: tempfile::TempDir,
-    store: Arc<dyn Store>,
-    double: ApiServerDouble,
+    pub store: Arc<dyn Store>,
+    pub double: ApiServerDouble,
 }
 
 impl Env {
-    async fn new() -> Env {
+    pub async fn new() -> Env {
         let dir = tempfile::tempdir().unwrap();
         let store = berth_store::open(&format!("sqlite://{}/berth.db", dir.path().display()))
             .await
@@ -40,7 +40,7 @@ impl Env {
         }
     }
 
-    async fn controller(&self, command: Vec<String>, crash: CrashPolicy) -> Arc<Controller> {
+    pub async fn controller(&self, command: Vec<String>, crash: CrashPolicy) -> Arc<Controller> {
         let runtime = runtime(&self.double, config(command, token_regex(), "node-a"));
         let config = ControllerConfig {
             ready_timeout: Duration::from_secs(20),
@@ -73,7 +73,7 @@ async fn main_of(controller: &Controller, u: &UserId) -> Option<Instance> {
     controller.status(u).await.unwrap().main
 }
 
-async fn wait_for(
+pub(crate) async fn wait_for(
     controller: &Controller,
     u: &UserId,
     what: &str,
@@ -92,7 +92,7 @@ async fn wait_for(
     }
 }
 
-async fn running(controller: &Controller, u: &UserId) -> Instance {
+pub(crate) async fn running(controller: &Controller, u: &UserId) -> Instance {
     wait_for(controller, u, "running", |i| {
         i.status == InstanceStatus::Running && i.ready
     })

@@ -19,7 +19,25 @@ use berth_k8s::{K8sRuntimeConfig, KubernetesConfig};
 use serde_json::Value;
 
 /// The oldest and newest Kubernetes versions berth supports.
-pub const VERSIONS: [&str; 2] = ["1.33.0", "1.37.0"];
+const VERSIONS: [&str; 2] = ["1.33.0", "1.37.0"];
+
+/// Validates `files` with `validator` against every supported version;
+/// panics with what it said when one does not validate.
+pub fn validate_strictly(validator: &Path, files: &[PathBuf]) {
+    for version in VERSIONS {
+        let output = Command::new(validator)
+            .args(["--strict", "--quiet", "--kubernetes-version", version])
+            .args(files)
+            .output()
+            .unwrap();
+        assert!(
+            output.status.success(),
+            "manifests invalid for Kubernetes {version}:\n{}{}",
+            String::from_utf8_lossy(&output.stdout),
+            String::from_utf8_lossy(&output.stderr)
+        );
+    }
+}
 
 pub fn validator() -> Option<PathBuf> {
     if let Some(path) = std::env::var_os("BERTH_KUBERNETES_VALIDATE") {
@@ -275,19 +293,7 @@ fn every_manifest_validates_strictly_against_the_official_schemas() {
         files.push(path);
     }
     assert!(files.len() > 100, "{} manifests", files.len());
-    for version in VERSIONS {
-        let output = Command::new(&validator)
-            .args(["--strict", "--quiet", "--kubernetes-version", version])
-            .args(&files)
-            .output()
-            .unwrap();
-        assert!(
-            output.status.success(),
-            "manifests invalid for Kubernetes {version}:\n{}{}",
-            String::from_utf8_lossy(&output.stdout),
-            String::from_utf8_lossy(&output.stderr)
-        );
-    }
+    validate_strictly(&validator, &files);
     // The validator must be able to fail: an unknown field is refused.
     let bad = dir.path().join("bad.json");
     let mut pod = manifests()

@@ -1007,24 +1007,7 @@ impl Netns {
                 let dir = tempfile::tempdir().unwrap();
                 let slot = slot();
                 let log = dir.path().join("berth.log");
-                // What `ip netns exec` does for names, without remounting
-                // `/sys` (and losing the cgroups a sandbox needs): the
-                // namespace's hosts and resolv.conf in a mount namespace
-                // of berth's own, then its network namespace.
-                let enter = format!(
-                    "mount --bind /etc/netns/{host}/hosts /etc/hosts && \
-                     mount --bind /etc/netns/{host}/resolv.conf /etc/resolv.conf && \
-                     exec nsenter --net=/run/netns/{host} \"$@\""
-                );
-                let options = StartOptions {
-                    wrapper: ["unshare", "--mount", "--propagation", "private", "sh", "-c"]
-                        .iter()
-                        .map(|a| (*a).to_owned())
-                        .chain([enter, "sh".to_owned()])
-                        .collect(),
-                    stderr: Some(log.clone()),
-                    ..StartOptions::default()
-                };
+                let options = Netns::berth_in(&host, &log);
                 let mut node = Node::from(
                     support::berth()
                         .node(dir.path())
@@ -1039,6 +1022,27 @@ impl Netns {
         })
         .join()
         .unwrap();
+    }
+
+    /// How berth starts in namespace `host`, its stderr in `log`: what `ip
+    /// netns exec` does for names, without remounting `/sys` (and losing
+    /// the cgroups a sandbox needs): the namespace's hosts and resolv.conf
+    /// in a mount namespace of berth's own, then its network namespace.
+    fn berth_in(host: &str, log: &Path) -> StartOptions {
+        let enter = format!(
+            "mount --bind /etc/netns/{host}/hosts /etc/hosts && \
+             mount --bind /etc/netns/{host}/resolv.conf /etc/resolv.conf && \
+             exec nsenter --net=/run/netns/{host} \"$@\""
+        );
+        StartOptions {
+            wrapper: ["unshare", "--mount", "--propagation", "private", "sh", "-c"]
+                .iter()
+                .map(|a| (*a).to_owned())
+                .chain([enter, "sh".to_owned()])
+                .collect(),
+            stderr: Some(log.to_owned()),
+            ..StartOptions::default()
+        }
     }
 
     /// A name server on UDP port 53 of `addr` inside `name` that answers
@@ -1559,20 +1563,7 @@ fn a_confined_pod_reaches_allowed_names_only_through_the_egress_proxy_with_its_o
                 .insert("egress_proxy".into(), format!("127.0.0.1:{port}").into());
             let config = toml::to_string(&config).unwrap();
             let log = root.path().join("berth.log");
-            let enter = format!(
-                "mount --bind /etc/netns/{host}/hosts /etc/hosts && \
-                 mount --bind /etc/netns/{host}/resolv.conf /etc/resolv.conf && \
-                 exec \"$@\""
-            );
-            let options = StartOptions {
-                wrapper: ["unshare", "--mount", "--propagation", "private", "sh", "-c"]
-                    .iter()
-                    .map(|a| (*a).to_owned())
-                    .chain([enter, "sh".to_owned()])
-                    .collect(),
-                stderr: Some(log.clone()),
-                ..StartOptions::default()
-            };
+            let options = Netns::berth_in(&host, &log);
             let node = tokio::task::spawn_blocking(move || {
                 Node::from(
                     support::berth()
