@@ -25,14 +25,27 @@ With `--level sandbox` the instance is sandboxed and has no route out:
 each connection goes through its relay (`CONNECT host:80` to the
 HTTPS_PROXY berth names, then the GET), which connects as the instance's
 account; the guard and the egress proxy then act as above.
+
+With `--level pods` berth runs on the Kubernetes runtime against the
+API-server double (`--double`, built with `cargo build --release -p
+berth-k8s --features test-double --example apiserver-double`), whose
+stand-in kubelet runs the same program as a pod's, in the same namespace.
+The named path then goes through berth's egress proxy for pods: `CONNECT`
+with the pod's credential from its HTTPS_PROXY, checked against the
+user's policy read from the store, resolved and connected by berth. The
+direct path is a plain connection (a real cluster's NetworkPolicy would
+allow it; the double enforces none).
 """
 
 import argparse
 import http.client
 import json
 import os
+import signal
+import socket
 import subprocess
 import sys
+import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import spawn  # noqa: E402  (the Berth harness)
@@ -74,11 +87,16 @@ def once(host, name):
     with socket.create_connection((host, 80), timeout=5) as s:
         ask(s, host, name)
     return (time.perf_counter() - t0) * 1e6
+PROXY = urllib.parse.urlsplit(os.environ.get("HTTPS_PROXY", ""))
+AUTH = ""
+if PROXY.username:
+    import base64
+    AUTH = "Proxy-Authorization: Basic %s\r\n" % base64.b64encode(
+        ("%s:%s" % (PROXY.username, PROXY.password)).encode()).decode()
 def relayed(host, name):
-    proxy = urllib.parse.urlsplit(os.environ["HTTPS_PROXY"])
     t0 = time.perf_counter()
-    with socket.create_connection((proxy.hostname, proxy.port), timeout=5) as s:
-        s.sendall(("CONNECT %s:80 HTTP/1.1\r\n\r\n" % host).encode())
+    with socket.create_connection((PROXY.hostname, PROXY.port), timeout=5) as s:
+        s.sendall(("CONNECT %s:80 HTTP/1.1\r\n%s\r\n" % (host, AUTH)).encode())
         head = b""
         while b"\r\n\r\n" not in head:
             chunk = s.recv(4096)
@@ -89,8 +107,12 @@ def relayed(host, name):
             raise RuntimeError("relay: %r" % head[:40])
         ask(s, host, name, head.split(b"\r\n\r\n", 1)[1])
     return (time.perf_counter() - t0) * 1e6
+plain = direct = once
 if "HTTPS_PROXY" in os.environ:
     once = relayed
+    # A sandbox has no route out: both paths go through its relay. A pod
+    # reaches an allowed network directly, and only names through berth.
+    direct = plain if PROXY.username else relayed
 class H(BaseHTTPRequestHandler):
     def log_message(self, *a): pass
     def do_GET(self):
@@ -99,7 +121,7 @@ class H(BaseHTTPRequestHandler):
         out = {"proxy": [], "direct": []}
         for _ in range(n):
             out["proxy"].append(once("allowed.test", "allowed.test"))
-            out["direct"].append(once("DIRECT_HOST", "anything"))
+            out["direct"].append(direct("DIRECT_HOST", "anything"))
         body = json.dumps(out).encode()
         self.send_response(200); self.send_header("Content-Length", str(len(body)))
         self.end_headers(); self.wfile.write(body)
@@ -153,33 +175,64 @@ def pct(xs, p):
     return xs[min(len(xs) - 1, max(0, round(p * len(xs)) - 1))]
 
 
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def inner(args):
     """Inside the host namespace: berth, one instance, the timings."""
-    instance = (f"command = [\"/usr/bin/python3\", \"-c\", {json.dumps(AGENT)}, \"{{port}}\"]\n"
-                "ready_tcp = true\n")
+    command = f"[\"/usr/bin/python3\", \"-c\", {json.dumps(AGENT)}, \"{{port}}\"]"
     egress = 'egress = "allowlist"\negress_allow = ["allowed.test", "10.254.0.0/24:80"]\n'
-    with spawn.Berth(args.berth, isolation=args.level, parent="/var/tmp", instance_extra=instance,
-                     isolation_extra=egress) as berth:
-        conn = berth.connection()
-        status, body, _ = berth.launch(conn, "alice")
-        if status != 201:
-            raise RuntimeError(f"launch: {status} {body!r}")
-        conn.request("GET", f"/u/alice/bench?n={args.n}", headers=berth.headers())
-        resp = conn.getresponse()
-        data = resp.read()
-        if resp.status != 200:
-            raise RuntimeError(f"bench: {resp.status} {data!r}\n{berth.tail_log()}")
-        print(data.decode())
+    if args.level != "pods":
+        instance = f"command = {command}\nready_tcp = true\n"
+        with spawn.Berth(args.berth, isolation=args.level, parent="/var/tmp",
+                         instance_extra=instance, isolation_extra=egress) as berth:
+            return measure(berth, args.n)
+    with tempfile.TemporaryDirectory(dir="/var/tmp") as tmp:
+        kubeconfig = os.path.join(tmp, "kubeconfig")
+        double = subprocess.Popen([args.double, "--kubeconfig", kubeconfig],
+                                  stdout=subprocess.PIPE, start_new_session=True)
+        try:
+            double.stdout.readline()
+            pods = (f'[kubernetes]\nkubeconfig = "{kubeconfig}"\nimage = "bench.invalid/none:1"\n'
+                    f'command = {command}\nendpoint = "endpoint_slice"\n'
+                    f'[kubernetes.network]\negress_proxy = "127.0.0.1:{free_port()}"\n')
+            secret = f'cluster_secret = "{os.urandom(24).hex()}"\n'
+            with spawn.Berth(args.berth, parent="/var/tmp", instance_extra="ready_tcp = true\n",
+                             isolation_extra=egress, top_extra=secret,
+                             tables_extra=pods) as berth:
+                return measure(berth, args.n)
+        finally:
+            os.killpg(double.pid, signal.SIGTERM)
+            double.wait()
+
+
+def measure(berth, n):
+    """alice's instance times `n` connections on each path."""
+    conn = berth.connection()
+    status, body, _ = berth.launch(conn, "alice")
+    if status != 201:
+        raise RuntimeError(f"launch: {status} {body!r}")
+    conn.request("GET", f"/u/alice/bench?n={n}", headers=berth.headers())
+    resp = conn.getresponse()
+    data = resp.read()
+    if resp.status != 200:
+        raise RuntimeError(f"bench: {resp.status} {data!r}\n{berth.tail_log()}")
+    print(data.decode())
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--berth", default="target/release/berth")
     ap.add_argument("--n", type=int, default=2000)
-    ap.add_argument("--level", choices=["user", "sandbox"], default="user")
+    ap.add_argument("--level", choices=["user", "sandbox", "pods"], default="user")
+    ap.add_argument("--double", default="target/release/examples/apiserver-double")
     ap.add_argument("--inner", action="store_true")
     args = ap.parse_args()
     args.berth = os.path.abspath(args.berth)
+    args.double = os.path.abspath(args.double)
     if args.inner:
         return inner(args)
     server = None
@@ -193,7 +246,7 @@ def main():
         out = subprocess.run(
             ["unshare", "--mount", "--propagation", "private", "sh", "-c", enter, "sh",
              sys.executable, os.path.abspath(__file__), "--inner", "--berth", args.berth,
-             "--n", str(args.n), "--level", args.level],
+             "--n", str(args.n), "--level", args.level, "--double", args.double],
             check=True, stdout=subprocess.PIPE).stdout
     finally:
         teardown(server)

@@ -174,8 +174,13 @@ class Berth:
     leaves no process behind."""
 
     def __init__(self, exe, keep=False, parent=None, isolation="none", ports=BERTH_PORTS, base_uid=200000,
-                 instance_extra="", reap_extra="idle_ttl_s = 0\n", isolation_extra=""):
+                 instance_extra="", reap_extra="idle_ttl_s = 0\n", isolation_extra="",
+                 top_extra="", tables_extra=""):
         self.exe = exe
+        # Extra top-level keys, and extra tables after the others
+        # (bench/egress.py's pods).
+        self.top_extra = top_extra
+        self.tables_extra = tables_extra
         # Extra lines for the [instance] and [reap] tables (bench/resume.py).
         self.instance_extra = instance_extra
         self.reap_extra = reap_extra
@@ -215,6 +220,7 @@ class Berth:
                 f'listen = "127.0.0.1:0"\n'
                 f'data_dir = "{self.data}"\n'
                 f'log_format = "text"\n'
+                f"{self.top_extra}"
                 f"[instance]\n"
                 f"port_range = [{self.ports[0]}, {self.ports[1]}]\n"
                 f"{self.instance_extra}"
@@ -225,7 +231,10 @@ class Berth:
                 f"base_uid = {self.base_uid}\n"
                 f"uid_count = 10000\n"
                 f"{self.isolation_extra}"
+                f"{self.tables_extra}"
             )
+        # berth refuses a config that holds a secret and others may read.
+        os.chmod(config, 0o600)
         self.log_path = os.path.join(self.dir, "berth.log")
         out = open(self.log_path, "wb")
         # Own session: a Ctrl-C in the terminal reaches only this script,

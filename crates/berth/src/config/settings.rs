@@ -254,7 +254,12 @@ impl Config {
             uids: self.isolation.uids(),
             limits: self.isolation.limits(),
             nft: self.isolation.nft.clone(),
-            egress: self.isolation.egress_policy(),
+            // With [kubernetes], the policy is the pods' (their
+            // NetworkPolicy), whatever this host's level.
+            egress: match self.kubernetes {
+                Some(_) => berth_core::egress::EgressPolicy::default(),
+                None => self.isolation.egress_policy(),
+            },
             egress_proxy: None,
             name_servers: Vec::new(),
             // The ports are known once berth has bound them.

@@ -732,8 +732,11 @@ mod tests {
     #[test]
     fn pods_take_an_egress_policy_of_networks_and_refuse_a_domain_name() {
         let pods = "[kubernetes]\nimage = \"app:1\"\ncommand = [\"app\"]\n";
+        // At level `none` too: berth in a pod runs as no root, and the
+        // policy is the pods', not this host's.
         for isolation in [
             "egress = \"deny_all\"",
+            "mode = \"none\"\negress = \"deny_all\"",
             "egress = \"allowlist\"\negress_allow = [\"10.8.0.0/24\", \"10.9.0.5:5432\"]",
         ] {
             let c = parse(&format!("[isolation]\n{isolation}\n{pods}")).unwrap();
