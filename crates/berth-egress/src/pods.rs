@@ -161,6 +161,8 @@ async fn reach((host, port): (&str, u16), policy: &EgressPolicy) -> Result<TcpSt
         port,
     };
     if let Ok(addr) = host.parse::<IpAddr>() {
+        // `::ffff:10.0.0.5` is 10.0.0.5, one of this pod's addresses too.
+        let addr = addr.to_canonical();
         if !policy.allows_address(addr, port) || proxy::host_addresses().contains(&addr) {
             return Err(not_allowed());
         }
