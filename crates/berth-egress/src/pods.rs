@@ -15,8 +15,9 @@
 //! inside a tunnel it opened (a proxy or DNS-over-HTTPS service on an
 //! allowed name reaches anything it does).
 
+use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 
 use async_trait::async_trait;
 use berth_core::UserId;
@@ -65,6 +66,7 @@ impl PodProxy {
         cancel: CancellationToken,
     ) {
         let slots = Arc::new(Semaphore::new(MAX_CONNECTIONS));
+        let sources = Sources::new(MAX_PER_SOURCE);
         let tracker = TaskTracker::new();
         let check = Arc::new(Check {
             key,
@@ -77,8 +79,8 @@ impl PodProxy {
                 () = cancel.cancelled() => break,
                 accepted = self.listener.accept() => accepted,
             };
-            let client = match accepted {
-                Ok((client, _)) => client,
+            let (client, peer) = match accepted {
+                Ok(accepted) => accepted,
                 Err(e) => {
                     tracing::warn!(error = %e, "egress proxy for pods: accept failed");
                     // E.g. out of descriptors: do not spin.
@@ -86,12 +88,17 @@ impl PodProxy {
                     continue;
                 }
             };
+            // One pod cannot hold every slot: past its share its new
+            // connections are closed at once.
+            let Some(share) = sources.enter(peer.ip()) else {
+                continue;
+            };
             let Ok(slot) = slots.clone().acquire_owned().await else {
                 break;
             };
             let (check, cancel) = (check.clone(), cancel.clone());
             tracker.spawn(async move {
-                let _slot = slot;
+                let (_slot, _share) = (slot, share);
                 let reach = async |head: &[u8], ask: &Ask| check.reach(head, ask).await;
                 tokio::select! {
                     () = cancel.cancelled() => {}
@@ -101,6 +108,62 @@ impl PodProxy {
         }
         tracker.close();
         tracker.wait().await;
+    }
+}
+
+/// Connections one source address (a pod) holds at once, at most.
+const MAX_PER_SOURCE: usize = 256;
+
+/// How many connections each source address holds, each capped.
+#[derive(Clone)]
+struct Sources {
+    held: Arc<Mutex<HashMap<IpAddr, usize>>>,
+    cap: usize,
+}
+
+/// One connection's place in its source's count, given back on drop.
+struct Share {
+    sources: Sources,
+    source: IpAddr,
+}
+
+impl Sources {
+    fn new(cap: usize) -> Self {
+        Self {
+            held: Arc::new(Mutex::new(HashMap::new())),
+            cap,
+        }
+    }
+
+    /// A place for one more connection from `source`, unless it holds its
+    /// cap already.
+    fn enter(&self, source: IpAddr) -> Option<Share> {
+        let mut held = self.held.lock().unwrap_or_else(PoisonError::into_inner);
+        let count = held.entry(source).or_insert(0);
+        if *count >= self.cap {
+            return None;
+        }
+        *count += 1;
+        Some(Share {
+            sources: self.clone(),
+            source,
+        })
+    }
+}
+
+impl Drop for Share {
+    fn drop(&mut self) {
+        let mut held = self
+            .sources
+            .held
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if let Some(count) = held.get_mut(&self.source) {
+            *count -= 1;
+            if *count == 0 {
+                held.remove(&self.source);
+            }
+        }
     }
 }
 
@@ -182,4 +245,27 @@ async fn reach((host, port): (&str, u16), policy: &EgressPolicy) -> Result<TcpSt
         .ok_or_else(|| Refusal::Unresolved {
             name: host.to_owned(),
         })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_source_holds_its_share_of_connections_and_gets_each_back() {
+        let sources = Sources::new(2);
+        let pod: IpAddr = "10.1.0.7".parse().unwrap();
+        let other: IpAddr = "10.1.0.8".parse().unwrap();
+        let first = sources.enter(pod).unwrap();
+        let second = sources.enter(pod).unwrap();
+        assert!(sources.enter(pod).is_none(), "past its share");
+        assert!(sources.enter(other).is_some(), "another pod is not held up");
+        drop(first);
+        let third = sources.enter(pod).unwrap();
+        drop((second, third));
+        assert!(
+            sources.held.lock().unwrap().is_empty(),
+            "nothing is kept for a source that holds nothing"
+        );
+    }
 }
