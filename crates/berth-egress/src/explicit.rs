@@ -29,8 +29,9 @@ pub enum Ask {
         /// The port.
         port: u16,
     },
-    /// An absolute-form request: `head` (in origin form, `Proxy-*`
-    /// headers dropped) goes to `host:port` as the request's start.
+    /// An absolute-form request: `head` (in origin form, `Proxy-*` and
+    /// hop-by-hop headers dropped, `Connection: close` added) goes to
+    /// `host:port` as the request's start.
     Forward {
         /// The host, lowercase.
         host: String,
@@ -112,7 +113,8 @@ pub fn parse_ask(head: &[u8]) -> Result<Ask, BadAsk> {
         host_port(authority, Some(80)).ok_or_else(|| BadAsk::Target(target.into()))?;
     let mut out = format!("{method} {path} HTTP/1.{version}\r\n").into_bytes();
     for header in request.headers.iter() {
-        if header.name.to_ascii_lowercase().starts_with("proxy-") {
+        let name = header.name.to_ascii_lowercase();
+        if name.starts_with("proxy-") || name == "connection" || name == "keep-alive" {
             continue;
         }
         out.extend_from_slice(header.name.as_bytes());
@@ -120,7 +122,10 @@ pub fn parse_ask(head: &[u8]) -> Result<Ask, BadAsk> {
         out.extend_from_slice(header.value);
         out.extend_from_slice(b"\r\n");
     }
-    out.extend_from_slice(b"\r\n");
+    // One request per connection: the bytes after it are copied, not
+    // read, so a client's next request (with its proxy credential) must
+    // not reach this upstream.
+    out.extend_from_slice(b"Connection: close\r\n\r\n");
     Ok(Ask::Forward {
         host,
         port,
@@ -207,11 +212,15 @@ pub async fn serve_one(
 async fn read_head(client: &mut TcpStream) -> std::io::Result<Option<(Vec<u8>, Vec<u8>)>> {
     let mut buf = Vec::with_capacity(1024);
     let mut chunk = [0u8; 4096];
+    // Where the search for the blank line goes on: a head sent a byte at a
+    // time is scanned once, not once per byte.
+    let mut searched = 0;
     loop {
-        if let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
-            let rest = buf.split_off(end + 4);
+        if let Some(end) = buf[searched..].windows(4).position(|w| w == b"\r\n\r\n") {
+            let rest = buf.split_off(searched + end + 4);
             return Ok(Some((buf, rest)));
         }
+        searched = buf.len().saturating_sub(3);
         if buf.len() >= MAX_HEAD {
             return Ok(None);
         }
@@ -281,14 +290,16 @@ mod tests {
     fn an_absolute_request_goes_on_in_origin_form_without_proxy_headers() {
         let ask = parse_ask(
             b"GET http://example.test:8080/a/b?c=1 HTTP/1.1\r\nHost: example.test:8080\r\n\
-              Proxy-Authorization: Basic x\r\nProxy-Connection: keep-alive\r\nAccept: */*\r\n\r\n",
+              Proxy-Authorization: Basic x\r\nProxy-Connection: keep-alive\r\nAccept: */*\r\n\
+              Connection: keep-alive\r\nKeep-Alive: timeout=5\r\n\r\n",
         );
         assert_eq!(
             ask,
             Ok(Ask::Forward {
                 host: "example.test".into(),
                 port: 8080,
-                head: b"GET /a/b?c=1 HTTP/1.1\r\nHost: example.test:8080\r\nAccept: */*\r\n\r\n"
+                head: b"GET /a/b?c=1 HTTP/1.1\r\nHost: example.test:8080\r\nAccept: */*\r\n\
+                        Connection: close\r\n\r\n"
                     .to_vec(),
             })
         );
@@ -298,7 +309,7 @@ mod tests {
             Ok(Ask::Forward {
                 host: "example.test".into(),
                 port: 80,
-                head: b"GET / HTTP/1.0\r\n\r\n".to_vec(),
+                head: b"GET / HTTP/1.0\r\nConnection: close\r\n\r\n".to_vec(),
             })
         );
         for bad in [

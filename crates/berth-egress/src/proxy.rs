@@ -339,7 +339,9 @@ async fn read_name(client: &mut TcpStream) -> Option<(String, Vec<u8>)> {
 pub(crate) async fn connect(name: &str, port: u16, policy: &EgressPolicy) -> Option<TcpStream> {
     let resolved = tokio::net::lookup_host((name, port)).await.ok()?;
     let own = host_addresses();
+    // `::ffff:10.0.0.5` is 10.0.0.5: checked, and connected to, as that.
     let allowed: Vec<SocketAddr> = resolved
+        .map(|a| SocketAddr::new(a.ip().to_canonical(), a.port()))
         .filter(|a| policy.allows_resolved(a.ip(), port) && !own.contains(&a.ip()))
         .collect();
     for addr in allowed {
