@@ -184,10 +184,13 @@ impl Check {
         let Some(user) = user else {
             return Err(self.refuse(None, destination, Refusal::Uncredentialed));
         };
-        let policy = self.policies.policy(&user).await.map_err(|e| {
-            tracing::warn!(%user, error = %e, "egress proxy for pods: cannot read the policy");
-            Unreached::new("503 Service Unavailable", "cannot read the user's policy")
-        })?;
+        let read = tokio::time::timeout(CONNECT_GRACE, self.policies.policy(&user)).await;
+        let policy = read
+            .unwrap_or_else(|_| Err("no answer in time".to_owned()))
+            .map_err(|e| {
+                tracing::warn!(%user, error = %e, "egress proxy for pods: cannot read the policy");
+                Unreached::new("503 Service Unavailable", "cannot read the user's policy")
+            })?;
         match reach(destination, &policy).await {
             Ok(upstream) => {
                 self.metrics.count(Verdict::Allowed);

@@ -337,7 +337,10 @@ async fn read_name(client: &mut TcpStream) -> Option<(String, Vec<u8>)> {
 /// A connection to `name:port` at the first address it resolves to that
 /// the policy allows.
 pub(crate) async fn connect(name: &str, port: u16, policy: &EgressPolicy) -> Option<TcpStream> {
-    let resolved = tokio::net::lookup_host((name, port)).await.ok()?;
+    let resolved = tokio::time::timeout(CONNECT_GRACE, tokio::net::lookup_host((name, port)))
+        .await
+        .ok()?
+        .ok()?;
     let own = host_addresses();
     // `::ffff:10.0.0.5` is 10.0.0.5: checked, and connected to, as that.
     let allowed: Vec<SocketAddr> = resolved
