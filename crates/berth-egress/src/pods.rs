@@ -74,20 +74,9 @@ impl PodProxy {
             metrics: self.metrics,
             log: RefusalLog::default(),
         });
-        loop {
-            let accepted = tokio::select! {
-                () = cancel.cancelled() => break,
-                accepted = self.listener.accept() => accepted,
-            };
-            let (client, peer) = match accepted {
-                Ok(accepted) => accepted,
-                Err(e) => {
-                    tracing::warn!(error = %e, "egress proxy for pods: accept failed");
-                    // E.g. out of descriptors: do not spin.
-                    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
-                    continue;
-                }
-            };
+        while let Some((client, peer)) =
+            proxy::next_client(&self.listener, &cancel, "egress proxy for pods").await
+        {
             // One pod cannot hold every slot: past its share its new
             // connections are closed at once.
             let Some(share) = sources.enter(peer.ip()) else {

@@ -152,18 +152,8 @@ impl EgressProxy {
             tracker: tracker.clone(),
             cancel: cancel.clone(),
         }));
-        loop {
-            let accepted = tokio::select! {
-                () = cancel.cancelled() => break,
-                accepted = self.listener.accept() => accepted,
-            };
-            let (client, peer) = match accepted {
-                Ok(accepted) => accepted,
-                Err(e) => {
-                    tracing::warn!(error = %e, "egress proxy: accept failed");
-                    continue;
-                }
-            };
+        while let Some((client, peer)) = next_client(&self.listener, &cancel, "egress proxy").await
+        {
             let Ok(slot) = slots.clone().acquire_owned().await else {
                 break;
             };
@@ -194,6 +184,29 @@ impl EgressProxy {
         }
         tracker.close();
         tracker.wait().await;
+    }
+}
+
+/// The next connection `listener` accepts, or `None` once `cancel` is
+/// set. A failed accept (out of descriptors, say) is logged, and the
+/// next one waits a little rather than spin.
+pub(crate) async fn next_client(
+    listener: &TcpListener,
+    cancel: &CancellationToken,
+    who: &str,
+) -> Option<(TcpStream, SocketAddr)> {
+    loop {
+        let accepted = tokio::select! {
+            () = cancel.cancelled() => return None,
+            accepted = listener.accept() => accepted,
+        };
+        match accepted {
+            Ok(accepted) => return Some(accepted),
+            Err(e) => {
+                tracing::warn!(error = %e, "{who}: accept failed");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
     }
 }
 
