@@ -30,6 +30,7 @@
 
 #![forbid(unsafe_code)]
 
+pub mod credential;
 pub mod egress;
 mod error;
 mod folder;
@@ -40,6 +41,7 @@ pub mod program;
 pub mod runtime;
 #[cfg(feature = "runtime-contract")]
 pub mod runtime_contract;
+pub mod shim_wire;
 mod spawner;
 mod time;
 mod uids;

@@ -6,6 +6,7 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::time::Duration;
 
+use berth_core::credential::ShimKey;
 use berth_core::egress::{EgressPolicy, ProxyKey};
 use berth_core::program::ProgramSettings;
 use k8s_openapi::api::core::v1::{PodSpec, Toleration};
@@ -92,6 +93,32 @@ pub struct KubernetesConfig {
     /// How the proxy reaches a user's pod.
     #[serde(default)]
     pub endpoint: EndpointMode,
+    /// berth's shim as every pod's entrypoint, so that pods hibernate with
+    /// their memory, keep a fence deadline and run hooks (see
+    /// [`ShimConfig`]). Unset: the program is the entrypoint, and idle pods
+    /// are stopped.
+    pub shim: Option<ShimConfig>,
+}
+
+/// `[kubernetes.shim]`: berth's own binary, in the program's image, runs
+/// as the pod's entrypoint (`berth shim pod -- PROGRAM…`) and supervises
+/// the program as its child under `security.run_as_user`. The container
+/// then runs as root with only the capabilities that needs (`SETUID`,
+/// `SETGID`, `KILL`): the Pod Security "baseline" level, not
+/// "restricted". berth reaches the shim on `port` of the pod's address,
+/// with a credential only it and the shim hold.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ShimConfig {
+    /// Where berth's binary is in the program's image.
+    pub path: String,
+    /// The port the shim listens on for berth.
+    #[serde(default = "default_shim_port")]
+    pub port: u16,
+}
+
+fn default_shim_port() -> u16 {
+    7079
 }
 
 /// How the proxy reaches a user's pod.
@@ -361,6 +388,7 @@ impl KubernetesConfig {
             start_timeout_s: default_start_timeout(),
             cluster_domain: default_cluster_domain(),
             endpoint: EndpointMode::default(),
+            shim: None,
         }
     }
 
@@ -459,6 +487,28 @@ impl KubernetesConfig {
                 return Err(bad(
                     "file_service.port",
                     format!("must be 1-65535 and differ from port {}", self.port),
+                ));
+            }
+        }
+        if let Some(shim) = &self.shim {
+            if self.security.fs_group() != self.security.group() {
+                return Err(bad(
+                    "security.fs_group",
+                    "must be the program's group with [kubernetes.shim]: the shim starts the \
+                     program with its group alone",
+                ));
+            }
+            if !shim.path.starts_with('/') {
+                return Err(bad(
+                    "shim.path",
+                    "must be the absolute path of berth's binary in the image",
+                ));
+            }
+            let taken = [Some(self.port), self.file_service.as_ref().map(|f| f.port)];
+            if shim.port == 0 || taken.contains(&Some(shim.port)) {
+                return Err(bad(
+                    "shim.port",
+                    "must be 1-65535 and differ from the program's and the file service's",
                 ));
             }
         }
@@ -606,6 +656,8 @@ pub struct K8sRuntimeConfig {
     /// The key of the pods' credentials for the egress proxy, where
     /// `network.egress_proxy` is set.
     pub egress_proxy_key: Option<ProxyKey>,
+    /// The key of the pods' shim credentials, where `shim` is set.
+    pub shim_key: Option<ShimKey>,
 }
 
 impl K8sRuntimeConfig {
@@ -617,6 +669,14 @@ impl K8sRuntimeConfig {
                 key: "network.egress_proxy".into(),
                 reason: "needs cluster_secret: the pods' credentials for the proxy are derived \
                          from it, so that every replica checks every pod's"
+                    .into(),
+            });
+        }
+        if self.kubernetes.shim.is_some() && self.shim_key.is_none() {
+            return Err(ConfigError {
+                key: "shim".into(),
+                reason: "needs cluster_secret: each pod's credential for its shim is derived \
+                         from it, so that every replica can command every pod's shim"
                     .into(),
             });
         }

@@ -15,13 +15,14 @@ use berth_core::egress::{EgressPolicy, METADATA_V4, METADATA_V6, PRIVATE_V4, PRI
 use berth_core::program::{self, ProgramFacts, Variable};
 use berth_core::{Epoch, Readiness, Role, Slug, UserId};
 use ipnet::IpNet;
-use k8s_openapi::api::core::v1::{ConfigMap, PersistentVolumeClaim, Pod, Service};
+use k8s_openapi::api::core::v1::{ConfigMap, PersistentVolumeClaim, Pod, Secret, Service};
 use k8s_openapi::api::networking::v1::NetworkPolicy;
 use serde_json::{Map, Value, json};
 use sha2::{Digest, Sha256};
 
 use crate::config::{
-    ConfigError, K8sRuntimeConfig, KubernetesConfig, Network, StorageMode, extra_pod_spec, strict,
+    ConfigError, K8sRuntimeConfig, KubernetesConfig, Network, ShimConfig, StorageMode,
+    extra_pod_spec, strict,
 };
 use crate::names::{self, EPOCH_ANNOTATION, INSTANCE_ANNOTATION, NODE_ANNOTATION};
 
@@ -59,7 +60,22 @@ pub struct PodInput<'a> {
     pub has_patch: bool,
     /// Extra environment from the controller.
     pub env: &'a [(String, String)],
+    /// For a main pod with berth's shim (`[kubernetes.shim]`): what its
+    /// shim is given.
+    pub shim: Option<ShimInput<'a>>,
 }
+
+/// What a pod's shim is given besides the config.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ShimInput<'a> {
+    /// The pod's shim nonce (see [`names::SHIM_NONCE_ANNOTATION`]).
+    pub nonce: &'a str,
+    /// The fence deadline from the shim's start; `None`: no fencing.
+    pub fence_ms: Option<u64>,
+}
+
+/// The key of the pod's Secret that holds its shim credential.
+pub const SHIM_CREDENTIAL_KEY: &str = "credential";
 
 fn meta(config: &KubernetesConfig, name: &str, user: &UserId, slug: &Slug) -> Value {
     json!({
@@ -126,6 +142,112 @@ fn container_security(config: &KubernetesConfig) -> Value {
     })
 }
 
+/// The name of the shim's port, in the pod and in the user's Service.
+pub const SHIM_PORT_NAME: &str = "berth-shim";
+
+/// The shim's part of the container's command: `berth shim pod --`.
+fn shim_command(config: &ShimConfig) -> [String; 4] {
+    [
+        config.path.clone(),
+        "shim".into(),
+        "pod".into(),
+        "--".into(),
+    ]
+}
+
+/// The shim's own variables (which it takes out of the program's
+/// environment): its credential from the pod's Secret, never written in
+/// the pod itself; the instance, epoch and fence deadline from the pod's
+/// annotations, so that the template does not change with them.
+fn shim_env(
+    runtime: &K8sRuntimeConfig,
+    pod_name: &str,
+    input: &PodInput<'_>,
+    shim: ShimInput<'_>,
+) -> Vec<(String, Value)> {
+    use berth_core::shim_wire::pod_env as v;
+    let k = &runtime.kubernetes;
+    let Some(config) = &k.shim else {
+        return Vec::new();
+    };
+    let mut env = vec![
+        (
+            v::CONTROL,
+            env_value(v::CONTROL, &format!("0.0.0.0:{}", config.port)),
+        ),
+        (
+            v::CREDENTIAL,
+            json!({
+                "name": v::CREDENTIAL,
+                "valueFrom": { "secretKeyRef": { "name": pod_name, "key": SHIM_CREDENTIAL_KEY } },
+            }),
+        ),
+        (
+            v::RUN_AS,
+            env_value(
+                v::RUN_AS,
+                &format!("{}:{}", k.security.run_as_user, k.security.group()),
+            ),
+        ),
+        (
+            v::INSTANCE,
+            env_annotation(v::INSTANCE, INSTANCE_ANNOTATION),
+        ),
+        (v::EPOCH, env_annotation(v::EPOCH, EPOCH_ANNOTATION)),
+        (v::USER, env_value(v::USER, input.user.as_str())),
+        (v::ROLE, env_value(v::ROLE, input.role.as_str())),
+        (
+            v::STOP_GRACE_MS,
+            env_value(
+                v::STOP_GRACE_MS,
+                &runtime.stop_grace.as_millis().to_string(),
+            ),
+        ),
+        (v::STATE_DIR, env_value(v::STATE_DIR, "/tmp")),
+    ];
+    if shim.fence_ms.is_some() {
+        env.push((
+            v::FENCE_MS,
+            env_annotation(v::FENCE_MS, names::SHIM_FENCE_ANNOTATION),
+        ));
+    }
+    env.into_iter().map(|(n, e)| (n.to_owned(), e)).collect()
+}
+
+/// The shim's container: root, to start the program under its own uid and
+/// to signal it, with no other capability.
+fn shim_security(config: &KubernetesConfig) -> Value {
+    json!({
+        "allowPrivilegeEscalation": false,
+        "capabilities": { "drop": ["ALL"], "add": ["SETUID", "SETGID", "KILL"] },
+        "runAsNonRoot": false,
+        "runAsUser": 0,
+        "runAsGroup": 0,
+        "readOnlyRootFilesystem": config.security.read_only_root_filesystem,
+    })
+}
+
+/// The Secret that holds the shim credential of pod `pod_name`: the
+/// kubelet puts it in the shim's environment alone.
+pub fn shim_secret(
+    config: &KubernetesConfig,
+    user: &UserId,
+    slug: &Slug,
+    pod_name: &str,
+    credential: &str,
+) -> Result<Secret, ConfigError> {
+    strict(
+        &json!({
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "metadata": meta(config, pod_name, user, slug),
+            "type": "Opaque",
+            "data": { SHIM_CREDENTIAL_KEY: k8s_openapi::ByteString(credential.as_bytes().to_vec()) },
+        }),
+        "secret",
+    )
+}
+
 fn data_mount(config: &KubernetesConfig, slug: &Slug) -> Value {
     let mut mount = json!({ "name": "data", "mountPath": config.storage.mount_path });
     if config.storage.mode == StorageMode::Shared {
@@ -164,6 +286,17 @@ pub fn pod(config: &K8sRuntimeConfig, input: &PodInput<'_>) -> Result<Option<Pod
         names::PATCH_ANNOTATION: input.patch_hash,
     });
     metadata["finalizers"] = json!([names::FINALIZER]);
+    let shim = k
+        .shim
+        .as_ref()
+        .filter(|_| input.role == Role::Main)
+        .zip(input.shim);
+    if let Some((_, shim)) = shim {
+        metadata["annotations"][names::SHIM_NONCE_ANNOTATION] = json!(shim.nonce);
+        if let Some(ms) = shim.fence_ms {
+            metadata["annotations"][names::SHIM_FENCE_ANNOTATION] = json!(ms.to_string());
+        }
+    }
 
     // Configured variables first, then the controller's, then berth's own,
     // which win (a config cannot spoof BERTH_USER). The epoch and instance
@@ -235,14 +368,23 @@ pub fn pod(config: &K8sRuntimeConfig, input: &PodInput<'_>) -> Result<Option<Pod
         volumes.push(json!({ "name": "tmp", "emptyDir": {} }));
     }
 
+    let mut command: Vec<String> = command.iter().map(|a| template_arg(a)).collect();
+    let mut security = container_security(k);
+    if let Some((shim_config, shim)) = shim {
+        command.splice(0..0, shim_command(shim_config));
+        for (var, value) in shim_env(config, &name, input, shim) {
+            env.insert(var, value);
+        }
+        security = shim_security(k);
+    }
     let mut main = json!({
         "name": MAIN_CONTAINER,
         "image": k.image,
-        "command": command.iter().map(|a| template_arg(a)).collect::<Vec<_>>(),
+        "command": command,
         "env": env.into_values().collect::<Vec<_>>(),
         "workingDir": folder,
         "volumeMounts": mounts,
-        "securityContext": container_security(k),
+        "securityContext": security,
         // Kubernetes cannot tell stderr from stdout; on a failure its last
         // lines become the exit's message, berth's stderr tail.
         "terminationMessagePolicy": "FallbackToLogsOnError",
@@ -262,6 +404,11 @@ pub fn pod(config: &K8sRuntimeConfig, input: &PodInput<'_>) -> Result<Option<Pod
     }
     if input.role == Role::Main {
         main["ports"] = json!([{ "name": "http", "containerPort": k.port }]);
+        if let Some((shim_config, _)) = shim
+            && let Some(ports) = main["ports"].as_array_mut()
+        {
+            ports.push(json!({ "name": SHIM_PORT_NAME, "containerPort": shim_config.port }));
+        }
         let probe = match &config.program.readiness {
             Readiness::TokenRegex(_) => None,
             Readiness::Http { path } => {
@@ -372,6 +519,11 @@ pub fn service(
     if let Some(files) = &config.file_service {
         ports.push(json!({ "name": "files", "port": files.port, "targetPort": "files" }));
     }
+    if let Some(shim) = &config.shim {
+        ports.push(
+            json!({ "name": SHIM_PORT_NAME, "port": shim.port, "targetPort": SHIM_PORT_NAME }),
+        );
+    }
     strict(
         &json!({
             "apiVersion": "v1",
@@ -468,6 +620,9 @@ pub fn network_policy(
     let mut ports = vec![json!({ "protocol": "TCP", "port": config.port })];
     if let Some(files) = &config.file_service {
         ports.push(json!({ "protocol": "TCP", "port": files.port }));
+    }
+    if let Some(shim) = &config.shim {
+        ports.push(json!({ "protocol": "TCP", "port": shim.port }));
     }
     let mut egress = Vec::new();
     if !policy.mode.confined() {

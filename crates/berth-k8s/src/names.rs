@@ -31,6 +31,15 @@ pub const NODE_ANNOTATION: &str = "berth.dev/node";
 /// without the annotations above), so a replica can tell whether an
 /// existing pod is the one it would create.
 pub const TEMPLATE_ANNOTATION: &str = "berth.dev/template";
+/// Annotation (pods with berth's shim): a value chosen when the pod was
+/// created, never changed; the pod's shim credential is made from it (see
+/// `runtime/shim.rs`).
+pub const SHIM_NONCE_ANNOTATION: &str = "berth.dev/shim-nonce";
+/// Annotation (pods with berth's shim): the fence deadline the shim
+/// starts with, in ms from its start. An annotation, not part of the
+/// template: it is what is left of the creating replica's lease, which
+/// differs from one start to the next.
+pub const SHIM_FENCE_ANNOTATION: &str = "berth.dev/shim-fence-ms";
 /// Annotation (pods): a hash of the patch the pod was started with.
 pub const PATCH_ANNOTATION: &str = "berth.dev/patch";
 /// Finalizer on every pod: the pod object (its exit status and its log)

@@ -111,6 +111,8 @@ pub struct PodView {
     pub template: Option<String>,
     /// The hash of the patch it started with.
     pub patch: Option<String>,
+    /// Its shim's nonce, when berth's shim is its entrypoint.
+    pub shim_nonce: Option<String>,
 }
 
 fn terminated(t: &ContainerStateTerminated) -> Terminated {
@@ -194,6 +196,7 @@ impl PodView {
             node: annotation(names::NODE_ANNOTATION),
             template: annotation(names::TEMPLATE_ANNOTATION),
             patch: annotation(names::PATCH_ANNOTATION),
+            shim_nonce: annotation(names::SHIM_NONCE_ANNOTATION),
         }
     }
 

@@ -28,6 +28,7 @@ mod hooks;
 mod logs;
 mod objects;
 mod pods;
+mod shim;
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
@@ -42,20 +43,21 @@ use berth_core::runtime::{
 use berth_core::{Endpoint, Epoch, Role, Slug, UserId};
 use futures_util::StreamExt;
 use futures_util::io::AsyncBufReadExt;
-use k8s_openapi::api::core::v1::{ConfigMap, PersistentVolumeClaim, Pod, Service};
+use k8s_openapi::api::core::v1::{ConfigMap, PersistentVolumeClaim, Pod, Secret, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use k8s_openapi::api::networking::v1::NetworkPolicy;
+use kube::Client;
 use kube::api::{Api, LogParams};
-use kube::{Client, ResourceExt};
 use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::config::K8sRuntimeConfig;
-use crate::manifest::{self, MAIN_CONTAINER, PodInput};
+use crate::manifest::{self, MAIN_CONTAINER, PodInput, ShimInput};
 use crate::names;
 use crate::observe::{self, PodView, Tracker};
 use berth_core::Readiness;
+use berth_core::shim_wire::ShimCommand;
 
 /// How many times a conflicting write is read and tried again.
 const CONFLICT_RETRIES: usize = 8;
@@ -98,7 +100,10 @@ struct Inner {
     config_maps: Api<ConfigMap>,
     policies: Api<NetworkPolicy>,
     claims: Api<PersistentVolumeClaim>,
+    secrets: Api<Secret>,
     slices: Api<EndpointSlice>,
+    /// The id of the next hook asked of a pod's shim.
+    next_hook: std::sync::atomic::AtomicU64,
     state: Mutex<State>,
     /// Bumped after every change of the cache.
     changes: watch::Sender<u64>,
@@ -123,6 +128,8 @@ struct State {
 struct RunHandle {
     uid: String,
     views: watch::Sender<PodView>,
+    /// The link to the pod's shim, when berth's shim is its entrypoint.
+    shim: Option<shim::ShimLink>,
 }
 
 fn lock(m: &Mutex<State>) -> MutexGuard<'_, State> {
@@ -178,6 +185,20 @@ pub async fn connect(config: &crate::config::KubernetesConfig) -> Result<Client,
 }
 
 impl K8sRuntime {
+    /// `command` to the shim of `instance`'s pod; without the shim, the
+    /// runtime cannot do `what`.
+    async fn to_shim(
+        &self,
+        instance: &RuntimeRef,
+        command: ShimCommand,
+        what: &'static str,
+    ) -> Result<(), RuntimeError> {
+        if self.inner.config.kubernetes.shim.is_none() {
+            return Err(self.unsupported(what));
+        }
+        self.inner.shim_command(instance, command).await
+    }
+
     /// A runtime over `client`, answering endpoints with the Service's DNS
     /// name. Starts the watch (so it must be called within a Tokio
     /// runtime); [`Runtime::discover`] and [`Runtime::start`] wait for its
@@ -206,7 +227,9 @@ impl K8sRuntime {
             config_maps: Api::namespaced(client.clone(), &ns),
             policies: Api::namespaced(client.clone(), &ns),
             claims: Api::namespaced(client.clone(), &ns),
+            secrets: Api::namespaced(client.clone(), &ns),
             slices: Api::namespaced(client, &ns),
+            next_hook: std::sync::atomic::AtomicU64::new(1),
             config,
             resolver,
             state: Mutex::new(State::default()),
@@ -251,10 +274,11 @@ impl Runtime for K8sRuntime {
     }
 
     fn capabilities(&self) -> Capabilities {
+        let shim = self.inner.config.kubernetes.shim.is_some();
         Capabilities {
-            freeze: false,
-            fence_deadline: false,
-            exec: false,
+            freeze: shim,
+            fence_deadline: shim,
+            exec: shim,
             egress: true,
             egress_names: self.inner.config.egress_proxy_key.is_some(),
         }
@@ -286,6 +310,11 @@ impl Runtime for K8sRuntime {
             &spec.user,
             policy,
         ));
+        let name = names::pod(&spec.slug, spec.role);
+        let shim_nonce = inner.shim_nonce(&spec, &name).await?;
+        let fence_ms = spec
+            .fence
+            .map(|fence| u64::try_from(fence.as_millis()).unwrap_or(u64::MAX));
         let input = PodInput {
             user: &spec.user,
             slug: &spec.slug,
@@ -297,11 +326,13 @@ impl Runtime for K8sRuntime {
             patch_hash: &patch_hash,
             has_patch: patch_hash != manifest::patch_hash(None),
             env: &env,
+            shim: shim_nonce
+                .as_deref()
+                .map(|nonce| ShimInput { nonce, fence_ms }),
         };
         let pod = manifest::pod(&inner.config, &input)
             .map_err(|e| RuntimeError::SpawnFailed(e.to_string()))?
             .ok_or_else(|| RuntimeError::SpawnFailed("no watchdog command is configured".into()))?;
-        let name = pod.name_any();
         let uid = inner.create_pod(&pod, &spec, &patch_hash, deadline).await?;
         inner.wait_started(&name, &uid, deadline).await?;
         let endpoint = match spec.role {
@@ -314,7 +345,7 @@ impl Runtime for K8sRuntime {
             },
             Role::Watchdog => None,
         };
-        let events = inner.follow(&name, &uid, inner.tracker(&uid, spec.epoch));
+        let events = inner.follow(&name, &uid, inner.tracker(&uid, spec.epoch), spec.role);
         Ok(Started {
             runtime_ref: observe::format_ref(&name, &uid, spec.epoch),
             pid: None,
@@ -338,8 +369,48 @@ impl Runtime for K8sRuntime {
     ) -> Result<HookOutcome, RuntimeError> {
         match &hook.action {
             HookAction::Post(path) => self.inner.post_hook(instance, path, hook.grace).await,
-            HookAction::Command(_) => Err(self.unsupported("run a command inside a pod")),
+            HookAction::Command(_) if self.inner.config.kubernetes.shim.is_none() => {
+                Err(self.unsupported("run a command inside a pod without [kubernetes.shim]"))
+            }
+            HookAction::Command(argv) => {
+                self.inner
+                    .shim_hook(instance, hook.name, argv.clone(), hook.grace)
+                    .await
+            }
         }
+    }
+
+    async fn freeze(&self, instance: &RuntimeRef) -> Result<(), RuntimeError> {
+        self.to_shim(
+            instance,
+            ShimCommand::Freeze,
+            "freeze a pod without [kubernetes.shim]",
+        )
+        .await
+    }
+
+    async fn thaw(&self, instance: &RuntimeRef) -> Result<(), RuntimeError> {
+        self.to_shim(
+            instance,
+            ShimCommand::Thaw,
+            "thaw a pod without [kubernetes.shim]",
+        )
+        .await
+    }
+
+    async fn extend_fence(
+        &self,
+        instance: &RuntimeRef,
+        left: Duration,
+    ) -> Result<(), RuntimeError> {
+        let ms = u64::try_from(left.as_millis()).unwrap_or(u64::MAX);
+        let command = ShimCommand::Extend { ms };
+        self.to_shim(
+            instance,
+            command,
+            "keep a pod's fence deadline without [kubernetes.shim]",
+        )
+        .await
     }
 
     async fn release(&self, instance_id: &str) {
@@ -431,7 +502,7 @@ impl Runtime for K8sRuntime {
             }
             Role::Watchdog => None,
         };
-        let events = inner.follow(name, uid, tracker);
+        let events = inner.follow(name, uid, tracker, found.role);
         Ok(Started {
             runtime_ref: r.clone(),
             pid: None,

@@ -10,12 +10,10 @@
 //! that user's own policy.
 
 use data_encoding::{BASE64URL_NOPAD, HEXLOWER};
-use hmac::{Hmac, Mac};
-use sha2::Sha256;
+use hmac::Mac;
 
 use crate::UserId;
-
-type HmacSha256 = Hmac<Sha256>;
+use crate::credential::{HmacSha256, derived, tag};
 
 /// The key the proxy's credentials are made and checked with.
 #[derive(Clone)]
@@ -42,8 +40,7 @@ impl ProxyKey {
     /// the secret, so that no other use of the secret ever yields a
     /// valid credential, nor a credential anything else.
     pub fn new(cluster_secret: &[u8]) -> Self {
-        let derived = tag(&keyed(cluster_secret), b"berth egress proxy credential v1");
-        Self(keyed(&derived))
+        Self(derived(cluster_secret, b"berth egress proxy credential v1"))
     }
 
     /// `user`'s credential.
@@ -64,17 +61,6 @@ impl ProxyKey {
         mac.verify_slice(&claimed).ok()?;
         UserId::parse(std::str::from_utf8(&id).ok()?).ok()
     }
-}
-
-fn keyed(key: &[u8]) -> HmacSha256 {
-    <HmacSha256 as Mac>::new_from_slice(key)
-        .unwrap_or_else(|_| unreachable!("HMAC accepts keys of any length"))
-}
-
-fn tag(key: &HmacSha256, message: &[u8]) -> Vec<u8> {
-    let mut mac = key.clone();
-    mac.update(message);
-    mac.finalize().into_bytes().to_vec()
 }
 
 #[cfg(test)]

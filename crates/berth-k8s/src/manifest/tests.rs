@@ -22,6 +22,7 @@ pub(crate) fn runtime_config(k: KubernetesConfig) -> K8sRuntimeConfig {
         stop_grace: Duration::from_secs(5),
         egress: EgressPolicy::default(),
         egress_proxy_key: None,
+        shim_key: None,
     }
 }
 
@@ -37,6 +38,7 @@ fn input<'a>(user: &'a UserId, slug: &'a berth_core::Slug, role: Role) -> PodInp
         patch_hash: "ph",
         has_patch: true,
         env: &[],
+        shim: None,
     }
 }
 

@@ -20,14 +20,6 @@ const SLICE_POLL: Duration = Duration::from_millis(200);
 const SLICE_SERVICE_LABEL: &str = "kubernetes.io/service-name";
 
 impl Inner {
-    fn endpoint(&self, slug: &str) -> Endpoint {
-        self.resolver.endpoint(
-            self.namespace(),
-            &names::user_object(slug),
-            self.config.kubernetes.port,
-        )
-    }
-
     /// Where the proxy reaches pod `uid` of user `slug`: the Service's DNS
     /// name, or (`endpoint = "endpoint_slice"`) the address and port the
     /// Service's EndpointSlice lists for that very pod, waited for until
@@ -38,14 +30,33 @@ impl Inner {
         uid: &str,
         deadline: tokio::time::Instant,
     ) -> Result<Endpoint, RuntimeError> {
+        self.endpoint_on(slug, uid, "http", deadline).await
+    }
+
+    /// Where pod `uid` of user `slug` listens on its Service's port
+    /// `port_name`, found as [`Inner::endpoint_of`] finds `http`.
+    pub(super) async fn endpoint_on(
+        &self,
+        slug: &str,
+        uid: &str,
+        port_name: &str,
+        deadline: tokio::time::Instant,
+    ) -> Result<Endpoint, RuntimeError> {
         if self.config.kubernetes.endpoint == EndpointMode::ServiceDns {
-            return Ok(self.endpoint(slug));
+            let k = &self.config.kubernetes;
+            let port = match (port_name, &k.shim) {
+                (crate::manifest::SHIM_PORT_NAME, Some(shim)) => shim.port,
+                _ => k.port,
+            };
+            return Ok(self
+                .resolver
+                .endpoint(self.namespace(), &names::user_object(slug), port));
         }
         let service = names::user_object(slug);
         let params = ListParams::default().labels(&format!("{SLICE_SERVICE_LABEL}={service}"));
         loop {
             let last_error = match self.slices.list(&params).await {
-                Ok(list) => match slice_endpoint(&list.items, uid) {
+                Ok(list) => match slice_endpoint(&list.items, uid, port_name) {
                     Some(endpoint) => return Ok(endpoint),
                     None => None,
                 },
@@ -69,14 +80,14 @@ impl Inner {
     }
 }
 
-/// The address and `http` port that `slices` list for pod `uid`.
-fn slice_endpoint(slices: &[EndpointSlice], uid: &str) -> Option<Endpoint> {
+/// The address and port `port_name` that `slices` list for pod `uid`.
+fn slice_endpoint(slices: &[EndpointSlice], uid: &str, port_name: &str) -> Option<Endpoint> {
     slices.iter().find_map(|slice| {
         let port = slice
             .ports
             .as_ref()?
             .iter()
-            .find(|p| p.name.as_deref() == Some("http"))?
+            .find(|p| p.name.as_deref() == Some(port_name))?
             .port?;
         let address = slice
             .endpoints
@@ -117,7 +128,7 @@ mod tests {
             slice("new", "10.0.0.2", "http"),
         ];
         assert_eq!(
-            slice_endpoint(&slices, "new"),
+            slice_endpoint(&slices, "new", "http"),
             Some(Endpoint {
                 host: "10.0.0.2".into(),
                 port: 8080,
@@ -125,16 +136,16 @@ mod tests {
             })
         );
         assert_eq!(
-            slice_endpoint(&slices, "other"),
+            slice_endpoint(&slices, "other", "http"),
             None,
             "another pod's address"
         );
         assert_eq!(
-            slice_endpoint(&[slice("new", "10.0.0.2", "web")], "new"),
+            slice_endpoint(&[slice("new", "10.0.0.2", "web")], "new", "http"),
             None,
             "no http port"
         );
-        let v6 = slice_endpoint(&[slice("new", "fd00::2", "http")], "new").unwrap();
+        let v6 = slice_endpoint(&[slice("new", "fd00::2", "http")], "new", "http").unwrap();
         assert_eq!(v6.authority(), "[fd00::2]:8080");
     }
 }

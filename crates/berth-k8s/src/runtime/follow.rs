@@ -6,18 +6,25 @@ use std::sync::Arc;
 use berth_core::runtime::{EVENT_BUFFER, RuntimeEvent};
 use tokio::sync::{mpsc, watch};
 
+use berth_core::Role;
+
+use super::shim::ShimLink;
 use super::{Inner, RunHandle, lock};
 use crate::observe::{PodView, Step, Tracker};
 
 impl Inner {
-    /// Follows the pod `name` (`uid`) as a run under `epoch`.
+    /// Follows the pod `name` (`uid`) as a run under `epoch`; a main pod
+    /// with berth's shim also through its link to the shim.
     pub(super) fn follow(
         self: &Arc<Self>,
         name: &str,
         uid: &str,
         tracker: Tracker,
+        role: Role,
     ) -> mpsc::Receiver<RuntimeEvent> {
         let (events, receiver) = mpsc::channel(EVENT_BUFFER);
+        let link =
+            (role == Role::Main && self.config.kubernetes.shim.is_some()).then(ShimLink::new);
         let views = {
             let mut state = lock(&self.state);
             let mut view = state.pods.get(name).map(PodView::of).unwrap_or_default();
@@ -35,13 +42,27 @@ impl Inner {
                 RunHandle {
                     uid: uid.to_owned(),
                     views: sender,
+                    shim: link.clone(),
                 },
             );
             views
         };
         let inner = self.clone();
         let (name, uid) = (name.to_owned(), uid.to_owned());
+        // The link ends with the run.
+        let link_cancel = self.cancel.child_token();
+        if let Some(link) = link {
+            let task = Arc::clone(self).keep_shim_link(
+                (name.clone(), uid.clone()),
+                link,
+                views.clone(),
+                events.clone(),
+                link_cancel.clone(),
+            );
+            self.tasks.spawn(task);
+        }
         self.tasks.spawn(async move {
+            let _end_link = link_cancel.drop_guard();
             inner.run(&name, &uid, tracker, views, events).await;
             let mut state = lock(&inner.state);
             if state.runs.get(&name).is_some_and(|r| r.uid == uid) {

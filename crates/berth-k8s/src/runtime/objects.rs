@@ -97,6 +97,15 @@ impl Inner {
         Ok(())
     }
 
+    /// Writes a pod's shim Secret: created, or replaced when it holds
+    /// another credential.
+    pub(super) async fn ensure_secret(
+        &self,
+        secret: &k8s_openapi::api::core::v1::Secret,
+    ) -> Result<(), kube::Error> {
+        self.ensure(&self.secrets, secret, true).await
+    }
+
     /// The user's objects besides the pod; the patch's hash.
     pub(super) async fn ensure_objects(&self, spec: &InstanceSpec) -> Result<String, RuntimeError> {
         let k = &self.config.kubernetes;

@@ -81,7 +81,10 @@ pub(crate) fn endpoint_slices(shared: &Shared, namespace: &str, selector: &Selec
                     "conditions": { "ready": ready },
                     "targetRef": { "kind": "Pod", "namespace": namespace, "name": pod_name, "uid": uid },
                 }],
-                "ports": [{ "name": "http", "port": run.port, "protocol": "TCP" }],
+                "ports": [
+                    { "name": "http", "port": run.port, "protocol": "TCP" },
+                    { "name": crate::manifest::SHIM_PORT_NAME, "port": run.shim_port, "protocol": "TCP" },
+                ],
             }));
         }
     }

@@ -9,10 +9,14 @@
 //! image is not run (only the command), every volume is a local directory
 //! (paths under a mount path are rewritten to it), other containers
 //! (sidecars) are reported running without a process, the pod's first
-//! container port becomes a free local port passed in `BERTH_PORT`, and
-//! the process runs as the test's own user.
+//! container port becomes a free local port passed in `BERTH_PORT` (and a
+//! pod shim's control port another, in `BERTH_SHIM_CONTROL`, which the
+//! user's EndpointSlice lists), the process runs as the test's own user,
+//! and pods share this machine's pid namespace (so a pod's shim runs its
+//! program under a uid of that pod's own, not the configured one).
 
 use std::collections::HashMap;
+use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::sync::Arc;
@@ -97,11 +101,56 @@ struct Launch {
     cwd: PathBuf,
     probe: Option<Value>,
     port: u16,
+    /// The uid its shim runs the program as, for a pod with berth's shim.
+    program_uid: Option<u32>,
+}
+
+/// A uid for a pod's program here: one per pod, from a range of this
+/// process's own (several doubles may run in one test process).
+fn next_program_uid() -> u32 {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    760_000 + std::process::id() % 100 * 1_000 + NEXT.fetch_add(1, Ordering::Relaxed) % 1_000
+}
+
+/// The value of a `secretKeyRef` (`name`, `key`) in `namespace`.
+fn secret_value(
+    shared: &Shared,
+    namespace: &str,
+    reference: &serde_json::Map<String, Value>,
+) -> Result<String, String> {
+    let name = reference
+        .get("name")
+        .and_then(Value::as_str)
+        .unwrap_or_default();
+    let key = reference
+        .get("key")
+        .and_then(Value::as_str)
+        .unwrap_or_default();
+    let object_key = (
+        super::store::Kind::Secret,
+        namespace.to_owned(),
+        name.to_owned(),
+    );
+    let encoded = lock(&shared.world)
+        .store
+        .objects
+        .get(&object_key)
+        .and_then(|secret| secret["data"][key].as_str().map(str::to_owned))
+        .ok_or_else(|| format!("secret {name:?} has no key {key:?}"))?;
+    let bytes: k8s_openapi::ByteString = serde_json::from_value(Value::String(encoded))
+        .map_err(|e| format!("secret {name:?} key {key:?}: {e}"))?;
+    String::from_utf8(bytes.0).map_err(|e| format!("secret {name:?} key {key:?}: {e}"))
 }
 
 /// Local directories for the pod's volumes, and the program's command,
 /// env and working directory with container paths rewritten to them.
-fn prepare(shared: &Shared, pod: &Value, uid: &str, port: u16) -> Result<Launch, String> {
+fn prepare(
+    shared: &Shared,
+    pod: &Value,
+    uid: &str,
+    (port, shim_port, program_uid): (u16, u16, u32),
+) -> Result<Launch, String> {
     let spec = &pod["spec"];
     let containers = spec["containers"].as_array().cloned().unwrap_or_default();
     let main = containers
@@ -116,7 +165,16 @@ fn prepare(shared: &Shared, pod: &Value, uid: &str, port: u16) -> Result<Launch,
     for volume in spec["volumes"].as_array().cloned().unwrap_or_default() {
         let name = volume["name"].as_str().unwrap_or_default().to_owned();
         let dir = if let Some(claim) = volume["persistentVolumeClaim"]["claimName"].as_str() {
-            shared.root.join("claims").join(claim)
+            let dir = shared.root.join("claims").join(claim);
+            std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
+            // Like the kubelet, the volume is made the pod's fsGroup's.
+            if let Some(group) = spec["securityContext"]["fsGroup"].as_u64() {
+                let group = u32::try_from(group).map_err(|e| e.to_string())?;
+                std::os::unix::fs::chown(&dir, None, Some(group)).map_err(|e| e.to_string())?;
+                std::fs::set_permissions(&dir, PermissionsExt::from_mode(0o2775))
+                    .map_err(|e| e.to_string())?;
+            }
+            dir
         } else if let Some(map) = volume["configMap"]["name"].as_str() {
             let dir = pod_dir.join("configmaps").join(&name);
             std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
@@ -134,7 +192,12 @@ fn prepare(shared: &Shared, pod: &Value, uid: &str, port: u16) -> Result<Launch,
             }
             dir
         } else {
-            pod_dir.join("volumes").join(&name)
+            // An emptyDir is writable by every uid of the pod.
+            let dir = pod_dir.join("volumes").join(&name);
+            std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
+            std::fs::set_permissions(&dir, PermissionsExt::from_mode(0o1777))
+                .map_err(|e| e.to_string())?;
+            dir
         };
         volumes.insert(name, dir);
     }
@@ -170,8 +233,24 @@ fn prepare(shared: &Shared, pod: &Value, uid: &str, port: u16) -> Result<Launch,
         let name = var["name"].as_str().unwrap_or_default().to_owned();
         let value = if name == "BERTH_PORT" {
             port.to_string()
+        } else if name == berth_core::shim_wire::pod_env::RUN_AS {
+            // Pods share this machine's pid namespace: a shim's sweeps of
+            // its program's uid would reach every pod's program if they
+            // shared one, so each pod's program gets a uid of its own (its
+            // group, the volume's, stays).
+            let value = var["value"].as_str().unwrap_or_default();
+            let group = value.split_once(':').map_or("", |(_, g)| g);
+            format!("{program_uid}:{group}")
+        } else if name == berth_core::shim_wire::pod_env::CONTROL {
+            // Pods share this machine's addresses: the shim gets a free
+            // local port, which the Service's EndpointSlice lists.
+            format!("127.0.0.1:{shim_port}")
         } else if let Some(path) = var["valueFrom"]["fieldRef"]["fieldPath"].as_str() {
             field(pod, path)
+        } else if let Some(reference) = var["valueFrom"]["secretKeyRef"].as_object() {
+            // Like the kubelet, a container whose Secret is missing does
+            // not start.
+            secret_value(shared, ns, reference)?
         } else {
             local(&expand(var["value"].as_str().unwrap_or_default(), &defined))
         };
@@ -199,12 +278,16 @@ fn prepare(shared: &Shared, pod: &Value, uid: &str, port: u16) -> Result<Launch,
         .unwrap_or_else(|| pod_dir.join("cwd"));
     // Like containerd, create a missing working directory.
     std::fs::create_dir_all(&cwd).map_err(|e| e.to_string())?;
+    let has_shim = env
+        .iter()
+        .any(|(name, _)| name == berth_core::shim_wire::pod_env::RUN_AS);
     Ok(Launch {
         program,
         env,
         cwd,
         probe: main.get("readinessProbe").cloned(),
         port,
+        program_uid: has_shim.then_some(program_uid),
     })
 }
 
@@ -293,6 +376,8 @@ fn main_status(pod: &Value, ready: bool, restarts: i32, state: Value, last: Valu
 /// Starts pod `key` (`uid`): its program, its log, its probes.
 pub fn admit(shared: &Arc<Shared>, key: Key, uid: String) {
     let port = free_port();
+    let shim_port = free_port();
+    let program_uid = next_program_uid();
     lock(&shared.world).runs.insert(
         uid.clone(),
         PodRun {
@@ -300,6 +385,9 @@ pub fn admit(shared: &Arc<Shared>, key: Key, uid: String) {
             log_closed: false,
             log_changed: Arc::new(tokio::sync::Notify::new()),
             port,
+            shim_port,
+            program_uid,
+            has_shim: false,
             pgid: None,
             ready_override: None,
             restarts: 0,
@@ -310,13 +398,13 @@ pub fn admit(shared: &Arc<Shared>, key: Key, uid: String) {
         let cancel = shared2.cancel.clone();
         tokio::select! {
             _ = cancel.cancelled() => {}
-            _ = run(&shared2, &key, &uid, port, Value::Null) => {}
+            _ = run(&shared2, &key, &uid, (port, shim_port, program_uid), Value::Null) => {}
         }
     });
 }
 
 /// Runs the pod's program once (and again after a simulated restart).
-async fn run(shared: &Arc<Shared>, key: &Key, uid: &str, port: u16, mut last: Value) {
+async fn run(shared: &Arc<Shared>, key: &Key, uid: &str, ports: (u16, u16, u32), mut last: Value) {
     loop {
         let Some(pod) = lock(&shared.world).store.objects.get(key).cloned() else {
             return;
@@ -326,7 +414,7 @@ async fn run(shared: &Arc<Shared>, key: &Key, uid: &str, port: u16, mut last: Va
             return;
         }
         let restarts = lock(&shared.world).runs.get(uid).map_or(0, |r| r.restarts);
-        let launch = match prepare(shared, &pod, uid, port) {
+        let launch = match prepare(shared, &pod, uid, ports) {
             Ok(launch) => launch,
             Err(message) => {
                 fail_start(shared, key, uid, &message, restarts, last);
@@ -365,12 +453,14 @@ async fn run(shared: &Arc<Shared>, key: &Key, uid: &str, port: u16, mut last: Va
             }
         };
         let pgid = child.id().and_then(|p| i32::try_from(p).ok());
+        let program_uid = launch.program_uid;
         let readers = {
             let mut world = lock(&shared.world);
             let Some(run) = world.runs.get_mut(uid) else {
                 return;
             };
             run.pgid = pgid;
+            run.has_shim = program_uid.is_some();
             let notify = run.log_changed.clone();
             drop(world);
             let out = child
@@ -416,9 +506,13 @@ async fn run(shared: &Arc<Shared>, key: &Key, uid: &str, port: u16, mut last: Va
                 .unwrap_or(-1),
             Err(_) => -1,
         };
-        // Whatever is left of the group goes with the program.
+        // Whatever is left of the group goes with the program, and, as
+        // with a pod's pid namespace, every process of its program's uid.
         if let Some(pgid) = pgid {
             let _ = killpg(Pid::from_raw(pgid), Signal::SIGKILL);
+        }
+        if let Some(program_uid) = program_uid {
+            let _ = tokio::task::spawn_blocking(move || end_namespace(program_uid)).await;
         }
         let (restart, message) = {
             let mut world = lock(&shared.world);
@@ -623,11 +717,44 @@ pub fn terminate(shared: &Arc<Shared>, uid: &str, grace: u64) {
     });
 }
 
+/// What ends with a pod's pid namespace here: SIGKILL to every process
+/// of `program_uid` (one pod's alone, see [`next_program_uid`]) until none is
+/// left, or a second has passed.
+fn end_namespace(program_uid: u32) {
+    for _ in 0..100 {
+        let members: Vec<i32> = std::fs::read_dir("/proc")
+            .into_iter()
+            .flatten()
+            .filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
+            .filter(|pid: &i32| {
+                std::fs::read_to_string(format!("/proc/{pid}/status")).is_ok_and(|status| {
+                    status.lines().any(|l| {
+                        l.strip_prefix("Uid:").is_some_and(|uids| {
+                            uids.split_whitespace()
+                                .any(|u| u.parse() == Ok(program_uid))
+                        })
+                    }) && !status.lines().any(|l| l.starts_with("State:\tZ"))
+                })
+            })
+            .collect();
+        if members.is_empty() {
+            return;
+        }
+        for pid in members {
+            let _ = nix::sys::signal::kill(Pid::from_raw(pid), Signal::SIGKILL);
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
 /// Kills every program the double runs (on drop).
 pub fn kill_all(shared: &Shared) {
     for run in lock(&shared.world).runs.values() {
         if let Some(pgid) = run.pgid {
             let _ = killpg(Pid::from_raw(pgid), Signal::SIGKILL);
+        }
+        if run.has_shim {
+            end_namespace(run.program_uid);
         }
     }
 }

@@ -105,6 +105,13 @@ impl ApiServerDouble {
     /// support, and a test cannot go on without it.
     pub async fn start() -> ApiServerDouble {
         let root = tempfile::tempdir().expect("a temporary directory for the double");
+        // Searchable, as a node's volume directories are: a pod's shim
+        // runs its program under another uid.
+        std::fs::set_permissions(
+            root.path(),
+            std::os::unix::fs::PermissionsExt::from_mode(0o755),
+        )
+        .expect("the double's directory made searchable");
         let shared = Arc::new(Shared {
             world: Mutex::new(World {
                 store: Store::default(),
@@ -209,6 +216,21 @@ impl ApiServerDouble {
             .runs
             .get(uid)
             .is_some_and(|r| r.pgid.is_some())
+    }
+
+    /// The local port the shim of the pod with `uid` listens on, which
+    /// the user's EndpointSlice lists as `berth-shim`.
+    pub fn shim_port(&self, uid: &str) -> Option<u16> {
+        lock(&self.shared.world).runs.get(uid).map(|r| r.shim_port)
+    }
+
+    /// The uid a pod's shim runs the program of the pod with `uid` as (one
+    /// per pod here, see the kubelet).
+    pub fn program_uid(&self, uid: &str) -> Option<u32> {
+        lock(&self.shared.world)
+            .runs
+            .get(uid)
+            .map(|r| r.program_uid)
     }
 
     fn pod_uid(&self, namespace: &str, name: &str) -> Option<(Key, String)> {

@@ -21,6 +21,8 @@ pub enum Kind {
     PersistentVolumeClaim,
     /// NetworkPolicies (`networking.k8s.io`).
     NetworkPolicy,
+    /// Secrets.
+    Secret,
 }
 
 impl Kind {
@@ -32,6 +34,7 @@ impl Kind {
             "configmaps" => Kind::ConfigMap,
             "persistentvolumeclaims" => Kind::PersistentVolumeClaim,
             "networkpolicies" => Kind::NetworkPolicy,
+            "secrets" => Kind::Secret,
             _ => return None,
         })
     }
@@ -44,6 +47,7 @@ impl Kind {
             Kind::ConfigMap => "configmaps",
             Kind::PersistentVolumeClaim => "persistentvolumeclaims",
             Kind::NetworkPolicy => "networkpolicies",
+            Kind::Secret => "secrets",
         }
     }
 
@@ -55,6 +59,7 @@ impl Kind {
             Kind::ConfigMap => "ConfigMap",
             Kind::PersistentVolumeClaim => "PersistentVolumeClaim",
             Kind::NetworkPolicy => "NetworkPolicy",
+            Kind::Secret => "Secret",
         }
     }
 

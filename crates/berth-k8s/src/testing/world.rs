@@ -45,6 +45,12 @@ pub struct PodRun {
     pub log_closed: bool,
     pub log_changed: Arc<tokio::sync::Notify>,
     pub port: u16,
+    /// The port a pod's shim (`BERTH_SHIM_CONTROL`) is given.
+    pub shim_port: u16,
+    /// The uid a pod's shim runs its program as.
+    pub program_uid: u32,
+    /// The pod's entrypoint is berth's shim.
+    pub has_shim: bool,
     /// The program's process group, while it runs.
     pub pgid: Option<i32>,
     pub ready_override: Option<bool>,

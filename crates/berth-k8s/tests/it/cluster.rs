@@ -58,6 +58,7 @@ impl Harness for ClusterHarness {
             stop_grace: Duration::from_secs(5),
             egress: Default::default(),
             egress_proxy_key: None,
+            shim_key: None,
         };
         K8sRuntime::new(self.client.clone(), config).unwrap()
     }

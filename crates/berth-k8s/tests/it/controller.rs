@@ -41,7 +41,17 @@ impl Env {
     }
 
     pub async fn controller(&self, command: Vec<String>, crash: CrashPolicy) -> Arc<Controller> {
-        let runtime = runtime(&self.double, config(command, token_regex(), "node-a"));
+        self.controller_with(config(command, token_regex(), "node-a"), crash)
+            .await
+    }
+
+    /// A controller over a runtime with `config`.
+    pub async fn controller_with(
+        &self,
+        config: berth_k8s::K8sRuntimeConfig,
+        crash: CrashPolicy,
+    ) -> Arc<Controller> {
+        let runtime = runtime(&self.double, config);
         let config = ControllerConfig {
             ready_timeout: Duration::from_secs(20),
             stop_grace: Duration::from_secs(2),

@@ -100,9 +100,25 @@ async fn the_role_grants_exactly_what_berths_lifecycle_of_a_pod_asks_for() {
         "echo ready token={}; exec sleep 1000",
         berth_core::runtime_contract::TOKEN
     ));
-    let first = env
-        .controller(command.clone(), CrashPolicy::default())
-        .await;
+    // With the shim, as the shipped config has it. This crate's tests
+    // have no berth binary, so a script stands in for the shim: it drops
+    // `shim pod --` and runs the program. What counts here is what the
+    // runtime asks of the API server (the pod's Secret among it).
+    let scratch = tempfile::tempdir().unwrap();
+    let stand_in = scratch.path().join("shim");
+    std::fs::write(&stand_in, "#!/bin/sh\nshift 3\nexec \"$@\"\n").unwrap();
+    std::fs::set_permissions(
+        &stand_in,
+        std::os::unix::fs::PermissionsExt::from_mode(0o755),
+    )
+    .unwrap();
+    let mut shimmed = config(command.clone(), token_regex(), "node-a");
+    shimmed.kubernetes.shim = Some(berth_k8s::config::ShimConfig {
+        path: stand_in.to_str().unwrap().to_owned(),
+        port: 7079,
+    });
+    shimmed.shim_key = Some(berth_core::credential::ShimKey::new(b"cluster secret"));
+    let first = env.controller_with(shimmed, CrashPolicy::default()).await;
     // A runtime beside the controller's (its logs, then an orphan's pod):
     // what it asks counts as berth's too.
     let other = runtime(double, config(command.clone(), token_regex(), "node-a"));

@@ -14,7 +14,7 @@ use berth_core::Readiness;
 use berth_core::egress::EgressPolicy;
 use berth_core::{Role, UserId};
 use berth_k8s::config::{FileService, StorageMode};
-use berth_k8s::manifest::{self, PodInput};
+use berth_k8s::manifest::{self, PodInput, ShimInput};
 use berth_k8s::{K8sRuntimeConfig, KubernetesConfig};
 use serde_json::Value;
 
@@ -76,6 +76,7 @@ fn configs() -> Vec<K8sRuntimeConfig> {
         stop_grace: Duration::from_secs(5),
         egress: Default::default(),
         egress_proxy_key: None,
+        shim_key: None,
     };
     let plain = base(KubernetesConfig::with_image("example/app:1"));
     let full: KubernetesConfig = toml::from_str(
@@ -155,7 +156,16 @@ fn configs() -> Vec<K8sRuntimeConfig> {
     let mut closed = base(KubernetesConfig::with_image("example/app:1"));
     closed.kubernetes.network.allow_dns = false;
     closed.egress = egress("deny_all", &[]);
-    vec![plain, full, shared, open, confined, proxied, closed]
+    let mut shimmed = base(KubernetesConfig::with_image("example/app:1"));
+    shimmed.kubernetes.shim = Some(berth_k8s::config::ShimConfig {
+        path: "/usr/local/bin/berth".into(),
+        port: 7079,
+    });
+    shimmed.kubernetes.security.read_only_root_filesystem = true;
+    shimmed.shim_key = Some(berth_core::credential::ShimKey::new(b"secret"));
+    vec![
+        plain, full, shared, open, confined, proxied, closed, shimmed,
+    ]
 }
 
 fn egress(mode: &str, allow: &[&str]) -> EgressPolicy {
@@ -199,9 +209,18 @@ fn manifests() -> Vec<(String, Value)> {
                     patch_hash: &manifest::patch_hash(Some("a = 1")),
                     has_patch: true,
                     env: &env,
+                    shim: k.shim.as_ref().map(|_| ShimInput {
+                        nonce: "0f1e2d3c",
+                        fence_ms: Some(3000),
+                    }),
                 };
                 let pod = manifest::pod(config, &input).unwrap().unwrap();
                 add(&format!("pod-{role}"), serde_json::to_value(pod).unwrap());
+            }
+            if k.shim.is_some() {
+                let pod = berth_k8s::names::pod(&slug, Role::Main);
+                let secret = manifest::shim_secret(k, &user, &slug, &pod, "c0ffee").unwrap();
+                add("shim-secret", serde_json::to_value(secret).unwrap());
             }
             add(
                 "service",

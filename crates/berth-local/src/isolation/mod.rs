@@ -113,8 +113,11 @@ pub struct Limits {
     pub open_files_max: u64,
 }
 
+/// The open-files limit of a program when none is configured.
+pub const DEFAULT_OPEN_FILES_MAX: u64 = 65_536;
+
 fn default_open_files_max() -> u64 {
-    65_536
+    DEFAULT_OPEN_FILES_MAX
 }
 
 /// The warning due when `capacity` instances of `open_files_max` files

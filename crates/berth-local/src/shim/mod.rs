@@ -52,6 +52,7 @@ mod launcher;
 mod log_file;
 mod output;
 mod pidfd;
+pub mod pod;
 pub(crate) mod procfs;
 mod protocol;
 mod server;
@@ -64,11 +65,16 @@ pub use protocol::{ExitInfo, ShimCommand, ShimEvent, ShimSpec, ShimState, SpawnR
 pub(crate) use zygote::close_stray_descriptors;
 
 /// The entry of berth's helper processes, `berth shim …`: the zygote
-/// (no further argument), the guard's `nft` runner (`nft-runner NFT`) or
-/// a sandbox's relay (`relay`). Returns the exit code.
+/// (no further argument), the guard's `nft` runner (`nft-runner NFT`), a
+/// sandbox's relay (`relay`) or a pod's entrypoint (`pod -- PROGRAM…`,
+/// see [`pod`]). Returns the exit code.
 pub fn run() -> i32 {
     let mut args = std::env::args_os().skip(2);
-    match (args.next(), args.next()) {
+    let first = args.next();
+    if first.as_deref() == Some(std::ffi::OsStr::new(pod::POD_ARG)) {
+        return pod::run(args);
+    }
+    match (first, args.next()) {
         (None, _) => zygote::run(),
         (Some(mode), None) if mode == crate::isolation::relay::RELAY_ARG => {
             crate::isolation::relay::serve()

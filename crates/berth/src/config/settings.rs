@@ -322,6 +322,11 @@ impl Config {
                 .as_ref()
                 .filter(|_| kubernetes.network.egress_proxy.is_some())
                 .map(|secret| berth_core::egress::ProxyKey::new(secret.as_bytes())),
+            shim_key: self
+                .cluster_secret
+                .as_ref()
+                .filter(|_| kubernetes.shim.is_some())
+                .map(|secret| berth_core::credential::ShimKey::new(secret.as_bytes())),
         };
         config.validate().map_err(|e| {
             let key = format!("kubernetes.{}", e.key);

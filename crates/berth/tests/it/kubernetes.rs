@@ -46,7 +46,7 @@ pub(crate) fn kubeconfig(double: &ApiServerDouble, dir: &Path) -> PathBuf {
 /// replaced: where berth listens and keeps its data, its store and node id
 /// (`store` is `None` for SQLite), short lease timings, the kubeconfig of
 /// the double, the program's path (this build's `berth`, where the example
-/// names the image's `/usr/local/bin/berth`), and the EndpointSlice
+/// names the image's `/usr/local/bin/berth`), the shim turned on, and the EndpointSlice
 /// endpoints (the double's Service-to-port mapping).
 pub(crate) fn config_from_example(
     dir: &Path,
@@ -66,9 +66,11 @@ pub(crate) fn config_from_example(
         dir.join("data").to_str().unwrap().into(),
     );
     set(&mut config, "node_id", node.into());
+    // The deploy's Secret gives it (the pods' shim credentials derive
+    // from it).
+    set(&mut config, "cluster_secret", SECRET.into());
     if let Some(store) = store {
         set(&mut config, "store", store.into());
-        set(&mut config, "cluster_secret", SECRET.into());
         let lease: toml::Table =
             toml::from_str("ttl_ms = 3000\nrenew_ms = 1000\nfence_after_ms = 2000\n").unwrap();
         set(&mut config, "lease", lease.into());
@@ -79,6 +81,14 @@ pub(crate) fn config_from_example(
     let command = k8s["command"].as_array_mut().unwrap();
     assert_eq!(command[0].as_str(), Some("/usr/local/bin/berth"));
     command[0] = BERTH.into();
+    // The shim, as the example's comment says to turn it on, with this
+    // build's berth for the image's.
+    let shim: toml::Table = toml::from_str(&format!("path = {BERTH:?}\nport = 7079\n")).unwrap();
+    assert!(
+        text.contains("# [kubernetes.shim]\n# path = \"/usr/local/bin/berth\"\n# port = 7079\n"),
+        "the example no longer shows the shim"
+    );
+    set(k8s, "shim", shim.into());
     toml::to_string(&config).unwrap()
 }
 
@@ -335,4 +345,276 @@ async fn the_proxy_wakes_a_pod_and_reaches_it_through_its_service() {
     let second = pod(&double, "berth-bob").expect("bob's new pod");
     assert_ne!(uid(&second), uid(&first));
     assert_eq!(double.creates(Kind::Pod), 3);
+}
+
+// --- berth's shim in the pod: hibernation, the fence deadline, attacks ---
+
+/// Three ways out of a program's process group, each appending a line to
+/// a journal every 10 ms (see the script).
+const ESCAPES: &str = include_str!("support/escapes.py");
+
+/// `config` with the example's program replaced by the demo app, after a
+/// python that leaves [`ESCAPES`]' three processes behind, writing to
+/// `escapes.log` in the user's volume.
+fn with_escapes(config: &str) -> String {
+    let mut config: toml::Table = toml::from_str(config).unwrap();
+    let k8s = config["kubernetes"].as_table_mut().unwrap();
+    let argv = [
+        "/bin/sh",
+        "-c",
+        "python3 -c \"$3\" \"$2\" & exec \"$0\" demo-app --host 0.0.0.0 --port \"$1\"",
+        BERTH,
+        "{port}",
+        "/home/berth/escapes.log",
+        ESCAPES,
+    ];
+    let argv = argv.iter().map(|a| toml::Value::from(*a)).collect();
+    k8s.insert("command".into(), toml::Value::Array(argv));
+    toml::to_string(&config).unwrap()
+}
+
+/// Lines in alice's escapes journal so far.
+fn escape_lines(double: &ApiServerDouble) -> usize {
+    let journal = double.claim_dir("berth-alice").join("escapes.log");
+    std::fs::read_to_string(journal).map_or(0, |text| text.lines().count())
+}
+
+/// The processes of the pod `pod_uid`'s program: every process of the uid
+/// its shim runs it as.
+fn program_processes(double: &ApiServerDouble, pod_uid: &str) -> Vec<u32> {
+    let uid = double.program_uid(pod_uid).expect("the pod's program uid");
+    support::processes_of_account(uid, |_| true)
+}
+
+/// Waits until every process of the pod's program (the demo app and the
+/// three escapes) is stopped by the kernel; the journal's length then.
+async fn every_process_frozen(double: &ApiServerDouble, pod_uid: &str) -> usize {
+    eventually(
+        PATIENCE,
+        "every process of alice's program frozen",
+        || async {
+            let pids = program_processes(double, pod_uid);
+            (pids.len() >= 4 && pids.iter().all(|p| support::frozen(*p))).then_some(())
+        },
+    )
+    .await;
+    escape_lines(double)
+}
+
+/// A frozen program writes nothing while this passes; running, its
+/// escapes write about 300 lines.
+const FROZEN_WINDOW: Duration = Duration::from_secs(1);
+
+/// The demo app's in-memory count, through the proxy.
+async fn count(node: &Node, token: &str) -> u64 {
+    let (status, body) = through_proxy(node, "/u/alice/counter", token).await;
+    assert_eq!(status, 200, "{body}");
+    serde_json::from_str::<Value>(&body).unwrap()["count"]
+        .as_u64()
+        .unwrap()
+}
+
+/// On Kubernetes with berth's shim as the pod's entrypoint, hibernation
+/// freezes every process of the program inside the pod, `setsid` and
+/// double-forked ones too, and a request resumes the same pod with its
+/// memory: the same UID, no pod created, the demo app's count going on
+/// from where it was. A stop of the hibernated pod then kills it frozen:
+/// not one more line is written, and none of its processes is left.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_hibernated_pod_is_frozen_whole_and_a_request_resumes_the_same_pod() {
+    let double = ApiServerDouble::start().await;
+    let root = tempfile::tempdir().unwrap();
+    let kubeconfig = kubeconfig(&double, root.path());
+    let dir = root.path().join("node");
+    let config = with_escapes(&config_from_example(&dir, &kubeconfig, None, "solo"));
+    let node = start(dir, config).await;
+    let alice = node.user_token("alice").await;
+    let (status, body) = node.post("/users/alice/instance", json!({})).await;
+    assert_eq!(status, 201, "{body}");
+    let pod_uid = uid(&pod(&double, "berth-alice").expect("alice's pod"));
+    eventually(PATIENCE, "alice's escapes writing", || async {
+        (escape_lines(&double) >= 30).then_some(())
+    })
+    .await;
+    let before = count(&node, &alice).await;
+
+    let (status, body) = node
+        .post("/users/alice/instance/hibernate", json!({}))
+        .await;
+    assert_eq!(status, 200, "{body}");
+    let frozen_at = every_process_frozen(&double, &pod_uid).await;
+    tokio::time::sleep(FROZEN_WINDOW).await;
+    assert_eq!(escape_lines(&double), frozen_at, "a frozen process wrote");
+    assert_eq!(node.status_of("alice").await, "hibernated");
+
+    assert_eq!(count(&node, &alice).await, before + 1, "memory kept");
+    assert_eq!(node.status_of("alice").await, "running");
+    assert_eq!(uid(&pod(&double, "berth-alice").unwrap()), pod_uid);
+    assert_eq!(double.creates(Kind::Pod), 1, "a pod was created to resume");
+    eventually(PATIENCE, "alice's escapes writing again", || async {
+        (escape_lines(&double) > frozen_at + 30).then_some(())
+    })
+    .await;
+
+    let (status, body) = node
+        .post("/users/alice/instance/hibernate", json!({}))
+        .await;
+    assert_eq!(status, 200, "{body}");
+    let frozen_at = every_process_frozen(&double, &pod_uid).await;
+    assert_eq!(node.delete("/users/alice/instance").await, 204);
+    eventually(PATIENCE, "alice's pod gone", || async {
+        pod(&double, "berth-alice").is_none().then_some(())
+    })
+    .await;
+    eventually(PATIENCE, "no process of alice's program left", || async {
+        program_processes(&double, &pod_uid)
+            .is_empty()
+            .then_some(())
+    })
+    .await;
+    assert_eq!(
+        escape_lines(&double),
+        frozen_at,
+        "the stopped pod ran again before it died"
+    );
+}
+
+/// A replica that can reach nothing (stopped: no store, no API server, no
+/// pod) has its pod's program frozen by the pod's own shim at the fence
+/// deadline, every process of it, and it stays frozen.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_replica_cut_off_from_everything_has_its_pod_frozen_at_the_fence_deadline() {
+    let double = ApiServerDouble::start().await;
+    let root = tempfile::tempdir().unwrap();
+    let kubeconfig = kubeconfig(&double, root.path());
+    let dir = root.path().join("replica-a");
+    let db = fresh_db().await;
+    let config = with_escapes(&config_from_example(
+        &dir,
+        &kubeconfig,
+        Some(&db),
+        "replica-a",
+    ));
+    let mut node = start(dir, config).await;
+    let (status, body) = node.post("/users/alice/instance", json!({})).await;
+    assert_eq!(status, 201, "{body}");
+    let pod_uid = uid(&pod(&double, "berth-alice").expect("alice's pod"));
+    eventually(PATIENCE, "alice's escapes writing", || async {
+        (escape_lines(&double) >= 30).then_some(())
+    })
+    .await;
+
+    let berth = nix::unistd::Pid::from_raw(i32::try_from(node.pid().unwrap()).unwrap());
+    nix::sys::signal::kill(berth, nix::sys::signal::Signal::SIGSTOP).unwrap();
+    let frozen_at = every_process_frozen(&double, &pod_uid).await;
+    tokio::time::sleep(FROZEN_WINDOW).await;
+    assert_eq!(escape_lines(&double), frozen_at, "a fenced process wrote");
+    nix::sys::signal::kill(berth, nix::sys::signal::Signal::SIGCONT).unwrap();
+    node.kill9();
+}
+
+/// What the program in a pod tries against its shim, as its own uid: read
+/// the shim's environment (where its credential is), kill or stop it, and
+/// find the credential in its own environment. It writes what happened
+/// to `attack.json` in its volume, then becomes the demo app.
+const ATTACK: &str = r#"
+import json, os, signal, sys
+shim = os.getppid()
+found = {}
+try:
+    found["environ"] = open("/proc/%d/environ" % shim, "rb").read().decode(errors="replace")
+except OSError as e:
+    found["environ"] = "refused: %s" % e.strerror
+for name in ("SIGKILL", "SIGSTOP", "SIGTERM"):
+    try:
+        os.kill(shim, getattr(signal, name))
+        found[name] = "sent"
+    except OSError as e:
+        found[name] = "refused: %s" % e.strerror
+found["own"] = sorted(k for k in os.environ if k.startswith("BERTH_SHIM"))
+found["uid"] = os.getuid()
+with open(os.path.join(os.environ["HOME"], "attack.json"), "w") as f:
+    json.dump(found, f)
+os.execv(sys.argv[1], [sys.argv[1], "demo-app", "--host", "0.0.0.0", "--port", sys.argv[2]])
+"#;
+
+/// The shim's boundary, attacked from both sides. From inside, as the
+/// program's uid: it cannot read the shim's environment, signal it, or
+/// find the credential in its own. From outside, as a client that does
+/// not hold the credential: a wrong one, none, or a command sent as the
+/// first line is refused, and the program runs on; the same port serves
+/// the right credential, so those refusals are the check's, not a closed
+/// port's.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_pods_program_cannot_reach_its_shims_credential_and_no_stranger_commands_it() {
+    use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+
+    let double = ApiServerDouble::start().await;
+    let root = tempfile::tempdir().unwrap();
+    let kubeconfig = kubeconfig(&double, root.path());
+    let dir = root.path().join("node");
+    let mut config: toml::Table =
+        toml::from_str(&config_from_example(&dir, &kubeconfig, None, "solo")).unwrap();
+    let argv = ["/usr/bin/python3", "-c", ATTACK, BERTH, "{port}"];
+    config["kubernetes"].as_table_mut().unwrap().insert(
+        "command".into(),
+        toml::Value::Array(argv.iter().map(|a| toml::Value::from(*a)).collect()),
+    );
+    let node = start(dir, toml::to_string(&config).unwrap()).await;
+    let (status, body) = node.post("/users/alice/instance", json!({})).await;
+    assert_eq!(status, 201, "{body}");
+    let alice = pod(&double, "berth-alice").expect("alice's pod");
+    let pod_uid = uid(&alice);
+
+    let report: Value = serde_json::from_str(
+        &std::fs::read_to_string(double.claim_dir("berth-alice").join("attack.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(
+        report["uid"],
+        double.program_uid(&pod_uid).unwrap(),
+        "{report}"
+    );
+    for what in ["environ", "SIGKILL", "SIGSTOP", "SIGTERM"] {
+        let outcome = report[what].as_str().unwrap();
+        assert!(outcome.starts_with("refused"), "{what}: {report}");
+    }
+    assert_eq!(report["own"], json!([]), "{report}");
+
+    let port = double.shim_port(&pod_uid).expect("the shim's port");
+    let credential = berth_core::credential::ShimKey::new(SECRET.as_bytes()).credential(
+        "berth-alice",
+        &annotation(&alice, berth_k8s::names::SHIM_NONCE_ANNOTATION),
+    );
+    let wrong = "0".repeat(credential.len());
+    for first in [wrong.as_str(), "", r#"{"cmd":"kill"}"#] {
+        let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", port))
+            .await
+            .unwrap();
+        let attempt = format!("{first}\n{{\"cmd\":\"kill\"}}\n{{\"cmd\":\"freeze\"}}\n");
+        let _ = stream.write_all(attempt.as_bytes()).await;
+        let mut answer = String::new();
+        let _ = BufReader::new(stream).read_line(&mut answer).await;
+        assert_eq!(answer, "", "served after {first:?}");
+    }
+    let (status, page) = through_proxy(&node, "/u/alice/", &node.user_token("alice").await).await;
+    assert_eq!(status, 200, "{page}");
+    assert!(double.running(&pod_uid), "alice's pod ended");
+    assert!(
+        program_processes(&double, &pod_uid)
+            .iter()
+            .all(|p| !support::frozen(*p)),
+        "alice's program was frozen"
+    );
+
+    let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .unwrap();
+    stream
+        .write_all(format!("{credential}\n").as_bytes())
+        .await
+        .unwrap();
+    let mut hello = String::new();
+    BufReader::new(stream).read_line(&mut hello).await.unwrap();
+    assert!(hello.contains("\"event\":\"hello\""), "{hello}");
 }

@@ -40,6 +40,7 @@ pub fn config(command: Vec<String>, readiness: Readiness, node: &str) -> K8sRunt
         stop_grace: Duration::from_secs(5),
         egress: Default::default(),
         egress_proxy_key: None,
+        shim_key: None,
     }
 }
 

@@ -24,9 +24,20 @@ use nix::sys::signal::{self, SigHandler, Signal};
 use nix::unistd::Pid;
 use regex::Regex;
 
-use super::protocol::{ShimSpec, SpawnReport};
+use super::protocol::{ExitInfo, ShimSpec, SpawnReport};
 use start::start;
 use supervise::supervise;
+
+/// How berth reaches a shim that is a pod's entrypoint, and how it stops.
+pub(crate) struct PodControl {
+    /// The control port, bound before the program starts.
+    pub listener: tokio::net::TcpListener,
+    /// What a client shows, as its first line, to be served.
+    pub credential: Arc<str>,
+    /// How long the program gets after SIGTERM when the kubelet ends the
+    /// pod (SIGTERM to the shim).
+    pub stop_grace_ms: u64,
+}
 
 /// Runs one shim in a process the zygote has just forked, whose stdout is
 /// the pipe berth reads the [`SpawnReport`] from. `ready_regex` is
@@ -172,7 +183,79 @@ async fn shim_main(spec: ShimSpec, ready_regex: Option<Regex>) -> i32 {
         started.state.pid,
         program_name(&spec)
     );
-    supervise(spec, started).await
+    supervise(spec, started, None).await;
+    0
+}
+
+/// Runs the shim as a pod's entrypoint, in the calling process: the
+/// program starts at once, no one reads a report, and the shim's own
+/// output stays the container's. `bind` gives the control port once the
+/// runtime runs. Returns the pod's exit code: the program's.
+pub(crate) fn run_in_pod(
+    spec: ShimSpec,
+    bind: impl FnOnce() -> std::io::Result<std::net::TcpListener>,
+    credential: Arc<str>,
+    stop_grace_ms: u64,
+) -> i32 {
+    ignore_signal(Signal::SIGPIPE);
+    ignore_signal(Signal::SIGHUP);
+    if let Err(e) = nix::sys::prctl::set_child_subreaper(true) {
+        diag!("cannot become the program's subreaper: {e}");
+    }
+    let runtime = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .max_blocking_threads(BLOCKING_THREADS)
+        .thread_keep_alive(BLOCKING_KEEP_ALIVE)
+        .build()
+    {
+        Ok(runtime) => runtime,
+        Err(e) => {
+            diag!("cannot start the runtime: {e}");
+            return 2;
+        }
+    };
+    runtime.block_on(async move {
+        start_blocking_pool().await;
+        let listener = match bind().and_then(|l| {
+            l.set_nonblocking(true)?;
+            tokio::net::TcpListener::from_std(l)
+        }) {
+            Ok(listener) => listener,
+            Err(e) => {
+                diag!("cannot listen for berth: {e}");
+                return 2;
+            }
+        };
+        let started = match start(&spec, None) {
+            Ok(started) => started,
+            Err(error) => {
+                diag!("{error}");
+                return 127;
+            }
+        };
+        diag!(
+            "supervising {} pid {} ({:?}) in a pod",
+            spec.instance_id,
+            started.state.pid,
+            program_name(&spec)
+        );
+        let pod = PodControl {
+            listener,
+            credential,
+            stop_grace_ms,
+        };
+        pod_exit_code(supervise(spec, started, Some(pod)).await)
+    })
+}
+
+/// A container's exit code for the program's end, as a shell gives it: the
+/// code, or 128 + the signal.
+fn pod_exit_code(exit: ExitInfo) -> i32 {
+    match (exit.code, exit.signal) {
+        (Some(code), _) => code,
+        (None, Some(signal)) => 128 + signal,
+        (None, None) => 1,
+    }
 }
 
 fn pid_of(pid: u32) -> Pid {

@@ -18,7 +18,8 @@ use tokio::time::Instant;
 
 use berth_core::runtime::HookOutcome;
 
-use super::control::{from_own_uid, serve_client};
+use super::PodControl;
+use super::control::{credential_shown, from_own_uid, serve_client};
 use super::hook;
 use super::pid_of;
 use super::start::Started;
@@ -44,6 +45,10 @@ const FREEZE_CONFIRM: Duration = Duration::from_secs(1);
 
 /// How often the cgroup's freezer state is read while a freeze settles.
 const FREEZE_POLL: Duration = Duration::from_millis(2);
+
+/// Connections to a pod's control port still to show their credential;
+/// past this many, new ones are closed at once.
+const MAX_PENDING_CHECKS: usize = 16;
 
 /// How often the shim looks for killed orphans to reap once the program
 /// has ended.
@@ -383,7 +388,13 @@ fn reap_orphans(program: u32, hook: Option<u32>) -> usize {
     left
 }
 
-pub(super) async fn supervise(spec: ShimSpec, started: Started) -> i32 {
+/// Supervises the program until it exits; returns how it ended. `pod`:
+/// the shim is a pod's entrypoint (see [`crate::shim::pod`]).
+pub(super) async fn supervise(
+    spec: ShimSpec,
+    started: Started,
+    pod: Option<PodControl>,
+) -> ExitInfo {
     let Started {
         mut child,
         state,
@@ -432,6 +443,14 @@ pub(super) async fn supervise(spec: ShimSpec, started: Started) -> i32 {
     let program_pid = shim.state.pid;
     let mut orphan_exits =
         tokio::signal::unix::signal(tokio::signal::unix::SignalKind::child()).ok();
+    // In a pod, the kubelet ends the pod by SIGTERM to its entrypoint, the
+    // shim: that is a stop, with its grace.
+    let mut terminations = match &pod {
+        Some(_) => tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok(),
+        None => None,
+    };
+    let (shown_tx, mut shown_rx) = mpsc::channel(8);
+    let mut checks = JoinSet::new();
 
     let status = loop {
         tokio::select! {
@@ -461,7 +480,9 @@ pub(super) async fn supervise(spec: ShimSpec, started: Started) -> i32 {
                     // means the client misses no event and sees none twice.
                     let events = shim.events.subscribe();
                     if let Some(hello) = shim.hello() {
-                        clients.spawn(serve_client(stream, hello, events, cmd_tx.clone()));
+                        let (read, write) = stream.into_split();
+                        let read = tokio::io::BufReader::new(read);
+                        clients.spawn(serve_client(read, write, hello, events, cmd_tx.clone()));
                     }
                 }
                 Err(e) => {
@@ -470,6 +491,41 @@ pub(super) async fn supervise(spec: ShimSpec, started: Started) -> i32 {
                     tokio::time::sleep(Duration::from_millis(100)).await;
                 }
             },
+            accepted = accept_remote(pod.as_ref()) => match accepted {
+                Ok(stream) if checks.len() < MAX_PENDING_CHECKS => {
+                    // The check waits for the client; the loop does not.
+                    let credential = pod.as_ref().map(|p| Arc::clone(&p.credential));
+                    let shown_tx = shown_tx.clone();
+                    checks.spawn(async move {
+                        let credential = credential.unwrap_or_else(|| Arc::from(""));
+                        if let Some(shown) = credential_shown(stream, &credential).await {
+                            let _ = shown_tx.send(shown).await;
+                        }
+                    });
+                }
+                Ok(stream) => drop(stream),
+                Err(e) => {
+                    diag!("accept: {e}");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+            },
+            Some((read, write)) = shown_rx.recv() => {
+                let events = shim.events.subscribe();
+                if let Some(hello) = shim.hello() {
+                    clients.spawn(serve_client(read, write, hello, events, cmd_tx.clone()));
+                }
+            }
+            Some(_) = checks.join_next(), if !checks.is_empty() => {}
+            Some(()) = async {
+                match terminations.as_mut() {
+                    Some(terms) => terms.recv().await,
+                    None => std::future::pending().await,
+                }
+            } => {
+                let grace_ms = pod.as_ref().map_or(0, |p| p.stop_grace_ms);
+                diag!("SIGTERM: stopping the program");
+                shim.command(ShimCommand::Stop { grace_ms }, &mut fence, &mut kill_at).await;
+            }
             Some(command) = cmd_rx.recv() => match command {
                 ShimCommand::Hook { id, name, argv, grace_ms } => {
                     shim.start_hook(&spec, cgroup.as_ref(), &mut hooks, (id, name, argv, grace_ms));
@@ -546,6 +602,7 @@ pub(super) async fn supervise(spec: ShimSpec, started: Started) -> i32 {
     drop(shim);
     drop(cmd_rx);
     drop(cmd_tx);
+    checks.abort_all();
     let farewell = async { while clients.join_next().await.is_some() {} };
     if tokio::time::timeout(FAREWELL_TIMEOUT, farewell)
         .await
@@ -553,5 +610,13 @@ pub(super) async fn supervise(spec: ShimSpec, started: Started) -> i32 {
     {
         clients.abort_all();
     }
-    0
+    exit
+}
+
+/// The next connection to a pod's control port; never, outside a pod.
+async fn accept_remote(pod: Option<&PodControl>) -> std::io::Result<tokio::net::TcpStream> {
+    match pod {
+        Some(pod) => pod.listener.accept().await.map(|(stream, _)| stream),
+        None => std::future::pending().await,
+    }
 }
