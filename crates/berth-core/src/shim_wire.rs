@@ -171,4 +171,8 @@ pub mod pod_env {
     /// A directory the shim may write (its state goes in a private
     /// directory it makes below); `/tmp` when absent.
     pub const STATE_DIR: &str = "BERTH_SHIM_STATE_DIR";
+    /// The shim's exit code when it could not start the program (missing,
+    /// not executable, a bad working directory), as a shell's for a
+    /// missing command; its last log line says why.
+    pub const COULD_NOT_START: i32 = 127;
 }

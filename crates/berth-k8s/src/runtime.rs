@@ -346,6 +346,10 @@ impl Runtime for K8sRuntime {
             Role::Watchdog => None,
         };
         let events = inner.follow(&name, &uid, inner.tracker(&uid, spec.epoch), spec.role);
+        if let Err(e) = inner.await_shim(&name, &uid, deadline).await {
+            inner.abandon(&name, &uid).await;
+            return Err(e);
+        }
         Ok(Started {
             runtime_ref: observe::format_ref(&name, &uid, spec.epoch),
             pid: None,

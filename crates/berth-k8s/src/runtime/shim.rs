@@ -33,6 +33,10 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long a command waits for the link to the shim to be up (a command
 /// right after a start, or after the link broke).
 const LINK_WAIT: Duration = Duration::from_secs(10);
+/// The exit code of a pod's shim that could not start its program (as a
+/// shell's for a missing command).
+const SHIM_COULD_NOT_START: i32 = berth_core::shim_wire::pod_env::COULD_NOT_START;
+
 /// The pause before the link is tried again.
 const RETRY_PAUSE: Duration = Duration::from_millis(200);
 
@@ -131,6 +135,59 @@ impl Inner {
             .await
             .map_err(|e| failed("cannot write the pod's shim Secret", e))?;
         Ok(Some(nonce))
+    }
+
+    /// Waits until the shim of the run `name` (`uid`) has answered, which
+    /// it does only once the program runs: a start with berth's shim ends
+    /// there, or fails with why the pod ended (the shim could not start
+    /// the program, which its last log lines name).
+    pub(super) async fn await_shim(
+        &self,
+        name: &str,
+        uid: &str,
+        deadline: tokio::time::Instant,
+    ) -> Result<(), RuntimeError> {
+        let link = lock(&self.state)
+            .runs
+            .get(name)
+            .filter(|run| run.uid == uid)
+            .and_then(|run| run.shim.clone());
+        let Some(link) = link else {
+            return Ok(());
+        };
+        let mut up = link.writer.subscribe();
+        let mut changes = self.changes.subscribe();
+        loop {
+            if up.borrow_and_update().is_some() {
+                return Ok(());
+            }
+            if let Some(view) = self.cached_view(name).filter(|v| v.uid == uid)
+                && (view.gone || view.ended())
+            {
+                // Ended before it answered: a program that ran and exited
+                // at once is reported by the run's events; one the shim
+                // could not start, by the shim's exit code, here.
+                let Some(exit) = view
+                    .exit(None)
+                    .filter(|e| e.code == Some(SHIM_COULD_NOT_START))
+                else {
+                    return Ok(());
+                };
+                return Err(RuntimeError::SpawnFailed(format!(
+                    "the program did not start in pod {name}: {}",
+                    exit.stderr_tail.trim()
+                )));
+            }
+            tokio::select! {
+                _ = up.changed() => {}
+                _ = changes.changed() => {}
+                () = tokio::time::sleep_until(deadline) => {
+                    return Err(RuntimeError::SpawnFailed(format!(
+                        "the shim of pod {name} did not answer in time"
+                    )));
+                }
+            }
+        }
     }
 
     /// The credential of `view`'s shim, if the pod has one.

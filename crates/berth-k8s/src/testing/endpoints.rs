@@ -8,16 +8,28 @@ use serde_json::{Value, json};
 use super::store::{Key, Kind, Selector};
 use super::world::{Shared, lock};
 
+/// The local address of the Service's pod on the Service's port `port`
+/// (its program's, or its shim's for the `berth-shim` port); on the
+/// program's for `None`.
 pub(super) fn local_endpoint(
     shared: &Shared,
     namespace: &str,
     service: &str,
+    port: Option<u16>,
 ) -> Option<SocketAddr> {
     let world = lock(&shared.world);
     let key: Key = (Kind::Service, namespace.to_owned(), service.to_owned());
-    let selector = world.store.objects.get(&key)?["spec"]["selector"]
+    let object = world.store.objects.get(&key)?;
+    let selector = object["spec"]["selector"]
         .as_object()
         .map(Selector::of_map)?;
+    let to_shim = port.is_some_and(|port| {
+        object["spec"]["ports"].as_array().is_some_and(|ports| {
+            ports
+                .iter()
+                .any(|p| p["port"] == port && p["name"] == crate::manifest::SHIM_PORT_NAME)
+        })
+    });
     world
         .store
         .objects
@@ -26,7 +38,10 @@ pub(super) fn local_endpoint(
             *k == Kind::Pod && ns == namespace && selector.matches(&pod["metadata"]["labels"])
         })
         .filter_map(|(_, pod)| world.runs.get(pod["metadata"]["uid"].as_str()?))
-        .map(|run| SocketAddr::from(([127, 0, 0, 1], run.port)))
+        .map(|run| {
+            let port = if to_shim { run.shim_port } else { run.port };
+            SocketAddr::from(([127, 0, 0, 1], port))
+        })
         .next()
 }
 

@@ -178,7 +178,7 @@ impl ApiServerDouble {
 
     /// Where a Service's pod listens, if it has a pod with a program.
     pub fn endpoint(&self, namespace: &str, service: &str) -> Option<SocketAddr> {
-        local_endpoint(&self.shared, namespace, service)
+        local_endpoint(&self.shared, namespace, service, None)
     }
 
     /// How many create calls of `kind` the double has answered
@@ -378,7 +378,7 @@ struct DoubleEndpoints {
 
 impl EndpointResolver for DoubleEndpoints {
     fn endpoint(&self, namespace: &str, service: &str, port: u16) -> Endpoint {
-        match local_endpoint(&self.shared, namespace, service) {
+        match local_endpoint(&self.shared, namespace, service, Some(port)) {
             Some(addr) => Endpoint {
                 host: addr.ip().to_string(),
                 port: addr.port(),

@@ -29,6 +29,8 @@ mod hostile_apps;
 mod isolation;
 #[cfg(feature = "kubernetes")]
 mod kubernetes;
+#[cfg(feature = "kubernetes")]
+mod kubernetes_shim;
 mod launch_burst;
 mod limits;
 mod local_runtime;

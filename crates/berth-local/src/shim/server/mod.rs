@@ -230,7 +230,7 @@ pub(crate) fn run_in_pod(
             Ok(started) => started,
             Err(error) => {
                 diag!("{error}");
-                return 127;
+                return berth_core::shim_wire::pod_env::COULD_NOT_START;
             }
         };
         diag!(
