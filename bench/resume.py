@@ -2,6 +2,7 @@
 """Hibernation benchmark (single node), standard library only.
 
     python3 bench/resume.py [--berth target/release/berth] [--rounds 50] [--users 100]
+    python3 bench/resume.py --runtime pods [--double target/release/examples/apiserver-double]
 
 Measures, in one run, with berth at isolation `none`:
 
@@ -19,6 +20,16 @@ Measures, in one run, with berth at isolation `none`:
   sending it to its status line (berth launches, waits for ready, then
   forwards): demo-app `--rounds` times, Jupyter Server 10 times.
 
+With `--runtime pods` (as root), berth runs on the Kubernetes runtime
+with berth's shim as each pod's entrypoint (this same binary), against
+the API-server double (`--double`, built with `cargo build --release -p
+berth-k8s --features test-double --example apiserver-double`), whose
+stand-in kubelet runs each pod's shim as a local process: the demo-app
+rows only (1 user, the awake control, cold start). A pod's program is
+found by its environment (`BERTH_USER`), and frozen means stopped (`T`)
+as above; the resume goes through the shim's link (a thaw over TCP, a
+sweep of the program's uid).
+
 Jupyter Server is pip-installed into a venv under bench/.venv-jupyter on
 first use (PyPI must be reachable). The binary is taken as given; nothing
 is built here. Every process started is cleaned up (see bench/spawn.py).
@@ -29,9 +40,11 @@ import concurrent.futures
 import http.client
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -115,9 +128,27 @@ def state(pid):
         return None
 
 
+def pod_program(user):
+    """The pid of `user`'s demo app in a pod on the double: the process
+    whose command is the demo app and whose environment names the user."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                if b"demo-app" not in f.read():
+                    continue
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if f"BERTH_USER={user}".encode() in f.read().split(b"\0"):
+                    return int(entry)
+        except OSError:
+            continue
+    raise RuntimeError(f"no demo app of {user} found")
+
+
 def hibernate(berth, user):
     answer = api(berth, "POST", f"/api/v1/users/{user}/instance/hibernate")
-    pid = answer["instance"]["pid"]
+    pid = answer["instance"].get("pid") or pod_program(user)
     deadline = time.monotonic() + 30
     while state(pid) != "T":
         if time.monotonic() > deadline:
@@ -177,16 +208,53 @@ def cold(berth, prefix, route, rounds):
     return samples
 
 
+def pods(exe, double_exe, reap, rounds):
+    """The demo-app rows with the demo app in pods under berth's shim, on
+    the API-server double."""
+    command = json.dumps([exe, "demo-app", "--host", "127.0.0.1", "--port", "{port}"])
+    with tempfile.TemporaryDirectory(dir="/var/tmp") as tmp:
+        os.chmod(tmp, 0o755)
+        kubeconfig = os.path.join(tmp, "kubeconfig")
+        double = subprocess.Popen([double_exe, "--kubeconfig", kubeconfig],
+                                  stdout=subprocess.PIPE, start_new_session=True)
+        try:
+            double.stdout.readline()
+            tables = (f'[kubernetes]\nkubeconfig = "{kubeconfig}"\nimage = "bench.invalid/none:1"\n'
+                      f'command = {command}\nendpoint = "endpoint_slice"\n'
+                      f'[kubernetes.shim]\npath = "{exe}"\n')
+            secret = f'cluster_secret = "{os.urandom(24).hex()}"\n'
+            ready = "ready_token_regex = 'berth-demo: http://[0-9.]+:\\d+/\\?token=([A-Za-z0-9_-]+)'\n"
+            results = []
+            with spawn.Berth(exe, parent="/var/tmp", reap_extra=reap, instance_extra=ready,
+                             top_extra=secret, tables_extra=tables) as berth:
+                results.append(summary("pods: resume-to-first-byte, demo-app, 1 user",
+                                       resume_one(berth, "alice", "", rounds)))
+                results.append(summary("pods: control: 1 GET, awake",
+                                       [first_byte(berth, "/u/alice/") for _ in range(rounds)]))
+                results.append(summary("pods: cold start to first byte, demo-app",
+                                       cold(berth, "cold", "", rounds)))
+            return results
+        finally:
+            os.killpg(double.pid, signal.SIGTERM)
+            double.wait()
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--berth", default=os.path.join(spawn.REPO, "target", "release", "berth"))
     parser.add_argument("--rounds", type=int, default=50)
     parser.add_argument("--users", type=int, default=100)
+    parser.add_argument("--runtime", choices=["local", "pods"], default="local")
+    parser.add_argument("--double", default=os.path.join(
+        spawn.REPO, "target", "release", "examples", "apiserver-double"))
     args = parser.parse_args()
     exe = os.path.abspath(args.berth)
     # Hibernation by hand only, never by the reaper.
     reap = "idle_ttl_s = 0\nhibernate_after_s = 0\n"
     print(f"berth {exe}\n{os.cpu_count()} CPUs, {spawn.platform.platform()}\n", flush=True)
+    if args.runtime == "pods":
+        print(json.dumps(pods(exe, os.path.abspath(args.double), reap, args.rounds), indent=1))
+        return
     results = []
     with spawn.Berth(exe, reap_extra=reap) as berth:
         results.append(summary("resume-to-first-byte, demo-app, 1 user",

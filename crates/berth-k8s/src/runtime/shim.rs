@@ -53,6 +53,9 @@ type PendingHooks = Arc<Mutex<HashMap<u64, HookDone>>>;
 #[derive(Clone)]
 pub(super) struct ShimLink {
     writer: watch::Sender<Option<Writer>>,
+    /// How many times the shim has reported frozen or thawed, and which
+    /// it said last.
+    reports: watch::Sender<(u64, bool)>,
     /// Hooks asked of the shim and not answered yet.
     hooks: PendingHooks,
 }
@@ -61,7 +64,33 @@ impl ShimLink {
     pub(super) fn new() -> ShimLink {
         ShimLink {
             writer: watch::channel(None).0,
+            reports: watch::channel((0, false)).0,
             hooks: Arc::default(),
+        }
+    }
+
+    /// Notes the shim's report that the program is `frozen` (or thawed).
+    fn reported(&self, frozen: bool) {
+        self.reports.send_modify(|(count, last)| {
+            *count += 1;
+            *last = frozen;
+        });
+    }
+
+    /// Sends a freeze or a thaw and waits until the shim reports it done.
+    /// What berth asks next, through the API server (a stop is SIGTERM to
+    /// the shim), can then not overtake it.
+    async fn confirmed(&self, command: &ShimCommand, frozen: bool) -> Result<(), RuntimeError> {
+        let mut reports = self.reports.subscribe();
+        let (before, _) = *reports.borrow_and_update();
+        self.send(command).await?;
+        let done = reports.wait_for(|(count, last)| *count > before && *last == frozen);
+        match tokio::time::timeout(LINK_WAIT, done).await {
+            Ok(Ok(_)) => Ok(()),
+            _ => Err(RuntimeError::Failed(format!(
+                "the pod's shim did not report the program {}",
+                if frozen { "frozen" } else { "thawed" }
+            ))),
         }
     }
 
@@ -205,13 +234,19 @@ impl Inner {
         run.and_then(|run| run.shim.clone()).ok_or_else(gone)
     }
 
-    /// Sends `command` to the shim of the run `r` names.
+    /// Sends `command` to the shim of the run `r` names; a freeze or a
+    /// thaw returns once the shim reports it done.
     pub(super) async fn shim_command(
         &self,
         r: &RuntimeRef,
         command: ShimCommand,
     ) -> Result<(), RuntimeError> {
-        self.link_of(r)?.send(&command).await
+        let link = self.link_of(r)?;
+        match command {
+            ShimCommand::Freeze => link.confirmed(&command, true).await,
+            ShimCommand::Thaw => link.confirmed(&command, false).await,
+            _ => link.send(&command).await,
+        }
     }
 
     /// Runs a hook through the shim of the run `r` names: answered when
@@ -317,8 +352,14 @@ impl Inner {
                     };
                     let report = match event {
                         ShimEvent::Hello { state } if state.frozen => Some(RuntimeEvent::Frozen),
-                        ShimEvent::Frozen => Some(RuntimeEvent::Frozen),
-                        ShimEvent::Thawed => Some(RuntimeEvent::Thawed),
+                        ShimEvent::Frozen => {
+                            link.reported(true);
+                            Some(RuntimeEvent::Frozen)
+                        }
+                        ShimEvent::Thawed => {
+                            link.reported(false);
+                            Some(RuntimeEvent::Thawed)
+                        }
                         ShimEvent::HookDone { id, outcome } => {
                             if let Some(done) = lock_hooks(&link).remove(&id) {
                                 let _ = done.send(outcome);

@@ -7,8 +7,15 @@
 //! BERTH_K8S_TEST_NAMESPACE=berth-test \      # must exist; default berth-test
 //! BERTH_K8S_TEST_IMAGE=busybox:1.36 \        # needs sh, printf, sleep
 //! BERTH_K8S_TEST_CLAIM=berth-data \          # optional: shared storage mode
+//! BERTH_K8S_TEST_SHIM=/usr/local/bin/berth \  # optional: berth in the image
 //!   cargo test -p berth-k8s --test it cluster:: -- --nocapture
 //! ```
+//!
+//! With `BERTH_K8S_TEST_SHIM` (an image with berth's binary there, such as
+//! one built from the `Containerfile` with `sh`, `printf` and `sleep`
+//! added), pods run under berth's shim, and the contract's freeze, fence
+//! deadline, frozen-stop and hook cases run through it: hibernation,
+//! resume and the fence deadline on a real cluster.
 //!
 //! Without `BERTH_K8S_TEST_CLAIM` every test user gets its own claim,
 //! which needs a default storage class; the claims are deleted at the end.
@@ -32,6 +39,8 @@ struct ClusterHarness {
     namespace: String,
     image: String,
     claim: Option<String>,
+    /// berth's binary in the image, to run pods under berth's shim.
+    shim: Option<String>,
 }
 
 #[async_trait]
@@ -60,6 +69,16 @@ impl Harness for ClusterHarness {
             egress_proxy_key: None,
             shim_key: None,
         };
+        let mut config = config;
+        if let Some(path) = &self.shim {
+            config.kubernetes.shim = Some(berth_k8s::config::ShimConfig {
+                path: path.clone(),
+                port: 7079,
+            });
+            config.shim_key = Some(berth_core::credential::ShimKey::new(
+                b"a cluster secret for the cluster test",
+            ));
+        }
         K8sRuntime::new(self.client.clone(), config).unwrap()
     }
 
@@ -94,6 +113,7 @@ async fn the_runtime_contract_holds_on_a_real_cluster() {
         namespace: env("BERTH_K8S_TEST_NAMESPACE", "berth-test"),
         image: env("BERTH_K8S_TEST_IMAGE", "busybox:1.36"),
         claim: std::env::var("BERTH_K8S_TEST_CLAIM").ok(),
+        shim: std::env::var("BERTH_K8S_TEST_SHIM").ok(),
     };
     let h = &harness;
     runtime_contract::a_started_program_becomes_ready_and_stops_gracefully(h).await;
@@ -107,6 +127,7 @@ async fn the_runtime_contract_holds_on_a_real_cluster() {
     runtime_contract::freeze_and_thaw_when_declared(h).await;
     runtime_contract::a_frozen_instance_is_killed_without_running_again(h).await;
     runtime_contract::the_fence_deadline_freezes_when_declared(h).await;
+    runtime_contract::a_hook_runs_beside_the_program_when_declared(h).await;
 
     // The ended pods of the exit cases go once released; then the claims.
     let cleanup = h.runtime(&Program::Serve).await;
