@@ -462,6 +462,7 @@ impl Runtime for K8sRuntime {
             } else {
                 None
             };
+            let frozen = alive && inner.shim_says_frozen(&view).await == Some(true);
             found.push(Discovered {
                 user,
                 slug: view.slug.clone().unwrap_or_default(),
@@ -470,7 +471,7 @@ impl Runtime for K8sRuntime {
                 epoch: view.epoch.unwrap_or(0),
                 runtime_ref: view.runtime_ref(),
                 alive,
-                frozen: false,
+                frozen,
                 ready: alive && view.ready && (!inner.needs_ready_line() || ready_line.is_some()),
                 token: ready_line.flatten(),
                 exit: view.exit(inner.memory_limit_mb()),

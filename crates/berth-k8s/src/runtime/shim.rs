@@ -219,6 +219,28 @@ impl Inner {
         }
     }
 
+    /// Whether `view`'s shim says its program is frozen: what a restarted
+    /// replica's discovery reports, so that a hibernated pod is adopted
+    /// hibernated. `None`: no shim, or no answer in time.
+    pub(super) async fn shim_says_frozen(&self, view: &PodView) -> Option<bool> {
+        let credential = self.shim_credential(view)?;
+        let slug = view.slug.as_deref()?;
+        let deadline = tokio::time::Instant::now() + CONNECT_TIMEOUT;
+        let endpoint = self
+            .endpoint_on(slug, &view.uid, SHIM_PORT_NAME, deadline)
+            .await
+            .ok()?;
+        let (mut lines, _write) = connect(&endpoint, &credential).await.ok()?;
+        let hello = tokio::time::timeout(CONNECT_TIMEOUT, lines.next_line())
+            .await
+            .ok()?
+            .ok()??;
+        match serde_json::from_str::<ShimEvent>(&hello).ok()? {
+            ShimEvent::Hello { state } => Some(state.frozen),
+            _ => None,
+        }
+    }
+
     /// The credential of `view`'s shim, if the pod has one.
     fn shim_credential(&self, view: &PodView) -> Option<String> {
         let key = self.config.shim_key.as_ref()?;
@@ -336,11 +358,10 @@ impl Inner {
                 }
             };
             if let Some((mut lines, write)) = connected {
-                tracing::debug!(pod = %name, uid = %uid, "linked to the pod's shim");
-                // `send_replace`: stored even while no command waits (`send`
-                // would drop it for want of a receiver).
-                link.writer
-                    .send_replace(Some(Arc::new(tokio::sync::Mutex::new(write))));
+                // Published once the shim says hello, which it does only
+                // once the program runs (before, the kernel may already
+                // have taken the connection for it).
+                let mut unpublished = Some(write);
                 loop {
                     let line = tokio::select! {
                         () = cancel.cancelled() => None,
@@ -350,6 +371,13 @@ impl Inner {
                     let Ok(event) = serde_json::from_str::<ShimEvent>(&line) else {
                         continue;
                     };
+                    if let (ShimEvent::Hello { .. }, Some(write)) = (&event, unpublished.take()) {
+                        tracing::debug!(pod = %name, uid = %uid, "linked to the pod's shim");
+                        // `send_replace`: stored even while no command
+                        // waits (`send` would drop it for want of a receiver).
+                        link.writer
+                            .send_replace(Some(Arc::new(tokio::sync::Mutex::new(write))));
+                    }
                     let report = match event {
                         ShimEvent::Hello { state } if state.frozen => Some(RuntimeEvent::Frozen),
                         ShimEvent::Frozen => {

@@ -418,7 +418,8 @@ async fn count(node: &Node, token: &str) -> u64 {
 /// freezes every process of the program inside the pod, `setsid` and
 /// double-forked ones too, and a request resumes the same pod with its
 /// memory: the same UID, no pod created, the demo app's count going on
-/// from where it was. A stop of the hibernated pod then kills it frozen:
+/// from where it was, across a restart of berth in between, which adopts
+/// the pod hibernated. A stop of the hibernated pod then kills it frozen:
 /// not one more line is written, and none of its processes is left.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_hibernated_pod_is_frozen_whole_and_a_request_resumes_the_same_pod() {
@@ -427,7 +428,7 @@ async fn a_hibernated_pod_is_frozen_whole_and_a_request_resumes_the_same_pod() {
     let kubeconfig = kubeconfig(&double, root.path());
     let dir = root.path().join("node");
     let config = with_escapes(&config_from_example(&dir, &kubeconfig, None, "solo"));
-    let node = start(dir, config).await;
+    let mut node = start(dir, config).await;
     let alice = node.user_token("alice").await;
     let (status, body) = node.post("/users/alice/instance", json!({})).await;
     assert_eq!(status, 201, "{body}");
@@ -447,8 +448,20 @@ async fn a_hibernated_pod_is_frozen_whole_and_a_request_resumes_the_same_pod() {
     assert_eq!(escape_lines(&double), frozen_at, "a frozen process wrote");
     assert_eq!(node.status_of("alice").await, "hibernated");
 
+    // A restarted berth adopts the pod hibernated (its shim says frozen):
+    // it stays frozen until a request resumes it.
+    node.kill9();
+    node.restart();
+    node.adopted().await;
+    assert_eq!(node.status_of("alice").await, "hibernated");
+    assert_eq!(escape_lines(&double), frozen_at, "a frozen process wrote");
+
     assert_eq!(count(&node, &alice).await, before + 1, "memory kept");
-    assert_eq!(node.status_of("alice").await, "running");
+    // The record follows the resume on a task of its own.
+    eventually(PATIENCE, "alice recorded running", || async {
+        (node.status_of("alice").await == "running").then_some(())
+    })
+    .await;
     assert_eq!(uid(&pod(&double, "berth-alice").unwrap()), pod_uid);
     assert_eq!(double.creates(Kind::Pod), 1, "a pod was created to resume");
     eventually(PATIENCE, "alice's escapes writing again", || async {
