@@ -41,11 +41,9 @@ import argparse
 import http.client
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
-import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import spawn  # noqa: E402  (the Berth harness)
@@ -190,23 +188,15 @@ def inner(args):
         with spawn.Berth(args.berth, isolation=args.level, parent="/var/tmp",
                          instance_extra=instance, isolation_extra=egress) as berth:
             return measure(berth, args.n)
-    with tempfile.TemporaryDirectory(dir="/var/tmp") as tmp:
-        kubeconfig = os.path.join(tmp, "kubeconfig")
-        double = subprocess.Popen([args.double, "--kubeconfig", kubeconfig],
-                                  stdout=subprocess.PIPE, start_new_session=True)
-        try:
-            double.stdout.readline()
-            pods = (f'[kubernetes]\nkubeconfig = "{kubeconfig}"\nimage = "bench.invalid/none:1"\n'
-                    f'command = {command}\nendpoint = "endpoint_slice"\n'
-                    f'[kubernetes.network]\negress_proxy = "127.0.0.1:{free_port()}"\n')
-            secret = f'cluster_secret = "{os.urandom(24).hex()}"\n'
-            with spawn.Berth(args.berth, parent="/var/tmp", instance_extra="ready_tcp = true\n",
-                             isolation_extra=egress, top_extra=secret,
-                             tables_extra=pods) as berth:
-                return measure(berth, args.n)
-        finally:
-            os.killpg(double.pid, signal.SIGTERM)
-            double.wait()
+    with spawn.api_server_double(args.double) as kubeconfig:
+        pods = (f'[kubernetes]\nkubeconfig = "{kubeconfig}"\nimage = "bench.invalid/none:1"\n'
+                f'command = {command}\nendpoint = "endpoint_slice"\n'
+                f'[kubernetes.network]\negress_proxy = "127.0.0.1:{free_port()}"\n')
+        secret = f'cluster_secret = "{os.urandom(24).hex()}"\n'
+        with spawn.Berth(args.berth, parent="/var/tmp", instance_extra="ready_tcp = true\n",
+                         isolation_extra=egress, top_extra=secret,
+                         tables_extra=pods) as berth:
+            return measure(berth, args.n)
 
 
 def measure(berth, n):

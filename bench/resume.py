@@ -40,11 +40,9 @@ import concurrent.futures
 import http.client
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 
@@ -212,31 +210,22 @@ def pods(exe, double_exe, reap, rounds):
     """The demo-app rows with the demo app in pods under berth's shim, on
     the API-server double."""
     command = json.dumps([exe, "demo-app", "--host", "127.0.0.1", "--port", "{port}"])
-    with tempfile.TemporaryDirectory(dir="/var/tmp") as tmp:
-        os.chmod(tmp, 0o755)
-        kubeconfig = os.path.join(tmp, "kubeconfig")
-        double = subprocess.Popen([double_exe, "--kubeconfig", kubeconfig],
-                                  stdout=subprocess.PIPE, start_new_session=True)
-        try:
-            double.stdout.readline()
-            tables = (f'[kubernetes]\nkubeconfig = "{kubeconfig}"\nimage = "bench.invalid/none:1"\n'
-                      f'command = {command}\nendpoint = "endpoint_slice"\n'
-                      f'[kubernetes.shim]\npath = "{exe}"\n')
-            secret = f'cluster_secret = "{os.urandom(24).hex()}"\n'
-            ready = "ready_token_regex = 'berth-demo: http://[0-9.]+:\\d+/\\?token=([A-Za-z0-9_-]+)'\n"
-            results = []
-            with spawn.Berth(exe, parent="/var/tmp", reap_extra=reap, instance_extra=ready,
-                             top_extra=secret, tables_extra=tables) as berth:
-                results.append(summary("pods: resume-to-first-byte, demo-app, 1 user",
-                                       resume_one(berth, "alice", "", rounds)))
-                results.append(summary("pods: control: 1 GET, awake",
-                                       [first_byte(berth, "/u/alice/") for _ in range(rounds)]))
-                results.append(summary("pods: cold start to first byte, demo-app",
-                                       cold(berth, "cold", "", rounds)))
-            return results
-        finally:
-            os.killpg(double.pid, signal.SIGTERM)
-            double.wait()
+    with spawn.api_server_double(double_exe) as kubeconfig:
+        tables = (f'[kubernetes]\nkubeconfig = "{kubeconfig}"\nimage = "bench.invalid/none:1"\n'
+                  f'command = {command}\nendpoint = "endpoint_slice"\n'
+                  f'[kubernetes.shim]\npath = "{exe}"\n')
+        secret = f'cluster_secret = "{os.urandom(24).hex()}"\n'
+        ready = "ready_token_regex = 'berth-demo: http://[0-9.]+:\\d+/\\?token=([A-Za-z0-9_-]+)'\n"
+        results = []
+        with spawn.Berth(exe, parent="/var/tmp", reap_extra=reap, instance_extra=ready,
+                         top_extra=secret, tables_extra=tables) as berth:
+            results.append(summary("pods: resume-to-first-byte, demo-app, 1 user",
+                                   resume_one(berth, "alice", "", rounds)))
+            results.append(summary("pods: control: 1 GET, awake",
+                                   [first_byte(berth, "/u/alice/") for _ in range(rounds)]))
+            results.append(summary("pods: cold start to first byte, demo-app",
+                                   cold(berth, "cold", "", rounds)))
+        return results
 
 
 def main():

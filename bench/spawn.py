@@ -410,6 +410,24 @@ class Berth:
 # Direct starts
 
 
+@contextlib.contextmanager
+def api_server_double(double_exe):
+    """The API-server double (`berth-k8s`'s `apiserver-double` example)
+    running until the block ends: yields the path of its kubeconfig, in a
+    searchable temporary directory under /var/tmp."""
+    with tempfile.TemporaryDirectory(dir="/var/tmp") as tmp:
+        os.chmod(tmp, 0o755)
+        kubeconfig = os.path.join(tmp, "kubeconfig")
+        double = subprocess.Popen([double_exe, "--kubeconfig", kubeconfig],
+                                  stdout=subprocess.PIPE, start_new_session=True)
+        try:
+            double.stdout.readline()
+            yield kubeconfig
+        finally:
+            os.killpg(double.pid, signal.SIGTERM)
+            double.wait()
+
+
 def free_port(candidates):
     """The first port of `candidates` that binds (as the programs bind it:
     with SO_REUSEADDR)."""

@@ -92,6 +92,34 @@ pub(crate) fn config_from_example(
     toml::to_string(&config).unwrap()
 }
 
+/// The double, and a directory for berths with a kubeconfig of it.
+struct Cluster {
+    double: ApiServerDouble,
+    root: tempfile::TempDir,
+    kubeconfig: PathBuf,
+}
+
+impl Cluster {
+    async fn start() -> Cluster {
+        let double = ApiServerDouble::start().await;
+        let root = tempfile::tempdir().unwrap();
+        let kubeconfig = kubeconfig(&double, root.path());
+        Cluster {
+            double,
+            root,
+            kubeconfig,
+        }
+    }
+
+    /// [`config_from_example`] for node `node`, in a directory of its
+    /// name; that directory and the config.
+    fn config(&self, store: Option<&str>, node: &str) -> (PathBuf, String) {
+        let dir = self.root.path().join(node);
+        let config = config_from_example(&dir, &self.kubeconfig, store, node);
+        (dir, config)
+    }
+}
+
 /// Starts a berth on the example config in `dir` (off the async threads:
 /// starting blocks until berth listens).
 async fn start(dir: PathBuf, config: String) -> Node {
@@ -252,15 +280,13 @@ async fn two_replicas_share_a_pod_and_a_takeover_keeps_it_running() {
 /// pod is gone and the next request wakes a new one.
 #[tokio::test(flavor = "multi_thread")]
 async fn the_proxy_wakes_a_pod_and_reaches_it_through_its_service() {
-    let double = ApiServerDouble::start().await;
-    let root = tempfile::tempdir().unwrap();
-    let kubeconfig = kubeconfig(&double, root.path());
-    let dir = root.path().join("node");
-    let config = config_from_example(&dir, &kubeconfig, None, "solo");
+    let cluster = Cluster::start().await;
+    let double = &cluster.double;
+    let (dir, config) = cluster.config(None, "solo");
     let mut node = start(dir.clone(), config.clone()).await;
     let bob = node.user_token("bob").await;
     assert_eq!(node.status_of("bob").await, "none");
-    assert!(pod(&double, "berth-bob").is_none());
+    assert!(pod(double, "berth-bob").is_none());
 
     let (status, page) = through_proxy(&node, "/u/bob/", &bob).await;
     assert_eq!(status, 200, "{page}");
@@ -269,7 +295,7 @@ async fn the_proxy_wakes_a_pod_and_reaches_it_through_its_service() {
         "{page}"
     );
     assert_eq!(node.status_of("bob").await, "running");
-    let first = pod(&double, "berth-bob").expect("bob's pod");
+    let first = pod(double, "berth-bob").expect("bob's pod");
     assert_eq!(double.creates(Kind::Pod), 1);
     // The page came from that pod: the Service's slice names its port.
     let slice_port = double
@@ -308,7 +334,7 @@ async fn the_proxy_wakes_a_pod_and_reaches_it_through_its_service() {
     })
     .await;
     assert!(page.contains("carol"), "{page}");
-    assert!(pod(&double, "berth-carol").is_some());
+    assert!(pod(double, "berth-carol").is_some());
     assert_eq!(double.creates(Kind::Pod), 2);
 
     // A restarted berth adopts the pods: nothing is created, bob is still
@@ -329,20 +355,20 @@ async fn the_proxy_wakes_a_pod_and_reaches_it_through_its_service() {
     })
     .await;
     assert!(page.contains("bob"), "{page}");
-    let adopted = pod(&double, "berth-bob").expect("bob's pod");
+    let adopted = pod(double, "berth-bob").expect("bob's pod");
     assert_eq!(uid(&adopted), uid(&first));
     assert_eq!(double.creates(Kind::Pod), 2, "adoption created a pod");
 
     // Stopped: the pod goes; the next request wakes a new one.
     assert_eq!(node.delete("/users/bob/instance").await, 204);
     eventually(PATIENCE, "bob's pod deleted", || async {
-        pod(&double, "berth-bob").is_none().then_some(())
+        pod(double, "berth-bob").is_none().then_some(())
     })
     .await;
     let (status, page) = through_proxy(&node, "/u/bob/", &bob).await;
     assert_eq!(status, 200, "{page}");
     assert!(page.contains("bob"), "{page}");
-    let second = pod(&double, "berth-bob").expect("bob's new pod");
+    let second = pod(double, "berth-bob").expect("bob's new pod");
     assert_ne!(uid(&second), uid(&first));
     assert_eq!(double.creates(Kind::Pod), 3);
 }
@@ -401,6 +427,19 @@ async fn every_process_frozen(double: &ApiServerDouble, pod_uid: &str) -> usize 
     escape_lines(double)
 }
 
+/// Launches alice on [`with_escapes`]' program and waits until her
+/// escapes write; her pod's UID.
+async fn launch_escaping_alice(node: &Node, double: &ApiServerDouble) -> String {
+    let (status, body) = node.post("/users/alice/instance", json!({})).await;
+    assert_eq!(status, 201, "{body}");
+    let pod_uid = uid(&pod(double, "berth-alice").expect("alice's pod"));
+    eventually(PATIENCE, "alice's escapes writing", || async {
+        (escape_lines(double) >= 30).then_some(())
+    })
+    .await;
+    pod_uid
+}
+
 /// A frozen program writes nothing while this passes; running, its
 /// escapes write about 300 lines.
 const FROZEN_WINDOW: Duration = Duration::from_secs(1);
@@ -423,29 +462,21 @@ async fn count(node: &Node, token: &str) -> u64 {
 /// not one more line is written, and none of its processes is left.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_hibernated_pod_is_frozen_whole_and_a_request_resumes_the_same_pod() {
-    let double = ApiServerDouble::start().await;
-    let root = tempfile::tempdir().unwrap();
-    let kubeconfig = kubeconfig(&double, root.path());
-    let dir = root.path().join("node");
-    let config = with_escapes(&config_from_example(&dir, &kubeconfig, None, "solo"));
-    let mut node = start(dir, config).await;
+    let cluster = Cluster::start().await;
+    let double = &cluster.double;
+    let (dir, config) = cluster.config(None, "solo");
+    let mut node = start(dir, with_escapes(&config)).await;
     let alice = node.user_token("alice").await;
-    let (status, body) = node.post("/users/alice/instance", json!({})).await;
-    assert_eq!(status, 201, "{body}");
-    let pod_uid = uid(&pod(&double, "berth-alice").expect("alice's pod"));
-    eventually(PATIENCE, "alice's escapes writing", || async {
-        (escape_lines(&double) >= 30).then_some(())
-    })
-    .await;
+    let pod_uid = launch_escaping_alice(&node, double).await;
     let before = count(&node, &alice).await;
 
     let (status, body) = node
         .post("/users/alice/instance/hibernate", json!({}))
         .await;
     assert_eq!(status, 200, "{body}");
-    let frozen_at = every_process_frozen(&double, &pod_uid).await;
+    let frozen_at = every_process_frozen(double, &pod_uid).await;
     tokio::time::sleep(FROZEN_WINDOW).await;
-    assert_eq!(escape_lines(&double), frozen_at, "a frozen process wrote");
+    assert_eq!(escape_lines(double), frozen_at, "a frozen process wrote");
     assert_eq!(node.status_of("alice").await, "hibernated");
 
     // A restarted berth adopts the pod hibernated (its shim says frozen):
@@ -454,7 +485,7 @@ async fn a_hibernated_pod_is_frozen_whole_and_a_request_resumes_the_same_pod() {
     node.restart();
     node.adopted().await;
     assert_eq!(node.status_of("alice").await, "hibernated");
-    assert_eq!(escape_lines(&double), frozen_at, "a frozen process wrote");
+    assert_eq!(escape_lines(double), frozen_at, "a frozen process wrote");
 
     assert_eq!(count(&node, &alice).await, before + 1, "memory kept");
     // The record follows the resume on a task of its own.
@@ -462,10 +493,10 @@ async fn a_hibernated_pod_is_frozen_whole_and_a_request_resumes_the_same_pod() {
         (node.status_of("alice").await == "running").then_some(())
     })
     .await;
-    assert_eq!(uid(&pod(&double, "berth-alice").unwrap()), pod_uid);
+    assert_eq!(uid(&pod(double, "berth-alice").unwrap()), pod_uid);
     assert_eq!(double.creates(Kind::Pod), 1, "a pod was created to resume");
     eventually(PATIENCE, "alice's escapes writing again", || async {
-        (escape_lines(&double) > frozen_at + 30).then_some(())
+        (escape_lines(double) > frozen_at + 30).then_some(())
     })
     .await;
 
@@ -473,20 +504,18 @@ async fn a_hibernated_pod_is_frozen_whole_and_a_request_resumes_the_same_pod() {
         .post("/users/alice/instance/hibernate", json!({}))
         .await;
     assert_eq!(status, 200, "{body}");
-    let frozen_at = every_process_frozen(&double, &pod_uid).await;
+    let frozen_at = every_process_frozen(double, &pod_uid).await;
     assert_eq!(node.delete("/users/alice/instance").await, 204);
     eventually(PATIENCE, "alice's pod gone", || async {
-        pod(&double, "berth-alice").is_none().then_some(())
+        pod(double, "berth-alice").is_none().then_some(())
     })
     .await;
     eventually(PATIENCE, "no process of alice's program left", || async {
-        program_processes(&double, &pod_uid)
-            .is_empty()
-            .then_some(())
+        program_processes(double, &pod_uid).is_empty().then_some(())
     })
     .await;
     assert_eq!(
-        escape_lines(&double),
+        escape_lines(double),
         frozen_at,
         "the stopped pod ran again before it died"
     );
@@ -497,31 +526,18 @@ async fn a_hibernated_pod_is_frozen_whole_and_a_request_resumes_the_same_pod() {
 /// deadline, every process of it, and it stays frozen.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_replica_cut_off_from_everything_has_its_pod_frozen_at_the_fence_deadline() {
-    let double = ApiServerDouble::start().await;
-    let root = tempfile::tempdir().unwrap();
-    let kubeconfig = kubeconfig(&double, root.path());
-    let dir = root.path().join("replica-a");
+    let cluster = Cluster::start().await;
+    let double = &cluster.double;
     let db = fresh_db().await;
-    let config = with_escapes(&config_from_example(
-        &dir,
-        &kubeconfig,
-        Some(&db),
-        "replica-a",
-    ));
-    let mut node = start(dir, config).await;
-    let (status, body) = node.post("/users/alice/instance", json!({})).await;
-    assert_eq!(status, 201, "{body}");
-    let pod_uid = uid(&pod(&double, "berth-alice").expect("alice's pod"));
-    eventually(PATIENCE, "alice's escapes writing", || async {
-        (escape_lines(&double) >= 30).then_some(())
-    })
-    .await;
+    let (dir, config) = cluster.config(Some(&db), "replica-a");
+    let mut node = start(dir, with_escapes(&config)).await;
+    let pod_uid = launch_escaping_alice(&node, double).await;
 
     let berth = nix::unistd::Pid::from_raw(i32::try_from(node.pid().unwrap()).unwrap());
     nix::sys::signal::kill(berth, nix::sys::signal::Signal::SIGSTOP).unwrap();
-    let frozen_at = every_process_frozen(&double, &pod_uid).await;
+    let frozen_at = every_process_frozen(double, &pod_uid).await;
     tokio::time::sleep(FROZEN_WINDOW).await;
-    assert_eq!(escape_lines(&double), frozen_at, "a fenced process wrote");
+    assert_eq!(escape_lines(double), frozen_at, "a fenced process wrote");
     nix::sys::signal::kill(berth, nix::sys::signal::Signal::SIGCONT).unwrap();
     node.kill9();
 }
@@ -562,12 +578,10 @@ os.execv(sys.argv[1], [sys.argv[1], "demo-app", "--host", "0.0.0.0", "--port", s
 async fn a_pods_program_cannot_reach_its_shims_credential_and_no_stranger_commands_it() {
     use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 
-    let double = ApiServerDouble::start().await;
-    let root = tempfile::tempdir().unwrap();
-    let kubeconfig = kubeconfig(&double, root.path());
-    let dir = root.path().join("node");
-    let mut config: toml::Table =
-        toml::from_str(&config_from_example(&dir, &kubeconfig, None, "solo")).unwrap();
+    let cluster = Cluster::start().await;
+    let double = &cluster.double;
+    let (dir, config) = cluster.config(None, "solo");
+    let mut config: toml::Table = toml::from_str(&config).unwrap();
     let argv = ["/usr/bin/python3", "-c", ATTACK, BERTH, "{port}"];
     config["kubernetes"].as_table_mut().unwrap().insert(
         "command".into(),
@@ -576,7 +590,7 @@ async fn a_pods_program_cannot_reach_its_shims_credential_and_no_stranger_comman
     let node = start(dir, toml::to_string(&config).unwrap()).await;
     let (status, body) = node.post("/users/alice/instance", json!({})).await;
     assert_eq!(status, 201, "{body}");
-    let alice = pod(&double, "berth-alice").expect("alice's pod");
+    let alice = pod(double, "berth-alice").expect("alice's pod");
     let pod_uid = uid(&alice);
 
     let report: Value = serde_json::from_str(
@@ -614,7 +628,7 @@ async fn a_pods_program_cannot_reach_its_shims_credential_and_no_stranger_comman
     assert_eq!(status, 200, "{page}");
     assert!(double.running(&pod_uid), "alice's pod ended");
     assert!(
-        program_processes(&double, &pod_uid)
+        program_processes(double, &pod_uid)
             .iter()
             .all(|p| !support::frozen(*p)),
         "alice's program was frozen"

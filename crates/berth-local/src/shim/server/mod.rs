@@ -48,25 +48,7 @@ pub(super) fn run(spec: ShimSpec, ready_regex: Option<Regex>) -> i32 {
     // process group must not reach the shim. Fails only if the shim already
     // leads a process group, in which case it is on its own anyway.
     let _ = nix::unistd::setsid();
-    ignore_signal(Signal::SIGPIPE);
-    ignore_signal(Signal::SIGHUP);
-    // The program's orphans (a daemon that double-forked, a kernel that
-    // left its session) become the shim's children, not the host init's:
-    // the shim reaps them, so none lingers as a zombie that counts against
-    // the account's process limits on a host whose init does not reap.
-    if let Err(e) = nix::sys::prctl::set_child_subreaper(true) {
-        diag!("cannot become the program's subreaper: {e}");
-    }
-
-    // Single-threaded on purpose: the program's parent-death signal fires
-    // when the thread that spawned it exits, so that thread must be the one
-    // that lives as long as the shim.
-    let runtime = match tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .max_blocking_threads(BLOCKING_THREADS)
-        .thread_keep_alive(BLOCKING_KEEP_ALIVE)
-        .build()
-    {
+    let runtime = match shim_process() {
         Ok(runtime) => runtime,
         Err(e) => {
             let _ = report(&SpawnReport::Failed {
@@ -79,6 +61,28 @@ pub(super) fn run(spec: ShimSpec, ready_regex: Option<Regex>) -> i32 {
         }
     };
     runtime.block_on(shim_main(spec, ready_regex))
+}
+
+/// What every shim's process does first, wherever it runs: ignore SIGPIPE
+/// and SIGHUP, become the program's subreaper, and build its runtime.
+fn shim_process() -> std::io::Result<tokio::runtime::Runtime> {
+    ignore_signal(Signal::SIGPIPE);
+    ignore_signal(Signal::SIGHUP);
+    // The program's orphans (a daemon that double-forked, a kernel that
+    // left its session) become the shim's children, not the host init's:
+    // the shim reaps them, so none lingers as a zombie that counts against
+    // the account's process limits on a host whose init does not reap.
+    if let Err(e) = nix::sys::prctl::set_child_subreaper(true) {
+        diag!("cannot become the program's subreaper: {e}");
+    }
+    // Single-threaded on purpose: the program's parent-death signal fires
+    // when the thread that spawned it exits, so that thread must be the one
+    // that lives as long as the shim.
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .max_blocking_threads(BLOCKING_THREADS)
+        .thread_keep_alive(BLOCKING_KEEP_ALIVE)
+        .build()
 }
 
 fn ignore_signal(sig: Signal) {
@@ -197,17 +201,7 @@ pub(crate) fn run_in_pod(
     credential: Arc<str>,
     stop_grace_ms: u64,
 ) -> i32 {
-    ignore_signal(Signal::SIGPIPE);
-    ignore_signal(Signal::SIGHUP);
-    if let Err(e) = nix::sys::prctl::set_child_subreaper(true) {
-        diag!("cannot become the program's subreaper: {e}");
-    }
-    let runtime = match tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .max_blocking_threads(BLOCKING_THREADS)
-        .thread_keep_alive(BLOCKING_KEEP_ALIVE)
-        .build()
-    {
+    let runtime = match shim_process() {
         Ok(runtime) => runtime,
         Err(e) => {
             diag!("cannot start the runtime: {e}");
