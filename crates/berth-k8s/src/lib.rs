@@ -34,12 +34,15 @@
 //! that changes the policy) is reported as the exit it was, and that pod is
 //! deleted, so the controller's decision is the only one.
 //!
-//! # No freeze, no fence deadline
+//! # Freeze and a fence deadline: berth's shim in the pod
 //!
 //! Kubernetes cannot pause a container or stop it on a deadline of its
-//! own, so [`K8sRuntime::capabilities`] declares neither; one instance per
-//! user rests on the API server's one object per name instead (see
-//! `docs/design.md`, "How fencing maps onto Kubernetes").
+//! own. With `[kubernetes.shim]`, berth's own shim is each main pod's
+//! entrypoint and does both (`runtime/shim.rs` is berth's side of it), and
+//! [`K8sRuntime::capabilities`] declares freeze, a fence deadline and
+//! command hooks; without it, none. Either way one instance per user
+//! rests on the API server's one object per name (see `docs/design.md`,
+//! "berth's shim in the pod" and "How fencing maps onto Kubernetes").
 
 #![forbid(unsafe_code)]
 

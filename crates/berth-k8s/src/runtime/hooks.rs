@@ -1,6 +1,7 @@
 //! Hooks: a `POST` to the pod, where the proxy reaches it. A command hook
-//! would have to run inside the pod, which this runtime cannot do, so it
-//! does not declare `Capabilities::exec` (and `config check` refuses one).
+//! runs inside the pod, through berth's shim (`shim.rs`); without the
+//! shim the runtime does not declare `Capabilities::exec` (and `config
+//! check` refuses one).
 
 use std::time::Duration;
 

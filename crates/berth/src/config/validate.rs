@@ -7,6 +7,19 @@ use super::error::ConfigError;
 use super::sections::{Config, HookConfig};
 
 impl Config {
+    /// Whether pods run a command beside the program: with berth's shim
+    /// as their entrypoint (`[kubernetes.shim]`).
+    fn pods_run_commands(&self) -> bool {
+        #[cfg(feature = "kubernetes")]
+        {
+            self.kubernetes.as_ref().is_some_and(|k| k.shim.is_some())
+        }
+        #[cfg(not(feature = "kubernetes"))]
+        {
+            false
+        }
+    }
+
     /// Checks everything that parsing cannot: addresses, ranges, choices and
     /// combinations. Reports the first problem.
     pub fn validate(&self) -> Result<(), ConfigError> {
@@ -205,11 +218,14 @@ impl Config {
             ("instance.pre_stop", &i.pre_stop),
         ] {
             match hook {
-                Some(HookConfig::Command(_)) if self.kubernetes.is_some() => {
+                Some(HookConfig::Command(_))
+                    if self.kubernetes.is_some() && !self.pods_run_commands() =>
+                {
                     return Err(self.invalid(
                         key,
                         "a command hook runs beside the program, which the kubernetes runtime \
-                         cannot do; give a path on the instance (an HTTP hook) instead",
+                         can do only with [kubernetes.shim]; set it, or give a path on the \
+                         instance (an HTTP hook) instead",
                     ));
                 }
                 Some(HookConfig::Command(command)) => self.check_command(key, command)?,

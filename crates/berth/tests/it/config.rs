@@ -543,3 +543,36 @@ fn a_port_range_in_the_ephemeral_range_is_warned_about() {
         }
     }
 }
+
+/// A command hook runs beside the program: on Kubernetes only through
+/// berth's shim in the pod, which needs the cluster secret its credential
+/// derives from.
+#[test]
+fn a_command_hook_on_kubernetes_needs_the_shim_and_the_shim_a_cluster_secret() {
+    let base = "[instance]\npre_hibernate = [\"sync\"]\n\
+                [kubernetes]\nimage = \"example/app:1\"\ncommand = [\"app\"]\n";
+    let (stderr, _, _) = check_failing(base);
+    assert!(
+        stderr.contains("instance.pre_hibernate") && stderr.contains("[kubernetes.shim]"),
+        "{stderr}"
+    );
+    let shim = "[kubernetes.shim]\npath = \"/usr/local/bin/berth\"\n";
+    let (stderr, _, _) = check_failing(&format!("{base}{shim}"));
+    assert!(
+        stderr.contains("kubernetes.shim") && stderr.contains("cluster_secret"),
+        "{stderr}"
+    );
+    let secret = format!(
+        "cluster_secret = \"{}\"\n",
+        berth_testkit::TEST_CLUSTER_SECRET
+    );
+    assert!(accepted_private(&format!("{secret}{base}{shim}")));
+    for (bad, key) in [
+        ("path = \"berth\"\n", "shim.path"),
+        ("path = \"/b\"\nport = 8080\n", "shim.port"),
+    ] {
+        let text = format!("{secret}{base}[kubernetes.shim]\n{bad}");
+        let (stderr, _, _) = check_failing_private(&text);
+        assert!(stderr.contains(key), "{key}: {stderr}");
+    }
+}
