@@ -134,7 +134,8 @@ def pod_program(user):
             continue
         try:
             with open(f"/proc/{entry}/cmdline", "rb") as f:
-                if b"demo-app" not in f.read():
+                # The demo app itself, not its shim (`berth shim pod -- …`).
+                if f.read().split(b"\0")[1:2] != [b"demo-app"]:
                     continue
             with open(f"/proc/{entry}/environ", "rb") as f:
                 if f"BERTH_USER={user}".encode() in f.read().split(b"\0"):
