@@ -92,6 +92,30 @@ fn granted() -> BTreeSet<ApiUse> {
     rules
 }
 
+/// A stand-in for berth's shim in the pod (`PATH shim pod -- PROGRAM…`):
+/// it runs the program without the shim's environment, and answers each
+/// connection to its control port with a hello once it has read a line.
+const STAND_IN_SHIM: &str = r#"#!/usr/bin/env python3
+import json, os, socket, subprocess, sys, threading
+host, port = os.environ["BERTH_SHIM_CONTROL"].rsplit(":", 1)
+listener = socket.socket()
+listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+listener.bind((host, int(port)))
+listener.listen()
+env = {k: v for k, v in os.environ.items() if not k.startswith("BERTH_SHIM_")}
+program = subprocess.Popen(sys.argv[4:], env=env)
+state = {"instance_id": "", "user": "", "role": "main", "epoch": 0, "socket_path": "",
+         "shim_pid": os.getpid(), "pid": program.pid, "pid_start": 0,
+         "stderr_tail": "", "frozen": False}
+def serve():
+    while True:
+        conn, _ = listener.accept()
+        conn.makefile().readline()
+        conn.sendall((json.dumps({"event": "hello", "state": state}) + "\n").encode())
+threading.Thread(target=serve, daemon=True).start()
+sys.exit(program.wait())
+"#;
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_role_grants_exactly_what_berths_lifecycle_of_a_pod_asks_for() {
     let env = Env::new().await;
@@ -100,13 +124,14 @@ async fn the_role_grants_exactly_what_berths_lifecycle_of_a_pod_asks_for() {
         "echo ready token={}; exec sleep 1000",
         berth_core::runtime_contract::TOKEN
     ));
-    // With the shim, as the shipped config has it. This crate's tests
-    // have no berth binary, so a script stands in for the shim: it drops
-    // `shim pod --` and runs the program. What counts here is what the
-    // runtime asks of the API server (the pod's Secret among it).
+    // With the shim, as the shipped config shows it. This crate's tests
+    // have no berth binary, so a script stands in for the shim (a test
+    // double, named so): it runs the program and greets berth's link. What
+    // counts here is what the runtime asks of the API server (the pod's
+    // Secret among it).
     let scratch = tempfile::tempdir().unwrap();
     let stand_in = scratch.path().join("shim");
-    std::fs::write(&stand_in, "#!/bin/sh\nshift 3\nexec \"$@\"\n").unwrap();
+    std::fs::write(&stand_in, STAND_IN_SHIM).unwrap();
     std::fs::set_permissions(
         &stand_in,
         std::os::unix::fs::PermissionsExt::from_mode(0o755),
