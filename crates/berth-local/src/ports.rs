@@ -9,17 +9,18 @@ use std::sync::Mutex;
 /// Picks a port from `range`: `preferred` first when it is in range and not
 /// taken, then the others starting after `cursor` (so a port just given up
 /// is not handed out again at once). `is_free` is asked only about ports
-/// that are neither reserved nor recorded as used.
+/// that are neither reserved nor recorded as used (`taken`), which is asked
+/// port by port: a launch costs no copy of every reservation.
 pub(crate) fn choose_port(
     range: &RangeInclusive<u16>,
-    taken: &BTreeSet<u16>,
+    taken: impl Fn(u16) -> bool,
     preferred: Option<u16>,
     cursor: u16,
     mut is_free: impl FnMut(u16) -> bool,
 ) -> Option<u16> {
     if let Some(port) = preferred
         && range.contains(&port)
-        && !taken.contains(&port)
+        && !taken(port)
         && is_free(port)
     {
         return Some(port);
@@ -35,7 +36,7 @@ pub(crate) fn choose_port(
         .chain(before)
         .filter_map(|p| u16::try_from(p).ok())
         .filter(|p| Some(*p) != preferred)
-        .find(|p| !taken.contains(p) && is_free(*p))
+        .find(|p| !taken(*p) && is_free(*p))
 }
 
 /// The ports of `range` that sockets of each account of `uids` hold
@@ -128,12 +129,17 @@ impl PortPool {
         &self.range
     }
 
-    /// Reserves a free port, avoiding `also_taken` (ports the store records
-    /// as used by live instances).
-    pub fn allocate(&self, preferred: Option<u16>, also_taken: &BTreeSet<u16>) -> Option<u16> {
+    /// Reserves a free port.
+    pub fn allocate(&self, preferred: Option<u16>) -> Option<u16> {
         let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
-        let taken: BTreeSet<u16> = state.reserved.union(also_taken).copied().collect();
-        let port = choose_port(&self.range, &taken, preferred, state.cursor, self.is_free)?;
+        let reserved = &state.reserved;
+        let port = choose_port(
+            &self.range,
+            |p| reserved.contains(&p),
+            preferred,
+            state.cursor,
+            self.is_free,
+        )?;
         state.reserved.insert(port);
         state.cursor = port;
         Some(port)
@@ -167,19 +173,19 @@ mod tests {
     fn prefers_the_previous_port_when_it_is_free() {
         let r = 100..=105;
         assert_eq!(
-            choose_port(&r, &set(&[]), Some(103), 100, |_| true),
+            choose_port(&r, |p| set(&[]).contains(&p), Some(103), 100, |_| true),
             Some(103)
         );
         assert_eq!(
-            choose_port(&r, &set(&[103]), Some(103), 100, |_| true),
+            choose_port(&r, |p| set(&[103]).contains(&p), Some(103), 100, |_| true),
             Some(101)
         );
         assert_eq!(
-            choose_port(&r, &set(&[]), Some(103), 100, |p| p != 103),
+            choose_port(&r, |p| set(&[]).contains(&p), Some(103), 100, |p| p != 103),
             Some(101)
         );
         assert_eq!(
-            choose_port(&r, &set(&[]), Some(7), 100, |_| true),
+            choose_port(&r, |p| set(&[]).contains(&p), Some(7), 100, |_| true),
             Some(101)
         );
     }
@@ -187,26 +193,38 @@ mod tests {
     #[test]
     fn round_robins_from_the_cursor_and_wraps() {
         let r = 100..=103;
-        assert_eq!(choose_port(&r, &set(&[]), None, 101, |_| true), Some(102));
-        assert_eq!(choose_port(&r, &set(&[]), None, 103, |_| true), Some(100));
         assert_eq!(
-            choose_port(&r, &set(&[100]), None, 103, |_| true),
+            choose_port(&r, |p| set(&[]).contains(&p), None, 101, |_| true),
+            Some(102)
+        );
+        assert_eq!(
+            choose_port(&r, |p| set(&[]).contains(&p), None, 103, |_| true),
+            Some(100)
+        );
+        assert_eq!(
+            choose_port(&r, |p| set(&[100]).contains(&p), None, 103, |_| true),
             Some(101)
         );
-        assert_eq!(choose_port(&r, &set(&[]), None, 9, |_| true), Some(101));
+        assert_eq!(
+            choose_port(&r, |p| set(&[]).contains(&p), None, 9, |_| true),
+            Some(101)
+        );
     }
 
     #[test]
     fn none_when_every_port_is_taken_or_busy() {
         let r = 100..=101;
-        assert_eq!(choose_port(&r, &set(&[100]), None, 100, |p| p != 101), None);
         assert_eq!(
-            choose_port(&r, &set(&[100, 101]), None, 100, |_| true),
+            choose_port(&r, |p| set(&[100]).contains(&p), None, 100, |p| p != 101),
+            None
+        );
+        assert_eq!(
+            choose_port(&r, |p| set(&[100, 101]).contains(&p), None, 100, |_| true),
             None
         );
         let single = 65535..=65535;
         assert_eq!(
-            choose_port(&single, &set(&[]), None, 65535, |_| true),
+            choose_port(&single, |_| false, None, 65535, |_| true),
             Some(65535)
         );
     }
@@ -251,12 +269,12 @@ mod tests {
         // Real ports here could be taken by any other process's outgoing
         // connection; the reservation logic is what is under test.
         let pool = PortPool::with_probe(40000..=40001, |_| true);
-        let a = pool.allocate(None, &set(&[]));
-        let b = pool.allocate(None, &set(&[]));
+        let a = pool.allocate(None);
+        let b = pool.allocate(None);
         assert!(a.is_some() && b.is_some() && a != b);
-        assert_eq!(pool.allocate(None, &set(&[])), None);
+        assert_eq!(pool.allocate(None), None);
         pool.release(a.unwrap());
-        assert_eq!(pool.allocate(None, &set(&[])), a);
+        assert_eq!(pool.allocate(None), a);
         assert_eq!(pool.capacity(), 2);
     }
 }

@@ -24,7 +24,7 @@ mod hook;
 mod run;
 mod spec;
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::HashMap;
 use std::ops::RangeInclusive;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
@@ -334,7 +334,7 @@ impl LocalRuntime {
         let hint = spec.port_hint.filter(|p| Some(*p) != own);
         let port = self
             .ports
-            .allocate(hint, &BTreeSet::new())
+            .allocate(hint)
             .ok_or_else(|| self.no_free_port())?;
         if let Some(own) = own {
             self.ports.release(own);
