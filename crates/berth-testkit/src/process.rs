@@ -187,21 +187,9 @@ pub fn kill_instances_under(data_dir: &Path) {
     }
 }
 
-/// The shim zygote (`berth shim`) that the `berth serve` with pid `berth`
-/// started, if it runs.
-pub fn zygote_of(berth: u32) -> Option<u32> {
-    helper_of(berth, None)
-}
-
-/// The guard's `nft` runner (`berth shim nft-runner NFT`) that the `berth
+/// The shim zygote (`berth shim`, with nothing after it) that the `berth
 /// serve` with pid `berth` started, if it runs.
-pub fn nft_runner_of(berth: u32) -> Option<u32> {
-    helper_of(berth, Some(b"nft-runner"))
-}
-
-/// A live child of `berth` run as `berth shim`, followed by `mode` (none:
-/// nothing follows).
-fn helper_of(berth: u32, mode: Option<&[u8]>) -> Option<u32> {
+pub fn zygote_of(berth: u32) -> Option<u32> {
     std::fs::read_dir("/proc").ok()?.find_map(|entry| {
         let pid: u32 = entry.ok()?.file_name().to_str()?.parse().ok()?;
         let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
@@ -217,8 +205,8 @@ fn helper_of(berth: u32, mode: Option<&[u8]>) -> Option<u32> {
             .split(|&b| b == 0)
             .filter(|a| !a.is_empty())
             .collect();
-        let is_helper = args.get(1) == Some(&b"shim".as_slice()) && args.get(2).copied() == mode;
-        (ppid == berth && is_helper && alive(u64::from(pid))).then_some(pid)
+        let is_zygote = args.len() == 2 && args[1] == b"shim";
+        (ppid == berth && is_zygote && alive(u64::from(pid))).then_some(pid)
     })
 }
 

@@ -34,8 +34,9 @@
 //!
 //! Why this over a network namespace per instance: it keeps instances on
 //! the host's loopback, where berth's proxy reaches them at the address
-//! they print, costs a share of one `nft` run per launch (see [`Guard`])
-//! instead of a veth pair and addresses per instance, and the rules
+//! they print, costs a share of one netlink transaction per launch (see
+//! [`Guard`]) instead of a veth pair and addresses per instance, and the
+//! rules
 //! survive berth: an instance
 //! adopted after a restart is never unguarded. The table is recreated
 //! atomically (one `nft -f` transaction) at start, which drops entries a
@@ -49,13 +50,12 @@ use std::process::Stdio;
 use std::sync::Mutex;
 
 use berth_core::egress::{self, EgressPolicy};
+use berth_localnet::{NftSetError, PairChange, PairSet};
 use ipnet::IpNet;
+use tokio::io::AsyncWriteExt;
 use tokio::sync::{mpsc, oneshot};
 
-use tokio::io::AsyncWriteExt;
-
 use super::UidRange;
-use super::nft_runner::{NftRunner, Ran};
 
 /// Where instances may go beyond the public internet.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -105,6 +105,8 @@ pub enum GuardError {
         table: String,
         stderr: String,
     },
+    #[error("the port change in table inet {table} was not made: {source}")]
+    PortChange { table: String, source: NftSetError },
 }
 
 /// The name of the table of the berth whose data dir is `data_dir`
@@ -386,11 +388,6 @@ fn own_egress(
     script
 }
 
-/// `add element` / `delete element` lines for `own_ports`.
-pub fn element(table: &str, verb: &str, uid: u32, port: u16) -> String {
-    format!("{verb} element inet {table} own_ports {{ {uid} . {port} }}\n")
-}
-
 /// Finds `nft` in `path_var` (a `PATH` value), then /usr/sbin and /sbin
 /// (often missing from a non-login `PATH`).
 pub fn find_nft(path_var: Option<&str>) -> Option<PathBuf> {
@@ -467,15 +464,14 @@ enum Change {
     Revoke { port: u16 },
 }
 
-/// The `nft -f` script that makes `changes`, in order, to an `own_ports`
-/// that holds `granted` (port → uid), and the entries of `granted` it
-/// changes (`None`: removed). An empty script: nothing to do.
+/// The element changes that make `changes`, in order, to an `own_ports`
+/// that holds `granted` (port → uid), and the entries of `granted` they
+/// change (`None`: removed). None: nothing to do.
 fn batch(
-    table: &str,
     granted: &HashMap<u16, u32>,
     changes: &[Change],
-) -> (String, HashMap<u16, Option<u32>>) {
-    let mut script = String::new();
+) -> (Vec<PairChange>, HashMap<u16, Option<u32>>) {
+    let mut elements = Vec::new();
     let mut updates: HashMap<u16, Option<u32>> = HashMap::new();
     for &change in changes {
         let port = match change {
@@ -492,21 +488,21 @@ fn batch(
         if current == wanted {
             continue;
         }
-        if let Some(old) = current {
-            script.push_str(&element(table, "delete", old, port));
+        if let Some(uid) = current {
+            elements.push(PairChange::Delete { uid, port });
         }
         if let Some(uid) = wanted {
-            script.push_str(&element(table, "add", uid, port));
+            elements.push(PairChange::Add { uid, port });
         }
         updates.insert(port, wanted);
     }
-    (script, updates)
+    (elements, updates)
 }
 
 /// Changes waiting for the batcher at most; a launch burst beyond it
 /// waits to send its own.
 const QUEUED_CHANGES: usize = 1024;
-/// Changes one `nft` run takes at most, unless one request alone holds
+/// Changes one transaction takes at most, unless one request alone holds
 /// more (see [`Guard::queue_grants`]).
 const BATCH_MAX: usize = 512;
 
@@ -520,8 +516,9 @@ struct Request {
 /// One berth's guard: its table, and the task that changes `own_ports`.
 ///
 /// Changes go through one task, which makes every change queued by the
-/// time it is free in one `nft` run: a burst of launches (or adoption
-/// after a restart) pays a process per batch, not per instance.
+/// time it is free in one netlink transaction ([`PairSet`]): a burst of
+/// launches (or adoption after a restart) pays a system call per batch,
+/// whatever the number of instances running.
 #[derive(Debug)]
 pub(crate) struct Guard {
     nft: PathBuf,
@@ -535,9 +532,6 @@ pub(crate) struct Guard {
     changes: mpsc::Sender<Request>,
     /// The batcher's receiving end until [`Guard::install`] starts it.
     pending: Mutex<Option<mpsc::Receiver<Request>>>,
-    /// berth's helper-process command, which [`Guard::install`] starts as
-    /// the batcher's [`NftRunner`]; empty: the batcher runs `nft` itself.
-    helper: Vec<String>,
     /// The accounts with an egress policy of their own in the table. Held
     /// while one is changed: changes are rare (an operator's, or a launch
     /// of a user whose policy another node changed), and one account's
@@ -553,7 +547,6 @@ impl Guard {
         ports: RangeInclusive<u16>,
         listeners: ListenerCap,
         egress: Egress,
-        helper: Vec<String>,
     ) -> Guard {
         let (changes, pending) = mpsc::channel(QUEUED_CHANGES);
         Guard {
@@ -566,7 +559,6 @@ impl Guard {
             egress,
             changes,
             pending: Mutex::new(Some(pending)),
-            helper,
             own_egress: tokio::sync::Mutex::new(HashMap::new()),
         }
     }
@@ -578,11 +570,9 @@ impl Guard {
     /// (Re)creates the table with an empty `own_ports`, and `own` (the
     /// accounts with an egress policy of their own), in one transaction
     /// (the rules never lapse, and a previous berth's pairs are gone),
-    /// then starts the task that changes `own_ports`, and the
-    /// [`NftRunner`] it runs `nft` through. Call once, at berth's start
-    /// (the runner gets a copy of berth's descriptor table as it is then),
-    /// in a tokio runtime: the task and the runner end when the guard is
-    /// dropped.
+    /// then starts the task that changes `own_ports` over a netlink socket
+    /// of its own. Call once, at berth's start, in a tokio runtime: the
+    /// task and its socket end when the guard is dropped.
     pub async fn install(&self, own: &[(u32, EgressPolicy)]) -> Result<(), GuardError> {
         // Without a proxy, a policy's domains are unreachable but its
         // confinement holds: it fails closed.
@@ -604,23 +594,12 @@ impl Guard {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .take();
         if let Some(requests) = pending {
-            let runner = if self.helper.is_empty() {
-                None
-            } else {
-                NftRunner::start(&self.helper, &self.nft)
-                    .await
-                    .inspect_err(|e| {
-                        tracing::warn!(error = %e, "cannot start the guard's nft runner; berth \
-                            runs nft itself, at a cost that grows with the instances running");
-                    })
-                    .ok()
-            };
-            tokio::spawn(apply_changes(
-                self.nft.clone(),
-                self.table.clone(),
-                runner,
-                requests,
-            ));
+            let own_ports =
+                PairSet::open(&self.table, OWN_PORTS).map_err(|source| GuardError::PortChange {
+                    table: self.table.clone(),
+                    source,
+                })?;
+            tokio::spawn(apply_changes(self.table.clone(), own_ports, requests));
         }
         Ok(())
     }
@@ -636,7 +615,7 @@ impl Guard {
         self.change(Change::Revoke { port }).await
     }
 
-    /// Queues a grant of every `(uid, port)` pair, made in one `nft` run
+    /// Queues a grant of every `(uid, port)` pair, made in one transaction
     /// however many, and returns once it is queued, before it is made: a
     /// change queued after it is made after it. Adoption after a restart
     /// gives thousands of instances their ports back this way, without
@@ -750,61 +729,29 @@ impl Guard {
     }
 }
 
-/// Runs `script`, a port change, through `runner` while it works, else
-/// through an `nft` berth starts itself. A runner that fails is dropped
-/// (which kills it) and the script is run again without it: a runner
-/// that died did so before `nft` made the script, or after (then `add`
-/// finds its pairs made, and a `delete` that finds its pair gone fails
-/// the script, which is reported, as any refused change).
-async fn run_port_change(
-    nft: &Path,
-    runner: &mut Option<NftRunner>,
-    table: &str,
-    script: &str,
-) -> Result<(), GuardError> {
-    if let Some(working) = runner.as_mut() {
-        match working.run(script).await {
-            Ok(Ran::Made) => return Ok(()),
-            Ok(Ran::Refused(stderr)) => {
-                return Err(GuardError::Refused {
-                    what: "port change",
-                    table: table.to_owned(),
-                    stderr,
-                });
-            }
-            Err(e) => {
-                tracing::warn!(error = %e, "the guard's nft runner failed; berth runs nft \
-                    itself from now on, at a cost that grows with the instances running");
-                *runner = None;
-            }
-        }
-    }
-    run_nft(nft, table, "port change", script).await
-}
+/// The set of `uid . port` pairs in berth's table.
+const OWN_PORTS: &str = "own_ports";
 
 /// The task behind [`Guard`]: takes every request queued (while they
 /// hold fewer than [`BATCH_MAX`] changes), makes their changes in one
-/// `nft` run, and answers each. When the run is refused, each request of
-/// it is tried alone, so one bad request fails only itself. Ends when the
-/// guard is dropped.
-async fn apply_changes(
-    nft: PathBuf,
-    table: String,
-    mut runner: Option<NftRunner>,
-    mut requests: mpsc::Receiver<Request>,
-) {
+/// transaction, and answers each. When the transaction is refused, each
+/// request of it is tried alone, so one bad request fails only itself.
+/// Ends when the guard is dropped.
+async fn apply_changes(table: String, own_ports: PairSet, mut requests: mpsc::Receiver<Request>) {
     let mut granted: HashMap<u16, u32> = HashMap::new();
-    // Runs `changes` as one transaction; on success `granted` follows.
+    // `None` only while a transaction is under way, or after a panic in
+    // one, when the next change opens a socket again.
+    let mut own_ports = Some(own_ports);
+    // Makes `changes` as one transaction; on success `granted` follows.
     async fn make(
-        nft: &Path,
-        runner: &mut Option<NftRunner>,
         table: &str,
+        own_ports: &mut Option<PairSet>,
         granted: &mut HashMap<u16, u32>,
         changes: &[Change],
     ) -> Result<(), GuardError> {
-        let (script, updates) = batch(table, granted, changes);
-        if !script.is_empty() {
-            run_port_change(nft, runner, table, &script).await?;
+        let (elements, updates) = batch(granted, changes);
+        if !elements.is_empty() {
+            transaction(table, own_ports, elements).await?;
         }
         for (port, uid) in updates {
             match uid {
@@ -830,7 +777,7 @@ async fn apply_changes(
             .iter()
             .flat_map(|r| r.changes.iter().copied())
             .collect();
-        match make(&nft, &mut runner, &table, &mut granted, &changes).await {
+        match make(&table, &mut own_ports, &mut granted, &changes).await {
             Ok(()) => {
                 for request in taken {
                     let _ = request.done.send(Ok(()));
@@ -842,11 +789,42 @@ async fn apply_changes(
             Err(_) => {
                 for request in taken {
                     let outcome =
-                        make(&nft, &mut runner, &table, &mut granted, &request.changes).await;
+                        make(&table, &mut own_ports, &mut granted, &request.changes).await;
                     let _ = request.done.send(outcome);
                 }
             }
         }
+    }
+}
+
+/// Makes `elements` in one transaction on `own_ports`' socket, off the
+/// async workers: the system call takes as long as the kernel's changes.
+async fn transaction(
+    table: &str,
+    own_ports: &mut Option<PairSet>,
+    elements: Vec<PairChange>,
+) -> Result<(), GuardError> {
+    let failed = |source| GuardError::PortChange {
+        table: table.to_owned(),
+        source,
+    };
+    let mut set = match own_ports.take() {
+        Some(set) => set,
+        None => PairSet::open(table, OWN_PORTS).map_err(failed)?,
+    };
+    let made = tokio::task::spawn_blocking(move || {
+        let made = set.apply(&elements);
+        (set, made)
+    })
+    .await;
+    match made {
+        Ok((set, made)) => {
+            *own_ports = Some(set);
+            made.map_err(failed)
+        }
+        Err(panicked) => Err(failed(NftSetError::Answer(format!(
+            "the transaction's thread failed: {panicked}"
+        )))),
     }
 }
 
@@ -942,10 +920,6 @@ mod tests {
             );
             assert!(!script.contains("berth_conns"), "{script}");
         }
-        assert_eq!(
-            element("berth_x", "add", 200_001, 20005),
-            "add element inet berth_x own_ports { 200001 . 20005 }\n"
-        );
     }
 
     #[test]
@@ -1122,8 +1096,7 @@ mod tests {
     #[test]
     fn a_batch_makes_its_changes_in_order_against_what_is_granted() {
         let granted = HashMap::from([(20001, 200_001), (20002, 200_002)]);
-        let (script, updates) = batch(
-            "t",
+        let (elements, updates) = batch(
             &granted,
             &[
                 Change::Grant {
@@ -1144,26 +1117,42 @@ mod tests {
             ],
         );
         assert_eq!(
-            script,
-            "delete element inet t own_ports { 200002 . 20002 }\n\
-             add element inet t own_ports { 200003 . 20002 }\n\
-             add element inet t own_ports { 200004 . 20004 }\n\
-             delete element inet t own_ports { 200004 . 20004 }\n\
-             delete element inet t own_ports { 200001 . 20001 }\n"
+            elements,
+            [
+                PairChange::Delete {
+                    uid: 200_002,
+                    port: 20002
+                },
+                PairChange::Add {
+                    uid: 200_003,
+                    port: 20002
+                },
+                PairChange::Add {
+                    uid: 200_004,
+                    port: 20004
+                },
+                PairChange::Delete {
+                    uid: 200_004,
+                    port: 20004
+                },
+                PairChange::Delete {
+                    uid: 200_001,
+                    port: 20001
+                },
+            ]
         );
         assert_eq!(
             updates,
             HashMap::from([(20002, Some(200_003)), (20004, None), (20001, None)])
         );
-        let (script, updates) = batch(
-            "t",
+        let (elements, updates) = batch(
             &granted,
             &[Change::Grant {
                 uid: 200_002,
                 port: 20002,
             }],
         );
-        assert!(script.is_empty() && updates.is_empty(), "already granted");
+        assert!(elements.is_empty() && updates.is_empty(), "already granted");
     }
 
     #[test]

@@ -31,7 +31,6 @@ pub(crate) mod etc;
 pub(crate) mod fsafe;
 pub(crate) mod guard;
 pub(crate) mod leftovers;
-pub(crate) mod nft_runner;
 pub(crate) mod relay;
 pub mod sweep;
 
@@ -310,7 +309,6 @@ impl Isolator {
             config.port_range.clone(),
             config.listeners.clone(),
             egress,
-            config.shim_command.clone(),
         );
         guard.install(own_egress).await?;
         Ok(Some(Isolator {

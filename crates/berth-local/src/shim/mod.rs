@@ -62,11 +62,9 @@ mod zygote;
 pub use client::{ShimControl, ShimError, ShimHandle};
 pub use launcher::ShimLauncher;
 pub use protocol::{ExitInfo, ShimCommand, ShimEvent, ShimSpec, ShimState, SpawnReport};
-pub(crate) use zygote::close_stray_descriptors;
 
 /// The entry of berth's helper processes, `berth shim …`: the zygote
-/// (no further argument), the guard's `nft` runner (`nft-runner NFT`), a
-/// sandbox's relay (`relay`) or a pod's entrypoint (`pod -- PROGRAM…`,
+/// (no further argument), a sandbox's relay (`relay`) or a pod's entrypoint (`pod -- PROGRAM…`,
 /// see [`pod`]). Returns the exit code.
 pub fn run() -> i32 {
     let mut args = std::env::args_os().skip(2);
@@ -78,9 +76,6 @@ pub fn run() -> i32 {
         (None, _) => zygote::run(),
         (Some(mode), None) if mode == crate::isolation::relay::RELAY_ARG => {
             crate::isolation::relay::serve()
-        }
-        (Some(mode), Some(nft)) if mode == crate::isolation::nft_runner::NFT_RUNNER_ARG => {
-            crate::isolation::nft_runner::serve(std::path::Path::new(&nft))
         }
         (mode, _) => {
             diag!("unknown helper mode {mode:?}");

@@ -236,10 +236,10 @@ fn redirect_null(fd: RawFd) -> nix::Result<()> {
     nix::unistd::dup2(null.as_raw_fd(), fd).map(drop)
 }
 
-/// Closes every descriptor above stderr. A helper process (the zygote, the
-/// guard's `nft` runner) calls it before it opens any of its own, so each
-/// one is a stray inherited from berth's parent.
-pub(crate) fn close_stray_descriptors() {
+/// Closes every descriptor above stderr. The zygote calls it before it
+/// opens any of its own, so each one is a stray inherited from berth's
+/// parent.
+fn close_stray_descriptors() {
     let Ok(entries) = std::fs::read_dir("/proc/self/fd") else {
         return;
     };
