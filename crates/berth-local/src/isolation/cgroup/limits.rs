@@ -16,21 +16,35 @@ const CPU_PERIOD_US: u64 = 100_000;
 /// `cpu.cfs_period_us` is left at the kernel's default, which is
 /// [`CPU_PERIOD_US`]: each write of a CFS bandwidth file makes the kernel
 /// check every CPU cgroup on the host, so a second write would add a cost
-/// that grows with the number of instances to every launch.
-pub fn v1_limit_files(limits: &Limits) -> Vec<(&'static str, &'static str, String, bool)> {
+/// that grows with the number of instances to every launch. For the same
+/// reason no CPU limit is not written to a cgroup `made_now`: it is the
+/// kernel's default there.
+pub fn v1_limit_files(
+    limits: &Limits,
+    made_now: bool,
+) -> Vec<(&'static str, &'static str, String, bool)> {
     let bytes = limits.memory_max_mb.saturating_mul(1024 * 1024).to_string();
-    vec![
+    let mut files = vec![
         ("memory", "memory.limit_in_bytes", bytes.clone(), false),
         // Must not be below the memory limit, so it comes second.
         ("memory", "memory.memsw.limit_in_bytes", bytes, true),
         ("pids", "pids.max", limits.pids_max.to_string(), false),
-        (
+    ];
+    if writes_cpu(limits, made_now) {
+        files.push((
             "cpu",
             "cpu.cfs_quota_us",
             v1_quota(limits.cpu_max_percent),
             false,
-        ),
-    ]
+        ));
+    }
+    files
+}
+
+/// Whether a cgroup needs its CPU limit written: it has one, or the
+/// cgroup existed before (a leftover may hold another).
+fn writes_cpu(limits: &Limits, made_now: bool) -> bool {
+    limits.cpu_max_percent != 0 || !made_now
 }
 
 fn v1_quota(percent: u32) -> String {
@@ -41,14 +55,15 @@ fn v1_quota(percent: u32) -> String {
     }
 }
 
-/// The files and values that give a v2 cgroup `limits`, in order.
-pub fn v2_limit_files(limits: &Limits) -> Vec<(&'static str, String, bool)> {
+/// The files and values that give a v2 cgroup `limits`, in order; no
+/// CPU limit is written as in [`v1_limit_files`].
+pub fn v2_limit_files(limits: &Limits, made_now: bool) -> Vec<(&'static str, String, bool)> {
     let quota = if limits.cpu_max_percent == 0 {
         "max".to_owned()
     } else {
         (u64::from(limits.cpu_max_percent) * CPU_PERIOD_US / 100).to_string()
     };
-    vec![
+    let mut files = vec![
         (
             "memory.max",
             limits.memory_max_mb.saturating_mul(1024 * 1024).to_string(),
@@ -59,8 +74,11 @@ pub fn v2_limit_files(limits: &Limits) -> Vec<(&'static str, String, bool)> {
         // An OOM kill takes the whole instance, not one of its processes.
         ("memory.oom.group", "1".to_owned(), true),
         ("pids.max", limits.pids_max.to_string(), false),
-        ("cpu.max", format!("{quota} {CPU_PERIOD_US}"), false),
-    ]
+    ];
+    if writes_cpu(limits, made_now) {
+        files.push(("cpu.max", format!("{quota} {CPU_PERIOD_US}"), false));
+    }
+    files
 }
 
 /// The `oom_kill` counter of a v1 `memory.oom_control` or a v2
@@ -82,14 +100,15 @@ impl InstanceCgroup {
     }
 
     fn create_unchecked(&self, limits: &Limits) -> Result<(), CgroupError> {
+        let mut made_now = true;
         for dir in self.dirs() {
-            mkdir(&dir)?;
+            made_now &= mkdir(&dir)?;
         }
         match &self.parents {
             Parents::V1 {
                 memory, pids, cpu, ..
             } => {
-                for (controller, file, value, optional) in v1_limit_files(limits) {
+                for (controller, file, value, optional) in v1_limit_files(limits, made_now) {
                     let parent = match controller {
                         "memory" => memory,
                         "pids" => pids,
@@ -103,7 +122,7 @@ impl InstanceCgroup {
                 }
             }
             Parents::V2 { parent } => {
-                for (file, value, optional) in v2_limit_files(limits) {
+                for (file, value, optional) in v2_limit_files(limits, made_now) {
                     let path = parent.join(&self.leaf).join(file);
                     if optional && !path.exists() {
                         continue;
@@ -140,7 +159,7 @@ mod tests {
             cpu_max_percent: 150,
             ..Limits::default()
         };
-        let v1 = v1_limit_files(&limits);
+        let v1 = v1_limit_files(&limits, true);
         assert_eq!(
             v1[0],
             (
@@ -158,7 +177,7 @@ mod tests {
             ("cpu", "cpu.cfs_quota_us", "150000".to_owned(), false)
         );
         assert_eq!(v1.len(), 4, "the period stays the kernel's default");
-        let v2 = v2_limit_files(&limits);
+        let v2 = v2_limit_files(&limits, true);
         assert_eq!(v2[0], ("memory.max", "67108864".to_owned(), false));
         assert_eq!(v2[3], ("pids.max", "32".to_owned(), false));
         assert_eq!(v2[4], ("cpu.max", "150000 100000".to_owned(), false));
@@ -166,8 +185,17 @@ mod tests {
             cpu_max_percent: 0,
             ..limits
         };
-        assert_eq!(v1_limit_files(&unlimited_cpu)[3].2, "-1");
-        assert_eq!(v2_limit_files(&unlimited_cpu)[4].1, "max 100000");
+        // No CPU limit is the default of a cgroup made now, and each CFS
+        // write costs a walk over every CPU cgroup of the host.
+        assert_eq!(v1_limit_files(&unlimited_cpu, true).len(), 3);
+        assert!(
+            v2_limit_files(&unlimited_cpu, true)
+                .iter()
+                .all(|(file, _, _)| *file != "cpu.max")
+        );
+        // A cgroup that was there already may hold another limit.
+        assert_eq!(v1_limit_files(&unlimited_cpu, false)[3].2, "-1");
+        assert_eq!(v2_limit_files(&unlimited_cpu, false)[4].1, "max 100000");
     }
 
     #[test]

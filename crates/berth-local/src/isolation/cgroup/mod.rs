@@ -133,10 +133,11 @@ fn write_file(path: &Path, value: &str, what: &'static str) -> Result<(), Cgroup
         })
 }
 
-fn mkdir(path: &Path) -> Result<(), CgroupError> {
+/// Makes the directory `path` unless it exists; whether it was made now.
+fn mkdir(path: &Path) -> Result<bool, CgroupError> {
     match fs::create_dir(path) {
-        Ok(()) => Ok(()),
-        Err(e) if e.kind() == io::ErrorKind::AlreadyExists => Ok(()),
+        Ok(()) => Ok(true),
+        Err(e) if e.kind() == io::ErrorKind::AlreadyExists => Ok(false),
         Err(source) => Err(CgroupError::Write {
             what: "directory",
             path: path.to_owned(),
