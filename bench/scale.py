@@ -10,6 +10,14 @@ built-in demo app for N users, and the script measures:
 * launch: N launches through the API (`wait=true`) from `--launchers`
   client threads; wall time, launches per second overall and over the
   last tenth of them (the rate with nearly N running), failures;
+* churn (N of at least 1,000): the launch rate with a steady number
+  running, once at 100 (before the rest are launched) and once at N:
+  `--churn` times, a client thread stops one of its running users and
+  launches a new one in its place. Each launch then reuses memory another
+  instance just gave back, as on a node where users come and go, so the
+  two rates compare berth's cost at 100 and at N, not the cost of memory
+  touched for the first time (which, in a VM, can grow with the memory in
+  use: bench/page_touch.py);
 * while all N run: berth's RSS, the shims' and programs' PSS per
   instance, and `/healthz` latency (median and p99 of 500 sequential
   GETs);
@@ -54,11 +62,11 @@ def rate(times):
     return (len(times) - 1) / (times[-1] - times[0])
 
 
-def launch_all(berth, users, launchers):
-    """Launches every user; returns (wall seconds, failures, the rate of
-    the last tenth of the launches: the rate with nearly N running, and
-    the rate of launches 100 to 600: the rate with about 100 running, in
-    the same run, when N is at least 1,000)."""
+def launch_all(berth, users, launchers, running=0):
+    """Launches every user, with `running` running already; returns (wall
+    seconds, failures, the rate of the last tenth of the launches: the rate
+    with nearly all running, and the rate of the launches that find 100 to
+    600 running, when there are at least 1,000)."""
     done = []
 
     def one(chunk):
@@ -80,8 +88,43 @@ def launch_all(berth, users, launchers):
         failures = [f for failed in pool.map(one, chunks) for f in failed]
     done.sort()
     tenth = max(len(done) // 10, 1)
-    early = rate(done[100:600]) if len(done) >= 1000 else None
+    skip = max(100 - running, 0)
+    early = rate(done[skip:skip + 500]) if len(done) >= 1000 else None
     return time.perf_counter() - start, failures, rate(done[-tenth:]), early
+
+
+def churn(berth, running, pairs, launchers, prefix):
+    """`pairs` times, stops a user of `running` and launches a new user
+    (named `prefix` and a number) in its place, from `launchers` threads,
+    each with its own share of `running`. Returns (stop-and-launch pairs
+    per second, failures, the users running now)."""
+    shares = [running[i::launchers] for i in range(launchers)]
+    per_thread = [pairs // launchers + (1 if i < pairs % launchers else 0)
+                  for i in range(launchers)]
+
+    def one(t):
+        own, failed, conn = list(shares[t]), [], berth.connection()
+        try:
+            for k in range(per_thread[t]):
+                if not own:
+                    break
+                old, new = own.pop(0), f"{prefix}{t}x{k}"
+                stopped = berth.stop(conn, old)
+                status, body, _ = berth.launch(conn, new)
+                if stopped != 204 or status != 201:
+                    failed.append((old, stopped, new, status, body[:200].decode(errors="replace")))
+                own.append(new)
+        finally:
+            conn.close()
+        return own, failed
+
+    start = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(launchers) as pool:
+        results = list(pool.map(one, range(launchers)))
+    seconds = time.perf_counter() - start
+    now = [u for own, _ in results for u in own]
+    failures = [f for _, failed in results for f in failed]
+    return pairs / seconds, failures, now
 
 
 def healthz(berth, n=500):
@@ -211,12 +254,30 @@ def one_scale(args, n):
     # Nothing is reaped or hibernated: a launch of 10,000 outlasts the idle
     # time, and every instance must still run when it is counted.
     reap = "idle_ttl_s = 0\nhibernate_after_s = 0\n"
+    # Each churn pair launches a user who never ran: an account more.
+    accounts = max(10000, n + 2 * args.churn)
     with spawn.Berth(args.berth, isolation=args.isolation, ports=ports, base_uid=args.base_uid,
-                     parent=args.tmp, reap_extra=reap) as berth:
+                     parent=args.tmp, reap_extra=reap, uid_count=accounts) as berth:
         users = [f"scale{i}" for i in range(n)]
         row = {"n": n, "isolation": args.isolation, "machine_before": spawn.machine()}
-        seconds, failures, late_rate, early_rate = launch_all(berth, users, args.launchers)
-        row["launch"] = {"seconds": round(seconds, 2), "per_s": round(n / seconds, 1),
+        steady = n >= 1000 and args.churn > 0
+        if steady:
+            _, failures, _, _ = launch_all(berth, users[:100], args.launchers)
+            at_100, churn_failures, first = churn(berth, users[:100], args.churn,
+                                                  args.launchers, "early")
+            failures += churn_failures
+            users = first + users[100:]
+        seconds, launch_failures, late_rate, early_rate = launch_all(
+            berth, users[100:] if steady else users, args.launchers, 100 if steady else 0)
+        if steady:
+            at_n, churn_failures, users = churn(berth, users, args.churn, args.launchers, "late")
+            failures += launch_failures + churn_failures
+            row["churn"] = {"pairs": args.churn, "at_100_per_s": round(at_100, 1),
+                            f"at_{n}_per_s": round(at_n, 1), "ratio": round(at_100 / at_n, 2)}
+        else:
+            failures = launch_failures
+        launched = n - 100 if steady else n
+        row["launch"] = {"seconds": round(seconds, 2), "per_s": round(launched / seconds, 1),
                          "last_tenth_per_s": late_rate and round(late_rate, 1),
                          "launches_100_to_600_per_s": early_rate and round(early_rate, 1),
                          "failures": len(failures), "first_failures": failures[:3]}
@@ -269,6 +330,8 @@ def main():
     parser.add_argument("--n", default="100,1000", help="comma-separated instance counts")
     parser.add_argument("--isolation", default="user", choices=["none", "user", "sandbox"])
     parser.add_argument("--launchers", type=int, default=16, help="client threads launching")
+    parser.add_argument("--churn", type=int, default=1000,
+                        help="stop-and-launch pairs at 100 and at N running (0: none)")
     parser.add_argument("--berth", default=os.path.join(spawn.REPO, "target/release/berth"))
     parser.add_argument("--base-uid", type=int, default=600000)
     parser.add_argument("--tmp", default=None, help="where the data dir is made")

@@ -174,7 +174,7 @@ class Berth:
     leaves no process behind."""
 
     def __init__(self, exe, keep=False, parent=None, isolation="none", ports=BERTH_PORTS, base_uid=200000,
-                 instance_extra="", reap_extra="idle_ttl_s = 0\n", isolation_extra="",
+                 instance_extra="", reap_extra="idle_ttl_s = 0\n", isolation_extra="", uid_count=10000,
                  top_extra="", tables_extra=""):
         self.exe = exe
         # Extra top-level keys, and extra tables after the others
@@ -186,6 +186,8 @@ class Berth:
         self.reap_extra = reap_extra
         # Extra lines for the [isolation] table (bench/egress.py).
         self.isolation_extra = isolation_extra
+        # Every user ever launched keeps an account: at least one per user.
+        self.uid_count = uid_count
         self.keep = keep
         self.isolation = isolation
         self.ports = ports
@@ -229,7 +231,7 @@ class Berth:
                 f"[isolation]\n"
                 f'mode = "{self.isolation}"\n'
                 f"base_uid = {self.base_uid}\n"
-                f"uid_count = 10000\n"
+                f"uid_count = {self.uid_count}\n"
                 f"{self.isolation_extra}"
                 f"{self.tables_extra}"
             )
