@@ -523,18 +523,19 @@ pub async fn freeze_and_thaw_when_declared(h: &dyn Harness) {
 }
 
 /// The fencing hole: a frozen instance asked to stop, or killed, ends
-/// without running again; no `Thawed` comes before its exit.
+/// without running again: no `Thawed` comes before its exit, and not one
+/// `tick` (one every 100 ms while it runs) reaches its log between the
+/// freeze and its end, which a thaw the runtime does not report would
+/// show too.
 pub async fn a_frozen_instance_is_killed_without_running_again(h: &dyn Harness) {
     let runtime = h.runtime(&Program::Serve).await;
     if !runtime.capabilities().freeze {
         runtime.shutdown().await;
         return;
     }
+    let judy = user("judy");
     for (n, stop) in [(1, true), (2, false)] {
-        let mut started = runtime
-            .start(spec(&user("judy"), &format!("i-{n}")))
-            .await
-            .unwrap();
+        let mut started = runtime.start(spec(&judy, &format!("i-{n}"))).await.unwrap();
         ready(&mut started).await;
         let r = started.runtime_ref.clone();
         runtime.freeze(&r).await.unwrap();
@@ -542,6 +543,7 @@ pub async fn a_frozen_instance_is_killed_without_running_again(h: &dyn Harness) 
             *e == RuntimeEvent::Frozen
         })
         .await;
+        let frozen_at = settled_ticks(runtime.as_ref(), &judy).await;
         if stop {
             runtime.stop(&r, Duration::from_secs(20)).await.unwrap();
         } else {
@@ -550,8 +552,44 @@ pub async fn a_frozen_instance_is_killed_without_running_again(h: &dyn Harness) 
         let exit = exit_of(&mut started.events, |e| *e == RuntimeEvent::Thawed).await;
         assert_ne!(exit.code, Some(0), "it ran its TERM handler: {exit:?}");
         gone(h, &started).await;
+        assert_eq!(
+            ticks(runtime.as_ref(), &judy).await,
+            frozen_at,
+            "the frozen program ran again before it ended (stop: {stop})"
+        );
     }
     runtime.shutdown().await;
+}
+
+/// The `tick` lines in `user`'s main log so far.
+async fn ticks(runtime: &dyn Runtime, user: &UserId) -> usize {
+    let lines = runtime
+        .logs(&user.slug(), Role::Main, 1_000_000)
+        .await
+        .unwrap();
+    lines.iter().filter(|l| *l == "tick").count()
+}
+
+/// [`ticks`] once they have stopped growing: the same for a whole second,
+/// long enough for output written before a freeze to reach the log, and
+/// ten ticks of a program that still runs.
+async fn settled_ticks(runtime: &dyn Runtime, user: &UserId) -> usize {
+    let deadline = tokio::time::Instant::now() + PATIENCE;
+    let mut last = ticks(runtime, user).await;
+    let mut since = tokio::time::Instant::now();
+    loop {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let now = ticks(runtime, user).await;
+        if now != last {
+            (last, since) = (now, tokio::time::Instant::now());
+        } else if since.elapsed() >= Duration::from_secs(1) {
+            return now;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "a frozen program's log still grows"
+        );
+    }
 }
 
 /// A runtime that declares a fence deadline freezes the instance on its

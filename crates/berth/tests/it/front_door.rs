@@ -598,10 +598,19 @@ async fn an_expired_token_gets_401() {
     );
     assert_eq!(app_status_as(&node, "alice", &token).await, 200);
     assert_eq!(api_status_as(&node, "alice", &token).await, 200);
-    eventually(PATIENCE, "the token to expire", || async {
-        (app_status_as(&node, "alice", &token).await == 401).then_some(())
+    // Waited for on the clock, not on berth: the proxy caches a token it
+    // checked for 10 s, longer than this one lives, so a cache that
+    // ignored the token's own expiry would still let the next request in.
+    let expires_at = minted["expires_at"].as_i64().unwrap();
+    eventually(PATIENCE, "the token's expiry to pass", || async {
+        (now_ms() > expires_at).then_some(())
     })
     .await;
+    assert_eq!(
+        app_status_as(&node, "alice", &token).await,
+        401,
+        "the first request after the token's expiry"
+    );
     assert_eq!(api_status_as(&node, "alice", &token).await, 401);
     assert!(token_ids(&node, "alice").await.is_empty(), "not listed");
     // A longer-lived token is capped by the configured TTL.
@@ -906,4 +915,12 @@ async fn header_mode_refuses_duplicates_and_wants_the_secret() {
         !seen.contains("sso-s3cret"),
         "the secret never reaches the app: {seen}"
     );
+}
+
+/// Milliseconds since the Unix epoch, as berth's timestamps count them.
+fn now_ms() -> i64 {
+    let since = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap();
+    i64::try_from(since.as_millis()).unwrap()
 }
