@@ -150,9 +150,20 @@ pub fn stop_all(uid: u32) -> Vec<Member> {
     sweep(uid, Signal::SIGSTOP, |m| m.is_stopped() || m.is_dead())
 }
 
-/// SIGCONT to every process of `uid`.
+/// SIGCONT to every process of `uid`, each by its pid. Not as the
+/// account with `kill(-1, …)`, as the other sweeps: the kernel lets a
+/// process send SIGCONT to any process of its own session whatever its
+/// uid, so that would also continue the stopped processes of other
+/// accounts in the sweeper's session (pods that share a host's sessions).
+/// A stopped process forks nothing, so none is missed between the listing
+/// and the signals.
 pub fn continue_all(uid: u32) {
-    signal_account(uid, Signal::SIGCONT);
+    for member in members(uid) {
+        if let Ok(pid) = i32::try_from(member.pid) {
+            // Gone already is fine.
+            let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), Signal::SIGCONT);
+        }
+    }
 }
 
 /// SIGKILL to every process of `uid` until none is left alive. A stopped
