@@ -118,6 +118,7 @@ impl ApiServerDouble {
                 runs: HashMap::new(),
                 gone_served: 0,
                 unschedulable: false,
+                before_delete: None,
             }),
             api_use: std::sync::Mutex::new(std::collections::BTreeSet::new()),
             root: root.path().to_owned(),
@@ -306,6 +307,15 @@ impl ApiServerDouble {
         let mut object = world.store.objects.get(&key).cloned().expect("the object");
         store::merge_patch(&mut object, patch);
         world.store.put(key, object, "MODIFIED");
+    }
+
+    /// Has another client change an object by a JSON merge patch between
+    /// a replica's read of it and that replica's next DELETE of it: the
+    /// patch is made when the DELETE arrives, before its preconditions are
+    /// checked, so a DELETE conditional on what was read finds it changed.
+    pub fn patch_before_next_delete(&self, kind: Kind, namespace: &str, name: &str, patch: Value) {
+        let key: Key = (kind, namespace.to_owned(), name.to_owned());
+        lock(&self.shared.world).before_delete = Some((key, patch));
     }
 
     /// Removes an object outright, finalizers or not, as an operator's

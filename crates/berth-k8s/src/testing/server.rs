@@ -490,6 +490,12 @@ async fn delete(
         let Some(mut object) = world.store.objects.get(&key).cloned() else {
             return not_found(kind, &name);
         };
+        if world.before_delete.as_ref().is_some_and(|(k, _)| *k == key)
+            && let Some((_, patch)) = world.before_delete.take()
+        {
+            merge_patch(&mut object, &patch);
+            object = world.store.put(key.clone(), object, "MODIFIED");
+        }
         let pre = &options["preconditions"];
         if let Some(uid) = pre["uid"].as_str()
             && object["metadata"]["uid"] != uid

@@ -5,12 +5,13 @@ use std::collections::{BTreeSet, HashMap};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
+use serde_json::Value;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use super::ApiUse;
-use super::store::Store;
+use super::store::{Key, Store};
 
 pub(crate) struct World {
     pub store: Store,
@@ -18,6 +19,10 @@ pub(crate) struct World {
     pub runs: HashMap<String, PodRun>,
     pub gone_served: usize,
     pub unschedulable: bool,
+    /// A merge patch another client makes to an object just before the
+    /// next DELETE of it is answered (see
+    /// [`super::ApiServerDouble::patch_before_next_delete`]).
+    pub before_delete: Option<(Key, Value)>,
 }
 
 pub(crate) struct Shared {

@@ -312,6 +312,46 @@ async fn a_live_pod_is_taken_over_in_place_and_the_old_epoch_cannot_delete_it() 
     b.shutdown().await;
 }
 
+/// The race the epoch-fenced delete closes: another replica takes the pod
+/// over (a newer epoch) after this replica read it and before its DELETE
+/// lands. The DELETE is conditional on the resourceVersion read, so it is
+/// refused; the replica reads again, finds the newer epoch, and leaves the
+/// pod to its new holder.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_takeover_between_the_read_and_the_delete_keeps_the_pod() {
+    let double = ApiServerDouble::start().await;
+    let a = runtime(&double, config(ready_line(), token_regex(), "node-a"));
+    let fay = user("fay");
+    let mut on_a = a.start(spec(&fay, "i-a", 1)).await.unwrap();
+    ready(&mut on_a).await;
+    let name = names::user_object(&fay.slug());
+    double.patch_before_next_delete(
+        Kind::Pod,
+        NS,
+        &name,
+        serde_json::json!({"metadata": {"annotations": {
+            names::EPOCH_ANNOTATION: "2",
+            names::NODE_ANNOTATION: "node-b",
+        }}}),
+    );
+    assert_eq!(
+        a.stop(&on_a.runtime_ref, Duration::from_secs(1)).await,
+        Err(RuntimeError::Gone(on_a.runtime_ref.clone()))
+    );
+    let pod = pod_of(&double, &fay.slug()).expect("the pod is still there");
+    assert_eq!(
+        pod["metadata"]["uid"].as_str(),
+        Some(uid_of(&on_a.runtime_ref).as_str())
+    );
+    assert_eq!(pod["metadata"]["annotations"][names::EPOCH_ANNOTATION], "2");
+    assert!(
+        pod["metadata"]["deletionTimestamp"].is_null(),
+        "the new holder's pod is being deleted: {pod:#}"
+    );
+    assert!(double.running(&uid_of(&on_a.runtime_ref)));
+    a.shutdown().await;
+}
+
 /// A live pod made from another template (a new image) or with another
 /// patch is replaced, not taken over.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

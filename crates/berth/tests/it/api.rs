@@ -102,6 +102,7 @@ async fn a_crash_loop_opens_the_breaker() {
     let state = node.get("/users/loop/instance").await.1;
     assert_eq!(state["breaker"]["opens"], 1, "{state}");
     assert_eq!(state["main"]["restarts"], 5, "{state}");
+    assert_eq!(node.metric("berth_breaker_opens_total").await, Some(1.0));
 
     let refused = node
         .http

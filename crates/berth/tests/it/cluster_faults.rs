@@ -883,6 +883,10 @@ async fn a_node_cut_from_the_database_freezes_then_thaws_without_a_restart() {
         .iter()
         .map(|u| (*u, dirs.lines_of(u, before[u].0)))
         .collect();
+    assert!(
+        nodes[0].metric("berth_fenced_instances_total").await >= Some(users.len() as f64),
+        "each fence is counted"
+    );
     relay.heal();
 
     // A good renew with the epoch unchanged thaws them: same processes.

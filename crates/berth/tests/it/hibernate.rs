@@ -150,6 +150,7 @@ async fn an_idle_instance_hibernates_and_resumes_where_it_left_off() {
     let main = status_is(&node, "alice", "running").await;
     assert_eq!(main["restarts"], 0, "{main}");
     assert_eq!(main["hibernated_at"], Value::Null, "{main}");
+    assert!(node.metric("berth_hibernations_total").await >= Some(1.0));
     assert!(node.metric("berth_resumes_total").await >= Some(1.0));
     assert!(node.metric("berth_resume_latency_seconds_count").await >= Some(1.0));
 
@@ -173,16 +174,24 @@ async fn a_websocket_that_only_receives_lets_alice_sleep_one_that_sends_keeps_he
 
     // The app pushes a tick every 200 ms; the client only reads.
     let mut ticks = open("ticks").await;
-    let reader = tokio::spawn(async move {
-        let mut seen = 0u64;
-        while let Some(Ok(_)) = ticks.next().await {
-            seen += 1;
+    let seen = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let reader = tokio::spawn({
+        let seen = seen.clone();
+        async move {
+            while let Some(Ok(_)) = ticks.next().await {
+                seen.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            }
         }
-        seen
     });
     status_is(&node, "alice", "hibernated").await;
     frozen_pids(&node, "alice").await;
     reader.abort();
+    // The socket carried ticks: she slept with traffic flowing to her
+    // client, not on an idle connection.
+    assert!(
+        seen.load(std::sync::atomic::Ordering::Relaxed) > 0,
+        "no tick reached the client before alice slept"
+    );
 
     // A client that sends keeps her awake: every echo comes back (a
     // frozen app echoes nothing), across several hibernate_after periods.

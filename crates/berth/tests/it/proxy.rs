@@ -58,9 +58,17 @@ async fn raw(node: &Node, request: &[u8]) -> (u16, String) {
     let mut stream = TcpStream::connect(addr(node)).await.unwrap();
     stream.write_all(request).await.unwrap();
     let mut buf = Vec::new();
-    let _ = tokio::time::timeout(PATIENCE, stream.read_to_end(&mut buf))
+    let read = tokio::time::timeout(PATIENCE, stream.read_to_end(&mut buf))
         .await
         .expect("berth answers and closes");
+    // berth may reset a connection whose request it did not read whole,
+    // but only after its answer.
+    if let Err(e) = read {
+        assert!(
+            !buf.is_empty(),
+            "no answer before the connection failed: {e}"
+        );
+    }
     let text = String::from_utf8_lossy(&buf).into_owned();
     let status = text
         .split(' ')
