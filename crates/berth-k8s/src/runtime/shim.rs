@@ -112,14 +112,24 @@ impl ShimLink {
     }
 }
 
-/// The pod's shim answers on `endpoint` once shown `credential`: its lines.
-async fn connect(
-    endpoint: &Endpoint,
-    credential: &str,
-) -> std::io::Result<(
+/// A connection to a pod's shim: the lines it sends, and its writing end.
+type ShimLines = (
     tokio::io::Lines<BufReader<tokio::net::tcp::OwnedReadHalf>>,
     OwnedWriteHalf,
-)> {
+);
+
+/// Why a pod's shim could not be dialled.
+enum Undialed {
+    /// The pod has no shim nonce (or berth no shim key): no credential.
+    NoShim,
+    /// Its `berth-shim` endpoint is not known.
+    NotFound(String),
+    /// The endpoint did not take the connection.
+    Unreachable(std::io::Error),
+}
+
+/// The pod's shim answers on `endpoint` once shown `credential`: its lines.
+async fn connect(endpoint: &Endpoint, credential: &str) -> std::io::Result<ShimLines> {
     let address = (endpoint.host.as_str(), endpoint.port);
     let stream = tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(address))
         .await
@@ -223,14 +233,7 @@ impl Inner {
     /// replica's discovery reports, so that a hibernated pod is adopted
     /// hibernated. `None`: no shim, or no answer in time.
     pub(super) async fn shim_says_frozen(&self, view: &PodView) -> Option<bool> {
-        let credential = self.shim_credential(view)?;
-        let slug = view.slug.as_deref()?;
-        let deadline = tokio::time::Instant::now() + CONNECT_TIMEOUT;
-        let endpoint = self
-            .endpoint_on(slug, &view.uid, SHIM_PORT_NAME, deadline)
-            .await
-            .ok()?;
-        let (mut lines, _write) = connect(&endpoint, &credential).await.ok()?;
+        let (mut lines, _write) = self.dial_shim(view).await.ok()?;
         let hello = tokio::time::timeout(CONNECT_TIMEOUT, lines.next_line())
             .await
             .ok()?
@@ -239,6 +242,22 @@ impl Inner {
             ShimEvent::Hello { state } => Some(state.frozen),
             _ => None,
         }
+    }
+
+    /// Connects to `view`'s shim and shows it the pod's credential.
+    async fn dial_shim(&self, view: &PodView) -> Result<ShimLines, Undialed> {
+        let (Some(slug), Some(credential)) = (view.slug.as_deref(), self.shim_credential(view))
+        else {
+            return Err(Undialed::NoShim);
+        };
+        let deadline = tokio::time::Instant::now() + CONNECT_TIMEOUT;
+        let endpoint = self
+            .endpoint_on(slug, &view.uid, SHIM_PORT_NAME, deadline)
+            .await
+            .map_err(|e| Undialed::NotFound(e.to_string()))?;
+        connect(&endpoint, &credential)
+            .await
+            .map_err(Undialed::Unreachable)
     }
 
     /// The credential of `view`'s shim, if the pod has one.
@@ -336,24 +355,18 @@ impl Inner {
             if view.gone || view.ended() {
                 return;
             }
-            let (Some(slug), Some(credential)) = (view.slug.clone(), self.shim_credential(&view))
-            else {
-                tracing::warn!(pod = %name, "the pod has no shim nonce; it cannot be frozen or fenced");
-                return;
-            };
-            let deadline = tokio::time::Instant::now() + CONNECT_TIMEOUT;
-            let endpoint = self
-                .endpoint_on(&slug, &uid, SHIM_PORT_NAME, deadline)
-                .await;
-            let connected = match endpoint {
-                Ok(endpoint) => connect(&endpoint, &credential)
-                    .await
-                    .inspect_err(
-                        |e| tracing::debug!(pod = %name, error = %e, "cannot reach the pod's shim"),
-                    )
-                    .ok(),
-                Err(e) => {
+            let connected = match self.dial_shim(&view).await {
+                Ok(connected) => Some(connected),
+                Err(Undialed::NoShim) => {
+                    tracing::warn!(pod = %name, "the pod has no shim nonce; it cannot be frozen or fenced");
+                    return;
+                }
+                Err(Undialed::NotFound(e)) => {
                     tracing::debug!(pod = %name, error = %e, "cannot find the pod's shim");
+                    None
+                }
+                Err(Undialed::Unreachable(e)) => {
+                    tracing::debug!(pod = %name, error = %e, "cannot reach the pod's shim");
                     None
                 }
             };
