@@ -139,15 +139,20 @@ impl Fencer {
     /// The fence deadline a new run gets (cluster mode): it may run only as
     /// long as the lease is proven, until the last successful renew's send
     /// time + `fence_after`, not a fresh `fence_after` from now (a restart
-    /// after failed renews would otherwise outlive the lease).
+    /// after failed renews would otherwise outlive the lease). Nothing
+    /// proven yet (a berth that adopted leases and has not renewed them):
+    /// no time at all, so the run starts frozen until a renew thaws it.
     pub fn deadline_for_new_run(&self) -> Option<Duration> {
         if !self.fencing {
             return None;
         }
-        Some(match self.lease.fence_deadline() {
-            Some(deadline) => deadline.saturating_duration_since(Instant::now()),
-            None => self.config.fence_after(),
-        })
+        Some(
+            self.lease
+                .fence_deadline()
+                .map_or(Duration::ZERO, |deadline| {
+                    deadline.saturating_duration_since(Instant::now())
+                }),
+        )
     }
 
     /// When this node must freeze its instances unless a renew succeeds

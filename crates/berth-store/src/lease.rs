@@ -1,13 +1,10 @@
 //! Lease settings and the node-side lease holder.
 //!
 //! [`LeaseConfig`] checks the timing invariants once, at construction.
-//! [`LeaseKeeper`] remembers which leases this node holds and at which epoch,
-//! renews all of them in one statement per tick, and tracks the self-fence
-//! deadline on the node's monotonic clock.
-//!
-//! The fence clock is deliberately conservative: it is one instant for the
-//! whole node, moved only by a renew tick that succeeded (to the moment that
-//! tick was *sent*), or by the first claim after the node held nothing.
+//! [`Holdings`] is which leases a node holds, at which epoch, and the
+//! self-fence deadline, as plain data. [`LeaseKeeper`] keeps it against the
+//! store and the node's monotonic clock: it claims, renews all held leases
+//! in one statement per tick, and releases.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
@@ -153,15 +150,151 @@ pub struct RenewReport {
     pub lost: Vec<(UserId, Epoch)>,
 }
 
-/// The leases one node holds. Cheap to share behind an `Arc`; holds no lock
-/// across an `.await`.
+/// An instant on a node's monotonic clock, as [`Holdings`] needs it: only
+/// ordered, and moved forward by a duration without overflowing.
+///
+/// [`Instant`] is the one the node runs on; the lease model in the store's
+/// tests drives the same bookkeeping with simulated time.
+pub trait NodeInstant: Copy + Ord {
+    /// `self + d`, or `None` past what the type can hold.
+    fn checked_after(self, d: Duration) -> Option<Self>;
+}
+
+impl NodeInstant for Instant {
+    fn checked_after(self, d: Duration) -> Option<Self> {
+        self.checked_add(d)
+    }
+}
+
+/// Which leases a node holds, at which epoch, and as of when they are
+/// proven: the [`LeaseKeeper`]'s decisions over plain data, with no store
+/// and no clock of their own.
+///
+/// The fence clock is one instant for the whole node, moved only by a
+/// renew that succeeded (to the moment it was *sent*), or by the first
+/// claim after the node held nothing. It starts unproven: leases adopted
+/// at start were proven by the berth before this one, whose shims keep
+/// its deadlines; nothing this berth starts may run on them until its own
+/// renew proves them.
+#[derive(Debug, Clone)]
+pub struct Holdings<I> {
+    held: HashMap<UserId, Epoch>,
+    /// When the last renew that succeeded was sent; `None` before one.
+    proven_at: Option<I>,
+    fence_after: Duration,
+}
+
+impl<I: NodeInstant> Holdings<I> {
+    /// Nothing held, nothing proven.
+    pub fn new(fence_after: Duration) -> Self {
+        Self {
+            held: HashMap::new(),
+            proven_at: None,
+            fence_after,
+        }
+    }
+
+    fn proven(&mut self, sent: I) {
+        self.proven_at = Some(self.proven_at.map_or(sent, |at| at.max(sent)));
+    }
+
+    /// A claim of `user`'s lease, sent at `sent`, came back with `epoch`.
+    pub fn claimed(&mut self, user: &UserId, epoch: Epoch, sent: I) {
+        // With nothing else held, this claim alone decides how fresh the
+        // node's leases are; without this a keeper that sat idle longer
+        // than `fence_after` would be "due" the moment it claimed.
+        if self.held.is_empty() {
+            self.proven(sent);
+        }
+        self.held.insert(user.clone(), epoch);
+    }
+
+    /// A lease found in the store at start (re-attach). This does not move
+    /// the fence clock: renew adopted leases promptly.
+    pub fn adopt(&mut self, user: UserId, epoch: Epoch) {
+        self.held.insert(user, epoch);
+    }
+
+    /// A renew of `asked`, sent at `sent`, extended the leases of
+    /// `renewed`. Forgets and returns the ones lost, and moves the fence
+    /// clock to `sent`.
+    pub fn renewed(
+        &mut self,
+        asked: Vec<(UserId, Epoch)>,
+        renewed: &HashSet<UserId>,
+        sent: I,
+    ) -> Vec<(UserId, Epoch)> {
+        let mut lost = Vec::new();
+        for (user, epoch) in asked {
+            if renewed.contains(&user) {
+                continue;
+            }
+            // Only the lease the renew was about is lost: one re-claimed
+            // (new epoch) or released while the renew was in flight is not
+            // this renew's business.
+            if self.held.get(&user) == Some(&epoch) {
+                self.held.remove(&user);
+                lost.push((user, epoch));
+            }
+        }
+        self.proven(sent);
+        lost
+    }
+
+    /// Forgets `user`'s lease if it is still held at `epoch`.
+    pub fn forget_at(&mut self, user: &UserId, epoch: Epoch) {
+        if self.held.get(user) == Some(&epoch) {
+            self.held.remove(user);
+        }
+    }
+
+    /// Forgets `user`'s lease at whatever epoch.
+    pub fn forget(&mut self, user: &UserId) {
+        self.held.remove(user);
+    }
+
+    /// The epoch at which `user`'s lease is held, if it is.
+    pub fn epoch_of(&self, user: &UserId) -> Option<Epoch> {
+        self.held.get(user).copied()
+    }
+
+    /// Every lease held, with its epoch.
+    pub fn held(&self) -> Vec<(UserId, Epoch)> {
+        self.held.iter().map(|(u, e)| (u.clone(), *e)).collect()
+    }
+
+    /// How many leases are held.
+    pub fn len(&self) -> usize {
+        self.held.len()
+    }
+
+    /// Whether no lease is held.
+    pub fn is_empty(&self) -> bool {
+        self.held.is_empty()
+    }
+
+    /// The proven instant + `fence_after`: when the node must freeze its
+    /// instances unless another renew succeeds first. `None` while nothing
+    /// is proven (and past what `I` can hold).
+    pub fn fence_deadline(&self) -> Option<I> {
+        self.proven_at?.checked_after(self.fence_after)
+    }
+
+    /// True when the node holds a lease and it is unproven, or `now` is at
+    /// or past the fence deadline.
+    pub fn fence_due(&self, now: I) -> bool {
+        !self.held.is_empty() && self.fence_deadline().is_none_or(|deadline| now >= deadline)
+    }
+}
+
+/// The leases one node holds: [`Holdings`] kept against the store and the
+/// node's clock. Cheap to share behind an `Arc`; holds no lock across an
+/// `.await`.
 pub struct LeaseKeeper {
     store: Arc<dyn LeaseStore>,
     node_id: String,
     config: LeaseConfig,
-    held: Mutex<HashMap<UserId, Epoch>>,
-    /// When the last renew that succeeded was sent (see module docs).
-    last_success_sent: Mutex<Instant>,
+    holdings: Mutex<Holdings<Instant>>,
 }
 
 /// The guarded data is plain values that every critical section leaves
@@ -176,20 +309,20 @@ impl std::fmt::Debug for LeaseKeeper {
         f.debug_struct("LeaseKeeper")
             .field("node_id", &self.node_id)
             .field("config", &self.config)
-            .field("held", &lock(&self.held).len())
+            .field("held", &lock(&self.holdings).len())
             .finish_non_exhaustive()
     }
 }
 
 impl LeaseKeeper {
-    /// A keeper holding nothing. Its fence clock starts now.
+    /// A keeper holding nothing, with nothing proven.
     pub fn new(store: Arc<dyn LeaseStore>, node_id: String, config: LeaseConfig) -> Self {
+        let holdings = Holdings::new(config.fence_after);
         Self {
             store,
             node_id,
             config,
-            held: Mutex::new(HashMap::new()),
-            last_success_sent: Mutex::new(Instant::now()),
+            holdings: Mutex::new(holdings),
         }
     }
 
@@ -217,15 +350,7 @@ impl LeaseKeeper {
 
     fn remember_claim(&self, user: &UserId, outcome: &ClaimOutcome, sent: Instant) {
         if let ClaimOutcome::Claimed { epoch } = *outcome {
-            let mut held = lock(&self.held);
-            // With nothing else held, this claim alone decides how fresh the
-            // node's leases are; without this a keeper that sat idle longer
-            // than `fence_after` would be "due" the moment it claimed.
-            if held.is_empty() {
-                let mut last = lock(&self.last_success_sent);
-                *last = (*last).max(sent);
-            }
-            held.insert(user.clone(), epoch);
+            lock(&self.holdings).claimed(user, epoch, sent);
         }
     }
 
@@ -233,7 +358,7 @@ impl LeaseKeeper {
     ///
     /// This does not move the fence clock: renew adopted leases promptly.
     pub fn adopt(&self, user: UserId, epoch: Epoch) {
-        lock(&self.held).insert(user, epoch);
+        lock(&self.holdings).adopt(user, epoch);
     }
 
     /// Renews every held lease in one statement. Forgets and reports the
@@ -241,35 +366,16 @@ impl LeaseKeeper {
     /// when the renew was *sent*.
     pub async fn renew_all(&self) -> Result<RenewReport, StoreError> {
         let sent = Instant::now();
-        let snapshot = self.holdings();
-        let renewed = if snapshot.is_empty() {
+        let asked = self.holdings();
+        let renewed = if asked.is_empty() {
             Vec::new()
         } else {
             self.store
-                .renew_leases(&self.node_id, &snapshot, self.config.ttl)
+                .renew_leases(&self.node_id, &asked, self.config.ttl)
                 .await?
         };
         let renewed: HashSet<UserId> = renewed.into_iter().collect();
-        let mut lost = Vec::new();
-        {
-            let mut held = lock(&self.held);
-            for (user, epoch) in snapshot {
-                if renewed.contains(&user) {
-                    continue;
-                }
-                // Only the lease the renew was about is lost: one re-claimed
-                // (new epoch) or released while the renew was in flight is
-                // not this tick's business.
-                if held.get(&user) == Some(&epoch) {
-                    held.remove(&user);
-                    lost.push((user, epoch));
-                }
-            }
-        }
-        {
-            let mut last = lock(&self.last_success_sent);
-            *last = (*last).max(sent);
-        }
+        let lost = lock(&self.holdings).renewed(asked, &renewed, sent);
         Ok(RenewReport {
             renewed: renewed.len(),
             lost,
@@ -285,29 +391,23 @@ impl LeaseKeeper {
         let released = self.store.release_lease(user, &self.node_id, epoch).await?;
         // Whether released now or already gone, this node no longer holds
         // the lease at that epoch.
-        let mut held = lock(&self.held);
-        if held.get(user) == Some(&epoch) {
-            held.remove(user);
-        }
+        lock(&self.holdings).forget_at(user, epoch);
         Ok(released)
     }
 
     /// Forgets a lease without touching the store (after fencing).
     pub fn forget(&self, user: &UserId) {
-        lock(&self.held).remove(user);
+        lock(&self.holdings).forget(user);
     }
 
     /// The epoch at which this node holds `user`'s lease, if it does.
     pub fn epoch_of(&self, user: &UserId) -> Option<Epoch> {
-        lock(&self.held).get(user).copied()
+        lock(&self.holdings).epoch_of(user)
     }
 
     /// Every lease this node holds, with its epoch.
     pub fn holdings(&self) -> Vec<(UserId, Epoch)> {
-        lock(&self.held)
-            .iter()
-            .map(|(u, e)| (u.clone(), *e))
-            .collect()
+        lock(&self.holdings).held()
     }
 
     /// When the node must freeze its instances unless another renew
@@ -315,21 +415,18 @@ impl LeaseKeeper {
     /// time + `fence_after`. A program started now may run only until then,
     /// so this, not "now + `fence_after`", is the deadline a new shim gets.
     ///
-    /// `None` only when that instant is beyond what `Instant` can hold
-    /// (which `LeaseConfig`'s bounds rule out), i.e. no deadline in reach.
+    /// `None` while nothing is proven: no program may start on the leases
+    /// held. (Also past what `Instant` can hold, which `LeaseConfig`'s
+    /// bounds rule out.)
     pub fn fence_deadline(&self) -> Option<Instant> {
-        lock(&self.last_success_sent).checked_add(self.config.fence_after)
+        lock(&self.holdings).fence_deadline()
     }
 
     /// True when no renew sent within the last `fence_after` has succeeded
-    /// (measured from `now`): the node must freeze its instances. A keeper
-    /// that holds nothing has nothing to fence.
+    /// (measured from `now`), or none has yet: the node must freeze its
+    /// instances. A keeper that holds nothing has nothing to fence.
     pub fn fence_due(&self, now: Instant) -> bool {
-        if lock(&self.held).is_empty() {
-            return false;
-        }
-        self.fence_deadline()
-            .is_some_and(|deadline| now >= deadline)
+        lock(&self.holdings).fence_due(now)
     }
 }
 
@@ -670,6 +767,40 @@ mod tests {
         assert!(keeper.fence_due(stuck_at + fence));
         assert_eq!(keeper.fence_deadline(), Some(deadline));
         assert_eq!(keeper.holdings().len(), 1, "an error is not a loss");
+    }
+
+    #[tokio::test]
+    async fn adopted_leases_are_unproven_until_a_renew_proves_them() {
+        let (store, _dir) = sqlite().await;
+        let store: Arc<dyn Store> = Arc::new(store);
+        let keeper = LeaseKeeper::new(store.clone(), "node-a".into(), LeaseConfig::default());
+        let alice = user("alice");
+        assert!(matches!(
+            store
+                .claim_lease(
+                    &alice,
+                    "node-a",
+                    Duration::from_secs(30),
+                    TakeoverPolicy::Evidence
+                )
+                .await
+                .unwrap(),
+            ClaimOutcome::Claimed { epoch: 1 }
+        ));
+        // A restarted berth adopts the lease its predecessor renewed: that
+        // renew may be nearly a TTL old, so nothing may start on it yet.
+        keeper.adopt(alice.clone(), 1);
+        assert_eq!(keeper.fence_deadline(), None);
+        assert!(keeper.fence_due(Instant::now()));
+        // A claim of another user proves only that lease, not the adopted one.
+        keeper.acquire(&user("bob")).await.unwrap();
+        assert!(keeper.fence_due(Instant::now()));
+
+        let sent = Instant::now();
+        assert_eq!(keeper.renew_all().await.unwrap().renewed, 2);
+        let deadline = keeper.fence_deadline().unwrap();
+        assert!(deadline >= sent + Duration::from_secs(20));
+        assert!(!keeper.fence_due(Instant::now()));
     }
 
     #[tokio::test]
