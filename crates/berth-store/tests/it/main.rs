@@ -9,5 +9,6 @@
     reason = "a test: an unwrap is its assertion"
 )]
 
+mod lease_model;
 mod postgres;
 mod sqlite;
