@@ -101,6 +101,7 @@ fn at_most_one_program_per_user_runs_and_none_under_a_stale_epoch() {
     if let Err(e) = result {
         panic!("the lease protocol broke: {e}");
     }
+    eprintln!("reached over the search: {reached:?}");
     // The search reached the cases that could break it.
     assert!(reached.takeovers > 100, "{reached:?}");
     assert!(reached.late_answers > 100, "{reached:?}");
