@@ -191,6 +191,71 @@ mod tests {
         assert_eq!(member_state("garbage", 400_001), None);
     }
 
+    /// The state letter of `pid` now.
+    fn state_of(pid: u32) -> char {
+        let status = fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+        let line = status.lines().find(|l| l.starts_with("State:")).unwrap();
+        line["State:".len()..].trim().chars().next().unwrap()
+    }
+
+    #[test]
+    fn a_thaw_continues_its_own_account_only_even_within_one_session() {
+        if !nix::unistd::geteuid().is_root() {
+            // CI runs as root: a skip there would hide this.
+            assert!(std::env::var_os("CI").is_none(), "needs root");
+            println!("SKIPPED: needs root");
+            return;
+        }
+        use std::os::unix::process::CommandExt;
+        // Two accounts of nobody else's, their processes in this test's
+        // session (no setsid), as the pods of one host can be.
+        let (ours, theirs) = (4_170_001, 4_170_002);
+        let mut children: Vec<std::process::Child> = [ours, theirs]
+            .into_iter()
+            .map(|uid| {
+                std::process::Command::new("sleep")
+                    .arg("600")
+                    .uid(uid)
+                    .gid(uid)
+                    .spawn()
+                    .unwrap()
+            })
+            .collect();
+        let pids: Vec<u32> = children.iter().map(std::process::Child::id).collect();
+        assert!(stop_all(ours).is_empty() && stop_all(theirs).is_empty());
+        assert_eq!((state_of(pids[0]), state_of(pids[1])), ('T', 'T'));
+
+        continue_all(ours);
+        // Ours leaves `T`. Any SIGCONT that reached theirs was sent in the
+        // same call, so by then it has left `T` too, or does within
+        // microseconds: it is watched for 20 ms more.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while state_of(pids[0]) == 'T' && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let ours_state = state_of(pids[0]);
+        let theirs_states: Vec<char> = (0..20)
+            .map(|_| {
+                std::thread::sleep(Duration::from_millis(1));
+                state_of(pids[1])
+            })
+            .collect();
+        for uid in [ours, theirs] {
+            assert!(kill_all(uid).is_empty());
+        }
+        for child in &mut children {
+            child.wait().unwrap();
+        }
+        assert_ne!(
+            ours_state, 'T',
+            "the thawed account's process is still stopped"
+        );
+        assert!(
+            theirs_states.iter().all(|s| *s == 'T'),
+            "a thaw of one account continued another's process: {theirs_states:?}"
+        );
+    }
+
     #[test]
     fn stopped_and_dead_states() {
         let m = |state| Member { pid: 1, state };
