@@ -593,12 +593,13 @@ async fn settled_ticks(runtime: &dyn Runtime, user: &UserId) -> usize {
 }
 
 /// A runtime that declares a fence deadline freezes the instance on its
-/// own when the deadline passes, and extending the deadline does not thaw
-/// it; one that does not answers [`RuntimeError::Unsupported`] to
-/// [`Runtime::extend_fence`].
+/// own when the deadline passes, refuses to thaw it until the deadline is
+/// extended, and extending the deadline does not thaw it; one that does
+/// not answers [`RuntimeError::Unsupported`] to [`Runtime::extend_fence`].
 pub async fn the_fence_deadline_freezes_when_declared(h: &dyn Harness) {
     let runtime = h.runtime(&Program::Serve).await;
-    let mut spec = spec(&user("kate"), "i-1");
+    let kate = user("kate");
+    let mut spec = spec(&kate, "i-1");
     spec.fence = Some(Duration::from_millis(400));
     let mut started = runtime.start(spec).await.unwrap();
     let r = started.runtime_ref.clone();
@@ -613,6 +614,26 @@ pub async fn the_fence_deadline_freezes_when_declared(h: &dyn Harness) {
             *e == RuntimeEvent::Frozen
         })
         .await;
+        // Past the deadline the lease is unproven: a thaw before an
+        // extension (one that raced the deadline, say) is refused, as an
+        // error or as `Frozen` said again. The program writes nothing.
+        let frozen_at = settled_ticks(runtime.as_ref(), &kate).await;
+        if runtime.thaw(&r).await.is_ok() {
+            let answer = expect_event(&mut started.events, "the thaw's answer", |e| {
+                matches!(e, RuntimeEvent::Frozen | RuntimeEvent::Thawed)
+            })
+            .await;
+            assert_eq!(
+                answer,
+                RuntimeEvent::Frozen,
+                "thawed past the fence deadline"
+            );
+        }
+        assert_eq!(
+            ticks(runtime.as_ref(), &kate).await,
+            frozen_at,
+            "the program ran past its fence deadline"
+        );
         // Extending does not thaw (only the controller knows whether the
         // lease is still held); an explicit thaw does.
         runtime

@@ -27,7 +27,8 @@
 //!   which is how a restarted berth finds and re-attaches to it, and how the
 //!   exit status survives when no berth is listening;
 //! * enforces the fence deadline when [`ShimSpec::fence_ms`] is set: if berth
-//!   does not extend it in time the program is frozen;
+//!   does not extend it in time the program is frozen, and no thaw runs it
+//!   again until berth extends the deadline;
 //! * takes commands only from its own uid, berth's (`SO_PEERCRED`);
 //! * when the program exits, kills what is left of its process group,
 //!   removes its cgroup, records the exit in the state file, tells

@@ -83,6 +83,11 @@ struct Shim {
     tail: Arc<Mutex<StderrTail>>,
     /// The hook that runs, if one does: its id and process group.
     hook: Option<(u64, u32)>,
+    /// The fence deadline passed and no extension came since: the lease
+    /// is unproven, so nothing thaws the program until berth extends the
+    /// deadline, whatever else asks (a thaw raced with the deadline, or a
+    /// berth that thought the program only hibernated).
+    fence_passed: bool,
 }
 
 impl Shim {
@@ -310,6 +315,11 @@ impl Shim {
             }
             ShimCommand::Kill => self.kill_all().await,
             ShimCommand::Freeze => self.freeze().await,
+            ShimCommand::Thaw if self.fence_passed => {
+                diag!("thaw refused: the fence deadline passed and was not extended");
+                // Said again, so that berth counts the program fenced.
+                self.emit(&ShimEvent::Frozen);
+            }
             ShimCommand::Thaw => self.thaw().await,
             ShimCommand::Hook { id, .. } => {
                 // Started by the supervising loop, which owns the hooks.
@@ -320,6 +330,7 @@ impl Shim {
                 // is still its own.
                 if self.fencing {
                     *fence = Some(deadline_after(ms));
+                    self.fence_passed = false;
                 }
             }
         }
@@ -433,6 +444,7 @@ pub(super) async fn supervise(
         events,
         tail,
         hook: None,
+        fence_passed: false,
     };
     let mut hooks = JoinSet::new();
     let (cmd_tx, mut cmd_rx) = mpsc::channel(32);
@@ -535,6 +547,7 @@ pub(super) async fn supervise(
             Some(done) = hooks.join_next(), if !hooks.is_empty() => shim.hook_done(done),
             () = sleep_until_opt(fence) => {
                 fence = None;
+                shim.fence_passed = true;
                 diag!("fence deadline passed; freezing the program");
                 if !shim.state.frozen {
                     shim.freeze().await;
