@@ -1483,6 +1483,85 @@ async fn a_fenced_then_recovered_node_keeps_a_hibernated_instance_frozen_until_a
     );
 }
 
+/// A request never thaws a fenced instance, even one it resumes from
+/// hibernation, and even on the node that holds it while that node is
+/// still cut off. Hibernated, then fenced by the cut, alice is asked for
+/// through her own node: the request lifts the hibernation, but the fence
+/// remains, so the program stays frozen. Its context switches stand still
+/// (they move only when it runs). Only after the heal, when a renew proves
+/// the lease, does the same process run again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_to_a_fenced_instance_leaves_it_frozen_while_the_link_stays_cut() {
+    let timings = "ttl_ms = 6000\nrenew_ms = 1000\nfence_after_ms = 2000\n";
+    let db = fresh_db().await;
+    let dirs = Dirs::new();
+    let instance = journal_command(&dirs.journals);
+    let relay = Relay::start(upstream_of(&db)).await;
+    let relayed = via_port(&db, relay.port);
+    let nodes = [start_node(dirs.path(), &relayed, IDS[0], timings, &instance).await];
+    let (holder, epoch, pid) = launch(&nodes, 0, "alice").await;
+    assert_eq!(holder, 0);
+    dirs.wait_lines("alice", epoch, 2).await;
+
+    let (status, body) = nodes[0]
+        .post("/users/alice/instance/hibernate", json!({}))
+        .await;
+    assert_eq!(status, 200, "{body}");
+    eventually(LONG, "alice frozen", || async {
+        stopped(pid).then_some(())
+    })
+    .await;
+    relay.cut();
+    eventually(LONG, "node-a fences alice", || async {
+        (nodes[0].metric("berth_fenced_instances_total").await >= Some(1.0)).then_some(())
+    })
+    .await;
+    assert!(
+        nodes[0].metric("berth_lease_renew_failures_total").await >= Some(1.0),
+        "the renews the cut failed are counted"
+    );
+    let lines = dirs.lines_of("alice", epoch);
+    let switched = switches(pid).expect("alice's program is there");
+
+    // However the request ends (berth's error, or the client giving up),
+    // the frozen program cannot have answered it.
+    let answer = nodes[0]
+        .http
+        .get(format!("{}/u/alice/counter", nodes[0].url))
+        .bearer_auth(&nodes[0].token)
+        .timeout(Duration::from_secs(3))
+        .send()
+        .await;
+    assert!(
+        !matches!(&answer, Ok(r) if r.status().is_success()),
+        "a frozen program answered: {answer:?}"
+    );
+    assert!(stopped(pid), "the request thawed a fenced instance");
+    assert_eq!(
+        switches(pid),
+        Some(switched),
+        "the fenced program ran while the link was cut"
+    );
+    assert_eq!(dirs.lines_of("alice", epoch), lines);
+    // The request's activity cannot be recorded while the link is cut.
+    eventually(LONG, "a failed activity flush counted", || async {
+        (nodes[0].metric("berth_controller_store_errors_total").await >= Some(1.0)).then_some(())
+    })
+    .await;
+
+    relay.heal();
+    // The hibernation was lifted by the request; a renew lifts the fence.
+    eventually(LONG, "alice thawed by a renew", || async {
+        (!stopped(pid)).then_some(())
+    })
+    .await;
+    dirs.wait_lines("alice", epoch, lines + 1).await;
+    let main = nodes[0].main_of("alice").await;
+    assert_eq!(main["pid"].as_u64(), Some(u64::from(pid)), "{main}");
+    assert_eq!(main["epoch"].as_i64(), Some(epoch), "{main}");
+    assert_eq!(main["restarts"], 0, "{main}");
+}
+
 // --- 4c. a cut-off node's instance, every process of it --------------------------
 
 /// `support/escapes.py`: three processes that leave the program's group and
