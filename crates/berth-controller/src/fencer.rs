@@ -226,3 +226,195 @@ impl Fencer {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    //! The fencer against a real SQLite store: its answers are what the
+    //! supervision and the renew tick act on, so each is pinned here (the
+    //! CI's mutation run of this file leans on these tests).
+
+    use berth_store::{SqliteStore, Store, TakeoverPolicy};
+
+    use super::*;
+
+    const TTL: Duration = Duration::from_secs(30);
+
+    fn user(id: &str) -> UserId {
+        UserId::parse(id).unwrap()
+    }
+
+    fn config() -> LeaseConfig {
+        LeaseConfig::new(
+            TTL,
+            Duration::from_secs(10),
+            Duration::from_secs(20),
+            TakeoverPolicy::Evidence,
+        )
+        .unwrap()
+    }
+
+    async fn store() -> (Arc<dyn Store>, tempfile::TempDir) {
+        let dir = tempfile::tempdir().unwrap();
+        let url = format!("sqlite://{}", dir.path().join("berth.db").display());
+        (Arc::new(SqliteStore::open(&url).await.unwrap()), dir)
+    }
+
+    fn fencer(store: &Arc<dyn Store>, node: &str, fencing: bool) -> Fencer {
+        Fencer::new(store.clone(), node.into(), config(), fencing)
+    }
+
+    #[tokio::test]
+    async fn claims_checks_and_releases() {
+        let (store, _dir) = store().await;
+        let a = fencer(&store, "node-a", true);
+        let b = fencer(&store, "node-b", true);
+        let alice = user("alice");
+        assert_eq!(a.config().ttl(), TTL);
+
+        assert_eq!(a.claim(&alice, Claim::Acquire).await.unwrap(), 1);
+        assert_eq!(a.check(&alice, 1), LeaseCheck::Held);
+        assert_eq!(a.check(&alice, 2), LeaseCheck::Lost);
+        match b.claim(&alice, Claim::Acquire).await {
+            Err(SpawnError::LeaseBusy {
+                holder, expired, ..
+            }) => assert_eq!((holder.as_str(), expired), ("node-a", false)),
+            other => panic!("expected lease_busy, got {other:?}"),
+        }
+        assert!(matches!(
+            b.claim(&alice, Claim::TakeOver).await,
+            Err(SpawnError::LeaseBusy { .. })
+        ));
+        assert_eq!(b.check(&alice, 1), LeaseCheck::Lost);
+
+        a.release(&alice).await.unwrap();
+        assert_eq!(a.check(&alice, 1), LeaseCheck::Lost);
+        assert_eq!(b.claim(&alice, Claim::Acquire).await.unwrap(), 2);
+
+        // Forgotten (fenced by another node): no longer this node's.
+        b.forget(&alice);
+        assert_eq!(b.check(&alice, 2), LeaseCheck::Lost);
+        assert_eq!(b.renew_all().await.unwrap(), vec![]);
+    }
+
+    #[tokio::test]
+    async fn renew_reports_the_leases_lost() {
+        let (store, _dir) = store().await;
+        let a = fencer(&store, "node-a", true);
+        let [alice, bob] = ["alice", "bob"].map(user);
+        a.claim(&alice, Claim::Acquire).await.unwrap();
+        a.claim(&bob, Claim::Acquire).await.unwrap();
+        // bob's lease is claimed again behind this fencer's back.
+        store
+            .claim_lease(&bob, "node-a", TTL, TakeoverPolicy::Evidence)
+            .await
+            .unwrap();
+        assert_eq!(a.renew_all().await.unwrap(), vec![(bob.clone(), 1)]);
+        assert_eq!(a.check(&bob, 1), LeaseCheck::Lost);
+        assert_eq!(a.check(&alice, 1), LeaseCheck::Held);
+    }
+
+    #[tokio::test]
+    async fn regain_adopts_the_held_epoch_claims_a_free_lease_and_yields_a_taken_one() {
+        let (store, _dir) = store().await;
+        let [alice, bob, carol] = ["alice", "bob", "carol"].map(user);
+        let before = fencer(&store, "node-a", true);
+        before.claim(&alice, Claim::Acquire).await.unwrap();
+        fencer(&store, "node-b", true)
+            .claim(&carol, Claim::Acquire)
+            .await
+            .unwrap();
+
+        // A restarted node-a: alice's lease is still its own at epoch 1.
+        let a = fencer(&store, "node-a", true);
+        let held = HashMap::from([(alice.clone(), 1)]);
+        assert_eq!(a.regain(&alice, 1, &held).await, Some(1));
+        assert_eq!(a.lease.epoch_of(&alice), Some(1));
+        // bob's ran out unclaimed: claimed again, under a new epoch.
+        assert_eq!(a.regain(&bob, 7, &held).await, Some(1));
+        // carol's is node-b's.
+        assert_eq!(a.regain(&carol, 1, &held).await, None);
+        assert_eq!(a.lease.epoch_of(&carol), None);
+    }
+
+    #[tokio::test]
+    async fn an_adopted_lease_is_unproven_until_a_renew() {
+        let (store, _dir) = store().await;
+        let alice = user("alice");
+        fencer(&store, "node-a", true)
+            .claim(&alice, Claim::Acquire)
+            .await
+            .unwrap();
+        let a = fencer(&store, "node-a", true);
+        a.regain(&alice, 1, &HashMap::from([(alice.clone(), 1)]))
+            .await
+            .unwrap();
+        assert_eq!(a.check(&alice, 1), LeaseCheck::Unproven);
+        assert!(a.fence_due());
+        assert_eq!(a.fence_deadline(), None);
+        assert_eq!(a.deadline_for_new_run(), Some(Duration::ZERO));
+
+        let sent = Instant::now();
+        a.renew_all().await.unwrap();
+        assert_eq!(a.check(&alice, 1), LeaseCheck::Held);
+        assert!(!a.fence_due());
+        let deadline = a.fence_deadline().unwrap();
+        assert!(deadline >= sent + Duration::from_secs(20));
+        assert!(deadline <= Instant::now() + Duration::from_secs(20));
+        let left = a.deadline_for_new_run().unwrap();
+        assert!(left > Duration::from_secs(10) && left <= Duration::from_secs(20));
+
+        // Without fencing there is no deadline, and nothing is ever due.
+        let single = fencer(&store, "node-a", false);
+        single
+            .regain(&alice, 1, &HashMap::from([(alice.clone(), 1)]))
+            .await
+            .unwrap();
+        assert!(!single.fence_due());
+        assert_eq!(single.fence_deadline(), None);
+        assert_eq!(single.deadline_for_new_run(), None);
+    }
+
+    #[tokio::test]
+    async fn frozen_mains_are_tracked_by_epoch_and_thawed_only_under_it() {
+        let (store, _dir) = store().await;
+        let a = fencer(&store, "node-a", true);
+        let [alice, bob, carol] = ["alice", "bob", "carol"].map(user);
+        a.claim(&alice, Claim::Acquire).await.unwrap();
+        a.claim(&bob, Claim::Acquire).await.unwrap();
+
+        // The deadline freezes alice once: a second freeze is no news.
+        assert_eq!(a.freeze(&alice), Some(1));
+        assert_eq!(a.freeze(&alice), None);
+        assert!(a.is_fenced(&alice));
+        // No lease here, nothing to freeze.
+        assert_eq!(a.freeze(&carol), None);
+        assert!(!a.is_fenced(&carol));
+
+        // The runtime reports bob frozen under an old epoch: not thawable.
+        a.note_frozen(&bob, 9, true);
+        assert!(a.is_fenced(&bob));
+        assert_eq!(a.thawable(), vec![(alice.clone(), 1)]);
+        // A thaw report for another epoch leaves the entry.
+        a.note_frozen(&bob, 8, false);
+        assert!(a.is_fenced(&bob));
+        a.note_frozen(&bob, 9, false);
+        assert!(!a.is_fenced(&bob));
+
+        assert!(!a.thawing(&alice, 2));
+        assert!(a.thawing(&alice, 1));
+        assert!(!a.thawing(&alice, 1), "thawed once");
+        assert!(!a.is_fenced(&alice));
+        a.note_frozen(&alice, 1, true);
+        a.forget_frozen(&alice);
+        assert!(!a.is_fenced(&alice));
+        assert_eq!(a.thawable(), vec![]);
+    }
+
+    #[test]
+    fn saturating_add_never_panics_and_reaches_far() {
+        let now = Instant::now();
+        assert_eq!(saturating_add(now, Duration::from_secs(5)), now + Duration::from_secs(5));
+        let far = saturating_add(now, Duration::MAX);
+        assert!(far >= now + Duration::from_secs(99 * 365 * 24 * 3600), "{far:?}");
+    }
+}
