@@ -237,7 +237,8 @@ mod tests {
 
     use super::*;
 
-    const TTL: Duration = Duration::from_secs(30);
+    // Not the default TTL, so a config that is not the one given shows.
+    const TTL: Duration = Duration::from_secs(31);
 
     fn user(id: &str) -> UserId {
         UserId::parse(id).unwrap()
