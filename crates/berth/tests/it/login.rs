@@ -625,11 +625,14 @@ async fn host_mode_in_a_browser_sign_in_home_page_admin_and_logout() {
     }
 }
 
-/// The demo program (`berth demo-app`) of the binary under test.
+/// The demo program (`berth demo-app`) of the binary under test, on a
+/// port block of its own (the same for every caller, as one config).
 fn support_demo() -> String {
+    let start = berth_testkit::port_block_for(module_path!(), 20);
     format!(
-        "[instance]\ncommand = [\"{}\", \"demo-app\", \"--port\", \"{{port}}\"]\nport_range = [29780, 29799]\n",
-        support::BERTH
+        "[instance]\ncommand = [\"{}\", \"demo-app\", \"--port\", \"{{port}}\"]\nport_range = [{start}, {}]\n",
+        support::BERTH,
+        start + 19
     )
 }
 
