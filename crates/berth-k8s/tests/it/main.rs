@@ -1,6 +1,7 @@
-//! The Kubernetes runtime's integration tests, one binary: against the
-//! API-server double (`berth_k8s::testing`), and `cluster` against a real
-//! cluster when `KUBECONFIG` names one.
+//! The Kubernetes runtime's integration tests, one binary, against the
+//! API-server double (`berth_k8s::testing`). The same contract against a
+//! real cluster is the example `real-cluster-contract`, which an operator
+//! runs.
 
 #![allow(
     clippy::unwrap_used,
@@ -11,7 +12,6 @@
 
 mod support;
 
-mod cluster;
 mod contract;
 mod controller;
 mod deploy;
