@@ -414,8 +414,14 @@ mod tests {
     #[test]
     fn saturating_add_never_panics_and_reaches_far() {
         let now = Instant::now();
-        assert_eq!(saturating_add(now, Duration::from_secs(5)), now + Duration::from_secs(5));
+        assert_eq!(
+            saturating_add(now, Duration::from_secs(5)),
+            now + Duration::from_secs(5)
+        );
         let far = saturating_add(now, Duration::MAX);
-        assert!(far >= now + Duration::from_secs(99 * 365 * 24 * 3600), "{far:?}");
+        assert!(
+            far >= now + Duration::from_secs(99 * 365 * 24 * 3600),
+            "{far:?}"
+        );
     }
 }

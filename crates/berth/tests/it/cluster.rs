@@ -9,6 +9,7 @@
 
 use crate::support;
 
+use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::Duration;
 
@@ -72,6 +73,84 @@ fn pids_everywhere(nodes: &[Node], user: &str) -> Vec<(usize, u32)> {
                 .map(move |p| (i, p))
         })
         .collect()
+}
+
+/// Every live main program under the nodes' data dirs, by user, with the
+/// index of its node: what [`instance_pids`] finds, for every user at once
+/// in one pass over `/proc`.
+fn mains_by_user(dirs: &[std::path::PathBuf]) -> BTreeMap<String, Vec<(usize, u32)>> {
+    let mut mains: BTreeMap<String, Vec<(usize, u32)>> = BTreeMap::new();
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return mains;
+    };
+    for entry in entries.flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let Ok(environ) = std::fs::read(format!("/proc/{pid}/environ")) else {
+            continue;
+        };
+        let vars: Vec<&[u8]> = environ.split(|b| *b == 0).collect();
+        if !vars.contains(&b"BERTH_ROLE=main".as_slice()) {
+            continue;
+        }
+        let var = |name: &[u8]| {
+            vars.iter()
+                .find_map(|v| v.strip_prefix(name))
+                .map(|v| String::from_utf8_lossy(v).into_owned())
+        };
+        let (Some(user), Some(home)) = (var(b"BERTH_USER="), var(b"HOME=")) else {
+            continue;
+        };
+        if let Some(node) = dirs.iter().position(|d| Path::new(&home).starts_with(d))
+            && alive(u64::from(pid))
+        {
+            mains.entry(user).or_default().push((node, pid));
+        }
+    }
+    mains
+}
+
+/// A thread that samples, over and over until stopped, every user's
+/// running programs on every node, and keeps each sample in which a user
+/// had more than one.
+struct BurstWatch {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    thread: std::thread::JoinHandle<(usize, Vec<String>)>,
+}
+
+impl BurstWatch {
+    fn start(nodes: &[Node]) -> Self {
+        use std::sync::atomic::Ordering;
+        let dirs: Vec<std::path::PathBuf> = nodes
+            .iter()
+            .map(|n| n.data_dir.canonicalize().unwrap())
+            .collect();
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let stopped = stop.clone();
+        let thread = std::thread::spawn(move || {
+            let (mut samples, mut doubles) = (0, Vec::new());
+            while !stopped.load(Ordering::Relaxed) {
+                for (user, pids) in mains_by_user(&dirs) {
+                    if pids.len() > 1 {
+                        doubles.push(format!("{user}: {pids:?}"));
+                    }
+                }
+                samples += 1;
+                // A cadence, not a wait for anything: a second program
+                // lives until fenced, far longer than this.
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            (samples, doubles)
+        });
+        Self { stop, thread }
+    }
+
+    /// The number of samples taken, and the doubles seen.
+    fn stop(self) -> (usize, Vec<String>) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        self.thread.join().unwrap()
+    }
 }
 
 /// Starts nodes whose programs report what they received (`berth demo-app`
@@ -254,6 +333,9 @@ async fn concurrent_launches_on_three_nodes_leave_one_instance_per_user() {
         .pool_max_idle_per_host(64)
         .build()
         .unwrap();
+    // Watched all through the burst, not only once it settles: a second
+    // program of one user, however brief its life, is the failure.
+    let watch = BurstWatch::start(&nodes);
     let mut launches = Vec::new();
     for round in 0..LAUNCHES_PER_USER {
         for u in 0..USERS {
@@ -307,6 +389,12 @@ async fn concurrent_launches_on_three_nodes_leave_one_instance_per_user() {
         })
         .await;
     }
+    let (samples, doubles) = watch.stop();
+    assert!(samples > 1, "the watch sampled the burst");
+    assert!(
+        doubles.is_empty(),
+        "two programs of one user at once: {doubles:?}"
+    );
     // Exactly one live instance per user, cluster-wide: by processes and by
     // the store, and the two agree on the node.
     let (status, listed) = nodes[0].get("/instances").await;
@@ -323,7 +411,7 @@ async fn concurrent_launches_on_three_nodes_leave_one_instance_per_user() {
             .filter(|r| {
                 matches!(
                     r["status"].as_str(),
-                    Some("starting" | "running" | "crashed")
+                    Some("starting" | "running" | "crashed" | "hibernated")
                 )
             })
             .collect();
