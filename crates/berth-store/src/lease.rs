@@ -547,6 +547,20 @@ mod tests {
     }
 
     #[test]
+    fn config_keeps_the_takeover_policy_and_accepts_ttls_up_to_a_day() {
+        let manual = LeaseConfig::new(
+            Duration::from_secs(23 * 3600),
+            Duration::from_secs(10),
+            Duration::from_secs(20),
+            TakeoverPolicy::Manual,
+        )
+        .unwrap();
+        assert_eq!(manual.takeover(), TakeoverPolicy::Manual);
+        assert_eq!(manual.ttl(), Duration::from_secs(23 * 3600));
+        assert_eq!(MAX_TTL, Duration::from_secs(86_400));
+    }
+
+    #[test]
     fn config_rejects_huge_durations() {
         let huge = Duration::from_millis(u64::MAX);
         assert_eq!(
@@ -767,6 +781,26 @@ mod tests {
         assert!(keeper.fence_due(stuck_at + fence));
         assert_eq!(keeper.fence_deadline(), Some(deadline));
         assert_eq!(keeper.holdings().len(), 1, "an error is not a loss");
+    }
+
+    #[test]
+    fn holdings_count_and_forget_only_the_epoch_held() {
+        let start = Instant::now();
+        let mut holdings = Holdings::new(Duration::from_millis(200));
+        assert!(holdings.is_empty() && holdings.len() == 0);
+        assert!(!holdings.fence_due(start), "nothing held, nothing due");
+        holdings.claimed(&user("alice"), 3, start);
+        holdings.adopt(user("bob"), 1);
+        assert!(!holdings.is_empty() && holdings.len() == 2);
+        assert_eq!(
+            holdings.fence_deadline(),
+            Some(start + Duration::from_millis(200))
+        );
+        holdings.forget_at(&user("alice"), 2);
+        assert_eq!(holdings.epoch_of(&user("alice")), Some(3));
+        holdings.forget_at(&user("alice"), 3);
+        holdings.forget(&user("bob"));
+        assert!(holdings.is_empty());
     }
 
     #[tokio::test]
