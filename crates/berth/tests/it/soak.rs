@@ -5,11 +5,11 @@
 //! the end.
 //!
 //! Every operation comes from a seeded generator: the seed is printed, and
-//! `BERTH_SOAK_SEED` replays a run. `BERTH_SOAK_SECS` is how long each of
+//! `BERTH_SOAK_SEED` replays its choices. `BERTH_SOAK_SECS` is how long each of
 //! the two soaks runs (150 s by default: the suite runs both, five minutes
 //! of soak). A long run sets it, and `BERTH_SOAK_FIRST_PORT` (19000 by
 //! default) to keep its ports and accounts apart from a suite running at
-//! the same time.
+//! the same time. `BERTH_SOAK_BINARY` runs another `berth` binary.
 //!
 //! Checked continuously ([`World::check`], after every operation):
 //!
@@ -116,6 +116,22 @@ fn duration() -> Duration {
 /// The soak's ports: the one node's 50 from the first, then 50 for each
 /// cluster node. Below the testkit's blocks (from 20000), so a soak never
 /// shares a port with the other tests, even in another test process.
+/// The `berth` binary the soak runs: `BERTH_SOAK_BINARY` (a copy of
+/// another build, say, kept apart from rebuilds during a long run, or one
+/// broken on purpose), else the one cargo built with this test.
+fn binary() -> String {
+    std::env::var("BERTH_SOAK_BINARY").unwrap_or_else(|_| support::BERTH.to_owned())
+}
+
+fn berth() -> berth_testkit::Berth {
+    berth_testkit::Berth::new(binary())
+}
+
+/// Every user's program: the demo app of [`binary`], writing its journal.
+fn instance_command(journals: &Path) -> String {
+    journal_command(journals).replace(support::BERTH, &binary())
+}
+
 fn first_port() -> u16 {
     std::env::var("BERTH_SOAK_FIRST_PORT")
         .ok()
@@ -1040,13 +1056,13 @@ async fn soak_one_node() {
         &format!(
             "[instance]\n{}\n{}\n{}",
             port_range(first_port()),
-            journal_command(&dirs.journals),
+            instance_command(&dirs.journals),
             common_tables(uid)
         ),
     );
     let node = tokio::task::spawn_blocking(move || {
         Node::from(
-            support::berth()
+            berth()
                 .node(&dir)
                 .config(&config)
                 .options(logged(&dir))
@@ -1082,7 +1098,7 @@ async fn soak_three_nodes_with_faults() {
             id,
             SECRET,
             &lease(""),
-            &journal_command(&dirs.journals),
+            &instance_command(&dirs.journals),
             &common_tables(uid),
         );
         // The soak's own ports in place of the testkit's block.
@@ -1100,7 +1116,7 @@ async fn soak_three_nodes_with_faults() {
             .join("\n");
         let node = tokio::task::spawn_blocking(move || {
             Node::from(
-                support::berth()
+                berth()
                     .node(&dir)
                     .config(&config)
                     .options(logged(&dir))
