@@ -1242,13 +1242,20 @@ impl Netns {
             (o, vec!["link", "set", &veth_o, "up"]),
             (h, vec!["route", "add", "default", "via", "10.231.0.2"]),
             (h, vec!["-6", "route", "add", "default", "via", "fd99::2"]),
-            (h, vec!["addr", "add", "2001:db8:1::1/128", "dev", "lo"]),
+            (
+                h,
+                vec!["addr", "add", "2001:db8:1::1/128", "dev", "lo", "nodad"],
+            ),
         ];
-        steps.extend(
-            hosts
-                .iter()
-                .map(|host| (o, vec!["addr", "add", host, "dev", "lo"])),
-        );
+        // An IPv6 address is tentative, and cannot be bound, until
+        // duplicate address detection ends, unless it is told not to run.
+        steps.extend(hosts.iter().map(|host| {
+            let mut add = vec!["addr", "add", host.as_str(), "dev", "lo"];
+            if host.contains(':') {
+                add.push("nodad");
+            }
+            (o, add)
+        }));
         for (n, cmd) in steps {
             let mut args = vec!["-n", n];
             args.extend(cmd);
