@@ -996,7 +996,6 @@ fn isolated(dir: &Path, argv: &[&str], uid: u32) -> ShimSpec {
                 pids_max: 32,
                 open_files_max: 1000,
                 cpu_max_percent: 0,
-                ..Limits::default()
             },
             // No cgroup: the account is the handle on its processes.
             cgroup: None,
