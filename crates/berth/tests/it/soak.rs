@@ -603,18 +603,17 @@ impl World {
     }
 
     async fn call(&mut self, op: &str, request: reqwest::RequestBuilder) -> Option<u16> {
-        let answer = match request.timeout(CALL_TIMEOUT).send().await {
+        let (answer, body) = match request.timeout(CALL_TIMEOUT).send().await {
             Ok(r) => {
                 let status = r.status().as_u16();
-                let _ = r.bytes().await;
-                Some(status)
+                (Some(status), r.text().await.unwrap_or_default())
             }
-            Err(_) => None,
+            Err(_) => (None, String::new()),
         };
         let key = answer.map_or_else(|| "no answer".to_owned(), |s| s.to_string());
         self.count(op, &key);
         if answer == Some(500) {
-            self.violation(format!("{op}: an internal error"));
+            self.violation(format!("{op}: an internal error: {body}"));
         }
         answer
     }
