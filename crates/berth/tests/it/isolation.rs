@@ -1119,6 +1119,9 @@ async fn the_guard_grants_and_revokes_ports_without_running_nft() {
 struct Netns {
     host: String,
     outside: String,
+    /// The `host` end of the veth pair, through which `outside`'s
+    /// link-local address [`LINK_LOCAL_V6`] is reached.
+    veth_host: String,
 }
 
 const HOST_ADDR: &str = "10.231.0.1";
@@ -1148,6 +1151,8 @@ const METADATA_V6: &str = "fd00:ec2::254";
 const BESIDE_METADATA_V6: &str = "fd00:ec2::7";
 const ALLOWED_PRIVATE_V6: &str = "fd77::7";
 const OUTSIDE_V6: &str = "2001:db8::7";
+/// A link-local address of `outside`, on its end of the veth pair.
+const LINK_LOCAL_V6: &str = "fe80::7";
 /// A public IPv6 address of the `host` namespace's own (on its loopback
 /// device): refused as the host's, not as a private address.
 const HOST_V6: &str = "2001:db8:1::1";
@@ -1183,6 +1188,7 @@ impl Netns {
         let ns = Netns {
             host: format!("berth-eg-h{tag}"),
             outside: format!("berth-eg-o{tag}"),
+            veth_host: format!("bv{tag}h"),
         };
         let (h, o) = (ns.host.as_str(), ns.outside.as_str());
         Self::ip(&["netns", "add", h]);
@@ -1245,6 +1251,10 @@ impl Netns {
             (
                 h,
                 vec!["addr", "add", "2001:db8:1::1/128", "dev", "lo", "nodad"],
+            ),
+            (
+                o,
+                vec!["addr", "add", "fe80::7/64", "dev", &veth_o, "nodad"],
             ),
         ];
         // An IPv6 address is tentative, and cannot be bound, until
@@ -1479,7 +1489,8 @@ fn the_egress_guard_refuses_metadata_private_ranges_and_the_host_but_not_the_out
 
 /// The egress guard's IPv6 rules, from inside an instance at level
 /// `user`: the metadata address `fd00:ec2::254` (though its network is
-/// allowed), a unique local host, a public address of the host's own, and
+/// allowed), a unique local host, a link-local one, a public address of
+/// the host's own, and
 /// IPv4 metadata and private hosts asked for as IPv4-mapped IPv6
 /// addresses are refused; a public IPv6 host, an allowed unique local
 /// network and the metadata address's neighbour in it are reached. berth
@@ -1512,8 +1523,46 @@ fn the_egress_guard_refuses_ipv6_metadata_private_ranges_and_the_host_but_not_th
         Netns::listen(&ns.outside, addr, port);
     }
     Netns::listen(&ns.host, HOST_V6, 8080);
+    // Every address of `outside`, its link-local one included.
+    Netns::listen(&ns.outside, "::", 8081);
+    let link_local = format!("{LINK_LOCAL_V6}%{}", ns.veth_host);
     let allow = "egress_allow = [\"fd77::/64\", \"fd00:ec2::/120\"]";
     ns.with_alice(allow, async move |node: &mut Node, _log: &Path| {
+        // Link-local: reached through one interface, named after a `%`.
+        let index: u32 = {
+            let out = Command::new("ip")
+                .args(["-o", "link", "show", link_local.split('%').nth(1).unwrap()])
+                .output()
+                .unwrap();
+            let listed = String::from_utf8_lossy(&out.stdout);
+            listed.split(':').next().unwrap().trim().parse().unwrap()
+        };
+        let addr = std::net::SocketAddrV6::new(LINK_LOCAL_V6.parse().unwrap(), 8081, 0, index);
+        std::net::TcpStream::connect_timeout(&addr.into(), Duration::from_secs(5))
+            .unwrap_or_else(|e| panic!("root cannot reach {link_local}: {e}"));
+        let tried = probe(
+            node,
+            "alice",
+            "connect",
+            &[("host", &link_local), ("port", "8081")],
+        )
+        .await;
+        // The guard's rejection of a link-local destination never reaches
+        // the program: its connection times out instead (`None`, the
+        // probe's 5 s), blocked all the same, where berth's uid gets in.
+        assert!(
+            refused(
+                &tried,
+                &[
+                    "ECONNREFUSED",
+                    "EHOSTUNREACH",
+                    "ENETUNREACH",
+                    "EACCES",
+                    "None"
+                ]
+            ),
+            "the instance reached {link_local}: {tried}"
+        );
         for (host, port, allowed) in targets {
             let addr = std::net::SocketAddr::new(host.parse().unwrap(), port.parse().unwrap());
             std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(5))
