@@ -38,8 +38,8 @@ use support::{
     BERTH, CLUSTER_LEASE, Node, alive, eventually, frozen, instance_pids, proc_state, signal,
 };
 
-const SECRET: &str = berth_testkit::TEST_CLUSTER_SECRET;
-const IDS: [&str; 3] = ["node-a", "node-b", "node-c"];
+pub(super) const SECRET: &str = berth_testkit::TEST_CLUSTER_SECRET;
+pub(super) const IDS: [&str; 3] = ["node-a", "node-b", "node-c"];
 /// The TTL in [`CLUSTER_LEASE`].
 const TTL: Duration = Duration::from_millis(3000);
 /// Generous bound for anything that should take a few seconds.
@@ -49,7 +49,7 @@ const LONG: Duration = Duration::from_secs(60);
 
 /// The lines one epoch wrote, in a row.
 #[derive(Debug, Clone, PartialEq, Eq)]
-struct EpochRun {
+pub(super) struct EpochRun {
     epoch: u64,
     lines: usize,
     first: u64,
@@ -64,7 +64,7 @@ struct EpochRun {
 /// line of a newer one (that would be two writers at once). Returns the
 /// epochs in order. A last line without its newline is still being
 /// written and is ignored.
-fn check_journal(text: &str) -> Result<Vec<EpochRun>, String> {
+pub(super) fn check_journal(text: &str) -> Result<Vec<EpochRun>, String> {
     let complete = text.rfind('\n').map_or("", |end| &text[..=end]);
     let mut runs: Vec<EpochRun> = Vec::new();
     for (i, line) in complete.lines().enumerate() {
@@ -139,7 +139,7 @@ fn journal_checker_accepts_one_writer_at_a_time_and_catches_two() {
 
 /// A fresh database on the shared test server (started on first use; that
 /// blocks for a few seconds, so off the async threads).
-async fn fresh_db() -> String {
+pub(super) async fn fresh_db() -> String {
     tokio::task::spawn_blocking(|| PgCluster::shared().map(|_| ()).map_err(|e| e.to_string()))
         .await
         .unwrap()
@@ -149,7 +149,7 @@ async fn fresh_db() -> String {
 
 /// The `[instance]` line that runs demo-app with a journal per user in
 /// `dir`.
-fn journal_command(dir: &Path) -> String {
+pub(super) fn journal_command(dir: &Path) -> String {
     let journal = format!("{}/journal-{{slug}}.log", dir.display());
     let argv = [BERTH, "demo-app", "--port", "{port}", "--journal", &journal];
     // A JSON array of strings is a TOML array too.
@@ -157,7 +157,7 @@ fn journal_command(dir: &Path) -> String {
 }
 
 /// `[lease]` lines: the tests' short timings plus `extra`.
-fn lease(extra: &str) -> String {
+pub(super) fn lease(extra: &str) -> String {
     format!("{CLUSTER_LEASE}{extra}")
 }
 
@@ -212,13 +212,13 @@ async fn start_nodes(
 }
 
 /// A test's directories: nodes under `root`, journals in `journals`.
-struct Dirs {
+pub(super) struct Dirs {
     root: tempfile::TempDir,
-    journals: PathBuf,
+    pub(super) journals: PathBuf,
 }
 
 impl Dirs {
-    fn new() -> Dirs {
+    pub(super) fn new() -> Dirs {
         let root = tempfile::tempdir().unwrap();
         let journals = root.path().join("journals");
         std::fs::create_dir_all(&journals).unwrap();
@@ -230,11 +230,11 @@ impl Dirs {
         Dirs { root, journals }
     }
 
-    fn path(&self) -> &Path {
+    pub(super) fn path(&self) -> &Path {
         self.root.path()
     }
 
-    fn journal_text(&self, user: &str) -> String {
+    pub(super) fn journal_text(&self, user: &str) -> String {
         std::fs::read_to_string(self.journals.join(format!("journal-{user}.log")))
             .unwrap_or_default()
     }
@@ -320,7 +320,7 @@ fn stopped(pid: u32) -> bool {
 /// Whether `pid` has been sent SIGKILL or is exiting (the kernel's
 /// `PF_EXITING` flag in `/proc/<pid>/stat`): a killed frozen process is
 /// thawed to die and shows `R` for that moment.
-fn killed(pid: u32) -> bool {
+pub(super) fn killed(pid: u32) -> bool {
     const PF_EXITING: u64 = 0x4;
     const SIGKILL_BIT: u64 = 1 << (9 - 1);
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
@@ -341,7 +341,7 @@ fn killed(pid: u32) -> bool {
 
 /// Runs none of its own code any more: frozen, killed (a frozen
 /// instance is thawed to die, and shows `R` for that moment), or gone.
-fn stopped_or_gone(pid: u32) -> bool {
+pub(super) fn stopped_or_gone(pid: u32) -> bool {
     frozen(pid) || killed(pid) || !alive(u64::from(pid))
 }
 
@@ -584,7 +584,7 @@ async fn a_paused_holder_is_fenced_and_stays_fenced_after_waking() {
 
 /// Sends `SIGCONT` when dropped, so a failing test never leaves a stopped
 /// berth behind.
-struct PauseGuard(u32);
+pub(super) struct PauseGuard(pub(super) u32);
 
 impl Drop for PauseGuard {
     fn drop(&mut self) {
@@ -603,8 +603,8 @@ impl Drop for PauseGuard {
 /// what was held goes through late. It can also hold back the server's
 /// answers that carry result rows (`DataRow`), as a slow network would:
 /// the statement runs at once, its answer arrives late.
-struct Relay {
-    port: u16,
+pub(super) struct Relay {
+    pub(super) port: u16,
     state: Arc<Mutex<RelayState>>,
     /// True while hung.
     hang: tokio::sync::watch::Sender<bool>,
@@ -619,7 +619,7 @@ struct RelayState {
 }
 
 impl Relay {
-    async fn start(upstream: String) -> Relay {
+    pub(super) async fn start(upstream: String) -> Relay {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let port = listener.local_addr().unwrap().port();
         let state = Arc::new(Mutex::new(RelayState::default()));
@@ -658,7 +658,7 @@ impl Relay {
 
     /// Stops relaying: every open connection is closed (aborting its task
     /// drops both sockets) and new ones are closed on arrival.
-    fn cut(&self) {
+    pub(super) fn cut(&self) {
         let mut state = self.state.lock().unwrap();
         state.cut = true;
         for conn in state.conns.drain(..) {
@@ -672,7 +672,7 @@ impl Relay {
     }
 
     /// Ends a cut or a hang: bytes a hang held go through now.
-    fn heal(&self) {
+    pub(super) fn heal(&self) {
         self.state.lock().unwrap().cut = false;
         self.hang.send_replace(false);
     }
@@ -816,7 +816,7 @@ fn pg_framing_finds_data_rows_across_chunk_boundaries() {
 }
 
 /// The `host:port` a PostgreSQL URL points at.
-fn upstream_of(url: &str) -> String {
+pub(super) fn upstream_of(url: &str) -> String {
     let parsed = reqwest::Url::parse(url).unwrap();
     format!(
         "{}:{}",
@@ -827,7 +827,7 @@ fn upstream_of(url: &str) -> String {
 
 /// `url` pointing at `127.0.0.1:<port>` instead, without TLS (the relay
 /// reads the protocol's framing).
-fn via_port(url: &str, port: u16) -> String {
+pub(super) fn via_port(url: &str, port: u16) -> String {
     let mut parsed = reqwest::Url::parse(url).unwrap();
     parsed.set_host(Some("127.0.0.1")).unwrap();
     parsed.set_port(Some(port)).unwrap();
@@ -1756,7 +1756,7 @@ const NEW_HOLDER_LINES: usize = 100;
 /// frozen or not: a failing fault run (or one run without the protection
 /// it tests) must not leave escapes forking on the machine. Dropped after
 /// the nodes, which thaw and kill their cgroups first.
-struct AccountSweep(std::ops::Range<u32>);
+pub(super) struct AccountSweep(pub(super) std::ops::Range<u32>);
 
 impl Drop for AccountSweep {
     fn drop(&mut self) {

@@ -957,3 +957,36 @@ fn now_ms() -> i64 {
         .unwrap();
     i64::try_from(since.as_millis()).unwrap()
 }
+
+/// Path routing serves every app on the API's own origin, so berth says
+/// at start that it suits only users who trust each other; with a domain
+/// (host mode) it says nothing of the kind.
+#[tokio::test(flavor = "multi_thread")]
+async fn path_mode_warns_at_start_that_apps_share_the_apis_origin() {
+    for (proxy, warned) in [
+        ("", true),
+        ("[proxy]\nbase_domain = \"berth.test\"\n", false),
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        let log = dir.path().join("berth.log");
+        let node = Node::from(
+            support::berth()
+                .node(dir.path())
+                .config(&format!(
+                    "listen = \"127.0.0.1:0\"\ndata_dir = \"{}\"\n{proxy}",
+                    dir.path().join("data").display()
+                ))
+                .options(support::StartOptions {
+                    stderr: Some(log.clone()),
+                    ..support::StartOptions::default()
+                })
+                .start(),
+        );
+        assert_eq!(node.healthz().await, 200);
+        let text = std::fs::read_to_string(&log).unwrap();
+        let warning = text
+            .lines()
+            .any(|l| l.contains("WARN") && l.contains("only users who trust each other"));
+        assert_eq!(warning, warned, "{proxy:?}: {text}");
+    }
+}

@@ -312,6 +312,63 @@ async fn in_a_sandbox_the_system_is_read_only_and_only_own_processes_are_seen() 
     node.kill_instances();
 }
 
+/// A sandbox's `/tmp` and `/dev/shm` are its own: what alice writes
+/// there neither bob's sandbox nor the host sees, and what the host (or
+/// any other account) keeps in its own is not there for her.
+#[tokio::test(flavor = "multi_thread")]
+async fn in_a_sandbox_tmp_and_dev_shm_are_private_to_the_instance() {
+    if !privileged("private /tmp and /dev/shm, sandbox") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let slot = slot();
+    let node = start(
+        dir.path(),
+        &breach_config(dir.path(), &slot, "sandbox", "", ""),
+    );
+    launch(&node, "alice").await;
+    launch(&node, "bob").await;
+    let tag = format!("berth-private-{}-{}", std::process::id(), slot.base_uid);
+    // The host's own, world-readable and writable: a host's /dev/shm holds
+    // other programs' shared memory.
+    let host_shm = PathBuf::from(format!("/dev/shm/{tag}-host"));
+    let host_tmp = PathBuf::from(format!("/tmp/{tag}-host"));
+    for planted in [&host_shm, &host_tmp] {
+        std::fs::write(planted, "the host's").unwrap();
+        std::fs::set_permissions(planted, std::fs::Permissions::from_mode(0o666)).unwrap();
+    }
+    for shared in ["/dev/shm", "/tmp"] {
+        let hers = format!("{shared}/{tag}-alice");
+        let wrote = probe(&node, "alice", "write", &[("path", &hers)]).await;
+        assert_eq!(wrote["ok"], true, "alice writes her {shared}: {wrote}");
+        let read = probe(&node, "alice", "read", &[("path", &hers)]).await;
+        assert_eq!(read["value"], 6, "alice reads her {shared}: {read}");
+        let read = probe(&node, "bob", "read", &[("path", &hers)]).await;
+        assert!(
+            refused(&read, &["ENOENT"]),
+            "bob sees alice's {hers}: {read}"
+        );
+        assert!(!Path::new(&hers).exists(), "{hers} is on the host");
+        // Bob's file of that name is his own, alice's is left alone.
+        let wrote = probe(&node, "bob", "write", &[("path", &hers)]).await;
+        assert_eq!(wrote["ok"], true, "bob writes his {shared}: {wrote}");
+        let read = probe(&node, "alice", "read", &[("path", &hers)]).await;
+        assert_eq!(read["value"], 6, "{read}");
+    }
+    for planted in [&host_shm, &host_tmp] {
+        let read = probe(&node, "alice", "read", &[("path", path_str(planted))]).await;
+        assert!(
+            refused(&read, &["ENOENT"]),
+            "alice sees {planted:?}: {read}"
+        );
+        let wrote = probe(&node, "alice", "write", &[("path", path_str(planted))]).await;
+        assert_eq!(wrote["ok"], true, "{wrote}");
+        assert_eq!(std::fs::read_to_string(planted).unwrap(), "the host's");
+        std::fs::remove_file(planted).unwrap();
+    }
+    node.kill_instances();
+}
+
 // --- secrets ---------------------------------------------------------------
 
 async fn secrets_stay_out_of_reach(mode: &str) {
@@ -417,6 +474,95 @@ async fn no_secret_reaches_a_program_and_no_program_commands_a_shim_at_level_use
 async fn no_secret_reaches_a_program_and_no_program_commands_a_shim_in_a_sandbox() {
     if privileged("secrets, sandbox") {
         secrets_stay_out_of_reach("sandbox").await;
+    }
+}
+
+// --- signals and debugging -------------------------------------------------
+
+/// What signals and traces from inside alice's instance at `mode` may
+/// reach: nothing of bob's, of berth's or of any shim (`EPERM` at `user`,
+/// where every process is visible; `ESRCH` or `EPERM` in a sandbox, whose
+/// pid namespace holds none of them), while her own processes are hers to
+/// signal and trace, and a `kill(-1, SIGKILL)` of hers leaves everyone
+/// else running.
+async fn no_signal_or_trace_crosses_accounts(mode: &str) {
+    let dir = tempfile::tempdir().unwrap();
+    let slot = slot();
+    let node = start(dir.path(), &breach_config(dir.path(), &slot, mode, "", ""));
+    let alice = launch(&node, "alice").await;
+    let bob = launch(&node, "bob").await;
+    let bob_pid = bob["pid"].as_u64().unwrap() as u32;
+    let berth = node.pid().unwrap();
+    let zygote = zygote_of(berth).expect("the zygote runs");
+    let shim_of = |user: &str| state_of(&node, user)["shim_pid"].as_u64().unwrap() as u32;
+    let (alice_shim, bob_shim) = (shim_of("alice"), shim_of("bob"));
+    let uid = probe(&node, "bob", "whoami", &[]).await["uid"].clone();
+    assert_eq!(uid_of_process(bob_pid).map(Value::from), Some(uid));
+    let refusals: &[&str] = match mode {
+        "user" => &["EPERM"],
+        _ => &["EPERM", "ESRCH"],
+    };
+    // The probes work: her own program answers both.
+    let own = probe(&node, "alice", "whoami", &[]).await["pid"].to_string();
+    let tried = probe(&node, "alice", "signal", &[("pid", &own), ("sig", "0")]).await;
+    assert_eq!(tried["ok"], true, "{tried}");
+    let tried = probe(&node, "alice", "traceown", &[]).await;
+    assert_eq!(tried["ok"], true, "tracing her own child: {tried}");
+
+    let targets = [
+        ("bob's program", bob_pid),
+        ("bob's shim", bob_shim),
+        ("her own shim", alice_shim),
+        ("berth", berth),
+        ("the zygote", zygote),
+    ];
+    for (what, pid) in targets {
+        let pid = pid.to_string();
+        // 0 asks the kernel for the permission alone; SIGCONT is the one a
+        // process may send to others of its session whatever their uid.
+        for sig in ["0", "18", "19", "15", "9"] {
+            // Her program shares its shim's session (the shim made it),
+            // where the kernel lets any process continue any other: a
+            // SIGCONT to a running shim does nothing.
+            if sig == "18" && pid == alice_shim.to_string() {
+                continue;
+            }
+            let tried = probe(&node, "alice", "signal", &[("pid", &pid), ("sig", sig)]).await;
+            assert!(refused(&tried, refusals), "signal {sig} to {what}: {tried}");
+        }
+        let tried = probe(&node, "alice", "trace", &[("pid", &pid)]).await;
+        assert!(refused(&tried, refusals), "tracing {what}: {tried}");
+    }
+    // Everything she may signal, at once: her program itself lives on
+    // (the kernel spares the sender), and so does everyone else.
+    // (`ESRCH`: there was nothing she may signal but herself.)
+    let tried = probe(&node, "alice", "killall", &[]).await;
+    assert!(tried["ok"] == true || tried["errno"] == "ESRCH", "{tried}");
+    for (what, pid) in targets {
+        assert!(alive(u64::from(pid)), "{what} was killed");
+        assert_ne!(proc_state(pid), Some('T'), "{what} was stopped");
+    }
+    for (user, before) in [("alice", &alice), ("bob", &bob)] {
+        let main = node.main_of(user).await;
+        assert_eq!(main["status"], "running", "{main}");
+        assert_eq!(main["pid"], before["pid"], "{user} was restarted: {main}");
+        assert_eq!(probe(&node, user, "ping", &[]).await["ok"], true);
+    }
+    assert_eq!(node.healthz().await, 200);
+    node.kill_instances();
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn at_level_user_an_instance_can_neither_signal_nor_trace_another_accounts_processes() {
+    if privileged("signals and ptrace, user") {
+        no_signal_or_trace_crosses_accounts("user").await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn in_a_sandbox_an_instance_can_neither_signal_nor_trace_another_accounts_processes() {
+    if privileged("signals and ptrace, sandbox") {
+        no_signal_or_trace_crosses_accounts("sandbox").await;
     }
 }
 
@@ -570,16 +716,15 @@ async fn links_planted_in_a_root_never_lead_berth_outside_it() {
 
 // --- resources ---------------------------------------------------------------
 
-#[tokio::test(flavor = "multi_thread")]
-async fn an_instance_past_its_memory_limit_is_killed_reported_and_restarted() {
-    if !privileged("memory") {
-        return;
-    }
+/// alice's instance at `mode` allocates past `memory_max_mb`: it is
+/// killed, reported as out of memory and restarted, and bob and berth
+/// never notice.
+async fn past_the_memory_limit(mode: &str) {
     let dir = tempfile::tempdir().unwrap();
     let slot = slot();
     let node = start(
         dir.path(),
-        &breach_config(dir.path(), &slot, "sandbox", "memory_max_mb = 64\n", ""),
+        &breach_config(dir.path(), &slot, mode, "memory_max_mb = 64\n", ""),
     );
     let alice = launch(&node, "alice").await;
     launch(&node, "bob").await;
@@ -610,10 +755,22 @@ async fn an_instance_past_its_memory_limit_is_killed_reported_and_restarted() {
 }
 
 #[tokio::test(flavor = "multi_thread")]
-async fn a_fork_bomb_is_capped_by_pids_max() {
-    if !privileged("fork bomb") {
-        return;
+async fn an_instance_past_its_memory_limit_is_killed_reported_and_restarted() {
+    if privileged("memory, sandbox") {
+        past_the_memory_limit("sandbox").await;
     }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn at_level_user_an_instance_past_its_memory_limit_is_killed_reported_and_restarted() {
+    if privileged("memory, user") {
+        past_the_memory_limit("user").await;
+    }
+}
+
+/// A fork bomb in alice's instance at `mode` fills it up to `pids_max`
+/// and never past it, while berth, bob and the host go on.
+async fn a_fork_bomb_is_capped(mode: &str) {
     let dir = tempfile::tempdir().unwrap();
     let slot = slot();
     let pids_max = 40;
@@ -622,7 +779,7 @@ async fn a_fork_bomb_is_capped_by_pids_max() {
         &breach_config(
             dir.path(),
             &slot,
-            "sandbox",
+            mode,
             &format!("pids_max = {pids_max}\n"),
             "",
         ),
@@ -690,9 +847,10 @@ async fn a_fork_bomb_is_capped_by_pids_max() {
             .parse()
             .unwrap();
         assert!(current <= pids_max, "pids.current {current}");
-        // berth and bob answer meanwhile.
+        // berth, bob and the host's own processes go on meanwhile.
         assert_eq!(node.healthz().await, 200);
         assert_eq!(probe(&node, "bob", "ping", &[]).await["ok"], true);
+        assert!(Command::new("true").status().unwrap().success());
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     // Stopping alice takes the whole bomb with it.
@@ -701,6 +859,93 @@ async fn a_fork_bomb_is_capped_by_pids_max() {
         (tasks_of(uid) == 0).then_some(())
     })
     .await;
+    node.kill_instances();
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn in_a_sandbox_a_fork_bomb_is_capped_by_pids_max() {
+    if privileged("fork bomb, sandbox") {
+        a_fork_bomb_is_capped("sandbox").await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn at_level_user_a_fork_bomb_is_capped_by_pids_max() {
+    if privileged("fork bomb, user") {
+        a_fork_bomb_is_capped("user").await;
+    }
+}
+
+/// CPU time a process has run, from the scheduler's own count.
+fn cpu_time_of(pid: u32) -> Duration {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/schedstat")).unwrap();
+    Duration::from_nanos(stat.split_whitespace().next().unwrap().parse().unwrap())
+}
+
+/// How many periods the kernel has throttled the cgroup `dir` in.
+fn times_throttled(dir: &Path) -> u64 {
+    let stat = std::fs::read_to_string(dir.join("cpu.stat")).unwrap();
+    stat.lines()
+        .find_map(|l| l.strip_prefix("nr_throttled "))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap()
+}
+
+/// alice's instance at level `user`, limited to 20 % of one CPU, spins
+/// two processes: the quota is written, the kernel throttles her cgroup,
+/// and over a few seconds her spinners take well under half a CPU, where
+/// unlimited they would take up to two.
+#[tokio::test(flavor = "multi_thread")]
+async fn at_level_user_a_spinning_instance_is_held_to_cpu_max_percent() {
+    if !privileged("cpu limit, user") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let slot = slot();
+    let node = start(
+        dir.path(),
+        &breach_config(dir.path(), &slot, "user", "cpu_max_percent = 20\n", ""),
+    );
+    launch(&node, "alice").await;
+    let cpu_dir = state_of(&node, "alice")["cgroup"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| PathBuf::from(d.as_str().unwrap()))
+        .find(|d| d.join("cpu.cfs_quota_us").exists() || d.join("cpu.max").exists())
+        .expect("a cpu cgroup");
+    let quota = match std::fs::read_to_string(cpu_dir.join("cpu.cfs_quota_us")) {
+        Ok(v1) => v1,
+        Err(_) => std::fs::read_to_string(cpu_dir.join("cpu.max")).unwrap(),
+    };
+    assert!(
+        ["20000", "20000 100000"].contains(&quota.trim()),
+        "the quota: {quota}"
+    );
+    let spun = probe(&node, "alice", "spin", &[("n", "2")]).await;
+    let spinners: Vec<u32> = spun["value"]
+        .as_array()
+        .unwrap_or_else(|| panic!("{spun}"))
+        .iter()
+        .map(|p| p.as_u64().unwrap() as u32)
+        .collect();
+    let throttled = times_throttled(&cpu_dir);
+    let used = || spinners.iter().map(|&p| cpu_time_of(p)).sum::<Duration>();
+    let (before, since) = (used(), std::time::Instant::now());
+    // A window to measure over, not a wait for anything.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let (spent, window) = (used() - before, since.elapsed());
+    assert!(!spent.is_zero(), "the spinners never ran");
+    assert!(
+        spent < window / 2,
+        "{spent:?} of CPU in {window:?} under a limit of 20 %"
+    );
+    assert!(
+        times_throttled(&cpu_dir) > throttled,
+        "the kernel never throttled alice's cgroup"
+    );
     node.kill_instances();
 }
 
@@ -737,6 +982,33 @@ async fn the_port_guard_holds(mode: &str) {
     // berth's proxy reaches both.
     for user in ["alice", "bob"] {
         assert_eq!(probe(&node, user, "ping", &[]).await["ok"], true);
+    }
+    if mode == "user" {
+        // The same over IPv6: bob listens on his port of ::1 too, which
+        // answers him, never alice, by either spelling.
+        let listened = probe(&node, "bob", "listen6", &[("port", &bob_port)]).await;
+        assert_eq!(listened["ok"], true, "{listened}");
+        let to_self = probe(
+            &node,
+            "bob",
+            "connect",
+            &[("host", "::1"), ("port", &bob_port)],
+        )
+        .await;
+        assert_eq!(to_self["ok"], true, "{to_self}");
+        for host in ["::1", "::ffff:127.0.0.1"] {
+            let to_bob = probe(
+                &node,
+                "alice",
+                "connect",
+                &[("host", host), ("port", &bob_port)],
+            )
+            .await;
+            assert!(
+                refused(&to_bob, &["ECONNREFUSED"]),
+                "alice reached bob at {host}: {to_bob}"
+            );
+        }
     }
     // Root on the host reaches bob's port at `user`; a sandbox's port is in
     // its own network namespace, and nothing listens there on the host.
@@ -847,6 +1119,9 @@ async fn the_guard_grants_and_revokes_ports_without_running_nft() {
 struct Netns {
     host: String,
     outside: String,
+    /// The `host` end of the veth pair, through which `outside`'s
+    /// link-local address [`LINK_LOCAL_V6`] is reached.
+    veth_host: String,
 }
 
 const HOST_ADDR: &str = "10.231.0.1";
@@ -869,6 +1144,18 @@ const PRIVATE: [&str; 6] = [
     "169.254.254.7",
     "fd12:3456::7",
 ];
+/// IPv6 hosts of `outside`: the metadata address, one beside it in its
+/// network, a unique local host the test's `egress_allow` lets
+/// instances reach, and a public one.
+const METADATA_V6: &str = "fd00:ec2::254";
+const BESIDE_METADATA_V6: &str = "fd00:ec2::7";
+const ALLOWED_PRIVATE_V6: &str = "fd77::7";
+const OUTSIDE_V6: &str = "2001:db8::7";
+/// A link-local address of `outside`, on its end of the veth pair.
+const LINK_LOCAL_V6: &str = "fe80::7";
+/// A public IPv6 address of the `host` namespace's own (on its loopback
+/// device): refused as the host's, not as a private address.
+const HOST_V6: &str = "2001:db8:1::1";
 /// A private host the test's `egress_allow` lets instances reach.
 const ALLOWED_PRIVATE: &str = "192.168.77.7";
 /// A public host with a name an allowlist allows (`allowed.test`) and one
@@ -901,6 +1188,7 @@ impl Netns {
         let ns = Netns {
             host: format!("berth-eg-h{tag}"),
             outside: format!("berth-eg-o{tag}"),
+            veth_host: format!("bv{tag}h"),
         };
         let (h, o) = (ns.host.as_str(), ns.outside.as_str());
         Self::ip(&["netns", "add", h]);
@@ -933,6 +1221,10 @@ impl Netns {
                 OUTSIDE_ADDR,
                 NAMED_HOST,
                 DENIED_HOST,
+                METADATA_V6,
+                BESIDE_METADATA_V6,
+                ALLOWED_PRIVATE_V6,
+                OUTSIDE_V6,
             ])
             .map(|addr| match addr.contains(':') {
                 true => format!("{addr}/128"),
@@ -956,12 +1248,24 @@ impl Netns {
             (o, vec!["link", "set", &veth_o, "up"]),
             (h, vec!["route", "add", "default", "via", "10.231.0.2"]),
             (h, vec!["-6", "route", "add", "default", "via", "fd99::2"]),
+            (
+                h,
+                vec!["addr", "add", "2001:db8:1::1/128", "dev", "lo", "nodad"],
+            ),
+            (
+                o,
+                vec!["addr", "add", "fe80::7/64", "dev", &veth_o, "nodad"],
+            ),
         ];
-        steps.extend(
-            hosts
-                .iter()
-                .map(|host| (o, vec!["addr", "add", host, "dev", "lo"])),
-        );
+        // An IPv6 address is tentative, and cannot be bound, until
+        // duplicate address detection ends, unless it is told not to run.
+        steps.extend(hosts.iter().map(|host| {
+            let mut add = vec!["addr", "add", host.as_str(), "dev", "lo"];
+            if host.contains(':') {
+                add.push("nodad");
+            }
+            (o, add)
+        }));
         for (n, cmd) in steps {
             let mut args = vec!["-n", n];
             args.extend(cmd);
@@ -1183,6 +1487,102 @@ fn the_egress_guard_refuses_metadata_private_ranges_and_the_host_but_not_the_out
     });
 }
 
+/// The egress guard's IPv6 rules, from inside an instance at level
+/// `user`: the metadata address `fd00:ec2::254` (though its network is
+/// allowed), a unique local host, a link-local one, a public address of
+/// the host's own, and
+/// IPv4 metadata and private hosts asked for as IPv4-mapped IPv6
+/// addresses are refused; a public IPv6 host, an allowed unique local
+/// network and the metadata address's neighbour in it are reached. berth
+/// itself reaches them all.
+#[test]
+fn the_egress_guard_refuses_ipv6_metadata_private_ranges_and_the_host_but_not_the_outside() {
+    let Some(ns) = Netns::for_test("egress guard, IPv6") else {
+        return;
+    };
+    // (address, port, reached by the instance)
+    let targets: [(&'static str, &'static str, bool); 8] = [
+        (METADATA_V6, "80", false),
+        ("fd12:3456::7", "80", false),
+        (HOST_V6, "8080", false),
+        ("::ffff:169.254.169.254", "80", false),
+        ("::ffff:10.254.0.7", "80", false),
+        (BESIDE_METADATA_V6, "80", true),
+        (ALLOWED_PRIVATE_V6, "80", true),
+        (OUTSIDE_V6, "80", true),
+    ];
+    for (addr, port) in [
+        (METADATA_V6, 80),
+        ("fd12:3456::7", 80),
+        ("169.254.169.254", 80),
+        ("10.254.0.7", 80),
+        (BESIDE_METADATA_V6, 80),
+        (ALLOWED_PRIVATE_V6, 80),
+        (OUTSIDE_V6, 80),
+    ] {
+        Netns::listen(&ns.outside, addr, port);
+    }
+    Netns::listen(&ns.host, HOST_V6, 8080);
+    // Every address of `outside`, its link-local one included.
+    Netns::listen(&ns.outside, "::", 8081);
+    let link_local = format!("{LINK_LOCAL_V6}%{}", ns.veth_host);
+    let allow = "egress_allow = [\"fd77::/64\", \"fd00:ec2::/120\"]";
+    ns.with_alice(allow, async move |node: &mut Node, _log: &Path| {
+        // Link-local: reached through one interface, named after a `%`.
+        let index: u32 = {
+            let out = Command::new("ip")
+                .args(["-o", "link", "show", link_local.split('%').nth(1).unwrap()])
+                .output()
+                .unwrap();
+            let listed = String::from_utf8_lossy(&out.stdout);
+            listed.split(':').next().unwrap().trim().parse().unwrap()
+        };
+        let addr = std::net::SocketAddrV6::new(LINK_LOCAL_V6.parse().unwrap(), 8081, 0, index);
+        std::net::TcpStream::connect_timeout(&addr.into(), Duration::from_secs(5))
+            .unwrap_or_else(|e| panic!("root cannot reach {link_local}: {e}"));
+        let tried = probe(
+            node,
+            "alice",
+            "connect",
+            &[("host", &link_local), ("port", "8081")],
+        )
+        .await;
+        // The guard's rejection of a link-local destination never reaches
+        // the program: its connection times out instead (`None`, the
+        // probe's 5 s), blocked all the same, where berth's uid gets in.
+        assert!(
+            refused(
+                &tried,
+                &[
+                    "ECONNREFUSED",
+                    "EHOSTUNREACH",
+                    "ENETUNREACH",
+                    "EACCES",
+                    "None"
+                ]
+            ),
+            "the instance reached {link_local}: {tried}"
+        );
+        for (host, port, allowed) in targets {
+            let addr = std::net::SocketAddr::new(host.parse().unwrap(), port.parse().unwrap());
+            std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(5))
+                .unwrap_or_else(|e| panic!("root cannot reach {addr}: {e}"));
+            let tried = probe(node, "alice", "connect", &[("host", host), ("port", port)]).await;
+            if allowed {
+                assert_eq!(tried["ok"], true, "{addr}: {tried}");
+            } else {
+                assert!(
+                    refused(
+                        &tried,
+                        &["ECONNREFUSED", "EHOSTUNREACH", "ENETUNREACH", "EACCES"]
+                    ),
+                    "the instance reached {addr}: {tried}"
+                );
+            }
+        }
+    });
+}
+
 /// An instance confined to an allowlist of names: it reaches an allowed
 /// name over HTTP and TLS, through the egress proxy, and an allowed
 /// network directly; it does not reach the allowed name's host by its
@@ -1203,6 +1603,8 @@ fn an_instance_confined_to_an_allowlist_reaches_only_the_allowed_names() {
         (ALLOWED_PRIVATE, 80),
         (OUTSIDE_ADDR, 8080),
         (NAME_SERVER, 53),
+        (OUTSIDE_V6, 80),
+        (OUTSIDE_V6, 443),
     ] {
         Netns::listen(&ns.outside, addr, port);
     }
@@ -1264,16 +1666,24 @@ fn an_instance_confined_to_an_allowlist_reaches_only_the_allowed_names() {
         let query = [("host", NAME_SERVER), ("port", "53")];
         let tried = probe(node, "alice", "connect", &query).await;
         assert!(refused(&tried, &["ECONNREFUSED"]), "{tried}");
-        // Any other port of the internet is refused outright...
-        let query = [("host", OUTSIDE_ADDR), ("port", "8080")];
-        let tried = probe(node, "alice", "connect", &query).await;
-        assert!(refused(&tried, &["ECONNREFUSED"]), "{tried}");
+        // Any other port of the internet is refused outright, and IPv6,
+        // which the egress proxy does not take, even to the allowed
+        // names' ports...
+        for (host, port) in [
+            (OUTSIDE_ADDR, "8080"),
+            (OUTSIDE_V6, "80"),
+            (OUTSIDE_V6, "443"),
+        ] {
+            let tried = probe(node, "alice", "connect", &[("host", host), ("port", port)]).await;
+            assert!(refused(&tried, &["ECONNREFUSED"]), "{host} {port}: {tried}");
+        }
         // ...though berth's own uid reaches it and every host above.
         for addr in [
             "198.51.100.7:8080",
             "198.51.100.8:80",
             "198.51.100.9:80",
             "10.254.0.7:80",
+            "[2001:db8::7]:80",
         ] {
             std::net::TcpStream::connect_timeout(&addr.parse().unwrap(), Duration::from_secs(5))
                 .unwrap_or_else(|e| panic!("root cannot reach {addr}: {e}"));
@@ -1769,6 +2179,40 @@ fn a_sandboxed_instance_reaches_out_only_through_its_relay_under_the_egress_guar
         // Its cgroup goes with it: the relay had ended before.
         let left = support::instance_cgroups(&node.data_dir);
         assert!(left.is_empty(), "cgroups left: {left:?}");
+    });
+}
+
+/// The egress guard's IPv6 rules hold for a sandbox's relay too: it
+/// reaches a public IPv6 host, and never the IPv6 metadata address, a
+/// unique local host, a public address of the host's own, IPv4 metadata
+/// asked for as an IPv4-mapped address, or the host's `::1`.
+#[test]
+fn a_sandboxed_instances_relay_is_held_by_the_egress_guards_ipv6_rules() {
+    let Some(ns) = Netns::for_test("sandbox egress, IPv6") else {
+        return;
+    };
+    for addr in [METADATA_V6, "fd12:3456::7", "169.254.169.254", OUTSIDE_V6] {
+        Netns::listen(&ns.outside, addr, 80);
+    }
+    Netns::listen(&ns.host, HOST_V6, 8080);
+    ns.with_alice_at("sandbox", "", async move |node: &mut Node, _log: &Path| {
+        let tried = relayed(node, &format!("[{OUTSIDE_V6}]:80"), "any.test").await;
+        assert_eq!(tried["ok"], true, "{tried}");
+        let berth_port = port_of(node);
+        for target in [
+            format!("[{METADATA_V6}]:80"),
+            "[fd12:3456::7]:80".to_owned(),
+            format!("[{HOST_V6}]:8080"),
+            "[::ffff:169.254.169.254]:80".to_owned(),
+            format!("[::1]:{berth_port}"),
+        ] {
+            let tried = relayed(node, &target, "any.test").await;
+            assert!(
+                tried["ok"] == false
+                    && ["403", "502"].contains(&tried["status"].as_str().unwrap_or("")),
+                "{target}: {tried}"
+            );
+        }
     });
 }
 

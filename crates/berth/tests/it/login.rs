@@ -321,6 +321,31 @@ async fn each_bad_sign_in_is_refused_with_a_clear_page() {
     assert!(!replayer.cookies.contains_key("berth_session"));
 }
 
+/// The client secret, given in berth's environment, is wiped from it once
+/// read: a process that may read berth's `/proc/<pid>/environ` does not
+/// find it there (the name stays, its value is zeroed), while a sign-in,
+/// which needs it, works.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_client_secret_is_wiped_from_berths_environment() {
+    let setup = setup(Mode::Path, &upstream(4)).await;
+    let pid = setup.node.pid().unwrap();
+    let environ = std::fs::read(format!("/proc/{pid}/environ")).unwrap();
+    let text = String::from_utf8_lossy(&environ);
+    assert!(
+        !text.contains(CLIENT_SECRET),
+        "the secret is in berth's environ"
+    );
+    let mut agent = new_agent(&setup);
+    let done = sign_in(&mut agent, &setup, "/", ("alice", "alice-password")).await;
+    assert!(
+        done.status.is_redirection(),
+        "{}: {}",
+        done.status,
+        done.page
+    );
+    assert!(agent.cookies.contains_key("berth_session"));
+}
+
 /// A signed-in user keeps their app and their home page while the provider
 /// is down; a new sign-in then gets a clear 503. When the provider is back
 /// with its keys rotated, berth fetches the new keys and signs people in.

@@ -42,3 +42,4 @@ mod proxy_e2e;
 mod review_attacks;
 mod shim;
 mod slugs;
+mod soak;

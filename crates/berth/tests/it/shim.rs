@@ -994,8 +994,8 @@ fn isolated(dir: &Path, argv: &[&str], uid: u32) -> ShimSpec {
             limits: Limits {
                 memory_max_mb: 64,
                 pids_max: 32,
+                open_files_max: 1000,
                 cpu_max_percent: 0,
-                ..Limits::default()
             },
             // No cgroup: the account is the handle on its processes.
             cgroup: None,
@@ -1027,7 +1027,7 @@ async fn an_isolated_program_runs_as_its_account_with_nothing_more() {
     }
     let dir = tempfile::tempdir().unwrap();
     let script = "id -u; id -g; id -G; grep -E '^(Cap|NoNewPrivs)' /proc/self/status; \
-                  grep -E '^Max (processes|core)' /proc/self/limits; pwd; echo done";
+                  grep -E '^Max (processes|core|open)' /proc/self/limits; pwd; echo done";
     let spec = isolated(dir.path(), &sh(script), 65_534);
     let (mut handle, state, _reaper) = spawn(&spec).await.unwrap();
     assert_eq!(state.uid, Some(65_534));
@@ -1056,6 +1056,7 @@ async fn an_isolated_program_runs_as_its_account_with_nothing_more() {
     };
     assert_eq!(limit("Max processes")[2..4], ["32", "32"], "{log}");
     assert_eq!(limit("Max core file size")[4..6], ["0", "0"], "{log}");
+    assert_eq!(limit("Max open files")[3..5], ["1000", "1000"], "{log}");
     assert!(log.contains(dir.path().to_str().unwrap()), "{log}");
 }
 

@@ -4,6 +4,7 @@
 # only; run as `python3 -c <this> <port>`.
 #
 # Every answer is JSON. A probe that fails reports the errno's name.
+import ctypes
 import errno
 import json
 import os
@@ -286,6 +287,72 @@ def forge_log():
     os._exit(3)
 
 
+def signal_process(pid, sig):
+    os.kill(int(pid), int(sig))
+    return True
+
+
+PTRACE_ATTACH, PTRACE_DETACH = 16, 17
+
+
+def trace(pid):
+    """Attaches to `pid` as a debugger would, then lets it go: whoever may
+    do this may read and write the process's memory and registers."""
+    pid = int(pid)
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.ptrace.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p]
+    libc.ptrace.restype = ctypes.c_long
+    if libc.ptrace(PTRACE_ATTACH, pid, None, None) == -1:
+        code = ctypes.get_errno()
+        raise OSError(code, os.strerror(code))
+    os.waitpid(pid, 0x40000000)  # __WALL: the attach's stop
+    libc.ptrace(PTRACE_DETACH, pid, None, None)
+    return True
+
+
+def trace_own_child():
+    """`trace` of a child of the program's own: what the kernel allows
+    a program, so a refusal elsewhere is not a broken probe."""
+    pid = os.fork()
+    if pid == 0:
+        time.sleep(60)
+        os._exit(0)
+    try:
+        return trace(pid)
+    finally:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+
+
+def kill_everything():
+    """kill(-1, SIGKILL): every process the program may signal, but
+    itself and init."""
+    os.kill(-1, 9)
+    return True
+
+
+def spin(n):
+    """`n` processes that spin on the CPU until killed."""
+    pids = []
+    for _ in range(int(n)):
+        pid = os.fork()
+        if pid == 0:
+            while True:
+                pass
+        pids.append(pid)
+    return pids
+
+
+def listen6(port):
+    """A TCP listener on [::1]:port, kept open."""
+    s = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind(("::1", int(port)))
+    s.listen(8)
+    HOLD.append(s)
+    return True
+
+
 class Thief(BaseHTTPRequestHandler):
     """Answers on a port stolen from another instance, and counts what it
     was sent (in $HOME/stolen)."""
@@ -404,6 +471,18 @@ class Handler(BaseHTTPRequestHandler):
             result = outcome(lambda: bind_many(one("first"), one("last")))
         elif probe == "connectmany":
             result = outcome(lambda: connect_many(one("port"), one("sources"), one("each")))
+        elif probe == "signal":
+            result = outcome(lambda: signal_process(one("pid"), one("sig")))
+        elif probe == "trace":
+            result = outcome(lambda: trace(one("pid")))
+        elif probe == "traceown":
+            result = outcome(trace_own_child)
+        elif probe == "killall":
+            result = outcome(kill_everything)
+        elif probe == "spin":
+            result = outcome(lambda: spin(one("n")))
+        elif probe == "listen6":
+            result = outcome(lambda: listen6(one("port")))
         elif probe == "forkbomb":
             result = fork_bomb()
         elif probe == "forge":
