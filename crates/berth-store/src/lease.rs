@@ -263,16 +263,6 @@ impl<I: NodeInstant> Holdings<I> {
         self.held.iter().map(|(u, e)| (u.clone(), *e)).collect()
     }
 
-    /// How many leases are held.
-    pub fn len(&self) -> usize {
-        self.held.len()
-    }
-
-    /// Whether no lease is held.
-    pub fn is_empty(&self) -> bool {
-        self.held.is_empty()
-    }
-
     /// The proven instant + `fence_after`: when the node must freeze its
     /// instances unless another renew succeeds first. `None` while nothing
     /// is proven (and past what `I` can hold).
@@ -309,7 +299,7 @@ impl std::fmt::Debug for LeaseKeeper {
         f.debug_struct("LeaseKeeper")
             .field("node_id", &self.node_id)
             .field("config", &self.config)
-            .field("held", &lock(&self.holdings).len())
+            .field("held", &lock(&self.holdings).held().len())
             .finish_non_exhaustive()
     }
 }
@@ -787,11 +777,11 @@ mod tests {
     fn holdings_count_and_forget_only_the_epoch_held() {
         let start = Instant::now();
         let mut holdings = Holdings::new(Duration::from_millis(200));
-        assert!(holdings.is_empty() && holdings.len() == 0);
+        assert!(holdings.held().is_empty());
         assert!(!holdings.fence_due(start), "nothing held, nothing due");
         holdings.claimed(&user("alice"), 3, start);
         holdings.adopt(user("bob"), 1);
-        assert!(!holdings.is_empty() && holdings.len() == 2);
+        assert_eq!(holdings.held().len(), 2);
         assert_eq!(
             holdings.fence_deadline(),
             Some(start + Duration::from_millis(200))
@@ -800,7 +790,7 @@ mod tests {
         assert_eq!(holdings.epoch_of(&user("alice")), Some(3));
         holdings.forget_at(&user("alice"), 3);
         holdings.forget(&user("bob"));
-        assert!(holdings.is_empty());
+        assert!(holdings.held().is_empty());
     }
 
     #[tokio::test]
