@@ -32,6 +32,15 @@ pub use config::{ConfigError, IsolationTable};
 pub use isolation::{Isolation, Limits, ListenerCap, UidRange, open_files_warning};
 pub use runtime::{Accounts, LocalRuntime, LocalRuntimeConfig};
 
+/// The shim's scanner of a program's output for its ready line and launch
+/// token, for the fuzz targets (`fuzz/` at the repository's root) only: it
+/// exists with the `fuzzing` feature, which nothing else enables, and is
+/// no API.
+#[cfg(feature = "fuzzing")]
+pub mod fuzzing {
+    pub use crate::shim::output::{MAX_PIECE, ready_token, take_pieces};
+}
+
 /// Why the local runtime could not start.
 #[derive(Debug, thiserror::Error)]
 pub enum LocalError {

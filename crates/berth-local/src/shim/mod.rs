@@ -51,7 +51,7 @@ macro_rules! diag {
 mod client;
 mod launcher;
 mod log_file;
-mod output;
+pub(crate) mod output;
 mod pidfd;
 pub mod pod;
 pub(crate) mod procfs;

@@ -11,7 +11,7 @@ use tokio::sync::{mpsc, oneshot};
 
 /// A line longer than this is passed on in pieces of this size, so one
 /// endless line cannot make the shim buffer without bound.
-const MAX_PIECE: usize = 64 * 1024;
+pub const MAX_PIECE: usize = 64 * 1024;
 
 /// How many characters of stderr the state keeps.
 pub(crate) const TAIL_CHARS: usize = 500;
@@ -71,7 +71,7 @@ pub(crate) async fn pump<R: AsyncRead + Unpin>(
 
 /// Removes every complete line, and any run of [`MAX_PIECE`] bytes without
 /// a newline, from the front of `pending`.
-fn take_pieces(pending: &mut Vec<u8>) -> Vec<Vec<u8>> {
+pub fn take_pieces(pending: &mut Vec<u8>) -> Vec<Vec<u8>> {
     let mut pieces = Vec::new();
     let mut start = 0;
     while start < pending.len() {
@@ -127,6 +127,17 @@ fn last_chars(s: &str, n: usize) -> &str {
     }
 }
 
+/// Whether `piece` (a line as [`take_pieces`] cut it, with its line end)
+/// is the ready line for `pattern`: `None` when it is not, else the launch
+/// token it carries. The line end (`\n` or `\r\n`) is not part of the
+/// line, and bytes that are not UTF-8 read as U+FFFD.
+pub fn ready_token(pattern: &Regex, piece: &[u8]) -> Option<Option<String>> {
+    let line = piece.strip_suffix(b"\n").unwrap_or(piece);
+    let line = line.strip_suffix(b"\r").unwrap_or(line);
+    let line = String::from_utf8_lossy(line);
+    berth_core::program::ready_line(pattern, &line).map(|token| token.map(str::to_owned))
+}
+
 /// Writes every piece to the log file in arrival order and watches for the
 /// ready line. Sends the first match's capture (if any) on `ready`. Returns
 /// once every pump has finished.
@@ -150,12 +161,9 @@ pub(crate) async fn log_writer(
         {
             tail.push(&piece.bytes);
         }
-        let token = ready.as_ref().and_then(|(re, _)| {
-            let line = piece.bytes.strip_suffix(b"\n").unwrap_or(&piece.bytes);
-            let line = line.strip_suffix(b"\r").unwrap_or(line);
-            let line = String::from_utf8_lossy(line);
-            berth_core::program::ready_line(re, &line).map(|token| token.map(str::to_owned))
-        });
+        let token = ready
+            .as_ref()
+            .and_then(|(re, _)| ready_token(re, &piece.bytes));
         if let Some(token) = token
             && let Some((_, tx)) = ready.take()
         {

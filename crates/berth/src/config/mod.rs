@@ -11,13 +11,15 @@
 //! sections, with their defaults), `error.rs` (`ConfigError`, and the
 //! `Location` a bad value came from), `provenance.rs` (where each value
 //! came from, and which key a file line holds), `load.rs` (file,
-//! environment and flags), `validate.rs` ([`Config::validate`]) and
+//! environment and flags), `validate.rs` ([`Config::validate`]), `oidc.rs`
+//! (what the sign-in fixes that the configuration must agree with) and
 //! `settings.rs` (what the values mean, and the conversions into each
 //! crate's settings), `secrets.rs` (secret files, and no secret on the
 //! command line).
 
 mod error;
 mod load;
+mod oidc;
 mod provenance;
 mod secrets;
 mod sections;
@@ -26,6 +28,7 @@ mod validate;
 
 pub use error::ConfigError;
 pub use load::{OIDC_CLIENT_SECRET_ENV, Overrides};
+pub use oidc::CALLBACK_PATH;
 pub use secrets::refuse_readable_by_others;
 pub use sections::{Config, OidcSection};
 

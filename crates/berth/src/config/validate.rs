@@ -537,7 +537,7 @@ impl Config {
         if !o.scopes.iter().any(|s| s == "openid") {
             return Err(self.invalid("auth.oidc.scopes", "must include \"openid\""));
         }
-        if !crate::serve::login::user_claim_supported(&o.user_claim) {
+        if !super::oidc::user_claim_supported(&o.user_claim) {
             return Err(self.invalid(
                 "auth.oidc.user_claim",
                 format!(
@@ -566,12 +566,12 @@ impl Config {
         }
         if let Some(url) = &o.redirect_url {
             let url = web_url("auth.oidc.redirect_url", url)?;
-            if url.path() != crate::serve::login::CALLBACK_PATH {
+            if url.path() != super::oidc::CALLBACK_PATH {
                 return Err(self.invalid(
                     "auth.oidc.redirect_url",
                     format!(
                         "must be the berth host's {} (the path berth serves the callback on)",
-                        crate::serve::login::CALLBACK_PATH
+                        super::oidc::CALLBACK_PATH
                     ),
                 ));
             }

@@ -43,10 +43,10 @@ use openidconnect::{
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
+pub use crate::config::CALLBACK_PATH;
+
 /// Where a browser starts signing in.
 pub const LOGIN_PATH: &str = "/login";
-/// Where the provider sends the browser back.
-pub const CALLBACK_PATH: &str = "/login/callback";
 /// Where a signed-in user signs out (POST).
 pub const LOGOUT_PATH: &str = "/logout";
 /// How long a sign-in may take at the provider.
@@ -59,44 +59,6 @@ pub const REFETCH_AFTER: Duration = Duration::from_secs(30);
 const PROVIDER_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long the check that the provider is up may take.
 const PROBE_TIMEOUT: Duration = Duration::from_secs(3);
-
-/// Standard claims that do not name a user (or are localized, or are about
-/// the token itself), so cannot be `user_claim`.
-const CLAIMS_NOT_NAMING_A_USER: &[&str] = &[
-    "name",
-    "given_name",
-    "family_name",
-    "middle_name",
-    "nickname",
-    "profile",
-    "picture",
-    "website",
-    "gender",
-    "birthdate",
-    "zoneinfo",
-    "locale",
-    "phone_number",
-    "phone_number_verified",
-    "email_verified",
-    "address",
-    "updated_at",
-    "iss",
-    "aud",
-    "exp",
-    "iat",
-    "auth_time",
-    "nonce",
-    "acr",
-    "amr",
-    "azp",
-    "at_hash",
-    "c_hash",
-];
-
-/// Whether `name` can be the claim that names the user.
-pub fn user_claim_supported(name: &str) -> bool {
-    !name.is_empty() && !CLAIMS_NOT_NAMING_A_USER.contains(&name)
-}
 
 /// Claims outside the standard set, as the provider sent them (groups,
 /// and any custom user claim).
@@ -616,15 +578,5 @@ mod tests {
             ..policy()
         };
         assert!(admit(&claims(Some("anyone"), &[]), &open).is_ok());
-    }
-
-    #[test]
-    fn only_claims_that_can_name_a_user_are_accepted() {
-        for ok in ["sub", "email", "preferred_username", "upn", "employee_id"] {
-            assert!(user_claim_supported(ok), "{ok}");
-        }
-        for bad in ["", "name", "nickname", "aud", "nonce"] {
-            assert!(!user_claim_supported(bad), "{bad}");
-        }
     }
 }
