@@ -1195,9 +1195,8 @@ async fn a_postgres_restart_under_load_leaves_one_running_instance_per_user() {
                 .then_some(())
         })
         .await;
-        // …and in their cached view of the nodes table, which nothing
-        // observable marks: outlast its age (NODES_MAX_AGE, 1 s).
-        tokio::time::sleep(Duration::from_millis(1100)).await;
+        // No wait beyond that: a placement reads the nodes' loads in the
+        // store, in the transaction that reserves its place.
     }
 
     // A client that keeps asking for and launching users through every

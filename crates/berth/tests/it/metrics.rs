@@ -288,8 +288,20 @@ async fn a_scripted_scenario_is_counted_under_one_name_each() {
         assert_eq!(status, 200, "{body}");
     }
 
+    // One API error: a user id berth refuses, counted by its code.
+    let (status, body) = node
+        .post("/users/Not%20A%20User/instance", json!({}))
+        .await;
+    assert_eq!(status, 400, "{body}");
+    let code = body["error"].as_str().unwrap().to_owned();
+
     let scraped = scrape(&node).await;
     let text = &scraped.text;
+    assert_eq!(
+        scraped.value("berth_api_errors_total", &[("code", &code)]),
+        1.0,
+        "{text}"
+    );
 
     // Each family once, every name under one `berth_` prefix.
     let mut names: Vec<&str> = scraped.families.iter().map(|(n, _)| n.as_str()).collect();
