@@ -123,4 +123,39 @@ mod tests {
         cache.insert(hash, &info, cache.generation());
         assert_eq!(cache.get(&hash, |u, _| u.clone()), None, "already expired");
     }
+
+    /// A full cache makes room by dropping its expired entries first, and
+    /// keeps the live ones.
+    #[test]
+    fn a_full_cache_drops_the_expired_and_keeps_the_live() {
+        let cache = TokenCache::new(2, Duration::from_secs(60));
+        let token = |id: &str, expires_in| UserTokenInfo {
+            user: user(id),
+            id: id.into(),
+            expires_in,
+        };
+        let (expired, live, new) = (TokenHash::of("a"), TokenHash::of("b"), TokenHash::of("c"));
+        cache.insert(expired, &token("alice", Duration::ZERO), cache.generation());
+        cache.insert(
+            live,
+            &token("bob", Duration::from_secs(60)),
+            cache.generation(),
+        );
+        cache.insert(
+            new,
+            &token("carol", Duration::from_secs(60)),
+            cache.generation(),
+        );
+        assert_eq!(cache.len(), 2);
+        assert_eq!(cache.get(&live, |u, _| u.clone()), Some(user("bob")));
+        assert_eq!(cache.get(&new, |u, _| u.clone()), Some(user("carol")));
+        // Full of live entries, it starts again rather than grow.
+        cache.insert(
+            expired,
+            &token("alice", Duration::from_secs(60)),
+            cache.generation(),
+        );
+        assert_eq!(cache.len(), 1);
+        assert_eq!(cache.get(&expired, |u, _| u.clone()), Some(user("alice")));
+    }
 }
