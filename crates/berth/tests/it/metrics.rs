@@ -288,8 +288,9 @@ async fn a_scripted_scenario_is_counted_under_one_name_each() {
         assert_eq!(status, 200, "{body}");
     }
 
-    // One API error: a user id berth refuses, counted by its code.
-    let (status, body) = node.post("/users/Not%20A%20User/instance", json!({})).await;
+    // One API error: a user id berth refuses (a leading dot), counted by
+    // its code.
+    let (status, body) = node.post("/users/.hidden/instance", json!({})).await;
     assert_eq!(status, 400, "{body}");
     let code = body["error"].as_str().unwrap().to_owned();
 
