@@ -18,7 +18,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use berth_core::runtime::{HookAction, HookCall, RuntimeRef};
+use berth_core::runtime::{HookAction, HookCall, RuntimeError, RuntimeRef};
 use berth_core::{Instance, InstanceStatus, Role, SpawnError, UserId, unix_millis_now};
 
 use crate::Shared;
@@ -87,9 +87,15 @@ impl Shared {
         }
         if let Err(e) = self.runtime.freeze(&run).await {
             slot.set_hibernated(false);
-            return Err(SpawnError::Internal(format!(
-                "could not freeze the instance: {e}"
-            )));
+            return Err(match e {
+                // It ended (a crash) between the look above and the freeze:
+                // there is no running instance to hibernate.
+                RuntimeError::Gone(_) => SpawnError::NotFound {
+                    user: user.clone(),
+                    what: "running instance".into(),
+                },
+                e => SpawnError::Internal(format!("could not freeze the instance: {e}")),
+            });
         }
         self.metrics.hibernation.hibernations.inc();
         tracing::info!(%user, "instance hibernated");

@@ -586,8 +586,11 @@ impl LocalRuntime {
         command: ShimCommand,
     ) -> Result<(), RuntimeError> {
         let run = self.run_of(instance)?;
-        run.control.send(command).await.map_err(|e| {
-            RuntimeError::Failed(format!("the shim of {instance} does not answer: {e}"))
+        run.control.send(command).await.map_err(|e| match e {
+            // The shim has exited, so the instance has ended: its exit is
+            // on its way as an event.
+            ShimError::Gone(_) => RuntimeError::Gone(instance.clone()),
+            e => RuntimeError::Failed(format!("the shim of {instance} does not answer: {e}")),
         })
     }
 }
@@ -601,6 +604,13 @@ impl LocalRuntime {
         command: ShimCommand,
     ) -> Result<(), RuntimeError> {
         match self.command(instance, command).await {
+            Err(RuntimeError::Gone(_)) if self.run_of(instance).is_ok() => {
+                // The shim is gone but the run is still on the books: make
+                // sure of the end (by pid and start time), as below.
+                tracing::warn!(%instance, "the shim has exited; killing directly");
+                self.run_of(instance)?.kill_directly();
+                Ok(())
+            }
             Err(RuntimeError::Failed(why)) => {
                 tracing::warn!(%instance, %why, "the shim did not take the command; killing directly");
                 self.run_of(instance)?.kill_directly();
