@@ -82,6 +82,11 @@ impl Rng {
         (self.next() % n as u64) as usize
     }
 
+    /// A number in `[0, 1)`.
+    fn fraction(&mut self) -> f64 {
+        (self.next() >> 11) as f64 / (1u64 << 53) as f64
+    }
+
     /// A duration in `[lo, hi)` milliseconds.
     fn millis(&mut self, lo: u64, hi: u64) -> Duration {
         Duration::from_millis(lo + self.next() % (hi - lo))
@@ -779,7 +784,10 @@ impl World {
         while Instant::now() < end {
             if Instant::now() >= next_sample {
                 self.sample();
-                next_sample += every;
+                // Jittered, so that the samples never keep step with a
+                // periodic sweep (idle connections closed every so often)
+                // and see only its low or high points.
+                next_sample = Instant::now() + every.mul_f64(0.75 + 0.5 * self.rng.fraction());
             }
             self.faults();
             self.operate().await;
