@@ -302,7 +302,11 @@ impl MainDriver {
             // The freeze of a hibernation is not a fence: the fencer tracks
             // only what froze the program for its lease.
             Action::NoteFrozen(true) if self.slot.is_hibernated() => {}
-            Action::NoteFrozen(frozen) => shared.fencer.note_frozen(user, self.epoch, frozen),
+            Action::NoteFrozen(frozen) => {
+                if shared.fencer.note_frozen(user, self.epoch, frozen) {
+                    shared.metrics.fenced.inc();
+                }
+            }
             Action::DecideCrash { uptime } => {
                 let decision = shared
                     .breaker

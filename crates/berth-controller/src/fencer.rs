@@ -172,13 +172,18 @@ impl Fencer {
     }
 
     /// Tracks `user`'s main under `epoch` as frozen or not, whoever froze
-    /// it.
-    pub fn note_frozen(&self, user: &UserId, epoch: Epoch, frozen: bool) {
+    /// it. True when this newly fences it (the runtime's own deadline froze
+    /// it before this node's timer did), so that the fence is counted once
+    /// whoever froze it first.
+    pub fn note_frozen(&self, user: &UserId, epoch: Epoch, frozen: bool) -> bool {
         let mut map = lock(&self.frozen);
         if frozen {
-            map.insert(user.clone(), epoch);
-        } else if map.get(user) == Some(&epoch) {
-            map.remove(user);
+            map.insert(user.clone(), epoch).is_none()
+        } else {
+            if map.get(user) == Some(&epoch) {
+                map.remove(user);
+            }
+            false
         }
     }
 
@@ -392,20 +397,21 @@ mod tests {
         assert!(!a.is_fenced(&carol));
 
         // The runtime reports bob frozen under an old epoch: not thawable.
-        a.note_frozen(&bob, 9, true);
+        assert!(a.note_frozen(&bob, 9, true), "newly fenced");
+        assert!(!a.note_frozen(&bob, 9, true), "fenced already");
         assert!(a.is_fenced(&bob));
         assert_eq!(a.thawable(), vec![(alice.clone(), 1)]);
         // A thaw report for another epoch leaves the entry.
-        a.note_frozen(&bob, 8, false);
+        assert!(!a.note_frozen(&bob, 8, false));
         assert!(a.is_fenced(&bob));
-        a.note_frozen(&bob, 9, false);
+        assert!(!a.note_frozen(&bob, 9, false));
         assert!(!a.is_fenced(&bob));
 
         assert!(!a.thawing(&alice, 2));
         assert!(a.thawing(&alice, 1));
         assert!(!a.thawing(&alice, 1), "thawed once");
         assert!(!a.is_fenced(&alice));
-        a.note_frozen(&alice, 1, true);
+        assert!(a.note_frozen(&alice, 1, true));
         a.forget_frozen(&alice);
         assert!(!a.is_fenced(&alice));
         assert_eq!(a.thawable(), vec![]);
