@@ -116,32 +116,54 @@ impl DataDirLock {
     }
 }
 
-/// Whether a live process holds `data_dir`'s lock, read from the kernel's
-/// table of locks (`/proc/locks`) without taking the lock: taking it, even
-/// for a moment, could make a berth starting there refuse. A data dir
-/// that cannot be checked counts as in use.
+/// Whether a live process holds `data_dir`'s lock, read from the kernel
+/// without taking the lock: taking it, even for a moment, could make a
+/// berth starting there refuse. A data dir that cannot be checked counts
+/// as in use.
+///
+/// The holder named in the file is asked: the lock is held when one of its
+/// descriptors is the lock file and the kernel lists a `flock` on it in
+/// that descriptor's `fdinfo`. The host's table of locks, `/proc/locks`,
+/// would not do: it is read a page at a time by position, so a lock
+/// released meanwhile ahead of ours shifts ours out of sight.
 pub fn in_use(data_dir: &Path) -> bool {
     use std::os::unix::fs::MetadataExt;
-    let meta = match std::fs::metadata(data_dir.join(LOCK_FILE)) {
-        Ok(meta) => meta,
+    let path = data_dir.join(LOCK_FILE);
+    let (lock_file, holder) = match std::fs::File::open(&path) {
+        Ok(mut file) => match (file.metadata(), read_contents(&mut file)) {
+            (Ok(meta), Ok((_, pid))) => ((meta.dev(), meta.ino()), pid),
+            _ => return true,
+        },
         // No lock file: no berth serves from here.
         Err(e) => return e.kind() != std::io::ErrorKind::NotFound,
     };
-    let dev = meta.dev();
-    let (major, minor) = (nix::sys::stat::major(dev), nix::sys::stat::minor(dev));
-    std::fs::read_to_string("/proc/locks")
-        .map_or(true, |locks| flock_held(&locks, major, minor, meta.ino()))
+    // The holder writes its pid as soon as it holds the lock; a file
+    // without one was never finished, and its berth holds nothing yet
+    // that the caller could take from it.
+    let Some(pid) = holder else { return false };
+    let descriptors = match std::fs::read_dir(format!("/proc/{pid}/fd")) {
+        Ok(descriptors) => descriptors,
+        Err(e) => return e.kind() != std::io::ErrorKind::NotFound,
+    };
+    descriptors.flatten().any(|fd| {
+        let is_lock_file =
+            std::fs::metadata(fd.path()).is_ok_and(|meta| (meta.dev(), meta.ino()) == lock_file);
+        is_lock_file
+            && std::fs::read_to_string(format!("/proc/{pid}/fdinfo/{}", fd.file_name().display()))
+                .is_ok_and(|fdinfo| holds_flock(&fdinfo))
+    })
 }
 
-/// Whether `locks` (the text of `/proc/locks`) lists a `flock` on the file
-/// `major:minor:inode`. The kernel prints each lock as, e.g.,
-/// `3: FLOCK  ADVISORY  WRITE 1234 fd:01:5678 0 EOF` (device numbers in
-/// hex); a lock another waits for is listed with `->` and is not held.
-fn flock_held(locks: &str, major: u64, minor: u64, inode: u64) -> bool {
-    let file = format!("{major:02x}:{minor:02x}:{inode}");
-    locks.lines().any(|line| {
-        let fields: Vec<&str> = line.split_whitespace().collect();
-        fields.get(1) == Some(&"FLOCK") && fields.get(5) == Some(&file.as_str())
+/// Whether a descriptor's `fdinfo` text lists a `flock` held through it.
+/// The kernel prints each as, e.g.,
+/// `lock:\t1: FLOCK  ADVISORY  WRITE 1234 fd:01:5678 0 EOF`; a lock the
+/// descriptor waits for is listed with `->` and is not held.
+fn holds_flock(fdinfo: &str) -> bool {
+    fdinfo.lines().any(|line| {
+        line.strip_prefix("lock:").is_some_and(|lock| {
+            let fields: Vec<&str> = lock.split_whitespace().collect();
+            fields.get(1) == Some(&"FLOCK")
+        })
     })
 }
 
@@ -207,15 +229,67 @@ mod tests {
         drop(lock);
         assert!(!in_use(dir.path()), "the lock file stays, the lock is gone");
 
-        let locks = "1: FLOCK  ADVISORY  WRITE 77 fd:01:5678 0 EOF\n\
-                     2: POSIX  ADVISORY  WRITE 78 fd:01:999 0 EOF\n\
-                     2: -> FLOCK  ADVISORY  WRITE 79 fd:01:999 0 EOF\n";
-        assert!(flock_held(locks, 0xfd, 1, 5678));
+        let fdinfo = "pos:\t0\nflags:\t02100002\nmnt_id:\t27\nino:\t5678\n";
+        assert!(holds_flock(&format!(
+            "{fdinfo}lock:\t1: FLOCK  ADVISORY  WRITE 77 fd:01:5678 0 EOF\n"
+        )));
+        assert!(!holds_flock(fdinfo), "no lock");
         assert!(
-            !flock_held(locks, 0xfd, 1, 999),
+            !holds_flock(&format!(
+                "{fdinfo}lock:\t1: POSIX  ADVISORY  WRITE 78 fd:01:5678 0 EOF\n\
+                 lock:\t2: -> FLOCK  ADVISORY  WRITE 79 fd:01:5678 0 EOF\n"
+            )),
             "a POSIX lock, and a waiter"
         );
-        assert!(!flock_held(locks, 0xfd, 2, 5678), "another device");
+    }
+
+    /// Other files' locks come and go all the time on a busy host; the
+    /// answer for a held lock must not depend on them.
+    #[test]
+    fn a_held_lock_is_seen_while_other_locks_come_and_go() {
+        let dir = tempfile::tempdir().unwrap();
+        let _lock = DataDirLock::acquire(dir.path()).unwrap();
+        let stop = std::sync::atomic::AtomicBool::new(false);
+        std::thread::scope(|threads| {
+            for worker in 0..4 {
+                let (others, stop) = (dir.path().join(format!("other-{worker}")), &stop);
+                threads.spawn(move || {
+                    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                        let files: Vec<_> = (0..16)
+                            .map(|i| {
+                                let file =
+                                    File::create(others.with_extension(i.to_string())).unwrap();
+                                Flock::lock(file, FlockArg::LockExclusive).unwrap()
+                            })
+                            .collect();
+                        drop(files);
+                    }
+                });
+            }
+            let missed = (0..2000).filter(|_| !in_use(dir.path())).count();
+            stop.store(true, std::sync::atomic::Ordering::Relaxed);
+            assert_eq!(missed, 0, "checks that did not see the held lock");
+        });
+    }
+
+    #[test]
+    fn a_holder_that_is_gone_holds_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        // A pid no process has: above the kernel's largest.
+        std::fs::write(
+            dir.path().join(LOCK_FILE),
+            format!("{}\n{}\n", "0".repeat(32), u32::MAX),
+        )
+        .unwrap();
+        assert!(!in_use(dir.path()));
+        // Ours, but without the lock: another descriptor of the file is not it.
+        let _open = File::open(dir.path().join(LOCK_FILE)).unwrap();
+        std::fs::write(
+            dir.path().join(LOCK_FILE),
+            format!("{}\n{}\n", "0".repeat(32), std::process::id()),
+        )
+        .unwrap();
+        assert!(!in_use(dir.path()));
     }
 
     #[test]
