@@ -311,3 +311,110 @@ fn store_unavailable(e: &AuthError) -> Response<ProxyBody> {
     respond::set_retry_after(&mut response, 1000);
     response
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::auth::test_support::user;
+    use crate::auth::tokens::{Redeemed, TokenStore};
+    use crate::auth::{TokenHash, UserTokenInfo};
+    use crate::peer_auth::ClusterKey;
+    use async_trait::async_trait;
+
+    /// Test double of berth's store behind the [`TokenStore`] seam: no user
+    /// tokens, and one live sign-in code, made for bob.
+    struct BobsCode;
+
+    #[async_trait]
+    impl TokenStore for BobsCode {
+        async fn lookup(&self, _: &str) -> Result<Option<UserTokenInfo>, AuthError> {
+            Ok(None)
+        }
+
+        async fn redeem_hop(&self, hash: &str) -> Result<Option<Redeemed>, AuthError> {
+            Ok(
+                (hash == TokenHash::of("bobs-code").to_hex()).then(|| Redeemed {
+                    user: user("bob"),
+                    token: "bobs-token".into(),
+                }),
+            )
+        }
+    }
+
+    fn gate() -> Gate {
+        let auth = Authenticator::new("admin-secret", Arc::new(BobsCode));
+        Gate::new(auth, AuthMode::Token, TrustedProxies::default())
+    }
+
+    fn conn() -> ConnInfo {
+        ConnInfo::new(([127, 0, 0, 1], 40_000).into(), false)
+    }
+
+    /// `GET target` for `owner`'s app with `headers`, as the gate answers it.
+    async fn check(
+        gate: &Gate,
+        target: &str,
+        headers: &HeaderMap,
+        owner: &str,
+    ) -> Result<Pass, Response<ProxyBody>> {
+        let uri: Uri = target.parse().unwrap();
+        gate.check(
+            &Method::GET,
+            headers,
+            &uri,
+            &conn(),
+            &user(owner),
+            &CookieScope::Host,
+        )
+        .await
+    }
+
+    #[tokio::test]
+    async fn a_sign_in_code_opens_only_the_app_of_the_user_it_was_made_for() {
+        let gate = gate();
+        let none = HeaderMap::new();
+        let answer = check(&gate, "/?berth_hop=bobs-code", &none, "bob")
+            .await
+            .unwrap_err();
+        assert_eq!(answer.status(), StatusCode::SEE_OTHER);
+        let cookie = answer.headers()[hyper::header::SET_COOKIE]
+            .to_str()
+            .unwrap();
+        assert!(cookie.contains("bobs-token"), "{cookie}");
+
+        let elsewhere = check(&gate, "/?berth_hop=bobs-code", &none, "alice")
+            .await
+            .unwrap_err();
+        assert_eq!(elsewhere.status(), StatusCode::FORBIDDEN);
+        assert!(elsewhere.headers().get(hyper::header::SET_COOKIE).is_none());
+
+        let unknown = check(&gate, "/?berth_hop=guessed", &none, "bob")
+            .await
+            .unwrap_err();
+        assert_eq!(unknown.status(), StatusCode::UNAUTHORIZED);
+    }
+
+    #[tokio::test]
+    async fn a_forwarded_request_reaches_only_the_user_it_was_signed_for() {
+        let key = ClusterKey::new("a-cluster-secret-long-enough-for-tests");
+        let gate = gate().with_cluster(Arc::new(PeerAuth::new(key.clone(), "node-b")));
+        let signed_for = |owner: &str| {
+            let mut headers = HeaderMap::new();
+            let signed = key.sign_forward("node-b", "GET", "/page", owner).unwrap();
+            for (name, value) in signed.headers {
+                headers.insert(name, value);
+            }
+            headers
+        };
+
+        let pass = check(&gate, "/page", &signed_for("alice"), "alice")
+            .await
+            .unwrap();
+        assert_eq!(pass.credential, Credential::Cluster);
+
+        let other = check(&gate, "/page", &signed_for("bob"), "alice")
+            .await
+            .unwrap_err();
+        assert_eq!(other.status(), StatusCode::FORBIDDEN);
+    }
+}
