@@ -94,8 +94,8 @@ pub use peer::{
 };
 pub use ports::{port_block, port_block_for};
 pub use process::{
-    alive, free_port, frozen, instance_pids, kill_instances_under, proc_state, processes_of_uids,
-    rss_kib, signal, zygote_of,
+    InstanceProcess, alive, free_port, frozen, instance_of, instance_pids, instance_processes,
+    kill_instances_under, proc_state, processes_of_uids, rss_kib, signal, zygote_of,
 };
 pub use wait::{eventually, poll_until};
 

@@ -2,7 +2,7 @@
 //! the instances berth started (found by their environment), plus killing
 //! what a test left behind.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use nix::sys::signal::Signal;
 use nix::unistd::Pid;
@@ -119,38 +119,62 @@ pub fn processes_of_uids(uids: std::ops::Range<u32>) -> Vec<(u32, u32)> {
         .collect()
 }
 
-/// Pids of live processes whose environment has `BERTH_USER=<user>` and
-/// `BERTH_ROLE=<role>`, and whose `HOME` is under `data_dir`: the
-/// instances one berth started for that user, whoever their parent is.
-pub fn instance_pids(data_dir: &Path, user: &str, role: &str) -> Vec<u32> {
-    let want_user = format!("BERTH_USER={user}");
-    let want_role = format!("BERTH_ROLE={role}");
-    let data_dir = data_dir
-        .canonicalize()
-        .unwrap_or_else(|_| data_dir.to_owned());
+/// A live process berth started for an instance, as its environment
+/// names it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct InstanceProcess {
+    /// Its pid.
+    pub pid: u32,
+    /// `BERTH_USER`.
+    pub user: String,
+    /// `BERTH_ROLE`: `main` or `watchdog`.
+    pub role: String,
+    /// `HOME`, which lies under the data dir of the berth that started it.
+    pub home: PathBuf,
+}
+
+/// The instance `pid` belongs to, if it is alive and its environment has
+/// `BERTH_USER`, `BERTH_ROLE` and `HOME`, whoever its parent is.
+pub fn instance_of(pid: u32) -> Option<InstanceProcess> {
+    let environ = std::fs::read(format!("/proc/{pid}/environ")).ok()?;
+    let var = |name: &[u8]| {
+        environ
+            .split(|b| *b == 0)
+            .find_map(|v| v.strip_prefix(name))
+            .map(|v| String::from_utf8_lossy(v).into_owned())
+    };
+    let process = InstanceProcess {
+        pid,
+        user: var(b"BERTH_USER=")?,
+        role: var(b"BERTH_ROLE=")?,
+        home: PathBuf::from(var(b"HOME=")?),
+    };
+    alive(u64::from(pid)).then_some(process)
+}
+
+/// Every live instance process on the host, in one pass over `/proc`.
+pub fn instance_processes() -> Vec<InstanceProcess> {
     let Ok(entries) = std::fs::read_dir("/proc") else {
         return Vec::new();
     };
-    let mut pids = Vec::new();
-    for entry in entries.flatten() {
-        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
-            continue;
-        };
-        let Ok(environ) = std::fs::read(format!("/proc/{pid}/environ")) else {
-            continue;
-        };
-        let vars: Vec<&[u8]> = environ.split(|b| *b == 0).collect();
-        let has = |want: &str| vars.contains(&want.as_bytes());
-        let home_under = vars.iter().any(|v| {
-            v.strip_prefix(b"HOME=").is_some_and(|h| {
-                Path::new(std::str::from_utf8(h).unwrap_or("")).starts_with(&data_dir)
-            })
-        });
-        if has(&want_user) && has(&want_role) && home_under && alive(u64::from(pid)) {
-            pids.push(pid);
-        }
-    }
-    pids
+    entries
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter_map(instance_of)
+        .collect()
+}
+
+/// Pids of the live `role` processes of `user` whose `HOME` is under
+/// `data_dir`: the instances one berth started for that user.
+pub fn instance_pids(data_dir: &Path, user: &str, role: &str) -> Vec<u32> {
+    let data_dir = data_dir
+        .canonicalize()
+        .unwrap_or_else(|_| data_dir.to_owned());
+    instance_processes()
+        .into_iter()
+        .filter(|p| p.user == user && p.role == role && p.home.starts_with(&data_dir))
+        .map(|p| p.pid)
+        .collect()
 }
 
 /// Kills the shim and the program group of every state file under

@@ -17,7 +17,7 @@ use berth_testkit::PgCluster;
 use serde_json::{Value, json};
 use support::{
     BERTH, CLUSTER_LEASE, Node, alive, berth, cluster_config, eventually, frozen, instance_pids,
-    proc_state, signal,
+    instance_processes, proc_state, signal,
 };
 
 const SECRET: &str = berth_testkit::TEST_CLUSTER_SECRET;
@@ -80,32 +80,11 @@ fn pids_everywhere(nodes: &[Node], user: &str) -> Vec<(usize, u32)> {
 /// in one pass over `/proc`.
 fn mains_by_user(dirs: &[std::path::PathBuf]) -> BTreeMap<String, Vec<(usize, u32)>> {
     let mut mains: BTreeMap<String, Vec<(usize, u32)>> = BTreeMap::new();
-    let Ok(entries) = std::fs::read_dir("/proc") else {
-        return mains;
-    };
-    for entry in entries.flatten() {
-        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
-            continue;
-        };
-        let Ok(environ) = std::fs::read(format!("/proc/{pid}/environ")) else {
-            continue;
-        };
-        let vars: Vec<&[u8]> = environ.split(|b| *b == 0).collect();
-        if !vars.contains(&b"BERTH_ROLE=main".as_slice()) {
-            continue;
-        }
-        let var = |name: &[u8]| {
-            vars.iter()
-                .find_map(|v| v.strip_prefix(name))
-                .map(|v| String::from_utf8_lossy(v).into_owned())
-        };
-        let (Some(user), Some(home)) = (var(b"BERTH_USER="), var(b"HOME=")) else {
-            continue;
-        };
-        if let Some(node) = dirs.iter().position(|d| Path::new(&home).starts_with(d))
-            && alive(u64::from(pid))
+    for p in instance_processes() {
+        if p.role == "main"
+            && let Some(node) = dirs.iter().position(|d| p.home.starts_with(d))
         {
-            mains.entry(user).or_default().push((node, pid));
+            mains.entry(p.user).or_default().push((node, p.pid));
         }
     }
     mains

@@ -166,6 +166,14 @@ async fn start_node(root: &Path, db: &str, id: &str, lease: &str, instance: &str
     start_node_with(root, db, id, lease, instance, "").await
 }
 
+/// node-a, started first and alone, reaching `db` only through a relay
+/// the test can cut.
+async fn start_relayed_node(root: &Path, db: &str, lease: &str, instance: &str) -> (Relay, Node) {
+    let relay = Relay::start(upstream_of(db)).await;
+    let node = start_node(root, &via_port(db, relay.port), IDS[0], lease, instance).await;
+    (relay, node)
+}
+
 /// [`start_node`] with `extra` top-level config keys.
 async fn start_node_with(
     root: &Path,
@@ -843,12 +851,11 @@ async fn a_node_cut_from_the_database_freezes_then_thaws_without_a_restart() {
     let db = fresh_db().await;
     let dirs = Dirs::new();
     let instance = journal_command(&dirs.journals);
-    let relay = Relay::start(upstream_of(&db)).await;
-    let relayed = via_port(&db, relay.port);
 
     // node-a, alone at first so both users land on it, reaches the
     // database only through the relay.
-    let mut nodes = vec![start_node(dirs.path(), &relayed, IDS[0], timings, &instance).await];
+    let (relay, node_a) = start_relayed_node(dirs.path(), &db, timings, &instance).await;
+    let mut nodes = vec![node_a];
     let users = ["alice", "bob"];
     let mut before = BTreeMap::new();
     for user in users {
@@ -942,11 +949,10 @@ async fn a_frozen_instance_stopped_through_its_cut_off_node_never_runs_again() {
         "--journal-on-term",
     ];
     let instance = format!("command = {}\n", serde_json::to_string(&argv).unwrap());
-    let relay = Relay::start(upstream_of(&db)).await;
-    let relayed = via_port(&db, relay.port);
     // node-a, alone at first so alice lands on it, reaches the database
     // only through the relay.
-    let mut nodes = vec![start_node(dirs.path(), &relayed, IDS[0], &lease(""), &instance).await];
+    let (relay, node_a) = start_relayed_node(dirs.path(), &db, &lease(""), &instance).await;
+    let mut nodes = vec![node_a];
     let (holder, old_epoch, old_pid) = launch(&nodes, 0, "alice").await;
     assert_eq!(holder, 0);
     for id in &IDS[1..] {
@@ -1391,9 +1397,8 @@ async fn a_fenced_then_recovered_node_keeps_a_hibernated_instance_frozen_until_a
     let db = fresh_db().await;
     let dirs = Dirs::new();
     let instance = journal_command(&dirs.journals);
-    let relay = Relay::start(upstream_of(&db)).await;
-    let relayed = via_port(&db, relay.port);
-    let mut nodes = vec![start_node(dirs.path(), &relayed, IDS[0], timings, &instance).await];
+    let (relay, node_a) = start_relayed_node(dirs.path(), &db, timings, &instance).await;
+    let mut nodes = vec![node_a];
     let (holder, epoch, pid) = launch(&nodes, 0, "alice").await;
     assert_eq!(holder, 0);
     nodes.push(start_node(dirs.path(), &db, IDS[1], timings, &instance).await);
@@ -1495,9 +1500,8 @@ async fn a_request_to_a_fenced_instance_leaves_it_frozen_while_the_link_stays_cu
     let db = fresh_db().await;
     let dirs = Dirs::new();
     let instance = journal_command(&dirs.journals);
-    let relay = Relay::start(upstream_of(&db)).await;
-    let relayed = via_port(&db, relay.port);
-    let nodes = [start_node(dirs.path(), &relayed, IDS[0], timings, &instance).await];
+    let (relay, node_a) = start_relayed_node(dirs.path(), &db, timings, &instance).await;
+    let nodes = [node_a];
     let (holder, epoch, pid) = launch(&nodes, 0, "alice").await;
     assert_eq!(holder, 0);
     dirs.wait_lines("alice", epoch, 2).await;
@@ -1641,9 +1645,8 @@ async fn a_fence_holds_every_process_of_an_instance_that_left_its_group() {
     let db = fresh_db().await;
     let dirs = Dirs::new();
     let instance = escapes_command(&dirs.journals);
-    let relay = Relay::start(upstream_of(&db)).await;
-    let relayed = via_port(&db, relay.port);
-    let mut nodes = vec![start_node(dirs.path(), &relayed, IDS[0], &lease(""), &instance).await];
+    let (relay, node_a) = start_relayed_node(dirs.path(), &db, &lease(""), &instance).await;
+    let mut nodes = vec![node_a];
     // Not `launch`: it expects one process of the instance, and this one
     // has several on purpose.
     let (status, body) = nodes[0].post("/users/alice/instance", json!({})).await;

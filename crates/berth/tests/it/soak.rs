@@ -48,7 +48,9 @@ use std::time::{Duration, Instant};
 use futures_util::{SinkExt, StreamExt};
 use nix::sys::signal::Signal;
 use serde_json::{Value, json};
-use support::{Node, StartOptions, alive, frozen, processes_of_uids, rss_kib, signal, zygote_of};
+use support::{
+    Node, StartOptions, alive, frozen, instance_of, processes_of_uids, rss_kib, signal, zygote_of,
+};
 use tokio_tungstenite::tungstenite::Message;
 
 /// How long an orphan may last before it counts: longer than the longest
@@ -346,25 +348,13 @@ impl World {
             .collect();
         let mut found = Vec::new();
         for (pid, uid) in processes_of_uids(self.uids.clone()) {
-            let Ok(environ) = std::fs::read(format!("/proc/{pid}/environ")) else {
+            let Some(p) = instance_of(pid).filter(|p| p.role == "main") else {
                 continue;
             };
-            let var = |name: &str| {
-                environ.split(|b| *b == 0).find_map(|v| {
-                    v.strip_prefix(name.as_bytes())
-                        .map(|v| String::from_utf8_lossy(v).into_owned())
-                })
-            };
-            if var("BERTH_ROLE=").as_deref() != Some("main") {
-                continue;
-            }
-            let (Some(user), Some(home)) = (var("BERTH_USER="), var("HOME=")) else {
-                continue;
-            };
-            if let Some(node) = roots.iter().position(|r| Path::new(&home).starts_with(r)) {
+            if let Some(node) = roots.iter().position(|r| p.home.starts_with(r)) {
                 found.push(MainProcess {
                     node,
-                    user,
+                    user: p.user,
                     pid,
                     uid,
                 });

@@ -71,16 +71,21 @@ fn run(setup: Setup, ops: &[Op]) -> (Result<(), String>, Reached) {
     (Ok(()), world.reached)
 }
 
-/// Searches `cases` sequences from a fixed seed, so that every run of the
-/// suite searches the same ones; the counts of what was reached, summed.
-fn search(setup: Setup, cases: u32) -> (Result<(), TestError<Vec<Op>>>, Reached) {
+/// A runner of `cases` sequences from a fixed seed, so that every run of
+/// the suite searches the same ones, and nothing is written to disk.
+fn fixed_seed_runner(cases: u32) -> TestRunner {
     let config = Config {
         cases,
         failure_persistence: None,
         ..Config::default()
     };
-    let mut runner =
-        TestRunner::new_with_rng(config, TestRng::deterministic_rng(RngAlgorithm::ChaCha));
+    TestRunner::new_with_rng(config, TestRng::deterministic_rng(RngAlgorithm::ChaCha))
+}
+
+/// Searches `cases` sequences ([`fixed_seed_runner`]); the counts of what
+/// was reached, summed.
+fn search(setup: Setup, cases: u32) -> (Result<(), TestError<Vec<Op>>>, Reached) {
+    let mut runner = fixed_seed_runner(cases);
     let reached = std::cell::Cell::new(Reached::default());
     let result = runner.run(&ops(), |ops| {
         let (outcome, r) = run(setup, &ops);

@@ -13,7 +13,6 @@ use berth_core::{Epoch, UserId};
 use berth_store::{SqliteStore, Store, TakeoverPolicy};
 use berth_testkit::PgCluster;
 use proptest::prelude::*;
-use proptest::test_runner::{Config, RngAlgorithm, TestRng, TestRunner};
 
 use super::table::Table;
 
@@ -183,13 +182,7 @@ where
         .enable_all()
         .build()
         .unwrap();
-    let config = Config {
-        cases,
-        failure_persistence: None,
-        ..Config::default()
-    };
-    let mut runner =
-        TestRunner::new_with_rng(config, TestRng::deterministic_rng(RngAlgorithm::ChaCha));
+    let mut runner = super::fixed_seed_runner(cases);
     let result = runner.run(&prop::collection::vec(call(), 1..40), |calls| {
         runtime.block_on(async {
             let (store, _dir) = fresh().await;

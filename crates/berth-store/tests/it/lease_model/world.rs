@@ -195,9 +195,22 @@ impl Node {
                 .is_none_or(|deadline| self.clock < deadline)
     }
 
-    /// The deadline a new run gets: the holdings' fence deadline.
-    fn deadline_for_new_run(&self, fencing: bool) -> Option<Local> {
-        fencing.then(|| self.holdings.fence_deadline().unwrap_or(self.clock))
+    /// Starts `user`'s program under `epoch`, running and unfenced, with
+    /// the holdings' fence deadline (now, when nothing is proven).
+    fn start_run(&mut self, user: UserId, epoch: Epoch, fencing: bool) {
+        let deadline = fencing.then(|| self.holdings.fence_deadline().unwrap_or(self.clock));
+        self.fenced.remove(&user);
+        self.instances.insert(
+            user.clone(),
+            Instance {
+                user,
+                epoch,
+                deadline,
+                frozen: false,
+                hibernated: false,
+                alive: true,
+            },
+        );
     }
 }
 
@@ -287,19 +300,7 @@ impl World {
                         self.reached.takeovers += 1;
                     }
                     n.holdings.claimed(&user, epoch, sent);
-                    n.fenced.remove(&user);
-                    let deadline = n.deadline_for_new_run(fencing);
-                    n.instances.insert(
-                        user.clone(),
-                        Instance {
-                            user,
-                            epoch,
-                            deadline,
-                            frozen: false,
-                            hibernated: false,
-                            alive: true,
-                        },
-                    );
+                    n.start_run(user, epoch, fencing);
                 }
             }
             Op::Stop { node, user } => {
@@ -339,20 +340,8 @@ impl World {
                 if n.paused || instance.alive || !proven {
                     return;
                 }
-                let deadline = n.deadline_for_new_run(fencing);
                 let epoch = instance.epoch;
-                n.fenced.remove(&user);
-                n.instances.insert(
-                    user.clone(),
-                    Instance {
-                        user,
-                        epoch,
-                        deadline,
-                        frozen: false,
-                        hibernated: false,
-                        alive: true,
-                    },
-                );
+                n.start_run(user, epoch, fencing);
             }
             Op::RenewSend { node } => {
                 let n = &mut self.nodes[node % NODES];

@@ -17,8 +17,9 @@ use std::time::{Duration, Instant};
 
 pub use berth_testkit::{
     Berth, CLUSTER_LEASE, StartOptions, alive, cluster_config, cluster_config_custom, config_with,
-    eventually, free_port, frozen, instance_pids, kill_instances_under, poll_until, proc_state,
-    processes_of_uids, raw_request, reachable_by_instances, rss_kib, signal, zygote_of,
+    eventually, free_port, frozen, instance_of, instance_pids, instance_processes,
+    kill_instances_under, poll_until, proc_state, processes_of_uids, raw_request,
+    reachable_by_instances, rss_kib, signal, zygote_of,
 };
 
 /// The `berth` binary cargo built for these tests.
