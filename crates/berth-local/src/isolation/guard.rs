@@ -905,6 +905,10 @@ mod tests {
         for none in [
             ListenerCap::default(),
             ListenerCap {
+                ports: vec![],
+                per_account: 50,
+            },
+            ListenerCap {
                 ports: vec![8000],
                 per_account: 0,
             },
@@ -1091,6 +1095,12 @@ mod tests {
         assert_eq!(a, table_name(Path::new("/var/lib/berth")));
         assert_eq!(a.len(), "berth_".len() + 8);
         assert!(a.chars().all(|c| c.is_ascii_alphanumeric() || c == '_'));
+        // Only names of that form are taken for berth's in a listing.
+        let listing = format!(
+            "table inet {a}\ntable inet berth_12ab\ntable inet berth_0123456z\n\
+             table ip berth_0a1b2c3d\ntable inet filter\n"
+        );
+        assert_eq!(berth_tables(&listing), [a]);
     }
 
     #[test]
@@ -1188,6 +1198,11 @@ mod tests {
 
     #[test]
     fn nft_is_found_outside_path_too() {
+        // PATH first.
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("nft"), "").unwrap();
+        let path = format!("/nonexistent::{}", dir.path().display());
+        assert_eq!(find_nft(Some(&path)), Some(dir.path().join("nft")));
         let found = find_nft(Some("/nonexistent"));
         if Path::new("/usr/sbin/nft").is_file() {
             assert_eq!(found, Some(PathBuf::from("/usr/sbin/nft")));
@@ -1198,5 +1213,126 @@ mod tests {
                 .iter()
                 .any(|p| Path::new(p).is_file())
         );
+    }
+
+    /// `nft` output for `args`, numeric, as the host's `nft` gives it.
+    fn nft_list(args: &[&str]) -> String {
+        let out = std::process::Command::new(find_nft(None).unwrap())
+            .arg("-nn")
+            .args(args)
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    /// The guard's whole life against the host's real `nft` and netlink:
+    /// the table made, ports granted, moved and revoked, an account's own
+    /// egress policy set and dropped, and the table found, listed and
+    /// removed. Each step is read back from the kernel.
+    #[tokio::test]
+    async fn a_guards_table_ports_and_policies_are_made_and_undone_in_the_kernel() {
+        let Some(nft) = find_nft(Some("")).filter(|_| nix::unistd::geteuid().is_root()) else {
+            // CI runs as root with nft: a skip there would hide this.
+            assert!(std::env::var_os("CI").is_none(), "needs root and nft");
+            println!("SKIPPED: needs root and nft");
+            return;
+        };
+        let data_dir = tempfile::tempdir().unwrap();
+        let uids = UidRange {
+            first: 4_180_000,
+            count: 100,
+        };
+        let egress = Egress::default();
+        let guard = Guard::new(
+            nft.clone(),
+            data_dir.path(),
+            uids,
+            20000..=20099,
+            ListenerCap::default(),
+            egress,
+        );
+        let table = guard.table().to_owned();
+        assert_eq!(table, table_name(data_dir.path()));
+        // A failed step leaves no table behind.
+        struct Removed<'a>(&'a Path, &'a str);
+        impl Drop for Removed<'_> {
+            fn drop(&mut self) {
+                let _ = std::process::Command::new(self.0)
+                    .args(["delete", "table", "inet", self.1])
+                    .stderr(Stdio::null())
+                    .status();
+            }
+        }
+        let _removed = Removed(&nft, &table);
+        guard.install(&[]).await.unwrap();
+        assert!(Guard::list_tables(&nft).await.unwrap().contains(&table));
+        let listed = Guard::listed(&nft, &table).await.unwrap().unwrap();
+        assert_eq!(listed.data_dir, data_dir.path());
+
+        let pairs = || {
+            let set = nft_list(&["list", "set", "inet", &table, OWN_PORTS]);
+            let mut pairs: Vec<String> = set
+                .split(['{', '}', ','])
+                .map(str::trim)
+                .filter(|e| {
+                    e.split_once(" . ").is_some_and(|(uid, port)| {
+                        uid.parse::<u32>().is_ok() && port.parse::<u16>().is_ok()
+                    })
+                })
+                .map(str::to_owned)
+                .collect();
+            pairs.sort();
+            pairs
+        };
+        guard.grant(4_180_001, 20001).await.unwrap();
+        guard
+            .queue_grants(&[(4_180_002, 20002), (4_180_003, 20003)])
+            .await
+            .unwrap();
+        // Made in order: the grant queued after the batch follows it.
+        guard.grant(4_180_004, 20002).await.unwrap();
+        assert_eq!(
+            pairs(),
+            ["4180001 . 20001", "4180003 . 20003", "4180004 . 20002"]
+        );
+        guard.revoke(20001).await.unwrap();
+        guard.revoke(20009).await.unwrap();
+        assert_eq!(pairs(), ["4180003 . 20003", "4180004 . 20002"]);
+
+        // An account's own policy: chains of its own, until it is dropped.
+        let own = EgressPolicy {
+            mode: egress::EgressMode::Allowlist,
+            allow: vec!["192.0.2.0/24".parse().unwrap()],
+        };
+        let chains = || nft_list(&["list", "table", "inet", &table]);
+        guard.set_egress(4_180_003, Some(&own)).await.unwrap();
+        assert!(chains().contains("chain egress_4180003"), "{}", chains());
+        guard.set_egress(4_180_003, Some(&own)).await.unwrap();
+        guard.set_egress(4_180_003, None).await.unwrap();
+        assert!(!chains().contains("egress_4180003"), "{}", chains());
+        // A policy of names where no egress proxy listens is refused, and
+        // changes nothing.
+        let names = EgressPolicy {
+            mode: egress::EgressMode::Allowlist,
+            allow: vec!["example.com".parse().unwrap()],
+        };
+        assert!(guard.set_egress(4_180_005, Some(&names)).await.is_err());
+        assert!(!chains().contains("egress_4180005"), "{}", chains());
+
+        // A removal by an old handle spares a table made again since.
+        guard.remove().await.unwrap();
+        assert!(!Guard::list_tables(&nft).await.unwrap().contains(&table));
+        guard.install(&[]).await.unwrap();
+        assert!(
+            Guard::remove_listed(&nft, &table, listed.handle)
+                .await
+                .is_err()
+        );
+        assert!(Guard::list_tables(&nft).await.unwrap().contains(&table));
+        let again = Guard::listed(&nft, &table).await.unwrap().unwrap();
+        Guard::remove_listed(&nft, &table, again.handle)
+            .await
+            .unwrap();
+        assert!(!Guard::list_tables(&nft).await.unwrap().contains(&table));
     }
 }
