@@ -430,6 +430,57 @@ async fn the_pre_stop_hook_runs_before_a_stop() {
     assert_eq!(node.status_of("alice").await, "stopped");
 }
 
+/// A program that runs but is not yet ready (`starting`) cannot be
+/// hibernated: freezing it would hold up its own start. The program waits for a file before it
+/// becomes the demo app, so the test holds it between start and ready.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_started_instance_that_is_not_ready_cannot_be_hibernated() {
+    let dir = tempfile::tempdir().unwrap();
+    let gate = dir.path().join("go");
+    let config = config(16, "", "")
+        .replace("hibernate_after_s = 2", "hibernate_after_s = 0")
+        .replace(
+            "'sleep 1000 & exec",
+            &format!(
+                "'while [ ! -e {} ]; do sleep 0.05; done; sleep 1000 & exec",
+                gate.display()
+            ),
+        );
+    let node = Node::start(dir.path(), &config);
+    let launch = tokio::spawn({
+        let (http, url, token) = (
+            node.http.clone(),
+            node.api("/users/alice/instance"),
+            node.token.clone(),
+        );
+        async move {
+            let r = http
+                .post(url)
+                .bearer_auth(token)
+                .json(&serde_json::json!({}))
+                .send()
+                .await;
+            r.map(|r| r.status().as_u16()).map_err(|e| e.to_string())
+        }
+    });
+    eventually(PATIENCE, "alice started, not ready", || async {
+        let main = node.main_of("alice").await;
+        (main["status"] == "starting" && main["ready"] == false && main["pid"].is_u64())
+            .then_some(())
+    })
+    .await;
+    let (status, body) = node
+        .post("/users/alice/instance/hibernate", serde_json::json!({}))
+        .await;
+    assert_eq!(status, 404, "{body}");
+    assert_eq!(body["message"], "user alice has no running instance");
+
+    std::fs::write(&gate, "").unwrap();
+    assert_eq!(launch.await.unwrap(), Ok(201));
+    assert_eq!(node.main_of("alice").await["status"], "running");
+    assert!(none_stopped(&pids_of(&node, "alice")));
+}
+
 /// What a browser does in a background tab of a Jupyter-like app: it
 /// only reads, but answers every server ping with a pong on its own. The
 /// pongs are the WebSocket's, not the user's: alice still hibernates.
