@@ -18,6 +18,8 @@ mod process;
 mod readiness;
 mod runtime;
 pub mod shim;
+#[cfg(test)]
+mod test_host;
 
 /// The default number of ports of the instance range one instance may
 /// hold, its own included.
