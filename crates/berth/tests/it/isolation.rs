@@ -2306,19 +2306,11 @@ fn escapee_config(slot: &Slot) -> String {
     )
 }
 
-/// At level `user` on a host that gives instances no cgroup, a shim found
-/// silent after a restart of berth is killed, and with it every process
-/// of its account: the program's `setsid` escapee too, which nothing but
-/// the account holds. (berth runs where no cgroup hierarchy is mounted.)
-#[tokio::test(flavor = "multi_thread")]
-async fn without_cgroups_a_silent_shims_escaped_session_dies_with_it() {
-    if !privileged("silent shim without cgroups") {
-        return;
-    }
-    let dir = tempfile::tempdir().unwrap();
-    let slot = slot();
-    let config = escapee_config(&slot).replace("mode = \"sandbox\"", "mode = \"user\"");
-    let no_cgroups = || StartOptions {
+/// berth started where no cgroup hierarchy is mounted (a mount namespace
+/// of its own with `/sys/fs/cgroup` unmounted): a host that gives
+/// instances no cgroup.
+fn without_cgroups() -> StartOptions {
+    StartOptions {
         wrapper: [
             "unshare",
             "--mount",
@@ -2333,12 +2325,26 @@ async fn without_cgroups_a_silent_shims_escaped_session_dies_with_it() {
         .map(|a| (*a).to_owned())
         .collect(),
         ..StartOptions::default()
-    };
+    }
+}
+
+/// At level `user` on a host that gives instances no cgroup, a shim found
+/// silent after a restart of berth is killed, and with it every process
+/// of its account: the program's `setsid` escapee too, which nothing but
+/// the account holds. (berth runs where no cgroup hierarchy is mounted.)
+#[tokio::test(flavor = "multi_thread")]
+async fn without_cgroups_a_silent_shims_escaped_session_dies_with_it() {
+    if !privileged("silent shim without cgroups") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let slot = slot();
+    let config = escapee_config(&slot).replace("mode = \"sandbox\"", "mode = \"user\"");
     let mut node = Node::from(
         support::berth()
             .node(dir.path())
             .extra(&config)
-            .options(no_cgroups())
+            .options(without_cgroups())
             .start(),
     );
     launch(&node, "alice").await;
@@ -2356,7 +2362,7 @@ async fn without_cgroups_a_silent_shims_escaped_session_dies_with_it() {
     )
     .unwrap();
     node.kill9();
-    node.restart_with(&no_cgroups());
+    node.restart_with(&without_cgroups());
     eventually(Duration::from_secs(90), "the escapee to die", || async {
         (!alive(u64::from(escapee))).then_some(())
     })
@@ -2919,6 +2925,33 @@ fn escape_total(node: &Node, user: &str) -> usize {
     escape_lines(node, user).values().sum()
 }
 
+/// Hibernates alice and shows her frozen: once her shim reports the
+/// freeze, her journal stands still while bob's grows by a hundred lines
+/// (a second of alice's writing). Returns her journal's length.
+async fn hibernate_and_hold_still(node: &Node, mode: &str) -> usize {
+    let out = node.cli(&["hibernate", "alice"]);
+    assert!(out.status.success(), "{out:?}");
+    // The API answers once the freeze is asked for; the shim records it
+    // once the kernel has frozen every process.
+    eventually(PATIENCE, "alice's shim reporting her frozen", || async {
+        (state_of(node, "alice")["frozen"] == true).then_some(())
+    })
+    .await;
+    let frozen_at = escape_total(node, "alice");
+    let bob = escape_total(node, "bob");
+    eventually(PATIENCE, "bob's escapes writing on", || async {
+        (escape_total(node, "bob") >= bob + 100).then_some(())
+    })
+    .await;
+    assert_eq!(
+        escape_total(node, "alice"),
+        frozen_at,
+        "{mode}: a process of alice's hibernated instance wrote: {:?}",
+        escape_lines(node, "alice")
+    );
+    frozen_at
+}
+
 /// Waits until each of the three escapes has written `n` lines more than
 /// `base` says.
 async fn escapes_write(node: &Node, user: &str, n: usize) {
@@ -2948,19 +2981,34 @@ fn live_processes_of(uid: u32) -> Vec<u32> {
 }
 
 /// The attack of a program whose processes leave its group (as every
-/// Jupyter kernel does), at `mode`: hibernation freezes all of them, a
+/// Jupyter kernel does), at `mode`, on a host that gives instances
+/// cgroups or not:
+/// hibernation freezes all of them, a resume runs all of them again, a
 /// stop of the frozen instance kills all of them without a thaw, and a
 /// stop of a running one leaves none. The oracle is the journal the
 /// escapes write every 10 ms: frozen, its length stands still while
 /// bob's, a second instance of the same program, grows by a hundred
-/// lines; killed, no process of alice's uid is left and the length never
-/// moved from the freeze on.
-async fn every_process_of_an_instance_is_frozen_and_stopped(mode: &str) {
+/// lines; resumed, each escape writes again; killed, no process of
+/// alice's uid is left and the length never moved from the freeze on.
+async fn every_process_of_an_instance_is_frozen_and_stopped(mode: &str, cgroups: bool) {
     let dir = tempfile::tempdir().unwrap();
     let slot = slot();
-    let node = Node::start(dir.path(), &escapes_config(&slot, mode));
+    let options = if cgroups {
+        StartOptions::default()
+    } else {
+        without_cgroups()
+    };
+    let node = Node::from(
+        support::berth()
+            .node(dir.path())
+            .extra(&escapes_config(&slot, mode))
+            .options(options)
+            .start(),
+    );
     launch(&node, "alice").await;
     launch(&node, "bob").await;
+    let held_by = state_of(&node, "alice")["cgroup"].clone();
+    assert_eq!(held_by != json!([]), cgroups, "alice's cgroups: {held_by}");
     escapes_write(&node, "alice", 3).await;
     escapes_write(&node, "bob", 3).await;
     let uid = instance_uid(&node, "alice");
@@ -2972,28 +3020,20 @@ async fn every_process_of_an_instance_is_frozen_and_stopped(mode: &str) {
         "{mode}: alice's log holds her program's output: {logs:?}"
     );
 
-    let out = node.cli(&["hibernate", "alice"]);
-    assert!(out.status.success(), "{out:?}");
-    // The API answers once the freeze is asked for; the shim records it
-    // once the kernel has frozen every process.
-    eventually(PATIENCE, "alice's shim reporting her frozen", || async {
-        (state_of(&node, "alice")["frozen"] == true).then_some(())
-    })
-    .await;
-    let frozen_at = escape_total(&node, "alice");
-    // bob runs on: a hundred of his lines is a second of alice's writing.
-    let bob = escape_total(&node, "bob");
-    eventually(PATIENCE, "bob's escapes writing on", || async {
-        (escape_total(&node, "bob") >= bob + 100).then_some(())
-    })
-    .await;
-    assert_eq!(
-        escape_total(&node, "alice"),
-        frozen_at,
-        "{mode}: a process of alice's hibernated instance wrote: {:?}",
-        escape_lines(&node, "alice")
-    );
+    let frozen_at = hibernate_and_hold_still(&node, mode).await;
     assert!(!live_processes_of(uid).is_empty(), "frozen, not killed");
+
+    // A resume runs every escape again, and a second hibernation freezes
+    // them all again.
+    let out = node.cli(&["resume", "alice"]);
+    assert!(out.status.success(), "{out:?}");
+    eventually(PATIENCE, "alice's shim reporting her thawed", || async {
+        (state_of(&node, "alice")["frozen"] == false).then_some(())
+    })
+    .await;
+    escapes_write(&node, "alice", 3).await;
+    assert!(escape_total(&node, "alice") > frozen_at, "{mode}: resumed");
+    let frozen_at = hibernate_and_hold_still(&node, mode).await;
 
     // A stop of the frozen instance: killed without being thawed.
     assert_eq!(node.delete("/users/alice/instance").await, 204);
@@ -3042,14 +3082,24 @@ async fn every_process_of_an_instance_is_frozen_and_stopped(mode: &str) {
 #[tokio::test(flavor = "multi_thread")]
 async fn at_level_user_every_process_of_an_instance_is_frozen_and_stopped() {
     if privileged("escapes, user") {
-        every_process_of_an_instance_is_frozen_and_stopped("user").await;
+        every_process_of_an_instance_is_frozen_and_stopped("user", true).await;
+    }
+}
+
+/// The same at level `user` on a host that gives instances no cgroup:
+/// the account alone holds them, so a freeze stops each of its processes
+/// by SIGSTOP, a resume continues each, and a stop kills each.
+#[tokio::test(flavor = "multi_thread")]
+async fn without_cgroups_every_process_of_an_instance_is_frozen_and_stopped() {
+    if privileged("escapes, user, no cgroups") {
+        every_process_of_an_instance_is_frozen_and_stopped("user", false).await;
     }
 }
 
 #[tokio::test(flavor = "multi_thread")]
 async fn in_a_sandbox_every_process_of_an_instance_is_frozen_and_stopped() {
     if privileged("escapes, sandbox") {
-        every_process_of_an_instance_is_frozen_and_stopped("sandbox").await;
+        every_process_of_an_instance_is_frozen_and_stopped("sandbox", true).await;
     }
 }
 
