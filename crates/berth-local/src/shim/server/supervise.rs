@@ -61,6 +61,26 @@ fn deadline_after(ms: u64) -> Instant {
         .unwrap_or_else(|| now + Duration::from_secs(100 * 365 * 24 * 3600))
 }
 
+/// Reads `is_frozen` every `poll` until it says frozen (`Ok(true)`) or
+/// `confirm` has passed (`Ok(false)`: still freezing); an error ends the
+/// wait at once.
+async fn confirm_frozen<E>(
+    mut is_frozen: impl FnMut() -> Result<bool, E>,
+    confirm: Duration,
+    poll: Duration,
+) -> Result<bool, E> {
+    let deadline = Instant::now() + confirm;
+    loop {
+        if is_frozen()? {
+            return Ok(true);
+        }
+        if Instant::now() >= deadline {
+            return Ok(false);
+        }
+        tokio::time::sleep(poll).await;
+    }
+}
+
 async fn sleep_until_opt(deadline: Option<Instant>) {
     match deadline {
         Some(deadline) => tokio::time::sleep_until(deadline).await,
@@ -140,22 +160,13 @@ impl Shim {
         let by_signal = match &self.freeze_by {
             FreezeMechanism::Cgroup(freezer) => match freezer.request(true) {
                 Ok(()) => {
-                    let deadline = Instant::now() + FREEZE_CONFIRM;
-                    loop {
-                        match freezer.is_frozen() {
-                            Ok(true) => break,
-                            Ok(false) if Instant::now() < deadline => {
-                                tokio::time::sleep(FREEZE_POLL).await;
-                            }
-                            Ok(false) => {
-                                diag!("cgroup not frozen after {FREEZE_CONFIRM:?}; still freezing");
-                                break;
-                            }
-                            Err(e) => {
-                                diag!("{e}");
-                                break;
-                            }
+                    match confirm_frozen(|| freezer.is_frozen(), FREEZE_CONFIRM, FREEZE_POLL).await
+                    {
+                        Ok(true) => {}
+                        Ok(false) => {
+                            diag!("cgroup not frozen after {FREEZE_CONFIRM:?}; still freezing");
                         }
+                        Err(e) => diag!("{e}"),
                     }
                     false
                 }
@@ -631,5 +642,61 @@ async fn accept_remote(pod: Option<&PodControl>) -> std::io::Result<tokio::net::
     match pod {
         Some(pod) => pod.listener.accept().await.map(|(stream, _)| stream),
         None => std::future::pending().await,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Runs [`confirm_frozen`] on a freezer that reads `FREEZING`
+    /// `settles_after` times, then `FROZEN`: its answer, how many reads it
+    /// took, and how long it waited (by tokio's paused clock, which moves
+    /// only by the polls).
+    async fn confirm_settling_after(settles_after: usize) -> (Result<bool, ()>, usize, Duration) {
+        let mut reads = 0;
+        let started = Instant::now();
+        let confirmed = confirm_frozen(
+            || {
+                reads += 1;
+                Ok(reads > settles_after)
+            },
+            FREEZE_CONFIRM,
+            FREEZE_POLL,
+        )
+        .await;
+        (confirmed, reads, started.elapsed())
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_freeze_is_confirmed_once_the_cgroup_reads_frozen_and_not_before() {
+        let (confirmed, reads, waited) = confirm_settling_after(3).await;
+        assert_eq!(confirmed, Ok(true));
+        assert_eq!(reads, 4, "three reads of FREEZING, then FROZEN");
+        assert_eq!(waited, 3 * FREEZE_POLL);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_freeze_that_does_not_settle_is_waited_for_its_whole_confirm_time() {
+        let (confirmed, reads, waited) = confirm_settling_after(usize::MAX).await;
+        assert_eq!(confirmed, Ok(false), "reported still freezing");
+        assert!(waited >= FREEZE_CONFIRM, "gave up after {waited:?}");
+        assert!(reads > 1);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_freezer_that_cannot_be_read_ends_the_wait_at_once() {
+        let mut reads = 0;
+        let confirmed = confirm_frozen(
+            || {
+                reads += 1;
+                Err::<bool, _>("gone")
+            },
+            FREEZE_CONFIRM,
+            FREEZE_POLL,
+        )
+        .await;
+        assert_eq!(confirmed, Err("gone"));
+        assert_eq!(reads, 1);
     }
 }
