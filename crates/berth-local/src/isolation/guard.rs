@@ -1300,6 +1300,22 @@ mod tests {
         guard.revoke(20001).await.unwrap();
         guard.revoke(20009).await.unwrap();
         assert_eq!(pairs(), ["4180003 . 20003", "4180004 . 20002"]);
+        // A pair deleted behind the guard's back cannot be revoked: the
+        // kernel refuses the delete, and with it the whole transaction.
+        // Queued together with another account's grant, the revoke fails
+        // alone: each request of a refused batch is tried again by itself.
+        // (This test's runtime has one thread, so both are queued before
+        // the guard's task takes either.)
+        let deleted = std::process::Command::new(&nft)
+            .args(["delete", "element", "inet", &table, OWN_PORTS])
+            .arg("{ 4180003 . 20003 }")
+            .status()
+            .unwrap();
+        assert!(deleted.success());
+        let (revoked, granted) = tokio::join!(guard.revoke(20003), guard.grant(4_180_006, 20006));
+        assert!(revoked.is_err(), "a missing pair's revoke: {revoked:?}");
+        granted.unwrap();
+        assert_eq!(pairs(), ["4180004 . 20002", "4180006 . 20006"]);
 
         // An account's own policy: chains of its own, until it is dropped.
         let own = EgressPolicy {
