@@ -430,6 +430,37 @@ async fn the_pre_stop_hook_runs_before_a_stop() {
     assert_eq!(node.status_of("alice").await, "stopped");
 }
 
+/// A request that reaches alice while her `pre_hibernate` hook runs calls
+/// the reaper's hibernation off: she was idle when the reaper looked, and
+/// is not any more. The hook waits, the first time only, for a file the
+/// test writes after its request; then it logs a line. Alice hibernates
+/// later, on the reaper's next look, so the first time she reads
+/// `hibernated` the hook has run twice.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_request_during_the_pre_hibernate_hook_calls_the_hibernation_off() {
+    let dir = tempfile::tempdir().unwrap();
+    let hook = "pre_hibernate = [\"/bin/sh\", \"-c\", \"[ -e called ] || { touch called; \
+                while [ ! -e go ]; do sleep 0.05; done; }; echo ran >> hooks.log\"]\n\
+                hook_grace_s = 60\n";
+    let node = Node::start(dir.path(), &config(17, hook, ""));
+    counter(&node, "alice").await;
+    let ws = node.data_dir.join("users/alice/ws");
+    eventually(PATIENCE, "the first pre_hibernate hook running", || async {
+        ws.join("called").exists().then_some(())
+    })
+    .await;
+    let (count, _) = counter(&node, "alice").await;
+    assert_eq!(count, 2, "the request reached the running program");
+    std::fs::write(ws.join("go"), "").unwrap();
+    status_is(&node, "alice", "hibernated").await;
+    assert_eq!(
+        std::fs::read_to_string(ws.join("hooks.log")).unwrap(),
+        "ran\nran\n",
+        "the first hibernation, asked for before the request, was called off"
+    );
+    frozen_pids(&node, "alice").await;
+}
+
 /// A program that runs but is not yet ready (`starting`) cannot be
 /// hibernated: freezing it would hold up its own start. The program waits for a file before it
 /// becomes the demo app, so the test holds it between start and ready.
