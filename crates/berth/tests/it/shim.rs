@@ -432,6 +432,52 @@ async fn freeze_and_thaw() {
     exit_of(&mut handle, &spec.state_path).await;
 }
 
+/// A hook acts for the program, so it never runs on while the program is
+/// frozen: a hook given ten minutes is killed by the freeze, and its
+/// answer says so (SIGKILL, not its grace running out). Here, at level
+/// `none`, the hook is in a process group of its own, which a freeze of
+/// the program's group does not reach.
+#[tokio::test]
+async fn a_freeze_cuts_off_a_running_hook() {
+    let dir = tempfile::tempdir().unwrap();
+    let spec = spec(dir.path(), &["sleep", "1000"]);
+    let (mut handle, _state, _reaper) = spawn(&spec).await.unwrap();
+    let pid_file = dir.path().join("hook.pid");
+    let script = format!("echo $$ > {}; exec sleep 600", pid_file.display());
+    send(
+        &handle,
+        ShimCommand::Hook {
+            id: 1,
+            name: "pre_stop".to_owned(),
+            argv: sh(&script).iter().map(|a| (*a).to_owned()).collect(),
+            grace_ms: 600_000,
+        },
+    )
+    .await;
+    let mut hook = None;
+    poll_until("the hook running", || {
+        hook = std::fs::read_to_string(&pid_file)
+            .ok()
+            .and_then(|p| p.trim().parse::<u32>().ok())
+            .and_then(|pid| Some((pid, stat(pid)?.1)));
+        hook.is_some()
+    })
+    .await;
+    let (hook_pid, hook_start) = hook.unwrap();
+    let _hook_reaper = Reaper(vec![(hook_pid, hook_start)]);
+
+    send(&handle, ShimCommand::Freeze).await;
+    let done = expect_event(&mut handle, |e| matches!(e, ShimEvent::HookDone { .. })).await;
+    let ShimEvent::HookDone { id, outcome } = done else {
+        unreachable!()
+    };
+    let outcome = outcome.unwrap();
+    assert_eq!((id, outcome.signal, outcome.timed_out), (1, Some(9), false));
+    assert!(!alive(hook_pid, hook_start));
+    send(&handle, ShimCommand::Kill).await;
+    exit_of(&mut handle, &spec.state_path).await;
+}
+
 /// The fencing hole (ARCHITECTURE.md, invariant 4): a frozen program
 /// asked to stop is killed while frozen, never thawed so that it could
 /// act on SIGTERM (its lease may be another node's by then). Its TERM

@@ -54,11 +54,13 @@ const MAX_PENDING_CHECKS: usize = 16;
 /// has ended.
 const ORPHAN_POLL: Duration = Duration::from_millis(5);
 
-/// `ms` from now, saturating far in the future instead of overflowing.
+/// The furthest a deadline is set: one further means "never" just as well,
+/// and this one can be added to any `Instant` of this host's clock.
+const FAR_FUTURE: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
+
+/// `ms` (as berth sends it) from now, [`FAR_FUTURE`] at most.
 fn deadline_after(ms: u64) -> Instant {
-    let now = Instant::now();
-    now.checked_add(Duration::from_millis(ms))
-        .unwrap_or_else(|| now + Duration::from_secs(100 * 365 * 24 * 3600))
+    Instant::now() + Duration::from_millis(ms).min(FAR_FUTURE)
 }
 
 /// Reads `is_frozen` every `poll` until it says frozen (`Ok(true)`) or
@@ -666,6 +668,16 @@ mod tests {
         )
         .await;
         (confirmed, reads, started.elapsed())
+    }
+
+    /// A fence or stop deadline berth sends is a number of milliseconds,
+    /// any `u64`: the furthest is a century away.
+    #[tokio::test(start_paused = true)]
+    async fn a_deadline_is_its_milliseconds_from_now_a_century_at_most() {
+        let now = Instant::now();
+        assert_eq!(deadline_after(1_500), now + Duration::from_millis(1_500));
+        assert_eq!(deadline_after(u64::MAX), now + FAR_FUTURE);
+        assert_eq!(FAR_FUTURE.as_secs(), 3_153_600_000);
     }
 
     #[tokio::test(start_paused = true)]
