@@ -718,7 +718,8 @@ async fn links_planted_in_a_root_never_lead_berth_outside_it() {
 
 /// alice's instance at `mode` allocates past `memory_max_mb`: it is
 /// killed, reported as out of memory and restarted, and bob and berth
-/// never notice.
+/// never notice. Then bob's program is killed by a SIGKILL of the test's:
+/// that is not reported as out of memory.
 async fn past_the_memory_limit(mode: &str) {
     let dir = tempfile::tempdir().unwrap();
     let slot = slot();
@@ -751,6 +752,21 @@ async fn past_the_memory_limit(mode: &str) {
     assert_eq!(node.healthz().await, 200);
     let main = node.main_of("alice").await;
     assert_eq!(main["last_error"], "out of memory (limit 64 MiB)", "{main}");
+    // A SIGKILL that is not the kernel's out-of-memory kill is not
+    // reported as one, under the same limit.
+    let bob = node.main_of("bob").await;
+    let bob_pid = u32::try_from(bob["pid"].as_u64().unwrap()).unwrap();
+    berth_testkit::signal(bob_pid, nix::sys::signal::Signal::SIGKILL);
+    let crashed = eventually(PATIENCE, "bob's kill recorded", || async {
+        let main = node.main_of("bob").await;
+        (main["restarts"].as_u64() >= Some(1)).then_some(main)
+    })
+    .await;
+    let error = crashed["last_error"].as_str().unwrap_or_default();
+    assert!(
+        !error.contains("out of memory") && error.contains('9'),
+        "bob, killed by SIGKILL: {crashed}"
+    );
     node.kill_instances();
 }
 
