@@ -409,6 +409,43 @@ async fn kill_ends_the_program_now() {
     assert!(!alive(state.pid, state.pid_start));
 }
 
+/// The orphans a program leaves are its shim's to reap, even one that is
+/// still dying when the shim kills the program's group: here an orphan
+/// with a gigabyte of memory to give back, which takes the kernel tens of
+/// milliseconds after the SIGKILL. At level `none` that kill is one
+/// `killpg`, which does not wait, so the shim must look again until the
+/// orphan is gone, before it reports the exit. The orphan's output goes
+/// elsewhere, so the report does not wait for its pipes to close.
+#[tokio::test]
+async fn an_orphan_still_dying_when_its_group_is_killed_is_reaped_before_the_exit_is_reported() {
+    let dir = tempfile::tempdir().unwrap();
+    let spec = spec(
+        dir.path(),
+        &sh(r#"python3 -c '
+import os, time
+memory = bytearray(1 << 30)
+memory[::4096] = b"\x01" * (len(memory) // 4096)
+with open("/proc/self/stat") as stat, open("orphan.part", "w") as f:
+    f.write("%d %s" % (os.getpid(), stat.read().rsplit(")", 1)[1].split()[19]))
+os.replace("orphan.part", "orphan.pid")
+time.sleep(1000)
+' >/dev/null 2>&1 &
+            while [ ! -e orphan.pid ]; do sleep 0.01; done
+            exit 3"#),
+    );
+    let (mut handle, _state, _reaper) = spawn(&spec).await.unwrap();
+    let (exit, _) = exit_of(&mut handle, &spec.state_path).await;
+    // Its pid and start time: the pid alone may be another's by now.
+    let written = std::fs::read_to_string(dir.path().join("orphan.pid")).unwrap();
+    let (pid, start) = written.split_once(' ').unwrap();
+    let orphan: (u32, u64) = (pid.parse().unwrap(), start.parse().unwrap());
+    let _orphan_reaper = Reaper(vec![orphan]);
+    // Looked at once, as the exit arrives: a zombie the shim left would be
+    // reaped by the host's init a moment later.
+    let left = stat(orphan.0).filter(|(_, start)| *start == orphan.1);
+    assert_eq!(left, None, "the orphan outlived its shim's report");
+    assert_eq!(exit.code, Some(3), "{exit:?}");
+}
 #[tokio::test]
 async fn freeze_and_thaw() {
     let dir = tempfile::tempdir().unwrap();
