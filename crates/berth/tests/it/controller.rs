@@ -1412,3 +1412,44 @@ async fn the_heartbeat_carries_the_node_status() {
     );
     spawner.teardown().await;
 }
+
+/// Activity reaches the store: a restarted berth adopts its instances with
+/// the `last_active` recorded there (and so does not reap one that was in
+/// use a moment before), and the other nodes read it there. A touch is
+/// written by a background flush, without a launch or a stop to carry it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn activity_is_flushed_to_the_store() {
+    let env = Env::new().await;
+    let mut config = env.config(
+        21220,
+        sh("echo ready; exec sleep 1000"),
+        token_regex("^ready$"),
+    );
+    // Flushed on each reap tick (and each renew), not only at a stop.
+    config.controller.reap.interval = Duration::from_millis(100);
+    let spawner = env.start(config).await;
+    let lee = user("lee");
+    spawner
+        .launch(&lee, LaunchRequest::default())
+        .await
+        .unwrap();
+    wait_status(&spawner, &lee, InstanceStatus::Running).await;
+    let recorded = || async {
+        let main = env.store.get_instance(&lee, berth_core::Role::Main).await;
+        main.unwrap().expect("lee's main is recorded").last_active
+    };
+    let at_launch = recorded().await;
+    // A touch in a later millisecond than anything recorded so far.
+    eventually("the clock past the recorded activity", || async {
+        (berth_core::unix_millis_now() > at_launch).then_some(())
+    })
+    .await;
+    // What the proxy does per request; `true` would ask for a resume.
+    assert!(!spawner.touch(&lee), "lee's main is not hibernated");
+    eventually("the touch recorded in the store", || async {
+        (recorded().await > at_launch).then_some(())
+    })
+    .await;
+    spawner.stop(&lee).await.unwrap();
+    spawner.teardown().await;
+}
