@@ -461,6 +461,43 @@ async fn a_request_during_the_pre_hibernate_hook_calls_the_hibernation_off() {
     frozen_pids(&node, "alice").await;
 }
 
+/// A stop the reaper planned is called off by a request that comes while
+/// the reaper is still busy: with `max_hibernated = 1`, the plan that
+/// hibernates bob also stops alice, hibernated before him. Bob's
+/// `pre_hibernate` hook waits, the first time, for a file the test writes
+/// after a request to alice, which resumes her. The reaper must then
+/// leave her running; hibernated later on her own, she is the one kept,
+/// and bob, the older, is stopped.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_request_while_the_reaper_is_busy_calls_off_a_stop_it_planned() {
+    let dir = tempfile::tempdir().unwrap();
+    let hook = "pre_hibernate = [\"/bin/sh\", \"-c\", \"[ \\\"$BERTH_USER\\\" != bob ] || \
+                [ -e called ] || { touch called; while [ ! -e go ]; do sleep 0.05; done; }\"]\n\
+                hook_grace_s = 60\n";
+    let node = Node::start(dir.path(), &config(18, hook, "max_hibernated = 1\n"));
+    let (_, alice_pid) = counter(&node, "alice").await;
+    status_is(&node, "alice", "hibernated").await;
+    counter(&node, "bob").await;
+    let bobs = node.data_dir.join("users/bob/ws");
+    eventually(PATIENCE, "bob's first pre_hibernate hook running", || async {
+        bobs.join("called").exists().then_some(())
+    })
+    .await;
+    assert_eq!(
+        counter(&node, "alice").await,
+        (2, alice_pid),
+        "alice resumed where she left off"
+    );
+    std::fs::write(bobs.join("go"), "").unwrap();
+    status_is(&node, "bob", "stopped").await;
+    status_is(&node, "alice", "hibernated").await;
+    assert_eq!(
+        counter(&node, "alice").await,
+        (3, alice_pid),
+        "alice was never stopped"
+    );
+}
+
 /// A program that runs but is not yet ready (`starting`) cannot be
 /// hibernated: freezing it would hold up its own start. The program waits for a file before it
 /// becomes the demo app, so the test holds it between start and ready.
