@@ -1453,3 +1453,171 @@ async fn activity_is_flushed_to_the_store() {
     spawner.stop(&lee).await.unwrap();
     spawner.teardown().await;
 }
+
+/// A test double of a runtime that keeps no fence deadline of its own: the
+/// local runtime, with the deadline taken off every start and
+/// `fence_deadline` declared off. Every runtime berth ships that can
+/// freeze also holds the deadline itself, so without this double the
+/// controller's own fence timer is never the only thing that freezes.
+struct NoDeadline(Arc<LocalRuntime>);
+
+#[async_trait::async_trait]
+impl berth_core::runtime::Runtime for NoDeadline {
+    fn name(&self) -> &'static str {
+        "local without a fence deadline (test double)"
+    }
+    fn capabilities(&self) -> berth_core::runtime::Capabilities {
+        berth_core::runtime::Capabilities {
+            fence_deadline: false,
+            ..self.0.capabilities()
+        }
+    }
+    async fn start(
+        &self,
+        spec: berth_core::runtime::InstanceSpec,
+    ) -> Result<berth_core::runtime::Started, berth_core::runtime::RuntimeError> {
+        self.0
+            .start(berth_core::runtime::InstanceSpec {
+                fence: None,
+                ..spec
+            })
+            .await
+    }
+    async fn stop(
+        &self,
+        run: &berth_core::runtime::RuntimeRef,
+        grace: Duration,
+    ) -> Result<(), berth_core::runtime::RuntimeError> {
+        self.0.stop(run, grace).await
+    }
+    async fn kill(
+        &self,
+        run: &berth_core::runtime::RuntimeRef,
+    ) -> Result<(), berth_core::runtime::RuntimeError> {
+        self.0.kill(run).await
+    }
+    async fn freeze(
+        &self,
+        run: &berth_core::runtime::RuntimeRef,
+    ) -> Result<(), berth_core::runtime::RuntimeError> {
+        self.0.freeze(run).await
+    }
+    async fn thaw(
+        &self,
+        run: &berth_core::runtime::RuntimeRef,
+    ) -> Result<(), berth_core::runtime::RuntimeError> {
+        self.0.thaw(run).await
+    }
+    async fn release(&self, instance_id: &str) {
+        self.0.release(instance_id).await;
+    }
+    async fn discover(
+        &self,
+    ) -> Result<Vec<berth_core::runtime::Discovered>, berth_core::runtime::RuntimeError> {
+        self.0.discover().await
+    }
+    async fn adopt(
+        &self,
+        found: &berth_core::runtime::Discovered,
+    ) -> Result<berth_core::runtime::Started, berth_core::runtime::RuntimeError> {
+        self.0.adopt(found).await
+    }
+    async fn remove(
+        &self,
+        found: &berth_core::runtime::Discovered,
+    ) -> Result<(), berth_core::runtime::RuntimeError> {
+        self.0.remove(found).await
+    }
+    async fn logs(
+        &self,
+        slug: &berth_core::Slug,
+        role: berth_core::Role,
+        tail: usize,
+    ) -> Result<Vec<String>, berth_core::runtime::RuntimeError> {
+        self.0.logs(slug, role, tail).await
+    }
+    async fn follow_logs(
+        &self,
+        slug: &berth_core::Slug,
+        role: berth_core::Role,
+        tail: usize,
+    ) -> Result<tokio::sync::mpsc::Receiver<String>, berth_core::runtime::RuntimeError> {
+        self.0.follow_logs(slug, role, tail).await
+    }
+    async fn shutdown(&self) {
+        self.0.shutdown().await;
+    }
+}
+
+/// A lease-renew hook that can be made to hang: a database link that
+/// stalls without an error, as the renew tick sees it.
+#[derive(Default)]
+struct HangingRenews {
+    hang: std::sync::atomic::AtomicBool,
+    healed: tokio::sync::Notify,
+}
+
+#[async_trait::async_trait]
+impl RenewHook for HangingRenews {
+    async fn before_renew(&self) -> Result<(), StoreError> {
+        let healed = self.healed.notified();
+        if self.hang.load(Ordering::SeqCst) {
+            healed.await;
+        }
+        Ok(())
+    }
+}
+
+/// With a runtime that keeps no fence deadline, the controller's own fence
+/// timer is what freezes: a renew that hangs (no error, no answer) must
+/// not hold the freeze past `fence_after`. A good renew after the link
+/// heals thaws the same program.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hanging_renew_does_not_hold_up_the_fence_without_a_runtime_deadline() {
+    let env = Env::new().await;
+    let mut config = env.config(
+        21230,
+        sh("echo ready; exec sleep 1000"),
+        token_regex("^ready$"),
+    );
+    config.controller.fencing = true;
+    config.controller.lease = LeaseConfig::new(
+        Duration::from_secs(5),
+        Duration::from_millis(100),
+        Duration::from_millis(600),
+        berth_store::TakeoverPolicy::Evidence,
+    )
+    .unwrap();
+    let stalling = Arc::new(InterceptRenew {
+        inner: env.store.clone(),
+        hook: HangingRenews::default(),
+    });
+    let runtime = NoDeadline(LocalRuntime::new(config.runtime, None).await.unwrap());
+    let spawner = Controller::start(Arc::new(runtime), stalling.clone(), config.controller)
+        .await
+        .unwrap();
+    spawner.adopted().await;
+    let rita = user("rita");
+    spawner
+        .launch(&rita, LaunchRequest::default())
+        .await
+        .unwrap();
+    let pid = wait_status(&spawner, &rita, InstanceStatus::Running)
+        .await
+        .pid
+        .unwrap();
+
+    stalling.hook.hang.store(true, Ordering::SeqCst);
+    eventually("the instance frozen while the renew hangs", || async {
+        (berth_testkit::proc_state(pid) == Some('T')).then_some(())
+    })
+    .await;
+    stalling.hook.hang.store(false, Ordering::SeqCst);
+    stalling.hook.healed.notify_waiters();
+    eventually("the same program thawed by a good renew", || async {
+        matches!(berth_testkit::proc_state(pid), Some('S' | 'R')).then_some(())
+    })
+    .await;
+    spawner.stop(&rita).await.unwrap();
+    spawner.teardown().await;
+}
