@@ -215,6 +215,9 @@ async fn the_reaper_stops_idle_instances_and_keeps_their_data() {
     let node = Node::start(dir.path(), &config);
     let (_, body) = launch(&node, "sleepy").await;
     let pid = body["instance"]["pid"].as_u64().unwrap();
+    // Status says what this node does with idle instances: not the default.
+    let (_, status) = node.get("/users/sleepy/instance").await;
+    assert_eq!(status["idle_action"], "stop", "{status}");
     let home = node.data_dir.join("users/sleepy/home");
     std::fs::write(home.join("notes.txt"), "keep me").unwrap();
     eventually(Duration::from_secs(30), "reaped", || async {
