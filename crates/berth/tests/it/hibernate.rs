@@ -479,7 +479,7 @@ async fn a_request_while_the_reaper_is_busy_calls_off_a_stop_it_planned() {
     status_is(&node, "alice", "hibernated").await;
     counter(&node, "bob").await;
     let bobs = node.data_dir.join("users/bob/ws");
-    eventually(PATIENCE, "bob's first pre_hibernate hook running", || async {
+    eventually(PATIENCE, "bob's hook running", || async {
         bobs.join("called").exists().then_some(())
     })
     .await;
