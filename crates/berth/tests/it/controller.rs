@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use berth_controller::{BreakerHook, Controller, ControllerConfig};
 use berth_core::Readiness;
 use berth_core::policy::{CrashPolicy, IdleAction, ReapPolicy};
-use berth_core::{InstanceStatus, LaunchRequest, SpawnError, Spawner, Traffic, UserId};
+use berth_core::{InstanceStatus, LaunchRequest, Role, SpawnError, Spawner, Traffic, UserId};
 use berth_local::{Isolation, Limits, LocalRuntime, LocalRuntimeConfig, UidRange};
 use berth_store::lease::LeaseConfig;
 use berth_store::testing::{InterceptRenew, RenewHook};
@@ -273,7 +273,7 @@ async fn launch_runs_the_program_and_reports_it() {
 
     let stored = env
         .store
-        .get_instance(&alice, berth_core::Role::Main)
+        .get_instance(&alice, Role::Main)
         .await
         .unwrap()
         .unwrap();
@@ -352,10 +352,7 @@ async fn folder_patch_and_environment_reach_the_program() {
         "nothing on disk"
     );
     assert_eq!(
-        env.store
-            .get_instance(&bob, berth_core::Role::Main)
-            .await
-            .unwrap(),
+        env.store.get_instance(&bob, Role::Main).await.unwrap(),
         None
     );
 
@@ -621,7 +618,7 @@ async fn a_missing_program_fails_and_gives_its_port_back() {
         assert!(record.last_error.unwrap().contains("prog-xyz"));
         let stored = env
             .store
-            .get_instance(&frank, berth_core::Role::Main)
+            .get_instance(&frank, Role::Main)
             .await
             .unwrap()
             .unwrap();
@@ -654,13 +651,7 @@ async fn a_full_port_range_refuses_the_next_user() {
                 .into()
         )
     );
-    assert_eq!(
-        env.store
-            .get_instance(&c, berth_core::Role::Main)
-            .await
-            .unwrap(),
-        None
-    );
+    assert_eq!(env.store.get_instance(&c, Role::Main).await.unwrap(), None);
     assert_eq!(
         env.store.get_lease(&c).await.unwrap(),
         None,
@@ -1067,25 +1058,41 @@ impl RenewHook for FailingRenews {
     }
 }
 
-/// Starts a cluster-mode controller (fencing on; TTL 2 s, renew 100 ms,
-/// fence after 600 ms) whose lease renews fail once the returned hook is
-/// switched on.
-async fn start_with_failable_renews(
+/// Puts `config` in cluster mode (fencing on; a lease of `ttl`, renewed
+/// every 100 ms, fenced 600 ms after the last good renew) and returns the
+/// test's store behind `hook`, which runs before every renew.
+fn cluster_mode<H: RenewHook>(
     env: &Env,
-    mut config: Setup,
-) -> (Arc<Controller>, Arc<InterceptRenew<FailingRenews>>) {
+    config: &mut Setup,
+    ttl: Duration,
+    hook: H,
+) -> Arc<InterceptRenew<H>> {
     config.controller.fencing = true;
     config.controller.lease = LeaseConfig::new(
-        Duration::from_secs(2),
+        ttl,
         Duration::from_millis(100),
         Duration::from_millis(600),
         berth_store::TakeoverPolicy::Evidence,
     )
     .unwrap();
-    let flaky = Arc::new(InterceptRenew {
+    Arc::new(InterceptRenew {
         inner: env.store.clone(),
-        hook: FailingRenews::default(),
-    });
+        hook,
+    })
+}
+
+/// Starts a cluster-mode controller (TTL 2 s) whose lease renews fail once
+/// the returned hook is switched on.
+async fn start_with_failable_renews(
+    env: &Env,
+    mut config: Setup,
+) -> (Arc<Controller>, Arc<InterceptRenew<FailingRenews>>) {
+    let flaky = cluster_mode(
+        env,
+        &mut config,
+        Duration::from_secs(2),
+        FailingRenews::default(),
+    );
     (env.start_on(config, flaky.clone()).await, flaky)
 }
 
@@ -1435,7 +1442,7 @@ async fn activity_is_flushed_to_the_store() {
         .unwrap();
     wait_status(&spawner, &lee, InstanceStatus::Running).await;
     let recorded = || async {
-        let main = env.store.get_instance(&lee, berth_core::Role::Main).await;
+        let main = env.store.get_instance(&lee, Role::Main).await;
         main.unwrap().expect("lee's main is recorded").last_active
     };
     let at_launch = recorded().await;
@@ -1580,18 +1587,13 @@ async fn a_hanging_renew_does_not_hold_up_the_fence_without_a_runtime_deadline()
         sh("echo ready; exec sleep 1000"),
         token_regex("^ready$"),
     );
-    config.controller.fencing = true;
-    config.controller.lease = LeaseConfig::new(
+    // A TTL well past the hang, so the lease is still this node's after it.
+    let stalling = cluster_mode(
+        &env,
+        &mut config,
         Duration::from_secs(5),
-        Duration::from_millis(100),
-        Duration::from_millis(600),
-        berth_store::TakeoverPolicy::Evidence,
-    )
-    .unwrap();
-    let stalling = Arc::new(InterceptRenew {
-        inner: env.store.clone(),
-        hook: HangingRenews::default(),
-    });
+        HangingRenews::default(),
+    );
     let runtime = NoDeadline(LocalRuntime::new(config.runtime, None).await.unwrap());
     let spawner = Controller::start(Arc::new(runtime), stalling.clone(), config.controller)
         .await
