@@ -126,12 +126,20 @@ impl Env {
     /// what was adopted (serving while adopting is `tests/proxy.rs`'s).
     async fn start_on(&self, setup: Setup, store: Arc<dyn Store>) -> Arc<Controller> {
         let runtime = LocalRuntime::new(setup.runtime, None).await.unwrap();
-        let controller = Controller::start(runtime, store, setup.controller)
-            .await
-            .unwrap();
-        controller.adopted().await;
-        controller
+        start_controller(runtime, store, setup.controller).await
     }
+}
+
+/// Starts a controller over `runtime`; returns once the adoption at start
+/// has ended.
+async fn start_controller(
+    runtime: Arc<dyn berth_core::runtime::Runtime>,
+    store: Arc<dyn Store>,
+    config: ControllerConfig,
+) -> Arc<Controller> {
+    let controller = Controller::start(runtime, store, config).await.unwrap();
+    controller.adopted().await;
+    controller
 }
 
 /// A test's settings: the local runtime's and the controller's.
@@ -1595,10 +1603,7 @@ async fn a_hanging_renew_does_not_hold_up_the_fence_without_a_runtime_deadline()
         HangingRenews::default(),
     );
     let runtime = NoDeadline(LocalRuntime::new(config.runtime, None).await.unwrap());
-    let spawner = Controller::start(Arc::new(runtime), stalling.clone(), config.controller)
-        .await
-        .unwrap();
-    spawner.adopted().await;
+    let spawner = start_controller(Arc::new(runtime), stalling.clone(), config.controller).await;
     let rita = user("rita");
     spawner
         .launch(&rita, LaunchRequest::default())
