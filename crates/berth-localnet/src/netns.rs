@@ -89,8 +89,13 @@ mod tests {
     use super::*;
 
     /// A listener in a network namespace of its own (made on a thread that
-    /// stays there), and that namespace's file.
-    fn listener_in_a_namespace_of_its_own() -> Option<(std::net::TcpListener, PathBuf)> {
+    /// stays there), a port bound there that nobody listens on, and that
+    /// namespace's file. The unlistened port stays bound, so the kernel
+    /// never hands it to a connect as its source port: a connect to a port
+    /// that was just freed may be given that very port, and connect to
+    /// itself.
+    fn listener_in_a_namespace_of_its_own()
+    -> Option<(std::net::TcpListener, std::net::SocketAddr, PathBuf)> {
         if !nix::unistd::geteuid().is_root() {
             assert!(
                 std::env::var_os("CI").is_none(),
@@ -103,20 +108,31 @@ mod tests {
             nix::sched::unshare(CloneFlags::CLONE_NEWNET).unwrap();
             loopback_up().unwrap();
             let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+            let unlistened = unlistened_port().unwrap();
             let tid = nix::unistd::gettid();
             let path = PathBuf::from(format!("/proc/self/task/{tid}/ns/net"));
             // Pinned by an open descriptor: the thread may end.
             let pinned = std::fs::File::open(&path).unwrap();
             let fd_path = PathBuf::from(format!("/proc/self/fd/{}", pinned.as_raw_fd()));
             std::mem::forget(pinned);
-            tx.send((listener, fd_path)).unwrap();
+            tx.send((listener, unlistened, fd_path)).unwrap();
         });
         Some(rx.recv().unwrap())
     }
 
+    /// Binds a TCP socket to a free loopback port without listening, and
+    /// keeps it open for the rest of the test process.
+    fn unlistened_port() -> io::Result<std::net::SocketAddr> {
+        let socket = tokio::net::TcpSocket::new_v4()?;
+        socket.bind("127.0.0.1:0".parse().expect("an address"))?;
+        let bound = socket.local_addr()?;
+        std::mem::forget(socket);
+        Ok(bound)
+    }
+
     #[tokio::test]
     async fn a_connection_is_made_inside_the_namespace_named() {
-        let Some((listener, netns)) = listener_in_a_namespace_of_its_own() else {
+        let Some((listener, unlistened, netns)) = listener_in_a_namespace_of_its_own() else {
             return;
         };
         let addr = listener.local_addr().unwrap();
@@ -126,8 +142,7 @@ mod tests {
         let (accepted, _) = listener.accept().unwrap();
         assert_eq!(accepted.peer_addr().unwrap(), stream.local_addr().unwrap());
         // And a port nobody listens on in there is refused, as a refusal.
-        drop(listener);
-        let refused = connect_in(&netns, addr, Duration::from_secs(5)).await;
+        let refused = connect_in(&netns, unlistened, Duration::from_secs(5)).await;
         assert_eq!(
             refused.unwrap_err().kind(),
             io::ErrorKind::ConnectionRefused
