@@ -391,25 +391,26 @@ fn reap_orphans(program: u32, hook: Option<u32>) -> usize {
         let Ok(children) = fs::read_to_string(task.path().join("children")) else {
             continue;
         };
-        for pid in children
-            .split_whitespace()
-            .filter_map(|p| p.parse::<u32>().ok())
-        {
-            if pid == program || Some(pid) == hook {
-                continue;
-            }
-            let Ok(raw) = i32::try_from(pid) else {
-                continue;
-            };
+        for pid in adopted_orphans(&children, program, hook) {
             // Anything else: reaped now, or not a child any more.
-            if let Ok(WaitStatus::StillAlive) =
-                waitpid(Pid::from_raw(raw), Some(WaitPidFlag::WNOHANG))
-            {
+            if let Ok(WaitStatus::StillAlive) = waitpid(pid, Some(WaitPidFlag::WNOHANG)) {
                 left += 1;
             }
         }
     }
     left
+}
+
+/// The orphans in one task's `children` listing: every pid but the
+/// program's and a running hook's. Their `Child`ren wait for those two,
+/// and a status taken here would be lost to them (the program's exit
+/// would then read as unknown).
+fn adopted_orphans(children: &str, program: u32, hook: Option<u32>) -> impl Iterator<Item = Pid> {
+    children
+        .split_whitespace()
+        .filter_map(|p| p.parse::<u32>().ok())
+        .filter(move |&pid| pid != program && Some(pid) != hook)
+        .filter_map(|pid| i32::try_from(pid).ok().map(Pid::from_raw))
 }
 
 /// Supervises the program until it exits; returns how it ended. `pod`:
@@ -678,6 +679,19 @@ mod tests {
         assert_eq!(deadline_after(1_500), now + Duration::from_millis(1_500));
         assert_eq!(deadline_after(u64::MAX), now + FAR_FUTURE);
         assert_eq!(FAR_FUTURE.as_secs(), 3_153_600_000);
+    }
+
+    #[test]
+    fn the_program_and_a_running_hook_are_never_reaped_as_orphans() {
+        let orphans = |children, hook| {
+            adopted_orphans(children, 12, hook)
+                .map(Pid::as_raw)
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(orphans("12 34 56\n", Some(34)), [56]);
+        assert_eq!(orphans("34 12 56", None), [34, 56]);
+        assert_eq!(orphans("12", Some(34)), [] as [i32; 0]);
+        assert_eq!(orphans("", None), [] as [i32; 0]);
     }
 
     #[tokio::test(start_paused = true)]
