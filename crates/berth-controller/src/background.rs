@@ -271,15 +271,7 @@ impl Shared {
             .iter()
             .filter_map(|slot| {
                 let main = slot.record(Role::Main)?;
-                let status = match main.status {
-                    InstanceStatus::Hibernated if slot.is_hibernated() => {
-                        InstanceStatus::Hibernated
-                    }
-                    InstanceStatus::Running | InstanceStatus::Hibernated if main.ready => {
-                        InstanceStatus::Running
-                    }
-                    _ => return None,
-                };
+                let status = reaped_as(main.status, main.ready, slot.is_hibernated())?;
                 Some(ReapCandidate {
                     key: slot.user.clone(),
                     status,
@@ -338,5 +330,35 @@ impl Shared {
     /// What the reaper does with idle mains here, for status and logs.
     pub(crate) fn idle_action(&self) -> IdleAction {
         self.config.reap.effective_action(self.capabilities.freeze)
+    }
+}
+
+/// What the reaper counts a main as, from its record's status and
+/// readiness and the slot's hibernation flag; `None`: not looked at.
+/// The flag is the truth: a resume clears it at once and updates the
+/// record on a task of its own, so a record still reading `hibernated`
+/// under a clear flag is a main that runs again.
+fn reaped_as(record: InstanceStatus, ready: bool, hibernated: bool) -> Option<InstanceStatus> {
+    match record {
+        InstanceStatus::Hibernated if hibernated => Some(InstanceStatus::Hibernated),
+        InstanceStatus::Running | InstanceStatus::Hibernated if ready => {
+            Some(InstanceStatus::Running)
+        }
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_main_whose_resume_is_not_yet_recorded_is_reaped_as_running() {
+        use InstanceStatus::{Hibernated, Running, Starting};
+        assert_eq!(reaped_as(Hibernated, true, true), Some(Hibernated));
+        assert_eq!(reaped_as(Hibernated, true, false), Some(Running));
+        assert_eq!(reaped_as(Running, true, false), Some(Running));
+        assert_eq!(reaped_as(Running, false, false), None);
+        assert_eq!(reaped_as(Starting, false, false), None);
     }
 }
