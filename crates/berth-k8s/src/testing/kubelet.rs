@@ -11,9 +11,11 @@
 //! (sidecars) are reported running without a process, the pod's first
 //! container port becomes a free local port passed in `BERTH_PORT` (and a
 //! pod shim's control port another, in `BERTH_SHIM_CONTROL`, which the
-//! user's EndpointSlice lists), the process runs as the test's own user,
+//! user's EndpointSlice lists), the process runs as the test's own user
+//! (a claim is made the pod's fsGroup's only when that user is root),
 //! and pods share this machine's pid namespace (so a pod's shim runs its
-//! program under a uid of that pod's own, not the configured one).
+//! program under a uid of that pod's own, not the configured one; only
+//! root may do that).
 
 use std::collections::HashMap;
 use std::os::unix::fs::PermissionsExt;
@@ -167,8 +169,12 @@ fn prepare(
         let dir = if let Some(claim) = volume["persistentVolumeClaim"]["claimName"].as_str() {
             let dir = shared.root.join("claims").join(claim);
             std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
-            // Like the kubelet, the volume is made the pod's fsGroup's.
-            if let Some(group) = spec["securityContext"]["fsGroup"].as_u64() {
+            // Like the kubelet, the volume is made the pod's fsGroup's; only
+            // root may give a file away, and a test run as another user runs
+            // every pod's program as that user anyway.
+            if let Some(group) = spec["securityContext"]["fsGroup"].as_u64()
+                && nix::unistd::geteuid().is_root()
+            {
                 let group = u32::try_from(group).map_err(|e| e.to_string())?;
                 std::os::unix::fs::chown(&dir, None, Some(group)).map_err(|e| e.to_string())?;
                 std::fs::set_permissions(&dir, PermissionsExt::from_mode(0o2775))
