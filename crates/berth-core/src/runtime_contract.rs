@@ -148,10 +148,17 @@ pub trait Harness: Send + Sync {
 /// Expands to one `#[tokio::test]` per contract case, each given a fresh
 /// harness from `$harness` (an expression evaluated inside each async
 /// test, so it may `.await`).
+///
+/// A runtime that cannot run on every host adds `runs_here = $check`: a
+/// function of the case's name, called before the harness is made, that
+/// says whether the case can run (and reports a skip itself when not).
 #[macro_export]
 macro_rules! runtime_contract_tests {
     ($harness:expr) => {
-        $crate::runtime_contract_tests!(@cases $harness;
+        $crate::runtime_contract_tests!($harness, runs_here = |_case: &str| true);
+    };
+    ($harness:expr, runs_here = $runs_here:expr) => {
+        $crate::runtime_contract_tests!(@cases $harness; $runs_here;
             a_started_program_becomes_ready_and_stops_gracefully,
             kill_ends_a_program_that_ignores_term,
             stop_kills_after_the_grace_period,
@@ -167,10 +174,13 @@ macro_rules! runtime_contract_tests {
             a_hook_runs_beside_the_program_when_declared,
         );
     };
-    (@cases $harness:expr; $($case:ident),* $(,)?) => {
+    (@cases $harness:expr; $runs_here:expr; $($case:ident),* $(,)?) => {
         $(
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn $case() {
+                if !($runs_here)(concat!(module_path!(), "::", stringify!($case))) {
+                    return;
+                }
                 let harness = $harness;
                 $crate::runtime_contract::$case(&harness).await;
             }

@@ -16,6 +16,9 @@
 //! The replicas share a real PostgreSQL database (`berth-testkit`), with
 //! short lease timings (TTL 3 s) so that a takeover happens in seconds.
 //! Everything polls until a deadline; nothing asserts on timing.
+//!
+//! Every pod here runs berth's shim, which runs the program under a uid of
+//! the pod's own (`run_as_user`): only root may, so each test needs root.
 
 use crate::support;
 
@@ -186,6 +189,9 @@ async fn lease_of(node: &Node, user: &str) -> Value {
 /// is created, and the lease's epoch rises by exactly one.
 #[tokio::test(flavor = "multi_thread")]
 async fn two_replicas_share_a_pod_and_a_takeover_keeps_it_running() {
+    if !support::root("kubernetes::two_replicas_share_a_pod_and_a_takeover_keeps_it_running") {
+        return;
+    }
     let double = ApiServerDouble::start().await;
     let db = fresh_db().await;
     let root = tempfile::tempdir().unwrap();
@@ -280,6 +286,9 @@ async fn two_replicas_share_a_pod_and_a_takeover_keeps_it_running() {
 /// pod is gone and the next request wakes a new one.
 #[tokio::test(flavor = "multi_thread")]
 async fn the_proxy_wakes_a_pod_and_reaches_it_through_its_service() {
+    if !support::root("kubernetes::the_proxy_wakes_a_pod_and_reaches_it_through_its_service") {
+        return;
+    }
     let cluster = Cluster::start().await;
     let double = &cluster.double;
     let (dir, config) = cluster.config(None, "solo");
@@ -462,6 +471,11 @@ async fn count(node: &Node, token: &str) -> u64 {
 /// not one more line is written, and none of its processes is left.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_hibernated_pod_is_frozen_whole_and_a_request_resumes_the_same_pod() {
+    if !support::root(
+        "kubernetes::a_hibernated_pod_is_frozen_whole_and_a_request_resumes_the_same_pod",
+    ) {
+        return;
+    }
     let cluster = Cluster::start().await;
     let double = &cluster.double;
     let (dir, config) = cluster.config(None, "solo");
@@ -526,6 +540,11 @@ async fn a_hibernated_pod_is_frozen_whole_and_a_request_resumes_the_same_pod() {
 /// deadline, every process of it, and it stays frozen.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_replica_cut_off_from_everything_has_its_pod_frozen_at_the_fence_deadline() {
+    if !support::root(
+        "kubernetes::a_replica_cut_off_from_everything_has_its_pod_frozen_at_the_fence_deadline",
+    ) {
+        return;
+    }
     let cluster = Cluster::start().await;
     let double = &cluster.double;
     let db = fresh_db().await;
@@ -576,6 +595,11 @@ os.execv(sys.argv[1], [sys.argv[1], "demo-app", "--host", "0.0.0.0", "--port", s
 /// port's.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_pods_program_cannot_reach_its_shims_credential_and_no_stranger_commands_it() {
+    if !support::root(
+        "kubernetes::a_pods_program_cannot_reach_its_shims_credential_and_no_stranger_commands_it",
+    ) {
+        return;
+    }
     use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 
     let cluster = Cluster::start().await;

@@ -57,6 +57,11 @@ impl Harness for ShimmedDouble {
     }
 }
 
-berth_core::runtime_contract_tests!(ShimmedDouble {
-    double: ApiServerDouble::start().await,
-});
+// The shim runs each pod's program under a uid of the pod's own
+// (`run_as_user`), which only root may give.
+berth_core::runtime_contract_tests!(
+    ShimmedDouble {
+        double: ApiServerDouble::start().await,
+    },
+    runs_here = crate::support::root
+);
