@@ -12,6 +12,7 @@ use std::ffi::OsString;
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use std::sync::Once;
 use std::time::Duration;
 
 use nix::sys::signal::Signal;
@@ -328,6 +329,7 @@ impl NodeBuilder {
             launch,
             options,
         } = self;
+        raise_open_files_limit();
         std::fs::create_dir_all(&dir).expect("cannot create the node's directory");
         let (args, data_dir) = match launch {
             Launch::Args(args, data_dir) => (args, data_dir),
@@ -449,6 +451,24 @@ impl std::fmt::Debug for Node {
 
 /// Generous bound for an instance to come up; only a hang reaches it.
 const RUNNING_PATIENCE: Duration = Duration::from_secs(30);
+
+/// A test process that starts berths also holds their clients'
+/// connections: many nodes' worth in the cluster tests, one per user in a
+/// launch burst. A login shell's soft open-files limit (often 1024) runs
+/// out, so the process raises it to the hard limit once, as berth does for
+/// itself.
+fn raise_open_files_limit() {
+    use nix::sys::resource::{Resource, getrlimit, setrlimit};
+    static RAISED: Once = Once::new();
+    RAISED.call_once(|| {
+        if let Ok((soft, hard)) = getrlimit(Resource::RLIMIT_NOFILE)
+            && soft < hard
+        {
+            setrlimit(Resource::RLIMIT_NOFILE, hard, hard)
+                .expect("cannot raise the open-files limit to the hard one");
+        }
+    });
+}
 
 impl Node {
     /// `<url>/api/v1<path>`.

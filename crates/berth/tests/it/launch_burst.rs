@@ -19,19 +19,8 @@ use support::Node;
 
 const USERS: usize = 500;
 
-/// The test's own client holds a connection per user: raise its soft
-/// open-files limit to the hard one, as berth does for itself.
-fn raise_open_files_limit() {
-    use nix::sys::resource::{Resource, getrlimit, setrlimit};
-    let (soft, hard) = getrlimit(Resource::RLIMIT_NOFILE).unwrap();
-    if soft < hard {
-        setrlimit(Resource::RLIMIT_NOFILE, hard, hard).unwrap();
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn five_hundred_users_at_once_all_come_up() {
-    raise_open_files_limit();
     let dir = tempfile::tempdir().unwrap();
     // 600 ports of the test process's own.
     let low = berth_testkit::port_block(600);
