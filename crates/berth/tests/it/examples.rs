@@ -18,22 +18,6 @@ use support::{Node, StartOptions};
 
 const NOBODY: u32 = 65_534;
 
-fn jupyter_installed() -> bool {
-    let installed = std::process::Command::new("jupyter")
-        .args(["lab", "--version"])
-        .output()
-        .is_ok_and(|o| o.status.success());
-    if !installed {
-        // scripts/test installs it, so in CI a missing Jupyter is a failure.
-        assert!(
-            std::env::var_os("CI").is_none(),
-            "`jupyter lab` is not installed; scripts/test installs it"
-        );
-        println!("SKIPPED the Jupyter example: `jupyter lab` is not installed");
-    }
-    installed
-}
-
 /// Starts berth on the shipped `name`, as `run_as` (the test's own user
 /// when `None`), in a fresh directory. The directory comes first, so it is
 /// dropped last: the node's drop kills its instances through the state
@@ -152,7 +136,7 @@ async fn every_example_serves_as_shipped_as_root_and_as_an_unprivileged_user() {
         // As root, the unprivileged run is nobody's.
         users.push(Some(NOBODY));
     }
-    let with_jupyter = jupyter_installed();
+    let with_jupyter = support::jupyter("the Jupyter example");
     for run_as in users {
         for name in ["demo.toml", "http-server.toml", "jupyter.toml"] {
             if name == "jupyter.toml" && !with_jupyter {

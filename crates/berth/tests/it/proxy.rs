@@ -463,19 +463,7 @@ stop_grace_s = 2"#;
 
 #[tokio::test(flavor = "multi_thread")]
 async fn jupyter_server_behind_berth() {
-    let installed = std::process::Command::new("jupyter")
-        .args(["lab", "--version"])
-        .output()
-        .is_ok_and(|o| o.status.success());
-    if !installed {
-        // scripts/test installs it, so in CI a missing Jupyter is a failure.
-        assert!(
-            std::env::var_os("CI").is_none(),
-            "`jupyter lab` is not installed; scripts/test installs it"
-        );
-        println!(
-            "SKIPPED jupyter_server_behind_berth: `jupyter lab` is not installed (pip install jupyterlab)"
-        );
+    if !support::jupyter("proxy::jupyter_server_behind_berth") {
         return;
     }
     // The shipped example, unchanged: as root, berth runs Jupyter under

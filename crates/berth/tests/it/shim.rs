@@ -1088,24 +1088,12 @@ fn isolated(dir: &Path, argv: &[&str], uid: u32) -> ShimSpec {
     }
 }
 
-fn root() -> bool {
-    let root = nix::unistd::geteuid().is_root();
-    if !root {
-        assert!(
-            std::env::var_os("CI").is_none(),
-            "CI runs as root; this test needs it"
-        );
-        println!("SKIPPED: needs root");
-    }
-    root
-}
-
 /// The child side of isolation (`isolation::child`, between fork and exec):
 /// the program runs as the account, with no groups, no capabilities at all,
 /// no_new_privs and the rlimits.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_isolated_program_runs_as_its_account_with_nothing_more() {
-    if !root() {
+    if !crate::support::root("shim::an_isolated_program_runs_as_its_account_with_nothing_more") {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
@@ -1146,7 +1134,7 @@ async fn an_isolated_program_runs_as_its_account_with_nothing_more() {
 /// A failing step of the child's setup is named in the error.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failing_isolation_step_is_named() {
-    if !root() {
+    if !crate::support::root("shim::a_failing_isolation_step_is_named") {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
@@ -1168,7 +1156,7 @@ async fn a_failing_isolation_step_is_named() {
 /// greeting, and its `kill` does nothing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_control_socket_refuses_every_other_uid() {
-    if !root() {
+    if !crate::support::root("shim::the_control_socket_refuses_every_other_uid") {
         return;
     }
     let dir = tempfile::tempdir().unwrap();

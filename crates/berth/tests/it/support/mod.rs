@@ -158,15 +158,26 @@ pub fn privileged(test: &str) -> bool {
     )
 }
 
-/// A skip by name for a missing host feature, which fails under `CI`:
-/// there a skipped test would pass silently.
-fn runs_here(test: &str, can: bool, needs: &str) -> bool {
+/// Whether `test` can run here, given whether the host has what it
+/// `needs`: a skip by name for a missing host feature, which fails under
+/// `CI`, where a skipped test would pass silently.
+pub fn runs_here(test: &str, can: bool, needs: &str) -> bool {
     if can {
         return true;
     }
     assert!(std::env::var_os("CI").is_none(), "{test} needs {needs}");
     println!("SKIPPED {test}: needs {needs}");
     false
+}
+
+/// Whether this test can run here: `jupyter lab` on `PATH` (scripts/test
+/// installs it in its venv).
+pub fn jupyter(test: &str) -> bool {
+    let installed = std::process::Command::new("jupyter")
+        .args(["lab", "--version"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    runs_here(test, installed, "`jupyter lab` (scripts/test installs it)")
 }
 
 /// What berth at level `user` or `sandbox` leaves in the kernel on purpose
